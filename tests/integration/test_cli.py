@@ -1,0 +1,137 @@
+"""The ``tidal`` command end to end, in subprocesses, as a user runs it."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def tidal(*args: str, timeout_s: float = 300) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "tidal", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+        cwd=REPO,
+        check=False,
+    )
+
+
+@pytest.mark.parametrize(
+    ("override", "key", "fragment"),
+    [
+        ("training.stepz=3", "training.stepz", "unknown key"),
+        ("training.steps=many", "training.steps", "expected an integer"),
+        ("memory.device_budget_bytes=-2GiB", "memory.device_budget_bytes", "cannot be negative"),
+        ("training.precision=fp8", "training.precision", "expected one of"),
+        ("data.source=web", "data.source", "expected one of"),
+    ],
+)
+def test_config_errors_exit_2_with_one_line(override: str, key: str, fragment: str) -> None:
+    result = tidal("train", "--recipe", "tiny", "--set", override)
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith(f"tidal: error: {key}: ")
+    assert fragment in lines[0]
+    assert "Traceback" not in result.stderr + result.stdout
+
+
+def test_unknown_recipe_lists_the_known_ones() -> None:
+    result = tidal("train", "--recipe", "no-such-recipe")
+    assert result.returncode == 2
+    assert "unknown recipe 'no-such-recipe'" in result.stderr and "demo" in result.stderr
+
+
+def test_train_report_resume_cycle(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    args = [
+        "train",
+        "--recipe",
+        "tiny",
+        "--set",
+        f"run_dir={run_dir}",
+        "--set",
+        "training.steps=12",
+    ]
+    first = tidal(*args)
+    assert first.returncode == 0, first.stderr
+    assert "step 10/12  loss" in first.stdout and "val_loss" in first.stdout
+
+    summary = json.loads((run_dir / "summary.json").read_text())
+    for key in (
+        "steps",
+        "tokens",
+        "final_loss",
+        "val_loss",
+        "tokens_per_s",
+        "model_tflops_per_s",
+        "peak_memory_bytes",
+        "wall_s",
+    ):
+        assert summary[key] is not None, key
+    assert summary["steps"] == 12 and summary["tokens"] == 12 * 4 * 64
+    assert summary["peak_memory_bytes"]["host"] > 0
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if r["kind"] == "train"] == list(range(1, 13))
+    for plot in ("loss.png", "memory.png"):
+        assert (run_dir / plot).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    # A second start in the same folder refuses to clobber the checkpoints.
+    again = tidal(*args)
+    assert again.returncode == 2 and "--resume" in again.stderr
+    assert (run_dir / "checkpoints" / "step_00000012" / "meta.json").is_file()
+
+    resumed = tidal(*args[:-1], "training.steps=15", "--resume")
+    assert resumed.returncode == 0, resumed.stderr
+    assert "resuming at step 12" in resumed.stdout
+    assert json.loads((run_dir / "summary.json").read_text())["steps"] == 15
+
+    (run_dir / "loss.png").unlink()
+    report = tidal("report", str(run_dir))
+    assert report.returncode == 0, report.stderr
+    assert "validation loss" in report.stdout and "tokens/s" in report.stdout
+    assert (run_dir / "loss.png").exists()
+
+
+def test_report_of_a_missing_run_is_one_line(tmp_path: Path) -> None:
+    result = tidal("report", str(tmp_path / "nothing"))
+    assert result.returncode == 2
+    assert "summary.json does not exist" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_demo_recipe_runs(tmp_path: Path) -> None:
+    # The main job's recipe, cut to a few steps: it must build, train and checkpoint.
+    result = tidal(
+        "train",
+        "--recipe",
+        "demo",
+        "--no-plots",
+        "--set",
+        f"run_dir={tmp_path / 'demo'}",
+        "--set",
+        "training.steps=3",
+        "--set",
+        "training.val_batches=1",
+    )
+    assert result.returncode == 0, result.stderr
+    assert (tmp_path / "demo" / "checkpoints" / "step_00000003").is_dir()
+
+
+def test_models_and_help() -> None:
+    models = tidal("models")
+    assert models.returncode == 0
+    assert "gpt2-small" in models.stdout and "124,439,808" in models.stdout
+    assert "gpt3-175b" in models.stdout
+    help_text = tidal("--help").stdout
+    for command in ("train", "report", "models"):
+        assert command in help_text
+    train_help = tidal("train", "--help").stdout
+    for flag in ("--recipe", "--set", "--resume", "--overwrite"):
+        assert flag in train_help

@@ -1,0 +1,140 @@
+"""Exact resumption: split runs equal one run, and a kill mid-checkpoint loses nothing saved."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import torch
+
+from tidal.engine import Trainer
+from tidal.engine.checkpoint import list_checkpoints, load_checkpoint
+from tidal.engine.metrics import read_metrics
+
+# Dropout on, so that restoring torch's RNG state is part of what is tested; accumulation on, so
+# that the micro-batch counter is too.
+COMMON = [
+    "model.dropout=0.1",
+    "optimizer.decay_steps=20",
+    "training.grad_accum_steps=2",
+    "training.val_every=5",
+    "training.log_every=5",
+    "checkpoint.every_steps=0",
+    "metrics.peak_tflops=1.0",
+]
+
+
+def _run(run_dir: Path, steps: int, *, resume: bool = False, extra: tuple[str, ...] = ()) -> dict:
+    overrides = [*COMMON, f"run_dir={run_dir}", f"training.steps={steps}", *extra]
+    return Trainer("tiny", overrides).fit(resume=resume)
+
+
+def _records(run_dir: Path, kind: str, *fields: str) -> list[tuple]:
+    return [
+        tuple(r[f] for f in ("step", *fields)) for r in read_metrics(run_dir) if r["kind"] == kind
+    ]
+
+
+def _assert_same_state(a: Path, b: Path) -> None:
+    ckpt_a = load_checkpoint(list_checkpoints(a)[-1][1])
+    ckpt_b = load_checkpoint(list_checkpoints(b)[-1][1])
+    assert ckpt_a["step"] == ckpt_b["step"]
+    assert ckpt_a["model"].keys() == ckpt_b["model"].keys()
+    for name, tensor in ckpt_a["model"].items():
+        assert torch.equal(tensor, ckpt_b["model"][name]), name
+    opt_a = ckpt_a["train_state"]["engine"]["optimizer"]["state"]
+    opt_b = ckpt_b["train_state"]["engine"]["optimizer"]["state"]
+    for index, state in opt_a.items():
+        for key, tensor in state.items():
+            assert torch.equal(tensor, opt_b[index][key]), (index, key)
+
+
+def test_twenty_steps_equal_ten_plus_resume_plus_ten(tmp_path: Path) -> None:
+    whole = _run(tmp_path / "whole", 20)
+    _run(tmp_path / "split", 10)
+    split = _run(tmp_path / "split", 20, resume=True)
+
+    losses = _records(tmp_path / "whole", "train", "loss", "grad_norm", "lr")
+    assert [r[0] for r in losses] == list(range(1, 21))
+    # Bit for bit: floats compared with ==, not a tolerance.
+    assert _records(tmp_path / "split", "train", "loss", "grad_norm", "lr") == losses
+    assert _records(tmp_path / "split", "val", "val_loss") == _records(
+        tmp_path / "whole", "val", "val_loss"
+    )
+    assert split["final_loss"] == whole["final_loss"]
+    assert split["resumed_from_step"] == 10 and split["tokens"] == whole["tokens"]
+    _assert_same_state(tmp_path / "whole", tmp_path / "split")
+    # The loss fell: the run trained at all.
+    assert losses[-1][1] < losses[0][1] - 1.0
+
+
+_KILLED_WRITER = textwrap.dedent(
+    """
+    import sys, time
+    from pathlib import Path
+    import tidal.engine.checkpoint as ckpt
+    from tidal.engine import Trainer
+
+    run_dir, marker = Path(sys.argv[1]), Path(sys.argv[2])
+    real_write = ckpt._write_tensor_file
+    calls = []
+
+    def write_then_hang(obj, path):
+        calls.append(path)
+        size = real_write(obj, path)
+        if len(calls) == 3:  # the first file of the second checkpoint
+            with open(path, "r+b") as f:
+                f.truncate(size // 2)  # a torn file, as a kill mid-write leaves it
+            marker.touch()
+            time.sleep(600)
+        return size
+
+    ckpt._write_tensor_file = write_then_hang
+    overrides = sys.argv[3:] + [f"run_dir={run_dir}"]
+    Trainer("tiny", overrides).fit()
+    """
+)
+
+
+def test_sigkill_while_writing_a_checkpoint_keeps_the_previous_one(tmp_path: Path) -> None:
+    run_dir, marker = tmp_path / "killed", tmp_path / "writing"
+    overrides = [*COMMON, "training.steps=10", "checkpoint.every_steps=5"]
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _KILLED_WRITER, str(run_dir), str(marker), *overrides],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while not marker.exists():
+            assert proc.poll() is None, proc.stderr.read().decode() if proc.stderr else ""
+            assert time.monotonic() < deadline, "the writer never reached the second checkpoint"
+            time.sleep(0.1)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        if proc.stderr:
+            proc.stderr.close()
+    assert proc.returncode == -signal.SIGKILL
+
+    # The torn write is in a temporary folder; the complete checkpoint of step 5 is the latest.
+    leftovers = [p.name for p in (run_dir / "checkpoints").iterdir()]
+    assert any(name.startswith(".tmp-step_00000010") for name in leftovers), leftovers
+    assert [step for step, _ in list_checkpoints(run_dir)] == [5]
+    assert load_checkpoint(list_checkpoints(run_dir)[-1][1])["step"] == 5
+
+    # Resuming from it gives exactly the run that was never killed, and cleans the torn folder.
+    _run(run_dir, 10, resume=True, extra=("checkpoint.every_steps=5",))
+    _run(tmp_path / "clean", 10, extra=("checkpoint.every_steps=5",))
+    assert [p.name for p in (run_dir / "checkpoints").iterdir()] == [
+        p.name for p in (tmp_path / "clean" / "checkpoints").iterdir()
+    ]
+    assert _records(run_dir, "train", "loss") == _records(tmp_path / "clean", "train", "loss")
+    _assert_same_state(run_dir, tmp_path / "clean")

@@ -1,0 +1,173 @@
+"""The ``tidal`` command. argv is parsed here and nowhere else.
+
+Exit codes: 0 success; 1 a run failed (for example a non-finite loss); 2 bad input (a config
+error, a missing recipe or run folder), reported as one line without a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+
+from rich.console import Console
+from rich.table import Table
+
+__all__ = ["main"]
+
+EXIT_FAILED = 1
+EXIT_BAD_INPUT = 2
+
+# Bytes per parameter of each kind of model data: weights alone, and everything mixed-precision
+# AdamW training holds (bf16 weights and gradients, fp32 master weights and two moments).
+_TRAINING_BYTES_PER_PARAM = 2 + 2 + 4 + 4 + 4
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="tidal",
+        description="Train PyTorch models larger than the accelerator's memory.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    train = sub.add_parser(
+        "train",
+        help="train a model from a recipe",
+        description="Train the recipe's model; writes metrics.jsonl, summary.json, plots and "
+        "checkpoints into the run folder (runs/<name> unless run_dir is set).",
+    )
+    train.add_argument(
+        "--recipe",
+        required=True,
+        metavar="NAME_OR_PATH",
+        help="a recipe name from recipes/ (e.g. demo, tiny) or a path to a TOML file",
+    )
+    train.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override one setting, e.g. --set training.steps=50 --set run_dir=runs/x "
+        "(repeatable; sizes take units such as 512MiB)",
+    )
+    mode = train.add_mutually_exclusive_group()
+    mode.add_argument(
+        "--resume", action="store_true", help="continue from the run folder's latest checkpoint"
+    )
+    mode.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="start over in a run folder that already holds checkpoints (deletes them)",
+    )
+    train.add_argument("--no-plots", action="store_true", help="do not write PNG plots at the end")
+
+    report = sub.add_parser(
+        "report",
+        help="plot a finished run and print its summary",
+        description="Write loss.png and memory.png into RUN_DIR and print the summary table.",
+    )
+    report.add_argument("run_dir", metavar="RUN_DIR", help="a run folder, e.g. runs/demo")
+
+    sub.add_parser(
+        "models",
+        help="list the model presets with parameter counts and memory",
+        description="List the GPT presets: shape, exact parameter count, and model-data bytes "
+        "(weights in bf16 and fp32; mixed-precision AdamW training at 16 bytes/param).",
+    )
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _build_parser().parse_args(argv)
+    console = Console(highlight=False)
+    if not console.is_terminal:  # logs and CI: rich would fold tables at 80 columns
+        console = Console(highlight=False, width=160)
+    from tidal.config import ConfigError
+
+    try:
+        if args.command == "train":
+            return _train(args, console)
+        if args.command == "report":
+            return _report(args.run_dir, console)
+        if args.command == "models":
+            return _models(console)
+    except (ConfigError, FileNotFoundError) as err:
+        print(f"tidal: error: {err}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except FloatingPointError as err:
+        print(f"tidal: run failed: {err}", file=sys.stderr)
+        return EXIT_FAILED
+    raise AssertionError(f"unhandled command {args.command!r}")
+
+
+def _train(args: argparse.Namespace, console: Console) -> int:
+    from tidal.cli.progress import RichProgress
+    from tidal.engine import Trainer, load_job
+
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    from tidal.engine.job import find_recipe
+
+    job = load_job(find_recipe(args.recipe), args.overrides)
+    trainer = Trainer(job)
+    trainer.fit(resume=args.resume, overwrite=args.overwrite, callbacks=[RichProgress(console)])
+    if not args.no_plots:
+        _write_plots(trainer.run_dir, console)
+    return 0
+
+
+def _write_plots(run_dir: object, console: Console) -> None:
+    from tidal.engine.report import write_plots
+
+    try:
+        paths = write_plots(run_dir)  # type: ignore[arg-type]
+    except RuntimeError as err:  # matplotlib missing: the run itself succeeded
+        console.print(f"[yellow]no plots:[/] {err}")
+        return
+    console.print("plots: " + ", ".join(str(p) for p in paths))
+
+
+def _report(run_dir: str, console: Console) -> int:
+    from tidal.cli.progress import summary_table
+    from tidal.engine.report import load_summary
+
+    summary = load_summary(run_dir)
+    _write_plots(run_dir, console)
+    console.print(summary_table(summary, title=f"{run_dir}"))
+    return 0
+
+
+def _models(console: Console) -> int:
+    from tidal.config import format_bytes
+    from tidal.models import PRESETS, closed_form_num_params
+
+    table = Table(title="GPT presets (tidal train --set model.preset=NAME)", title_justify="left")
+    for column in ("preset", "layers", "d_model", "heads", "seq_len", "vocab", "params"):
+        table.add_column(column, justify="left" if column == "preset" else "right")
+    for column in ("weights bf16", "weights fp32", "AdamW training"):
+        table.add_column(column, justify="right")
+    for name, cfg in PRESETS.items():
+        num_params = closed_form_num_params(cfg)
+        table.add_row(
+            name,
+            str(cfg.num_layers),
+            str(cfg.d_model),
+            str(cfg.num_heads),
+            str(cfg.seq_len),
+            str(cfg.vocab_size),
+            f"{num_params:,}",
+            format_bytes(2 * num_params),
+            format_bytes(4 * num_params),
+            format_bytes(_TRAINING_BYTES_PER_PARAM * num_params),
+        )
+    console.print(table)
+    console.print(
+        "AdamW training = bf16 weights + bf16 grads + fp32 master weights + 2 fp32 moments "
+        "(16 B/param), before activations."
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

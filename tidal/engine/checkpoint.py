@@ -1,0 +1,169 @@
+"""Checkpoints that survive being killed mid-write.
+
+Layout under ``<run_dir>/checkpoints/``::
+
+    step_00000010/          a complete checkpoint
+        model.pt            the model's state dict (load it alone to export or evaluate)
+        train_state.pt      optimizer, schedule step, data position, RNG states, counters
+        meta.json           step, files and their sizes; written last
+    .tmp-step_00000020-4242/  a checkpoint being written by process 4242
+
+[Note: atomic checkpoints]
+A checkpoint is written into a hidden temporary folder, every file is fsync'd, and only then is the
+folder renamed to ``step_NNNNNNNN`` (a rename within one file system is atomic), followed by an fsync
+of the parent folder so the rename itself is durable. A reader only ever considers ``step_*``
+folders, so a process killed at any instant leaves either the old set of checkpoints or the old
+set plus the new one, never a half-written checkpoint that looks complete. Leftover temporary
+folders from dead writers are removed by the next save. Old checkpoints are pruned only after the
+new one is in place.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = [
+    "checkpoint_root",
+    "list_checkpoints",
+    "latest_checkpoint",
+    "load_checkpoint",
+    "save_checkpoint",
+]
+
+_STEP_DIR_RE = re.compile(r"^step_(\d{8})$")
+_FORMAT_VERSION = 1
+
+
+def checkpoint_root(run_dir: str | Path) -> Path:
+    return Path(run_dir) / "checkpoints"
+
+
+def list_checkpoints(run_dir: str | Path) -> list[tuple[int, Path]]:
+    """Complete checkpoints as (step, folder), oldest first (see [Note: atomic checkpoints])."""
+    root = checkpoint_root(run_dir)
+    if not root.is_dir():
+        return []
+    found = []
+    for path in root.iterdir():
+        match = _STEP_DIR_RE.match(path.name)
+        if match and (path / "meta.json").is_file():
+            found.append((int(match.group(1)), path))
+    return sorted(found)
+
+
+def latest_checkpoint(run_dir: str | Path) -> Path | None:
+    checkpoints = list_checkpoints(run_dir)
+    return checkpoints[-1][1] if checkpoints else None
+
+
+def _write_tensor_file(obj: Any, path: Path) -> int:
+    with path.open("wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+    return path.stat().st_size
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def save_checkpoint(
+    run_dir: str | Path,
+    step: int,
+    *,
+    model_state: dict[str, Any],
+    train_state: dict[str, Any],
+    keep: int,
+) -> Path:
+    """Write checkpoint ``step`` atomically, then keep only the newest ``keep`` checkpoints."""
+    assert keep >= 1, keep
+    root = checkpoint_root(run_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    _remove_stale_temporaries(root)
+    final = root / f"step_{step:08d}"
+    tmp = root / f".tmp-step_{step:08d}-{os.getpid()}"
+    tmp.mkdir()
+    sizes = {
+        "model.pt": _write_tensor_file(model_state, tmp / "model.pt"),
+        "train_state.pt": _write_tensor_file(train_state, tmp / "train_state.pt"),
+    }
+    meta = {"format_version": _FORMAT_VERSION, "step": step, "file_bytes": sizes}
+    with (tmp / "meta.json").open("w") as f:
+        json.dump(meta, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    _fsync_dir(tmp)
+    if final.exists():
+        # The same step saved again (e.g. a finished run resumed): swap the folders so there is
+        # never a moment without a complete checkpoint for this step.
+        old = root / f".old-step_{step:08d}-{os.getpid()}"
+        final.rename(old)
+        tmp.rename(final)
+        shutil.rmtree(old)
+    else:
+        tmp.rename(final)
+    _fsync_dir(root)
+    _prune(run_dir, keep)
+    return final
+
+
+def _remove_stale_temporaries(root: Path) -> None:
+    for path in root.iterdir():
+        if path.name.startswith((".tmp-", ".old-")) and not _written_by_live_process(path):
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def _written_by_live_process(path: Path) -> bool:
+    pid = int(path.name.rsplit("-", 1)[-1])
+    if pid == os.getpid():
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _prune(run_dir: str | Path, keep: int) -> None:
+    for _, path in list_checkpoints(run_dir)[:-keep]:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def load_checkpoint(
+    path: str | Path, *, map_location: str | torch.device = "cpu"
+) -> dict[str, Any]:
+    """``{"step", "model", "train_state"}`` from a checkpoint folder (tensors on ``map_location``)."""
+    path = Path(path)
+    meta_path = path / "meta.json"
+    if not meta_path.is_file():
+        raise ValueError(
+            f"{path} is not a complete tidal checkpoint (no meta.json); pick a step_* folder "
+            f"listed by list_checkpoints()"
+        )
+    meta = json.loads(meta_path.read_text())
+    if meta.get("format_version") != _FORMAT_VERSION:
+        raise ValueError(
+            f"{path}: checkpoint format {meta.get('format_version')} is not supported by this "
+            f"tidal (format {_FORMAT_VERSION})"
+        )
+    return {
+        "step": int(meta["step"]),
+        "model": torch.load(path / "model.pt", map_location=map_location, weights_only=True),
+        "train_state": torch.load(
+            path / "train_state.pt", map_location=map_location, weights_only=True
+        ),
+    }

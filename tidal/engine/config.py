@@ -1,0 +1,164 @@
+"""Configs owned by the engine: optimizer and schedule, the training loop, checkpoints, metrics."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from tidal.config import require
+
+__all__ = [
+    "CheckpointConfig",
+    "MemoryConfig",
+    "MetricsConfig",
+    "OptimizerConfig",
+    "TrainingConfig",
+]
+
+Precision = Literal["fp32", "bf16", "fp16"]
+
+
+@dataclass(kw_only=True, slots=True)
+class OptimizerConfig:
+    """AdamW with linear warm-up then cosine decay to ``min_lr_ratio * lr``.
+
+    Attributes:
+        lr: peak learning rate, reached after ``warmup_steps``.
+        warmup_steps: optimizer steps of linear warm-up from ``lr / warmup_steps``.
+        decay_steps: the step at which the cosine reaches its floor; ``None`` means the run's
+            ``training.steps``. Set it when a run is split in parts (train 10, resume to 20) so
+            both parts follow one schedule.
+        min_lr_ratio: floor of the cosine as a fraction of ``lr``.
+        fused: use the fused AdamW kernel (on CPU and CUDA); ``None`` picks it when available.
+    """
+
+    lr: float = 3e-4
+    warmup_steps: int = 10
+    decay_steps: int | None = None
+    min_lr_ratio: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+    fused: bool | None = None
+
+    def __post_init__(self) -> None:
+        require(self.lr > 0, "lr", f"must be > 0, got {self.lr}")
+        require(self.warmup_steps >= 0, "warmup_steps", f"must be >= 0, got {self.warmup_steps}")
+        if self.decay_steps is not None:
+            require(self.decay_steps >= 1, "decay_steps", f"must be >= 1, got {self.decay_steps}")
+        require(
+            0 <= self.min_lr_ratio <= 1,
+            "min_lr_ratio",
+            f"must be in [0, 1], got {self.min_lr_ratio}",
+        )
+        for name in ("beta1", "beta2"):
+            value = getattr(self, name)
+            require(0 <= value < 1, name, f"must be in [0, 1), got {value}")
+        require(self.eps > 0, "eps", f"must be > 0, got {self.eps}")
+        require(self.weight_decay >= 0, "weight_decay", f"must be >= 0, got {self.weight_decay}")
+
+
+@dataclass(kw_only=True, slots=True)
+class TrainingConfig:
+    """The training loop.
+
+    Attributes:
+        steps: optimizer steps to reach; a resumed run continues up to this step.
+        batch_size: sequences per micro-batch.
+        grad_accum_steps: micro-batches per optimizer step.
+        grad_clip_norm: global L2 norm to clip gradients to; 0 turns clipping off.
+        precision: ``fp32``, ``bf16`` (autocast) or ``fp16`` (autocast + gradient scaler, CUDA).
+        device: ``auto`` (CUDA when present), ``cpu``, ``cuda`` or ``cuda:N``.
+        seed: seeds the model's initial weights, the batches and torch's RNGs.
+        log_every: steps between progress lines and metrics records.
+        val_every: steps between validation passes; 0 turns validation off (one runs at the end).
+        val_batches: batches per validation pass (always the same batches).
+    """
+
+    steps: int = 100
+    batch_size: int = 8
+    grad_accum_steps: int = 1
+    grad_clip_norm: float = 1.0
+    precision: Precision = "fp32"
+    device: str = "auto"
+    seed: int = 0
+    log_every: int = 10
+    val_every: int = 50
+    val_batches: int = 8
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "batch_size", "grad_accum_steps", "log_every", "val_batches"):
+            value = getattr(self, name)
+            require(value >= 1, name, f"must be >= 1, got {value}")
+        require(self.val_every >= 0, "val_every", f"must be >= 0, got {self.val_every}")
+        require(
+            self.grad_clip_norm >= 0,
+            "grad_clip_norm",
+            f"must be >= 0 (0 turns clipping off), got {self.grad_clip_norm}",
+        )
+        require(
+            self.device == "auto"
+            or self.device == "cpu"
+            or self.device == "cuda"
+            or (self.device.startswith("cuda:") and self.device[5:].isdigit()),
+            "device",
+            f"expected 'auto', 'cpu', 'cuda' or 'cuda:N', got {self.device!r}",
+        )
+
+
+@dataclass(kw_only=True, slots=True)
+class CheckpointConfig:
+    """Checkpoints under ``<run_dir>/checkpoints/step_NNNNNNNN``.
+
+    Attributes:
+        every_steps: steps between checkpoints; 0 saves only at the end.
+        keep: how many of the newest checkpoints to keep on disk (older ones are deleted).
+        at_end: save when the run reaches ``training.steps``.
+    """
+
+    every_steps: int = 0
+    keep: int = 2
+    at_end: bool = True
+
+    def __post_init__(self) -> None:
+        require(self.every_steps >= 0, "every_steps", f"must be >= 0, got {self.every_steps}")
+        require(self.keep >= 1, "keep", f"must be >= 1, got {self.keep}")
+
+
+@dataclass(kw_only=True, slots=True)
+class MetricsConfig:
+    """How throughput is judged.
+
+    Attributes:
+        peak_tflops: the device's peak dense TFLOP/s for MFU. ``None``: a table of known GPUs
+            (bf16 dense), and on a CPU a short matmul measured at start-up (the summary says
+            which was used).
+    """
+
+    peak_tflops: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.peak_tflops is not None:
+            require(self.peak_tflops > 0, "peak_tflops", f"must be > 0, got {self.peak_tflops}")
+
+
+@dataclass(kw_only=True, slots=True)
+class MemoryConfig:
+    """Byte budgets per tier (sizes such as ``"512MiB"`` or ``"2GB"``).
+
+    Attributes:
+        device_budget_bytes: the most model data (weights, gradients, optimizer state) the run
+            may keep on the training device; ``None`` means no limit. The reference engine keeps
+            all model data on the device, so it refuses a model whose data exceeds the budget.
+    """
+
+    device_budget_bytes: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.device_budget_bytes is not None:
+            require(
+                self.device_budget_bytes > 0,
+                "device_budget_bytes",
+                f"must be > 0, got {self.device_budget_bytes}",
+            )

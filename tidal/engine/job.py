@@ -1,0 +1,107 @@
+"""The root config of a run, composed of the components' own configs, and recipe loading.
+
+A recipe is a TOML file whose tables are the sections below (``[model]``, ``[training]``, ...).
+``tidal train --recipe demo`` finds ``recipes/demo.toml``; ``--set training.steps=50`` overrides.
+The root lives in the engine, not in ``tidal.config``: it names every component's config, and the
+config layer sits below all of them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tidal.config import ConfigError, apply_overrides, from_dict, load_toml, require, to_dict
+from tidal.data import DataConfig
+from tidal.engine.config import (
+    CheckpointConfig,
+    MemoryConfig,
+    MetricsConfig,
+    OptimizerConfig,
+    TrainingConfig,
+)
+from tidal.models import ModelConfig
+
+__all__ = ["JobConfig", "find_recipe", "list_recipes", "load_job"]
+
+
+@dataclass(kw_only=True, slots=True)
+class JobConfig:
+    """Everything one training run needs.
+
+    Attributes:
+        name: the run's name; also the default run folder ``runs/<name>``.
+        run_dir: where metrics, summary, plots and checkpoints go; ``None`` means ``runs/<name>``.
+    """
+
+    name: str = "run"
+    run_dir: str | None = None
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    memory: MemoryConfig = field(default_factory=MemoryConfig)
+
+    def __post_init__(self) -> None:
+        require(
+            bool(self.name) and "/" not in self.name,
+            "name",
+            f"must be a non-empty name without '/', got {self.name!r}",
+        )
+        seq_len = self.model.resolve().seq_len
+        require(seq_len >= 2, "model.seq_len", f"must be >= 2, got {seq_len}")
+
+    @property
+    def run_path(self) -> Path:
+        return Path(self.run_dir) if self.run_dir else Path("runs") / self.name
+
+
+def _recipe_dirs() -> list[Path]:
+    repo_recipes = Path(__file__).resolve().parents[2] / "recipes"
+    return [Path.cwd() / "recipes", repo_recipes]
+
+
+def list_recipes() -> list[str]:
+    """Names of the recipes that ``--recipe NAME`` can find."""
+    names: set[str] = set()
+    for folder in _recipe_dirs():
+        if folder.is_dir():
+            names.update(p.stem for p in folder.glob("*.toml"))
+    return sorted(names)
+
+
+def find_recipe(name_or_path: str | Path) -> Path:
+    """A recipe file from a path or a bare name (``demo`` -> ``recipes/demo.toml``)."""
+    candidate = Path(name_or_path)
+    if candidate.suffix == ".toml" or candidate.parent != Path("."):
+        if candidate.is_file():
+            return candidate
+        raise ConfigError("recipe", f"no recipe file at {str(candidate)!r}")
+    for folder in _recipe_dirs():
+        path = folder / f"{name_or_path}.toml"
+        if path.is_file():
+            return path
+    known = ", ".join(list_recipes()) or "none found"
+    raise ConfigError("recipe", f"unknown recipe {str(name_or_path)!r} (known: {known})")
+
+
+def load_job(
+    recipe: str | Path | Mapping[str, Any] | JobConfig | None = None,
+    overrides: Sequence[str] = (),
+) -> JobConfig:
+    """A validated JobConfig from a recipe name, a TOML path, a dict or a JobConfig, plus ``--set`` overrides."""
+    if isinstance(recipe, JobConfig):
+        if not overrides:
+            return recipe
+        recipe = to_dict(recipe)
+    if recipe is None:
+        data: Mapping[str, Any] = {}
+    elif isinstance(recipe, Mapping):
+        data = recipe
+    else:
+        data = load_toml(find_recipe(recipe))
+    return from_dict(JobConfig, apply_overrides(data, overrides))

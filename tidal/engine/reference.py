@@ -1,0 +1,226 @@
+"""The reference engine: plain PyTorch, the whole model on one device.
+
+Every later engine (chunked offload, ZeRO, tensor/sequence parallel, pipelines) is tested against
+this one on the same seeds, so it stays deliberately plain: ``torch.optim.AdamW``, autocast,
+``clip_grad_norm_``. The calling convention is DeepSpeed's, which users already know::
+
+    loss = engine(inputs, targets)
+    engine.backward(loss)
+    engine.step()        # call after every micro-batch; steps the optimizer on the boundary
+
+[Note: accumulation boundary]
+``backward`` divides the loss by ``grad_accum_steps`` so that accumulated gradients are the mean
+over the micro-batches. ``step`` counts micro-batches and only on every ``grad_accum_steps``-th
+unscales, clips, steps AdamW, sets the next learning rate and zeroes the gradients. The schedule
+is a pure function of ``global_step`` (optimizer steps done), which is all a checkpoint needs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from typing import Any
+
+import torch
+from torch import nn
+
+from tidal.config import ConfigError, format_bytes
+from tidal.engine.config import MemoryConfig, OptimizerConfig, TrainingConfig
+from tidal.engine.device import memory_bytes, peak_memory_bytes, resolve_device
+from tidal.engine.lr import WarmupCosine
+
+__all__ = ["ReferenceEngine", "build_adamw"]
+
+
+def build_adamw(model: nn.Module, config: OptimizerConfig, lr: float) -> torch.optim.AdamW:
+    """AdamW with weight decay on matrices only (biases, norms and gains are not decayed)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    decay = [p for p in params if p.dim() >= 2]
+    no_decay = [p for p in params if p.dim() < 2]
+    groups = [
+        {"params": decay, "weight_decay": config.weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+    fused = config.fused
+    if fused is None:
+        device_type = params[0].device.type if params else "cpu"
+        fused = device_type in ("cpu", "cuda") and all(p.is_floating_point() for p in params)
+    return torch.optim.AdamW(
+        groups,
+        lr=lr,
+        betas=(config.beta1, config.beta2),
+        eps=config.eps,
+        fused=fused,
+    )
+
+
+# Weights, gradients and AdamW's two moments, each the size of the fp32 weights.
+_MODEL_DATA_BYTES_PER_FP32_PARAM = 4 * 4
+
+
+def _check_device_budget(model: nn.Module, memory: MemoryConfig) -> None:
+    budget = memory.device_budget_bytes
+    if budget is None:
+        return
+    num_params = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+    needed = num_params * _MODEL_DATA_BYTES_PER_FP32_PARAM
+    if needed > budget:
+        raise ConfigError(
+            "memory.device_budget_bytes",
+            f"the reference engine keeps all model data on the device: {num_params:,} params "
+            f"need {format_bytes(needed)} (weights, grads, AdamW moments) but the budget is "
+            f"{format_bytes(budget)}; raise the budget or pick a smaller model.preset",
+        )
+
+
+class ReferenceEngine:
+    """Train ``model`` on one device with AdamW, warm-up + cosine, clipping and accumulation."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        optimizer: OptimizerConfig,
+        training: TrainingConfig,
+        memory: MemoryConfig | None = None,
+    ) -> None:
+        self.device = resolve_device(training.device)
+        _check_device_budget(model, memory or MemoryConfig())
+        self.precision = training.precision
+        if self.precision == "fp16" and self.device.type != "cuda":
+            raise ConfigError(
+                "training.precision",
+                "fp16 needs CUDA (loss scaling is a CUDA feature); use 'bf16' or 'fp32' on a CPU",
+            )
+        self.model = model.to(self.device)
+        self.grad_accum_steps = training.grad_accum_steps
+        self.grad_clip_norm = training.grad_clip_norm
+        self.schedule = WarmupCosine(
+            peak_lr=optimizer.lr,
+            warmup_steps=optimizer.warmup_steps,
+            decay_steps=optimizer.decay_steps or training.steps,
+            min_lr_ratio=optimizer.min_lr_ratio,
+        )
+        self.optimizer = build_adamw(self.model, optimizer, self.schedule.lr_at(0))
+        self.scaler = torch.amp.GradScaler("cuda") if self.precision == "fp16" else None
+        self.global_step = 0
+        self.micro_step = 0
+        self.last_grad_norm: float | None = None
+
+    # -- the training calls --------------------------------------------------------------------
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        with self._autocast():
+            return self.model(*args, **kwargs)
+
+    def _autocast(self) -> contextlib.AbstractContextManager[Any]:
+        if self.precision == "fp32":
+            return contextlib.nullcontext()
+        dtype = torch.bfloat16 if self.precision == "bf16" else torch.float16
+        return torch.autocast(device_type=self.device.type, dtype=dtype)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """See [Note: accumulation boundary]."""
+        scaled = loss / self.grad_accum_steps if self.grad_accum_steps > 1 else loss
+        if self.scaler is not None:
+            scaled = self.scaler.scale(scaled)
+        scaled.backward()
+
+    def is_accumulation_boundary(self) -> bool:
+        """Whether the next ``step()`` call steps the optimizer."""
+        return (self.micro_step + 1) % self.grad_accum_steps == 0
+
+    def step(self) -> bool:
+        """Count a micro-batch; on the boundary step the optimizer. Returns whether it stepped."""
+        boundary = self.is_accumulation_boundary()
+        self.micro_step += 1
+        if not boundary:
+            return False
+        if self.scaler is not None:
+            self.scaler.unscale_(self.optimizer)
+        self.last_grad_norm = self._clip_gradients()
+        if self.scaler is not None:
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+        else:
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.global_step += 1
+        self._set_lr(self.schedule.lr_at(self.global_step))
+        return True
+
+    def _clip_gradients(self) -> float:
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        if not grads:
+            return 0.0
+        if self.grad_clip_norm > 0:
+            params = [p for p in self.model.parameters() if p.grad is not None]
+            norm = torch.nn.utils.clip_grad_norm_(params, self.grad_clip_norm)
+        else:
+            norm = torch.nn.utils.get_total_norm(grads)
+        return float(norm)
+
+    def _set_lr(self, lr: float) -> None:
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+
+    @property
+    def lr(self) -> float:
+        return float(self.optimizer.param_groups[0]["lr"])
+
+    # -- figures -----------------------------------------------------------------------------
+
+    def stats(self) -> dict[str, Any]:
+        """Figures of the engine now: step, learning rate, model-data bytes, memory per tier."""
+        return {
+            "engine": "reference",
+            "device": str(self.device),
+            "precision": self.precision,
+            "global_step": self.global_step,
+            "lr": self.lr,
+            "grad_norm": self.last_grad_norm,
+            "model_data_bytes": self.model_data_bytes(),
+            "memory_bytes": memory_bytes(self.device),
+            "peak_memory_bytes": peak_memory_bytes(self.device),
+        }
+
+    def model_data_bytes(self) -> dict[str, int]:
+        """Bytes of parameters, gradients and optimizer state, each counted once."""
+        params = {id(p): p for p in self.model.parameters()}.values()
+        state_bytes = sum(
+            t.numel() * t.element_size()
+            for s in self.optimizer.state.values()
+            for t in s.values()
+            if isinstance(t, torch.Tensor)
+        )
+        return {
+            "params": sum(p.numel() * p.element_size() for p in params),
+            "grads": sum(
+                p.grad.numel() * p.grad.element_size() for p in params if p.grad is not None
+            ),
+            "optimizer_state": state_bytes,
+        }
+
+    # -- state ---------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        state: dict[str, Any] = {
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "global_step": self.global_step,
+            "micro_step": self.micro_step,
+        }
+        if self.scaler is not None:
+            state["scaler"] = self.scaler.state_dict()
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.model.load_state_dict(state["model"])
+        # torch's optimizer keeps the given tensors as its state; copy them so that an in-memory
+        # state dict of another engine is never shared (both would update the same moments).
+        self.optimizer.load_state_dict(copy.deepcopy(state["optimizer"]))
+        self.global_step = int(state["global_step"])
+        self.micro_step = int(state["micro_step"])
+        if self.scaler is not None and "scaler" in state:
+            self.scaler.load_state_dict(state["scaler"])
+        self._set_lr(self.schedule.lr_at(self.global_step))

@@ -1,0 +1,330 @@
+"""A GPT-2 style decoder-only transformer, its presets, and its parameter and FLOP counts.
+
+The model is pre-LayerNorm (LN before attention and before the MLP, plus a final LN), with
+learned position embeddings and an LM head that by default shares the token embedding matrix.
+:func:`build_gpt` constructs it on the meta device first so that a huge preset costs no memory
+until it is materialised, and so that initialisation is one explicit, deterministic pass.
+"""
+
+# Shape suffixes: B batch, T sequence, D d_model, H heads, K head dim (D/H), F d_ff, V vocab.
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tidal.config.configurable import ConfigError, require
+
+__all__ = [
+    "GPT",
+    "PRESETS",
+    "Block",
+    "GPTConfig",
+    "ModelConfig",
+    "build_gpt",
+    "closed_form_num_params",
+    "num_params",
+    "preset",
+    "training_flops_per_token",
+]
+
+INIT_STD = 0.02
+
+
+@dataclass(kw_only=True, frozen=True, slots=True)
+class GPTConfig:
+    """The architecture of a :class:`GPT`. ``d_ff=None`` means the usual ``4 * d_model``."""
+
+    vocab_size: int
+    seq_len: int
+    num_layers: int
+    num_heads: int
+    d_model: int
+    d_ff: int | None = None
+    tie_embeddings: bool = True
+    bias: bool = True
+    dropout: float = 0.0
+    layer_norm_eps: float = 1e-5
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "seq_len", "num_layers", "num_heads", "d_model", "d_ff"):
+            value = getattr(self, name)
+            if value is not None:
+                require(value >= 1, name, f"must be >= 1, got {value}")
+        require(
+            self.d_model % self.num_heads == 0,
+            "num_heads",
+            f"d_model ({self.d_model}) must be divisible by num_heads ({self.num_heads})",
+        )
+        require(0.0 <= self.dropout < 1.0, "dropout", f"must be in [0, 1), got {self.dropout}")
+        require(
+            self.layer_norm_eps > 0, "layer_norm_eps", f"must be > 0, got {self.layer_norm_eps}"
+        )
+
+    @property
+    def ffn_dim(self) -> int:
+        return 4 * self.d_model if self.d_ff is None else self.d_ff
+
+
+def _gpt2(num_layers: int, num_heads: int, d_model: int) -> GPTConfig:
+    return GPTConfig(
+        vocab_size=50257, seq_len=1024, num_layers=num_layers, num_heads=num_heads, d_model=d_model
+    )
+
+
+def _gpt3(num_layers: int, num_heads: int, d_model: int) -> GPTConfig:
+    return GPTConfig(
+        vocab_size=50257, seq_len=2048, num_layers=num_layers, num_heads=num_heads, d_model=d_model
+    )
+
+
+PRESETS: dict[str, GPTConfig] = {
+    "tiny": GPTConfig(vocab_size=256, seq_len=64, num_layers=2, num_heads=4, d_model=64),
+    "demo": GPTConfig(vocab_size=256, seq_len=256, num_layers=4, num_heads=4, d_model=256),
+    "gpt2-small": _gpt2(12, 12, 768),
+    "gpt2-medium": _gpt2(24, 16, 1024),
+    "gpt2-large": _gpt2(36, 20, 1280),
+    "gpt2-xl": _gpt2(48, 25, 1600),
+    # The GPT-3 paper (Brown et al. 2020, Table 2.1) lists 24 heads of 128 for 1.3B, which does
+    # not multiply out to d_model 2048; 16 heads of 128 does.
+    "gpt3-1.3b": _gpt3(24, 16, 2048),
+    "gpt3-2.7b": _gpt3(32, 32, 2560),
+    "gpt3-6.7b": _gpt3(32, 32, 4096),
+    # The paper prints d_model 5140, which 40 heads do not divide; Megatron-LM and later
+    # reproductions use 5120 = 40 heads of 128.
+    "gpt3-13b": _gpt3(40, 40, 5120),
+    "gpt3-175b": _gpt3(96, 96, 12288),
+}
+
+
+def preset(name: str) -> GPTConfig:
+    """The named architecture from :data:`PRESETS`."""
+    if name not in PRESETS:
+        raise ConfigError("preset", f"unknown preset {name!r}; choose one of: {', '.join(PRESETS)}")
+    return PRESETS[name]
+
+
+@dataclass(kw_only=True, slots=True)
+class ModelConfig:
+    """The ``[model]`` section of a recipe: a preset name plus optional overrides of its fields."""
+
+    preset: str = "tiny"
+    vocab_size: int | None = None
+    seq_len: int | None = None
+    num_layers: int | None = None
+    num_heads: int | None = None
+    d_model: int | None = None
+    d_ff: int | None = None
+    tie_embeddings: bool | None = None
+    dropout: float | None = None
+
+    def __post_init__(self) -> None:
+        preset(self.preset)
+        self.resolve()  # an invalid combination raises GPTConfig's ConfigError, keyed by field
+
+    def resolve(self) -> GPTConfig:
+        overrides = {
+            f.name: getattr(self, f.name)
+            for f in dataclasses.fields(self)
+            if f.name != "preset" and getattr(self, f.name) is not None
+        }
+        return dataclasses.replace(preset(self.preset), **overrides)
+
+
+# ---------------------------------------------------------------------------------------------
+# the model
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        d = config.d_model
+        self.num_heads = config.num_heads
+        self.dropout = config.dropout
+        self.qkv = nn.Linear(d, 3 * d, bias=config.bias)
+        self.proj = nn.Linear(d, d, bias=config.bias)
+        self.resid_drop = nn.Dropout(config.dropout)
+
+    def forward(self, x_BTD: torch.Tensor) -> torch.Tensor:
+        B, T, D = x_BTD.shape
+        H = self.num_heads
+        q_BTD, k_BTD, v_BTD = self.qkv(x_BTD).split(D, dim=-1)
+        q_BHTK, k_BHTK, v_BHTK = (
+            t.view(B, T, H, D // H).transpose(1, 2) for t in (q_BTD, k_BTD, v_BTD)
+        )
+        y_BHTK = F.scaled_dot_product_attention(
+            q_BHTK, k_BHTK, v_BHTK, is_causal=True, dropout_p=self.dropout if self.training else 0.0
+        )
+        y_BTD = y_BHTK.transpose(1, 2).reshape(B, T, D)
+        return self.resid_drop(self.proj(y_BTD))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.fc = nn.Linear(config.d_model, config.ffn_dim, bias=config.bias)
+        self.proj = nn.Linear(config.ffn_dim, config.d_model, bias=config.bias)
+        self.drop = nn.Dropout(config.dropout)
+
+    def forward(self, x_BTD: torch.Tensor) -> torch.Tensor:
+        h_BTF = F.gelu(self.fc(x_BTD), approximate="tanh")
+        return self.drop(self.proj(h_BTF))
+
+
+class Block(nn.Module):
+    """One pre-LN transformer layer: ``x + attn(ln_1(x))``, then ``x + mlp(ln_2(x))``."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        d, eps = config.d_model, config.layer_norm_eps
+        self.ln_1 = nn.LayerNorm(d, eps=eps, bias=config.bias)
+        self.attn = CausalSelfAttention(config)
+        self.ln_2 = nn.LayerNorm(d, eps=eps, bias=config.bias)
+        self.mlp = MLP(config)
+
+    def forward(self, x_BTD: torch.Tensor) -> torch.Tensor:
+        x_BTD = x_BTD + self.attn(self.ln_1(x_BTD))
+        return x_BTD + self.mlp(self.ln_2(x_BTD))
+
+
+class GPT(nn.Module):
+    """Decoder-only language model. Build it with :func:`build_gpt`, which also initialises it."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.config = config
+        d = config.d_model
+        self.tok_embed = nn.Embedding(config.vocab_size, d)
+        self.pos_embed = nn.Embedding(config.seq_len, d)
+        self.drop = nn.Dropout(config.dropout)
+        self.blocks = nn.ModuleList(Block(config) for _ in range(config.num_layers))
+        self.ln_f = nn.LayerNorm(d, eps=config.layer_norm_eps, bias=config.bias)
+        self.lm_head = nn.Linear(d, config.vocab_size, bias=False)
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        """Share the token embedding with the LM head; ``to_empty`` and friends break the tie."""
+        if self.config.tie_embeddings:
+            self.lm_head.weight = self.tok_embed.weight
+
+    def forward(self, idx_BT: torch.Tensor, targets_BT: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits ``[B, T, V]``, or with ``targets_BT`` the mean next-token cross-entropy."""
+        if idx_BT.shape[1] > self.config.seq_len:
+            raise ValueError(
+                f"sequence length {idx_BT.shape[1]} is longer than the model's "
+                f"seq_len {self.config.seq_len}"
+            )
+        T = idx_BT.shape[1]
+        pos_T = torch.arange(T, device=idx_BT.device)
+        x_BTD = self.drop(self.tok_embed(idx_BT) + self.pos_embed(pos_T))
+        for block in self.blocks:
+            x_BTD = block(x_BTD)
+        logits_BTV = self.lm_head(self.ln_f(x_BTD))
+        if targets_BT is None:
+            return logits_BTV
+        # Softmax over a large vocabulary in bf16/fp16 loses too much; the loss is taken in fp32.
+        return F.cross_entropy(logits_BTV.float().flatten(0, 1), targets_BT.flatten())
+
+    # [Note: deterministic init]
+    # ``init_weights(seed)`` must give the same parameters for a seed on every device, so runs on
+    # CPU, on a GPU and after a restart all start from the same point. Hence every random value
+    # is drawn from one CPU ``torch.Generator`` seeded with ``seed``, parameter by parameter in
+    # ``named_parameters()`` order (a tied matrix appears, and is drawn, once), then copied into
+    # the parameter. Constant-initialised parameters draw nothing, so the sequence of draws
+    # depends only on the architecture, never on where the parameters live.
+
+    @torch.no_grad()
+    def init_weights(self, seed: int = 0) -> None:
+        """GPT-2 initialisation; see [Note: deterministic init]."""
+        generator = torch.Generator(device="cpu").manual_seed(seed)
+        for name, param in self.named_parameters():
+            is_random, value = self._init_rule(name)
+            if is_random:
+                noise = torch.randn(param.shape, generator=generator, dtype=torch.float32)
+                param.copy_(noise.mul_(value))
+            else:
+                param.fill_(value)
+
+    def _init_rule(self, name: str) -> tuple[bool, float]:
+        """``(True, std)`` for a normal draw, ``(False, c)`` for the constant ``c``."""
+        owner = self.get_submodule(name.rpartition(".")[0])
+        if name.endswith(".bias"):
+            return False, 0.0
+        if isinstance(owner, nn.LayerNorm):
+            return False, 1.0
+        if name.endswith(("attn.proj.weight", "mlp.proj.weight")):
+            # Each layer adds two residual branches; scaling keeps the residual stream's variance
+            # from growing with depth (GPT-2 paper, section 2.3).
+            return True, INIT_STD / math.sqrt(2 * self.config.num_layers)
+        return True, INIT_STD
+
+
+def build_gpt(config: GPTConfig, *, device: str | torch.device = "cpu", seed: int = 0) -> GPT:
+    """A GPT on ``device`` initialised from ``seed``; ``device="meta"`` allocates nothing."""
+    with torch.device("meta"):
+        model = GPT(config)
+    if torch.device(device).type == "meta":
+        return model
+    model.to_empty(device=device)
+    model.tie_weights()
+    model.init_weights(seed)
+    return model
+
+
+# ---------------------------------------------------------------------------------------------
+# counting
+
+
+def num_params(model: nn.Module) -> int:
+    """Parameters of ``model``, each shared (tied) tensor counted once."""
+    unique = {id(p): p for p in model.parameters()}
+    return sum(p.numel() for p in unique.values())
+
+
+def _block_num_params(config: GPTConfig) -> int:
+    d, f = config.d_model, config.ffn_dim
+    matrices = 3 * d * d + d * d + 2 * d * f  # qkv, attn proj, fc, mlp proj
+    biases = 3 * d + d + f + d if config.bias else 0
+    norms = 2 * (2 * d if config.bias else d)
+    return matrices + biases + norms
+
+
+def closed_form_num_params(config: GPTConfig) -> int:
+    """The parameter count of ``GPT(config)`` from its shape alone.
+
+    With ``d = d_model``, ``f = ffn_dim``, ``L = num_layers``, ``V = vocab_size``, ``T = seq_len``
+    and ``b = 1`` if ``bias`` else ``0``, one block holds::
+
+        4d^2 + 2df          qkv (3d^2), attention proj (d^2), fc (df), mlp proj (fd)
+        + b(5d + f)         their biases (3d + d + f + d)
+        + 2(1 + b)d         ln_1 and ln_2
+
+    which for ``f = 4d`` with biases is the familiar ``12d^2 + 13d``. The whole model is
+    ``L * block + V*d + T*d + (1 + b)d`` (embeddings and ln_f), plus another ``V*d`` when the
+    LM head is not tied to the token embedding.
+    """
+    d = config.d_model
+    embeddings = config.vocab_size * d + config.seq_len * d
+    final_norm = 2 * d if config.bias else d
+    head = 0 if config.tie_embeddings else config.vocab_size * d
+    return config.num_layers * _block_num_params(config) + embeddings + final_norm + head
+
+
+def training_flops_per_token(config: GPTConfig) -> float:
+    """Matmul FLOPs of one forward and backward pass, per token.
+
+    ``6 * N + 12 * L * T * d``, the convention of the PaLM paper (Chowdhery et al. 2022,
+    appendix B) also used by nanoGPT's MFU estimate: each matmul parameter costs 2 FLOPs forward
+    and 4 backward, and attention's ``QK^T`` and ``AV`` add ``2 * 2 * T * d`` per layer forward
+    (the full ``T x T`` score matrix, ignoring the causal mask), times 3 with backward. ``N``
+    counts the parameters that take part in matmuls: every transformer-block parameter plus the
+    ``V x d`` LM head matrix; position embeddings and an untied input embedding are lookups.
+    """
+    n_matmul = config.num_layers * _block_num_params(config) + config.vocab_size * config.d_model
+    attention = 12 * config.num_layers * config.seq_len * config.d_model
+    return float(6 * n_matmul + attention)
