@@ -70,6 +70,36 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     report.add_argument("run_dir", metavar="RUN_DIR", help="a run folder, e.g. runs/demo")
 
+    bench = sub.add_parser(
+        "bench",
+        help="measure throughput, FLOP/s, MFU and memory; writes benchmarks/results/*.json",
+        description="Benchmark programs. Each writes a JSON file (command, commit, torch "
+        "version, device, figures) under benchmarks/results/ and prints a table.",
+    )
+    bench_sub = bench.add_subparsers(dest="bench", required=True, metavar="BENCH")
+    bench_train = bench_sub.add_parser(
+        "train",
+        help="train recipes for a few steps each and compare their steady-state figures",
+        description="Train each recipe for --steps steps in its own process (no checkpoints, "
+        "no validation) and report the median step after --warmup-steps.",
+    )
+    bench_train.add_argument(
+        "--recipe",
+        dest="recipes",
+        action="append",
+        required=True,
+        metavar="NAME_OR_PATH",
+        help="a recipe to measure (repeat to compare several side by side)",
+    )
+    bench_train.add_argument(
+        "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+        help="override applied to every recipe, e.g. --set training.precision=bf16",
+    )  # fmt: skip
+    bench_train.add_argument("--steps", type=int, default=30, help="steps per recipe (30)")
+    bench_train.add_argument(
+        "--warmup-steps", type=int, default=5, help="leading steps left out of the figures (5)"
+    )
+
     sub.add_parser(
         "models",
         help="list the model presets with parameter counts and memory",
@@ -93,6 +123,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _report(args.run_dir, console)
         if args.command == "models":
             return _models(console)
+        if args.command == "bench":
+            return _bench(args, console)
     except (ConfigError, FileNotFoundError) as err:
         print(f"tidal: error: {err}", file=sys.stderr)
         return EXIT_BAD_INPUT
@@ -135,6 +167,35 @@ def _report(run_dir: str, console: Console) -> int:
     summary = load_summary(run_dir)
     _write_plots(run_dir, console)
     console.print(summary_table(summary, title=f"{run_dir}"))
+    return 0
+
+
+def _bench(args: argparse.Namespace, console: Console) -> int:
+    from tidal.bench import bench_train, write_results
+    from tidal.config import format_bytes
+
+    rows = bench_train(
+        args.recipes, args.overrides, steps=args.steps, warmup_steps=args.warmup_steps
+    )
+    path = write_results("train", rows)
+    table = Table(title=f"tidal bench train -> {path}", title_justify="left")
+    columns = ("recipe", "params", "precision", "tokens/s", "TFLOP/s", "MFU", "peak memory")
+    for column in columns:
+        table.add_column(column, justify="left" if column == "recipe" else "right")
+    base = rows[0]["tokens_per_s"]
+    for row in rows:
+        mfu = "-" if row["mfu"] is None else f"{100 * row['mfu']:.1f}%"
+        memory = ", ".join(f"{k} {format_bytes(v)}" for k, v in row["peak_memory_bytes"].items())
+        table.add_row(
+            row["recipe"],
+            f"{row['num_params']:,}",
+            row["precision"],
+            f"{row['tokens_per_s']:,.0f} ({row['tokens_per_s'] / base:.2f}x)",
+            f"{row['model_tflops_per_s']:.3f}",
+            mfu,
+            memory,
+        )
+    console.print(table)
     return 0
 
 

@@ -1,0 +1,259 @@
+"""Run a function on ``world_size`` local processes with ``torch.distributed`` set up.
+
+[Note: harness failure propagation]
+A test passes only if every rank reported ok and exited 0. Anything else -- a rank that raised,
+died without reporting, was killed by a signal, or did not finish in time -- makes
+:func:`run_on_ranks` raise :class:`RankFailure`, an ``AssertionError`` naming every bad rank.
+Nothing is swallowed: a harness that kills a failed worker and calls the run a success hides
+exactly the bugs distributed tests exist to find. Once one rank has failed, its peers get a
+short grace period to report and are then killed, because a peer stuck in a collective with the
+dead rank would otherwise hold the test until the full timeout.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing as mp
+import os
+import pickle
+import signal
+import socket
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+from multiprocessing.connection import Connection, wait
+from multiprocessing.process import BaseProcess
+from typing import Any, Literal
+
+__all__ = ["RankFailure", "RankOutcome", "free_port", "run_on_ranks"]
+
+# Long enough for a peer to report its own error, short enough not to matter in a test run.
+_GRACE_S = 3.0
+
+Status = Literal["ok", "error", "no_report", "signal", "timeout", "killed"]
+
+
+@dataclass(frozen=True)
+class RankOutcome:
+    """What one rank did. ``detail`` is the human-readable failure, empty when ``ok``."""
+
+    rank: int
+    status: Status
+    exitcode: int | None
+    detail: str = ""
+
+
+class RankFailure(AssertionError):
+    """At least one rank failed; see [Note: harness failure propagation]."""
+
+    def __init__(self, outcomes: list[RankOutcome], world_size: int) -> None:
+        self.outcomes = outcomes
+        bad = [o for o in outcomes if o.status != "ok"]
+        lines = [f"{len(bad)} of {world_size} ranks failed:"]
+        lines += [f"rank {o.rank}: {o.detail}" for o in bad]
+        super().__init__("\n".join(lines))
+
+
+def free_port() -> int:
+    """A TCP port that was free a moment ago (the OS picks it when binding port 0)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _describe(exc: BaseException) -> str:
+    trace = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    return f"{type(exc).__name__}: {exc}\n{trace}"
+
+
+def _send(conn: Connection, message: tuple[str, Any]) -> None:
+    # Plain pickle, not the multiprocessing pickler: torch registers reductions there that
+    # pass tensors as shared-memory handles, which die with this process before the parent
+    # unpickles them. Pickling completes before any byte is written.
+    conn.send_bytes(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
+
+
+def _receive(conn: Connection) -> tuple[str, Any] | None:
+    try:
+        data = conn.recv_bytes()
+    except EOFError:
+        return None  # the child closed the pipe without a word
+    try:
+        return pickle.loads(data)
+    except Exception as exc:  # e.g. the result's class cannot be imported in the parent
+        return ("error", f"{type(exc).__name__} while the parent unpickled its result: {exc}")
+
+
+def _rank_main(
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    rank: int,
+    world_size: int,
+    port: int,
+    backend: str,
+    timeout_s: float,
+    conn: Connection,
+) -> None:
+    # Own process group, so the parent can also kill anything this rank starts.
+    os.setpgrp()
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+    )
+    import torch.distributed as dist  # here, so importing tidal.testing stays cheap
+
+    try:
+        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+        value = fn(*args)
+        dist.destroy_process_group()
+        _send(conn, ("ok", value))
+    except BaseException as exc:
+        # Report before cleaning up: the parent must learn of the failure even if cleanup hangs.
+        _send(conn, ("error", _describe(exc)))
+        with contextlib.suppress(BaseException):
+            if dist.is_initialized():
+                dist.destroy_process_group()
+        sys.exit(1)
+    finally:
+        conn.close()
+
+
+class _Rank:
+    """Parent-side bookkeeping for one child process."""
+
+    def __init__(self, rank: int, process: BaseProcess, conn: Connection) -> None:
+        self.rank = rank
+        self.process = process
+        self.conn: Connection | None = conn
+        self.message: tuple[str, Any] | None = None
+        self.exitcode: int | None = None
+
+    def waitables(self) -> list[Any]:
+        found: list[Any] = [self.conn] if self.conn is not None else []
+        return found + ([self.process.sentinel] if self.exitcode is None else [])
+
+    def update(self, ready: list[Any]) -> None:
+        # Drain the pipe whenever it is readable: a child blocked writing a large result
+        # would otherwise never exit.
+        if self.conn is not None and self.conn in ready:
+            self.message = _receive(self.conn)
+            self.conn.close()
+            self.conn = None
+        if self.exitcode is None and self.process.sentinel in ready:
+            self.process.join()
+            self.exitcode = self.process.exitcode
+
+    @property
+    def finished(self) -> bool:
+        return self.conn is None and self.exitcode is not None
+
+    @property
+    def failed(self) -> bool:
+        if self.message is not None and self.message[0] == "error":
+            return True
+        return self.finished and (self.exitcode != 0 or self.message is None)
+
+
+def _exit_outcome(r: _Rank) -> RankOutcome:
+    code = r.exitcode
+    assert code is not None
+    if r.message is not None and r.message[0] == "error":
+        return RankOutcome(r.rank, "error", code, f"raised {r.message[1]}")
+    if code < 0:
+        name = signal.Signals(-code).name
+        return RankOutcome(r.rank, "signal", code, f"killed by signal {name}")
+    if r.message is None:
+        detail = f"exited with code {code} without reporting a result"
+        return RankOutcome(r.rank, "no_report", code, detail)
+    if code != 0:
+        return RankOutcome(r.rank, "no_report", code, f"reported ok but exited with code {code}")
+    return RankOutcome(r.rank, "ok", 0)
+
+
+def _unfinished_outcome(r: _Rank, timeout_s: float, first_failure: int | None) -> RankOutcome:
+    if r.message is not None and r.message[0] == "error":
+        return RankOutcome(r.rank, "error", None, f"raised {r.message[1]}")
+    if first_failure is None:
+        return RankOutcome(
+            r.rank, "timeout", None, f"did not finish within {timeout_s:g} s; killed"
+        )
+    detail = f"still running {_GRACE_S:g} s after rank {first_failure} failed; killed"
+    return RankOutcome(r.rank, "killed", None, detail)
+
+
+def _kill(process: BaseProcess) -> None:
+    if process.pid is not None and process.exitcode is None:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(process.pid, signal.SIGKILL)
+        process.kill()  # the child may not have made its own group yet
+    process.join(timeout=10)
+
+
+def _supervise(ranks: list[_Rank], timeout_s: float) -> list[RankOutcome]:
+    deadline = time.monotonic() + timeout_s
+    failure_order: list[int] = []
+    while True:
+        pending = [r for r in ranks if not r.finished]
+        now = time.monotonic()
+        if not pending or now >= deadline:
+            break
+        ready = wait([w for r in pending for w in r.waitables()], timeout=deadline - now)
+        for r in pending:
+            r.update(ready)
+            if r.failed and r.rank not in failure_order:
+                failure_order.append(r.rank)
+                deadline = min(deadline, time.monotonic() + _GRACE_S)
+    first = failure_order[0] if failure_order else None
+    outcomes = {
+        r.rank: _exit_outcome(r) if r.finished else _unfinished_outcome(r, timeout_s, first)
+        for r in ranks
+    }
+    # Root causes first: the rank that failed first is usually the one to read.
+    order = failure_order + [r.rank for r in ranks if r.rank not in failure_order]
+    return [outcomes[i] for i in order]
+
+
+def run_on_ranks(
+    fn: Callable[..., Any],
+    *,
+    world_size: int,
+    args: tuple[Any, ...] = (),
+    timeout_s: float = 120.0,
+    backend: str = "gloo",
+) -> list[Any]:
+    """Call ``fn(*args)`` on ``world_size`` spawned ranks; return their results in rank order.
+
+    ``fn`` must be picklable (defined at module level) and reads its rank from
+    ``torch.distributed.get_rank()``. Raises :class:`RankFailure` unless every rank reported
+    ok and exited 0 within ``timeout_s`` (counted from start-up, which imports torch in each
+    rank); see [Note: harness failure propagation]. ``timeout_s`` is also the process-group
+    timeout, so a collective with a missing peer errors inside the rank rather than hanging.
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    ctx = mp.get_context("spawn")
+    port = free_port()
+    ranks: list[_Rank] = []
+    try:
+        for rank in range(world_size):
+            recv_end, send_end = ctx.Pipe(duplex=False)
+            worker_args = (fn, args, rank, world_size, port, backend, timeout_s, send_end)
+            process = ctx.Process(target=_rank_main, args=worker_args, name=f"tidal-rank-{rank}")
+            process.start()
+            send_end.close()  # so the parent sees EOF once the child is gone
+            ranks.append(_Rank(rank, process, recv_end))
+        outcomes = _supervise(ranks, timeout_s)
+    finally:
+        for r in ranks:
+            _kill(r.process)
+            if r.conn is not None:
+                r.conn.close()
+    if any(o.status != "ok" for o in outcomes):
+        raise RankFailure(outcomes, world_size)
+    return [r.message[1] for r in ranks if r.message is not None]
