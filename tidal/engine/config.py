@@ -132,8 +132,8 @@ class MetricsConfig:
 
     Attributes:
         peak_tflops: the device's peak dense TFLOP/s for MFU. ``None``: a table of known GPUs
-            (bf16 dense), and on a CPU a short matmul measured at start-up (the summary says
-            which was used).
+            (bf16 dense), and on a CPU an upper bound from its vector ISA, clock and threads
+            (the summary says which was used).
     """
 
     peak_tflops: float | None = None

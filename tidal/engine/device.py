@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import resource
 import sys
-import time
 from dataclasses import dataclass
 
 import torch
@@ -107,7 +106,7 @@ _GPU_BF16_DENSE_TFLOPS = {
 def peak_flops(
     device: torch.device, precision: str, override_tflops: float | None = None
 ) -> PeakFlops | None:
-    """The peak that MFU divides by: the user's figure, a GPU's datasheet, or a CPU measurement."""
+    """The peak that MFU divides by: the user's figure, a GPU's datasheet, or a CPU estimate."""
     if override_tflops is not None:
         return PeakFlops(tflops=override_tflops, source="metrics.peak_tflops")
     if device.type == "cuda":
@@ -119,22 +118,53 @@ def peak_flops(
                 return PeakFlops(tflops=tflops * factor, source=f"datasheet: {key} dense")
         return None
     if device.type == "cpu":
-        return _measure_cpu_matmul(torch.bfloat16 if precision == "bf16" else torch.float32)
+        return _estimate_cpu_peak(torch.bfloat16 if precision == "bf16" else torch.float32)
     return None
 
 
-def _measure_cpu_matmul(dtype: torch.dtype, size: int = 1024, budget_s: float = 0.5) -> PeakFlops:
-    # A CPU has no datasheet figure that torch reaches; the best square matmul this process can
-    # do is the honest ceiling for a model made of matmuls.
-    a = torch.randn(size, size).to(dtype)
-    b = torch.randn(size, size).to(dtype)
-    torch.mm(a, b)
-    best_s = float("inf")
-    deadline = time.perf_counter() + budget_s
-    while time.perf_counter() < deadline:
-        start = time.perf_counter()
-        torch.mm(a, b)
-        best_s = min(best_s, time.perf_counter() - start)
-    tflops = 2 * size**3 / best_s / 1e12
-    name = str(dtype).removeprefix("torch.")
-    return PeakFlops(tflops=tflops, source=f"measured: best {size}x{size} {name} matmul on CPU")
+# FLOPs per cycle per core of the widest vector FMA a CPU reports, assuming two FMA units (an
+# upper bound: some parts have one, or split 512-bit work in two), so CPU MFU is a lower bound.
+_CPU_FP32_FLOPS_PER_CYCLE = (("avx512f", 64), ("avx2", 32), ("sse2", 16))
+
+
+def _cpu_flags_and_ghz() -> tuple[set[str], float | None]:
+    flags: set[str] = set()
+    mhz: float | None = None
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                key = key.strip()
+                if key == "flags" and not flags:
+                    flags = set(value.split())
+                elif key == "cpu MHz":
+                    mhz = max(mhz or 0.0, float(value))
+    except OSError:
+        pass
+    try:  # the rated maximum clock, where the kernel exposes it, beats the current one
+        with open("/sys/devices/system/cpu/cpu0/cpufreq/cpuinfo_max_freq") as f:
+            mhz = max(mhz or 0.0, int(f.read()) / 1000)
+    except (OSError, ValueError):
+        pass
+    return flags, (mhz / 1000 if mhz else None)
+
+
+def _estimate_cpu_peak(dtype: torch.dtype) -> PeakFlops | None:
+    # A noisy virtual CPU makes a start-up measurement swing by 2x between runs; a figure from
+    # the ISA and clock is stable and, like a GPU datasheet, an upper bound.
+    flags, ghz = _cpu_flags_and_ghz()
+    if ghz is None:
+        return None
+    isa, per_cycle = next(
+        ((name, n) for name, n in _CPU_FP32_FLOPS_PER_CYCLE if name in flags), ("scalar", 2)
+    )
+    kind = "fp32"
+    if dtype == torch.bfloat16 and "avx512_bf16" in flags:
+        per_cycle, isa, kind = 2 * per_cycle, "avx512_bf16", "bf16"
+    threads = torch.get_num_threads()
+    tflops = threads * ghz * 1e9 * per_cycle / 1e12
+    source = (
+        f"estimated CPU peak: {threads} threads x {ghz:.2f} GHz x {per_cycle} {kind} "
+        f"FLOP/cycle ({isa}, two FMA units assumed)"
+    )
+    return PeakFlops(tflops=tflops, source=source)
