@@ -30,25 +30,34 @@ _BENCH_OVERRIDES = (
 )
 
 
+def parse_variant(text: str) -> tuple[str, ...]:
+    """``"training.precision=bf16,training.batch_size=4"`` -> its overrides; ``""`` -> none."""
+    return tuple(part.strip() for part in text.split(",") if part.strip())
+
+
 def bench_train(
     recipes: Sequence[str],
     overrides: Sequence[str] = (),
     *,
+    variants: Sequence[str] = ("",),
     steps: int = 30,
     warmup_steps: int = 5,
 ) -> list[dict[str, Any]]:
-    """One row of figures per recipe, each measured in a fresh process, one after the other."""
+    """One row per (recipe, variant), each measured in a fresh process, one after the other.
+
+    A variant is a comma-separated list of overrides applied on top of ``overrides``.
+    """
     if steps <= warmup_steps:
         raise ValueError(f"--steps ({steps}) must exceed --warmup-steps ({warmup_steps})")
-    for recipe in recipes:  # fail on a bad recipe or override before anything runs
-        load_job(find_recipe(recipe), [*overrides, f"training.steps={steps}"])
+    cases = [(r, (*overrides, *parse_variant(v)), v) for r in recipes for v in variants]
+    for recipe, case_overrides, _ in cases:  # a bad recipe or override fails before any run
+        load_job(find_recipe(recipe), [*case_overrides, f"training.steps={steps}"])
     rows = []
     context = multiprocessing.get_context("spawn")
-    for recipe in recipes:
+    for recipe, case_overrides, variant in cases:
         with ProcessPoolExecutor(max_workers=1, mp_context=context) as pool:
-            rows.append(
-                pool.submit(_bench_one, recipe, tuple(overrides), steps, warmup_steps).result()
-            )
+            job = pool.submit(_bench_one, recipe, case_overrides, steps, warmup_steps)
+            rows.append({"variant": variant, **job.result()})
     return rows
 
 

@@ -95,6 +95,11 @@ def _build_parser() -> argparse.ArgumentParser:
         "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
         help="override applied to every recipe, e.g. --set training.precision=bf16",
     )  # fmt: skip
+    bench_train.add_argument(
+        "--variant", dest="variants", action="append", default=None, metavar="K=V[,K=V...]",
+        help="run every recipe once per variant, e.g. --variant training.precision=fp32 "
+        "--variant training.precision=bf16 (compared side by side)",
+    )  # fmt: skip
     bench_train.add_argument("--steps", type=int, default=30, help="steps per recipe (30)")
     bench_train.add_argument(
         "--warmup-steps", type=int, default=5, help="leading steps left out of the figures (5)"
@@ -175,11 +180,15 @@ def _bench(args: argparse.Namespace, console: Console) -> int:
     from tidal.config import format_bytes
 
     rows = bench_train(
-        args.recipes, args.overrides, steps=args.steps, warmup_steps=args.warmup_steps
+        args.recipes,
+        args.overrides,
+        variants=args.variants or [""],
+        steps=args.steps,
+        warmup_steps=args.warmup_steps,
     )
     path = write_results("train", rows)
     table = Table(title=f"tidal bench train -> {path}", title_justify="left")
-    columns = ("recipe", "params", "precision", "tokens/s", "TFLOP/s", "MFU", "peak memory")
+    columns = ("recipe", "variant", "params", "tokens/s", "TFLOP/s", "MFU", "peak memory")
     for column in columns:
         table.add_column(column, justify="left" if column == "recipe" else "right")
     base = rows[0]["tokens_per_s"]
@@ -188,8 +197,8 @@ def _bench(args: argparse.Namespace, console: Console) -> int:
         memory = ", ".join(f"{k} {format_bytes(v)}" for k, v in row["peak_memory_bytes"].items())
         table.add_row(
             row["recipe"],
+            row["variant"] or "-",
             f"{row['num_params']:,}",
-            row["precision"],
             f"{row['tokens_per_s']:,.0f} ({row['tokens_per_s'] / base:.2f}x)",
             f"{row['model_tflops_per_s']:.3f}",
             mfu,
