@@ -69,6 +69,9 @@ def test_twenty_steps_equal_ten_plus_resume_plus_ten(tmp_path: Path) -> None:
     assert split["final_loss"] == whole["final_loss"]
     assert split["resumed_from_step"] == 10 and split["tokens"] == whole["tokens"]
     _assert_same_state(tmp_path / "whole", tmp_path / "split")
+    # Resuming a finished run trains nothing and still reports the run's last loss.
+    again = _run(tmp_path / "split", 20, resume=True)
+    assert again["steps_this_run"] == 0 and again["final_loss"] == whole["final_loss"]
     # The loss fell: the run trained at all.
     assert losses[-1][1] < losses[0][1] - 1.0
 

@@ -1,7 +1,7 @@
 """The ``tidal`` command. argv is parsed here and nowhere else.
 
 Exit codes: 0 success; 1 a run failed (for example a non-finite loss); 2 bad input (a config
-error, a missing recipe or run folder), reported as one line without a traceback.
+error, a missing recipe or run folder), reported as one line without a traceback; 130 Ctrl-C.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ __all__ = ["main"]
 
 EXIT_FAILED = 1
 EXIT_BAD_INPUT = 2
+EXIT_INTERRUPTED = 130  # the shell's convention for SIGINT
 
 # Bytes per parameter of each kind of model data: weights alone, and everything mixed-precision
 # AdamW training holds (bf16 weights and gradients, fp32 master weights and two moments).
@@ -136,6 +137,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except FloatingPointError as err:
         print(f"tidal: run failed: {err}", file=sys.stderr)
         return EXIT_FAILED
+    except KeyboardInterrupt:
+        print(
+            "tidal: interrupted; checkpoints already written are intact (continue with --resume)",
+            file=sys.stderr,
+        )
+        return EXIT_INTERRUPTED
     raise AssertionError(f"unhandled command {args.command!r}")
 
 

@@ -105,6 +105,7 @@ def _plot_memory(plt: Any, run_dir: Path, train: list[dict]) -> Path:
         ax.plot(steps, peaks, "--", label=f"{tier} peak")
     ax.set_xlabel("step")
     ax.set_ylabel("MiB")
+    ax.set_ylim(bottom=0)
     ax.set_title(f"{run_dir.name}: memory per tier")
     ax.grid(alpha=0.3)
     ax.legend()

@@ -41,6 +41,7 @@ from tidal.engine.metrics import (
     Throughput,
     format_step_line,
     git_commit,
+    read_metrics,
     write_json_atomic,
 )
 from tidal.engine.reference import ReferenceEngine
@@ -120,9 +121,18 @@ class Trainer:
         *,
         resume: bool = False,
         overwrite: bool = False,
-        callbacks: Sequence[Callback] = (),
+        callbacks: Sequence[Callback] | None = None,
     ) -> dict[str, Any]:
-        """Train up to ``training.steps``; return the summary (also written to summary.json)."""
+        """Train up to ``training.steps``; return the summary (also written to summary.json).
+
+        Without ``callbacks`` the progress line goes to ``logging`` (logger ``tidal.engine``).
+        """
+        if callbacks is None:
+            callbacks = [
+                LogCallback(
+                    log_every=self.job.training.log_every, total_steps=self.job.training.steps
+                )
+            ]
         start_wall = time.perf_counter()
         start_step = self._prepare_run_dir(resume=resume, overwrite=overwrite)
         for cb in callbacks:
@@ -311,6 +321,11 @@ class Trainer:
 
     # -- summary ---------------------------------------------------------------------------------
 
+    def _last_logged_loss(self) -> float | None:
+        # A resumed run that had already reached its last step trains nothing this time.
+        losses = [r["loss"] for r in read_metrics(self.run_dir) if r.get("kind") == "train"]
+        return losses[-1] if losses else None
+
     def _summary(
         self,
         last: dict[str, Any] | None,
@@ -327,7 +342,7 @@ class Trainer:
             "steps_this_run": self.engine.global_step - start_step,
             "resumed_from_step": start_step or None,
             "tokens": self.tokens_seen,
-            "final_loss": last["loss"] if last else None,
+            "final_loss": last["loss"] if last else self._last_logged_loss(),
             "val_loss": self.last_val_loss,
             "tokens_per_s": figures["tokens_per_s"],
             "model_tflops_per_s": figures["tflops"],
