@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml constraints.txt
 	touch $(STAMP)
 
 run: $(STAMP)
-	$(BIN)/tidal train --recipe demo --overwrite
+	$(BIN)/tidal train --recipe demo --overwrite --no-plots
 	$(BIN)/tidal report runs/demo
 
 test: $(STAMP)

@@ -14,6 +14,8 @@ from collections.abc import Sequence
 from rich.console import Console
 from rich.table import Table
 
+from tidal.cli.args import build_parser
+
 __all__ = ["main"]
 
 EXIT_FAILED = 1
@@ -25,98 +27,8 @@ EXIT_INTERRUPTED = 130  # the shell's convention for SIGINT
 _TRAINING_BYTES_PER_PARAM = 2 + 2 + 4 + 4 + 4
 
 
-def _build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="tidal",
-        description="Train PyTorch models larger than the accelerator's memory.",
-    )
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-
-    train = sub.add_parser(
-        "train",
-        help="train a model from a recipe",
-        description="Train the recipe's model; writes metrics.jsonl, summary.json, plots and "
-        "checkpoints into the run folder (runs/<name> unless run_dir is set).",
-    )
-    train.add_argument(
-        "--recipe",
-        required=True,
-        metavar="NAME_OR_PATH",
-        help="a recipe name from recipes/ (e.g. demo, tiny) or a path to a TOML file",
-    )
-    train.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override one setting, e.g. --set training.steps=50 --set run_dir=runs/x "
-        "(repeatable; sizes take units such as 512MiB)",
-    )
-    mode = train.add_mutually_exclusive_group()
-    mode.add_argument(
-        "--resume", action="store_true", help="continue from the run folder's latest checkpoint"
-    )
-    mode.add_argument(
-        "--overwrite",
-        action="store_true",
-        help="start over in a run folder that already holds checkpoints (deletes them)",
-    )
-    train.add_argument("--no-plots", action="store_true", help="do not write PNG plots at the end")
-
-    report = sub.add_parser(
-        "report",
-        help="plot a finished run and print its summary",
-        description="Write loss.png and memory.png into RUN_DIR and print the summary table.",
-    )
-    report.add_argument("run_dir", metavar="RUN_DIR", help="a run folder, e.g. runs/demo")
-
-    bench = sub.add_parser(
-        "bench",
-        help="measure throughput, FLOP/s, MFU and memory; writes benchmarks/results/*.json",
-        description="Benchmark programs. Each writes a JSON file (command, commit, torch "
-        "version, device, figures) under benchmarks/results/ and prints a table.",
-    )
-    bench_sub = bench.add_subparsers(dest="bench", required=True, metavar="BENCH")
-    bench_train = bench_sub.add_parser(
-        "train",
-        help="train recipes for a few steps each and compare their steady-state figures",
-        description="Train each recipe for --steps steps in its own process (no checkpoints, "
-        "no validation) and report the median step after --warmup-steps.",
-    )
-    bench_train.add_argument(
-        "--recipe",
-        dest="recipes",
-        action="append",
-        required=True,
-        metavar="NAME_OR_PATH",
-        help="a recipe to measure (repeat to compare several side by side)",
-    )
-    bench_train.add_argument(
-        "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-        help="override applied to every recipe, e.g. --set training.precision=bf16",
-    )  # fmt: skip
-    bench_train.add_argument(
-        "--variant", dest="variants", action="append", default=None, metavar="K=V[,K=V...]",
-        help="run every recipe once per variant, e.g. --variant training.precision=fp32 "
-        "--variant training.precision=bf16 (compared side by side)",
-    )  # fmt: skip
-    bench_train.add_argument("--steps", type=int, default=30, help="steps per recipe (30)")
-    bench_train.add_argument(
-        "--warmup-steps", type=int, default=5, help="leading steps left out of the figures (5)"
-    )
-
-    sub.add_parser(
-        "models",
-        help="list the model presets with parameter counts and memory",
-        description="List the GPT presets: shape, exact parameter count, and model-data bytes "
-        "(weights in bf16 and fp32; mixed-precision AdamW training at 16 bytes/param).",
-    )
-    return parser
-
-
 def main(argv: Sequence[str] | None = None) -> int:
-    args = _build_parser().parse_args(argv)
+    args = build_parser().parse_args(argv)
     console = Console(highlight=False)
     if not console.is_terminal:  # logs and CI: rich would fold tables at 80 columns
         console = Console(highlight=False, width=160)

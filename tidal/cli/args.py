@@ -1,0 +1,101 @@
+"""The command line's flags: one small function per command, shared flags defined once."""
+
+from __future__ import annotations
+
+import argparse
+
+__all__ = ["build_parser"]
+
+_RECIPE_HELP = "a recipe name from recipes/ (e.g. demo, tiny) or a path to a TOML file"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="tidal",
+        description="Train PyTorch models larger than the accelerator's memory.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _add_train(sub)
+    _add_report(sub)
+    _add_bench(sub)
+    _add_models(sub)
+    return parser
+
+
+def _add_recipe(parser: argparse.ArgumentParser, *, many: bool) -> None:
+    if many:
+        parser.add_argument(
+            "--recipe", dest="recipes", action="append", required=True,
+            metavar="NAME_OR_PATH", help=_RECIPE_HELP + " (repeat to compare several)",
+        )  # fmt: skip
+    else:
+        parser.add_argument("--recipe", required=True, metavar="NAME_OR_PATH", help=_RECIPE_HELP)
+    parser.add_argument(
+        "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+        help="override one setting, e.g. --set training.steps=50 --set run_dir=runs/x "
+        "(repeatable; sizes take units such as 512MiB)",
+    )  # fmt: skip
+
+
+def _add_train(sub: argparse._SubParsersAction) -> None:
+    train = sub.add_parser(
+        "train",
+        help="train a model from a recipe",
+        description="Train the recipe's model; writes metrics.jsonl, summary.json, plots and "
+        "checkpoints into the run folder (runs/<name> unless run_dir is set).",
+    )
+    _add_recipe(train, many=False)
+    mode = train.add_mutually_exclusive_group()
+    mode.add_argument(
+        "--resume", action="store_true", help="continue from the run folder's latest checkpoint"
+    )
+    mode.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="start over in a run folder that already holds checkpoints (deletes them)",
+    )
+    train.add_argument("--no-plots", action="store_true", help="do not write PNG plots at the end")
+
+
+def _add_report(sub: argparse._SubParsersAction) -> None:
+    report = sub.add_parser(
+        "report",
+        help="plot a finished run and print its summary",
+        description="Write loss.png and memory.png into RUN_DIR and print the summary table.",
+    )
+    report.add_argument("run_dir", metavar="RUN_DIR", help="a run folder, e.g. runs/demo")
+
+
+def _add_bench(sub: argparse._SubParsersAction) -> None:
+    bench = sub.add_parser(
+        "bench",
+        help="measure throughput, FLOP/s, MFU and memory; writes benchmarks/results/*.json",
+        description="Benchmark programs. Each writes a JSON file (command, commit, torch "
+        "version, device, figures) under benchmarks/results/ and prints a table.",
+    )
+    benches = bench.add_subparsers(dest="bench", required=True, metavar="BENCH")
+    train = benches.add_parser(
+        "train",
+        help="train recipes for a few steps each and compare their steady-state figures",
+        description="Train each recipe for --steps steps in its own process (no checkpoints, "
+        "no validation) and report the median step after --warmup-steps.",
+    )
+    _add_recipe(train, many=True)
+    train.add_argument(
+        "--variant", dest="variants", action="append", default=None, metavar="K=V[,K=V...]",
+        help="run every recipe once per variant, e.g. --variant training.precision=fp32 "
+        "--variant training.precision=bf16 (compared side by side)",
+    )  # fmt: skip
+    train.add_argument("--steps", type=int, default=30, help="steps per recipe (30)")
+    train.add_argument(
+        "--warmup-steps", type=int, default=5, help="leading steps left out of the figures (5)"
+    )
+
+
+def _add_models(sub: argparse._SubParsersAction) -> None:
+    sub.add_parser(
+        "models",
+        help="list the model presets with parameter counts and memory",
+        description="List the GPT presets: shape, exact parameter count, and model-data bytes "
+        "(weights in bf16 and fp32; mixed-precision AdamW training at 16 bytes/param).",
+    )
