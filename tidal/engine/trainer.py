@@ -125,7 +125,7 @@ class Trainer:
     ) -> dict[str, Any]:
         """Train up to ``training.steps``; return the summary (also written to summary.json).
 
-        Without ``callbacks`` the progress line goes to ``logging`` (logger ``tidal.engine``).
+        Without ``callbacks`` the progress line goes to ``logging`` (``tidal.engine.trainer``).
         """
         if callbacks is None:
             callbacks = [
