@@ -1,0 +1,127 @@
+"""Chunk payloads, views, the state machine of [Note: chunk states], and tier residency."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from tidal.memory.chunk import Chunk, ChunkKind, ChunkState, TensorState
+from tidal.memory.layout import plan_layout, unique_parameters
+from tidal.memory.tiers import Tier, TierBudgetError, TierKind
+
+CPU = torch.device("cpu")
+
+
+def _model() -> nn.Module:
+    model = nn.Sequential(nn.Embedding(10, 4), nn.Linear(4, 3), nn.Linear(3, 10, bias=False))
+    return model
+
+
+def _chunk(kind: ChunkKind = ChunkKind.PARAM, dtype: torch.dtype = torch.float32) -> Chunk:
+    layout = plan_layout(unique_parameters(_model()), chunk_size=1024, align=4)
+    assert layout.num_chunks == 1
+    return Chunk(layout.chunks[0], kind=kind, dtype=dtype)
+
+
+def _tiers(device_budget: int | None = None) -> tuple[Tier, Tier]:
+    device = Tier(TierKind.DEVICE, CPU, budget_bytes=device_budget)
+    host = Tier(TierKind.HOST, CPU, budget_bytes=None)
+    return device, host
+
+
+def test_views_share_the_payload_at_the_layout_offsets() -> None:
+    model = _model()
+    chunk = _chunk()
+    device, _ = _tiers()
+    chunk.allocate(device)
+    params = list(model.parameters())
+    for slot, param in enumerate(params):
+        chunk.write(slot, param.detach())
+    for slot, (param, info) in enumerate(zip(params, chunk.spec.slots, strict=True)):
+        view = chunk.view(slot)
+        assert view.shape == param.shape and torch.equal(view, param)
+        assert view.data_ptr() == chunk.payload.data_ptr() + 4 * info.offset
+    assert device.held_bytes == chunk.num_bytes == 4 * chunk.spec.capacity
+
+
+def test_state_is_derived_from_slots() -> None:
+    chunk = _chunk()
+    assert chunk.state is ChunkState.RELEASED
+    device, _ = _tiers()
+    chunk.allocate(device)
+    assert chunk.state is ChunkState.FREE
+    chunk.write(0, torch.zeros(10, 4))
+    assert chunk.state is ChunkState.HOLD
+    chunk.acquire(0)
+    assert chunk.state is ChunkState.COMPUTE and chunk.slot_state(0) is TensorState.COMPUTE
+    chunk.release_slot(0)
+    assert chunk.state is ChunkState.HOLD
+    chunk.discard_slot(0)
+    assert chunk.state is ChunkState.FREE
+
+
+def test_shared_use_is_counted() -> None:
+    chunk = _chunk()
+    chunk.allocate(_tiers()[0])
+    chunk.fill_free_slots(0.0)
+    chunk.acquire(0)
+    chunk.acquire(0)  # e.g. tied embedding: input layer and LM head
+    chunk.release_slot(0)
+    assert chunk.slot_state(0) is TensorState.COMPUTE
+    chunk.release_slot(0)
+    assert chunk.slot_state(0) is TensorState.HOLD
+    with pytest.raises(AssertionError, match="release without acquire"):
+        chunk.release_slot(0)
+
+
+@pytest.mark.parametrize(
+    "illegal",
+    [
+        lambda c: c.acquire(0),  # FREE -> COMPUTE: using data that was never written
+        lambda c: c.discard_slot(0),  # FREE -> FREE
+    ],
+)
+def test_illegal_transitions_assert(illegal) -> None:
+    chunk = _chunk()
+    chunk.allocate(_tiers()[0])
+    with pytest.raises(AssertionError, match="illegal tensor state change"):
+        illegal(chunk)
+
+
+def test_moves_keep_data_and_count_bytes() -> None:
+    device, host = _tiers()
+    chunk = _chunk()
+    chunk.allocate(device)
+    chunk.fill_free_slots(3.0)
+    assert chunk.move_to(host) == chunk.num_bytes
+    assert chunk.tier is host and device.held_bytes == 0 and host.held_bytes == chunk.num_bytes
+    assert device.bytes_out == host.bytes_in == chunk.num_bytes
+    assert torch.all(chunk.view(1) == 3.0)
+    assert chunk.move_to(host) == 0  # already there: nothing moves
+    chunk.acquire(1)
+    with pytest.raises(AssertionError, match="in use"):
+        chunk.move_to(device)
+
+
+def test_budget_refuses_a_move_and_keeps_the_source() -> None:
+    chunk = _chunk()
+    device, host = _tiers(device_budget=chunk.num_bytes - 1)
+    chunk.allocate(host)
+    chunk.fill_free_slots(1.0)
+    with pytest.raises(TierBudgetError):
+        chunk.move_to(device)
+    assert chunk.tier is host and torch.all(chunk.view(0) == 1.0)
+    assert device.held_bytes == 0
+
+
+def test_release_refuses_to_drop_model_data() -> None:
+    device, _ = _tiers()
+    chunk = _chunk(ChunkKind.GRAD, torch.bfloat16)
+    chunk.allocate(device)
+    assert chunk.num_bytes == 2 * chunk.spec.capacity
+    chunk.fill_free_slots(0.0)
+    with pytest.raises(AssertionError, match="would lose its data"):
+        chunk.release()
+    chunk.release(discard=True)
+    assert chunk.state is ChunkState.RELEASED and device.held_bytes == 0

@@ -1,0 +1,192 @@
+"""A chunk: one flat payload on one tier, holding many tensors at fixed offsets.
+
+Parameters (and, mirrored at the same offsets, their gradients, fp32 master copies and optimizer
+moments) are views into chunk payloads. Chunks, not tensors, are what moves between tiers, so a
+move is one large copy and the accounting sees a handful of allocations, not thousands.
+
+[Note: chunk states]
+Each tensor slot of a chunk has a state:
+
+    FREE     no valid data: never written since the payload was allocated, or discarded
+    HOLD     valid data, not in use: the chunk may move between tiers
+    COMPUTE  in use by a running module or the optimizer: the chunk must stay where it is
+
+and the only legal changes are
+
+    FREE -> HOLD        written (initialised, copied in, a gradient arrived)
+    HOLD -> COMPUTE     acquired for use
+    COMPUTE -> HOLD     released after use
+    HOLD -> FREE        discarded (gradients after the optimizer step, a resharded copy)
+
+A tensor used twice at once (a tied embedding read by the input layer and the LM head) is
+acquired twice: it stays COMPUTE until every acquire has been released, counted per slot.
+
+The chunk's own state is derived, never stored, so it cannot drift from its slots: RELEASED
+when it has no payload, else COMPUTE if any slot is COMPUTE, else HOLD if any slot is HOLD, else
+FREE. Moving a payload needs a chunk that is not COMPUTE; dropping it needs one that is FREE
+(or an explicit ``discard``), because dropping HOLD data would lose model data silently. Every
+change goes through :meth:`Chunk._set_state`, which asserts the table above.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import torch
+
+from tidal.memory.layout import ChunkSpec
+from tidal.memory.tiers import Tier, move
+
+__all__ = ["Chunk", "ChunkKind", "ChunkState", "TensorState"]
+
+
+class TensorState(enum.Enum):
+    FREE = "free"
+    HOLD = "hold"
+    COMPUTE = "compute"
+
+
+class ChunkState(enum.Enum):
+    RELEASED = "released"
+    FREE = "free"
+    HOLD = "hold"
+    COMPUTE = "compute"
+
+
+class ChunkKind(enum.Enum):
+    """What a chunk's payload holds; the chunks of one layout index mirror each other."""
+
+    PARAM = "param"
+    GRAD = "grad"
+    MASTER = "master"
+    EXP_AVG = "exp_avg"
+    EXP_AVG_SQ = "exp_avg_sq"
+    MOMENTUM = "momentum"
+
+
+_LEGAL = {
+    (TensorState.FREE, TensorState.HOLD),
+    (TensorState.HOLD, TensorState.COMPUTE),
+    (TensorState.COMPUTE, TensorState.HOLD),
+    (TensorState.HOLD, TensorState.FREE),
+}
+
+
+class Chunk:
+    """The payload of one :class:`ChunkSpec` for one :class:`ChunkKind` and dtype."""
+
+    def __init__(self, spec: ChunkSpec, *, kind: ChunkKind, dtype: torch.dtype) -> None:
+        self.spec = spec
+        self.kind = kind
+        self.dtype = dtype
+        # 1-D, spec.capacity elements of dtype, on self.tier; None while RELEASED.
+        self.payload: torch.Tensor | None = None
+        self.tier: Tier | None = None
+        self._states = [TensorState.FREE] * len(spec.slots)
+        self._compute_refs = [0] * len(spec.slots)
+
+    def __repr__(self) -> str:
+        where = self.tier.kind.value if self.tier else "-"
+        return f"Chunk({self.kind.value} #{self.spec.index}, {self.state.value}, on {where})"
+
+    # -- derived state -------------------------------------------------------------------------
+
+    @property
+    def index(self) -> int:
+        return self.spec.index
+
+    @property
+    def num_bytes(self) -> int:
+        return self.spec.capacity * self.dtype.itemsize
+
+    @property
+    def state(self) -> ChunkState:
+        """Derived from the slots; see [Note: chunk states]."""
+        if self.payload is None:
+            return ChunkState.RELEASED
+        if TensorState.COMPUTE in self._states:
+            return ChunkState.COMPUTE
+        if TensorState.HOLD in self._states:
+            return ChunkState.HOLD
+        return ChunkState.FREE
+
+    def slot_state(self, slot: int) -> TensorState:
+        return self._states[slot]
+
+    def _set_state(self, slot: int, new: TensorState) -> None:
+        old = self._states[slot]
+        assert (old, new) in _LEGAL, (
+            f"illegal tensor state change {old.value} -> {new.value} for "
+            f"{self.spec.slots[slot].names[0]} in {self!r} (see [Note: chunk states])"
+        )
+        self._states[slot] = new
+
+    # -- payload and residency -------------------------------------------------------------------
+
+    def allocate(self, tier: Tier) -> None:
+        """Give a RELEASED chunk an uninitialised payload on ``tier``; every slot is FREE."""
+        assert self.payload is None, f"{self!r} already has a payload"
+        self.payload = tier.allocate(self.spec.capacity, self.dtype)
+        self.tier = tier
+        self._states = [TensorState.FREE] * len(self.spec.slots)
+
+    def move_to(self, tier: Tier, *, non_blocking: bool = False) -> int:
+        """Move the payload to ``tier``; returns the bytes moved (0 if already there)."""
+        assert self.payload is not None and self.tier is not None, f"{self!r} has no payload"
+        assert self.state is not ChunkState.COMPUTE, f"cannot move {self!r} while it is in use"
+        if tier is self.tier:
+            return 0
+        self.payload = move(self.payload, self.tier, tier, non_blocking=non_blocking)
+        self.tier = tier
+        return self.num_bytes
+
+    def release(self, *, discard: bool = False) -> None:
+        """Drop the payload. HOLD data is model data: dropping it needs ``discard=True``."""
+        assert self.payload is not None and self.tier is not None, f"{self!r} has no payload"
+        state = self.state
+        assert state is not ChunkState.COMPUTE, f"cannot release {self!r} while it is in use"
+        assert state is ChunkState.FREE or discard, f"releasing {self!r} would lose its data"
+        self.tier.free(self.payload)
+        self.payload = None
+        self.tier = None
+        self._states = [TensorState.FREE] * len(self.spec.slots)
+
+    # -- slots -----------------------------------------------------------------------------------
+
+    def view(self, slot: int) -> torch.Tensor:
+        """The slot's tensor: a view of the payload with the parameter's shape."""
+        assert self.payload is not None, f"{self!r} has no payload"
+        info = self.spec.slots[slot]
+        return self.payload.narrow(0, info.offset, info.numel).view(info.shape)
+
+    def write(self, slot: int, value: torch.Tensor) -> None:
+        """Copy ``value`` into the slot; a FREE slot becomes HOLD."""
+        assert self._states[slot] is not TensorState.COMPUTE, "write to a slot in use"
+        self.view(slot).copy_(value)
+        if self._states[slot] is TensorState.FREE:
+            self._set_state(slot, TensorState.HOLD)
+
+    def fill_free_slots(self, value: float = 0.0) -> None:
+        """Give every FREE slot ``value`` (zeroed gradients, fresh optimizer moments); now HOLD."""
+        for slot, state in enumerate(self._states):
+            if state is TensorState.FREE:
+                self.view(slot).fill_(value)
+                self._set_state(slot, TensorState.HOLD)
+
+    def acquire(self, slot: int) -> torch.Tensor:
+        """Mark the slot in use (counted) and return its view."""
+        if self._compute_refs[slot] == 0:
+            self._set_state(slot, TensorState.COMPUTE)
+        self._compute_refs[slot] += 1
+        return self.view(slot)
+
+    def release_slot(self, slot: int) -> None:
+        """Undo one :meth:`acquire`; the last one returns the slot to HOLD."""
+        assert self._compute_refs[slot] > 0, f"release without acquire in {self!r}"
+        self._compute_refs[slot] -= 1
+        if self._compute_refs[slot] == 0:
+            self._set_state(slot, TensorState.HOLD)
+
+    def discard_slot(self, slot: int) -> None:
+        """Mark a HOLD slot's data as no longer needed."""
+        self._set_state(slot, TensorState.FREE)

@@ -1,0 +1,326 @@
+"""Memory tiers: the device and the host, each with a byte budget and exact accounting.
+
+A :class:`Tier` hands out flat 1-D tensors (chunk payloads) and counts every byte it holds and
+every byte that crossed into or out of it; :func:`move` copies between tiers and keeps both sets
+of books. Without a GPU the "device" tier is a CPU memory pool whose budget only this accounting
+enforces, so budgets, traffic and the largest model that fits can be tested on any machine.
+
+[Note: tier accounting]
+Earlier systems kept add/subtract counters beside the allocator, and they drifted. A tier keeps
+a table of its live allocations (storage -> bytes asked for) and, after every change, asserts
+
+    0 <= held_bytes <= budget_bytes (when set)    and    held_bytes == sum of the table
+
+so a bookkeeping bug fails at the change that caused it, not steps later as an out-of-memory.
+``held_bytes`` is a running total only so reads are O(1); the check is O(live allocations),
+which stays small because tiers hold chunks (``python -O`` drops it). The table keeps a reference
+to each live storage: the memory stays allocated until :meth:`Tier.free`, exactly as
+``held_bytes`` says, whatever the garbage collector does, and an allocation is recognised by
+storage identity, which also tells 0-byte allocations apart (they all have ``data_ptr() == 0``).
+``bytes_in`` and ``bytes_out`` count only moves between tiers, not allocations and frees: they
+are the traffic a placement policy tries to keep low.
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+from typing import NamedTuple
+
+import torch
+
+from tidal.config import ConfigError, format_bytes, parse_bytes
+
+__all__ = ["Tier", "TierBudgetError", "TierKind", "make_tiers", "move", "resolve_budget"]
+
+_GIB = 1024**3
+
+
+class TierKind(enum.Enum):
+    DEVICE = "device"
+    HOST = "host"
+
+
+def _bytes_text(num_bytes: int) -> str:
+    return f"{num_bytes:,} bytes ({format_bytes(num_bytes)})"
+
+
+class TierBudgetError(RuntimeError):
+    """An allocation would take a tier over its budget; nothing was allocated."""
+
+    def __init__(
+        self, *, kind: TierKind, asked_bytes: int, held_bytes: int, budget_bytes: int
+    ) -> None:
+        self.kind = kind
+        self.asked_bytes = asked_bytes
+        self.held_bytes = held_bytes
+        self.budget_bytes = budget_bytes
+        super().__init__(
+            f"{kind.value} tier over budget: asked for {_bytes_text(asked_bytes)} while holding "
+            f"{_bytes_text(held_bytes)} of a budget of {_bytes_text(budget_bytes)}"
+        )
+
+
+class _Allocation(NamedTuple):
+    storage: torch.UntypedStorage
+    num_bytes: int
+
+
+class Tier:
+    """One memory tier: allocations, a budget, and counters (see [Note: tier accounting]).
+
+    ``pin_memory`` asks for page-locked host memory, which lets copies to and from a GPU run
+    asynchronously; it applies only to a tier in CPU memory and only when CUDA is available, and
+    is silently ignored otherwise (``pinned`` says what the tier actually does).
+    """
+
+    def __init__(
+        self,
+        kind: TierKind,
+        device: torch.device,
+        *,
+        budget_bytes: int | None,
+        pin_memory: bool = False,
+    ) -> None:
+        device = torch.device(device)
+        if kind is TierKind.HOST and device.type != "cpu":
+            raise ValueError(f"a host tier lives in CPU memory, got device {device}")
+        if budget_bytes is not None and budget_bytes < 0:
+            raise ValueError(f"budget_bytes must be >= 0 or None, got {budget_bytes}")
+        self.kind = kind
+        self.device = device
+        self.budget_bytes = budget_bytes
+        self.pinned = pin_memory and device.type == "cpu" and torch.cuda.is_available()
+        self._live: dict[int, _Allocation] = {}  # id(storage) -> allocation
+        self._held_bytes = 0
+        self._peak_bytes = 0
+        self._bytes_in = 0
+        self._bytes_out = 0
+
+    def __repr__(self) -> str:
+        budget = "unlimited" if self.budget_bytes is None else format_bytes(self.budget_bytes)
+        return (
+            f"Tier({self.kind.value} on {self.device}, holds {format_bytes(self._held_bytes)} "
+            f"of {budget} in {self.num_allocations} allocations)"
+        )
+
+    # -- counters ------------------------------------------------------------------------------
+
+    @property
+    def held_bytes(self) -> int:
+        return self._held_bytes
+
+    @property
+    def peak_bytes(self) -> int:
+        return self._peak_bytes
+
+    @property
+    def bytes_in(self) -> int:
+        return self._bytes_in
+
+    @property
+    def bytes_out(self) -> int:
+        return self._bytes_out
+
+    @property
+    def num_allocations(self) -> int:
+        return len(self._live)
+
+    @property
+    def free_bytes(self) -> int | None:
+        return None if self.budget_bytes is None else self.budget_bytes - self._held_bytes
+
+    def can_fit(self, num_bytes: int) -> bool:
+        assert num_bytes >= 0, num_bytes
+        return self.budget_bytes is None or self._held_bytes + num_bytes <= self.budget_bytes
+
+    def reset_peak(self) -> None:
+        self._peak_bytes = self._held_bytes
+
+    def stats(self) -> dict[str, int | None]:
+        return {
+            "held_bytes": self._held_bytes,
+            "peak_bytes": self._peak_bytes,
+            "in_bytes": self._bytes_in,
+            "out_bytes": self._bytes_out,
+            "num_allocations": self.num_allocations,
+            "budget_bytes": self.budget_bytes,
+            "free_bytes": self.free_bytes,
+        }
+
+    # -- allocations ---------------------------------------------------------------------------
+
+    def allocate(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """A new uninitialised 1-D tensor; TierBudgetError (and no allocation) if over budget."""
+        if numel < 0:
+            raise ValueError(f"numel must be >= 0, got {numel}")
+        num_bytes = numel * dtype.itemsize
+        if not self.can_fit(num_bytes):
+            assert self.budget_bytes is not None
+            raise TierBudgetError(
+                kind=self.kind,
+                asked_bytes=num_bytes,
+                held_bytes=self._held_bytes,
+                budget_bytes=self.budget_bytes,
+            )
+        tensor = torch.empty(numel, dtype=dtype, device=self.device, pin_memory=self.pinned)
+        storage = tensor.untyped_storage()
+        self._live[id(storage)] = _Allocation(storage, num_bytes)
+        self._held_bytes += num_bytes
+        self._peak_bytes = max(self._peak_bytes, self._held_bytes)
+        self._check_invariant()
+        return tensor
+
+    def holds(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor`` (or a view of it) is a live allocation of this tier."""
+        storage = tensor.untyped_storage()
+        entry = self._live.get(id(storage))
+        return entry is not None and entry.storage is storage
+
+    def allocation_bytes(self, tensor: torch.Tensor) -> int:
+        """The bytes accounted for ``tensor``'s allocation; asserts this tier made it."""
+        assert self.holds(tensor), f"{self!r}: tensor was not allocated here, or already freed"
+        return self._live[id(tensor.untyped_storage())].num_bytes
+
+    def free(self, tensor: torch.Tensor) -> None:
+        """Give back an allocation of this tier; its memory goes once the caller drops it."""
+        num_bytes = self.allocation_bytes(tensor)
+        del self._live[id(tensor.untyped_storage())]
+        self._held_bytes -= num_bytes
+        self._check_invariant()
+
+    def _record_move(self, *, in_bytes: int = 0, out_bytes: int = 0) -> None:
+        self._bytes_in += in_bytes
+        self._bytes_out += out_bytes
+
+    def _check_invariant(self) -> None:
+        """See [Note: tier accounting]."""
+        assert self._held_bytes >= 0, self
+        assert self.budget_bytes is None or self._held_bytes <= self.budget_bytes, self
+        assert self._held_bytes == sum(a.num_bytes for a in self._live.values()), self
+
+
+def _copy_can_overlap(source: torch.Tensor, target: torch.Tensor) -> bool:
+    # Only a copy between a GPU and pinned host memory is truly asynchronous; a non_blocking copy
+    # into pageable host memory may be read before it lands.
+    if {source.device.type, target.device.type} != {"cpu", "cuda"}:
+        return False
+    host = source if source.device.type == "cpu" else target
+    return host.is_pinned()
+
+
+def move(tensor: torch.Tensor, src: Tier, dst: Tier, *, non_blocking: bool = False) -> torch.Tensor:
+    """Move an allocation of ``src`` to ``dst`` and count the bytes on both; returns the copy.
+
+    A TierBudgetError from ``dst`` leaves both tiers and ``tensor`` as they were. The copy is
+    synchronous unless ``non_blocking`` and one side is pinned host memory with the other on
+    CUDA; then it is ordered on the current stream, and the host must synchronise before reading
+    a copy that landed in host memory. Freeing the source right away is safe in both directions:
+    the CUDA caching allocator reuses a block only after work already queued on its stream, and
+    the pinned-memory allocator holds a block until the copies that used it have finished.
+    """
+    assert src is not dst, f"move within one tier: {src!r}"
+    num_bytes = src.allocation_bytes(tensor)
+    assert tensor.numel() * tensor.element_size() == num_bytes, "move takes whole allocations"
+    moved = dst.allocate(tensor.numel(), tensor.dtype).view(tensor.shape)
+    try:
+        moved.copy_(tensor, non_blocking=non_blocking and _copy_can_overlap(tensor, moved))
+    except BaseException:
+        dst.free(moved)
+        raise
+    src.free(tensor)
+    src._record_move(out_bytes=num_bytes)
+    dst._record_move(in_bytes=num_bytes)
+    return moved
+
+
+# ---------------------------------------------------------------------------------------------
+# budgets
+
+# What "auto" leaves unbudgeted, as max(floor, fraction of the total). On a GPU the reserve holds
+# what is not model data yet shares the memory: the CUDA context and library workspaces (outside
+# the allocator, hundreds of MiB), the caching allocator's fragmentation, and activations and
+# temporaries. On the host it holds the OS, the page cache, this process and data loaders. The
+# fraction scales with big machines, the floor protects small ones. It is a starting point, not
+# a tuned ratio: write an explicit size to override it.
+_RESERVE_FRACTION = 0.10
+_CUDA_RESERVE_FLOOR_BYTES = 1 * _GIB
+_HOST_RESERVE_FLOOR_BYTES = 2 * _GIB
+
+
+def _physical_ram_bytes() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def _auto_budget_bytes(*, kind: TierKind, device: torch.device, key: str) -> int:
+    if device.type not in ("cuda", "cpu"):
+        raise ConfigError(key, f"'auto' is not supported for device {device}; write a size")
+    on_gpu = device.type == "cuda" and kind is TierKind.DEVICE
+    what = str(device) if on_gpu else "host RAM"
+    total_bytes = torch.cuda.mem_get_info(device)[1] if on_gpu else _physical_ram_bytes()
+    floor_bytes = _CUDA_RESERVE_FLOOR_BYTES if on_gpu else _HOST_RESERVE_FLOOR_BYTES
+    reserve_bytes = max(floor_bytes, int(total_bytes * _RESERVE_FRACTION))
+    usable_bytes = total_bytes - reserve_bytes
+    if usable_bytes <= 0:
+        raise ConfigError(
+            key,
+            f"'auto' leaves nothing: {what} has {_bytes_text(total_bytes)} and the reserve is "
+            f"{_bytes_text(reserve_bytes)}; write an explicit size",
+        )
+    # Training on a CPU, the device tier is a pool in the host's RAM: the tiers split it.
+    return usable_bytes if device.type == "cuda" else usable_bytes // 2
+
+
+def resolve_budget(
+    value: int | str | None, *, kind: TierKind, device: torch.device, key: str = ""
+) -> int | None:
+    """A tier's budget in bytes from a config value; ``None`` means unlimited.
+
+    ``value`` is ``None``, a positive number of bytes, a size such as ``"512MiB"``, or ``"auto"``.
+    ``device`` is the training device, for both kinds. ``"auto"`` is what the hardware has minus
+    a reserve of ``max(floor, 10%)`` (see the comment above ``_RESERVE_FRACTION``):
+
+    - the device tier on CUDA: the GPU's total memory minus ``max(1 GiB, 10%)``;
+    - the host tier: physical RAM minus ``max(2 GiB, 10%)``;
+    - training on a CPU, the device tier is a pool in the same RAM as the host tier, so each
+      tier's ``"auto"`` is half of what is left after the reserve.
+    """
+    if value is None:
+        return None
+    if isinstance(value, str) and value.strip().lower() == "auto":
+        return _auto_budget_bytes(kind=kind, device=torch.device(device), key=key)
+    wrong = ConfigError(
+        key,
+        f"expected a number of bytes, a size such as '512MiB' or '2GB' (units: B, KB, MB, GB, "
+        f"TB, KiB, MiB, GiB, TiB), or 'auto', got {value!r}",
+    )
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise wrong
+    try:
+        num_bytes = parse_bytes(value, key=key)
+    except ConfigError:
+        raise wrong from None
+    if num_bytes <= 0:
+        raise ConfigError(key, f"a budget must be > 0 bytes, got {value!r}")
+    return num_bytes
+
+
+def make_tiers(
+    *, device: torch.device, device_budget: int | str | None, host_budget: int | str | None
+) -> tuple[Tier, Tier]:
+    """The (device tier, host tier) pair for training on ``device``; budgets as resolve_budget.
+
+    The host tier is pinned when the device is CUDA, so moves between the two can overlap.
+    """
+    device = torch.device(device)
+    device_bytes = resolve_budget(
+        device_budget, kind=TierKind.DEVICE, device=device, key="memory.device_budget"
+    )
+    host_bytes = resolve_budget(
+        host_budget, kind=TierKind.HOST, device=device, key="memory.host_budget"
+    )
+    pinned = device.type == "cuda"
+    return (
+        Tier(TierKind.DEVICE, device, budget_bytes=device_bytes),
+        Tier(TierKind.HOST, torch.device("cpu"), budget_bytes=host_bytes, pin_memory=pinned),
+    )
