@@ -28,7 +28,7 @@ def tidal(*args: str, timeout_s: float = 300) -> subprocess.CompletedProcess[str
     [
         ("training.stepz=3", "training.stepz", "unknown key"),
         ("training.steps=many", "training.steps", "expected an integer"),
-        ("memory.device_budget_bytes=-2GiB", "memory.device_budget_bytes", "cannot be negative"),
+        ("memory.device_budget=-2GiB", "memory.device_budget", "cannot be negative"),
         ("training.precision=fp8", "training.precision", "expected one of"),
         ("data.source=web", "data.source", "expected one of"),
     ],

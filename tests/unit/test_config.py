@@ -7,7 +7,7 @@ from typing import Literal
 
 import pytest
 
-from tidal.config import ConfigError, apply_overrides, from_dict, parse_bytes, to_dict
+from tidal.config import ByteSize, ConfigError, apply_overrides, from_dict, parse_bytes, to_dict
 from tidal.engine import JobConfig, list_recipes, load_job
 
 
@@ -15,7 +15,8 @@ from tidal.engine import JobConfig, list_recipes, load_job
 class _Inner:
     count: int = 1
     ratio: float = 0.5
-    budget_bytes: int | None = None
+    budget: ByteSize | None = None
+    limit: ByteSize | Literal["auto"] = "auto"
     mode: Literal["a", "b"] = "a"
     flag: bool = False
     betas: tuple[float, float] = (0.9, 0.95)
@@ -55,15 +56,16 @@ def test_parse_bytes_rejects(bad: object) -> None:
 def test_from_dict_builds_nested_and_coerces_cli_strings() -> None:
     cfg = from_dict(
         _Outer,
-        {"name": "run", "inner": {"count": "7", "ratio": "1e-3", "budget_bytes": "1MiB",
+        {"name": "run", "inner": {"count": "7", "ratio": "1e-3", "budget": "1MiB", "limit": "2KB",
                                   "mode": "b", "flag": "true", "betas": "0.8,0.99"}},
     )  # fmt: skip
     assert cfg.inner.count == 7
     assert cfg.inner.ratio == pytest.approx(1e-3)
-    assert cfg.inner.budget_bytes == 2**20
+    assert cfg.inner.budget == 2**20 and cfg.inner.limit == 2000
+    assert from_dict(_Inner, {"limit": "auto"}).limit == "auto"
     assert cfg.inner.mode == "b" and cfg.inner.flag is True
     assert cfg.inner.betas == (0.8, 0.99)
-    assert from_dict(_Outer, {"inner": {"budget_bytes": "none"}}).inner.budget_bytes is None
+    assert from_dict(_Outer, {"inner": {"budget": "none"}}).inner.budget is None
 
 
 def test_unknown_key_names_path_and_suggests() -> None:
@@ -80,7 +82,8 @@ def test_unknown_key_names_path_and_suggests() -> None:
         ({"inner": {"count": True}}, "inner.count", "expected an integer"),
         ({"inner": {"count": 0}}, "inner.count", "must be >= 1"),
         ({"inner": {"mode": "c"}}, "inner.mode", "expected one of 'a', 'b'"),
-        ({"inner": {"budget_bytes": "-2GB"}}, "inner.budget_bytes", "cannot be negative"),
+        ({"inner": {"budget": "-2GB"}}, "inner.budget", "cannot be negative"),
+        ({"inner": {"limit": "lots"}}, "inner.limit", "'auto'"),
         ({"inner": 3}, "inner", "expected a table"),
         ({"name": 5}, "name", "expected a string"),
     ],
@@ -112,9 +115,9 @@ def test_every_recipe_loads_and_round_trips() -> None:
 
 
 def test_job_overrides_and_errors() -> None:
-    job = load_job("tiny", ["training.steps=7", "memory.device_budget_bytes=2GiB"])
+    job = load_job("tiny", ["training.steps=7", "memory.device_budget=2GiB"])
     assert job.training.steps == 7
-    assert job.memory.device_budget_bytes == 2 * 2**30
+    assert job.memory.device_budget == 2 * 2**30
     with pytest.raises(ConfigError, match="training.stepz: unknown key"):
         load_job("tiny", ["training.stepz=7"])
     with pytest.raises(ConfigError, match="unknown recipe 'nope'.*tiny"):

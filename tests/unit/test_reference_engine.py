@@ -133,10 +133,12 @@ def test_bf16_autocast_trains_and_fp16_on_cpu_is_refused() -> None:
 
 
 def test_device_budget_is_enforced() -> None:
-    with pytest.raises(ConfigError, match="memory.device_budget_bytes"):
-        tidal.initialize(build_gpt(TINY), {"memory": {"device_budget_bytes": "1MiB"}})
-    engine = tidal.initialize(build_gpt(TINY), {"memory": {"device_budget_bytes": "4MiB"}})
+    with pytest.raises(ConfigError, match="memory.device_budget"):
+        tidal.initialize(build_gpt(TINY), {"memory": {"device_budget": "1MiB"}})
+    engine = tidal.initialize(build_gpt(TINY), {"memory": {"device_budget": "4MiB"}})
     assert isinstance(engine, ReferenceEngine)
+    # "auto" is the machine's own memory minus a reserve: a tiny model fits.
+    tidal.initialize(build_gpt(TINY), {"memory": {"device_budget": "auto"}})
 
 
 def test_initialize_accepts_a_dict_config() -> None:

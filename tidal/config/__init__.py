@@ -1,6 +1,7 @@
 """Typed configuration machinery shared by every component (see configurable.py)."""
 
 from tidal.config.configurable import (
+    ByteSize,
     ConfigError,
     apply_overrides,
     format_bytes,
@@ -12,6 +13,7 @@ from tidal.config.configurable import (
 )
 
 __all__ = [
+    "ByteSize",
     "ConfigError",
     "apply_overrides",
     "format_bytes",

@@ -9,7 +9,7 @@ each error with the dotted path, so a user reads ``training.steps: must be >= 1,
 Values reach a config from two places: TOML, where they are already typed, and ``--set k=v``,
 where they are strings. One coercion function accepts both: a string is parsed into the field's
 type (``"50"`` -> 50 for an ``int``), a typed value must already match (``bool`` is never an
-``int``). Fields whose name ends in ``_bytes`` are sizes and also take ``"512MiB"``/``"2GB"``.
+``int``). Fields typed :data:`ByteSize` are sizes and also take ``"512MiB"``/``"2GB"``.
 ``"none"`` clears an optional field from the command line.
 """
 
@@ -23,7 +23,7 @@ import types
 import typing
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Literal, TypeVar, Union, get_args, get_origin, get_type_hints
+from typing import Annotated, Any, Literal, TypeVar, Union, get_args, get_origin, get_type_hints
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -31,6 +31,7 @@ else:  # pragma: no cover - exercised only on Python 3.10
     import tomli as tomllib
 
 __all__ = [
+    "ByteSize",
     "ConfigError",
     "apply_overrides",
     "format_bytes",
@@ -42,6 +43,17 @@ __all__ = [
 ]
 
 T = TypeVar("T")
+
+
+class _SizeMarker:
+    def __repr__(self) -> str:
+        return "size"
+
+
+_SIZE = _SizeMarker()
+
+ByteSize = Annotated[int, _SIZE]
+"""A number of bytes: config files and ``--set`` may write it as ``"512MiB"`` or ``"2GB"``."""
 
 
 class ConfigError(ValueError):
@@ -121,14 +133,14 @@ def from_dict(cls: type[T], data: Mapping[str, Any] | None, *, path: str = "") -
     """Build the config dataclass ``cls`` from ``data``; raise ConfigError naming the dotted key."""
     assert dataclasses.is_dataclass(cls), cls
     data = dict(data or {})
-    hints = get_type_hints(cls)
+    hints = get_type_hints(cls, include_extras=True)
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
     kwargs: dict[str, Any] = {}
     for key, value in data.items():
         dotted = f"{path}.{key}" if path else key
         if key not in fields:
             raise ConfigError(dotted, _unknown_key_message(key, fields))
-        kwargs[key] = _coerce(value, hints[key], dotted, key)
+        kwargs[key] = _coerce(value, hints[key], dotted)
     try:
         return cls(**kwargs)
     except ConfigError as err:
@@ -150,9 +162,14 @@ def _type_name(tp: Any) -> str:
     )
 
 
-def _coerce(value: Any, tp: Any, dotted: str, name: str) -> Any:
+def _coerce(value: Any, tp: Any, dotted: str) -> Any:
     """See [Note: value coercion]."""
     origin = get_origin(tp)
+    if origin is Annotated:
+        base, *extras = get_args(tp)
+        if _SIZE in extras:
+            return parse_bytes(value, key=dotted)
+        return _coerce(value, base, dotted)
     if origin in (Union, types.UnionType):
         options = [a for a in get_args(tp) if a is not type(None)]
         clears = value is None or (isinstance(value, str) and value.lower() in ("none", "null"))
@@ -161,7 +178,7 @@ def _coerce(value: Any, tp: Any, dotted: str, name: str) -> Any:
         errors = []
         for option in options:
             try:
-                return _coerce(value, option, dotted, name)
+                return _coerce(value, option, dotted)
             except ConfigError as err:
                 errors.append(err.message)
         raise ConfigError(dotted, " or ".join(errors))
@@ -172,13 +189,11 @@ def _coerce(value: Any, tp: Any, dotted: str, name: str) -> Any:
             raise ConfigError(dotted, f"expected one of {choices}, got {value!r}")
         return value
     if origin in (tuple, list):
-        return _coerce_sequence(value, tp, dotted, name)
+        return _coerce_sequence(value, tp, dotted)
     if dataclasses.is_dataclass(tp):
         if not isinstance(value, Mapping):
             raise ConfigError(dotted, f"expected a table of settings, got {value!r}")
         return from_dict(tp, value, path=dotted)
-    if tp is int and name.endswith("_bytes"):
-        return parse_bytes(value, key=dotted)
     return _coerce_scalar(value, tp, dotted)
 
 
@@ -218,7 +233,7 @@ def _coerce_scalar(value: Any, tp: Any, dotted: str) -> Any:
     raise AssertionError(f"config field type {tp!r} is not supported by from_dict")
 
 
-def _coerce_sequence(value: Any, tp: Any, dotted: str, name: str) -> Any:
+def _coerce_sequence(value: Any, tp: Any, dotted: str) -> Any:
     origin, args = get_origin(tp), get_args(tp)
     if isinstance(value, str):
         value = [v for v in (p.strip() for p in value.strip("[]()").split(",")) if v]
@@ -227,9 +242,9 @@ def _coerce_sequence(value: Any, tp: Any, dotted: str, name: str) -> Any:
     if origin is tuple and args and args[-1] is not Ellipsis:
         if len(value) != len(args):
             raise ConfigError(dotted, f"expected {len(args)} values, got {len(value)}")
-        return tuple(_coerce(v, a, dotted, name) for v, a in zip(value, args, strict=True))
+        return tuple(_coerce(v, a, dotted) for v, a in zip(value, args, strict=True))
     item_tp = args[0] if args else Any
-    items = [_coerce(v, item_tp, dotted, name) for v in value]
+    items = [_coerce(v, item_tp, dotted) for v in value]
     return tuple(items) if origin is tuple else items
 
 
@@ -286,7 +301,7 @@ def _deep_copy(data: Mapping[str, Any]) -> dict[str, Any]:
 
 def fields_of(cls: type) -> typing.Iterator[tuple[str, Any]]:
     """(name, type) of each init field of a config class; for help texts and listings."""
-    hints = get_type_hints(cls)
+    hints = get_type_hints(cls, include_extras=True)
     for field in dataclasses.fields(cls):
         if field.init:
             yield field.name, hints[field.name]

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from tidal.config import require
+from tidal.config import ByteSize, require
 
 __all__ = [
     "CheckpointConfig",
@@ -145,20 +145,21 @@ class MetricsConfig:
 
 @dataclass(kw_only=True, slots=True)
 class MemoryConfig:
-    """Byte budgets per tier (sizes such as ``"512MiB"`` or ``"2GB"``).
+    """Byte budgets per tier: sizes such as ``"512MiB"`` or ``"2GB"``, ``"auto"``, or unset.
 
     Attributes:
-        device_budget_bytes: the most model data (weights, gradients, optimizer state) the run
-            may keep on the training device; ``None`` means no limit. The reference engine keeps
-            all model data on the device, so it refuses a model whose data exceeds the budget.
+        device_budget: the most model data (weights, gradients, optimizer state) the run may keep
+            on the training device. ``"auto"``: what the device has minus a documented reserve
+            (see ``tidal.memory.tiers.resolve_budget``); unset: no limit. The reference engine
+            keeps all model data on the device, so it refuses a model whose data exceeds it.
+        host_budget: the same for host memory, where offloaded model data lives.
     """
 
-    device_budget_bytes: int | None = None
+    device_budget: ByteSize | Literal["auto"] | None = None
+    host_budget: ByteSize | Literal["auto"] | None = None
 
     def __post_init__(self) -> None:
-        if self.device_budget_bytes is not None:
-            require(
-                self.device_budget_bytes > 0,
-                "device_budget_bytes",
-                f"must be > 0, got {self.device_budget_bytes}",
-            )
+        for name in ("device_budget", "host_budget"):
+            value = getattr(self, name)
+            if isinstance(value, int):
+                require(value > 0, name, f"must be > 0, got {value}")

@@ -28,6 +28,7 @@ from tidal.config import ConfigError, format_bytes
 from tidal.engine.config import MemoryConfig, OptimizerConfig, TrainingConfig
 from tidal.engine.device import memory_bytes, peak_memory_bytes, resolve_device
 from tidal.engine.lr import WarmupCosine
+from tidal.memory.tiers import TierKind, resolve_budget
 
 __all__ = ["ReferenceEngine", "build_adamw"]
 
@@ -58,18 +59,21 @@ def build_adamw(model: nn.Module, config: OptimizerConfig, lr: float) -> torch.o
 _MODEL_DATA_BYTES_PER_FP32_PARAM = 4 * 4
 
 
-def _check_device_budget(model: nn.Module, memory: MemoryConfig) -> None:
-    budget = memory.device_budget_bytes
+def _check_device_budget(model: nn.Module, memory: MemoryConfig, device: torch.device) -> None:
+    budget = resolve_budget(
+        memory.device_budget, kind=TierKind.DEVICE, device=device, key="memory.device_budget"
+    )
     if budget is None:
         return
     num_params = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
     needed = num_params * _MODEL_DATA_BYTES_PER_FP32_PARAM
     if needed > budget:
         raise ConfigError(
-            "memory.device_budget_bytes",
+            "memory.device_budget",
             f"the reference engine keeps all model data on the device: {num_params:,} params "
-            f"need {format_bytes(needed)} (weights, grads, AdamW moments) but the budget is "
-            f"{format_bytes(budget)}; raise the budget or pick a smaller model.preset",
+            f"need {needed:,} bytes ({format_bytes(needed)}: weights, grads, AdamW moments) but "
+            f"the budget is {budget:,} bytes ({format_bytes(budget)}); raise the budget or pick "
+            f"a smaller model.preset",
         )
 
 
@@ -85,7 +89,7 @@ class ReferenceEngine:
         memory: MemoryConfig | None = None,
     ) -> None:
         self.device = resolve_device(training.device)
-        _check_device_budget(model, memory or MemoryConfig())
+        _check_device_budget(model, memory or MemoryConfig(), self.device)
         self.precision = training.precision
         if self.precision == "fp16" and self.device.type != "cuda":
             raise ConfigError(
