@@ -125,3 +125,48 @@ def test_release_refuses_to_drop_model_data() -> None:
         chunk.release()
     chunk.release(discard=True)
     assert chunk.state is ChunkState.RELEASED and device.held_bytes == 0
+
+
+def test_device_views_survive_eviction_and_autograd() -> None:
+    """[Note: persistent buffers]: views bound once stay valid across evict/fetch cycles."""
+    device, host = _tiers()
+    model = _model()
+    reference = [p.detach().clone() for p in model.parameters()]
+    chunk = _chunk()
+    chunk.allocate(host)
+    for slot, param in enumerate(model.parameters()):
+        chunk.write(slot, param.detach())
+        param.data = chunk.device_view(slot, device)
+    chunk.move_to(device)
+    x = torch.randint(0, 10, (5,))
+    loss = model(x).square().sum()  # autograd saves the Linear weights (views of the buffer)
+    chunk.move_to(host)  # evicted between forward and backward
+    assert device.held_bytes == 0
+    with pytest.raises(RuntimeError, match="storage"):
+        model(x)  # a use while evicted fails instead of reading freed memory
+    chunk.move_to(device)
+    loss.backward()
+
+    plain = _model()
+    for param, value in zip(plain.parameters(), reference, strict=True):
+        param.data = value.clone()
+    plain(x).square().sum().backward()
+    for ours, theirs in zip(model.parameters(), plain.parameters(), strict=True):
+        assert torch.equal(ours.detach(), theirs.detach())
+        assert torch.allclose(ours.grad, theirs.grad)
+    assert device.bytes_in == 2 * chunk.num_bytes and device.bytes_out == chunk.num_bytes
+
+
+def test_regrow_respects_the_budget() -> None:
+    chunk = _chunk()
+    device, host = _tiers(device_budget=chunk.num_bytes)
+    chunk.allocate(device)
+    chunk.fill_free_slots(2.0)
+    chunk.move_to(host)
+    blocker = device.allocate(1, torch.uint8)  # one byte short now
+    with pytest.raises(TierBudgetError):
+        chunk.move_to(device)
+    assert chunk.tier is host and torch.all(chunk.view(0) == 2.0)
+    device.free(blocker)
+    chunk.move_to(device)
+    assert torch.all(chunk.view(0) == 2.0) and device.held_bytes == chunk.num_bytes

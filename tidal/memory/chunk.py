@@ -35,7 +35,7 @@ import enum
 import torch
 
 from tidal.memory.layout import ChunkSpec
-from tidal.memory.tiers import Tier, move
+from tidal.memory.tiers import Tier, TierKind
 
 __all__ = ["Chunk", "ChunkKind", "ChunkState", "TensorState"]
 
@@ -79,9 +79,13 @@ class Chunk:
         self.spec = spec
         self.kind = kind
         self.dtype = dtype
-        # 1-D, spec.capacity elements of dtype, on self.tier; None while RELEASED.
-        self.payload: torch.Tensor | None = None
-        self.tier: Tier | None = None
+        # Both 1-D with spec.capacity elements of dtype. The device buffer is one object for the
+        # chunk's life, its storage grown while resident and 0 bytes otherwise ([Note:
+        # persistent buffers] in tiers.py); the host buffer is allocated per stay on the host.
+        self._device_buffer: torch.Tensor | None = None
+        self._host_buffer: torch.Tensor | None = None
+        self._device_views: list[torch.Tensor] = []  # one per slot, made once with the buffer
+        self.tier: Tier | None = None  # where the data is; None while RELEASED
         self._states = [TensorState.FREE] * len(spec.slots)
         self._compute_refs = [0] * len(spec.slots)
 
@@ -98,6 +102,16 @@ class Chunk:
     @property
     def num_bytes(self) -> int:
         return self.spec.capacity * self.dtype.itemsize
+
+    @property
+    def payload(self) -> torch.Tensor | None:
+        if self.tier is None:
+            return None
+        return self._device_buffer if self.tier.kind is TierKind.DEVICE else self._host_buffer
+
+    @property
+    def on_device(self) -> bool:
+        return self.tier is not None and self.tier.kind is TierKind.DEVICE
 
     @property
     def state(self) -> ChunkState:
@@ -125,29 +139,66 @@ class Chunk:
 
     def allocate(self, tier: Tier) -> None:
         """Give a RELEASED chunk an uninitialised payload on ``tier``; every slot is FREE."""
-        assert self.payload is None, f"{self!r} already has a payload"
-        self.payload = tier.allocate(self.spec.capacity, self.dtype)
+        assert self.tier is None, f"{self!r} already has a payload"
+        self._grow_on(tier)
         self.tier = tier
         self._states = [TensorState.FREE] * len(self.spec.slots)
 
+    def device_handle(self, tier: Tier) -> torch.Tensor:
+        """The persistent device buffer (made with 0 bytes if need be); views of it stay valid."""
+        assert tier.kind is TierKind.DEVICE, tier
+        if self._device_buffer is None:
+            # torch refuses to make a view into a 0-byte storage, so the slot views are taken
+            # while the new buffer still has its storage (one chunk, briefly, unaccounted),
+            # then the storage is shrunk until the first fetch.
+            buffer = torch.empty(self.spec.capacity, dtype=self.dtype, device=tier.device)
+            self._device_views = [self._slot_of(buffer, i) for i in range(len(self.spec.slots))]
+            buffer.untyped_storage().resize_(0)
+            self._device_buffer = buffer
+        return self._device_buffer
+
+    def _grow_on(self, tier: Tier) -> torch.Tensor:
+        # Only storage on ``tier`` changes; TierBudgetError leaves the chunk as it was.
+        if tier.kind is TierKind.DEVICE:
+            buffer = self.device_handle(tier)
+            tier.regrow(buffer)
+            return buffer
+        assert self._host_buffer is None, f"{self!r} already has a host buffer"
+        self._host_buffer = tier.allocate(self.spec.capacity, self.dtype)
+        return self._host_buffer
+
+    def _shrink_on(self, tier: Tier) -> None:
+        if tier.kind is TierKind.DEVICE:
+            assert self._device_buffer is not None
+            tier.release_storage(self._device_buffer)
+        else:
+            assert self._host_buffer is not None
+            tier.free(self._host_buffer)
+            self._host_buffer = None
+
     def move_to(self, tier: Tier, *, non_blocking: bool = False) -> int:
         """Move the payload to ``tier``; returns the bytes moved (0 if already there)."""
-        assert self.payload is not None and self.tier is not None, f"{self!r} has no payload"
+        source, src = self.payload, self.tier
+        assert source is not None and src is not None, f"{self!r} has no payload"
         assert self.state is not ChunkState.COMPUTE, f"cannot move {self!r} while it is in use"
-        if tier is self.tier:
+        if tier is src:
             return 0
-        self.payload = move(self.payload, self.tier, tier, non_blocking=non_blocking)
+        target = self._grow_on(tier)
+        overlap = non_blocking and (source.is_pinned() or target.is_pinned())
+        target.copy_(source, non_blocking=overlap)
+        self._shrink_on(src)
+        src.record_move(out_bytes=self.num_bytes)
+        tier.record_move(in_bytes=self.num_bytes)
         self.tier = tier
         return self.num_bytes
 
     def release(self, *, discard: bool = False) -> None:
         """Drop the payload. HOLD data is model data: dropping it needs ``discard=True``."""
-        assert self.payload is not None and self.tier is not None, f"{self!r} has no payload"
+        assert self.tier is not None, f"{self!r} has no payload"
         state = self.state
         assert state is not ChunkState.COMPUTE, f"cannot release {self!r} while it is in use"
         assert state is ChunkState.FREE or discard, f"releasing {self!r} would lose its data"
-        self.tier.free(self.payload)
-        self.payload = None
+        self._shrink_on(self.tier)
         self.tier = None
         self._states = [TensorState.FREE] * len(self.spec.slots)
 
@@ -155,9 +206,18 @@ class Chunk:
 
     def view(self, slot: int) -> torch.Tensor:
         """The slot's tensor: a view of the payload with the parameter's shape."""
-        assert self.payload is not None, f"{self!r} has no payload"
+        payload = self.payload
+        assert payload is not None, f"{self!r} has no payload"
+        return self._slot_of(payload, slot)
+
+    def device_view(self, slot: int, tier: Tier) -> torch.Tensor:
+        """The slot in the persistent device buffer: valid memory only while on the device."""
+        self.device_handle(tier)
+        return self._device_views[slot]
+
+    def _slot_of(self, buffer: torch.Tensor, slot: int) -> torch.Tensor:
         info = self.spec.slots[slot]
-        return self.payload.narrow(0, info.offset, info.numel).view(info.shape)
+        return buffer.narrow(0, info.offset, info.numel).view(info.shape)
 
     def write(self, slot: int, value: torch.Tensor) -> None:
         """Copy ``value`` into the slot; a FREE slot becomes HOLD."""

@@ -189,9 +189,44 @@ class Tier:
         self._held_bytes -= num_bytes
         self._check_invariant()
 
-    def _record_move(self, *, in_bytes: int = 0, out_bytes: int = 0) -> None:
+    def record_move(self, *, in_bytes: int = 0, out_bytes: int = 0) -> None:
+        """Count bytes that crossed into or out of this tier (see [Note: tier accounting])."""
+        assert in_bytes >= 0 and out_bytes >= 0, (in_bytes, out_bytes)
         self._bytes_in += in_bytes
         self._bytes_out += out_bytes
+
+    # -- persistent buffers ---------------------------------------------------------------------
+    # [Note: persistent buffers]
+    # Parameters are views into a chunk's device buffer, and autograd keeps saved references to
+    # them across a whole forward and backward. If eviction freed that buffer and a fetch made a
+    # new one, every view and saved tensor would point at dead memory. So a device buffer is one
+    # tensor object for the chunk's whole life: eviction resizes its storage to 0 bytes (a use
+    # while evicted raises instead of reading garbage) and a fetch resizes it back. The tier
+    # accounts the bytes while the storage is grown, exactly like an allocation.
+
+    def regrow(self, tensor: torch.Tensor) -> None:
+        """Give a 0-byte buffer its storage back; TierBudgetError (and no change) if over budget."""
+        storage = tensor.untyped_storage()
+        assert storage.nbytes() == 0 and not self.holds(tensor), "regrow of a live buffer"
+        num_bytes = tensor.numel() * tensor.element_size()
+        if not self.can_fit(num_bytes):
+            assert self.budget_bytes is not None
+            raise TierBudgetError(
+                kind=self.kind,
+                asked_bytes=num_bytes,
+                held_bytes=self._held_bytes,
+                budget_bytes=self.budget_bytes,
+            )
+        storage.resize_(num_bytes)
+        self._live[id(storage)] = _Allocation(storage, num_bytes)
+        self._held_bytes += num_bytes
+        self._peak_bytes = max(self._peak_bytes, self._held_bytes)
+        self._check_invariant()
+
+    def release_storage(self, tensor: torch.Tensor) -> None:
+        """Free a grown buffer's bytes but keep the tensor object (and its views) for regrow."""
+        self.free(tensor)
+        tensor.untyped_storage().resize_(0)
 
     def _check_invariant(self) -> None:
         """See [Note: tier accounting]."""
@@ -229,8 +264,8 @@ def move(tensor: torch.Tensor, src: Tier, dst: Tier, *, non_blocking: bool = Fal
         dst.free(moved)
         raise
     src.free(tensor)
-    src._record_move(out_bytes=num_bytes)
-    dst._record_move(in_bytes=num_bytes)
+    src.record_move(out_bytes=num_bytes)
+    dst.record_move(in_bytes=num_bytes)
     return moved
 
 
