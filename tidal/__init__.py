@@ -19,21 +19,31 @@ from torch import nn
 
 from tidal.config import ConfigError
 from tidal.engine import JobConfig, ReferenceEngine, Trainer, load_job
+from tidal.engine.build import Engine, build_engine
+from tidal.engine.chunk_engine import ChunkEngine
 
 __version__ = "0.1.0"
 
 Config = JobConfig
 
-__all__ = ["Config", "ConfigError", "ReferenceEngine", "Trainer", "__version__", "initialize"]
+__all__ = [
+    "ChunkEngine",
+    "Config",
+    "ConfigError",
+    "Engine",
+    "ReferenceEngine",
+    "Trainer",
+    "__version__",
+    "initialize",
+]
 
 
 def initialize(
     model: nn.Module, config: JobConfig | Mapping[str, Any] | str | Path | None = None
-) -> ReferenceEngine:
-    """Wrap ``model`` in the engine its config asks for, moving it to the training device.
+) -> Engine:
+    """Wrap ``model`` in the engine its config names (``engine = "reference" | "chunk"``).
 
-    Only the plain reference engine exists so far; the chunked, sharded and pipelined engines
-    will be chosen here from the same config.
+    The reference engine moves the model to the training device; the chunk engine moves its
+    parameters into chunks under ``memory.device_budget`` and ``memory.host_budget``.
     """
-    job = load_job(config)
-    return ReferenceEngine(model, optimizer=job.optimizer, training=job.training, memory=job.memory)
+    return build_engine(model, load_job(config))

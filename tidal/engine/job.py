@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from tidal.config import ConfigError, apply_overrides, from_dict, load_toml, require, to_dict
 from tidal.data import DataConfig
@@ -22,6 +22,7 @@ from tidal.engine.config import (
     OptimizerConfig,
     TrainingConfig,
 )
+from tidal.memory.config import ChunkConfig
 from tidal.models import ModelConfig
 
 __all__ = ["JobConfig", "find_recipe", "list_recipes", "load_job"]
@@ -34,10 +35,13 @@ class JobConfig:
     Attributes:
         name: the run's name; also the default run folder ``runs/<name>``.
         run_dir: where metrics, summary, plots and checkpoints go; ``None`` means ``runs/<name>``.
+        engine: ``reference`` (plain PyTorch, all model data on the device) or ``chunk``
+            (parameters in chunks that move between device and host under memory budgets).
     """
 
     name: str = "run"
     run_dir: str | None = None
+    engine: Literal["reference", "chunk"] = "reference"
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     training: TrainingConfig = field(default_factory=TrainingConfig)
@@ -45,6 +49,7 @@ class JobConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     memory: MemoryConfig = field(default_factory=MemoryConfig)
+    chunk: ChunkConfig = field(default_factory=ChunkConfig)
 
     def __post_init__(self) -> None:
         require(

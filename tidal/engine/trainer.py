@@ -26,6 +26,7 @@ import torch
 
 from tidal.config import ConfigError, to_dict
 from tidal.data import BatchSampler, build_token_splits
+from tidal.engine.build import build_engine
 from tidal.engine.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint
 from tidal.engine.checkpoint import save_checkpoint as write_checkpoint
 from tidal.engine.device import (
@@ -44,7 +45,6 @@ from tidal.engine.metrics import (
     read_metrics,
     write_json_atomic,
 )
-from tidal.engine.reference import ReferenceEngine
 from tidal.models import build_gpt, num_params, training_flops_per_token
 
 __all__ = ["Callback", "LogCallback", "Trainer"]
@@ -78,7 +78,7 @@ class LogCallback(Callback):
 
 
 class Trainer:
-    """Train the GPT preset of ``job`` on its token source with the reference engine."""
+    """Train the GPT preset of ``job`` on its token source with the engine it names."""
 
     def __init__(
         self, job: JobConfig | str | dict[str, Any], overrides: Sequence[str] = ()
@@ -89,9 +89,7 @@ class Trainer:
         self.model_config = self.job.model.resolve()
         torch.manual_seed(training.seed)
         model = build_gpt(self.model_config, device="cpu", seed=training.seed)
-        self.engine = ReferenceEngine(
-            model, optimizer=self.job.optimizer, training=training, memory=self.job.memory
-        )
+        self.engine = build_engine(model, self.job)
         self.device = self.engine.device
         splits = build_token_splits(
             self.job.data, vocab_size=self.model_config.vocab_size, seed=training.seed

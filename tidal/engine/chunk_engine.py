@@ -1,0 +1,252 @@
+"""The chunk engine: the reference engine's calling convention over chunked model data.
+
+Parameters live in chunks that move between the device and the host tier under
+``memory.device_budget`` (see tidal/memory). The training calls are the reference engine's::
+
+    loss = engine(inputs, targets); engine.backward(loss); engine.step()
+
+[Note: chunk engine iterations]
+A forward starts an iteration of the chunk store (the unit its access trace describes) and the
+backward that follows ends it; a forward without a backward (evaluation) is ended by the next
+forward. So with gradient accumulation each micro-batch is one iteration, and evaluation records
+a trace of its own instead of silently following the training one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from tidal.config import ConfigError, format_bytes
+from tidal.engine.config import MemoryConfig, OptimizerConfig, TrainingConfig
+from tidal.engine.device import memory_bytes, peak_memory_bytes, resolve_device
+from tidal.engine.lr import WarmupCosine
+from tidal.memory.config import ChunkConfig
+from tidal.memory.hooks import OUTPUT_ONLY_HOOK_WARNING, install_hooks
+from tidal.memory.layout import ChunkLayout, default_chunk_size, plan_layout, unique_parameters
+from tidal.memory.optim import ChunkAdamW
+from tidal.memory.store import ChunkStore
+from tidal.memory.tiers import make_tiers
+
+__all__ = ["ChunkEngine"]
+
+
+class ChunkEngine:
+    """Train ``model`` with its parameters in chunks under a device byte budget."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        optimizer: OptimizerConfig,
+        training: TrainingConfig,
+        memory: MemoryConfig,
+        chunk: ChunkConfig,
+    ) -> None:
+        if training.precision != "fp32":
+            raise ConfigError(
+                "training.precision",
+                "the chunk engine trains in fp32 so far (bf16 and fp16 are next); use "
+                "training.precision='fp32' or engine='reference'",
+            )
+        self.device = resolve_device(training.device)
+        self.precision = training.precision
+        self.model = model
+        _move_buffers(model, self.device)
+        self.device_tier, self.host_tier = make_tiers(
+            device=self.device, device_budget=memory.device_budget, host_budget=memory.host_budget
+        )
+        self.layout = _layout(model, chunk)
+        self.store = ChunkStore(
+            model,
+            layout=self.layout,
+            device_tier=self.device_tier,
+            host_tier=self.host_tier,
+            policy=chunk.policy,
+        )
+        self.min_budget_bytes, self._largest_module = _largest_module_bytes(model, self.store)
+        self._check_minimum_budget()
+        names = {id(p): n for n, p in model.named_parameters()}
+        self.optimizer = ChunkAdamW(
+            self.store,
+            names=names,
+            betas=(optimizer.beta1, optimizer.beta2),
+            eps=optimizer.eps,
+            weight_decay=optimizer.weight_decay,
+            fused=optimizer.fused,
+        )
+        self._hooks = install_hooks(model, self.store, on_grad=self.optimizer.collect)
+        self.schedule = WarmupCosine(
+            peak_lr=optimizer.lr,
+            warmup_steps=optimizer.warmup_steps,
+            decay_steps=optimizer.decay_steps or training.steps,
+            min_lr_ratio=optimizer.min_lr_ratio,
+        )
+        self.grad_accum_steps = training.grad_accum_steps
+        self.grad_clip_norm = training.grad_clip_norm
+        self.global_step = 0
+        self.micro_step = 0
+        self.last_grad_norm: float | None = None
+        self._in_iteration = False
+
+    def _check_minimum_budget(self) -> None:
+        """Every module's own chunks must fit at once; else fail before training."""
+        budget, need = self.device_tier.budget_bytes, self.min_budget_bytes
+        if budget is not None and need > budget:
+            raise ConfigError(
+                "memory.device_budget",
+                f"{budget:,} bytes ({format_bytes(budget)}) is below the minimum of {need:,} "
+                f"bytes ({format_bytes(need)}): module '{self._largest_module}' needs its chunks "
+                f"on the device at once; raise the budget to at least that, or lower chunk.size",
+            )
+
+    # -- the training calls --------------------------------------------------------------------
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """Forward; see [Note: chunk engine iterations]."""
+        if self._in_iteration:
+            self.store.end_iteration()
+        self.store.begin_iteration()
+        self._in_iteration = True
+        return self.model(*args, **kwargs)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        scaled = loss / self.grad_accum_steps if self.grad_accum_steps > 1 else loss
+        with _quiet_output_only_hooks():
+            scaled.backward()
+        self.store.release_all()
+        self.store.end_iteration()
+        self._in_iteration = False
+
+    def is_accumulation_boundary(self) -> bool:
+        return (self.micro_step + 1) % self.grad_accum_steps == 0
+
+    def step(self) -> bool:
+        """Count a micro-batch; on the boundary clip, update and zero. Returns whether it stepped."""
+        boundary = self.is_accumulation_boundary()
+        self.micro_step += 1
+        if not boundary:
+            return False
+        self.store.release_all()
+        self.last_grad_norm = self.optimizer.step(
+            lr=self.schedule.lr_at(self.global_step), max_grad_norm=self.grad_clip_norm
+        )
+        self.global_step += 1
+        return True
+
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad()
+
+    @property
+    def lr(self) -> float:
+        return self.schedule.lr_at(self.global_step)
+
+    # -- figures -----------------------------------------------------------------------------
+
+    def model_data_bytes(self) -> dict[str, int]:
+        return {
+            "params": self.store.model_bytes,
+            "grads": self.optimizer.grad_bytes,
+            "optimizer_state": self.optimizer.state_bytes,
+        }
+
+    def stats(self) -> dict[str, Any]:
+        device, host = self.device_tier, self.host_tier
+        return {
+            "engine": "chunk",
+            "device": str(self.device),
+            "precision": self.precision,
+            "global_step": self.global_step,
+            "lr": self.lr,
+            "grad_norm": self.last_grad_norm,
+            "bytes_to_device": device.bytes_in,
+            "bytes_to_host": device.bytes_out,
+            "peak_device_bytes": device.peak_bytes,
+            "peak_host_bytes": host.peak_bytes,
+            "device_budget": device.budget_bytes,
+            "host_budget": host.budget_bytes,
+            "chunk_size": self.layout.chunk_size,
+            "num_chunks": self.layout.num_chunks,
+            "chunk_padding_fraction": self.layout.waste_fraction,
+            "evictions": self.store.num_evictions,
+            "min_device_bytes": self.store.min_device_bytes(),
+            "model_data_bytes": self.model_data_bytes(),
+            "memory_bytes": memory_bytes(self.device),
+            "peak_memory_bytes": peak_memory_bytes(self.device),
+        }
+
+    # -- state ---------------------------------------------------------------------------------
+
+    def model_state_dict(self) -> dict[str, torch.Tensor]:
+        """The model's state dict (same keys as ``model.state_dict()``), read from the chunks."""
+        state = {}
+        for name, param in self.model.named_parameters(remove_duplicate=False):
+            index, slot = self.store.slot_of[id(param)]
+            state[name] = self.store.chunks[index].view(slot).detach().clone()
+        for name, buffer in _persistent_buffers(self.model):
+            state[name] = buffer.detach().clone()
+        return {k: state[k] for k in self.model.state_dict(keep_vars=True)}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "model": self.model_state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "global_step": self.global_step,
+            "micro_step": self.micro_step,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        params = dict(self.model.named_parameters(remove_duplicate=False))
+        buffers = dict(_persistent_buffers(self.model))
+        for name, value in state["model"].items():
+            if name in params:
+                index, slot = self.store.slot_of[id(params[name])]
+                self.store.chunks[index].view(slot).copy_(value)
+            else:
+                buffers[name].copy_(value)
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.global_step = int(state["global_step"])
+        self.micro_step = int(state["micro_step"])
+
+
+def _largest_module_bytes(model: nn.Module, store: ChunkStore) -> tuple[int, str]:
+    """The bytes of chunks the hungriest module needs at once, and its name."""
+    need, owner = 0, ""
+    for name, module in model.named_modules():
+        chunks = store.chunks_of(module.parameters(recurse=False))
+        num_bytes = sum(store.chunks[i].num_bytes for i in chunks)
+        if num_bytes > need:
+            need, owner = num_bytes, name or "<root>"
+    return need, owner
+
+
+def _layout(model: nn.Module, chunk: ChunkConfig) -> ChunkLayout:
+    params = unique_parameters(model)
+    size = chunk.size or default_chunk_size(params, align=chunk.align).chunk_size
+    return plan_layout(params, chunk_size=size, align=chunk.align)
+
+
+def _move_buffers(model: nn.Module, device: torch.device) -> None:
+    for module in model.modules():
+        for name, buffer in module._buffers.items():
+            if buffer is not None:
+                module._buffers[name] = buffer.to(device)
+
+
+def _persistent_buffers(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    for module_name, module in model.named_modules():
+        for name, buffer in module._buffers.items():
+            if buffer is not None and name not in module._non_persistent_buffers_set:
+                yield (f"{module_name}.{name}" if module_name else name), buffer
+
+
+@contextlib.contextmanager
+def _quiet_output_only_hooks() -> Iterator[None]:
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=OUTPUT_ONLY_HOOK_WARNING, category=UserWarning)
+        yield

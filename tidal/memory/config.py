@@ -1,0 +1,31 @@
+"""The ``[chunk]`` section: how model data is cut into chunks and placed."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from tidal.config import require
+
+__all__ = ["ChunkConfig"]
+
+
+@dataclass(kw_only=True, slots=True)
+class ChunkConfig:
+    """Chunking and placement for ``engine = "chunk"``.
+
+    Attributes:
+        size: elements per chunk; ``None`` searches the size that wastes the least padding.
+        align: slot offsets are multiples of this many elements.
+        policy: which chunk leaves the device when room is needed: ``belady`` (the one whose
+            next use in the last iteration's trace is furthest away) or ``lru``.
+    """
+
+    size: int | None = None
+    align: int = 64
+    policy: Literal["belady", "lru"] = "belady"
+
+    def __post_init__(self) -> None:
+        if self.size is not None:
+            require(self.size >= 1, "size", f"must be >= 1 element, got {self.size}")
+        require(self.align >= 1, "align", f"must be >= 1, got {self.align}")

@@ -1,0 +1,70 @@
+"""Module and gradient hooks that drive the chunk store.
+
+Every module that owns parameters (``recurse=False``) gets four hooks: before its forward and
+before its backward it asks the store for its chunks (one moment each); after either it releases
+them. A parameter shared by several modules (a tied embedding and LM head) is owned by each of
+them, so each use fetches it. Gradients are collected per parameter by a post-accumulate-grad
+hook, which fires once per backward after autograd has summed every use of the parameter.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from tidal.memory.store import ChunkStore
+
+__all__ = ["OUTPUT_ONLY_HOOK_WARNING", "install_hooks"]
+
+# torch warns when a module's full backward hook fires for outputs only, which is the normal
+# case for an embedding whose inputs are integer ids; the chunk hooks expect exactly that, so
+# the engine filters this message around backward.
+OUTPUT_ONLY_HOOK_WARNING = "Full backward hook is firing when gradients are computed with respect"
+
+
+def install_hooks(
+    model: nn.Module,
+    store: ChunkStore,
+    *,
+    on_grad: Callable[[nn.Parameter], None],
+) -> list[RemovableHandle]:
+    """Hook every parameter-owning module of ``model`` to ``store``; returns removable handles."""
+    handles: list[RemovableHandle] = []
+    for name, module in model.named_modules():
+        own = list(module.parameters(recurse=False))
+        if own:
+            handles += _hook_module(module, name or "<root>", own, store)
+    seen: set[int] = set()
+    for param in model.parameters():
+        if param.requires_grad and id(param) not in seen:
+            seen.add(id(param))
+            handles.append(param.register_post_accumulate_grad_hook(on_grad))
+    return handles
+
+
+def _hook_module(
+    module: nn.Module, name: str, own: list[nn.Parameter], store: ChunkStore
+) -> list[RemovableHandle]:
+    forward_label, backward_label = f"fwd:{name}", f"bwd:{name}"
+
+    def before_forward(_module: nn.Module, _args: Any) -> None:
+        store.access(forward_label, own)
+
+    def after_forward(_module: nn.Module, _args: Any, _output: Any) -> None:
+        store.release(own)
+
+    def before_backward(_module: nn.Module, _grad_output: Any) -> None:
+        store.access(backward_label, own)
+
+    def after_backward(_module: nn.Module, _grad_input: Any, _grad_output: Any) -> None:
+        store.release(own)
+
+    return [
+        module.register_forward_pre_hook(before_forward),
+        module.register_forward_hook(after_forward),
+        module.register_full_backward_pre_hook(before_backward),
+        module.register_full_backward_hook(after_backward),
+    ]
