@@ -10,6 +10,7 @@ import textwrap
 import time
 from pathlib import Path
 
+import pytest
 import torch
 
 from tidal.engine import Trainer
@@ -47,17 +48,40 @@ def _assert_same_state(a: Path, b: Path) -> None:
     assert ckpt_a["model"].keys() == ckpt_b["model"].keys()
     for name, tensor in ckpt_a["model"].items():
         assert torch.equal(tensor, ckpt_b["model"][name]), name
-    opt_a = ckpt_a["train_state"]["engine"]["optimizer"]["state"]
-    opt_b = ckpt_b["train_state"]["engine"]["optimizer"]["state"]
-    for index, state in opt_a.items():
-        for key, tensor in state.items():
-            assert torch.equal(tensor, opt_b[index][key]), (index, key)
+    _assert_equal_tree(
+        ckpt_a["train_state"]["engine"]["optimizer"], ckpt_b["train_state"]["engine"]["optimizer"]
+    )
 
 
-def test_twenty_steps_equal_ten_plus_resume_plus_ten(tmp_path: Path) -> None:
-    whole = _run(tmp_path / "whole", 20)
-    _run(tmp_path / "split", 10)
-    split = _run(tmp_path / "split", 20, resume=True)
+def _assert_equal_tree(a: object, b: object, path: str = "optimizer") -> None:
+    """Nested dicts/lists of tensors and plain values, equal bit for bit."""
+    if isinstance(a, dict):
+        assert isinstance(b, dict) and a.keys() == b.keys(), path
+        for key in a:
+            _assert_equal_tree(a[key], b[key], f"{path}.{key}")
+    elif isinstance(a, (list, tuple)):
+        assert isinstance(b, (list, tuple)) and len(a) == len(b), path
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            _assert_equal_tree(x, y, f"{path}[{i}]")
+    elif isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and torch.equal(a, b), path
+    else:
+        assert a == b, path
+
+
+ENGINES = {
+    "reference": (),
+    # Parameters in 23 small chunks under a budget that forces evictions every step.
+    "chunk": ("engine=chunk", "chunk.size=128", "memory.device_budget=150KiB"),
+}
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_twenty_steps_equal_ten_plus_resume_plus_ten(tmp_path: Path, engine: str) -> None:
+    extra = ENGINES[engine]
+    whole = _run(tmp_path / "whole", 20, extra=extra)
+    _run(tmp_path / "split", 10, extra=extra)
+    split = _run(tmp_path / "split", 20, resume=True, extra=extra)
 
     losses = _records(tmp_path / "whole", "train", "loss", "grad_norm", "lr")
     assert [r[0] for r in losses] == list(range(1, 21))
@@ -68,9 +92,12 @@ def test_twenty_steps_equal_ten_plus_resume_plus_ten(tmp_path: Path) -> None:
     )
     assert split["final_loss"] == whole["final_loss"]
     assert split["resumed_from_step"] == 10 and split["tokens"] == whole["tokens"]
+    assert whole["engine"] == engine
+    if engine == "chunk":
+        assert whole["evictions"] > 0 and whole["peak_device_bytes"] <= 150 * 1024
     _assert_same_state(tmp_path / "whole", tmp_path / "split")
     # Resuming a finished run trains nothing and still reports the run's last loss.
-    again = _run(tmp_path / "split", 20, resume=True)
+    again = _run(tmp_path / "split", 20, resume=True, extra=extra)
     assert again["steps_this_run"] == 0 and again["final_loss"] == whole["final_loss"]
     # The loss fell: the run trained at all.
     assert losses[-1][1] < losses[0][1] - 1.0

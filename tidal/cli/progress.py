@@ -50,7 +50,7 @@ class RichProgress(Callback):
         verb = f"resuming at step {start_step}" if start_step else "starting"
         self.console.print(
             f"[bold]{job.name}[/]: {verb}; {job.model.preset} with {trainer.num_params:,} "
-            f"params on {trainer.device} ({job.training.precision}); "
+            f"params on {trainer.device} ({job.training.precision}, {job.engine} engine); "
             f"{trainer.tokens_per_step:,} tokens/step; peak {peak_text}; run dir {trainer.run_dir}",
             soft_wrap=True,
         )

@@ -47,8 +47,28 @@ def summary_rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
         rows.append(("peak source", str(summary.get("peak_tflops_source"))))
     for tier, num_bytes in (summary.get("peak_memory_bytes") or {}).items():
         rows.append((f"peak memory ({tier})", format_bytes(num_bytes)))
+    rows += _chunk_rows(summary)
     rows.append(("wall time", _fmt(summary.get("wall_s"), ".1f") + " s"))
     return rows
+
+
+def _chunk_rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
+    if "bytes_to_device" not in summary:
+        return [("engine", str(summary.get("engine", "reference")))]
+    steps = max(1, summary.get("steps_this_run") or summary.get("steps") or 1)
+    budget = summary.get("device_budget")
+    return [
+        ("engine", f"chunk ({summary['num_chunks']} chunks of {summary['chunk_size']:,} elements)"),
+        ("device budget", "unlimited" if budget is None else format_bytes(budget)),
+        ("peak device chunks", format_bytes(summary["peak_device_bytes"])),
+        ("min device budget", format_bytes(summary["min_device_bytes"])),
+        (
+            "traffic per step",
+            f"to device {format_bytes(summary['bytes_to_device'] / steps)}, "
+            f"to host {format_bytes(summary['bytes_to_host'] / steps)}",
+        ),
+        ("evictions", f"{summary['evictions']:,}"),
+    ]
 
 
 def write_plots(run_dir: str | Path) -> list[Path]:

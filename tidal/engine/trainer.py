@@ -350,6 +350,7 @@ class Trainer:
             "flops_per_token": self.flops_per_token,
             "peak_memory_bytes": peak_memory_bytes(self.device),
             "model_data_bytes": self.engine.model_data_bytes(),
+            **_engine_figures(self.engine.stats()),
             "wall_s": wall_s,
             "train_s": self.train_time_s,
             "device": device_description(self.device),
@@ -358,3 +359,20 @@ class Trainer:
             "git_commit": git_commit(),
             "finished_at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         }
+
+
+_CHUNK_FIGURES = (
+    "bytes_to_device",
+    "bytes_to_host",
+    "evictions",
+    "device_budget",
+    "peak_device_bytes",
+    "min_device_bytes",
+    "chunk_size",
+    "num_chunks",
+)
+
+
+def _engine_figures(stats: dict[str, Any]) -> dict[str, Any]:
+    """The engine's name and, for the chunk engine, its traffic and residency figures."""
+    return {"engine": stats["engine"], **{k: stats[k] for k in _CHUNK_FIGURES if k in stats}}
