@@ -241,3 +241,34 @@ def test_initialize_builds_the_chunk_engine() -> None:
         assert key in stats
     with pytest.raises(ConfigError, match="training.precision"):
         tidal.initialize(_tiny(), {"engine": "chunk", "training": {"precision": "bf16"}})
+
+
+def test_unlimited_budget_pins_everything_and_moves_nothing() -> None:
+    engine = _chunk(_tiny, size=TINY_CHUNK, budget=None)
+    _train(engine, _batches(2))
+    placed = engine.stats()["bytes_to_device"]
+    _train(engine, _batches(5))
+    stats = engine.stats()
+    assert stats["pinned_chunks"] == stats["num_chunks"]
+    assert stats["bytes_to_device"] == placed and stats["evictions"] == 0
+
+
+def test_pinning_respects_the_budget_and_does_not_add_traffic() -> None:
+    from tidal.engine.chunk_engine import _streaming_bytes, choose_pinned
+
+    probe = _chunk(_tiny, size=TINY_CHUNK)
+    # Room for every parameter chunk twice: some, not all, can bring their optimizer state.
+    budget = 2 * probe.store.model_bytes
+    engine = _chunk(_tiny, size=TINY_CHUNK, budget=budget)
+    _train(engine, _batches(3))
+    pinned = engine.store.pinned
+    trace = engine.store.trace
+    state = sum(
+        engine.optimizer.grads[i].num_bytes * 3 for i in pinned
+    )  # gradient + two moments, fp32 like the parameters
+    assert 0 < len(pinned) < engine.layout.num_chunks
+    assert choose_pinned(engine.store, engine.optimizer, budget) == pinned
+    assert _streaming_bytes(trace, pinned, budget - state) <= _streaming_bytes(
+        trace, frozenset(), budget
+    )
+    assert engine.stats()["peak_device_bytes"] <= budget

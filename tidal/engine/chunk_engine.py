@@ -30,8 +30,10 @@ from tidal.memory.config import ChunkConfig
 from tidal.memory.hooks import OUTPUT_ONLY_HOOK_WARNING, install_hooks
 from tidal.memory.layout import ChunkLayout, default_chunk_size, plan_layout, unique_parameters
 from tidal.memory.optim import ChunkAdamW
+from tidal.memory.policy import simulate
 from tidal.memory.store import ChunkStore
 from tidal.memory.tiers import make_tiers
+from tidal.memory.trace import AccessTrace, Moment
 
 __all__ = ["ChunkEngine"]
 
@@ -93,6 +95,7 @@ class ChunkEngine:
         self.micro_step = 0
         self.last_grad_norm: float | None = None
         self._in_iteration = False
+        self._placed = False
 
     def _check_minimum_budget(self) -> None:
         """Every module's own chunks must fit at once; else fail before training."""
@@ -104,6 +107,15 @@ class ChunkEngine:
                 f"bytes ({format_bytes(need)}): module '{self._largest_module}' needs its chunks "
                 f"on the device at once; raise the budget to at least that, or lower chunk.size",
             )
+
+    def _place_optimizer(self) -> None:
+        """Pin the chunks whose optimizer state fits the margin; see [Note: optimizer placement]."""
+        pinned = choose_pinned(self.store, self.optimizer, self.device_tier.budget_bytes)
+        if pinned is None:
+            return  # no trace yet: decide at the next step
+        self.store.pin(pinned)
+        self.optimizer.place_on_device(pinned)
+        self._placed = True
 
     # -- the training calls --------------------------------------------------------------------
 
@@ -133,6 +145,8 @@ class ChunkEngine:
         if not boundary:
             return False
         self.store.release_all()
+        if not self._placed:
+            self._place_optimizer()
         self.last_grad_norm = self.optimizer.step(
             lr=self.schedule.lr_at(self.global_step), max_grad_norm=self.grad_clip_norm
         )
@@ -174,6 +188,7 @@ class ChunkEngine:
             "num_chunks": self.layout.num_chunks,
             "chunk_padding_fraction": self.layout.waste_fraction,
             "evictions": self.store.num_evictions,
+            "pinned_chunks": len(self.store.pinned),
             "min_device_bytes": self.store.min_device_bytes(),
             "model_data_bytes": self.model_data_bytes(),
             "memory_bytes": memory_bytes(self.device),
@@ -212,6 +227,70 @@ class ChunkEngine:
         self.optimizer.load_state_dict(state["optimizer"])
         self.global_step = int(state["global_step"])
         self.micro_step = int(state["micro_step"])
+
+
+# [Note: optimizer placement]
+# A chunk index whose parameter, gradient and moment chunks all stay on the device never moves:
+# its update runs there and costs no traffic. Pinning is not free, though: the pinned bytes
+# (four times the parameter chunk in fp32) leave less room for the chunks that stream, which may
+# then be fetched more often. So pinned indices P are chosen once, from the first iteration's
+# trace, greedily in order of how often the trace uses a chunk, and an index joins P only if
+#
+#   1. it fits: bytes(gradients, moments of P) + max over moments m of
+#      (bytes(P + chunks of m) + non-model bytes of m) <= device budget, and
+#   2. it pays: the per-step traffic of the other chunks, replayed by policy.simulate (Belady,
+#      starting from an empty device as after each step), does not grow. Every chunk fetched in
+#      a step goes back to the host before the next one, so traffic is twice the fetched bytes.
+#
+# An unlimited budget pins everything: the engine then moves nothing, like plain PyTorch. The
+# choice is not revisited when the trace changes later; the store's budget check fails loudly if
+# it no longer fits.
+
+
+def choose_pinned(
+    store: ChunkStore, optimizer: ChunkAdamW, budget_bytes: int | None
+) -> frozenset[int] | None:
+    """The chunk indices to keep on the device for good; None before there is a trace."""
+    everything = frozenset(range(len(store.chunks)))
+    if budget_bytes is None:
+        return everything
+    trace = store.trace
+    if trace is None:
+        return None
+    state_bytes = [
+        optimizer.grads[i].num_bytes
+        + optimizer.exp_avgs[i].num_bytes
+        + optimizer.exp_avg_sqs[i].num_bytes
+        for i in everything
+    ]
+    pinned: frozenset[int] = frozenset()
+    cost = _streaming_bytes(trace, pinned, budget_bytes)
+    for index in sorted(everything, key=lambda i: (-len(trace.uses(i)), i)):
+        candidate = pinned | {index}
+        room = budget_bytes - sum(state_bytes[i] for i in candidate)
+        peak = max(trace.bytes_of(candidate | m.chunks) + m.non_model_bytes for m in trace.moments)
+        if peak > room:
+            continue
+        candidate_cost = _streaming_bytes(trace, candidate, room)
+        if candidate_cost <= cost:
+            pinned, cost = candidate, candidate_cost
+    return pinned
+
+
+def _streaming_bytes(trace: AccessTrace, pinned: frozenset[int], room_bytes: int) -> int:
+    """Bytes moved per step by the chunks outside ``pinned`` (see [Note: optimizer placement])."""
+    streamed = AccessTrace(
+        moments=tuple(
+            Moment(index=m.index, chunks=m.chunks - pinned, non_model_bytes=m.non_model_bytes,
+                   label=m.label)
+            for m in trace.moments
+        ),
+        chunk_bytes=trace.chunk_bytes,
+    )  # fmt: skip
+    budget = room_bytes - trace.bytes_of(pinned)
+    result = simulate(streamed, device_budget_bytes=budget, policy="belady", prefetch_depth=0,
+                      iterations=1)  # fmt: skip
+    return 2 * result.total_fetched_bytes
 
 
 def _largest_module_bytes(model: nn.Module, store: ChunkStore) -> tuple[int, str]:

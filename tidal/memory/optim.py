@@ -1,10 +1,11 @@
 """AdamW over chunks: gradients, moments and the update, mirroring the parameter chunks.
 
 Gradient and moment chunks have the parameter chunks' layout (same index, same offsets), so a
-parameter's gradient and state are found by its parameter slot. They live on the host tier, and
-so does the update: before a step the store moves every parameter chunk to the host. (Running
-the update on the device for the chunks that fit the margin the trace leaves is the next step
-of the chunk engine; see docs/chunk-engine.md.)
+parameter's gradient and state are found by its parameter slot. Each chunk index is updated
+where its parameter chunk is at step time: the indices the engine pinned to the device
+(:meth:`ChunkAdamW.place_on_device`, chosen from the margin the trace leaves) keep gradients and
+moments there and never move; every other parameter chunk goes to the host before the step, where
+its gradients and moments live.
 
 The update itself is torch's functional AdamW (fused where available) over the slot views, so
 its arithmetic is the reference engine's, element for element.
@@ -24,6 +25,13 @@ from tidal.memory.chunk import Chunk, ChunkKind
 from tidal.memory.store import ChunkStore
 
 __all__ = ["ChunkAdamW", "MissingGradientError"]
+
+
+def _by_device(tensors: list[torch.Tensor]) -> dict[torch.device, list[torch.Tensor]]:
+    groups: dict[torch.device, list[torch.Tensor]] = {}
+    for tensor in tensors:
+        groups.setdefault(tensor.device, []).append(tensor)
+    return groups
 
 
 class MissingGradientError(RuntimeError):
@@ -67,6 +75,18 @@ class ChunkAdamW:
         # One step counter per parameter, as torch.optim.AdamW keeps them (float32 scalars).
         self.steps = [torch.zeros((), dtype=torch.float32) for _ in self._entries]
         self._fresh = {id(e.param): True for e in self._entries}
+        self.on_device: frozenset[int] = frozenset()
+
+    def place_on_device(self, indices: frozenset[int]) -> None:
+        """Keep the gradients and moments of ``indices`` on the device tier from now on."""
+        device_tier = self.store.device_tier
+        for index in sorted(indices - self.on_device):
+            for chunks in (self.grads, self.exp_avgs, self.exp_avg_sqs):
+                chunks[index].move_to(device_tier)
+        for i, entry in enumerate(self._entries):
+            if entry.chunk in indices:
+                self.steps[i] = self.steps[i].to(device_tier.device)
+        self.on_device |= indices
 
     def _mirror(self, kind: ChunkKind) -> list[Chunk]:
         chunks = [Chunk(c.spec, kind=kind, dtype=torch.float32) for c in self.store.chunks]
@@ -97,9 +117,10 @@ class ChunkAdamW:
             self._fresh[id(param)] = False
         else:
             target.add_(grad)
-        num_bytes = grad.numel() * grad.element_size()
-        self.store.device_tier.record_move(out_bytes=num_bytes)
-        self.store.host_tier.record_move(in_bytes=num_bytes)
+        if not self.grads[index].on_device:
+            num_bytes = grad.numel() * grad.element_size()
+            self.store.device_tier.record_move(out_bytes=num_bytes)
+            self.store.host_tier.record_move(in_bytes=num_bytes)
         param.grad = None
 
     def zero_grad(self) -> None:
@@ -124,15 +145,22 @@ class ChunkAdamW:
     def step(self, *, lr: float, max_grad_norm: float) -> float:
         """Clip to ``max_grad_norm`` (0: off), update in place; returns the gradient norm."""
         self._check_coverage()
-        self.store.evict_all()
+        self.store.evict_unpinned()
         grads = [self.grads[e.chunk].view(e.slot) for e in self._entries]
         norm = torch.nn.utils.get_total_norm(grads)
         if max_grad_norm > 0:
             # The reference's clip_grad_norm_ formula, so clipped gradients agree bit for bit.
             coefficient = torch.clamp(max_grad_norm / (norm + 1e-6), max=1.0)
-            torch._foreach_mul_(grads, coefficient)
+            for device, group in _by_device(grads).items():
+                torch._foreach_mul_(group, coefficient.to(device))
         for decay in (True, False):
-            self._update([i for i, e in enumerate(self._entries) if e.decay == decay], lr, decay)
+            for on_device in (True, False):
+                picked = [
+                    i
+                    for i, e in enumerate(self._entries)
+                    if e.decay == decay and (e.chunk in self.on_device) == on_device
+                ]
+                self._update(picked, lr, decay)
         self.zero_grad()
         return float(norm)
 

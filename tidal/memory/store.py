@@ -71,6 +71,8 @@ class ChunkStore:
         self._last_use = [-1] * len(self.chunks)
         self.num_evictions = 0
         self.num_fetches = 0
+        # Chunks that stay on the device for good: their optimizer state lives there too.
+        self.pinned: frozenset[int] = frozenset()
 
     def _load_parameters(self, model: nn.Module) -> None:
         params = {name: p for name, p in model.named_parameters(remove_duplicate=False)}
@@ -176,7 +178,10 @@ class ChunkStore:
         candidates = [
             c.index
             for c in self.chunks
-            if c.on_device and c.index not in needed and c.state is not ChunkState.COMPUTE
+            if c.on_device
+            and c.index not in needed
+            and c.index not in self.pinned
+            and c.state is not ChunkState.COMPUTE
         ]
         if not candidates:
             return None
@@ -194,10 +199,17 @@ class ChunkStore:
         self.chunks[index].move_to(self.host_tier)
         self.num_evictions += 1
 
-    def evict_all(self) -> None:
+    def evict_unpinned(self) -> None:
         for chunk in self.chunks:
-            if chunk.on_device:
+            if chunk.on_device and chunk.index not in self.pinned:
                 self.evict(chunk.index)
+
+    def pin(self, indices: Iterable[int]) -> None:
+        """Keep ``indices`` on the device from now on; every other chunk goes to the host."""
+        self.pinned |= frozenset(indices)
+        self.evict_unpinned()
+        for index in sorted(self.pinned):
+            self._ensure_on_device(index, self.pinned, -1, "pin")
 
     def _too_small(self, needed: frozenset[int], label: str) -> DeviceBudgetTooSmall:
         need_bytes = sum(self.chunks[i].num_bytes for i in needed)
