@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pickle
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -126,3 +127,10 @@ def test_job_overrides_and_errors() -> None:
         load_job("tiny", ["model.preset=gpt5"])
     with pytest.raises(ConfigError, match="training.precision"):
         load_job("tiny", ["training.precision=fp8"])
+
+
+def test_config_error_survives_pickling() -> None:
+    # Errors raised in worker processes (benchmarks, ranks) travel to the parent pickled.
+    err = pickle.loads(pickle.dumps(ConfigError("training.steps", "must be >= 1, got 0")))
+    assert isinstance(err, ConfigError)
+    assert err.key == "training.steps" and str(err) == "training.steps: must be >= 1, got 0"

@@ -64,6 +64,11 @@ class ConfigError(ValueError):
         self.message = message
         super().__init__(f"{key}: {message}" if key else message)
 
+    def __reduce__(self) -> tuple[type[ConfigError], tuple[str, str]]:
+        # Rebuild from (key, message): the default would call __init__ with the formatted text
+        # alone, so an error raised in a worker process could not reach its parent.
+        return (ConfigError, (self.key, self.message))
+
     def under(self, prefix: str) -> ConfigError:
         """The same error with ``prefix`` put in front of the key (``steps`` -> ``training.steps``)."""
         if not prefix:
