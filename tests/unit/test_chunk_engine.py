@@ -240,7 +240,7 @@ def test_initialize_builds_the_chunk_engine() -> None:
     ):  # fmt: skip
         assert key in stats
     with pytest.raises(ConfigError, match="training.precision"):
-        tidal.initialize(_tiny(), {"engine": "chunk", "training": {"precision": "bf16"}})
+        tidal.initialize(_tiny(), {"engine": "chunk", "training": {"precision": "fp16"}})
 
 
 def test_unlimited_budget_pins_everything_and_moves_nothing() -> None:
@@ -272,3 +272,35 @@ def test_pinning_respects_the_budget_and_does_not_add_traffic() -> None:
         trace, frozenset(), budget
     )
     assert engine.stats()["peak_device_bytes"] <= budget
+
+
+def _learnable(num: int) -> Iterator:
+    """Two batches in turn: the loss falls fast, so precision differences show."""
+    pool = list(_batches(2))
+    for i in range(num):
+        yield pool[i % 2]
+
+
+def test_bf16_parameters_with_fp32_masters() -> None:
+    fp32, _ = _reference(_tiny, _learnable(STEPS))
+    bf16, _ = _reference(_tiny, _learnable(STEPS), precision="bf16")
+    # The reference's own tolerance: what bf16 autocast moves its losses by.
+    own = max(abs(a - b) / b for a, b in zip(bf16, fp32, strict=True))
+    unlimited = _chunk(_tiny, size=TINY_CHUNK, precision="bf16")
+    losses = _train(unlimited, _learnable(STEPS))
+    assert losses[-1] < losses[0] - 1.0
+    for got, want in zip(losses, bf16, strict=True):
+        assert abs(got - want) <= max(4 * own, 1e-4) * want, (losses, bf16, own)
+    probe = _chunk(_tiny, size=TINY_CHUNK, precision="bf16")
+    tight = _chunk(_tiny, size=TINY_CHUNK, precision="bf16", budget=2 * probe.min_budget_bytes)
+    # Placement never changes the arithmetic: any budget gives the same losses.
+    assert _train(tight, _learnable(STEPS)) == losses
+    assert tight.stats()["evictions"] > 0
+    # bf16 parameter chunks: half the bytes that move; fp32 masters in the checkpoint.
+    assert tight.store.chunks[0].dtype == torch.bfloat16
+    state = tight.model_state_dict()
+    assert all(v.dtype == torch.float32 for v in state.values())
+    again = _chunk(_tiny, size=TINY_CHUNK, precision="bf16")
+    again.load_state_dict(tight.state_dict())
+    batch = next(_learnable(1))
+    assert again(*batch).item() == tight(*batch).item()

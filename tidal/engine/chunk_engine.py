@@ -29,7 +29,7 @@ from tidal.engine.lr import WarmupCosine
 from tidal.memory.config import ChunkConfig
 from tidal.memory.hooks import OUTPUT_ONLY_HOOK_WARNING, install_hooks
 from tidal.memory.layout import ChunkLayout, default_chunk_size, plan_layout, unique_parameters
-from tidal.memory.optim import ChunkAdamW
+from tidal.memory.optim import ChunkAdamW, make_master_chunks
 from tidal.memory.policy import simulate
 from tidal.memory.store import ChunkStore
 from tidal.memory.tiers import make_tiers
@@ -50,11 +50,11 @@ class ChunkEngine:
         memory: MemoryConfig,
         chunk: ChunkConfig,
     ) -> None:
-        if training.precision != "fp32":
+        if training.precision == "fp16":
             raise ConfigError(
                 "training.precision",
-                "the chunk engine trains in fp32 so far (bf16 and fp16 are next); use "
-                "training.precision='fp32' or engine='reference'",
+                "the chunk engine trains in fp32 or bf16 so far (fp16 with loss scaling is "
+                "next); use training.precision='bf16' or engine='reference'",
             )
         self.device = resolve_device(training.device)
         self.precision = training.precision
@@ -64,11 +64,18 @@ class ChunkEngine:
             device=self.device, device_budget=memory.device_budget, host_budget=memory.host_budget
         )
         self.layout = _layout(model, chunk)
+        # bf16: the model computes in bf16 from bf16 parameter chunks; AdamW updates fp32 master
+        # chunks, taken from the full-precision weights before the store converts them.
+        param_dtype = torch.bfloat16 if training.precision == "bf16" else torch.float32
+        masters = None
+        if param_dtype != torch.float32:
+            masters = make_master_chunks(model, self.layout, self.host_tier)
         self.store = ChunkStore(
             model,
             layout=self.layout,
             device_tier=self.device_tier,
             host_tier=self.host_tier,
+            dtype=param_dtype,
             policy=chunk.policy,
         )
         self.min_budget_bytes, self._largest_module = _largest_module_bytes(model, self.store)
@@ -81,6 +88,7 @@ class ChunkEngine:
             eps=optimizer.eps,
             weight_decay=optimizer.weight_decay,
             fused=optimizer.fused,
+            masters=masters,
         )
         self._hooks = install_hooks(model, self.store, on_grad=self.optimizer.collect)
         self.schedule = WarmupCosine(
@@ -201,8 +209,7 @@ class ChunkEngine:
         """The model's state dict (same keys as ``model.state_dict()``), read from the chunks."""
         state = {}
         for name, param in self.model.named_parameters(remove_duplicate=False):
-            index, slot = self.store.slot_of[id(param)]
-            state[name] = self.store.chunks[index].view(slot).detach().clone()
+            state[name] = self.optimizer.weight(param).detach().clone()
         for name, buffer in _persistent_buffers(self.model):
             state[name] = buffer.detach().clone()
         return {k: state[k] for k in self.model.state_dict(keep_vars=True)}
@@ -221,6 +228,7 @@ class ChunkEngine:
         for name, value in state["model"].items():
             if name in params:
                 index, slot = self.store.slot_of[id(params[name])]
+                self.optimizer.weight(params[name]).copy_(value)
                 self.store.chunks[index].view(slot).copy_(value)
             else:
                 buffers[name].copy_(value)
@@ -230,13 +238,13 @@ class ChunkEngine:
 
 
 # [Note: optimizer placement]
-# A chunk index whose parameter, gradient and moment chunks all stay on the device never moves:
-# its update runs there and costs no traffic. Pinning is not free, though: the pinned bytes
-# (four times the parameter chunk in fp32) leave less room for the chunks that stream, which may
+# A chunk index whose parameter, gradient, moment (and master) chunks all stay on the device never
+# moves: its update runs there and costs no traffic. Pinning is not free, though: the pinned bytes
+# (four times the parameter chunk in fp32, eight in bf16) leave less room for the chunks that stream, which may
 # then be fetched more often. So pinned indices P are chosen once, from the first iteration's
 # trace, greedily in order of how often the trace uses a chunk, and an index joins P only if
 #
-#   1. it fits: bytes(gradients, moments of P) + max over moments m of
+#   1. it fits: bytes(gradients, moments, masters of P) + max over moments m of
 #      (bytes(P + chunks of m) + non-model bytes of m) <= device budget, and
 #   2. it pays: the per-step traffic of the other chunks, replayed by policy.simulate (Belady,
 #      starting from an empty device as after each step), does not grow. Every chunk fetched in
@@ -257,12 +265,7 @@ def choose_pinned(
     trace = store.trace
     if trace is None:
         return None
-    state_bytes = [
-        optimizer.grads[i].num_bytes
-        + optimizer.exp_avgs[i].num_bytes
-        + optimizer.exp_avg_sqs[i].num_bytes
-        for i in everything
-    ]
+    state_bytes = [optimizer.state_bytes_of(i) for i in everything]
     pinned: frozenset[int] = frozenset()
     cost = _streaming_bytes(trace, pinned, budget_bytes)
     for index in sorted(everything, key=lambda i: (-len(trace.uses(i)), i)):

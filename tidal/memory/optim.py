@@ -22,9 +22,29 @@ from torch import nn
 from torch.optim.adamw import adamw
 
 from tidal.memory.chunk import Chunk, ChunkKind
+from tidal.memory.layout import ChunkLayout
 from tidal.memory.store import ChunkStore
+from tidal.memory.tiers import Tier
 
-__all__ = ["ChunkAdamW", "MissingGradientError"]
+__all__ = ["ChunkAdamW", "MissingGradientError", "make_master_chunks"]
+
+
+def make_master_chunks(model: nn.Module, layout: ChunkLayout, host_tier: Tier) -> list[Chunk]:
+    """fp32 copies of the parameters, laid out like the parameter chunks, on the host.
+
+    Call it before the chunk store converts the parameters to a lower precision: the masters
+    must start from the full-precision weights.
+    """
+    params = dict(model.named_parameters(remove_duplicate=False))
+    masters = []
+    for spec in layout.chunks:
+        chunk = Chunk(spec, kind=ChunkKind.MASTER, dtype=torch.float32)
+        chunk.allocate(host_tier)
+        for slot, info in enumerate(spec.slots):
+            chunk.write(slot, params[info.names[0]].detach().float())
+        chunk.fill_free_slots(0.0)  # padding between slots
+        masters.append(chunk)
+    return masters
 
 
 def _by_device(tensors: list[torch.Tensor]) -> dict[torch.device, list[torch.Tensor]]:
@@ -60,8 +80,12 @@ class ChunkAdamW:
         weight_decay: float,
         fused: bool | None,
         decays: Callable[[nn.Parameter], bool] = lambda p: p.dim() >= 2,
+        masters: list[Chunk] | None = None,
     ) -> None:
         self.store = store
+        # fp32 master weights when the parameter chunks hold a lower precision (see
+        # make_master_chunks); the update runs on them and is copied into the parameter chunks.
+        self.masters = masters
         self.betas, self.eps, self.weight_decay = betas, eps, weight_decay
         self.fused = True if fused is None else fused
         self._entries = [
@@ -81,7 +105,7 @@ class ChunkAdamW:
         """Keep the gradients and moments of ``indices`` on the device tier from now on."""
         device_tier = self.store.device_tier
         for index in sorted(indices - self.on_device):
-            for chunks in (self.grads, self.exp_avgs, self.exp_avg_sqs):
+            for chunks in self.state_chunks:
                 chunks[index].move_to(device_tier)
         for i, entry in enumerate(self._entries):
             if entry.chunk in indices:
@@ -96,8 +120,17 @@ class ChunkAdamW:
         return chunks
 
     @property
+    def state_chunks(self) -> list[list[Chunk]]:
+        """Every per-index chunk list besides the parameters: gradients, moments, masters."""
+        lists = [self.grads, self.exp_avgs, self.exp_avg_sqs]
+        return lists + [self.masters] if self.masters is not None else lists
+
+    def state_bytes_of(self, index: int) -> int:
+        return sum(chunks[index].num_bytes for chunks in self.state_chunks)
+
+    @property
     def state_bytes(self) -> int:
-        chunks = self.exp_avgs + self.exp_avg_sqs
+        chunks = self.exp_avgs + self.exp_avg_sqs + (self.masters or [])
         return sum(c.num_bytes for c in chunks) + 4 * len(self.steps)
 
     @property
@@ -161,6 +194,9 @@ class ChunkAdamW:
                     if e.decay == decay and (e.chunk in self.on_device) == on_device
                 ]
                 self._update(picked, lr, decay)
+        if self.masters is not None:
+            for index in {e.chunk for e in self._entries}:
+                self.store.chunks[index].payload.copy_(self.masters[index].payload)
         self.zero_grad()
         return float(norm)
 
@@ -168,8 +204,9 @@ class ChunkAdamW:
         if not picked:
             return
         entries = [self._entries[i] for i in picked]
+        weights = self.masters if self.masters is not None else self.store.chunks
         adamw(
-            [self.store.chunks[e.chunk].view(e.slot) for e in entries],
+            [weights[e.chunk].view(e.slot) for e in entries],
             [self.grads[e.chunk].view(e.slot) for e in entries],
             [self.exp_avgs[e.chunk].view(e.slot) for e in entries],
             [self.exp_avg_sqs[e.chunk].view(e.slot) for e in entries],
@@ -197,6 +234,12 @@ class ChunkAdamW:
             }
             for i, e in enumerate(self._entries)
         }
+
+    def weight(self, param: nn.Parameter) -> torch.Tensor:
+        """The parameter's full-precision value: its master slot, or its parameter slot."""
+        index, slot = self.store.slot_of[id(param)]
+        chunks = self.masters if self.masters is not None else self.store.chunks
+        return chunks[index].view(slot)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         for i, e in enumerate(self._entries):
