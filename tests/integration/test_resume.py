@@ -80,6 +80,13 @@ ENGINES = {
         "memory.device_budget=150KiB",
         "training.precision=bf16",
     ),
+    # fp16: the dynamic loss scale is part of what a checkpoint restores.
+    "chunk-fp16": (
+        "engine=chunk",
+        "chunk.size=128",
+        "memory.device_budget=150KiB",
+        "training.precision=fp16",
+    ),
 }
 
 

@@ -239,8 +239,8 @@ def test_initialize_builds_the_chunk_engine() -> None:
         "device_budget", "chunk_size", "num_chunks", "evictions", "min_device_bytes",
     ):  # fmt: skip
         assert key in stats
-    with pytest.raises(ConfigError, match="training.precision"):
-        tidal.initialize(_tiny(), {"engine": "chunk", "training": {"precision": "fp16"}})
+    with pytest.raises(ConfigError, match="chunk.policy"):
+        tidal.initialize(_tiny(), {"engine": "chunk", "chunk": {"policy": "fifo"}})
 
 
 def test_unlimited_budget_pins_everything_and_moves_nothing() -> None:
@@ -304,3 +304,41 @@ def test_bf16_parameters_with_fp32_masters() -> None:
     again.load_state_dict(tight.state_dict())
     batch = next(_learnable(1))
     assert again(*batch).item() == tight(*batch).item()
+
+
+def test_loss_scale_policy() -> None:
+    from tidal.engine.loss_scale import LossScale
+
+    scale = LossScale(scale=8.0, growth_interval=3)
+    scale = scale.after_step(overflow=False).after_step(overflow=False)
+    assert scale.scale == 8.0 and scale.clean_steps == 2
+    scale = scale.after_step(overflow=False)
+    assert scale.scale == 16.0 and scale.clean_steps == 0
+    scale = scale.after_step(overflow=True)
+    assert scale.scale == 8.0 and scale.skipped_steps == 1 and scale.clean_steps == 0
+
+
+def test_fp16_with_dynamic_loss_scaling() -> None:
+    from tidal.engine.loss_scale import LossScale
+
+    fp32, _ = _reference(_tiny, _learnable(STEPS))
+    bf16, _ = _reference(_tiny, _learnable(STEPS), precision="bf16")
+    own = max(abs(a - b) / b for a, b in zip(bf16, fp32, strict=True))
+    engine = _chunk(_tiny, size=TINY_CHUNK, precision="fp16", budget="200KiB")
+    losses = _train(engine, _learnable(STEPS))
+    for got, want in zip(losses, fp32, strict=True):
+        assert abs(got - want) <= max(4 * own, 1e-4) * want, (losses, fp32)
+    assert engine.store.chunks[0].dtype == torch.float16
+
+    # Force an overflow: the update is skipped, the weights stay, the scale halves.
+    engine.loss_scale = LossScale(scale=2.0**100)
+    before = engine.model_state_dict()
+    step = engine.global_step
+    inputs, targets = next(_learnable(1))
+    engine.backward(engine(inputs, targets))
+    engine.step()
+    after = engine.model_state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    assert engine.last_grad_norm is None and engine.global_step == step + 1
+    assert engine.loss_scale.scale == 2.0**99 and engine.stats()["skipped_steps"] == 1
+    assert engine.state_dict()["loss_scale"]["scale"] == 2.0**99

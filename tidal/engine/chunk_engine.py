@@ -15,6 +15,7 @@ a trace of its own instead of silently following the training one.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import warnings
 from collections.abc import Iterator
 from typing import Any
@@ -25,6 +26,7 @@ from torch import nn
 from tidal.config import ConfigError, format_bytes
 from tidal.engine.config import MemoryConfig, OptimizerConfig, TrainingConfig
 from tidal.engine.device import memory_bytes, peak_memory_bytes, resolve_device
+from tidal.engine.loss_scale import LossScale
 from tidal.engine.lr import WarmupCosine
 from tidal.memory.config import ChunkConfig
 from tidal.memory.hooks import OUTPUT_ONLY_HOOK_WARNING, install_hooks
@@ -50,12 +52,6 @@ class ChunkEngine:
         memory: MemoryConfig,
         chunk: ChunkConfig,
     ) -> None:
-        if training.precision == "fp16":
-            raise ConfigError(
-                "training.precision",
-                "the chunk engine trains in fp32 or bf16 so far (fp16 with loss scaling is "
-                "next); use training.precision='bf16' or engine='reference'",
-            )
         self.device = resolve_device(training.device)
         self.precision = training.precision
         self.model = model
@@ -64,9 +60,11 @@ class ChunkEngine:
             device=self.device, device_budget=memory.device_budget, host_budget=memory.host_budget
         )
         self.layout = _layout(model, chunk)
-        # bf16: the model computes in bf16 from bf16 parameter chunks; AdamW updates fp32 master
-        # chunks, taken from the full-precision weights before the store converts them.
-        param_dtype = torch.bfloat16 if training.precision == "bf16" else torch.float32
+        # bf16/fp16: the model computes in that precision from parameter chunks of it; AdamW
+        # updates fp32 master chunks, taken from the full-precision weights before the store
+        # converts them. fp16 also scales the loss (LossScale) so small gradients survive.
+        param_dtype = _PARAM_DTYPES[training.precision]
+        self.loss_scale = LossScale() if training.precision == "fp16" else None
         masters = None
         if param_dtype != torch.float32:
             masters = make_master_chunks(model, self.layout, self.host_tier)
@@ -137,6 +135,8 @@ class ChunkEngine:
 
     def backward(self, loss: torch.Tensor) -> None:
         scaled = loss / self.grad_accum_steps if self.grad_accum_steps > 1 else loss
+        if self.loss_scale is not None:
+            scaled = scaled * self.loss_scale.scale
         with _quiet_output_only_hooks():
             scaled.backward()
         self.store.release_all()
@@ -156,8 +156,13 @@ class ChunkEngine:
         if not self._placed:
             self._place_optimizer()
         self.last_grad_norm = self.optimizer.step(
-            lr=self.schedule.lr_at(self.global_step), max_grad_norm=self.grad_clip_norm
+            lr=self.schedule.lr_at(self.global_step),
+            max_grad_norm=self.grad_clip_norm,
+            loss_scale=self.loss_scale.scale if self.loss_scale else 1.0,
         )
+        if self.loss_scale is not None:
+            self.loss_scale = self.loss_scale.after_step(overflow=self.last_grad_norm is None)
+        # A step skipped for overflow still advances the schedule, as with torch's GradScaler.
         self.global_step += 1
         return True
 
@@ -197,6 +202,8 @@ class ChunkEngine:
             "chunk_padding_fraction": self.layout.waste_fraction,
             "evictions": self.store.num_evictions,
             "pinned_chunks": len(self.store.pinned),
+            "loss_scale": self.loss_scale.scale if self.loss_scale else None,
+            "skipped_steps": self.loss_scale.skipped_steps if self.loss_scale else 0,
             "min_device_bytes": self.store.min_device_bytes(),
             "model_data_bytes": self.model_data_bytes(),
             "memory_bytes": memory_bytes(self.device),
@@ -215,12 +222,15 @@ class ChunkEngine:
         return {k: state[k] for k in self.model.state_dict(keep_vars=True)}
 
     def state_dict(self) -> dict[str, Any]:
-        return {
+        state = {
             "model": self.model_state_dict(),
             "optimizer": self.optimizer.state_dict(),
             "global_step": self.global_step,
             "micro_step": self.micro_step,
         }
+        if self.loss_scale is not None:
+            state["loss_scale"] = dataclasses.asdict(self.loss_scale)
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         params = dict(self.model.named_parameters(remove_duplicate=False))
@@ -235,6 +245,11 @@ class ChunkEngine:
         self.optimizer.load_state_dict(state["optimizer"])
         self.global_step = int(state["global_step"])
         self.micro_step = int(state["micro_step"])
+        if self.loss_scale is not None and "loss_scale" in state:
+            self.loss_scale = LossScale(**state["loss_scale"])
+
+
+_PARAM_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 # [Note: optimizer placement]

@@ -175,15 +175,30 @@ class ChunkAdamW:
 
     # -- the step --------------------------------------------------------------------------------
 
-    def step(self, *, lr: float, max_grad_norm: float) -> float:
-        """Clip to ``max_grad_norm`` (0: off), update in place; returns the gradient norm."""
+    def step(self, *, lr: float, max_grad_norm: float, loss_scale: float = 1.0) -> float | None:
+        """Unscale, clip to ``max_grad_norm`` (0: off), update in place.
+
+        Returns the (unscaled) gradient norm, or None when a gradient was not finite: then
+        nothing is updated and the gradients are dropped (fp16 overflow; the caller lowers the
+        loss scale).
+        """
         self._check_coverage()
         self.store.evict_unpinned()
         grads = [self.grads[e.chunk].view(e.slot) for e in self._entries]
         norm = torch.nn.utils.get_total_norm(grads)
+        if not torch.isfinite(norm):
+            self.zero_grad()
+            return None
+        if loss_scale != 1.0:
+            norm = norm / loss_scale
+        coefficient = None
         if max_grad_norm > 0:
             # The reference's clip_grad_norm_ formula, so clipped gradients agree bit for bit.
             coefficient = torch.clamp(max_grad_norm / (norm + 1e-6), max=1.0)
+        if loss_scale != 1.0:  # unscaling folded into the same multiply
+            coefficient = (1.0 if coefficient is None else coefficient) / loss_scale
+        if coefficient is not None:
+            coefficient = torch.as_tensor(coefficient)
             for device, group in _by_device(grads).items():
                 torch._foreach_mul_(group, coefficient.to(device))
         for decay in (True, False):
