@@ -342,3 +342,21 @@ def test_fp16_with_dynamic_loss_scaling() -> None:
     assert engine.last_grad_norm is None and engine.global_step == step + 1
     assert engine.loss_scale.scale == 2.0**99 and engine.stats()["skipped_steps"] == 1
     assert engine.state_dict()["loss_scale"]["scale"] == 2.0**99
+
+
+def test_belady_from_the_trace_moves_less_than_lru() -> None:
+    probe = _chunk(_tiny, size=TINY_CHUNK)
+    budget = 2 * probe.min_budget_bytes
+    moved = {}
+    for policy in ("belady", "lru"):
+        engine = ChunkEngine(
+            _tiny(),
+            optimizer=_optimizer(),
+            training=TrainingConfig(device="cpu"),
+            memory=MemoryConfig(device_budget=budget),
+            chunk=ChunkConfig(size=TINY_CHUNK, policy=policy),
+        )
+        _train(engine, _batches(6))
+        moved[policy] = engine.stats()["bytes_to_device"]
+    # If the store stopped following the trace, both policies would move the same bytes.
+    assert moved["belady"] < moved["lru"], moved

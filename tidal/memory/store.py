@@ -127,9 +127,8 @@ class ChunkStore:
         params = [p for p in params if id(p) in self.slot_of]
         needed = self.chunks_of(params)
         if self._recorder.recording:
-            self._recorder.record(label, needed, 0)
-            moment = len(self._recorder.moments) - 1
-            if self._following_trace and not self._recorder.matches(self.trace):
+            moment = self._recorder.record(label, needed, 0).index
+            if self._following_trace and not self._matches_trace(moment, label, needed):
                 self._following_trace = False
         else:
             moment = -1
@@ -141,6 +140,15 @@ class ChunkStore:
         for p in params:
             index, slot = self.slot_of[id(p)]
             self.chunks[index].acquire(slot)
+
+    def _matches_trace(self, moment: int, label: str, needed: frozenset[int]) -> bool:
+        # Earlier moments of this iteration already matched, so only the newest is compared:
+        # checking the whole prefix each time would cost O(moments^2) per iteration.
+        assert self.trace is not None
+        if moment >= len(self.trace.moments):
+            return False
+        stored = self.trace.moments[moment]
+        return stored.label == label and stored.chunks == needed
 
     def release(self, params: Iterable[nn.Parameter]) -> None:
         for p in params:
