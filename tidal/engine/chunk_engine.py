@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from tidal.config import ConfigError, format_bytes
+from tidal.engine.accumulation import AccumulationCounter
 from tidal.engine.config import MemoryConfig, OptimizerConfig, TrainingConfig
 from tidal.engine.device import memory_bytes, peak_memory_bytes, resolve_device
 from tidal.engine.loss_scale import LossScale
@@ -40,7 +41,7 @@ from tidal.memory.trace import AccessTrace, Moment
 __all__ = ["ChunkEngine"]
 
 
-class ChunkEngine:
+class ChunkEngine(AccumulationCounter):
     """Train ``model`` with its parameters in chunks under a device byte budget."""
 
     def __init__(
@@ -143,14 +144,9 @@ class ChunkEngine:
         self.store.end_iteration()
         self._in_iteration = False
 
-    def is_accumulation_boundary(self) -> bool:
-        return (self.micro_step + 1) % self.grad_accum_steps == 0
-
     def step(self) -> bool:
         """Count a micro-batch; on the boundary clip, update and zero. Returns whether it stepped."""
-        boundary = self.is_accumulation_boundary()
-        self.micro_step += 1
-        if not boundary:
+        if not self._count_micro_batch():
             return False
         self.store.release_all()
         if not self._placed:

@@ -8,11 +8,7 @@ this one on the same seeds, so it stays deliberately plain: ``torch.optim.AdamW`
     engine.backward(loss)
     engine.step()        # call after every micro-batch; steps the optimizer on the boundary
 
-[Note: accumulation boundary]
-``backward`` divides the loss by ``grad_accum_steps`` so that accumulated gradients are the mean
-over the micro-batches. ``step`` counts micro-batches and only on every ``grad_accum_steps``-th
-unscales, clips, steps AdamW, sets the next learning rate and zeroes the gradients. The schedule
-is a pure function of ``global_step`` (optimizer steps done), which is all a checkpoint needs.
+Micro-batches are counted as [Note: accumulation boundary] in accumulation.py says.
 """
 
 from __future__ import annotations
@@ -25,6 +21,7 @@ import torch
 from torch import nn
 
 from tidal.config import ConfigError, format_bytes
+from tidal.engine.accumulation import AccumulationCounter
 from tidal.engine.config import MemoryConfig, OptimizerConfig, TrainingConfig
 from tidal.engine.device import memory_bytes, peak_memory_bytes, resolve_device
 from tidal.engine.lr import WarmupCosine
@@ -77,7 +74,7 @@ def _check_device_budget(model: nn.Module, memory: MemoryConfig, device: torch.d
         )
 
 
-class ReferenceEngine:
+class ReferenceEngine(AccumulationCounter):
     """Train ``model`` on one device with AdamW, warm-up + cosine, clipping and accumulation."""
 
     def __init__(
@@ -130,15 +127,9 @@ class ReferenceEngine:
             scaled = self.scaler.scale(scaled)
         scaled.backward()
 
-    def is_accumulation_boundary(self) -> bool:
-        """Whether the next ``step()`` call steps the optimizer."""
-        return (self.micro_step + 1) % self.grad_accum_steps == 0
-
     def step(self) -> bool:
         """Count a micro-batch; on the boundary step the optimizer. Returns whether it stepped."""
-        boundary = self.is_accumulation_boundary()
-        self.micro_step += 1
-        if not boundary:
+        if not self._count_micro_batch():
             return False
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)

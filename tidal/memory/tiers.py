@@ -155,6 +155,13 @@ class Tier:
         if numel < 0:
             raise ValueError(f"numel must be >= 0, got {numel}")
         num_bytes = numel * dtype.itemsize
+        self._admit(num_bytes)
+        tensor = torch.empty(numel, dtype=dtype, device=self.device, pin_memory=self.pinned)
+        self._track(tensor.untyped_storage(), num_bytes)
+        return tensor
+
+    def _admit(self, num_bytes: int) -> None:
+        """Raise TierBudgetError, before anything changes, if ``num_bytes`` more would not fit."""
         if not self.can_fit(num_bytes):
             assert self.budget_bytes is not None
             raise TierBudgetError(
@@ -163,13 +170,12 @@ class Tier:
                 held_bytes=self._held_bytes,
                 budget_bytes=self.budget_bytes,
             )
-        tensor = torch.empty(numel, dtype=dtype, device=self.device, pin_memory=self.pinned)
-        storage = tensor.untyped_storage()
+
+    def _track(self, storage: torch.UntypedStorage, num_bytes: int) -> None:
         self._live[id(storage)] = _Allocation(storage, num_bytes)
         self._held_bytes += num_bytes
         self._peak_bytes = max(self._peak_bytes, self._held_bytes)
         self._check_invariant()
-        return tensor
 
     def holds(self, tensor: torch.Tensor) -> bool:
         """Whether ``tensor`` (or a view of it) is a live allocation of this tier."""
@@ -209,19 +215,9 @@ class Tier:
         storage = tensor.untyped_storage()
         assert storage.nbytes() == 0 and not self.holds(tensor), "regrow of a live buffer"
         num_bytes = tensor.numel() * tensor.element_size()
-        if not self.can_fit(num_bytes):
-            assert self.budget_bytes is not None
-            raise TierBudgetError(
-                kind=self.kind,
-                asked_bytes=num_bytes,
-                held_bytes=self._held_bytes,
-                budget_bytes=self.budget_bytes,
-            )
+        self._admit(num_bytes)
         storage.resize_(num_bytes)
-        self._live[id(storage)] = _Allocation(storage, num_bytes)
-        self._held_bytes += num_bytes
-        self._peak_bytes = max(self._peak_bytes, self._held_bytes)
-        self._check_invariant()
+        self._track(storage, num_bytes)
 
     def release_storage(self, tensor: torch.Tensor) -> None:
         """Free a grown buffer's bytes but keep the tensor object (and its views) for regrow."""
