@@ -94,10 +94,6 @@ class ChunkStore:
         return frozenset(self.slot_of[id(p)][0] for p in params if id(p) in self.slot_of)
 
     @property
-    def resident(self) -> frozenset[int]:
-        return frozenset(c.index for c in self.chunks if c.on_device)
-
-    @property
     def model_bytes(self) -> int:
         return sum(c.num_bytes for c in self.chunks)
 
