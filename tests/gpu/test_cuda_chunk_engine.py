@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 
@@ -14,10 +16,10 @@ from tidal.models import build_gpt, preset
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
-def _losses(engine, device: str) -> list[float]:
+def _losses(engine, device: str, steps: int = 10) -> list[float]:
     g = torch.Generator().manual_seed(0)
     losses = []
-    for _ in range(10):
+    for _ in range(steps):
         tokens = torch.randint(0, 256, (4, 65), generator=g).to(device)
         loss = engine(tokens[:, :-1], tokens[:, 1:])
         engine.backward(loss)
@@ -26,20 +28,33 @@ def _losses(engine, device: str) -> list[float]:
     return losses
 
 
-@pytest.mark.parametrize("budget", [None, "200KiB"])
-def test_cuda_chunk_engine_tracks_the_reference(budget: str | None) -> None:
+@pytest.mark.parametrize("tight", [False, True], ids=["unlimited", "tight"])
+def test_cuda_chunk_engine_tracks_the_reference(tight: bool) -> None:
     optimizer = OptimizerConfig(lr=3e-3, warmup_steps=2, decay_steps=10)
     training = TrainingConfig(device="cuda", steps=10)
     want = _losses(
         ReferenceEngine(build_gpt(preset("tiny")), optimizer=optimizer, training=training), "cuda"
     )
-    engine = ChunkEngine(
-        build_gpt(preset("tiny")),
-        optimizer=optimizer,
-        training=training,
-        memory=MemoryConfig(device_budget=budget),
-        chunk=ChunkConfig(size=128),
-    )
+
+    def chunk_engine(budget: int | None) -> ChunkEngine:
+        return ChunkEngine(
+            build_gpt(preset("tiny")),
+            optimizer=optimizer,
+            training=training,
+            memory=MemoryConfig(device_budget=budget),
+            chunk=ChunkConfig(size=128),
+        )
+
+    budget = None
+    if tight:  # activations count (allocator figures): the minimum is measured by a first step
+        probe = chunk_engine(None)
+        _losses(probe, "cuda", steps=1)
+        stats = probe.stats()
+        assert stats["peak_non_model_bytes"] > 0
+        budget = stats["min_device_bytes"] + probe.store.model_bytes // 2
+        del probe
+        gc.collect()
+    engine = chunk_engine(budget)
     got = _losses(engine, "cuda")
     # The update runs on the CPU here and on the GPU in the reference: kernels differ slightly.
     for a, b in zip(got, want, strict=True):
@@ -47,4 +62,4 @@ def test_cuda_chunk_engine_tracks_the_reference(budget: str | None) -> None:
     stats = engine.stats()
     assert engine.host_tier.pinned
     if budget is not None:
-        assert stats["peak_device_bytes"] <= 200 * 1024 and stats["evictions"] > 0
+        assert stats["peak_device_bytes"] <= budget and stats["evictions"] > 0

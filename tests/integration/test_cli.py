@@ -124,6 +124,17 @@ def test_demo_recipe_runs(tmp_path: Path) -> None:
     assert (tmp_path / "demo" / "checkpoints" / "step_00000003").is_dir()
 
 
+def test_a_device_budget_below_the_activations_is_one_clear_line(tmp_path: Path) -> None:
+    result = tidal(
+        "train", "--recipe", "demo", "--no-plots",
+        "--set", f"run_dir={tmp_path / 'demo'}", "--set", "memory.device_budget=8MiB",
+    )  # fmt: skip
+    assert result.returncode == 2
+    assert "memory.device_budget: 8,388,608 bytes (8.00MiB) is too small" in result.stderr
+    assert "activations" in result.stderr and "Traceback" not in result.stderr
+    assert not (tmp_path / "demo" / "checkpoints").exists()
+
+
 def test_models_and_help() -> None:
     models = tidal("models")
     assert models.returncode == 0

@@ -78,6 +78,24 @@ def _tiny() -> nn.Module:
     return build_gpt(TINY, seed=0)
 
 
+def _probe(make: Callable[[], nn.Module], batches, *, size=None, **training) -> tuple[int, int]:
+    """(measured minimum budget, peak activation bytes) of unlimited steps over ``batches``.
+
+    Activations are part of the budget, so "the minimum" is measured by a run, as a user reads
+    it from ``stats()`` after a first step.
+    """
+    engine = _chunk(make, size=size, **training)
+    minimum_bytes = activation_bytes = 0
+    for inputs, targets in batches:
+        engine.backward(engine(inputs, targets))
+        engine.step()
+        stats = engine.stats()
+        minimum_bytes = max(minimum_bytes, stats["min_device_bytes"])
+        activation_bytes = max(activation_bytes, stats["peak_non_model_bytes"])
+    assert minimum_bytes > activation_bytes > 0
+    return minimum_bytes, activation_bytes
+
+
 @pytest.fixture(scope="module")
 def reference_tiny() -> tuple[list[float], dict[str, torch.Tensor]]:
     losses, model = _reference(_tiny, _batches(STEPS))
@@ -87,12 +105,12 @@ def reference_tiny() -> tuple[list[float], dict[str, torch.Tensor]]:
 @pytest.mark.parametrize("size", [TINY_CHUNK, None], ids=["tiny-chunks", "searched"])
 @pytest.mark.parametrize("budget", ["unlimited", "half", "minimum"])
 def test_tiny_gpt_matches_reference(reference_tiny, budget: str, size: int | None) -> None:
-    probe = _chunk(_tiny, size=size)
-    param_bytes = probe.store.model_bytes
+    param_bytes = _chunk(_tiny, size=size).store.model_bytes
+    minimum_bytes, activation_bytes = _probe(_tiny, _batches(1), size=size)
     budget_bytes = {
         "unlimited": None,
-        "half": max(param_bytes // 2, probe.min_budget_bytes),
-        "minimum": probe.min_budget_bytes,
+        "half": max(activation_bytes + param_bytes // 2, minimum_bytes),
+        "minimum": minimum_bytes,
     }[budget]
     engine = _chunk(_tiny, budget=budget_bytes, size=size)
     if size == TINY_CHUNK:
@@ -152,8 +170,8 @@ def test_hugging_face_models_match_reference(make, tight: bool) -> None:
         return _CausalLM(make())
 
     want, _ = _reference(wrapped, _batches(8, seq_lens=(16,), vocab=128))
-    probe = _chunk(wrapped, size=TINY_CHUNK)
-    budget = 2 * probe.min_budget_bytes if tight else None
+    minimum_bytes, _ = _probe(wrapped, _batches(1, seq_lens=(16,), vocab=128), size=TINY_CHUNK)
+    budget = minimum_bytes if tight else None
     engine = _chunk(wrapped, budget=budget, size=TINY_CHUNK)
     _assert_close(_train(engine, _batches(8, seq_lens=(16,), vocab=128)), want)
     if tight:
@@ -178,8 +196,8 @@ def test_frozen_parameters(reference_tiny) -> None:
 
 def test_gradient_accumulation() -> None:
     want, _ = _reference(_tiny, _batches(2 * 8), grad_accum_steps=2)
-    probe = _chunk(_tiny, size=TINY_CHUNK)
-    engine = _chunk(_tiny, size=TINY_CHUNK, budget=probe.min_budget_bytes, grad_accum_steps=2)
+    minimum_bytes, _ = _probe(_tiny, _batches(1), size=TINY_CHUNK)
+    engine = _chunk(_tiny, size=TINY_CHUNK, budget=minimum_bytes, grad_accum_steps=2)
     _assert_close(_train(engine, _batches(2 * 8)), want)
     assert engine.global_step == 8
 
@@ -187,9 +205,13 @@ def test_gradient_accumulation() -> None:
 def test_sequence_length_changing_between_steps() -> None:
     lengths = (64, 32, 48)
     want, _ = _reference(_tiny, _batches(12, seq_lens=lengths))
-    probe = _chunk(_tiny, size=TINY_CHUNK)
-    engine = _chunk(_tiny, size=TINY_CHUNK, budget=probe.min_budget_bytes)
+    minimum_bytes, _ = _probe(_tiny, _batches(3, seq_lens=lengths), size=TINY_CHUNK)
+    engine = _chunk(_tiny, size=TINY_CHUNK, budget=minimum_bytes)
     _assert_close(_train(engine, _batches(12, seq_lens=lengths)), want)
+    stats = engine.stats()
+    assert stats["peak_device_bytes"] <= minimum_bytes
+    # Same modules, other activation bytes: each change of length is a new trace.
+    assert stats["traces_recorded"] == 12
 
 
 def test_budget_below_minimum_fails_before_training() -> None:
@@ -200,6 +222,24 @@ def test_budget_below_minimum_fails_before_training() -> None:
     message = str(err.value)
     assert message.startswith("memory.device_budget:")
     assert f"{need:,} bytes" in message and "KiB" in message
+
+
+def test_activations_over_the_budget_fail_in_the_first_iteration() -> None:
+    from tidal.memory.store import DeviceBudgetTooSmall
+
+    minimum_bytes, activation_bytes = _probe(_tiny, _batches(1), size=TINY_CHUNK)
+    budget = activation_bytes - 1  # above the chunks-only minimum, below what the step needs
+    engine = _chunk(_tiny, size=TINY_CHUNK, budget=budget)
+    before = engine.model_state_dict()
+    inputs, targets = next(_batches(1))
+    with pytest.raises(DeviceBudgetTooSmall) as err:
+        engine.backward(engine(inputs, targets))
+    message = str(err.value)
+    assert message.startswith("memory.device_budget:") and f"{budget:,}" in message
+    assert "activations" in message and "training.batch_size" in message
+    assert engine.device_tier.peak_bytes <= budget  # the warm-up never went over
+    after = engine.model_state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
 
 
 def test_an_unused_parameter_is_named() -> None:
@@ -257,8 +297,9 @@ def test_pinning_respects_the_budget_and_does_not_add_traffic() -> None:
     from tidal.engine.chunk_engine import _streaming_bytes, choose_pinned
 
     probe = _chunk(_tiny, size=TINY_CHUNK)
+    _, activation_bytes = _probe(_tiny, _batches(1), size=TINY_CHUNK)
     # Room for every parameter chunk twice: some, not all, can bring their optimizer state.
-    budget = 2 * probe.store.model_bytes
+    budget = activation_bytes + 2 * probe.store.model_bytes
     engine = _chunk(_tiny, size=TINY_CHUNK, budget=budget)
     _train(engine, _batches(3))
     pinned = engine.store.pinned
@@ -291,8 +332,8 @@ def test_bf16_parameters_with_fp32_masters() -> None:
     assert losses[-1] < losses[0] - 1.0
     for got, want in zip(losses, bf16, strict=True):
         assert abs(got - want) <= max(4 * own, 1e-4) * want, (losses, bf16, own)
-    probe = _chunk(_tiny, size=TINY_CHUNK, precision="bf16")
-    tight = _chunk(_tiny, size=TINY_CHUNK, precision="bf16", budget=2 * probe.min_budget_bytes)
+    minimum_bytes, _ = _probe(_tiny, _learnable(1), size=TINY_CHUNK, precision="bf16")
+    tight = _chunk(_tiny, size=TINY_CHUNK, precision="bf16", budget=minimum_bytes)
     # Placement never changes the arithmetic: any budget gives the same losses.
     assert _train(tight, _learnable(STEPS)) == losses
     assert tight.stats()["evictions"] > 0
@@ -324,7 +365,8 @@ def test_fp16_with_dynamic_loss_scaling() -> None:
     fp32, _ = _reference(_tiny, _learnable(STEPS))
     bf16, _ = _reference(_tiny, _learnable(STEPS), precision="bf16")
     own = max(abs(a - b) / b for a, b in zip(bf16, fp32, strict=True))
-    engine = _chunk(_tiny, size=TINY_CHUNK, precision="fp16", budget="200KiB")
+    minimum_bytes, _ = _probe(_tiny, _learnable(1), size=TINY_CHUNK, precision="fp16")
+    engine = _chunk(_tiny, size=TINY_CHUNK, precision="fp16", budget=minimum_bytes)
     losses = _train(engine, _learnable(STEPS))
     for got, want in zip(losses, fp32, strict=True):
         assert abs(got - want) <= max(4 * own, 1e-4) * want, (losses, fp32)
@@ -345,8 +387,9 @@ def test_fp16_with_dynamic_loss_scaling() -> None:
 
 
 def test_belady_from_the_trace_moves_less_than_lru() -> None:
-    probe = _chunk(_tiny, size=TINY_CHUNK)
-    budget = 2 * probe.min_budget_bytes
+    minimum_bytes, _ = _probe(_tiny, _batches(1), size=TINY_CHUNK)
+    # A little room above the minimum: enough for the eviction choice to matter.
+    budget = minimum_bytes + _chunk(_tiny, size=TINY_CHUNK).store.model_bytes // 8
     moved = {}
     for policy in ("belady", "lru"):
         engine = ChunkEngine(

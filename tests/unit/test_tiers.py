@@ -49,6 +49,7 @@ def test_stats_names_every_counter() -> None:
     assert tier.stats() == {
         "held_bytes": 200,
         "peak_bytes": 200,
+        "non_model_bytes": 0,
         "in_bytes": 0,
         "out_bytes": 0,
         "num_allocations": 1,
@@ -56,6 +57,19 @@ def test_stats_names_every_counter() -> None:
         "free_bytes": 800,
     }
     assert _host_tier().free_bytes is None
+
+
+def test_non_model_gauge_shares_the_budget() -> None:
+    tier = _device_tier(budget_bytes=1000)
+    tier.allocate(100, torch.float32)  # 400 bytes
+    tier.set_non_model_bytes(500)
+    assert (tier.held_bytes, tier.allocated_bytes, tier.peak_bytes) == (900, 400, 900)
+    assert not tier.can_fit(101)
+    with pytest.raises(TierBudgetError):
+        tier.set_non_model_bytes(601)
+    assert tier.non_model_bytes == 500  # refused: nothing changed
+    tier.set_non_model_bytes(100)
+    assert (tier.held_bytes, tier.peak_bytes) == (500, 900)
 
 
 def test_zero_byte_allocations_are_tracked_apart() -> None:

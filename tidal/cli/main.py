@@ -33,6 +33,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not console.is_terminal:  # logs and CI: rich would fold tables at 80 columns
         console = Console(highlight=False, width=160)
     from tidal.config import ConfigError
+    from tidal.memory.store import DeviceBudgetTooSmall
 
     try:
         if args.command == "train":
@@ -43,7 +44,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _models(console)
         if args.command == "bench":
             return _bench(args, console)
-    except (ConfigError, FileNotFoundError) as err:
+    except (ConfigError, DeviceBudgetTooSmall, FileNotFoundError) as err:
         print(f"tidal: error: {err}", file=sys.stderr)
         return EXIT_BAD_INPUT
     except FloatingPointError as err:

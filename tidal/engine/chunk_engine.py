@@ -103,6 +103,8 @@ class ChunkEngine(AccumulationCounter):
         self.last_grad_norm: float | None = None
         self._in_iteration = False
         self._placed = False
+        self.min_device_bytes = 0  # of the last training iteration; see backward()
+        self.peak_non_model_bytes = 0
 
     def _check_minimum_budget(self) -> None:
         """Every module's own chunks must fit at once; else fail before training."""
@@ -132,7 +134,8 @@ class ChunkEngine(AccumulationCounter):
             self.store.end_iteration()
         self.store.begin_iteration()
         self._in_iteration = True
-        return self.model(*args, **kwargs)
+        with self.store.meter.tracking():
+            return self.model(*args, **kwargs)
 
     def backward(self, loss: torch.Tensor) -> None:
         scaled = loss / self.grad_accum_steps if self.grad_accum_steps > 1 else loss
@@ -143,6 +146,10 @@ class ChunkEngine(AccumulationCounter):
         self.store.release_all()
         self.store.end_iteration()
         self._in_iteration = False
+        # Training iterations' figures, kept apart from evaluation's (no activations saved).
+        assert self.store.trace is not None
+        self.min_device_bytes = self.store.trace.min_device_bytes()
+        self.peak_non_model_bytes = self.store.trace.peak_non_model_bytes
 
     def step(self) -> bool:
         """Count a micro-batch; on the boundary clip, update and zero. Returns whether it stepped."""
@@ -200,7 +207,9 @@ class ChunkEngine(AccumulationCounter):
             "pinned_chunks": len(self.store.pinned),
             "loss_scale": self.loss_scale.scale if self.loss_scale else None,
             "skipped_steps": self.loss_scale.skipped_steps if self.loss_scale else 0,
-            "min_device_bytes": self.store.min_device_bytes(),
+            "min_device_bytes": self.min_device_bytes or self.store.min_device_bytes(),
+            "peak_non_model_bytes": self.peak_non_model_bytes,
+            "traces_recorded": self.store.num_traces,
             "model_data_bytes": self.model_data_bytes(),
             "memory_bytes": memory_bytes(self.device),
             "peak_memory_bytes": peak_memory_bytes(self.device),

@@ -60,7 +60,11 @@ def _chunk_rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
     return [
         ("engine", f"chunk ({summary['num_chunks']} chunks of {summary['chunk_size']:,} elements)"),
         ("device budget", "unlimited" if budget is None else format_bytes(budget)),
-        ("peak device chunks", format_bytes(summary["peak_device_bytes"])),
+        (
+            "peak device",
+            f"{format_bytes(summary['peak_device_bytes'])} (of which activations at most "
+            f"{format_bytes(summary.get('peak_non_model_bytes') or 0)})",
+        ),
         ("min device budget", format_bytes(summary["min_device_bytes"])),
         (
             "traffic per step",

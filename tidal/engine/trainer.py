@@ -367,6 +367,7 @@ _CHUNK_FIGURES = (
     "evictions",
     "device_budget",
     "peak_device_bytes",
+    "peak_non_model_bytes",
     "min_device_bytes",
     "chunk_size",
     "num_chunks",

@@ -18,7 +18,15 @@ was not given.
 Every iteration's moments are recorded. While they match the stored trace, its next-use figures
 drive eviction; at the first moment that differs (another sequence length, eval instead of
 train, a data-dependent branch) the store falls back to LRU for the rest of that iteration, and
-the newly recorded sequence becomes the trace ([Note: trace validity] in trace.py).
+the newly recorded sequence becomes the trace ([Note: trace validity] in trace.py). A trace
+whose sequence matches but whose non-model figures differ (a longer sequence with the same
+modules) is replaced too, so the room the store leaves for activations is the latest measured.
+
+Non-model bytes ([Note: non-model memory] in activations.py) share the budget. At each moment
+the store leaves room for what the trace says the moment will add, and whenever the meter sees
+the non-model bytes grow past the budget it evicts chunks (the same victim rule) before the
+bytes are counted; only when nothing can be evicted does it raise, naming the moment and the
+bytes. So no moment, the first iteration's included, takes the device past its budget.
 """
 
 from __future__ import annotations
@@ -29,6 +37,7 @@ import torch
 from torch import nn
 
 from tidal.config import format_bytes
+from tidal.memory.activations import make_meter
 from tidal.memory.chunk import Chunk, ChunkKind, ChunkState, TensorState
 from tidal.memory.layout import ChunkLayout
 from tidal.memory.tiers import Tier, TierBudgetError, TierKind
@@ -73,6 +82,18 @@ class ChunkStore:
         self.num_fetches = 0
         # Chunks that stay on the device for good: their optimizer state lives there too.
         self.pinned: frozenset[int] = frozenset()
+        self.num_traces = 0  # traces adopted: 1 + how often the sequence or its bytes changed
+        self._moment = -1
+        self._label = "before the first moment"
+        self._param_storages = frozenset(
+            c.device_handle(device_tier).untyped_storage()._cdata for c in self.chunks
+        )
+        self.meter = make_meter(
+            device_tier.device,
+            device_tier,
+            is_model_storage=self._param_storages.__contains__,
+            on_change=self._non_model_changed,
+        )
 
     def _load_parameters(self, model: nn.Module) -> None:
         params = {name: p for name, p in model.named_parameters(remove_duplicate=False)}
@@ -113,23 +134,35 @@ class ChunkStore:
         """Keep the iteration just recorded as the trace if it differs from the stored one."""
         if not self._recorder.recording:
             return
+        self._recorder.raise_last(self.meter.take_peak_bytes())
         recorded = self._recorder.finish()
-        if self.trace is None or recorded.signature() != self.trace.signature():
+        if self.trace is None or _differs(recorded, self.trace):
             self.trace = recorded
+            self.num_traces += 1
         self._following_trace = False
+        self._moment, self._label = -1, "between iterations"
 
     def access(self, label: str, params: Iterable[nn.Parameter]) -> None:
         """One moment: bring the params' chunks to the device and mark the params in use."""
         params = [p for p in params if id(p) in self.slot_of]
         needed = self.chunks_of(params)
+        live_bytes = self.meter.live_bytes()
         if self._recorder.recording:
-            moment = self._recorder.record(label, needed, 0).index
+            self._recorder.raise_last(self.meter.take_peak_bytes())
+            moment = self._recorder.record(label, needed, live_bytes).index
             if self._following_trace and not self._matches_trace(moment, label, needed):
                 self._following_trace = False
         else:
             moment = -1
+        self._moment, self._label = moment, label
+        self._non_model_changed(live_bytes)
+        reserve_bytes = self._expected_growth_bytes(moment, live_bytes)
         for index in sorted(needed):
-            self._ensure_on_device(index, needed, moment, label)
+            chunk_bytes = self.chunks[index].num_bytes
+            if not self.chunks[index].on_device:
+                self._make_room(chunk_bytes + reserve_bytes, needed, required_bytes=chunk_bytes)
+                self._fetch(index, needed)
+        self._make_room(reserve_bytes, needed, required_bytes=0)
         self._clock += 1
         for index in needed:
             self._last_use[index] = self._clock
@@ -161,22 +194,39 @@ class ChunkStore:
 
     # -- placement -------------------------------------------------------------------------------
 
-    def _ensure_on_device(
-        self, index: int, needed: frozenset[int], moment: int, label: str
-    ) -> None:
-        chunk = self.chunks[index]
-        if chunk.on_device:
-            return
-        while not self.device_tier.can_fit(chunk.num_bytes):
-            victim = self._pick_victim(needed, moment)
+    def _expected_growth_bytes(self, moment: int, live_bytes: int) -> int:
+        """Non-model bytes the trace says this moment will add to what is live now."""
+        if not self._following_trace or self.trace is None or moment < 0:
+            return 0
+        return max(0, self.trace.moments[moment].non_model_bytes - live_bytes)
+
+    def _make_room(self, want_bytes: int, needed: frozenset[int], *, required_bytes: int) -> None:
+        """Evict until ``want_bytes`` fit; fewer is fine once ``required_bytes`` fit."""
+        while not self.device_tier.can_fit(want_bytes):
+            victim = self._pick_victim(needed, self._moment)
             if victim is None:
-                raise self._too_small(needed, label)
+                if self.device_tier.can_fit(required_bytes):
+                    return
+                raise self._too_small(needed)
             self.evict(victim)
+
+    def _fetch(self, index: int, needed: frozenset[int]) -> None:
         try:
-            chunk.move_to(self.device_tier)
+            self.chunks[index].move_to(self.device_tier)
         except TierBudgetError as err:  # only if the accounting and can_fit disagree
-            raise self._too_small(needed, label) from err
+            raise self._too_small(needed) from err
         self.num_fetches += 1
+
+    def _non_model_changed(self, live_bytes: int) -> None:
+        """The meter's figure moved to ``live_bytes``: make room, then count it (see module doc)."""
+        tier = self.device_tier
+        if tier.budget_bytes is not None:
+            while tier.allocated_bytes + live_bytes > tier.budget_bytes:
+                victim = self._pick_victim(frozenset(), self._moment)
+                if victim is None:
+                    raise self._too_small(frozenset(), non_model_bytes=live_bytes)
+                self.evict(victim)
+        tier.set_non_model_bytes(live_bytes)
 
     def _pick_victim(self, needed: frozenset[int], moment: int) -> int | None:
         candidates = [
@@ -212,16 +262,42 @@ class ChunkStore:
         """Keep ``indices`` on the device from now on; every other chunk goes to the host."""
         self.pinned |= frozenset(indices)
         self.evict_unpinned()
+        self._moment, self._label = -1, "pin"
         for index in sorted(self.pinned):
-            self._ensure_on_device(index, self.pinned, -1, "pin")
+            if not self.chunks[index].on_device:
+                self._make_room(self.chunks[index].num_bytes, self.pinned,
+                                required_bytes=self.chunks[index].num_bytes)  # fmt: skip
+                self._fetch(index, self.pinned)
 
-    def _too_small(self, needed: frozenset[int], label: str) -> DeviceBudgetTooSmall:
+    def _too_small(
+        self, needed: frozenset[int], *, non_model_bytes: int | None = None
+    ) -> DeviceBudgetTooSmall:
+        tier = self.device_tier
         need_bytes = sum(self.chunks[i].num_bytes for i in needed)
-        in_use = sum(c.num_bytes for c in self.chunks if c.state is ChunkState.COMPUTE)
-        budget = self.device_tier.budget_bytes or 0
+        stuck_bytes = sum(
+            c.num_bytes
+            for c in self.chunks
+            if c.on_device and c.index not in needed
+            and (c.state is ChunkState.COMPUTE or c.index in self.pinned)
+        )  # fmt: skip
+        other_bytes = tier.allocated_bytes - sum(c.num_bytes for c in self.chunks if c.on_device)
+        live_bytes = tier.non_model_bytes if non_model_bytes is None else non_model_bytes
+        total_bytes = need_bytes + stuck_bytes + other_bytes + live_bytes
+        budget = tier.budget_bytes or 0
         return DeviceBudgetTooSmall(
-            f"memory.device_budget: {label} needs {need_bytes:,} bytes "
-            f"({format_bytes(need_bytes)}) of parameter chunks on the device, with "
-            f"{in_use:,} bytes in use by enclosing modules, but the budget is {budget:,} bytes "
-            f"({format_bytes(budget)}); raise memory.device_budget or lower chunk.size"
+            f"memory.device_budget: {budget:,} bytes ({format_bytes(budget)}) is too small: "
+            f"during or just after {self._label} the device must hold at least "
+            f"{total_bytes:,} bytes ({format_bytes(total_bytes)}): {need_bytes:,} of parameter "
+            f"chunks this moment needs, {stuck_bytes:,} of chunks in use by enclosing modules "
+            f"or pinned, {other_bytes:,} of optimizer state and {live_bytes:,} of activations. "
+            f"Raise the budget above that (a step on a larger budget reports the exact minimum "
+            f"as min_device_bytes), or lower training.batch_size (activations) or chunk.size"
         )
+
+
+def _differs(recorded: AccessTrace, stored: AccessTrace) -> bool:
+    """Another sequence, or other non-model figures: see the module doc."""
+    if recorded.signature() != stored.signature():
+        return True
+    pairs = zip(recorded.moments, stored.moments, strict=True)  # same signature: same length
+    return any(a.non_model_bytes != b.non_model_bytes for a, b in pairs)

@@ -19,6 +19,11 @@ to each live storage: the memory stays allocated until :meth:`Tier.free`, exactl
 storage identity, which also tells 0-byte allocations apart (they all have ``data_ptr() == 0``).
 ``bytes_in`` and ``bytes_out`` count only moves between tiers, not allocations and frees: they
 are the traffic a placement policy tries to keep low.
+
+A device tier also carries a gauge of *non-model* bytes (activations saved for backward; see
+[Note: non-model memory] in activations.py): memory the tier did not allocate and cannot refuse,
+but which shares the budget. It is part of ``held_bytes`` and of the peak, so "the device never
+held more than its budget" covers activations too; whoever sets it must first make room.
 """
 
 from __future__ import annotations
@@ -93,6 +98,7 @@ class Tier:
         self.pinned = pin_memory and device.type == "cpu" and torch.cuda.is_available()
         self._live: dict[int, _Allocation] = {}  # id(storage) -> allocation
         self._held_bytes = 0
+        self._non_model_bytes = 0
         self._peak_bytes = 0
         self._bytes_in = 0
         self._bytes_out = 0
@@ -113,6 +119,15 @@ class Tier:
     @property
     def peak_bytes(self) -> int:
         return self._peak_bytes
+
+    @property
+    def non_model_bytes(self) -> int:
+        return self._non_model_bytes
+
+    @property
+    def allocated_bytes(self) -> int:
+        """Bytes of the tier's own allocations (``held_bytes`` less the non-model gauge)."""
+        return self._held_bytes - self._non_model_bytes
 
     @property
     def bytes_in(self) -> int:
@@ -141,6 +156,7 @@ class Tier:
         return {
             "held_bytes": self._held_bytes,
             "peak_bytes": self._peak_bytes,
+            "non_model_bytes": self._non_model_bytes,
             "in_bytes": self._bytes_in,
             "out_bytes": self._bytes_out,
             "num_allocations": self.num_allocations,
@@ -195,6 +211,17 @@ class Tier:
         self._held_bytes -= num_bytes
         self._check_invariant()
 
+    def set_non_model_bytes(self, num_bytes: int) -> None:
+        """Set the non-model gauge; TierBudgetError (and no change) if it would not fit."""
+        assert num_bytes >= 0, num_bytes
+        growth_bytes = num_bytes - self._non_model_bytes
+        if growth_bytes > 0:
+            self._admit(growth_bytes)
+        self._held_bytes += growth_bytes
+        self._non_model_bytes = num_bytes
+        self._peak_bytes = max(self._peak_bytes, self._held_bytes)
+        self._check_invariant()
+
     def record_move(self, *, in_bytes: int = 0, out_bytes: int = 0) -> None:
         """Count bytes that crossed into or out of this tier (see [Note: tier accounting])."""
         assert in_bytes >= 0 and out_bytes >= 0, (in_bytes, out_bytes)
@@ -228,7 +255,8 @@ class Tier:
         """See [Note: tier accounting]."""
         assert self._held_bytes >= 0, self
         assert self.budget_bytes is None or self._held_bytes <= self.budget_bytes, self
-        assert self._held_bytes == sum(a.num_bytes for a in self._live.values()), self
+        allocated_bytes = sum(a.num_bytes for a in self._live.values())
+        assert self._held_bytes == allocated_bytes + self._non_model_bytes, self
 
 
 def _copy_can_overlap(source: torch.Tensor, target: torch.Tensor) -> bool:

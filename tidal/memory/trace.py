@@ -23,6 +23,7 @@ never used for a sequence it was not recorded from.
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import hashlib
 import json
 from collections.abc import Iterable, Mapping, Sequence
@@ -190,6 +191,13 @@ class TraceRecorder:
             raise ValueError(f"moment {label!r} uses unknown chunks {unknown}")
         self._moments.append(moment)
         return moment
+
+    def raise_last(self, non_model_bytes: int) -> None:
+        """Raise the newest moment's non-model figure to ``non_model_bytes`` (its peak so far)."""
+        if self._moments and non_model_bytes > self._moments[-1].non_model_bytes:
+            self._moments[-1] = dataclasses.replace(
+                self._moments[-1], non_model_bytes=non_model_bytes
+            )
 
     def finish(self) -> AccessTrace:
         """End the iteration and return its trace."""

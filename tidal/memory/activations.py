@@ -1,0 +1,168 @@
+"""Non-model memory: what an iteration holds on the device besides model data.
+
+[Note: non-model memory]
+A device budget is shared by chunks and by everything else the iteration allocates there, above
+all the activations autograd saves for backward. PatrickStar guessed the rest with a fixed
+fraction of the GPU ("warm-up ratio") and its users met out-of-memory errors when the guess was
+low; here it is measured, per moment of the trace, by a meter:
+
+- on CPU (the testable device tier), :class:`SavedTensorMeter` counts the bytes of every storage
+  autograd saves, through ``torch.autograd.graph.saved_tensors_hooks``, from the moment it is
+  saved until the graph drops it. Storages are counted once however many views of them are
+  saved, and parameter chunks (model data, already in the tier's books) not at all. It sees
+  growth as it happens, so the store can evict chunks *before* the bytes would exceed the budget:
+  the warm-up iteration, which has no trace to plan from, runs within the budget too. Transient
+  tensors that are not saved for backward are not counted: on a CPU they are not device memory
+  anyone budgets.
+- on CUDA, :class:`AllocatorMeter` reads the caching allocator: allocated bytes minus the device
+  tier's own allocations, sampled at each moment, with the allocator's peak between moments.
+
+Each moment of the trace records the peak non-model bytes from its start to the next moment's
+start, which is what placement must leave room for ([Note: placement] in policy.py). The meter
+reports the live figure to the device tier's non-model gauge, so the tier's peak and its budget
+check cover activations.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Protocol
+
+import torch
+
+from tidal.memory.tiers import Tier
+
+__all__ = ["AllocatorMeter", "NonModelMeter", "SavedTensorMeter", "make_meter"]
+
+
+class NonModelMeter(Protocol):
+    def tracking(self) -> contextlib.AbstractContextManager[None]:
+        """Count while the forward (and so the graph it builds) is made."""
+        ...
+
+    def live_bytes(self) -> int:
+        """Non-model bytes held now."""
+        ...
+
+    def take_peak_bytes(self) -> int:
+        """The peak since the last call (or since creation), then restart the peak from now."""
+        ...
+
+
+class _Saved:
+    """What autograd keeps for a saved tensor: the tensor, and a ticket that is returned on drop."""
+
+    __slots__ = ("key", "meter", "tensor")
+
+    def __init__(self, tensor: torch.Tensor, key: int, meter: SavedTensorMeter) -> None:
+        self.tensor = tensor
+        self.key = key
+        self.meter = meter
+
+    def __del__(self) -> None:
+        self.meter._drop(self.key)
+
+
+class SavedTensorMeter:
+    """Bytes of storages saved for backward, counted once each; see [Note: non-model memory].
+
+    ``is_model_storage(key)`` says whether a storage (by ``untyped_storage()._cdata``, which is
+    stable across the resizes of a chunk's persistent buffer) holds model data, which the meter
+    leaves out. ``on_change(live_bytes)`` runs before every change is counted and may raise to
+    refuse the growth (the store evicts chunks to make room, or names the shortfall).
+    """
+
+    def __init__(
+        self,
+        *,
+        is_model_storage: Callable[[int], bool],
+        on_change: Callable[[int], None] | None = None,
+    ) -> None:
+        self._is_model_storage = is_model_storage
+        self._on_change = on_change
+        self._refs: dict[int, list[int]] = {}  # storage key -> [saves alive, bytes]
+        self._live_bytes = 0
+        self._peak_bytes = 0
+
+    def live_bytes(self) -> int:
+        return self._live_bytes
+
+    def take_peak_bytes(self) -> int:
+        peak_bytes, self._peak_bytes = self._peak_bytes, self._live_bytes
+        return peak_bytes
+
+    @contextlib.contextmanager
+    def tracking(self) -> Iterator[None]:
+        with torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack):
+            yield
+
+    def _pack(self, tensor: torch.Tensor) -> torch.Tensor | _Saved:
+        storage = tensor.untyped_storage()
+        key = storage._cdata
+        if self._is_model_storage(key):
+            return tensor
+        entry = self._refs.get(key)
+        if entry is None:
+            num_bytes = storage.nbytes()
+            self._set_live(self._live_bytes + num_bytes)
+            self._refs[key] = [1, num_bytes]
+        else:
+            entry[0] += 1
+        # Detached: a saved output would otherwise hold its own grad_fn through the ticket, a
+        # cycle only the garbage collector breaks, and its bytes would stay counted until then.
+        # (Double backward through the chunk engine is not supported anyway.)
+        return _Saved(tensor.detach(), key, self)
+
+    def _drop(self, key: int) -> None:
+        entry = self._refs[key]
+        entry[0] -= 1
+        if entry[0] == 0:
+            del self._refs[key]
+            self._set_live(self._live_bytes - entry[1])
+
+    def _set_live(self, live_bytes: int) -> None:
+        if self._on_change is not None:
+            self._on_change(live_bytes)
+        self._live_bytes = live_bytes
+        self._peak_bytes = max(self._peak_bytes, live_bytes)
+
+
+def _unpack(saved: torch.Tensor | _Saved) -> torch.Tensor:
+    return saved.tensor if isinstance(saved, _Saved) else saved
+
+
+class AllocatorMeter:
+    """CUDA: allocated bytes that are not the device tier's; see [Note: non-model memory]."""
+
+    def __init__(self, device: torch.device, device_tier: Tier) -> None:
+        self._device = device
+        self._tier = device_tier
+        torch.cuda.reset_peak_memory_stats(device)
+
+    @contextlib.contextmanager
+    def tracking(self) -> Iterator[None]:
+        yield
+
+    def live_bytes(self) -> int:
+        return max(0, torch.cuda.memory_allocated(self._device) - self._tier.allocated_bytes)
+
+    def take_peak_bytes(self) -> int:
+        # The tier's allocations at the allocator's peak are not known; the current ones are a
+        # close stand-in, since chunks move only at moments.
+        peak_bytes = torch.cuda.max_memory_allocated(self._device) - self._tier.allocated_bytes
+        torch.cuda.reset_peak_memory_stats(self._device)
+        return max(0, peak_bytes, self.live_bytes())
+
+
+def make_meter(
+    device: torch.device,
+    device_tier: Tier,
+    *,
+    is_model_storage: Callable[[int], bool],
+    on_change: Callable[[int], None],
+) -> NonModelMeter:
+    """The meter for ``device``: the allocator's figures on CUDA, saved tensors elsewhere."""
+    if device.type == "cuda":
+        return AllocatorMeter(device, device_tier)
+    return SavedTensorMeter(is_model_storage=is_model_storage, on_change=on_change)
