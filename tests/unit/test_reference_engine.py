@@ -151,3 +151,53 @@ def test_initialize_accepts_a_dict_config() -> None:
     assert engine.stats()["global_step"] == 1
     with pytest.raises(ConfigError, match="optimizer.lr"):
         tidal.initialize(build_gpt(TINY), {"optimizer": {"lr": -1}})
+
+
+@pytest.mark.parametrize(
+    ("name", "cls"),
+    [("adamw", torch.optim.AdamW), ("adam", torch.optim.Adam), ("sgd", torch.optim.SGD)],
+)
+def test_each_optimizer_decays_matrices_only(name: str, cls: type) -> None:
+    engine = ReferenceEngine(
+        build_gpt(TINY, seed=0),
+        optimizer=OptimizerConfig(name=name, weight_decay=0.05),
+        training=TrainingConfig(device="cpu"),
+    )
+    optimizer = engine.optimizer
+    assert type(optimizer) is cls
+    decay, rest = optimizer.param_groups
+    assert decay["weight_decay"] == 0.05 and rest["weight_decay"] == 0.0
+    assert all(p.dim() >= 2 for p in decay["params"]) and all(p.dim() < 2 for p in rest["params"])
+    assert decay["fused"]  # on a CPU, as AdamW
+    if name == "sgd":
+        assert (decay["momentum"], decay["dampening"], decay["nesterov"]) == (0.9, 0.0, False)
+    else:
+        assert decay["decoupled_weight_decay"] == (name == "adamw")
+
+
+@pytest.mark.parametrize(("momentum", "state_tensors"), [(0.9, 1), (0.0, 0)])
+def test_sgd_state_is_counted_exactly(momentum: float, state_tensors: int) -> None:
+    engine = ReferenceEngine(
+        build_gpt(TINY, seed=0),
+        optimizer=OptimizerConfig(name="sgd", momentum=momentum),
+        training=TrainingConfig(device="cpu"),
+    )
+    engine.backward(engine(*_batch(0)))
+    engine.step()
+    num_params = sum(p.numel() for p in {id(p): p for p in engine.model.parameters()}.values())
+    assert engine.model_data_bytes()["optimizer_state"] == 4 * num_params * state_tensors
+
+
+def test_device_budget_counts_each_optimizers_state() -> None:
+    num_params = sum(p.numel() for p in {id(p): p for p in build_gpt(TINY).parameters()}.values())
+    # Weights and gradients take 8 bytes per parameter; each state tensor 4 more.
+    budget = {"memory": {"device_budget": 12 * num_params}}
+    sgd = {"optimizer": {"name": "sgd"}}
+    tidal.initialize(build_gpt(TINY), {**budget, **sgd})  # momentum: exactly 12 bytes
+    for name in ("adamw", "adam"):
+        with pytest.raises(ConfigError, match=f"{name} state of 2x the weights"):
+            tidal.initialize(build_gpt(TINY), {**budget, "optimizer": {"name": name}})
+    tight = {"memory": {"device_budget": 8 * num_params}}
+    tidal.initialize(build_gpt(TINY), {**tight, "optimizer": {"name": "sgd", "momentum": 0}})
+    with pytest.raises(ConfigError, match="memory.device_budget.*sgd state of 1x the weights"):
+        tidal.initialize(build_gpt(TINY), {**tight, **sgd})

@@ -32,7 +32,8 @@ from tidal.engine.lr import WarmupCosine
 from tidal.memory.config import ChunkConfig
 from tidal.memory.hooks import OUTPUT_ONLY_HOOK_WARNING, install_hooks
 from tidal.memory.layout import ChunkLayout, default_chunk_size, plan_layout, unique_parameters
-from tidal.memory.optim import ChunkAdamW, make_master_chunks
+from tidal.memory.optim import ChunkOptimizer, make_master_chunks
+from tidal.memory.optim_rules import make_rule
 from tidal.memory.policy import simulate
 from tidal.memory.store import ChunkStore
 from tidal.memory.tiers import make_tiers
@@ -61,7 +62,7 @@ class ChunkEngine(AccumulationCounter):
             device=self.device, device_budget=memory.device_budget, host_budget=memory.host_budget
         )
         self.layout = _layout(model, chunk)
-        # bf16/fp16: the model computes in that precision from parameter chunks of it; AdamW
+        # bf16/fp16: the model computes in that precision from parameter chunks of it; the optimizer
         # updates fp32 master chunks, taken from the full-precision weights before the store
         # converts them. fp16 also scales the loss (LossScale) so small gradients survive.
         param_dtype = _PARAM_DTYPES[training.precision]
@@ -80,11 +81,10 @@ class ChunkEngine(AccumulationCounter):
         self.min_budget_bytes, self._largest_module = _largest_module_bytes(model, self.store)
         self._check_minimum_budget()
         names = {id(p): n for n, p in model.named_parameters()}
-        self.optimizer = ChunkAdamW(
+        self.optimizer = ChunkOptimizer(
             self.store,
             names=names,
-            betas=(optimizer.beta1, optimizer.beta2),
-            eps=optimizer.eps,
+            rule=make_rule(optimizer),
             weight_decay=optimizer.weight_decay,
             fused=optimizer.fused,
             masters=masters,
@@ -221,7 +221,8 @@ class ChunkEngine(AccumulationCounter):
         """The model's state dict (same keys as ``model.state_dict()``), read from the chunks."""
         state = {}
         for name, param in self.model.named_parameters(remove_duplicate=False):
-            state[name] = self.optimizer.weight(param).detach().clone()
+            # fp32 throughout, frozen parameters included (they have no fp32 master to read).
+            state[name] = self.optimizer.weight(param).detach().to(torch.float32, copy=True)
         for name, buffer in _persistent_buffers(self.model):
             state[name] = buffer.detach().clone()
         return {k: state[k] for k in self.model.state_dict(keep_vars=True)}
@@ -258,10 +259,10 @@ _PARAM_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.fl
 
 
 # [Note: optimizer placement]
-# A chunk index whose parameter, gradient, moment (and master) chunks all stay on the device never
-# moves: its update runs there and costs no traffic. Pinning is not free, though: the pinned bytes
-# (four times the parameter chunk in fp32, eight in bf16) leave less room for the chunks that stream, which may
-# then be fetched more often. So pinned indices P are chosen once, from the first iteration's
+# A chunk index whose parameter, gradient, optimizer-state (and master) chunks all stay on the
+# device never moves: its update runs there and costs no traffic. Pinning is not free, though:
+# the pinned bytes (with AdamW in fp32 four times the parameter chunk, eight in bf16; fewer with
+# SGD) leave less room for the chunks that stream, which may then be fetched more often. So pinned indices P are chosen once, from the first iteration's
 # trace, greedily in order of how often the trace uses a chunk, and an index joins P only if
 #
 #   1. it fits: bytes(gradients, moments, masters of P) + max over moments m of
@@ -276,7 +277,7 @@ _PARAM_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.fl
 
 
 def choose_pinned(
-    store: ChunkStore, optimizer: ChunkAdamW, budget_bytes: int | None
+    store: ChunkStore, optimizer: ChunkOptimizer, budget_bytes: int | None
 ) -> frozenset[int] | None:
     """The chunk indices to keep on the device for good; None before there is a trace."""
     everything = frozenset(range(len(store.chunks)))

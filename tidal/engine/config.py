@@ -18,20 +18,34 @@ __all__ = [
 Precision = Literal["fp32", "bf16", "fp16"]
 
 
+OptimizerName = Literal["adamw", "adam", "sgd"]
+
+
 @dataclass(kw_only=True, slots=True)
 class OptimizerConfig:
-    """AdamW with linear warm-up then cosine decay to ``min_lr_ratio * lr``.
+    """AdamW, Adam or SGD, with linear warm-up then cosine decay to ``min_lr_ratio * lr``.
+
+    Weight decay applies to matrices only (biases, norms and gains are not decayed): decoupled
+    for AdamW, L2 (added to the gradient) for Adam and SGD, as in torch.
 
     Attributes:
+        name: ``adamw``, ``adam`` or ``sgd`` (torch's algorithms, the same in every engine).
         lr: peak learning rate, reached after ``warmup_steps``.
         warmup_steps: optimizer steps of linear warm-up from ``lr / warmup_steps``.
         decay_steps: the step at which the cosine reaches its floor; ``None`` means the run's
             ``training.steps``. Set it when a run is split in parts (train 10, resume to 20) so
             both parts follow one schedule.
         min_lr_ratio: floor of the cosine as a fraction of ``lr``.
-        fused: use the fused AdamW kernel (on CPU and CUDA); ``None`` picks it when available.
+        beta1, beta2, eps: Adam's and AdamW's moment decays and denominator term.
+        weight_decay: see above.
+        momentum: SGD's momentum factor; 0 is plain SGD, which keeps no optimizer state.
+        nesterov: SGD with Nesterov momentum (needs ``momentum > 0`` and ``dampening == 0``).
+        dampening: SGD's dampening of the gradient added to the momentum buffer.
+        fused: use the optimizer's fused kernel (on CPU and CUDA); ``None`` picks it when
+            available.
     """
 
+    name: OptimizerName = "adamw"
     lr: float = 3e-4
     warmup_steps: int = 10
     decay_steps: int | None = None
@@ -40,9 +54,17 @@ class OptimizerConfig:
     beta2: float = 0.95
     eps: float = 1e-8
     weight_decay: float = 0.1
+    momentum: float = 0.9
+    nesterov: bool = False
+    dampening: float = 0.0
     fused: bool | None = None
 
     def __post_init__(self) -> None:
+        require(
+            self.name in ("adamw", "adam", "sgd"),
+            "name",
+            f"expected 'adamw', 'adam' or 'sgd', got {self.name!r}",
+        )
         require(self.lr > 0, "lr", f"must be > 0, got {self.lr}")
         require(self.warmup_steps >= 0, "warmup_steps", f"must be >= 0, got {self.warmup_steps}")
         if self.decay_steps is not None:
@@ -57,6 +79,38 @@ class OptimizerConfig:
             require(0 <= value < 1, name, f"must be in [0, 1), got {value}")
         require(self.eps > 0, "eps", f"must be > 0, got {self.eps}")
         require(self.weight_decay >= 0, "weight_decay", f"must be >= 0, got {self.weight_decay}")
+        self._check_sgd()
+
+    def _check_sgd(self) -> None:
+        require(self.momentum >= 0, "momentum", f"must be >= 0, got {self.momentum}")
+        require(0 <= self.dampening <= 1, "dampening", f"must be in [0, 1], got {self.dampening}")
+        if self.nesterov:
+            # torch.optim.SGD's own rule.
+            require(
+                self.momentum > 0 and self.dampening == 0,
+                "nesterov",
+                f"needs momentum > 0 and dampening 0, got momentum {self.momentum} and "
+                f"dampening {self.dampening}",
+            )
+        if self.name != "sgd":
+            # Set without name = "sgd" they would be ignored silently; momentum cannot be told
+            # from its default, so it is only documented as SGD's.
+            for key, default in (("nesterov", False), ("dampening", 0.0)):
+                value = getattr(self, key)
+                require(
+                    value == default,
+                    key,
+                    f"applies to SGD only, but optimizer.name is {self.name!r}; set "
+                    f"optimizer.name = 'sgd' or leave {key} at {default}",
+                )
+
+    @property
+    def state_tensors_per_param(self) -> int:
+        """Optimizer state tensors the size of each parameter: Adam's and AdamW's two moments,
+        SGD's momentum buffer, none for plain SGD."""
+        if self.name == "sgd":
+            return 1 if self.momentum != 0 else 0
+        return 2
 
 
 @dataclass(kw_only=True, slots=True)

@@ -1,8 +1,8 @@
 """The reference engine: plain PyTorch, the whole model on one device.
 
 Every later engine (chunked offload, ZeRO, tensor/sequence parallel, pipelines) is tested against
-this one on the same seeds, so it stays deliberately plain: ``torch.optim.AdamW``, autocast,
-``clip_grad_norm_``. The calling convention is DeepSpeed's, which users already know::
+this one on the same seeds, so it stays deliberately plain: ``torch.optim.AdamW`` (or ``Adam``,
+``SGD``), autocast, ``clip_grad_norm_``. The calling convention is DeepSpeed's, which users already know::
 
     loss = engine(inputs, targets)
     engine.backward(loss)
@@ -27,11 +27,12 @@ from tidal.engine.device import memory_bytes, peak_memory_bytes, resolve_device
 from tidal.engine.lr import WarmupCosine
 from tidal.memory.tiers import TierKind, resolve_budget
 
-__all__ = ["ReferenceEngine", "build_adamw"]
+__all__ = ["ReferenceEngine", "build_optimizer"]
 
 
-def build_adamw(model: nn.Module, config: OptimizerConfig, lr: float) -> torch.optim.AdamW:
-    """AdamW with weight decay on matrices only (biases, norms and gains are not decayed)."""
+def build_optimizer(model: nn.Module, config: OptimizerConfig, lr: float) -> torch.optim.Optimizer:
+    """``config.name``'s torch optimizer with weight decay on matrices only (biases, norms and
+    gains are not decayed): AdamW, Adam or SGD."""
     params = [p for p in model.parameters() if p.requires_grad]
     decay = [p for p in params if p.dim() >= 2]
     no_decay = [p for p in params if p.dim() < 2]
@@ -43,39 +44,47 @@ def build_adamw(model: nn.Module, config: OptimizerConfig, lr: float) -> torch.o
     if fused is None:
         device_type = params[0].device.type if params else "cpu"
         fused = device_type in ("cpu", "cuda") and all(p.is_floating_point() for p in params)
-    return torch.optim.AdamW(
-        groups,
-        lr=lr,
-        betas=(config.beta1, config.beta2),
-        eps=config.eps,
-        fused=fused,
-    )
+    if config.name == "sgd":
+        return torch.optim.SGD(
+            groups,
+            lr=lr,
+            momentum=config.momentum,
+            dampening=config.dampening,
+            nesterov=config.nesterov,
+            fused=fused,
+        )
+    adam = torch.optim.AdamW if config.name == "adamw" else torch.optim.Adam
+    return adam(groups, lr=lr, betas=(config.beta1, config.beta2), eps=config.eps, fused=fused)
 
 
-# Weights, gradients and AdamW's two moments, each the size of the fp32 weights.
-_MODEL_DATA_BYTES_PER_FP32_PARAM = 4 * 4
+_FP32_BYTES = 4
 
 
-def _check_device_budget(model: nn.Module, memory: MemoryConfig, device: torch.device) -> None:
+def _check_device_budget(
+    model: nn.Module, memory: MemoryConfig, optimizer: OptimizerConfig, device: torch.device
+) -> None:
     budget = resolve_budget(
         memory.device_budget, kind=TierKind.DEVICE, device=device, key="memory.device_budget"
     )
     if budget is None:
         return
     num_params = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
-    needed = num_params * _MODEL_DATA_BYTES_PER_FP32_PARAM
+    # Weights, gradients and the optimizer's state tensors, each the size of the fp32 weights.
+    num_state = optimizer.state_tensors_per_param
+    needed = num_params * _FP32_BYTES * (2 + num_state)
     if needed > budget:
         raise ConfigError(
             "memory.device_budget",
             f"the reference engine keeps all model data on the device: {num_params:,} params "
-            f"need {needed:,} bytes ({format_bytes(needed)}: weights, grads, AdamW moments) but "
-            f"the budget is {budget:,} bytes ({format_bytes(budget)}); raise the budget or pick "
-            f"a smaller model.preset",
+            f"need {needed:,} bytes ({format_bytes(needed)}: weights, grads and {optimizer.name} "
+            f"state of {num_state}x the weights) but the budget is {budget:,} bytes "
+            f"({format_bytes(budget)}); raise the budget or pick a smaller model.preset",
         )
 
 
 class ReferenceEngine(AccumulationCounter):
-    """Train ``model`` on one device with AdamW, warm-up + cosine, clipping and accumulation."""
+    """Train ``model`` on one device: AdamW, Adam or SGD, warm-up + cosine, clipping and
+    accumulation."""
 
     def __init__(
         self,
@@ -86,7 +95,7 @@ class ReferenceEngine(AccumulationCounter):
         memory: MemoryConfig | None = None,
     ) -> None:
         self.device = resolve_device(training.device)
-        _check_device_budget(model, memory or MemoryConfig(), self.device)
+        _check_device_budget(model, memory or MemoryConfig(), optimizer, self.device)
         self.precision = training.precision
         if self.precision == "fp16" and self.device.type != "cuda":
             raise ConfigError(
@@ -102,7 +111,7 @@ class ReferenceEngine(AccumulationCounter):
             decay_steps=optimizer.decay_steps or training.steps,
             min_lr_ratio=optimizer.min_lr_ratio,
         )
-        self.optimizer = build_adamw(self.model, optimizer, self.schedule.lr_at(0))
+        self.optimizer = build_optimizer(self.model, optimizer, self.schedule.lr_at(0))
         self.scaler = torch.amp.GradScaler("cuda") if self.precision == "fp16" else None
         self.global_step = 0
         self.micro_step = 0

@@ -3,9 +3,9 @@
 A :class:`ChunkLayout` is computed by pure functions from a list of :class:`ParamRef` and is
 carried out by the runtime. It is counted in elements, never bytes: the fp32 master weights,
 gradients and optimizer states live in chunks that mirror the parameter chunks exactly (same
-index, same offsets, another dtype), so one layout serves every chunk type. Planning uses
-integers only, so a meta-device model of any size can be planned, and the chunk-size search
-can try a thousand sizes in a fraction of a second.
+index, same offsets, another dtype; only where a chunk holds trainable parameters), so one layout
+serves every chunk type. Planning uses integers only, so a meta-device model of any size can be
+planned, and the chunk-size search can try a thousand sizes in a fraction of a second.
 
 [Note: layout order]
 :func:`plan_layout` packs parameters *next-fit* in the order given, which is their first-use
@@ -18,12 +18,23 @@ and evicting the chunk used farthest ahead effective: a chunk is fetched once pe
 done with as soon as compute moves past it. The search over chunk sizes makes up for the looser
 packing.
 
+[Note: frozen parameters]
+Trainable and frozen parameters (``requires_grad=False``) never share a chunk. Gradient, master
+and optimizer-state chunks exist only for the chunk indices that hold trainable parameters, so a
+frozen parameter costs no gradient or state bytes at all; sharing a chunk with trainable ones
+would leave holes of its size in each of those chunks. :func:`_pack` keeps one open chunk per
+group and applies [Note: layout order] and [Note: oversize parameters] within each group: the
+order of use holds inside a group, and a chunk takes its index when it opens, so chunk indices
+still follow the first use of each chunk's first parameter. With nothing frozen the layout is
+exactly the one-group layout.
+
 [Note: oversize parameters]
 A parameter larger than ``chunk_size`` (typically a token embedding) gets a chunk of its own
 whose capacity is its numel rounded up to ``align``. It takes the next chunk index at the point
 where it appears, and the chunk it interrupts is closed: later parameters open a new chunk
 after it. Keeping the interrupted chunk open would fill its tail but break the contiguity of
-[Note: layout order]; the tail it leaves is padding, which the search counts.
+[Note: layout order]; the tail it leaves is padding, which the search counts. Only the open
+chunk of the parameter's own group is closed ([Note: frozen parameters]).
 """
 
 from __future__ import annotations
@@ -263,40 +274,50 @@ def _require_positive(**values: int) -> None:
 
 
 def _pack(
-    numels: Sequence[int], aligned_numels: Sequence[int], chunk_size: int
+    numels: Sequence[int], aligned_numels: Sequence[int], frozen: Sequence[bool], chunk_size: int
 ) -> tuple[list[int], list[int], list[int]]:
     """Next-fit: ``(chunk index per param, offset per param, capacity per chunk)``.
 
-    See [Note: layout order] and [Note: oversize parameters]. The search calls this for every
-    candidate size, so it is one tight integer loop.
+    See [Note: layout order], [Note: oversize parameters] and [Note: frozen parameters]. The
+    search calls this for every candidate size, so it is one tight integer loop.
     """
     chunk_of: list[int] = []
     offset_of: list[int] = []
     capacities: list[int] = []
     closed = chunk_size + 1  # a cursor past the end: nothing fits, the next param opens a chunk
-    cursor = closed
-    for numel, aligned in zip(numels, aligned_numels, strict=True):
+    cursors = [closed, closed]  # per group (0: trainable, 1: frozen): the end of its open chunk
+    open_chunks = [-1, -1]  # per group: the index of its open chunk
+    for numel, aligned, group in zip(numels, aligned_numels, frozen, strict=True):
         if numel > chunk_size:
             capacities.append(aligned)
             chunk_of.append(len(capacities) - 1)
             offset_of.append(0)
-            cursor = closed
+            cursors[group] = closed
             continue
-        if cursor + numel > chunk_size:
+        if cursors[group] + numel > chunk_size:
             capacities.append(chunk_size)
-            cursor = 0
-        chunk_of.append(len(capacities) - 1)
-        offset_of.append(cursor)
-        cursor += aligned  # cursor stays a multiple of align: slots start aligned
+            open_chunks[group] = len(capacities) - 1
+            cursors[group] = 0
+        chunk_of.append(open_chunks[group])
+        offset_of.append(cursors[group])
+        cursors[group] += aligned  # cursor stays a multiple of align: slots start aligned
     return chunk_of, offset_of, capacities
 
 
+def _frozen_flags(params: Sequence[ParamRef]) -> list[bool]:
+    return [not p.requires_grad for p in params]
+
+
 def plan_layout(params: Sequence[ParamRef], *, chunk_size: int, align: int = 64) -> ChunkLayout:
-    """Pack ``params`` in the given order into chunks of ``chunk_size`` elements, next-fit."""
+    """Pack ``params`` in the given order into chunks of ``chunk_size`` elements, next-fit.
+
+    Trainable and frozen parameters go to separate chunks: see [Note: frozen parameters].
+    """
     _require_positive(chunk_size=chunk_size, align=align)
     numels = [p.numel for p in params]
+    aligned_numels = [_round_up(n, align) for n in numels]
     chunk_of, offset_of, capacities = _pack(
-        numels, [_round_up(n, align) for n in numels], chunk_size
+        numels, aligned_numels, _frozen_flags(params), chunk_size
     )
     slots: list[list[TensorSlot]] = [[] for _ in capacities]
     for param, index, offset in zip(params, chunk_of, offset_of, strict=True):
@@ -342,10 +363,11 @@ def search_chunk_size(
         candidates.append(max_chunk_size)
     numels = [p.numel for p in params]
     aligned_numels = [_round_up(n, align) for n in numels]
+    frozen = _frozen_flags(params)
     total_used = sum(numels)
     best: tuple[int, int, int] | None = None  # (padding, chunk_size, num_chunks)
     for chunk_size in candidates:
-        capacities = _pack(numels, aligned_numels, chunk_size)[2]
+        capacities = _pack(numels, aligned_numels, frozen, chunk_size)[2]
         padding = sum(capacities) - total_used
         if best is None or padding <= best[0]:  # ascending sizes: "<=" keeps the larger on ties
             best = (padding, chunk_size, len(capacities))

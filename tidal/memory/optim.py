@@ -1,43 +1,53 @@
-"""AdamW over chunks: gradients, moments and the update, mirroring the parameter chunks.
+"""The chunk optimizer: gradients, optimizer state and the update, mirroring the parameter chunks.
 
-Gradient and moment chunks have the parameter chunks' layout (same index, same offsets), so a
-parameter's gradient and state are found by its parameter slot. Each chunk index is updated
-where its parameter chunk is at step time: the indices the engine pinned to the device
-(:meth:`ChunkAdamW.place_on_device`, chosen from the margin the trace leaves) keep gradients and
-moments there and never move; every other parameter chunk goes to the host before the step, where
-its gradients and moments live.
+Gradient, state and master chunks have the parameter chunks' layout (same index, same offsets), so
+a parameter's gradient and state are found by its parameter slot. They exist only for the chunk
+indices that hold trainable parameters ([Note: frozen parameters] in layout.py): each kind is a
+list indexed by chunk index with ``None`` at the frozen ones. Each chunk index is updated where
+its parameter chunk is at step time: the indices the engine pinned to the device
+(:meth:`ChunkOptimizer.place_on_device`, chosen from the margin the trace leaves) keep gradients
+and state there and never move; every other parameter chunk goes to the host before the step,
+where its gradients and state live.
 
-The update itself is torch's functional AdamW (fused where available) over the slot views, so
-its arithmetic is the reference engine's, element for element.
+The algorithm is an :class:`~tidal.memory.optim_rules.UpdateRule` (AdamW, Adam, SGD): torch's
+functional update over the slot views, so its arithmetic is the reference engine's, element for
+element. Everything else (gradient collection, clipping, loss-scale unscaling, masters,
+placement, checkpoints) is shared here.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
-from torch.optim.adamw import adamw
 
 from tidal.memory.chunk import Chunk, ChunkKind
 from tidal.memory.layout import ChunkLayout
+from tidal.memory.optim_rules import STATE_KEYS, UpdateRule
 from tidal.memory.store import ChunkStore
 from tidal.memory.tiers import Tier
 
-__all__ = ["ChunkAdamW", "MissingGradientError", "make_master_chunks"]
+__all__ = ["ChunkOptimizer", "MissingGradientError", "make_master_chunks"]
 
 
-def make_master_chunks(model: nn.Module, layout: ChunkLayout, host_tier: Tier) -> list[Chunk]:
-    """fp32 copies of the parameters, laid out like the parameter chunks, on the host.
+def make_master_chunks(
+    model: nn.Module, layout: ChunkLayout, host_tier: Tier
+) -> list[Chunk | None]:
+    """fp32 copies of the trainable parameters, laid out like the parameter chunks, on the host.
 
-    Call it before the chunk store converts the parameters to a lower precision: the masters
-    must start from the full-precision weights.
+    ``None`` for a chunk index without trainable parameters: a frozen weight is never updated,
+    so its low-precision chunk is all there is of it. Call this before the chunk store converts
+    the parameters to a lower precision: the masters must start from the full-precision weights.
     """
     params = dict(model.named_parameters(remove_duplicate=False))
-    masters = []
+    masters: list[Chunk | None] = []
     for spec in layout.chunks:
+        if not any(params[info.names[0]].requires_grad for info in spec.slots):
+            masters.append(None)
+            continue
         chunk = Chunk(spec, kind=ChunkKind.MASTER, dtype=torch.float32)
         chunk.allocate(host_tier)
         for slot, info in enumerate(spec.slots):
@@ -67,75 +77,94 @@ class _Entry:
     decay: bool
 
 
-class ChunkAdamW:
-    """AdamW whose state lives in chunks; call ``collect`` from the grad hook, then ``step``."""
+class ChunkOptimizer:
+    """An optimizer whose state lives in chunks; call ``collect`` from the grad hook, then ``step``.
+
+    Weight decay applies to the parameters ``decays`` picks (matrices by default), as the
+    reference engine's two parameter groups do.
+    """
 
     def __init__(
         self,
         store: ChunkStore,
         *,
         names: dict[int, str],
-        betas: tuple[float, float],
-        eps: float,
+        rule: UpdateRule,
         weight_decay: float,
         fused: bool | None,
         decays: Callable[[nn.Parameter], bool] = lambda p: p.dim() >= 2,
-        masters: list[Chunk] | None = None,
+        masters: list[Chunk | None] | None = None,
     ) -> None:
         self.store = store
+        self.rule = rule
         # fp32 master weights when the parameter chunks hold a lower precision (see
         # make_master_chunks); the update runs on them and is copied into the parameter chunks.
         self.masters = masters
-        self.betas, self.eps, self.weight_decay = betas, eps, weight_decay
+        self.weight_decay = weight_decay
         self.fused = True if fused is None else fused
         self._entries = [
             _Entry(names[pid], param, *store.slot_of[pid], decay=decays(param))
             for pid, param in store.params.items()
             if param.requires_grad
         ]
+        self.trainable: frozenset[int] = frozenset(e.chunk for e in self._entries)
         self.grads = self._mirror(ChunkKind.GRAD)
-        self.exp_avgs = self._mirror(ChunkKind.EXP_AVG)
-        self.exp_avg_sqs = self._mirror(ChunkKind.EXP_AVG_SQ)
-        # One step counter per parameter, as torch.optim.AdamW keeps them (float32 scalars).
-        self.steps = [torch.zeros((), dtype=torch.float32) for _ in self._entries]
+        self.states = {kind: self._mirror(kind) for kind in rule.state_kinds}
+        # One step counter per parameter where the rule counts them, as torch's Adam keeps them
+        # (float32 scalars).
+        num_steps = len(self._entries) if rule.counts_steps else 0
+        self.steps = [torch.zeros((), dtype=torch.float32) for _ in range(num_steps)]
+        # Per entry: whether its state was ever written; see [Note: lazy optimizer state].
+        self._lazy = rule.lazy_state and bool(rule.state_kinds)
+        self._has_state = [not self._lazy] * len(self._entries)
         self._fresh = {id(e.param): True for e in self._entries}
         self.on_device: frozenset[int] = frozenset()
 
+    def _mirror(self, kind: ChunkKind) -> list[Chunk | None]:
+        chunks: list[Chunk | None] = []
+        for parameter_chunk in self.store.chunks:
+            if parameter_chunk.index not in self.trainable:
+                chunks.append(None)
+                continue
+            chunk = Chunk(parameter_chunk.spec, kind=kind, dtype=torch.float32)
+            chunk.allocate(self.store.host_tier)
+            chunk.fill_free_slots(0.0)
+            chunks.append(chunk)
+        return chunks
+
     def place_on_device(self, indices: frozenset[int]) -> None:
-        """Keep the gradients and moments of ``indices`` on the device tier from now on."""
+        """Keep the gradients and state of ``indices`` on the device tier from now on."""
         device_tier = self.store.device_tier
         for index in sorted(indices - self.on_device):
-            for chunks in self.state_chunks:
-                chunks[index].move_to(device_tier)
+            for chunk in self.chunks_at(index):
+                chunk.move_to(device_tier)
         for i, entry in enumerate(self._entries):
-            if entry.chunk in indices:
+            if self.steps and entry.chunk in indices:
                 self.steps[i] = self.steps[i].to(device_tier.device)
         self.on_device |= indices
 
-    def _mirror(self, kind: ChunkKind) -> list[Chunk]:
-        chunks = [Chunk(c.spec, kind=kind, dtype=torch.float32) for c in self.store.chunks]
-        for chunk in chunks:
-            chunk.allocate(self.store.host_tier)
-            chunk.fill_free_slots(0.0)
-        return chunks
+    # -- figures -------------------------------------------------------------------------------
 
-    @property
-    def state_chunks(self) -> list[list[Chunk]]:
-        """Every per-index chunk list besides the parameters: gradients, moments, masters."""
-        lists = [self.grads, self.exp_avgs, self.exp_avg_sqs]
-        return lists + [self.masters] if self.masters is not None else lists
+    def chunks_at(self, index: int) -> list[Chunk]:
+        """Every chunk of ``index`` besides the parameters: gradient, state, master (if any)."""
+        lists = [self.grads, *self.states.values()]
+        if self.masters is not None:
+            lists.append(self.masters)
+        return [chunk for chunks in lists if (chunk := chunks[index]) is not None]
 
     def state_bytes_of(self, index: int) -> int:
-        return sum(chunks[index].num_bytes for chunks in self.state_chunks)
+        """Bytes of :meth:`chunks_at`; 0 for a chunk index without trainable parameters."""
+        return sum(chunk.num_bytes for chunk in self.chunks_at(index))
 
     @property
     def state_bytes(self) -> int:
-        chunks = self.exp_avgs + self.exp_avg_sqs + (self.masters or [])
-        return sum(c.num_bytes for c in chunks) + 4 * len(self.steps)
+        """Optimizer state and masters, and the step counters (4 bytes each)."""
+        lists = [*self.states.values(), *([self.masters] if self.masters is not None else [])]
+        return sum(c.num_bytes for c in _present(lists)) + 4 * len(self.steps)
 
     @property
     def grad_bytes(self) -> int:
-        return sum(c.num_bytes for c in self.grads)
+        return sum(c.num_bytes for c in _present([self.grads]))
 
     # -- gradients -------------------------------------------------------------------------------
 
@@ -144,20 +173,22 @@ class ChunkAdamW:
         grad = param.grad
         assert grad is not None
         index, slot = self.store.slot_of[id(param)]
-        target = self.grads[index].view(slot)
+        chunk = self.grads[index]
+        assert chunk is not None, f"a gradient for {param.shape} in frozen chunk {index}"
+        target = chunk.view(slot)
         if self._fresh[id(param)]:
             target.copy_(grad)
             self._fresh[id(param)] = False
         else:
             target.add_(grad)
-        if not self.grads[index].on_device:
+        if not chunk.on_device:
             num_bytes = grad.numel() * grad.element_size()
             self.store.device_tier.record_move(out_bytes=num_bytes)
             self.store.host_tier.record_move(in_bytes=num_bytes)
         param.grad = None
 
     def zero_grad(self) -> None:
-        for chunk in self.grads:
+        for chunk in _present([self.grads]):
             chunk.payload.zero_()
         self._fresh = dict.fromkeys(self._fresh, True)
 
@@ -184,7 +215,7 @@ class ChunkAdamW:
         """
         self._check_coverage()
         self.store.evict_unpinned()
-        grads = [self.grads[e.chunk].view(e.slot) for e in self._entries]
+        grads = [self._view(self.grads, e) for e in self._entries]
         norm = torch.nn.utils.get_total_norm(grads)
         if not torch.isfinite(norm):
             self.zero_grad()
@@ -208,57 +239,112 @@ class ChunkAdamW:
                     for i, e in enumerate(self._entries)
                     if e.decay == decay and (e.chunk in self.on_device) == on_device
                 ]
-                self._update(picked, lr, decay)
+                for group in self._update_groups(picked):
+                    self._update(group, lr, decay)
         if self.masters is not None:
-            for index in {e.chunk for e in self._entries}:
-                self.store.chunks[index].payload.copy_(self.masters[index].payload)
+            for index in self.trainable:
+                master = self.masters[index]
+                assert master is not None
+                self.store.chunks[index].payload.copy_(master.payload)
         self.zero_grad()
         return float(norm)
 
+    def _update_groups(self, picked: list[int]) -> Iterator[list[int]]:
+        """``picked`` split so each call sees state all written or all lazy.
+
+        Lazy state is created by the update itself, one temporary per parameter until it is
+        copied into its chunk ([Note: lazy optimizer state]); updating those chunk by chunk
+        keeps the temporaries to one chunk's worth.
+        """
+        ready = [i for i in picked if self._has_state[i]]
+        if ready:
+            yield ready
+        lazy: dict[int, list[int]] = {}
+        for i in picked:
+            if not self._has_state[i]:
+                lazy.setdefault(self._entries[i].chunk, []).append(i)
+        yield from lazy.values()
+
     def _update(self, picked: list[int], lr: float, decay: bool) -> None:
-        if not picked:
-            return
         entries = [self._entries[i] for i in picked]
         weights = self.masters if self.masters is not None else self.store.chunks
-        adamw(
-            [weights[e.chunk].view(e.slot) for e in entries],
-            [self.grads[e.chunk].view(e.slot) for e in entries],
-            [self.exp_avgs[e.chunk].view(e.slot) for e in entries],
-            [self.exp_avg_sqs[e.chunk].view(e.slot) for e in entries],
-            [],
-            [self.steps[i] for i in picked],
-            fused=self.fused,
-            amsgrad=False,
-            beta1=self.betas[0],
-            beta2=self.betas[1],
+        written = [self._has_state[i] for i in picked]
+        states: list[list[torch.Tensor | None]] = [
+            [self._view(chunks, e) if w else None for e, w in zip(entries, written, strict=True)]
+            for chunks in self.states.values()
+        ]
+        self.rule.apply(
+            [self._view(weights, e) for e in entries],
+            [self._view(self.grads, e) for e in entries],
+            states,
+            [self.steps[i] for i in picked] if self.steps else [],
             lr=lr,
             weight_decay=self.weight_decay if decay else 0.0,
-            eps=self.eps,
-            maximize=False,
+            fused=self.fused,
         )
+        for chunks, values in zip(self.states.values(), states, strict=True):
+            for e, w, value in zip(entries, written, values, strict=True):
+                if not w:
+                    assert value is not None, f"the update created no state for {e.name}"
+                    self._view(chunks, e).copy_(value)
+        for i in picked:
+            self._has_state[i] = True
+
+    @staticmethod
+    def _view(chunks: list[Chunk | None] | list[Chunk], entry: _Entry) -> torch.Tensor:
+        chunk = chunks[entry.chunk]
+        assert chunk is not None, f"{entry.name} has no chunk of this kind"
+        return chunk.view(entry.slot)
 
     # -- state -----------------------------------------------------------------------------------
 
-    def state_dict(self) -> dict[str, Any]:
-        """Per parameter name: step, exp_avg, exp_avg_sq (copies)."""
-        return {
-            e.name: {
-                "step": self.steps[i].clone(),
-                "exp_avg": self.exp_avgs[e.chunk].view(e.slot).clone(),
-                "exp_avg_sq": self.exp_avg_sqs[e.chunk].view(e.slot).clone(),
-            }
-            for i, e in enumerate(self._entries)
-        }
-
     def weight(self, param: nn.Parameter) -> torch.Tensor:
-        """The parameter's full-precision value: its master slot, or its parameter slot."""
+        """The parameter's value at full precision where there is one: its master slot, else
+        its parameter slot (fp32 runs, and frozen parameters)."""
         index, slot = self.store.slot_of[id(param)]
-        chunks = self.masters if self.masters is not None else self.store.chunks
-        return chunks[index].view(slot)
+        master = self.masters[index] if self.masters is not None else None
+        return (master if master is not None else self.store.chunks[index]).view(slot)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Per parameter name, torch's keys: ``step``, ``exp_avg``, ``exp_avg_sq`` (Adam, AdamW)
+        or ``momentum_buffer`` (SGD, once written); copies. Parameters without state are left
+        out, as in torch (plain SGD has none)."""
+        state: dict[str, Any] = {}
+        for i, e in enumerate(self._entries):
+            saved: dict[str, torch.Tensor] = {}
+            if self.steps:
+                saved["step"] = self.steps[i].clone()
+            if self._has_state[i]:
+                for kind, chunks in self.states.items():
+                    saved[STATE_KEYS[kind]] = self._view(chunks, e).clone()
+            if saved:
+                state[e.name] = saved
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        expected = {STATE_KEYS[kind] for kind in self.states} | ({"step"} if self.steps else set())
         for i, e in enumerate(self._entries):
-            saved = state[e.name]
-            self.steps[i].copy_(saved["step"])
-            self.exp_avgs[e.chunk].view(e.slot).copy_(saved["exp_avg"])
-            self.exp_avg_sqs[e.chunk].view(e.slot).copy_(saved["exp_avg_sq"])
+            saved = state.get(e.name, {})
+            if unknown := set(saved) - expected:
+                raise ValueError(
+                    f"optimizer state for {e.name} holds {sorted(unknown)}, which "
+                    f"{type(self.rule).__name__} does not keep: a checkpoint of another optimizer?"
+                )
+            if self.steps:
+                self.steps[i].copy_(_saved(saved, "step", e.name))
+            if self._lazy and not (set(saved) & expected):
+                self._has_state[i] = False  # never written: the next update creates it
+                continue
+            for kind, chunks in self.states.items():
+                self._view(chunks, e).copy_(_saved(saved, STATE_KEYS[kind], e.name))
+            self._has_state[i] = True
+
+
+def _saved(saved: dict[str, Any], key: str, name: str) -> torch.Tensor:
+    if key not in saved:
+        raise KeyError(f"the optimizer state has no {key!r} for {name}")
+    return saved[key]
+
+
+def _present(lists: list[list[Chunk | None]]) -> list[Chunk]:
+    return [chunk for chunks in lists for chunk in chunks if chunk is not None]
