@@ -293,6 +293,22 @@ def test_unlimited_budget_pins_everything_and_moves_nothing() -> None:
     assert stats["bytes_to_device"] == placed and stats["evictions"] == 0
 
 
+def test_gradient_chunks_live_from_backward_to_step() -> None:
+    engine = _chunk(_tiny, size=TINY_CHUNK, budget=None)
+    _train(engine, _batches(2))  # unlimited: everything pinned, gradients made on the device
+    grads = [c for c in engine.optimizer.grads if c is not None]
+    assert all(c.payload is None for c in grads)
+    held_bytes = engine.device_tier.held_bytes
+    inputs, targets = next(_batches(1))
+    engine.backward(engine(inputs, targets))
+    assert all(c.payload is not None and c.on_device for c in grads)
+    grad_bytes = sum(c.num_bytes for c in grads)
+    assert engine.device_tier.held_bytes == held_bytes + grad_bytes
+    engine.step()
+    assert all(c.payload is None for c in grads)
+    assert engine.device_tier.held_bytes == held_bytes
+
+
 def test_pinning_respects_the_budget_and_does_not_add_traffic() -> None:
     from tidal.engine.chunk_engine import _streaming_bytes, choose_pinned
 

@@ -274,3 +274,13 @@ def test_random_operations_keep_the_books(budget_bytes: int | None, ops: list) -
         assert tier.held_bytes == held_bytes and tier.num_allocations == len(live)
         assert tier.peak_bytes == peak_bytes
         assert budget_bytes is None or tier.held_bytes <= budget_bytes
+
+
+def test_freed_host_memory_threshold_is_clamped_and_never_raised() -> None:
+    first = tiers.return_freed_host_memory(4 << 20)
+    if first is None:  # not glibc: the setting does not exist, nothing to check
+        assert tiers._threshold_set_bytes is None
+        return
+    assert first <= 4 << 20
+    assert tiers.return_freed_host_memory(64 << 20) == first  # a larger ask keeps the lower one
+    assert tiers.return_freed_host_memory(1) == 1 << 20  # below glibc's useful range: 1 MiB

@@ -36,7 +36,7 @@ from tidal.memory.optim import ChunkOptimizer, make_master_chunks
 from tidal.memory.optim_rules import make_rule
 from tidal.memory.policy import simulate
 from tidal.memory.store import ChunkStore
-from tidal.memory.tiers import make_tiers
+from tidal.memory.tiers import make_tiers, return_freed_host_memory
 from tidal.memory.trace import AccessTrace, Moment
 
 __all__ = ["ChunkEngine"]
@@ -62,6 +62,9 @@ class ChunkEngine(AccumulationCounter):
             device=self.device, device_budget=memory.device_budget, host_budget=memory.host_budget
         )
         self.layout = _layout(model, chunk)
+        if self.device.type == "cpu":  # both tiers in one malloc: see tiers.py
+            smallest = min(spec.capacity for spec in self.layout.chunks)
+            return_freed_host_memory(smallest * _PARAM_DTYPES[training.precision].itemsize)
         # bf16/fp16: the model computes in that precision from parameter chunks of it; the optimizer
         # updates fp32 master chunks, taken from the full-precision weights before the store
         # converts them. fp16 also scales the loss (LossScale) so small gradients survive.

@@ -153,6 +153,10 @@ class ReferenceEngine(AccumulationCounter):
         self._set_lr(self.schedule.lr_at(self.global_step))
         return True
 
+    def zero_grad(self) -> None:
+        """Drop the gradients (``step`` already does after each update; this is for symmetry)."""
+        self.optimizer.zero_grad(set_to_none=True)
+
     def _clip_gradients(self) -> float:
         grads = [p.grad for p in self.model.parameters() if p.grad is not None]
         if not grads:

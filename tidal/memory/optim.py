@@ -13,6 +13,15 @@ The algorithm is an :class:`~tidal.memory.optim_rules.UpdateRule` (AdamW, Adam, 
 functional update over the slot views, so its arithmetic is the reference engine's, element for
 element. Everything else (gradient collection, clipping, loss-scale unscaling, masters,
 placement, checkpoints) is shared here.
+
+[Note: gradient chunk lifetime]
+Gradients are needed only from the backward that produces them to the step that consumes them, so
+a gradient chunk gets its payload when the first gradient of its index arrives (zeros, then that
+gradient) and gives it back at ``zero_grad``, the chunk engine's counterpart of torch's
+``set_to_none``. Between a step and the next backward, which includes the forward with its
+activations at their peak, no gradient memory is held on either tier, as with plain PyTorch.
+A pinned index's gradient chunk is allocated on the device, after the store has made room (its
+bytes were part of the margin the pinning was chosen for); every other one on the host.
 """
 
 from __future__ import annotations
@@ -108,7 +117,7 @@ class ChunkOptimizer:
             if param.requires_grad
         ]
         self.trainable: frozenset[int] = frozenset(e.chunk for e in self._entries)
-        self.grads = self._mirror(ChunkKind.GRAD)
+        self.grads = self._mirror(ChunkKind.GRAD, allocate=False)
         self.states = {kind: self._mirror(kind) for kind in rule.state_kinds}
         # One step counter per parameter where the rule counts them, as torch's Adam keeps them
         # (float32 scalars).
@@ -120,15 +129,16 @@ class ChunkOptimizer:
         self._fresh = {id(e.param): True for e in self._entries}
         self.on_device: frozenset[int] = frozenset()
 
-    def _mirror(self, kind: ChunkKind) -> list[Chunk | None]:
+    def _mirror(self, kind: ChunkKind, *, allocate: bool = True) -> list[Chunk | None]:
         chunks: list[Chunk | None] = []
         for parameter_chunk in self.store.chunks:
             if parameter_chunk.index not in self.trainable:
                 chunks.append(None)
                 continue
             chunk = Chunk(parameter_chunk.spec, kind=kind, dtype=torch.float32)
-            chunk.allocate(self.store.host_tier)
-            chunk.fill_free_slots(0.0)
+            if allocate:
+                chunk.allocate(self.store.host_tier)
+                chunk.fill_free_slots(0.0)
             chunks.append(chunk)
         return chunks
 
@@ -137,7 +147,8 @@ class ChunkOptimizer:
         device_tier = self.store.device_tier
         for index in sorted(indices - self.on_device):
             for chunk in self.chunks_at(index):
-                chunk.move_to(device_tier)
+                if chunk.payload is not None:  # else allocated there when needed
+                    chunk.move_to(device_tier)
         for i, entry in enumerate(self._entries):
             if self.steps and entry.chunk in indices:
                 self.steps[i] = self.steps[i].to(device_tier.device)
@@ -175,6 +186,8 @@ class ChunkOptimizer:
         index, slot = self.store.slot_of[id(param)]
         chunk = self.grads[index]
         assert chunk is not None, f"a gradient for {param.shape} in frozen chunk {index}"
+        if chunk.payload is None:
+            self._allocate_grad(chunk)
         target = chunk.view(slot)
         if self._fresh[id(param)]:
             target.copy_(grad)
@@ -187,9 +200,20 @@ class ChunkOptimizer:
             self.store.host_tier.record_move(in_bytes=num_bytes)
         param.grad = None
 
+    def _allocate_grad(self, chunk: Chunk) -> None:
+        """See [Note: gradient chunk lifetime]."""
+        if chunk.index in self.on_device:
+            self.store.make_device_room(chunk.num_bytes)
+            chunk.allocate(self.store.device_tier)
+        else:
+            chunk.allocate(self.store.host_tier)
+        chunk.fill_free_slots(0.0)
+
     def zero_grad(self) -> None:
+        """Drop every gradient chunk's payload; see [Note: gradient chunk lifetime]."""
         for chunk in _present([self.grads]):
-            chunk.payload.zero_()
+            if chunk.payload is not None:
+                chunk.release(discard=True)
         self._fresh = dict.fromkeys(self._fresh, True)
 
     def _check_coverage(self) -> None:

@@ -210,6 +210,10 @@ class ChunkStore:
                 raise self._too_small(needed)
             self.evict(victim)
 
+    def make_device_room(self, num_bytes: int) -> None:
+        """Evict unpinned chunks not in use until ``num_bytes`` more fit on the device."""
+        self._make_room(num_bytes, frozenset(), required_bytes=num_bytes)
+
     def _fetch(self, index: int, needed: frozenset[int]) -> None:
         try:
             self.chunks[index].move_to(self.device_tier)
