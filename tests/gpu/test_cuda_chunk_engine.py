@@ -63,3 +63,5 @@ def test_cuda_chunk_engine_tracks_the_reference(tight: bool) -> None:
     assert engine.host_tier.pinned
     if budget is not None:
         assert stats["peak_device_bytes"] <= budget and stats["evictions"] > 0
+        # Moves ran on the side stream, prefetches among them ([Note: copy streams]).
+        assert stats["prefetches"] > 0

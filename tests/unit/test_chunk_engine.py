@@ -419,3 +419,25 @@ def test_belady_from_the_trace_moves_less_than_lru() -> None:
         moved[policy] = engine.stats()["bytes_to_device"]
     # If the store stopped following the trace, both policies would move the same bytes.
     assert moved["belady"] < moved["lru"], moved
+
+
+def test_prefetch_moves_the_same_bytes_earlier() -> None:
+    minimum_bytes, _ = _probe(_tiny, _batches(1), size=TINY_CHUNK)
+    budget = minimum_bytes + _chunk(_tiny, size=TINY_CHUNK).store.model_bytes // 4
+    runs = {}
+    for prefetch in (False, True):
+        engine = ChunkEngine(
+            _tiny(),
+            optimizer=_optimizer(),
+            training=TrainingConfig(device="cpu"),
+            memory=MemoryConfig(device_budget=budget),
+            chunk=ChunkConfig(size=TINY_CHUNK, prefetch=prefetch),
+        )
+        losses = _train(engine, _batches(6))
+        runs[prefetch] = (losses, engine.stats())
+    (plain_losses, plain), (losses, prefetched) = runs[False], runs[True]
+    assert losses == plain_losses
+    assert plain["prefetches"] == 0 and prefetched["prefetches"] > 0
+    for key in ("bytes_to_device", "bytes_to_host", "evictions"):
+        assert prefetched[key] == plain[key], key
+    assert prefetched["peak_device_bytes"] <= budget

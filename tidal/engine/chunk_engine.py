@@ -80,6 +80,7 @@ class ChunkEngine(AccumulationCounter):
             host_tier=self.host_tier,
             dtype=param_dtype,
             policy=chunk.policy,
+            prefetch=chunk.prefetch,
         )
         self.min_budget_bytes, self._largest_module = _largest_module_bytes(model, self.store)
         self._check_minimum_budget()
@@ -207,6 +208,7 @@ class ChunkEngine(AccumulationCounter):
             "num_chunks": self.layout.num_chunks,
             "chunk_padding_fraction": self.layout.waste_fraction,
             "evictions": self.store.num_evictions,
+            "prefetches": self.store.num_prefetches,
             "pinned_chunks": len(self.store.pinned),
             "loss_scale": self.loss_scale.scale if self.loss_scale else None,
             "skipped_steps": self.loss_scale.skipped_steps if self.loss_scale else 0,
@@ -222,6 +224,7 @@ class ChunkEngine(AccumulationCounter):
 
     def model_state_dict(self) -> dict[str, torch.Tensor]:
         """The model's state dict (same keys as ``model.state_dict()``), read from the chunks."""
+        self.store.wait_for_copies()
         state = {}
         for name, param in self.model.named_parameters(remove_duplicate=False):
             # fp32 throughout, frozen parameters included (they have no fp32 master to read).
@@ -242,6 +245,7 @@ class ChunkEngine(AccumulationCounter):
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.store.wait_for_copies()  # no queued copy may land on what is written here
         params = dict(self.model.named_parameters(remove_duplicate=False))
         buffers = dict(_persistent_buffers(self.model))
         for name, value in state["model"].items():

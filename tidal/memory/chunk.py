@@ -176,16 +176,28 @@ class Chunk:
             tier.free(self._host_buffer)
             self._host_buffer = None
 
-    def move_to(self, tier: Tier, *, non_blocking: bool = False) -> int:
-        """Move the payload to ``tier``; returns the bytes moved (0 if already there)."""
+    def move_to(self, tier: Tier, *, stream: torch.cuda.Stream | None = None) -> int:
+        """Move the payload to ``tier``; returns the bytes moved (0 if already there).
+
+        With a CUDA ``stream`` the copy is queued there, after the work already queued on the
+        current stream, and this returns at once (see [Note: copy streams] in store.py); the
+        caller must make readers of the new payload wait for ``stream``.
+        """
         source, src = self.payload, self.tier
         assert source is not None and src is not None, f"{self!r} has no payload"
         assert self.state is not ChunkState.COMPUTE, f"cannot move {self!r} while it is in use"
         if tier is src:
             return 0
         target = self._grow_on(tier)
-        overlap = non_blocking and (source.is_pinned() or target.is_pinned())
-        target.copy_(source, non_blocking=overlap)
+        if stream is None:
+            target.copy_(source)
+        else:
+            stream.wait_stream(torch.cuda.current_stream(stream.device))
+            with torch.cuda.stream(stream):
+                target.copy_(source, non_blocking=True)
+            for tensor in (source, target):
+                if tensor.is_cuda:  # its block is not reused before the copy has read it
+                    tensor.record_stream(stream)
         self._shrink_on(src)
         src.record_move(out_bytes=self.num_bytes)
         tier.record_move(in_bytes=self.num_bytes)

@@ -239,6 +239,7 @@ class ChunkOptimizer:
         """
         self._check_coverage()
         self.store.evict_unpinned()
+        self.store.wait_for_copies()  # host-side updates read what the evictions brought
         grads = [self._view(self.grads, e) for e in self._entries]
         norm = torch.nn.utils.get_total_norm(grads)
         if not torch.isfinite(norm):

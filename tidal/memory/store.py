@@ -27,6 +27,20 @@ the store leaves room for what the trace says the moment will add, and whenever 
 the non-model bytes grow past the budget it evicts chunks (the same victim rule) before the
 bytes are counted; only when nothing can be evicted does it raise, naming the moment and the
 bytes. So no moment, the first iteration's included, takes the device past its budget.
+
+[Note: copy streams]
+On CUDA every move runs on one side stream, queued after the work already on the compute stream
+(so a chunk leaves only once the kernels that read it are done), and the caching allocator is
+told the device block is in use by that stream (``record_stream``), so an evicted chunk's memory
+is not handed out again before its copy has read it. A fetched chunk's arrival is an event that
+the compute stream waits for at the chunk's first use; the host waits for the whole stream
+(:meth:`ChunkStore.wait_for_copies`) before it reads host payloads: the host-side optimizer
+update and checkpoints. Prefetching is what makes the side stream pay: while following the
+trace, after a moment's own chunks are in, the next moment's chunks are fetched into room that is
+free after the trace's activation figure for this moment, so they copy while this moment
+computes. A prefetch never evicts, so it moves the same bytes the on-demand fetch would have
+moved one moment later ([Note: prefetch never changes demand] in policy.py, depth 1). On a CPU
+the same code runs with inline copies.
 """
 
 from __future__ import annotations
@@ -62,10 +76,17 @@ class ChunkStore:
         host_tier: Tier,
         dtype: torch.dtype = torch.float32,
         policy: str = "belady",
+        prefetch: bool = True,
     ) -> None:
         assert device_tier.kind is TierKind.DEVICE and host_tier.kind is TierKind.HOST
         assert policy in ("belady", "lru"), policy
         self.policy = policy
+        self.prefetch = prefetch
+        self.num_prefetches = 0
+        # [Note: copy streams]: CUDA moves run here; a fetched chunk's event guards its first use.
+        on_cuda = device_tier.device.type == "cuda"
+        self._copy_stream = torch.cuda.Stream(device_tier.device) if on_cuda else None
+        self._arrivals: dict[int, torch.cuda.Event] = {}
         self.layout = layout
         self.device_tier = device_tier
         self.host_tier = host_tier
@@ -163,6 +184,9 @@ class ChunkStore:
                 self._make_room(chunk_bytes + reserve_bytes, needed, required_bytes=chunk_bytes)
                 self._fetch(index, needed)
         self._make_room(reserve_bytes, needed, required_bytes=0)
+        self._await_arrival(needed)
+        if self.prefetch and self._following_trace:
+            self._prefetch_next(moment, reserve_bytes)
         self._clock += 1
         for index in needed:
             self._last_use[index] = self._clock
@@ -216,10 +240,35 @@ class ChunkStore:
 
     def _fetch(self, index: int, needed: frozenset[int]) -> None:
         try:
-            self.chunks[index].move_to(self.device_tier)
+            self.chunks[index].move_to(self.device_tier, stream=self._copy_stream)
         except TierBudgetError as err:  # only if the accounting and can_fit disagree
             raise self._too_small(needed) from err
         self.num_fetches += 1
+        if self._copy_stream is not None:
+            self._arrivals[index] = self._copy_stream.record_event()
+
+    def _await_arrival(self, indices: Iterable[int]) -> None:
+        """Make the compute stream wait for the copies that bring ``indices`` in."""
+        for index in indices:
+            event = self._arrivals.pop(index, None)
+            if event is not None:
+                torch.cuda.current_stream(self.device_tier.device).wait_event(event)
+
+    def _prefetch_next(self, moment: int, reserve_bytes: int) -> None:
+        """Fetch the next moment's chunks into room that is free now; see [Note: copy streams]."""
+        assert self.trace is not None
+        if moment + 1 >= len(self.trace.moments):
+            return
+        for index in sorted(self.trace.moments[moment + 1].chunks):
+            chunk = self.chunks[index]
+            if not chunk.on_device and self.device_tier.can_fit(chunk.num_bytes + reserve_bytes):
+                self._fetch(index, frozenset())
+                self.num_prefetches += 1
+
+    def wait_for_copies(self) -> None:
+        """Block until every queued move has landed: before the host reads a payload."""
+        if self._copy_stream is not None:
+            self._copy_stream.synchronize()
 
     def _non_model_changed(self, live_bytes: int) -> None:
         """The meter's figure moved to ``live_bytes``: make room, then count it (see module doc)."""
@@ -254,7 +303,8 @@ class ChunkStore:
         return min(candidates, key=lambda i: (self._last_use[i], i))
 
     def evict(self, index: int) -> None:
-        self.chunks[index].move_to(self.host_tier)
+        self._arrivals.pop(index, None)  # the copy out is queued after the copy in
+        self.chunks[index].move_to(self.host_tier, stream=self._copy_stream)
         self.num_evictions += 1
 
     def evict_unpinned(self) -> None:
