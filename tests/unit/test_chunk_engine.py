@@ -441,3 +441,27 @@ def test_prefetch_moves_the_same_bytes_earlier() -> None:
     for key in ("bytes_to_device", "bytes_to_host", "evictions"):
         assert prefetched[key] == plain[key], key
     assert prefetched["peak_device_bytes"] <= budget
+
+
+def test_static_minimum_counts_the_chunks_of_enclosing_modules() -> None:
+    from tidal.engine.chunk_engine import _largest_module_bytes
+
+    class Outer(nn.Module):  # owns a parameter and runs an inner module inside its forward
+        def __init__(self) -> None:
+            super().__init__()
+            self.scale = nn.Parameter(torch.ones(256))
+            self.inner = nn.Linear(256, 256)
+
+        def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            return nn.functional.mse_loss(self.inner(x) * self.scale, y)
+
+    engine = _chunk(Outer, size=256)
+    chunk_bytes = [c.num_bytes for c in engine.store.chunks]
+    need, owner = _largest_module_bytes(engine.model, engine.store)
+    assert owner == "inner" and need == sum(chunk_bytes)  # scale's chunk stays in use meanwhile
+    tight = _chunk(Outer, size=256, budget=need + 64 * 1024)
+    x, y = torch.randn(8, 256), torch.randn(8, 256)
+    for _ in range(3):
+        tight.backward(tight(x, y))
+        tight.step()
+    assert tight.stats()["peak_device_bytes"] <= need + 64 * 1024

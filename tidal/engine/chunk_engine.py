@@ -325,13 +325,24 @@ def _streaming_bytes(trace: AccessTrace, pinned: frozenset[int], room_bytes: int
 
 
 def _largest_module_bytes(model: nn.Module, store: ChunkStore) -> tuple[int, str]:
-    """The bytes of chunks the hungriest module needs at once, and its name."""
+    """The bytes of chunks the hungriest module needs at once, and its name.
+
+    A module runs inside its ancestors' forward and backward, whose own chunks stay in use
+    (COMPUTE) meanwhile, so a module needs its chunks and those of every ancestor that owns
+    parameters.
+    """
     need, owner = 0, ""
-    for name, module in model.named_modules():
-        chunks = store.chunks_of(module.parameters(recurse=False))
-        num_bytes = sum(store.chunks[i].num_bytes for i in chunks)
+
+    def visit(module: nn.Module, name: str, held: frozenset[int]) -> None:
+        nonlocal need, owner
+        held = held | store.chunks_of(module.parameters(recurse=False))
+        num_bytes = sum(store.chunks[i].num_bytes for i in held)
         if num_bytes > need:
             need, owner = num_bytes, name or "<root>"
+        for child_name, child in module.named_children():
+            visit(child, f"{name}.{child_name}" if name else child_name, held)
+
+    visit(model, "", frozenset())
     return need, owner
 
 
