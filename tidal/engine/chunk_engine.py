@@ -35,6 +35,7 @@ from tidal.memory.layout import ChunkLayout, default_chunk_size, plan_layout, un
 from tidal.memory.optim import ChunkOptimizer, make_master_chunks
 from tidal.memory.optim_rules import make_rule
 from tidal.memory.policy import simulate
+from tidal.memory.relayout import relayout
 from tidal.memory.store import ChunkStore
 from tidal.memory.tiers import make_tiers, return_freed_host_memory
 from tidal.memory.trace import AccessTrace, Moment
@@ -107,6 +108,7 @@ class ChunkEngine(AccumulationCounter):
         self.last_grad_norm: float | None = None
         self._in_iteration = False
         self._placed = False
+        self._relayout_pending = chunk.relayout  # see _relayout
         self.min_device_bytes = 0  # of the last training iteration; see backward()
         self.peak_non_model_bytes = 0
 
@@ -120,6 +122,18 @@ class ChunkEngine(AccumulationCounter):
                 f"bytes ({format_bytes(need)}): module '{self._largest_module}' needs its chunks "
                 f"on the device at once; raise the budget to at least that, or lower chunk.size",
             )
+
+    def _relayout(self) -> None:
+        """Re-pack the chunks in first-use order, once, at the first step with a trace and no
+        iteration open; see [Note: relayout] in tidal/memory/relayout.py."""
+        if not self._relayout_pending or self.store.trace is None or self._in_iteration:
+            return
+        self._relayout_pending = False
+        if relayout(self.model, self.store, self.optimizer) is None:
+            return
+        self.layout = self.store.layout
+        self.min_budget_bytes, self._largest_module = _largest_module_bytes(self.model, self.store)
+        self._check_minimum_budget()  # relayout checked it would fit: this only asserts it
 
     def _place_optimizer(self) -> None:
         """Pin the chunks whose optimizer state fits the margin; see [Note: optimizer placement]."""
@@ -161,6 +175,7 @@ class ChunkEngine(AccumulationCounter):
             return False
         self.store.release_all()
         if not self._placed:
+            self._relayout()
             self._place_optimizer()
         self.last_grad_norm = self.optimizer.step(
             lr=self.schedule.lr_at(self.global_step),

@@ -22,12 +22,16 @@ class ChunkConfig:
         prefetch: while a moment runs, fetch the next moment's chunks into room the trace says
             is free (on CUDA the copies run on a side stream and overlap the compute; the bytes
             moved are the same as without it).
+        relayout: re-pack parameters in first-use order after the first iteration (at the first
+            optimizer step; see [Note: relayout] in tidal/memory/relayout.py); before there is a
+            trace the layout follows construction order.
     """
 
     size: int | None = None
     align: int = 64
     policy: Literal["belady", "lru"] = "belady"
     prefetch: bool = True
+    relayout: bool = True
 
     def __post_init__(self) -> None:
         if self.size is not None:

@@ -26,6 +26,7 @@ bytes were part of the margin the pinning was chosen for); every other one on th
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -153,6 +154,26 @@ class ChunkOptimizer:
             if self.steps and entry.chunk in indices:
                 self.steps[i] = self.steps[i].to(device_tier.device)
         self.on_device |= indices
+
+    def adopt_layout(
+        self,
+        *,
+        grads: list[Chunk | None],
+        states: dict[ChunkKind, list[Chunk | None]],
+        masters: list[Chunk | None] | None,
+    ) -> None:
+        """Take chunks re-laid out like the store's new parameter chunks ([Note: relayout] in
+        relayout.py); call after the store adopted its layout, whose ``slot_of`` it reads."""
+        assert not self.on_device and states.keys() == self.states.keys()
+        self.grads, self.states, self.masters = grads, states, masters
+        # Same entries in the same order (the gradient norm sums in it; step counters and
+        # lazy-state flags are per entry), only their place changes.
+        entries = []
+        for e in self._entries:
+            index, slot = self.store.slot_of[id(e.param)]
+            entries.append(dataclasses.replace(e, chunk=index, slot=slot))
+        self._entries = entries
+        self.trainable = frozenset(e.chunk for e in self._entries)
 
     # -- figures -------------------------------------------------------------------------------
 

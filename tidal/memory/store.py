@@ -67,6 +67,10 @@ class DeviceBudgetTooSmall(ValueError):
 class ChunkStore:
     """Parameter chunks of one model and their residency; see [Note: chunk store]."""
 
+    # id(param) in the order the last completed iteration first accessed them ([Note: relayout]
+    # in relayout.py); parameters no hook accessed are not in it.
+    first_use_order: tuple[int, ...] = ()
+
     def __init__(
         self,
         model: nn.Module,
@@ -112,7 +116,7 @@ class ChunkStore:
         self.meter = make_meter(
             device_tier.device,
             device_tier,
-            is_model_storage=self._param_storages.__contains__,
+            is_model_storage=self._is_param_storage,
             on_change=self._non_model_changed,
         )
 
@@ -149,6 +153,7 @@ class ChunkStore:
 
     def begin_iteration(self) -> None:
         self._recorder.begin_iteration()
+        self._first_use_now: dict[int, None] = {}  # id(param), in order of first access
         self._following_trace = self.trace is not None and self.policy == "belady"
 
     def end_iteration(self) -> None:
@@ -157,6 +162,7 @@ class ChunkStore:
             return
         self._recorder.raise_last(self.meter.take_peak_bytes())
         recorded = self._recorder.finish()
+        self.first_use_order = tuple(self._first_use_now)
         if self.trace is None or _differs(recorded, self.trace):
             self.trace = recorded
             self.num_traces += 1
@@ -171,6 +177,7 @@ class ChunkStore:
         if self._recorder.recording:
             self._recorder.raise_last(self.meter.take_peak_bytes())
             moment = self._recorder.record(label, needed, live_bytes).index
+            self._first_use_now.update(dict.fromkeys(map(id, params)))  # seen ones keep their place
             if self._following_trace and not self._matches_trace(moment, label, needed):
                 self._following_trace = False
         else:
@@ -347,6 +354,36 @@ class ChunkStore:
             f"Raise the budget above that (a step on a larger budget reports the exact minimum "
             f"as min_device_bytes), or lower training.batch_size (activations) or chunk.size"
         )
+
+    # -- relayout ([Note: relayout] in relayout.py) ---------------------------------------------
+
+    def _is_param_storage(self, key: int) -> bool:
+        # Looked up through ``self``: a relayout replaces the set with the new chunks' storages.
+        return key in self._param_storages
+
+    def adopt_layout(
+        self,
+        layout: ChunkLayout,
+        chunks: list[Chunk],
+        slot_of: dict[int, tuple[int, int]],
+        *,
+        trace: AccessTrace,
+    ) -> None:
+        """Switch to ``chunks`` laid out as ``layout``, already holding every parameter's data;
+        ``slot_of`` and ``trace`` are the old ones over the new chunk indices."""
+        assert not self.pinned and not self._recorder.recording, "relayout inside an iteration"
+        last_use = [-1] * len(chunks)  # a new chunk was last used when its latest source was
+        for pid, (index, _) in slot_of.items():
+            last_use[index] = max(last_use[index], self._last_use[self.slot_of[pid][0]])
+        self.layout, self.chunks, self.slot_of, self._last_use = layout, chunks, slot_of, last_use
+        for pid, (index, slot) in slot_of.items():
+            self.params[pid].data = chunks[index].device_view(slot, self.device_tier)
+        self._param_storages = frozenset(
+            c.device_handle(self.device_tier).untyped_storage()._cdata for c in chunks
+        )
+        self.trace = trace
+        self._recorder = TraceRecorder([c.num_bytes for c in chunks])
+        self._arrivals.clear()  # events of the old chunks, all waited for by the caller
 
 
 def _differs(recorded: AccessTrace, stored: AccessTrace) -> bool:
