@@ -30,10 +30,14 @@ def _add_recipe(parser: argparse.ArgumentParser, *, many: bool) -> None:
         )  # fmt: skip
     else:
         parser.add_argument("--recipe", required=True, metavar="NAME_OR_PATH", help=_RECIPE_HELP)
+    _add_overrides(parser)
+
+
+def _add_overrides(parser: argparse.ArgumentParser, *, scope: str = "") -> None:
     parser.add_argument(
         "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
         help="override one setting, e.g. --set training.steps=50 --set run_dir=runs/x "
-        "(repeatable; sizes take units such as 512MiB)",
+        "(repeatable; sizes take units such as 512MiB)" + scope,
     )  # fmt: skip
 
 
@@ -89,6 +93,63 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     train.add_argument("--steps", type=int, default=30, help="steps per recipe (30)")
     train.add_argument(
         "--warmup-steps", type=int, default=5, help="leading steps left out of the figures (5)"
+    )
+    _add_bench_offload(benches)
+
+
+def _add_bench_offload(benches: argparse._SubParsersAction) -> None:
+    offload = benches.add_parser(
+        "offload",
+        help="the chunk engine against plain PyTorch, DeepSpeed ZeRO-3 offload and the optimum",
+        description="Four sections, each case in its own process (so peak RSS is its own). "
+        "overhead: median steady step of plain PyTorch, the chunk engine with no device budget "
+        "and DeepSpeed ZeRO-3 with CPU offload on --recipe (about 1.5 min on 2 CPU cores for "
+        "demo). traffic: the chunk engine at device budgets of 25/50/75% of its parameter-chunk "
+        "bytes, bytes moved per step (steps after the first) against optimal_traffic, "
+        "traffic_lower_bound and static offload on its own trace (under a minute). scale: the "
+        "largest GPT width (multiples of 64, a head per 64, the recipe's layers, batch 1, "
+        "synthetic data) the chunk engine trains for 2 steps under --device-budget + "
+        "--host-budget, by bisection (about 2 min). host: peak RSS of the three systems on "
+        "--host-recipe for 3 steps, batch 1, fp32, synthetic data (about 3 min for gpt2-small). "
+        "DeepSpeed rows need the baselines extra (pip install -e .[baselines]); without it they "
+        "say so. Writes benchmarks/results/offload-*.json.",
+    )
+    offload.add_argument(
+        "--section", dest="sections", action="append", default=None,
+        choices=("overhead", "traffic", "scale", "host"),
+        help="run only this section (repeatable; default: all four)",
+    )  # fmt: skip
+    offload.add_argument(
+        "--recipe", default="demo", metavar="NAME_OR_PATH",
+        help=_RECIPE_HELP + "; for overhead, traffic and scale (default demo)",
+    )  # fmt: skip
+    offload.add_argument(
+        "--steps", type=int, default=20,
+        help="steps per overhead case, and per traffic case (20)",
+    )  # fmt: skip
+    offload.add_argument(
+        "--warmup-steps", type=int, default=5,
+        help="leading overhead steps left out of the median (5); traffic always leaves out "
+        "the first step, which records the trace and places the optimizer state",
+    )  # fmt: skip
+    offload.add_argument(
+        "--device-budget", default="64MiB", metavar="SIZE",
+        help="device budget of the scale search (64MiB)",
+    )  # fmt: skip
+    offload.add_argument(
+        "--host-budget", default="1GiB", metavar="SIZE",
+        help="host budget of the scale search (1GiB)",
+    )  # fmt: skip
+    offload.add_argument(
+        "--host-recipe", default="gpt2-small", metavar="NAME_OR_PATH",
+        help="the recipe whose peak RSS the host section compares (gpt2-small)",
+    )  # fmt: skip
+    _add_overrides(offload, scope="; applies to every case of every section")
+    offload.add_argument(
+        "--results-dir",
+        default=None,
+        metavar="DIR",
+        help="write the JSON file here instead of benchmarks/results/",
     )
 
 

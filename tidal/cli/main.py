@@ -96,6 +96,8 @@ def _report(run_dir: str, console: Console) -> int:
 
 
 def _bench(args: argparse.Namespace, console: Console) -> int:
+    if args.bench == "offload":
+        return _bench_offload(args, console)
     from tidal.bench import bench_train, write_results
     from tidal.config import format_bytes
 
@@ -125,6 +127,40 @@ def _bench(args: argparse.Namespace, console: Console) -> int:
             memory,
         )
     console.print(table)
+    return 0
+
+
+def _bench_offload(args: argparse.Namespace, console: Console) -> int:
+    from pathlib import Path
+
+    from tidal.bench import write_results
+    from tidal.bench.offload import SECTIONS, OffloadSettings, bench_offload, table
+    from tidal.config import parse_bytes
+
+    settings = OffloadSettings(
+        sections=tuple(args.sections or SECTIONS),
+        recipe=args.recipe,
+        steps=args.steps,
+        warmup_steps=args.warmup_steps,
+        device_budget_bytes=parse_bytes(args.device_budget, key="--device-budget"),
+        host_budget_bytes=parse_bytes(args.host_budget, key="--host-budget"),
+        host_recipe=args.host_recipe,
+        overrides=tuple(args.overrides),
+    )
+    rows = bench_offload(settings)
+    folder = Path(args.results_dir) if args.results_dir else None
+    path = write_results("offload", rows, folder=folder)
+    for section in SECTIONS:
+        if section not in settings.sections:
+            continue
+        headers, cells = table(section, rows)
+        view = Table(title=f"tidal bench offload: {section}", title_justify="left")
+        for i, header in enumerate(headers):
+            view.add_column(header, justify="left" if i == 0 else "right")
+        for line in cells:
+            view.add_row(*line)
+        console.print(view)
+    console.print(f"results: {path}")
     return 0
 
 

@@ -1,0 +1,104 @@
+"""``tidal bench offload``: traffic against the optimum, the results file, the scale search and
+the DeepSpeed baseline. Figures are checked for consistency, never for speed."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tidal.bench import baselines
+from tidal.bench.baselines import DEEPSPEED, PYTORCH, deepspeed_missing_reason
+from tidal.bench.offload import (
+    TRAFFIC_FRACTIONS,
+    WIDTH_STEP,
+    OffloadSettings,
+    in_own_process,
+    scale_search,
+    time_system,
+)
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_traffic_section_through_the_cli(tmp_path: Path) -> None:
+    # 16384-element chunks: the tiny model in 13 equal chunks, so optimal_traffic is exact.
+    result = subprocess.run(
+        [sys.executable, "-m", "tidal", "bench", "offload", "--section", "traffic",
+         "--recipe", "tiny", "--steps", "3", "--set", "chunk.size=16384",
+         "--results-dir", str(tmp_path)],
+        capture_output=True, text=True, timeout=300, cwd=REPO, check=False,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert "measured/optimal" in result.stdout
+    (path,) = tmp_path.glob("offload-*.json")
+    data = json.loads(path.read_text())
+    for key in ("command", "git_commit", "torch_version", "device", "created_at"):
+        assert key in data
+    assert data["bench"] == "offload"
+    rows = data["rows"]
+    assert [(r["section"], r["budget_fraction"]) for r in rows] == [
+        ("traffic", f) for f in TRAFFIC_FRACTIONS
+    ]
+    for row in rows:
+        assert "error" not in row, row["error"]
+        assert row["steady_steps"] == 2
+        measured = row["to_device_bytes_per_step"]
+        lower, optimal = row["lower_bound_bytes_per_step"], row["optimal_bytes_per_step"]
+        assert 0 < lower <= optimal
+        assert measured >= lower
+        assert row["measured_over_optimal"] == pytest.approx(measured / optimal)
+        # Every chunk fetched in a step goes back before the update, with the gradients.
+        assert row["to_host_bytes_per_step"] >= row["grad_to_host_bytes_per_step"] > 0
+        # Static offload moves every parameter chunk once per iteration.
+        assert row["static_bytes_per_step"] == row["param_chunk_bytes"] * row["iterations_per_step"]
+        assert (
+            row["device_budget_bytes"]
+            == int(row["budget_fraction"] * row["param_chunk_bytes"]) + row["probe_non_model_bytes"]
+        )
+    moved = [r["to_device_bytes_per_step"] for r in rows]
+    assert moved == sorted(moved, reverse=True)  # more room never moves more
+
+
+def test_scale_search_finds_the_edge() -> None:
+    settings = OffloadSettings(
+        sections=("scale",),
+        recipe="tiny",
+        device_budget_bytes=2 << 20,
+        host_budget_bytes=3 << 20,
+    )
+    row = scale_search(settings)
+    largest = row["largest_d_model"]
+    assert largest is not None, row
+    tries = {t["d_model"]: t for t in row["tries"]}
+    assert tries[largest]["fits"]
+    assert not tries[largest + WIDTH_STEP]["fits"]
+    assert "Budget" in tries[largest + WIDTH_STEP]["reason"]  # refused, not crashed
+    assert row["largest_num_params"] == tries[largest]["num_params"]
+    assert 0 < row["params_over_limit"] <= 1
+
+
+def test_deepspeed_missing_says_how_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(baselines.importlib.util, "find_spec", lambda name: None)
+    reason = deepspeed_missing_reason()
+    assert reason is not None and "pip install -e .[baselines]" in reason
+
+
+@pytest.mark.skipif(deepspeed_missing_reason() is not None, reason=str(deepspeed_missing_reason()))
+def test_deepspeed_trains_the_same_model_as_pytorch() -> None:
+    overrides = (
+        "data.source=synthetic",
+        "training.steps=3",
+        "memory.device_budget=none",
+    )
+    ours = time_system(PYTORCH, "tiny", overrides, 3, 1)
+    theirs = in_own_process(time_system, DEEPSPEED, "tiny", overrides, 3, 1)
+    assert "error" not in theirs, theirs["error"]
+    assert theirs["num_params"] == ours["num_params"]
+    assert theirs["peak_rss_bytes"] > 0 and math.isfinite(theirs["median_step_s"])
+    # Same weights, batches and AdamW: DeepSpeedCPUAdam's arithmetic differs only in rounding.
+    assert theirs["final_loss"] == pytest.approx(ours["final_loss"], rel=1e-3)

@@ -1,0 +1,221 @@
+"""The systems ``tidal bench offload`` compares, and the one training loop that times them all.
+
+Every system trains the same GPT (:func:`tidal.models.build_gpt`, same seed) on the same batches
+(the job's :class:`BatchSampler`, same seed) with the same AdamW hyper-parameters, schedule and
+clipping, through the calling convention they share (``loss = engine(x, y)``,
+``engine.backward(loss)``, ``engine.step()``):
+
+- ``pytorch``: tidal's reference engine (plain PyTorch, ``torch.optim.AdamW``);
+- ``tidal-chunk``: the chunk engine;
+- ``deepspeed``: DeepSpeed ZeRO-3 with parameters and optimizer state offloaded to the CPU and
+  DeepSpeedCPUAdam, one process, gloo. DeepSpeed is an optional extra (``pip install -e
+  .[baselines]``) and is imported only here, inside the function that builds it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import socket
+import time
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from tidal.data import BatchSampler, build_token_splits
+from tidal.engine.build import build_engine
+from tidal.engine.device import resolve_device
+from tidal.engine.job import JobConfig
+from tidal.engine.lr import WarmupCosine
+from tidal.models import build_gpt
+
+__all__ = [
+    "DEEPSPEED",
+    "PYTORCH",
+    "SYSTEMS",
+    "TIDAL_CHUNK",
+    "Run",
+    "build_run",
+    "deepspeed_config",
+    "deepspeed_missing_reason",
+    "train_steps",
+]
+
+PYTORCH = "pytorch"
+TIDAL_CHUNK = "tidal-chunk"
+DEEPSPEED = "deepspeed-zero3-offload"
+SYSTEMS = (PYTORCH, TIDAL_CHUNK, DEEPSPEED)
+
+
+@dataclass
+class Run:
+    """A system ready to train: its engine, batches, and what a step consumes."""
+
+    system: str
+    engine: Any
+    batches: BatchSampler
+    device: torch.device
+    num_params: int
+    tokens_per_step: int
+    micro_batches: int
+
+
+def deepspeed_missing_reason() -> str | None:
+    """Why the DeepSpeed baseline cannot run here, or None when it is importable."""
+    if importlib.util.find_spec("deepspeed") is None:
+        return "deepspeed is not installed; install it with: pip install -e .[baselines]"
+    return None
+
+
+def build_run(system: str, job: JobConfig) -> Run:
+    """The model, batches and engine of ``system`` for ``job`` (its engine setting is ignored)."""
+    training = job.training
+    model_config = job.model.resolve()
+    torch.manual_seed(training.seed)
+    model = build_gpt(model_config, device="cpu", seed=training.seed)
+    num_params = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+    device = resolve_device(training.device)
+    if system == DEEPSPEED:
+        engine = _build_deepspeed(model, job, device)
+    elif system in (PYTORCH, TIDAL_CHUNK):
+        engine_name = "reference" if system == PYTORCH else "chunk"
+        engine = build_engine(model, _with_engine(job, engine_name))
+    else:
+        raise ValueError(f"unknown system {system!r}; expected one of {SYSTEMS}")
+    splits = build_token_splits(job.data, vocab_size=model_config.vocab_size, seed=training.seed)
+    batches = BatchSampler(
+        splits.train,
+        batch_size=training.batch_size,
+        seq_len=model_config.seq_len,
+        seed=training.seed,
+    )
+    return Run(
+        system=system,
+        engine=engine,
+        batches=batches,
+        device=device,
+        num_params=num_params,
+        tokens_per_step=training.batch_size * model_config.seq_len * training.grad_accum_steps,
+        micro_batches=training.grad_accum_steps,
+    )
+
+
+def _with_engine(job: JobConfig, engine: str) -> JobConfig:
+    from tidal.engine.job import load_job
+
+    return job if job.engine == engine else load_job(job, [f"engine={engine}"])
+
+
+def train_steps(run: Run, steps: int) -> tuple[list[float], list[float]]:
+    """Train ``steps`` optimizer steps; returns each step's wall seconds and loss.
+
+    A step is timed from fetching its first batch to reading its loss back, which waits for
+    the device, as ``tidal train`` times it.
+    """
+    step_s: list[float] = []
+    losses: list[float] = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        loss_sum = 0.0
+        for _ in range(run.micro_batches):
+            inputs, targets = run.batches.next_batch()
+            loss = run.engine(inputs.to(run.device), targets.to(run.device))
+            run.engine.backward(loss)
+            run.engine.step()
+            loss_sum += float(loss.detach())
+        step_s.append(time.perf_counter() - start)
+        losses.append(loss_sum / run.micro_batches)
+    return step_s, losses
+
+
+# -- DeepSpeed -----------------------------------------------------------------------------------
+
+
+def deepspeed_config(job: JobConfig) -> dict[str, Any]:
+    """ZeRO-3 with parameters and optimizer state offloaded to the CPU, as the job trains."""
+    training = job.training
+    if training.precision == "fp16":
+        raise ValueError(
+            "the DeepSpeed baseline runs fp32 or bf16 only (fp16 needs DeepSpeed's loss scaler, "
+            "which tidal's fp16 path does not mirror)"
+        )
+    return {
+        "train_micro_batch_size_per_gpu": training.batch_size,
+        "gradient_accumulation_steps": training.grad_accum_steps,
+        "gradient_clipping": training.grad_clip_norm,
+        "bf16": {"enabled": training.precision == "bf16"},
+        "zero_optimization": {
+            "stage": 3,
+            "offload_param": {"device": "cpu"},
+            "offload_optimizer": {"device": "cpu"},
+        },
+        "steps_per_print": 1 << 30,
+        "wall_clock_breakdown": False,
+    }
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _decay_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+    """The reference engine's rule: matrices decay; biases, norms and gains do not."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    return [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+    ]
+
+
+def _build_deepspeed(model: nn.Module, job: JobConfig, device: torch.device) -> Any:
+    reason = deepspeed_missing_reason()
+    if reason is not None:
+        raise RuntimeError(reason)
+    if device.type == "cpu":
+        # Without it DeepSpeed probes for accelerators and warns that it fell back to the CPU.
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    # One process is the whole world: the bench runs each case in a fresh process.
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(_free_port()),
+        RANK="0",
+        WORLD_SIZE="1",
+        LOCAL_RANK="0",
+    )
+    import deepspeed
+    from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+    logging.getLogger("DeepSpeed").setLevel(logging.ERROR)
+    # ZeRO-3 calls collectives that torch marks deprecated, once per step.
+    warnings.filterwarnings("ignore", category=FutureWarning, module="torch.distributed")
+    deepspeed.init_distributed(dist_backend="gloo")
+    opt = job.optimizer
+    optimizer = DeepSpeedCPUAdam(
+        _decay_groups(model, opt.weight_decay),
+        lr=opt.lr,
+        betas=(opt.beta1, opt.beta2),
+        eps=opt.eps,
+        adamw_mode=True,
+    )
+    schedule = WarmupCosine(
+        peak_lr=opt.lr,
+        warmup_steps=opt.warmup_steps,
+        decay_steps=opt.decay_steps or job.training.steps,
+        min_lr_ratio=opt.min_lr_ratio,
+    )
+
+    def scheduler(optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LambdaLR:
+        return torch.optim.lr_scheduler.LambdaLR(
+            optimizer, lambda step: schedule.lr_at(step) / opt.lr
+        )
+
+    engine, _, _, _ = deepspeed.initialize(
+        model=model, optimizer=optimizer, lr_scheduler=scheduler, config=deepspeed_config(job)
+    )
+    return engine
