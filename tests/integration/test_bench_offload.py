@@ -15,7 +15,6 @@ from tidal.bench import baselines
 from tidal.bench.baselines import DEEPSPEED, PYTORCH, deepspeed_missing_reason
 from tidal.bench.offload import (
     TRAFFIC_FRACTIONS,
-    WIDTH_STEP,
     OffloadSettings,
     in_own_process,
     scale_search,
@@ -72,12 +71,12 @@ def test_scale_search_finds_the_edge() -> None:
         host_budget_bytes=3 << 20,
     )
     row = scale_search(settings)
-    largest = row["largest_d_model"]
+    largest = row["largest_num_layers"]
     assert largest is not None, row
-    tries = {t["d_model"]: t for t in row["tries"]}
+    tries = {t["num_layers"]: t for t in row["tries"]}
     assert tries[largest]["fits"]
-    assert not tries[largest + WIDTH_STEP]["fits"]
-    assert "Budget" in tries[largest + WIDTH_STEP]["reason"]  # refused, not crashed
+    assert not tries[largest + 1]["fits"]
+    assert "Budget" in tries[largest + 1]["reason"]  # refused, not crashed
     assert row["largest_num_params"] == tries[largest]["num_params"]
     assert 0 < row["params_over_limit"] <= 1
 

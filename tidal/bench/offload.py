@@ -10,8 +10,12 @@ of its own (spawned), so its peak resident set (``ru_maxrss``) is that case's al
   (plus the peak non-model bytes a first step without a budget measured, since activations
   share the device budget), measured bytes per step against the offline optimum on the
   engine's own trace.
-- ``scale``: the largest GPT width the chunk engine trains for 2 steps under a (device, host)
-  budget pair, found by bisection, against the model-data limit of the two budgets.
+- ``scale``: the deepest GPT (the recipe's width, more blocks) the chunk engine trains for 2
+  steps under a (device, host) budget pair, found by bisection, against the model-data limit
+  of the two budgets. Depth, not width: a wider model's single largest matrix soon outgrows a
+  small device budget on its own, which says nothing about how well the two tiers are used;
+  sequences are short (``SCALE_SEQ_LEN``) because activations grow with depth and must fit on
+  the device beside the chunks.
 - ``host``: peak resident memory of the three systems on a bigger recipe.
 
 [Note: like-for-like traffic]
@@ -88,13 +92,13 @@ SECTIONS = ("overhead", "traffic", "scale", "host")
 TRAFFIC_FRACTIONS = (0.25, 0.5, 0.75)
 SCALE_STEPS = 2
 HOST_STEPS = 3
-WIDTH_STEP = 64  # GPT widths tried by the scale search, with one head per 64 channels
+SCALE_SEQ_LEN = 64
 # What "does not fit" looks like: the engine refuses the budget before or while training.
 BUDGET_ERRORS = (ConfigError, DeviceBudgetTooSmall, TierBudgetError)
 
 # Cases train briefly and never checkpoint or validate; the bench's loop does not either.
 _ONE_SEQUENCE = ("training.batch_size=1", "training.grad_accum_steps=1", "data.source=synthetic")
-_SCALE_OVERRIDES = _ONE_SEQUENCE
+_SCALE_OVERRIDES = (*_ONE_SEQUENCE, f"model.seq_len={SCALE_SEQ_LEN}")
 _HOST_OVERRIDES = (*_ONE_SEQUENCE, "training.precision=fp32")
 _UNLIMITED = ("memory.device_budget=none", "memory.host_budget=none")
 _SYSTEM_OVERRIDES = {
@@ -112,7 +116,7 @@ class OffloadSettings:
     recipe: str = "demo"
     steps: int = 20
     warmup_steps: int = 5
-    device_budget_bytes: int = 64 << 20
+    device_budget_bytes: int = 128 << 20
     host_budget_bytes: int = 1 << 30
     host_recipe: str = "gpt2-small"
     overrides: tuple[str, ...] = field(default_factory=tuple)
@@ -358,12 +362,12 @@ def _planned(
     return out
 
 
-# -- scale: the largest width under a budget pair --------------------------------------------------
+# -- scale: the deepest model under a budget pair ---------------------------------------------
 
 
 def scale_search(settings: OffloadSettings) -> dict[str, Any]:
-    """Bisect the GPT width (multiples of 64, a head per 64) between one that trains and one
-    that does not, each try training ``SCALE_STEPS`` steps in its own process."""
+    """Bisect the number of GPT blocks between one that trains and one that does not, each try
+    training ``SCALE_STEPS`` steps in its own process."""
     device, host = settings.device_budget_bytes, settings.host_budget_bytes
     overrides = (
         *_SCALE_OVERRIDES,
@@ -377,29 +381,30 @@ def scale_search(settings: OffloadSettings) -> dict[str, Any]:
     per_param = _model_data_bytes_per_param(base.training.precision)
     tries: dict[int, dict[str, Any]] = {}
 
-    def fits(width: int) -> bool:
-        tries[width] = in_own_process(_scale_try, settings.recipe, overrides, width)
-        return bool(tries[width].get("fits"))
+    def fits(depth: int) -> bool:
+        tries[depth] = in_own_process(_scale_try, settings.recipe, overrides, depth)
+        return bool(tries[depth].get("fits"))
 
-    low, high = WIDTH_STEP, _first_width_over(base, (device + host) // per_param)
+    # ``high`` holds more model data than both budgets together: it cannot fit.
+    low, high = 1, _first_depth_over(base, (device + host) // per_param)
     if fits(low):
-        while fits(high):  # runs once: the model data of ``high`` exceeds both budgets
-            low, high = high, 2 * high
-        while high - low > WIDTH_STEP:
-            mid = (low + high) // 2 // WIDTH_STEP * WIDTH_STEP
+        while high - low > 1:
+            mid = (low + high) // 2
             low, high = (mid, high) if fits(mid) else (low, mid)
     best = tries[low] if tries[low].get("fits") else None
     row: dict[str, Any] = {
         "recipe": settings.recipe,
+        "d_model": base.model.resolve().d_model,
+        "seq_len": base.model.resolve().seq_len,
         "device_budget_bytes": device,
         "host_budget_bytes": host,
         "model_data_bytes_per_param": per_param,
-        "tries": [{"d_model": w, **tries[w]} for w in sorted(tries)],
-        "largest_d_model": low if best else None,
+        "tries": [{"num_layers": d, **tries[d]} for d in sorted(tries)],
+        "largest_num_layers": low if best else None,
         "largest_num_params": best["num_params"] if best else None,
     }
     if best is None:
-        return row | {"error": f"not even d_model={WIDTH_STEP} trains: {tries[low].get('reason')}"}
+        return row | {"error": f"not even one block trains: {tries[low].get('reason')}"}
     non_model = best["non_model_peak_bytes"]
     limit = (device + host - non_model) / per_param
     return row | {
@@ -415,20 +420,20 @@ def _model_data_bytes_per_param(precision: str) -> int:
     return 16 if precision == "fp32" else 2 + 4 + 4 + 4 + 4
 
 
-def _width_job(base: JobConfig, width: int) -> JobConfig:
-    return load_job(base, [f"model.d_model={width}", f"model.num_heads={width // WIDTH_STEP}"])
+def _depth_job(base: JobConfig, depth: int) -> JobConfig:
+    return load_job(base, [f"model.num_layers={depth}"])
 
 
-def _first_width_over(base: JobConfig, max_params: int) -> int:
-    """The narrowest width whose parameter count exceeds ``max_params``: it cannot fit."""
-    width = WIDTH_STEP
-    while closed_form_num_params(_width_job(base, width).model.resolve()) <= max_params:
-        width += WIDTH_STEP
-    return width
+def _first_depth_over(base: JobConfig, max_params: int) -> int:
+    """The fewest blocks whose parameter count exceeds ``max_params``: that cannot fit."""
+    depth = 1
+    while closed_form_num_params(_depth_job(base, depth).model.resolve()) <= max_params:
+        depth += 1
+    return depth
 
 
-def _scale_try(recipe: str, overrides: tuple[str, ...], width: int) -> dict[str, Any]:
-    job = _width_job(_job(recipe, overrides), width)
+def _scale_try(recipe: str, overrides: tuple[str, ...], depth: int) -> dict[str, Any]:
+    job = _depth_job(_job(recipe, overrides), depth)
     num_params = closed_form_num_params(job.model.resolve())
     steps_done = 0
     try:
@@ -511,13 +516,13 @@ def _traffic_table(rows: Sequence[dict[str, Any]]) -> tuple[list[str], list[list
 
 
 def _scale_table(rows: Sequence[dict[str, Any]]) -> tuple[list[str], list[list[str]]]:
-    headers = ["device + host", "tries (d_model: fits)", "largest d_model", "params", "limit", "params/limit"]  # fmt: skip
+    headers = ["device + host", "width", "tries (blocks: fits)", "most blocks", "params", "limit", "params/limit"]  # fmt: skip
     cells = []
     for r in rows:
         budgets = f"{_size(r['device_budget_bytes'])} + {_size(r['host_budget_bytes'])}"
-        tries = ", ".join(f"{t['d_model']}:{'y' if t.get('fits') else 'n'}" for t in r["tries"])
+        tries = ", ".join(f"{t['num_layers']}:{'y' if t.get('fits') else 'n'}" for t in r["tries"])
         cells.append([
-            budgets, tries, str(r["largest_d_model"] or "-"),
+            budgets, str(r["d_model"]), tries, str(r["largest_num_layers"] or "-"),
             f"{r['largest_num_params']:,}" if r["largest_num_params"] else "-",
             f"{r['limit_num_params']:,.0f}" if "limit_num_params" in r else "-",
             _ratio(r.get("params_over_limit")),

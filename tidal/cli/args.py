@@ -107,9 +107,10 @@ def _add_bench_offload(benches: argparse._SubParsersAction) -> None:
         "demo). traffic: the chunk engine at device budgets of 25/50/75% of its parameter-chunk "
         "bytes, bytes moved per step (steps after the first) against optimal_traffic, "
         "traffic_lower_bound and static offload on its own trace (under a minute). scale: the "
-        "largest GPT width (multiples of 64, a head per 64, the recipe's layers, batch 1, "
-        "synthetic data) the chunk engine trains for 2 steps under --device-budget + "
-        "--host-budget, by bisection (about 2 min). host: peak RSS of the three systems on "
+        "deepest GPT (the recipe's width, more blocks, batch 1 of 64 tokens, synthetic data) "
+        "the chunk engine trains for 2 steps under --device-budget + --host-budget, by "
+        "bisection, against (device + host - activations) / model-data bytes per parameter "
+        "(a few minutes). host: peak RSS of the three systems on "
         "--host-recipe for 3 steps, batch 1, fp32, synthetic data (about 3 min for gpt2-small). "
         "DeepSpeed rows need the baselines extra (pip install -e .[baselines]); without it they "
         "say so. Writes benchmarks/results/offload-*.json.",
@@ -133,8 +134,8 @@ def _add_bench_offload(benches: argparse._SubParsersAction) -> None:
         "the first step, which records the trace and places the optimizer state",
     )  # fmt: skip
     offload.add_argument(
-        "--device-budget", default="64MiB", metavar="SIZE",
-        help="device budget of the scale search (64MiB)",
+        "--device-budget", default="128MiB", metavar="SIZE",
+        help="device budget of the scale search (128MiB)",
     )  # fmt: skip
     offload.add_argument(
         "--host-budget", default="1GiB", metavar="SIZE",
