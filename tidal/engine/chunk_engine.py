@@ -93,6 +93,10 @@ class ChunkEngine(AccumulationCounter):
             weight_decay=optimizer.weight_decay,
             fused=optimizer.fused,
             masters=masters,
+            # [Note: gradients in parameter chunks] in tidal/memory/optim.py
+            grads_in_params=(
+                chunk.grads_in_params and masters is not None and training.grad_accum_steps == 1
+            ),
         )
         self._hooks = install_hooks(model, self.store, on_grad=self.optimizer.collect)
         self.schedule = WarmupCosine(
@@ -148,6 +152,17 @@ class ChunkEngine(AccumulationCounter):
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """Forward; see [Note: chunk engine iterations]."""
+        if self.store.grads_in_slots:
+            raise RuntimeError(
+                "the model was called between backward() and step(): with "
+                f"training.precision = {self.precision!r} and no gradient accumulation the "
+                "gradients are kept in the parameters' own low-precision storage until step() "
+                "copies the fp32 weights back (chunk.grads_in_params; [Note: gradients in "
+                "parameter chunks] in tidal/memory/optim.py). Call step() before the next "
+                "forward (or zero_grad() to drop the gradients); to sum the gradients of several "
+                "backwards per step set training.grad_accum_steps to their number; to evaluate "
+                "between backward and step set chunk.grads_in_params = false"
+            )
         if self._in_iteration:
             self.store.end_iteration()
         self.store.begin_iteration()
@@ -230,6 +245,7 @@ class ChunkEngine(AccumulationCounter):
             "min_device_bytes": self.min_device_bytes or self.store.min_device_bytes(),
             "peak_non_model_bytes": self.peak_non_model_bytes,
             "traces_recorded": self.store.num_traces,
+            "grads_in_params": self.optimizer.grads_in_params,
             "model_data_bytes": self.model_data_bytes(),
             "memory_bytes": memory_bytes(self.device),
             "peak_memory_bytes": peak_memory_bytes(self.device),
@@ -260,6 +276,11 @@ class ChunkEngine(AccumulationCounter):
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        if self.store.grads_in_slots:  # they would be overwritten: lost without a word
+            raise RuntimeError(
+                "load_state_dict between backward() and step(): the gradients live in the "
+                "parameters' storage (chunk.grads_in_params); call step() or zero_grad() first"
+            )
         self.store.wait_for_copies()  # no queued copy may land on what is written here
         params = dict(self.model.named_parameters(remove_duplicate=False))
         buffers = dict(_persistent_buffers(self.model))
@@ -283,12 +304,16 @@ _PARAM_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.fl
 # [Note: optimizer placement]
 # A chunk index whose parameter, gradient, optimizer-state (and master) chunks all stay on the
 # device never moves: its update runs there and costs no traffic. Pinning is not free, though:
-# the pinned bytes (with AdamW in fp32 four times the parameter chunk, eight in bf16; fewer with
-# SGD) leave less room for the chunks that stream, which may then be fetched more often. So pinned indices P are chosen once, from the first iteration's
-# trace, greedily in order of how often the trace uses a chunk, and an index joins P only if
+# the pinned bytes (with AdamW, the parameter chunk included: four times the parameter chunk in
+# fp32, nine in bf16, seven with gradients in the parameter chunks; fewer with SGD) leave less
+# room for the chunks that stream, which may then be fetched more often. So pinned indices P are
+# chosen once, from the first iteration's trace, greedily in order of how often the trace uses
+# a chunk, and an index joins P only if
 #
 #   1. it fits: bytes(gradients, moments, masters of P) + max over moments m of
-#      (bytes(P + chunks of m) + non-model bytes of m) <= device budget, and
+#      (bytes(P + chunks of m) + non-model bytes of m) <= device budget, and with gradients in
+#      the parameter chunks (no gradient chunks) the step's transient fp32 buffer of one chunk
+#      fits beside P's chunks: bytes(P) + its state + the buffer <= device budget, and
 #   2. it pays: the per-step traffic of the other chunks, replayed by policy.simulate (Belady,
 #      starting from an empty device as after each step), does not grow. Every chunk fetched in
 #      a step goes back to the host before the next one, so traffic is twice the fetched bytes.
@@ -315,7 +340,8 @@ def choose_pinned(
         candidate = pinned | {index}
         room = budget_bytes - sum(state_bytes[i] for i in candidate)
         peak = max(trace.bytes_of(candidate | m.chunks) + m.non_model_bytes for m in trace.moments)
-        if peak > room:
+        at_step = trace.bytes_of(candidate) + optimizer.step_buffer_bytes(candidate)
+        if max(peak, at_step) > room:
             continue
         candidate_cost = _streaming_bytes(trace, candidate, room)
         if candidate_cost <= cost:

@@ -227,6 +227,12 @@ class Chunk:
         self.device_handle(tier)
         return self._device_views[slot]
 
+    def view_in(self, buffer: torch.Tensor, slot: int) -> torch.Tensor:
+        """The slot's tensor in ``buffer``, a 1-D tensor laid out like the payload (a transient
+        copy of it in another dtype, say)."""
+        assert buffer.dim() == 1 and buffer.numel() >= self.spec.capacity, buffer.shape
+        return self._slot_of(buffer, slot)
+
     def _slot_of(self, buffer: torch.Tensor, slot: int) -> torch.Tensor:
         info = self.spec.slots[slot]
         return buffer.narrow(0, info.offset, info.numel).view(info.shape)

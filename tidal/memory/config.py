@@ -25,6 +25,9 @@ class ChunkConfig:
         relayout: re-pack parameters in first-use order after the first iteration (at the first
             optimizer step; see [Note: relayout] in tidal/memory/relayout.py); before there is a
             trace the layout follows construction order.
+        grads_in_params: with bf16/fp16 parameters (fp32 masters) and no gradient accumulation,
+            write each gradient into its parameter's own low-precision slot instead of an fp32
+            gradient chunk ([Note: gradients in parameter chunks] in tidal/memory/optim.py).
     """
 
     size: int | None = None
@@ -32,6 +35,7 @@ class ChunkConfig:
     policy: Literal["belady", "lru"] = "belady"
     prefetch: bool = True
     relayout: bool = True
+    grads_in_params: bool = True
 
     def __post_init__(self) -> None:
         if self.size is not None:

@@ -21,11 +21,39 @@ gradient) and gives it back at ``zero_grad``, the chunk engine's counterpart of 
 ``set_to_none``. Between a step and the next backward, which includes the forward with its
 activations at their peak, no gradient memory is held on either tier, as with plain PyTorch.
 A pinned index's gradient chunk is allocated on the device, after the store has made room (its
-bytes were part of the margin the pinning was chosen for); every other one on the host.
+bytes were part of the margin the pinning was chosen for); every other one on the host. With
+gradients in the parameter chunks (below) there are no gradient chunks at all.
+
+[Note: gradients in parameter chunks]
+With bf16/fp16 parameter chunks the weights' authoritative copy is the fp32 master, so once
+autograd is done with a parameter its low-precision slot is free to hold the gradient until the
+step copies the master back (PatrickStar's trick). ``collect`` runs from the post-accumulate-grad
+hook, which fires after every use of the parameter in this backward (tied uses included), and
+copies ``param.grad`` (the slot's dtype: exact) into the slot wherever the chunk is, counting
+device-to-host bytes when it is on the host. Then no fp32 gradient chunk exists: 4 bytes per
+parameter less on whichever tier the gradient chunk would have lived, and a gradient reaches the
+host inside its parameter chunk's eviction, not as a copy of its own.
+
+Until the step the slot holds no weights: the store keeps the parameter's id in
+``grads_in_slots`` and a moment that needs it raises, so a forward between backward and step
+fails loudly (the engine says so before it starts one), as does a second gradient before the
+step. Only without accumulation (``grad_accum_steps == 1``): summing micro-batches in bf16 would
+lose precision, so accumulation keeps fp32 gradient chunks; fp32 runs keep them too (there the
+parameters are the weights).
+
+The step sees fp32 gradients one chunk at a time: a transient fp32 buffer of one chunk per tier
+(allocated through the tier, so budgets count it; the pinning leaves room for it) is filled from
+the parameter chunk, which holds the bf16 gradient exactly as an fp32 gradient chunk would. A
+first pass takes each gradient's norm (``torch._foreach_norm``, as ``get_total_norm`` does, and
+the total over them in its grouping by device), a second multiplies by the clip and unscale
+coefficient, runs the rule over that chunk's entries and copies the master into the parameter
+chunk. The arithmetic is elementwise per parameter, so the result is bit for bit the one of
+gradient chunks. An overflow (fp16), and ``zero_grad``, copy the masters back without updating.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -38,7 +66,7 @@ from tidal.memory.chunk import Chunk, ChunkKind
 from tidal.memory.layout import ChunkLayout
 from tidal.memory.optim_rules import STATE_KEYS, UpdateRule
 from tidal.memory.store import ChunkStore
-from tidal.memory.tiers import Tier
+from tidal.memory.tiers import Tier, TierKind
 
 __all__ = ["ChunkOptimizer", "MissingGradientError", "make_master_chunks"]
 
@@ -104,8 +132,12 @@ class ChunkOptimizer:
         fused: bool | None,
         decays: Callable[[nn.Parameter], bool] = lambda p: p.dim() >= 2,
         masters: list[Chunk | None] | None = None,
+        grads_in_params: bool = False,
     ) -> None:
+        assert masters is not None or not grads_in_params, "gradients in parameters need masters"
         self.store = store
+        # See [Note: gradients in parameter chunks]; then self.grads holds no chunk at all.
+        self.grads_in_params = grads_in_params
         self.rule = rule
         # fp32 master weights when the parameter chunks hold a lower precision (see
         # make_master_chunks); the update runs on them and is copied into the parameter chunks.
@@ -118,7 +150,11 @@ class ChunkOptimizer:
             if param.requires_grad
         ]
         self.trainable: frozenset[int] = frozenset(e.chunk for e in self._entries)
-        self.grads = self._mirror(ChunkKind.GRAD, allocate=False)
+        self.grads: list[Chunk | None] = (
+            [None] * len(store.chunks)
+            if grads_in_params
+            else self._mirror(ChunkKind.GRAD, allocate=False)
+        )
         self.states = {kind: self._mirror(kind) for kind in rule.state_kinds}
         # One step counter per parameter where the rule counts them, as torch's Adam keeps them
         # (float32 scalars).
@@ -198,12 +234,25 @@ class ChunkOptimizer:
     def grad_bytes(self) -> int:
         return sum(c.num_bytes for c in _present([self.grads]))
 
+    def step_buffer_bytes(self, indices: frozenset[int]) -> int:
+        """The transient fp32 gradient buffer a step needs on the tier of ``indices``: one chunk
+        of the largest trainable one with gradients in parameter chunks, else none."""
+        if not self.grads_in_params:
+            return 0
+        trainable = indices & self.trainable
+        return max((4 * self.store.chunks[i].spec.capacity for i in trainable), default=0)
+
     # -- gradients -------------------------------------------------------------------------------
 
     def collect(self, param: nn.Parameter) -> None:
-        """Move ``param.grad`` into its gradient slot (summing within an accumulation window)."""
+        """Move ``param.grad`` into its gradient slot (summing within an accumulation window),
+        or into its parameter slot ([Note: gradients in parameter chunks])."""
         grad = param.grad
         assert grad is not None
+        if self.grads_in_params:
+            self._collect_into_param(param, grad)
+            param.grad = None
+            return
         index, slot = self.store.slot_of[id(param)]
         chunk = self.grads[index]
         assert chunk is not None, f"a gradient for {param.shape} in frozen chunk {index}"
@@ -221,6 +270,51 @@ class ChunkOptimizer:
             self.store.host_tier.record_move(in_bytes=num_bytes)
         param.grad = None
 
+    def _collect_into_param(self, param: nn.Parameter, grad: torch.Tensor) -> None:
+        pid = id(param)
+        index, slot = self.store.slot_of[pid]
+        chunk = self.store.chunks[index]
+        if not self._fresh[pid]:
+            name = chunk.spec.slots[slot].names[0]
+            raise RuntimeError(
+                f"a second gradient reached {name} before step(): its storage already holds "
+                f"the first ([Note: gradients in parameter chunks] in tidal/memory/optim.py); "
+                f"to sum several backwards per step set training.grad_accum_steps"
+            )
+        self.store.ready_for_write(index)
+        chunk.view(slot).copy_(grad)
+        if not chunk.on_device:
+            num_bytes = grad.numel() * grad.element_size()
+            self.store.device_tier.record_move(out_bytes=num_bytes)
+            self.store.host_tier.record_move(in_bytes=num_bytes)
+        self._fresh[pid] = False
+        self.store.grads_in_slots.add(pid)
+
+    def _restore_weights(self) -> None:
+        """Copy the masters into every parameter chunk with a slot holding a gradient; see
+        [Note: gradients in parameter chunks]."""
+        held = self.store.grads_in_slots
+        for index in sorted({self.store.slot_of[pid][0] for pid in held}):
+            self._copy_master(index)
+        held.clear()
+
+    def _copy_master(self, index: int) -> None:
+        """The fp32 master of ``index`` into its parameter chunk (rounded to its dtype)."""
+        assert self.masters is not None
+        chunk, master = self.store.chunks[index], self.masters[index]
+        assert master is not None and master.payload is not None and chunk.payload is not None
+        self.store.ready_for_write(index)
+        if chunk.tier is master.tier:
+            chunk.payload.copy_(master.payload)
+            return
+        # Only a zero_grad between backward and step finds them apart (the step has evicted
+        # every unpinned chunk): converted where the master is, the weights cross in their dtype.
+        assert chunk.tier is not None and master.tier is not None
+        weights = master.payload.to(chunk.dtype)
+        chunk.payload.copy_(weights)
+        master.tier.record_move(out_bytes=weights.nbytes)
+        chunk.tier.record_move(in_bytes=weights.nbytes)
+
     def _allocate_grad(self, chunk: Chunk) -> None:
         """See [Note: gradient chunk lifetime]."""
         if chunk.index in self.on_device:
@@ -231,7 +325,10 @@ class ChunkOptimizer:
         chunk.fill_free_slots(0.0)
 
     def zero_grad(self) -> None:
-        """Drop every gradient chunk's payload; see [Note: gradient chunk lifetime]."""
+        """Drop every gradient chunk's payload; see [Note: gradient chunk lifetime]. Gradients
+        in parameter chunks are dropped by copying the masters back."""
+        if self.store.grads_in_slots:
+            self._restore_weights()
         for chunk in _present([self.grads]):
             if chunk.payload is not None:
                 chunk.release(discard=True)
@@ -261,21 +358,15 @@ class ChunkOptimizer:
         self._check_coverage()
         self.store.evict_unpinned()
         self.store.wait_for_copies()  # host-side updates read what the evictions brought
+        if self.grads_in_params:
+            return self._step_in_params(lr=lr, max_grad_norm=max_grad_norm, loss_scale=loss_scale)
         grads = [self._view(self.grads, e) for e in self._entries]
         norm = torch.nn.utils.get_total_norm(grads)
         if not torch.isfinite(norm):
             self.zero_grad()
             return None
-        if loss_scale != 1.0:
-            norm = norm / loss_scale
-        coefficient = None
-        if max_grad_norm > 0:
-            # The reference's clip_grad_norm_ formula, so clipped gradients agree bit for bit.
-            coefficient = torch.clamp(max_grad_norm / (norm + 1e-6), max=1.0)
-        if loss_scale != 1.0:  # unscaling folded into the same multiply
-            coefficient = (1.0 if coefficient is None else coefficient) / loss_scale
+        norm, coefficient = _clip_coefficient(norm, max_grad_norm, loss_scale)
         if coefficient is not None:
-            coefficient = torch.as_tensor(coefficient)
             for device, group in _by_device(grads).items():
                 torch._foreach_mul_(group, coefficient.to(device))
         for decay in (True, False):
@@ -286,7 +377,7 @@ class ChunkOptimizer:
                     if e.decay == decay and (e.chunk in self.on_device) == on_device
                 ]
                 for group in self._update_groups(picked):
-                    self._update(group, lr, decay)
+                    self._update(group, lr, decay, [grads[i] for i in group])
         if self.masters is not None:
             for index in self.trainable:
                 master = self.masters[index]
@@ -294,6 +385,70 @@ class ChunkOptimizer:
                 self.store.chunks[index].payload.copy_(master.payload)
         self.zero_grad()
         return float(norm)
+
+    def _step_in_params(
+        self, *, lr: float, max_grad_norm: float, loss_scale: float
+    ) -> float | None:
+        """:meth:`step` with the gradients in the parameter chunks, one chunk at a time in fp32;
+        see [Note: gradients in parameter chunks]."""
+        by_chunk: dict[int, list[int]] = {}
+        for i, e in enumerate(self._entries):
+            by_chunk.setdefault(e.chunk, []).append(i)
+        with self._fp32_buffers(by_chunk) as fp32_grads:
+            norms: list[torch.Tensor] = [torch.zeros(())] * len(self._entries)
+            for index, picked in by_chunk.items():
+                found = torch._foreach_norm(fp32_grads(index, picked), 2.0)
+                for i, value in zip(picked, found, strict=True):
+                    norms[i] = value
+            norm = _total_norm(norms)
+            if not torch.isfinite(norm):
+                self.zero_grad()  # copies the masters back: the weights are as they were
+                return None
+            norm, coefficient = _clip_coefficient(norm, max_grad_norm, loss_scale)
+            for index, picked in by_chunk.items():
+                grads = fp32_grads(index, picked)
+                if coefficient is not None:
+                    torch._foreach_mul_(grads, coefficient.to(grads[0].device))
+                grad_of = dict(zip(picked, grads, strict=True))
+                for decay in (True, False):
+                    same = [i for i in picked if self._entries[i].decay == decay]
+                    for group in self._update_groups(same):
+                        self._update(group, lr, decay, [grad_of[i] for i in group])
+                self._copy_master(index)
+                self.store.grads_in_slots.difference_update(
+                    id(self._entries[i].param) for i in picked
+                )
+        self.zero_grad()
+        return float(norm)
+
+    @contextlib.contextmanager
+    def _fp32_buffers(
+        self, by_chunk: dict[int, list[int]]
+    ) -> Iterator[Callable[[int, list[int]], list[torch.Tensor]]]:
+        """A function giving the fp32 gradients of a chunk's entries, copied into a transient
+        buffer of one chunk on the chunk's tier (valid until the next call on that tier)."""
+        store = self.store
+        buffers: dict[TierKind, tuple[Tier, torch.Tensor]] = {}
+        try:
+            for tier in (store.device_tier, store.host_tier):
+                here = frozenset(i for i in by_chunk if store.chunks[i].tier is tier)
+                if here:
+                    num_bytes = self.step_buffer_bytes(here)
+                    if tier is store.device_tier:
+                        store.make_device_room(num_bytes)
+                    buffers[tier.kind] = (tier, tier.allocate(num_bytes // 4, torch.float32))
+
+            def fp32_grads(index: int, picked: list[int]) -> list[torch.Tensor]:
+                chunk = store.chunks[index]
+                assert chunk.tier is not None and chunk.payload is not None
+                buffer = buffers[chunk.tier.kind][1].narrow(0, 0, chunk.spec.capacity)
+                buffer.copy_(chunk.payload)
+                return [chunk.view_in(buffer, self._entries[i].slot) for i in picked]
+
+            yield fp32_grads
+        finally:
+            for tier, buffer in buffers.values():
+                tier.free(buffer)
 
     def _update_groups(self, picked: list[int]) -> Iterator[list[int]]:
         """``picked`` split so each call sees state all written or all lazy.
@@ -311,7 +466,7 @@ class ChunkOptimizer:
                 lazy.setdefault(self._entries[i].chunk, []).append(i)
         yield from lazy.values()
 
-    def _update(self, picked: list[int], lr: float, decay: bool) -> None:
+    def _update(self, picked: list[int], lr: float, decay: bool, grads: list[torch.Tensor]) -> None:
         entries = [self._entries[i] for i in picked]
         weights = self.masters if self.masters is not None else self.store.chunks
         written = [self._has_state[i] for i in picked]
@@ -321,7 +476,7 @@ class ChunkOptimizer:
         ]
         self.rule.apply(
             [self._view(weights, e) for e in entries],
-            [self._view(self.grads, e) for e in entries],
+            grads,
             states,
             [self.steps[i] for i in picked] if self.steps else [],
             lr=lr,
@@ -384,6 +539,35 @@ class ChunkOptimizer:
             for kind, chunks in self.states.items():
                 self._view(chunks, e).copy_(_saved(saved, STATE_KEYS[kind], e.name))
             self._has_state[i] = True
+
+
+def _clip_coefficient(
+    norm: torch.Tensor, max_grad_norm: float, loss_scale: float
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The unscaled norm, and what to multiply the gradients by (None: nothing)."""
+    if loss_scale != 1.0:
+        norm = norm / loss_scale
+    coefficient = None
+    if max_grad_norm > 0:
+        # The reference's clip_grad_norm_ formula, so clipped gradients agree bit for bit.
+        coefficient = torch.clamp(max_grad_norm / (norm + 1e-6), max=1.0)
+    if loss_scale != 1.0:  # unscaling folded into the same multiply
+        coefficient = (1.0 if coefficient is None else coefficient) / loss_scale
+    return norm, None if coefficient is None else torch.as_tensor(coefficient)
+
+
+def _total_norm(norms: list[torch.Tensor]) -> torch.Tensor:
+    """``torch.nn.utils.get_total_norm`` from the tensors' own norms (all fp32): grouped by
+    device in order of first appearance, as it groups them, so the sum runs in its order."""
+    if not norms:
+        return torch.tensor(0.0)
+    groups: dict[torch.device, list[torch.Tensor]] = {}
+    for value in norms:
+        groups.setdefault(value.device, []).append(value)
+    first = norms[0].device
+    return torch.linalg.vector_norm(
+        torch.stack([value.to(first) for group in groups.values() for value in group]), 2.0
+    )
 
 
 def _saved(saved: dict[str, Any], key: str, name: str) -> torch.Tensor:

@@ -23,18 +23,21 @@ and frozen parameters still never share a chunk.
 
 What is preserved, by parameter: the parameter chunks' data (a chunk may be on either tier; the
 new chunks are made on the host tier and fetched on first use), the gradient chunks (the first
-step's gradients are already collected), the fp32 masters, the optimizer-state chunks, which
-slots hold data (a lazy SGD buffer never written stays unwritten), the optimizer's per-parameter
-entries in their order (the gradient norm sums in that order, so losses stay bit-identical), the
-step counters, and each new chunk's LRU clock (the latest of the chunks its parameters came
-from). The trace is *translated*, not dropped: its moments are hook moments, ``fwd:``/``bwd:``
-plus a module name, whose chunk set is exactly the chunks of that module's own parameters, so
-each moment's new chunk set is read off the module. The translation first re-derives every
-moment's old chunk set the same way and gives up (no relayout) if one differs, so a change to
-the hooks' labels cannot yield a wrong trace. Keeping the trace keeps Belady eviction and
-pinning at the first step; dropping it would cost an LRU iteration and a deferred placement.
-The stats' traffic counters include the relayout's device-to-host copies; the engine's
-``min_device_bytes`` stays the figure measured in the old layout until the next backward.
+step's gradients are already collected; with gradients in the parameter chunks there are none,
+and the gradients move as parameter data, the store's ``grads_in_slots`` being by parameter:
+[Note: gradients in parameter chunks] in optim.py), the fp32 masters, the optimizer-state
+chunks, which slots hold data (a lazy SGD buffer never written stays unwritten), the optimizer's
+per-parameter entries in their order (the gradient norm sums in that order, so losses stay
+bit-identical), the step counters, and each new chunk's LRU clock (the latest of the chunks its
+parameters came from). The trace is *translated*, not dropped: its moments are hook moments,
+``fwd:``/``bwd:`` plus a module name, whose chunk set is exactly the chunks of that module's own
+parameters, so each moment's new chunk set is read off the module. The translation first
+re-derives every moment's old chunk set the same way and gives up (no relayout) if one differs,
+so a change to the hooks' labels cannot yield a wrong trace. Keeping the trace keeps Belady
+eviction and pinning at the first step; dropping it would cost an LRU iteration and a deferred
+placement. The stats' traffic counters include the relayout's device-to-host copies; the
+engine's ``min_device_bytes`` stays the figure measured in the old layout until the next
+backward.
 
 Transient memory: kinds are re-laid out one after another (parameters, masters, gradients,
 state), and within a kind the old chunks are read in index order: a new chunk is allocated on

@@ -108,6 +108,9 @@ class ChunkStore:
         # Chunks that stay on the device for good: their optimizer state lives there too.
         self.pinned: frozenset[int] = frozenset()
         self.num_traces = 0  # traces adopted: 1 + how often the sequence or its bytes changed
+        # id(param) whose slot holds its gradient, not its weights, until the optimizer step
+        # ([Note: gradients in parameter chunks] in optim.py): a moment that needs one raises.
+        self.grads_in_slots: set[int] = set()
         self._moment = -1
         self._label = "before the first moment"
         self._param_storages = frozenset(
@@ -172,6 +175,8 @@ class ChunkStore:
     def access(self, label: str, params: Iterable[nn.Parameter]) -> None:
         """One moment: bring the params' chunks to the device and mark the params in use."""
         params = [p for p in params if id(p) in self.slot_of]
+        if self.grads_in_slots:
+            self._refuse_gradient_slots(label, params)
         needed = self.chunks_of(params)
         live_bytes = self.meter.live_bytes()
         if self._recorder.recording:
@@ -200,6 +205,20 @@ class ChunkStore:
         for p in params:
             index, slot = self.slot_of[id(p)]
             self.chunks[index].acquire(slot)
+
+    def _refuse_gradient_slots(self, label: str, params: list[nn.Parameter]) -> None:
+        held = [p for p in params if id(p) in self.grads_in_slots]
+        if held:
+            index, slot = self.slot_of[id(held[0])]
+            name = self.layout.chunks[index].slots[slot].names[0]
+            raise RuntimeError(
+                f"{label} needs {name}, whose low-precision storage holds its gradient, not its "
+                f"weights, from the backward that produced it until step() copies the fp32 "
+                f"master back ([Note: gradients in parameter chunks] in tidal/memory/optim.py): "
+                f"call step() (or zero_grad() to drop the gradients) before running the model "
+                f"again, set training.grad_accum_steps to the number of backwards per step, or "
+                f"set chunk.grads_in_params = false"
+            )
 
     def _matches_trace(self, moment: int, label: str, needed: frozenset[int]) -> bool:
         # Earlier moments of this iteration already matched, so only the newest is compared:
@@ -271,6 +290,15 @@ class ChunkStore:
             if not chunk.on_device and self.device_tier.can_fit(chunk.num_bytes + reserve_bytes):
                 self._fetch(index, frozenset())
                 self.num_prefetches += 1
+
+    def ready_for_write(self, index: int) -> None:
+        """Order a write into chunk ``index``'s payload after the moves queued for it ([Note:
+        copy streams]): on the device after its arrival, on the host after every queued copy
+        (an eviction's may still be landing there)."""
+        if self.chunks[index].on_device:
+            self._await_arrival([index])
+        else:
+            self.wait_for_copies()
 
     def wait_for_copies(self) -> None:
         """Block until every queued move has landed: before the host reads a payload."""
