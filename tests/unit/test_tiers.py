@@ -276,11 +276,24 @@ def test_random_operations_keep_the_books(budget_bytes: int | None, ops: list) -
         assert budget_bytes is None or tier.held_bytes <= budget_bytes
 
 
-def test_freed_host_memory_threshold_is_clamped_and_never_raised() -> None:
-    first = tiers.return_freed_host_memory(4 << 20)
-    if first is None:  # not glibc: the setting does not exist, nothing to check
-        assert tiers._threshold_set_bytes is None
+def test_chunk_payloads_are_mapped_on_their_own_and_given_back() -> None:
+    import mmap
+
+    def rss_bytes() -> int:
+        with open("/proc/self/statm") as statm:
+            return int(statm.read().split()[1]) * mmap.PAGESIZE
+
+    with tiers.mapped_on_its_own(4 << 20) as taken:
+        pass
+    if not taken:  # not glibc: nothing to check
         return
-    assert first <= 4 << 20
-    assert tiers.return_freed_host_memory(64 << 20) == first  # a larger ask keeps the lower one
-    assert tiers.return_freed_host_memory(1) == 1 << 20  # below glibc's useful range: 1 MiB
+    tier = _host_tier()
+    payloads = [tier.allocate(1 << 20, torch.float32) for _ in range(8)]  # 8 x 4 MiB
+    for payload in payloads:
+        payload.fill_(1.0)  # touch every page
+    before = rss_bytes()
+    for payload in payloads:
+        tier.free(payload)
+    del payloads, payload
+    # Each payload was its own mapping: freeing it gave its 4 MiB back to the system at once.
+    assert before - rss_bytes() >= 30 << 20

@@ -30,6 +30,7 @@ from tidal.engine.device import memory_bytes, peak_memory_bytes, resolve_device
 from tidal.engine.loss_scale import LossScale
 from tidal.engine.lr import WarmupCosine
 from tidal.memory.config import ChunkConfig
+from tidal.memory.functional import FunctionalUses
 from tidal.memory.hooks import OUTPUT_ONLY_HOOK_WARNING, install_hooks
 from tidal.memory.layout import ChunkLayout, default_chunk_size, plan_layout, unique_parameters
 from tidal.memory.optim import ChunkOptimizer, make_master_chunks
@@ -37,7 +38,7 @@ from tidal.memory.optim_rules import make_rule
 from tidal.memory.policy import simulate
 from tidal.memory.relayout import relayout
 from tidal.memory.store import ChunkStore
-from tidal.memory.tiers import make_tiers, return_freed_host_memory
+from tidal.memory.tiers import make_tiers
 from tidal.memory.trace import AccessTrace, Moment
 
 __all__ = ["ChunkEngine"]
@@ -63,9 +64,6 @@ class ChunkEngine(AccumulationCounter):
             device=self.device, device_budget=memory.device_budget, host_budget=memory.host_budget
         )
         self.layout = _layout(model, chunk)
-        if self.device.type == "cpu":  # both tiers in one malloc: see tiers.py
-            smallest = min(spec.capacity for spec in self.layout.chunks)
-            return_freed_host_memory(smallest * _PARAM_DTYPES[training.precision].itemsize)
         # bf16/fp16: the model computes in that precision from parameter chunks of it; the optimizer
         # updates fp32 master chunks, taken from the full-precision weights before the store
         # converts them. fp16 also scales the loss (LossScale) so small gradients survive.
@@ -113,6 +111,9 @@ class ChunkEngine(AccumulationCounter):
         self._in_iteration = False
         self._placed = False
         self._relayout_pending = chunk.relayout  # see _relayout
+        # [Note: functional uses]: watch the first forward; later ones while the trace has uses.
+        self._always_watch_uses = chunk.functional_uses == "always"
+        self._watch_uses = True
         self.min_device_bytes = 0  # of the last training iteration; see backward()
         self.peak_non_model_bytes = 0
 
@@ -167,8 +168,19 @@ class ChunkEngine(AccumulationCounter):
             self.store.end_iteration()
         self.store.begin_iteration()
         self._in_iteration = True
-        with self.store.meter.tracking():
-            return self.model(*args, **kwargs)
+        watch = FunctionalUses(self.store) if self._watch_uses else contextlib.nullcontext()
+        try:
+            with self.store.meter.tracking(), watch:
+                return self.model(*args, **kwargs)
+        except RuntimeError as err:
+            if self._watch_uses or "storage of size 0" not in str(err):
+                raise
+            raise RuntimeError(
+                "a parameter was read while its chunk was off the device, most likely a use "
+                "outside its own module that the first iterations did not make (see [Note: "
+                "functional uses] in tidal/memory/functional.py); set chunk.functional_uses = "
+                "'always'"
+            ) from err
 
     def backward(self, loss: torch.Tensor) -> None:
         scaled = loss / self.grad_accum_steps if self.grad_accum_steps > 1 else loss
@@ -183,6 +195,9 @@ class ChunkEngine(AccumulationCounter):
         assert self.store.trace is not None
         self.min_device_bytes = self.store.trace.min_device_bytes()
         self.peak_non_model_bytes = self.store.trace.peak_non_model_bytes
+        self._watch_uses = self._always_watch_uses or any(
+            moment.label.startswith("fn:") for moment in self.store.trace.moments
+        )
 
     def step(self) -> bool:
         """Count a micro-batch; on the boundary clip, update and zero. Returns whether it stepped."""

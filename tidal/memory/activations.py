@@ -21,6 +21,11 @@ Each moment of the trace records the peak non-model bytes from its start to the 
 start, which is what placement must leave room for ([Note: placement] in policy.py). The meter
 reports the live figure to the device tier's non-model gauge, so the tier's peak and its budget
 check cover activations.
+
+Both meters also see the *model* tensors autograd saves (parameters, or views of them): those are
+handed back through ``on_model_unpack(storage key)`` when backward unpacks them, which is how a
+parameter used outside its own module gets its chunk back on the device in time ([Note:
+functional uses] in functional.py).
 """
 
 from __future__ import annotations
@@ -50,6 +55,41 @@ class NonModelMeter(Protocol):
         ...
 
 
+class _SavedModel:
+    """What autograd keeps for a saved model tensor: the tensor and its storage key."""
+
+    __slots__ = ("key", "tensor")
+
+    def __init__(self, tensor: torch.Tensor, key: int) -> None:
+        self.tensor = tensor
+        self.key = key
+
+
+class _ModelTensorHooks:
+    """Pack and unpack for model tensors: kept as they are, reported when unpacked."""
+
+    def __init__(
+        self,
+        is_model_storage: Callable[[int], bool],
+        on_model_unpack: Callable[[int], None] | None,
+    ) -> None:
+        self._is_model_storage = is_model_storage
+        self._on_model_unpack = on_model_unpack
+
+    def _pack_model(self, tensor: torch.Tensor, key: int) -> torch.Tensor | _SavedModel:
+        return tensor if self._on_model_unpack is None else _SavedModel(tensor, key)
+
+    def _unpack(self, saved: torch.Tensor | _Saved | _SavedModel) -> torch.Tensor:
+        if isinstance(saved, _SavedModel):
+            assert self._on_model_unpack is not None
+            self._on_model_unpack(saved.key)
+        return saved if isinstance(saved, torch.Tensor) else saved.tensor
+
+    def _pack(self, tensor: torch.Tensor) -> torch.Tensor | _SavedModel:
+        key = tensor.untyped_storage()._cdata
+        return self._pack_model(tensor, key) if self._is_model_storage(key) else tensor
+
+
 class _Saved:
     """What autograd keeps for a saved tensor: the tensor, and a ticket that is returned on drop."""
 
@@ -64,7 +104,7 @@ class _Saved:
         self.meter._drop(self.key)
 
 
-class SavedTensorMeter:
+class SavedTensorMeter(_ModelTensorHooks):
     """Bytes of storages saved for backward, counted once each; see [Note: non-model memory].
 
     ``is_model_storage(key)`` says whether a storage (by ``untyped_storage()._cdata``, which is
@@ -78,8 +118,9 @@ class SavedTensorMeter:
         *,
         is_model_storage: Callable[[int], bool],
         on_change: Callable[[int], None] | None = None,
+        on_model_unpack: Callable[[int], None] | None = None,
     ) -> None:
-        self._is_model_storage = is_model_storage
+        super().__init__(is_model_storage, on_model_unpack)
         self._on_change = on_change
         self._refs: dict[int, list[int]] = {}  # storage key -> [saves alive, bytes]
         self._live_bytes = 0
@@ -94,14 +135,14 @@ class SavedTensorMeter:
 
     @contextlib.contextmanager
     def tracking(self) -> Iterator[None]:
-        with torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack):
+        with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
             yield
 
-    def _pack(self, tensor: torch.Tensor) -> torch.Tensor | _Saved:
+    def _pack(self, tensor: torch.Tensor) -> torch.Tensor | _Saved | _SavedModel:  # type: ignore[override]
         storage = tensor.untyped_storage()
         key = storage._cdata
         if self._is_model_storage(key):
-            return tensor
+            return self._pack_model(tensor, key)
         entry = self._refs.get(key)
         if entry is None:
             num_bytes = storage.nbytes()
@@ -128,21 +169,26 @@ class SavedTensorMeter:
         self._peak_bytes = max(self._peak_bytes, live_bytes)
 
 
-def _unpack(saved: torch.Tensor | _Saved) -> torch.Tensor:
-    return saved.tensor if isinstance(saved, _Saved) else saved
-
-
-class AllocatorMeter:
+class AllocatorMeter(_ModelTensorHooks):
     """CUDA: allocated bytes that are not the device tier's; see [Note: non-model memory]."""
 
-    def __init__(self, device: torch.device, device_tier: Tier) -> None:
+    def __init__(
+        self,
+        device: torch.device,
+        device_tier: Tier,
+        *,
+        is_model_storage: Callable[[int], bool],
+        on_model_unpack: Callable[[int], None] | None = None,
+    ) -> None:
+        super().__init__(is_model_storage, on_model_unpack)
         self._device = device
         self._tier = device_tier
         torch.cuda.reset_peak_memory_stats(device)
 
     @contextlib.contextmanager
     def tracking(self) -> Iterator[None]:
-        yield
+        with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+            yield
 
     def live_bytes(self) -> int:
         return max(0, torch.cuda.memory_allocated(self._device) - self._tier.allocated_bytes)
@@ -161,8 +207,13 @@ def make_meter(
     *,
     is_model_storage: Callable[[int], bool],
     on_change: Callable[[int], None],
+    on_model_unpack: Callable[[int], None] | None = None,
 ) -> NonModelMeter:
     """The meter for ``device``: the allocator's figures on CUDA, saved tensors elsewhere."""
     if device.type == "cuda":
-        return AllocatorMeter(device, device_tier)
-    return SavedTensorMeter(is_model_storage=is_model_storage, on_change=on_change)
+        return AllocatorMeter(
+            device, device_tier, is_model_storage=is_model_storage, on_model_unpack=on_model_unpack
+        )
+    return SavedTensorMeter(
+        is_model_storage=is_model_storage, on_change=on_change, on_model_unpack=on_model_unpack
+    )

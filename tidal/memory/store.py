@@ -45,7 +45,8 @@ the same code runs with inline copies.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -113,14 +114,16 @@ class ChunkStore:
         self.grads_in_slots: set[int] = set()
         self._moment = -1
         self._label = "before the first moment"
-        self._param_storages = frozenset(
-            c.device_handle(device_tier).untyped_storage()._cdata for c in self.chunks
-        )
+        self._param_storages = _storage_keys(self.chunks, device_tier)
+        # Parameters held since backward unpacked them ([Note: functional uses]).
+        self._unpack_held: list[nn.Parameter] = []
+        self._unpacking = False
         self.meter = make_meter(
             device_tier.device,
             device_tier,
             is_model_storage=self._is_param_storage,
             on_change=self._non_model_changed,
+            on_model_unpack=self._model_unpacked,
         )
 
     def _load_parameters(self, model: nn.Module) -> None:
@@ -177,6 +180,8 @@ class ChunkStore:
         params = [p for p in params if id(p) in self.slot_of]
         if self.grads_in_slots:
             self._refuse_gradient_slots(label, params)
+        if not self._unpacking:  # a module moment: the operations that unpacked them are done
+            self._release_unpack_held()
         needed = self.chunks_of(params)
         live_bytes = self.meter.live_bytes()
         if self._recorder.recording:
@@ -237,6 +242,7 @@ class ChunkStore:
 
     def release_all(self) -> None:
         """Return every slot still in use to HOLD (modules whose post hook did not run)."""
+        self._unpack_held = []
         for chunk in self.chunks:
             for slot in range(len(chunk.spec.slots)):
                 while chunk.slot_state(slot) is TensorState.COMPUTE:
@@ -383,6 +389,50 @@ class ChunkStore:
             f"as min_device_bytes), or lower training.batch_size (activations) or chunk.size"
         )
 
+    # -- uses outside the module hooks ([Note: functional uses] in functional.py) ---------------
+
+    def idle_params(self, args: Sequence[Any], kwargs: dict[str, Any]) -> list[nn.Parameter]:
+        """The parameters among a call's arguments (and one level of lists) that no moment
+        holds now."""
+        idle: list[nn.Parameter] = []
+        for value in (*args, *kwargs.values()):
+            values = value if type(value) in (list, tuple) else (value,)
+            for item in values:
+                # A live object's id is unique, so this finds parameters without isinstance
+                # (Parameter's __instancecheck__ is Python code, and this runs for every call).
+                location = self.slot_of.get(id(item))
+                if location is not None:
+                    index, slot = location
+                    in_use = self.chunks[index].slot_state(slot) is TensorState.COMPUTE
+                    if not in_use and all(item is not seen for seen in idle):
+                        idle.append(item)
+        return idle
+
+    def names_of(self, params: Iterable[nn.Parameter]) -> list[str]:
+        names = []
+        for p in params:
+            index, slot = self.slot_of[id(p)]
+            names.append(self.layout.chunks[index].slots[slot].names[0])
+        return names
+
+    def _model_unpacked(self, key: int) -> None:
+        """Backward unpacked a saved tensor of chunk ``_param_storages[key]``: unless a moment
+        holds the chunk, access its parameters and hold them until the next module moment."""
+        index = self._param_storages[key]
+        if self.chunks[index].state is ChunkState.COMPUTE:
+            return
+        params = [self.params[pid] for pid, (i, _) in self.slot_of.items() if i == index]
+        self._unpacking = True
+        try:
+            self.access("unpack:" + ",".join(self.names_of(params)), params)
+        finally:
+            self._unpacking = False
+        self._unpack_held += params
+
+    def _release_unpack_held(self) -> None:
+        held, self._unpack_held = self._unpack_held, []
+        self.release(held)
+
     # -- relayout ([Note: relayout] in relayout.py) ---------------------------------------------
 
     def _is_param_storage(self, key: int) -> bool:
@@ -406,12 +456,15 @@ class ChunkStore:
         self.layout, self.chunks, self.slot_of, self._last_use = layout, chunks, slot_of, last_use
         for pid, (index, slot) in slot_of.items():
             self.params[pid].data = chunks[index].device_view(slot, self.device_tier)
-        self._param_storages = frozenset(
-            c.device_handle(self.device_tier).untyped_storage()._cdata for c in chunks
-        )
+        self._param_storages = _storage_keys(chunks, self.device_tier)
         self.trace = trace
         self._recorder = TraceRecorder([c.num_bytes for c in chunks])
         self._arrivals.clear()  # events of the old chunks, all waited for by the caller
+
+
+def _storage_keys(chunks: list[Chunk], device_tier: Tier) -> dict[int, int]:
+    """Storage key (``untyped_storage()._cdata``, stable across resizes) -> chunk index."""
+    return {c.device_handle(device_tier).untyped_storage()._cdata: c.index for c in chunks}
 
 
 def _differs(recorded: AccessTrace, stored: AccessTrace) -> bool:

@@ -28,11 +28,14 @@ held more than its budget" covers activations too; whoever sets it must first ma
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import enum
+import functools
 import os
 import sys
+from collections.abc import Callable, Iterator
 from typing import NamedTuple
 
 import torch
@@ -175,9 +178,15 @@ class Tier:
             raise ValueError(f"numel must be >= 0, got {numel}")
         num_bytes = numel * dtype.itemsize
         self._admit(num_bytes)
-        tensor = torch.empty(numel, dtype=dtype, device=self.device, pin_memory=self.pinned)
+        with self._own_mapping(num_bytes):
+            tensor = torch.empty(numel, dtype=dtype, device=self.device, pin_memory=self.pinned)
         self._track(tensor.untyped_storage(), num_bytes)
         return tensor
+
+    def _own_mapping(self, num_bytes: int) -> contextlib.AbstractContextManager[bool]:
+        if self.device.type == "cpu" and not self.pinned:
+            return mapped_on_its_own(num_bytes)
+        return contextlib.nullcontext(False)
 
     def _admit(self, num_bytes: int) -> None:
         """Raise TierBudgetError, before anything changes, if ``num_bytes`` more would not fit."""
@@ -246,7 +255,8 @@ class Tier:
         assert storage.nbytes() == 0 and not self.holds(tensor), "regrow of a live buffer"
         num_bytes = tensor.numel() * tensor.element_size()
         self._admit(num_bytes)
-        storage.resize_(num_bytes)
+        with self._own_mapping(num_bytes):
+            storage.resize_(num_bytes)
         self._track(storage, num_bytes)
 
     def release_storage(self, tensor: torch.Tensor) -> None:
@@ -374,35 +384,42 @@ def resolve_budget(
 # block of that size has been freed (the mmap threshold adapts upwards, to 32 MiB), and freed heap
 # blocks stay in the process: every chunk that moved between the tiers then leaves a hole, and
 # the process's peak resident memory grows to about twice the model data (measured on gpt2-small:
-# 3.95 GiB against 2.74 GiB for plain PyTorch). Pinning the threshold at the chunk payload size
-# makes every payload its own mapping, returned to the system when freed, so resident memory
-# follows the tiers' own books; smaller allocations (most activations) stay on the heap and reuse
-# its pages. It is set only for training on a CPU (with CUDA, host chunks are pinned memory from
-# torch's caching host allocator, not malloc), only where glibc is present, never raised once set
-# by this process, and kept within glibc's range [1 MiB, 32 MiB].
-_MIN_THRESHOLD_BYTES = 1 << 20
+# 3.95 GiB against 2.74 GiB for plain PyTorch). So a CPU tier makes each payload of at least
+# 64 KiB its own mapping, returned to the system when freed: it lowers glibc's mmap threshold to
+# the payload's size for that one allocation and then sets it to glibc's ceiling, 32 MiB (setting
+# it at all ends the adaptation, and 32 MiB is where the adaptation would end). Everything else,
+# activations above all, keeps coming from the heap and reusing its pages, without a page fault
+# per allocation. Only where glibc is present; with CUDA the host tier is pinned memory from
+# torch's caching host allocator, which does not go through malloc.
+_MIN_MAPPED_BYTES = 64 << 10
 _MAX_THRESHOLD_BYTES = 32 << 20
 _M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter number
-_threshold_set_bytes: int | None = None
 
 
-def return_freed_host_memory(payload_bytes: int) -> int | None:
-    """Have payloads of ``payload_bytes`` or more mapped on their own (see [Note: host memory
-    returned on free]); returns the threshold in force, or None where it cannot be set."""
-    global _threshold_set_bytes
-    threshold = min(max(payload_bytes, _MIN_THRESHOLD_BYTES), _MAX_THRESHOLD_BYTES)
-    if _threshold_set_bytes is not None and _threshold_set_bytes <= threshold:
-        return _threshold_set_bytes
+@functools.cache
+def _mallopt() -> Callable[[int, int], int] | None:
     if sys.platform != "linux":
         return None
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        if not libc.mallopt(_M_MMAP_THRESHOLD, threshold):
-            return None
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").mallopt
     except (OSError, AttributeError):  # not glibc (musl has no mallopt)
         return None
-    _threshold_set_bytes = threshold
-    return threshold
+
+
+@contextlib.contextmanager
+def mapped_on_its_own(num_bytes: int) -> Iterator[bool]:
+    """Allocations of ``num_bytes`` made inside get a mapping of their own (see [Note: host
+    memory returned on free]); yields whether the allocator took the setting."""
+    mallopt = _mallopt()
+    if mallopt is None or num_bytes < _MIN_MAPPED_BYTES:
+        yield False
+        return
+    taken = bool(mallopt(_M_MMAP_THRESHOLD, min(num_bytes, _MAX_THRESHOLD_BYTES)))
+    try:
+        yield taken
+    finally:
+        if taken:
+            mallopt(_M_MMAP_THRESHOLD, _MAX_THRESHOLD_BYTES)
 
 
 def make_tiers(
