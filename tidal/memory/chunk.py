@@ -85,6 +85,7 @@ class Chunk:
         self._device_buffer: torch.Tensor | None = None
         self._host_buffer: torch.Tensor | None = None
         self._device_views: list[torch.Tensor] = []  # one per slot, made once with the buffer
+        self._host_views: list[torch.Tensor] = []  # one per slot of the host buffer, on demand
         self.tier: Tier | None = None  # where the data is; None while RELEASED
         self._states = [TensorState.FREE] * len(spec.slots)
         self._compute_refs = [0] * len(spec.slots)
@@ -165,6 +166,7 @@ class Chunk:
             return buffer
         assert self._host_buffer is None, f"{self!r} already has a host buffer"
         self._host_buffer = tier.allocate(self.spec.capacity, self.dtype)
+        self._host_views = []
         return self._host_buffer
 
     def _shrink_on(self, tier: Tier) -> None:
@@ -175,6 +177,7 @@ class Chunk:
             assert self._host_buffer is not None
             tier.free(self._host_buffer)
             self._host_buffer = None
+            self._host_views = []
 
     def move_to(self, tier: Tier, *, stream: torch.cuda.Stream | None = None) -> int:
         """Move the payload to ``tier``; returns the bytes moved (0 if already there).
@@ -217,10 +220,20 @@ class Chunk:
     # -- slots -----------------------------------------------------------------------------------
 
     def view(self, slot: int) -> torch.Tensor:
-        """The slot's tensor: a view of the payload with the parameter's shape."""
-        payload = self.payload
-        assert payload is not None, f"{self!r} has no payload"
-        return self._slot_of(payload, slot)
+        """The slot's tensor: a view of the payload with the parameter's shape.
+
+        Made once per payload (the device buffer's for the chunk's life, a host buffer's for
+        its stay): callers read and write its data, never its shape or storage.
+        """
+        assert self.tier is not None, f"{self!r} has no payload"
+        if self.tier.kind is TierKind.DEVICE:
+            return self._device_views[slot]
+        if not self._host_views:
+            assert self._host_buffer is not None
+            self._host_views = [
+                self._slot_of(self._host_buffer, i) for i in range(len(self._states))
+            ]
+        return self._host_views[slot]
 
     def device_view(self, slot: int, tier: Tier) -> torch.Tensor:
         """The slot in the persistent device buffer: valid memory only while on the device."""

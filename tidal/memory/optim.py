@@ -259,16 +259,23 @@ class ChunkOptimizer:
         if chunk.payload is None:
             self._allocate_grad(chunk)
         target = chunk.view(slot)
-        if self._fresh[id(param)]:
+        if grad.data_ptr() == target.data_ptr():
+            pass  # autograd summed into the slot itself (below)
+        elif self._fresh[id(param)]:
             target.copy_(grad)
-            self._fresh[id(param)] = False
         else:
             target.add_(grad)
+        self._fresh[id(param)] = False
         if not chunk.on_device:
             num_bytes = grad.numel() * grad.element_size()
             self.store.device_tier.record_move(out_bytes=num_bytes)
             self.store.host_tier.record_move(in_bytes=num_bytes)
-        param.grad = None
+        # A gradient slot on the device in the parameter's dtype becomes ``param.grad``: the
+        # next micro-batch's gradient is then summed into it by autograd itself, in place, as
+        # plain PyTorch does, instead of arriving in a new tensor to be copied. zero_grad()
+        # takes it away before the chunk goes.
+        same_kind = chunk.on_device and target.dtype == param.dtype
+        param.grad = target if same_kind else None
 
     def _collect_into_param(self, param: nn.Parameter, grad: torch.Tensor) -> None:
         pid = id(param)
@@ -329,6 +336,8 @@ class ChunkOptimizer:
         in parameter chunks are dropped by copying the masters back."""
         if self.store.grads_in_slots:
             self._restore_weights()
+        for entry in self._entries:
+            entry.param.grad = None
         for chunk in _present([self.grads]):
             if chunk.payload is not None:
                 chunk.release(discard=True)
