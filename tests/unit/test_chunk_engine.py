@@ -465,3 +465,23 @@ def test_static_minimum_counts_the_chunks_of_enclosing_modules() -> None:
         tight.backward(tight(x, y))
         tight.step()
     assert tight.stats()["peak_device_bytes"] <= need + 64 * 1024
+
+
+def test_pinned_chunks_make_room_when_activations_grow() -> None:
+    # Pinning is chosen on short sequences; longer ones need the room back.
+    lengths = (16,) * 3 + (64,) * 3
+    want, _ = _reference(_tiny, _batches(6, seq_lens=lengths))
+    long_minimum, _ = _probe(_tiny, _batches(1, seq_lens=(64,)), size=TINY_CHUNK)
+    budget = long_minimum + _chunk(_tiny, size=TINY_CHUNK).store.model_bytes // 2
+    engine = _chunk(_tiny, size=TINY_CHUNK, budget=budget)
+    losses, pinned_at = [], []
+    for inputs, targets in _batches(6, seq_lens=lengths):
+        loss = engine(inputs, targets)
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+        pinned_at.append(engine.stats()["pinned_chunks"])
+    _assert_close(losses, want)
+    stats = engine.stats()
+    assert pinned_at[2] > 0 and stats["unpins"] == 1  # pinned on short, given up on long
+    assert stats["peak_device_bytes"] <= budget

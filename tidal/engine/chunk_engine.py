@@ -97,6 +97,7 @@ class ChunkEngine(AccumulationCounter):
             ),
         )
         self._hooks = install_hooks(model, self.store, on_grad=self.optimizer.collect)
+        self.store.on_unpin = self._unplace_optimizer
         self.schedule = WarmupCosine(
             peak_lr=optimizer.lr,
             warmup_steps=optimizer.warmup_steps,
@@ -139,6 +140,11 @@ class ChunkEngine(AccumulationCounter):
         self.layout = self.store.layout
         self.min_budget_bytes, self._largest_module = _largest_module_bytes(self.model, self.store)
         self._check_minimum_budget()  # relayout checked it would fit: this only asserts it
+
+    def _unplace_optimizer(self) -> None:
+        """The store gave up its pinned chunks: state to the host, choose again at the step."""
+        self.optimizer.place_on_host()
+        self._placed = False
 
     def _place_optimizer(self) -> None:
         """Pin the chunks whose optimizer state fits the margin; see [Note: optimizer placement]."""
@@ -255,6 +261,7 @@ class ChunkEngine(AccumulationCounter):
             "evictions": self.store.num_evictions,
             "prefetches": self.store.num_prefetches,
             "pinned_chunks": len(self.store.pinned),
+            "unpins": self.store.num_unpins,
             "loss_scale": self.loss_scale.scale if self.loss_scale else None,
             "skipped_steps": self.loss_scale.skipped_steps if self.loss_scale else 0,
             "min_device_bytes": self.min_device_bytes or self.store.min_device_bytes(),
@@ -333,9 +340,10 @@ _PARAM_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.fl
 #      starting from an empty device as after each step), does not grow. Every chunk fetched in
 #      a step goes back to the host before the next one, so traffic is twice the fetched bytes.
 #
-# An unlimited budget pins everything: the engine then moves nothing, like plain PyTorch. The
-# choice is not revisited when the trace changes later; the store's budget check fails loudly if
-# it no longer fits.
+# An unlimited budget pins everything: the engine then moves nothing, like plain PyTorch. When a
+# later iteration needs more room than the choice left (a longer sequence's activations), the
+# store gives up every pinned chunk rather than fail (their state goes to the host), and the
+# next step chooses again from that iteration's trace.
 
 
 def choose_pinned(

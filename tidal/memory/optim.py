@@ -191,6 +191,21 @@ class ChunkOptimizer:
                 self.steps[i] = self.steps[i].to(device_tier.device)
         self.on_device |= indices
 
+    def place_on_host(self) -> None:
+        """Undo :meth:`place_on_device` for every index: gradients and state go to the host
+        (the store gave up its pinned chunks; see [Note: optimizer placement])."""
+        host_tier = self.store.host_tier
+        for index in sorted(self.on_device):
+            for chunk in self.chunks_at(index):
+                if chunk.payload is not None and chunk.on_device:
+                    chunk.move_to(host_tier)
+        for i, entry in enumerate(self._entries):
+            if entry.chunk in self.on_device:
+                entry.param.grad = None  # a view of a device slot that is gone; summed below
+                if self.steps:
+                    self.steps[i] = self.steps[i].to(host_tier.device)
+        self.on_device = frozenset()
+
     def adopt_layout(
         self,
         *,

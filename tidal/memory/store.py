@@ -45,7 +45,7 @@ the same code runs with inline copies.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -109,6 +109,9 @@ class ChunkStore:
         # Chunks that stay on the device for good: their optimizer state lives there too.
         self.pinned: frozenset[int] = frozenset()
         self.num_traces = 0  # traces adopted: 1 + how often the sequence or its bytes changed
+        # Called when the pinned chunks are given up for room (the optimizer's state leaves).
+        self.on_unpin: Callable[[], None] | None = None
+        self.num_unpins = 0
         # id(param) whose slot holds its gradient, not its weights, until the optimizer step
         # ([Note: gradients in parameter chunks] in optim.py): a moment that needs one raises.
         self.grads_in_slots: set[int] = set()
@@ -263,6 +266,8 @@ class ChunkStore:
             if victim is None:
                 if self.device_tier.can_fit(required_bytes):
                     return
+                if self._unpin():
+                    continue
                 raise self._too_small(needed)
             self.evict(victim)
 
@@ -318,6 +323,8 @@ class ChunkStore:
             while tier.allocated_bytes + live_bytes > tier.budget_bytes:
                 victim = self._pick_victim(frozenset(), self._moment)
                 if victim is None:
+                    if self._unpin():
+                        continue
                     raise self._too_small(frozenset(), non_model_bytes=live_bytes)
                 self.evict(victim)
         tier.set_non_model_bytes(live_bytes)
@@ -352,6 +359,17 @@ class ChunkStore:
         for chunk in self.chunks:
             if chunk.on_device and chunk.index not in self.pinned:
                 self.evict(chunk.index)
+
+    def _unpin(self) -> bool:
+        """Give up every pinned chunk for room, when a moment needs more than the pinning was
+        chosen for (activations grew: a longer sequence); False if nothing was pinned. The
+        engine chooses again from the new trace at the next step."""
+        if not self.pinned or self.on_unpin is None:
+            return False
+        self.pinned = frozenset()
+        self.on_unpin()
+        self.num_unpins += 1
+        return True
 
     def pin(self, indices: Iterable[int]) -> None:
         """Keep ``indices`` on the device from now on; every other chunk goes to the host."""
