@@ -116,6 +116,7 @@ class OffloadSettings:
     recipe: str = "demo"
     steps: int = 20
     warmup_steps: int = 5
+    repeats: int = 3  # overhead rounds, systems in turn; see _systems
     device_budget_bytes: int = 128 << 20
     host_budget_bytes: int = 1 << 30
     host_recipe: str = "gpt2-small"
@@ -134,6 +135,7 @@ class OffloadSettings:
             "--steps",
             f"must be >= 2 (the first records the trace), got {self.steps}",
         )
+        require(self.repeats >= 1, "--repeats", f"must be >= 1, got {self.repeats}")
 
 
 def bench_offload(settings: OffloadSettings) -> list[dict[str, Any]]:
@@ -182,25 +184,42 @@ def _peak_rss_bytes() -> int:
 
 def overhead_rows(settings: OffloadSettings) -> list[dict[str, Any]]:
     overrides = (*settings.overrides, f"training.steps={settings.steps}")
-    return _systems(settings.recipe, overrides, settings.steps, settings.warmup_steps)
+    return _systems(
+        settings.recipe, overrides, settings.steps, settings.warmup_steps, settings.repeats
+    )
 
 
 def host_rows(settings: OffloadSettings) -> list[dict[str, Any]]:
     overrides = (*_HOST_OVERRIDES, *settings.overrides, f"training.steps={HOST_STEPS}")
-    return _systems(settings.host_recipe, overrides, HOST_STEPS, 1)
+    return _systems(settings.host_recipe, overrides, HOST_STEPS, 1, 1)
 
 
 def _systems(
-    recipe: str, overrides: Sequence[str], steps: int, warmup_steps: int
+    recipe: str, overrides: Sequence[str], steps: int, warmup_steps: int, repeats: int
 ) -> list[dict[str, Any]]:
-    rows = []
-    for system in SYSTEMS:
-        reason = deepspeed_missing_reason() if system == DEEPSPEED else None
-        if reason is not None:
-            row = {"error": reason}
-        else:
+    """One row per system. With ``repeats`` > 1 the systems run in turn, round after round, and
+    a row keeps its median round (by step time), so that a slow spell of a shared machine
+    falls on every system alike instead of on whichever ran during it."""
+    runs: dict[str, list[dict[str, Any]]] = {system: [] for system in SYSTEMS}
+    for _ in range(repeats):
+        for system in SYSTEMS:
+            reason = deepspeed_missing_reason() if system == DEEPSPEED else None
+            if reason is not None:
+                runs[system].append({"error": reason})
+                continue
             case = (*overrides, *_SYSTEM_OVERRIDES[system])
-            row = in_own_process(time_system, system, recipe, case, steps, warmup_steps)
+            runs[system].append(
+                in_own_process(time_system, system, recipe, case, steps, warmup_steps)
+            )
+    rows = []
+    for system, results in runs.items():
+        timed = sorted((r for r in results if "error" not in r), key=lambda r: r["median_step_s"])
+        row = timed[len(timed) // 2] if timed else results[0]
+        if timed:
+            row = {
+                **row,
+                "rounds_step_s": [r["median_step_s"] for r in results if "error" not in r],
+            }
         rows.append({"system": system, "recipe": recipe, **row})
     base = rows[0] if "error" not in rows[0] else None
     for row in rows:

@@ -134,6 +134,10 @@ def _add_bench_offload(benches: argparse._SubParsersAction) -> None:
         "the first step, which records the trace and places the optimizer state",
     )  # fmt: skip
     offload.add_argument(
+        "--repeats", type=int, default=3,
+        help="overhead rounds, the systems in turn each round; each keeps its median round (3)",
+    )  # fmt: skip
+    offload.add_argument(
         "--device-budget", default="128MiB", metavar="SIZE",
         help="device budget of the scale search (128MiB)",
     )  # fmt: skip

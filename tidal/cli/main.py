@@ -142,6 +142,7 @@ def _bench_offload(args: argparse.Namespace, console: Console) -> int:
         recipe=args.recipe,
         steps=args.steps,
         warmup_steps=args.warmup_steps,
+        repeats=args.repeats,
         device_budget_bytes=parse_bytes(args.device_budget, key="--device-budget"),
         host_budget_bytes=parse_bytes(args.host_budget, key="--host-budget"),
         host_recipe=args.host_recipe,

@@ -138,10 +138,10 @@ class Chunk:
 
     # -- payload and residency -------------------------------------------------------------------
 
-    def allocate(self, tier: Tier) -> None:
+    def allocate(self, tier: Tier, *, own_mapping: bool = True) -> None:
         """Give a RELEASED chunk an uninitialised payload on ``tier``; every slot is FREE."""
         assert self.tier is None, f"{self!r} already has a payload"
-        self._grow_on(tier)
+        self._grow_on(tier, own_mapping=own_mapping)
         self.tier = tier
         self._states = [TensorState.FREE] * len(self.spec.slots)
 
@@ -158,14 +158,14 @@ class Chunk:
             self._device_buffer = buffer
         return self._device_buffer
 
-    def _grow_on(self, tier: Tier) -> torch.Tensor:
+    def _grow_on(self, tier: Tier, *, own_mapping: bool = True) -> torch.Tensor:
         # Only storage on ``tier`` changes; TierBudgetError leaves the chunk as it was.
         if tier.kind is TierKind.DEVICE:
             buffer = self.device_handle(tier)
-            tier.regrow(buffer)
+            tier.regrow(buffer, own_mapping=own_mapping)
             return buffer
         assert self._host_buffer is None, f"{self!r} already has a host buffer"
-        self._host_buffer = tier.allocate(self.spec.capacity, self.dtype)
+        self._host_buffer = tier.allocate(self.spec.capacity, self.dtype, own_mapping=own_mapping)
         self._host_views = []
         return self._host_buffer
 

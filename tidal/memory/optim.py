@@ -341,9 +341,9 @@ class ChunkOptimizer:
         """See [Note: gradient chunk lifetime]."""
         if chunk.index in self.on_device:
             self.store.make_device_room(chunk.num_bytes)
-            chunk.allocate(self.store.device_tier)
+            chunk.allocate(self.store.device_tier, own_mapping=False)
         else:
-            chunk.allocate(self.store.host_tier)
+            chunk.allocate(self.store.host_tier, own_mapping=False)
         chunk.fill_free_slots(0.0)
 
     def zero_grad(self) -> None:
