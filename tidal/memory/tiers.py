@@ -387,11 +387,13 @@ def resolve_budget(
 # 3.95 GiB against 2.74 GiB for plain PyTorch). So a CPU tier makes each payload of at least
 # 64 KiB its own mapping, returned to the system when freed: it lowers glibc's mmap threshold to
 # the payload's size for that one allocation and then sets it to 4 MiB, and the trim threshold to
-# twice that (setting either at all ends glibc's adaptation; a trim threshold left at its 128 KiB
-# default hands the heap top back after every step and faults it in again). Activations of 4 MiB
-# and more then get mappings of their own too, returned when freed: with the threshold at glibc's
-# 32 MiB ceiling the heap kept gpt2-small's (seq 1024) freed activations resident, peak RSS
-# 3.56 GiB against 3.19 GiB for plain PyTorch; at 4 MiB, 3.17 GiB. Everything else,
+# 64 MiB (setting either at all ends glibc's adaptation). Activations of 4 MiB and more then get
+# mappings of their own too, returned when freed: with the mmap threshold at glibc's 32 MiB
+# ceiling the heap kept gpt2-small's (seq 1024) freed activations resident, peak RSS 3.56 GiB
+# against 3.19 GiB for plain PyTorch; at 4 MiB 3.30 GiB. The trim threshold trades the other way:
+# at 8 MiB the peak was 3.17 GiB, but the heap top went back to the system after every
+# micro-batch and was faulted in again, and the demo's step took 1.23x plain PyTorch's instead
+# of 1.02x (bench offload, 3 rounds each). Everything else,
 # activations above all, keeps coming from the heap and reusing its pages, without a page fault
 # per allocation. Only where glibc is present; with CUDA the host tier is pinned memory from
 # torch's caching host allocator, which does not go through malloc. A payload that comes and goes
@@ -429,7 +431,7 @@ def mapped_on_its_own(num_bytes: int) -> Iterator[bool]:
     finally:
         if taken:
             mallopt(_M_MMAP_THRESHOLD, _RESET_THRESHOLD_BYTES)
-            mallopt(_M_TRIM_THRESHOLD, 2 * _RESET_THRESHOLD_BYTES)
+            mallopt(_M_TRIM_THRESHOLD, 2 * _MAX_THRESHOLD_BYTES)
 
 
 def make_tiers(
