@@ -108,9 +108,9 @@ def allocated_kinds(monkeypatch: pytest.MonkeyPatch) -> list[ChunkKind]:
     kinds: list[ChunkKind] = []
     allocate = Chunk.allocate
 
-    def recording(self: Chunk, tier) -> None:
+    def recording(self: Chunk, tier, **options) -> None:
         kinds.append(self.kind)
-        allocate(self, tier)
+        allocate(self, tier, **options)
 
     monkeypatch.setattr(Chunk, "allocate", recording)
     return kinds
