@@ -16,6 +16,7 @@ import torch
 from tidal.engine import Trainer
 from tidal.engine.checkpoint import list_checkpoints, load_checkpoint
 from tidal.engine.metrics import read_metrics
+from tidal.testing.trees import assert_equal_tree
 
 # Dropout on, so that restoring torch's RNG state is part of what is tested; accumulation on, so
 # that the micro-batch counter is too.
@@ -48,25 +49,9 @@ def _assert_same_state(a: Path, b: Path) -> None:
     assert ckpt_a["model"].keys() == ckpt_b["model"].keys()
     for name, tensor in ckpt_a["model"].items():
         assert torch.equal(tensor, ckpt_b["model"][name]), name
-    _assert_equal_tree(
+    assert_equal_tree(
         ckpt_a["train_state"]["engine"]["optimizer"], ckpt_b["train_state"]["engine"]["optimizer"]
     )
-
-
-def _assert_equal_tree(a: object, b: object, path: str = "optimizer") -> None:
-    """Nested dicts/lists of tensors and plain values, equal bit for bit."""
-    if isinstance(a, dict):
-        assert isinstance(b, dict) and a.keys() == b.keys(), path
-        for key in a:
-            _assert_equal_tree(a[key], b[key], f"{path}.{key}")
-    elif isinstance(a, (list, tuple)):
-        assert isinstance(b, (list, tuple)) and len(a) == len(b), path
-        for i, (x, y) in enumerate(zip(a, b, strict=True)):
-            _assert_equal_tree(x, y, f"{path}[{i}]")
-    elif isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor) and torch.equal(a, b), path
-    else:
-        assert a == b, path
 
 
 ENGINES = {

@@ -24,6 +24,7 @@ from tidal.engine.metrics import read_metrics
 from tidal.memory.chunk import ChunkKind
 from tidal.memory.config import ChunkConfig
 from tidal.models import build_gpt, preset
+from tidal.testing.trees import assert_equal_tree
 
 TINY = preset("tiny")
 STEPS = 20
@@ -341,24 +342,9 @@ def test_six_steps_equal_three_plus_resume_plus_three(
         assert torch.equal(tensor, b["model"][name]), name
     saved_a = a["train_state"]["engine"]["optimizer"]
     saved_b = b["train_state"]["engine"]["optimizer"]
-    _assert_equal_tree(saved_a, saved_b)
+    assert_equal_tree(saved_a, saved_b)
     if engine == "chunk" and optimizer != "sgd-plain":
         assert saved_a and all(saved_a.values())
-
-
-def _assert_equal_tree(a: object, b: object, path: str = "optimizer") -> None:
-    if isinstance(a, dict):
-        assert isinstance(b, dict) and a.keys() == b.keys(), path
-        for key in a:
-            _assert_equal_tree(a[key], b[key], f"{path}.{key}")
-    elif isinstance(a, (list, tuple)):
-        assert isinstance(b, (list, tuple)) and len(a) == len(b), path
-        for i, (x, y) in enumerate(zip(a, b, strict=True)):
-            _assert_equal_tree(x, y, f"{path}[{i}]")
-    elif isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor) and torch.equal(a, b), path
-    else:
-        assert a == b, path
 
 
 # ---------------------------------------------------------------------------------------------
