@@ -295,5 +295,7 @@ def test_chunk_payloads_are_mapped_on_their_own_and_given_back() -> None:
     for payload in payloads:
         tier.free(payload)
     del payloads, payload
-    # Each payload was its own mapping: freeing it gave its 4 MiB back to the system at once.
-    assert before - rss_bytes() >= 30 << 20
+    # Each payload was its own mapping: freeing it gave its 4 MiB back to the system at once. On
+    # the heap they would stay resident (32 MiB is below the 64 MiB trim threshold); the margin
+    # is for whatever else the process allocates or frees meanwhile.
+    assert before - rss_bytes() >= 24 << 20
