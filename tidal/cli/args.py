@@ -59,6 +59,11 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
         help="start over in a run folder that already holds checkpoints (deletes them)",
     )
     train.add_argument("--no-plots", action="store_true", help="do not write PNG plots at the end")
+    train.add_argument(
+        "--nproc", type=int, default=1, metavar="N",
+        help="train on N processes (ranks) of this machine, started through torchrun; "
+        "training.batch_size is the global batch, split over them (default 1: this process)",
+    )  # fmt: skip
 
 
 def _add_report(sub: argparse._SubParsersAction) -> None:

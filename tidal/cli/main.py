@@ -28,6 +28,7 @@ _TRAINING_BYTES_PER_PARAM = 2 + 2 + 4 + 4 + 4
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
     console = Console(highlight=False)
     if not console.is_terminal:  # logs and CI: rich would fold tables at 80 columns
@@ -37,6 +38,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     try:
         if args.command == "train":
+            if args.nproc != 1:
+                return _launch(args, argv)
             return _train(args, console)
         if args.command == "report":
             return _report(args.run_dir, console)
@@ -69,9 +72,37 @@ def _train(args: argparse.Namespace, console: Console) -> int:
     job = load_job(find_recipe(args.recipe), args.overrides)
     trainer = Trainer(job)
     trainer.fit(resume=args.resume, overwrite=args.overwrite, callbacks=[RichProgress(console)])
-    if not args.no_plots:
+    if trainer.distributed:
+        from tidal.distributed import shutdown
+
+        shutdown()
+    if not args.no_plots and trainer.rank == 0:
         _write_plots(trainer.run_dir, console)
     return 0
+
+
+def _launch(args: argparse.Namespace, argv: list[str]) -> int:
+    """``--nproc N``: check what can be checked here, then run N ranks under torchrun."""
+    import os
+
+    from tidal.config import ConfigError
+    from tidal.distributed.launch import launch_train
+    from tidal.engine.job import find_recipe, load_job
+    from tidal.engine.trainer import check_run_dir, rank_rows
+
+    if args.nproc < 1:
+        raise ConfigError("--nproc", f"must be >= 1 (processes to train on), got {args.nproc}")
+    if "TORCHELASTIC_RUN_ID" in os.environ or int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise ConfigError(
+            "--nproc",
+            "this process is already a rank started by torchrun, which chose the number of "
+            "processes; drop --nproc",
+        )
+    # An error found here is one line, rather than one per rank above torchrun's report.
+    job = load_job(find_recipe(args.recipe), args.overrides)
+    rank_rows(job.training.batch_size, rank=0, world_size=args.nproc)
+    check_run_dir(job.run_path, resume=args.resume, overwrite=args.overwrite)
+    return launch_train(argv[argv.index("train") + 1 :], nproc=args.nproc)
 
 
 def _write_plots(run_dir: object, console: Console) -> None:

@@ -9,6 +9,10 @@ this one on the same seeds, so it stays deliberately plain: ``torch.optim.AdamW`
     engine.step()        # call after every micro-batch; steps the optimizer on the boundary
 
 Micro-batches are counted as [Note: accumulation boundary] in accumulation.py says.
+
+In a process group of more than one rank the engine is plain data parallel: every rank holds the
+whole model, and on each accumulation boundary the gradients are averaged over the ranks before
+clipping, so every rank takes the same optimizer step and the replicas stay identical.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import torch
 from torch import nn
 
 from tidal.config import ConfigError, format_bytes
+from tidal.distributed import rank, world_size
 from tidal.engine.accumulation import AccumulationCounter
 from tidal.engine.config import MemoryConfig, OptimizerConfig, TrainingConfig
 from tidal.engine.device import memory_bytes, peak_memory_bytes, resolve_device
@@ -116,6 +121,9 @@ class ReferenceEngine(AccumulationCounter):
         self.global_step = 0
         self.micro_step = 0
         self.last_grad_norm: float | None = None
+        # Read once: the group is set up before any engine is built.
+        self.world_size = world_size()
+        self.rank = rank()
 
     # -- the training calls --------------------------------------------------------------------
 
@@ -135,6 +143,8 @@ class ReferenceEngine(AccumulationCounter):
         if self.scaler is not None:
             scaled = self.scaler.scale(scaled)
         scaled.backward()
+        if self.world_size > 1 and self.is_accumulation_boundary():
+            self._average_gradients()
 
     def step(self) -> bool:
         """Count a micro-batch; on the boundary step the optimizer. Returns whether it stepped."""
@@ -156,6 +166,19 @@ class ReferenceEngine(AccumulationCounter):
     def zero_grad(self) -> None:
         """Drop the gradients (``step`` already does after each update; this is for symmetry)."""
         self.optimizer.zero_grad(set_to_none=True)
+
+    def _average_gradients(self) -> None:
+        """The mean gradient over the ranks, through one all_reduce of a flat fp32 buffer."""
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        if not grads:
+            return
+        flat = torch.cat([g.reshape(-1).float() for g in grads])
+        torch.distributed.all_reduce(flat, op=torch.distributed.ReduceOp.SUM)
+        flat /= self.world_size
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset : offset + g.numel()].view_as(g))
+            offset += g.numel()
 
     def _clip_gradients(self) -> float:
         grads = [p.grad for p in self.model.parameters() if p.grad is not None]
@@ -183,6 +206,8 @@ class ReferenceEngine(AccumulationCounter):
         return {
             "engine": "reference",
             "device": str(self.device),
+            "world_size": self.world_size,
+            "rank": self.rank,
             "precision": self.precision,
             "global_step": self.global_step,
             "lr": self.lr,

@@ -10,6 +10,19 @@ next step is therefore either a pure function of a saved counter or saved itself
 a function of (seed, batch index) and the index is saved; the learning rate is a function of the
 optimizer step; AdamW's moments, the model and torch's RNG states (dropout) are saved. Records
 past the resumed step are dropped from metrics.jsonl, because the resumed run writes them again.
+
+[Note: global batch]
+``training.batch_size`` is the number of sequences per micro-batch over ALL ranks, not per rank.
+Every rank draws the same global batch from the same-seeded sampler and trains on its contiguous
+slice of rows ``[r * B / W, (r + 1) * B / W)``; validation batches are split the same way. Each
+rank's loss is the mean over an equal-size slice, so the mean over ranks (what is reported) is
+the loss of the global batch, and the engine's gradient average is the global batch's gradient.
+The batches, and so the losses, do not depend on the world size: a run resumed on another number
+of ranks continues with the batches it would have seen. Hence B must divide by W. (Dropout is
+the exception: each rank draws its masks for its own rows from the shared seed, so with dropout
+on, runs on different world sizes agree in distribution, not bit for bit.)
+Only rank 0 writes config.json, metrics.jsonl and summary.json and calls the callbacks; every
+rank runs the loop, the collectives and the checkpoint calls.
 """
 
 from __future__ import annotations
@@ -20,21 +33,27 @@ import math
 import shutil
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from tidal.config import ConfigError, to_dict
-from tidal.data import BatchSampler, build_token_splits
+from tidal.data import Batch, BatchSampler, build_token_splits
+from tidal.distributed import all_reduce_mean, barrier, gather_ints, init_from_env
+from tidal.distributed import rank as current_rank
+from tidal.distributed import world_size as current_world_size
 from tidal.engine.build import build_engine
 from tidal.engine.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint
 from tidal.engine.checkpoint import save_checkpoint as write_checkpoint
 from tidal.engine.device import (
+    PeakFlops,
     device_description,
     memory_bytes,
     peak_flops,
     peak_memory_bytes,
     reset_peak_memory,
+    resolve_device,
 )
 from tidal.engine.job import JobConfig, load_job
 from tidal.engine.metrics import (
@@ -45,9 +64,10 @@ from tidal.engine.metrics import (
     read_metrics,
     write_json_atomic,
 )
+from tidal.engine.reference import ReferenceEngine
 from tidal.models import build_gpt, num_params, training_flops_per_token
 
-__all__ = ["Callback", "LogCallback", "Trainer"]
+__all__ = ["Callback", "LogCallback", "Trainer", "check_run_dir", "rank_rows"]
 
 logger = logging.getLogger(__name__)
 
@@ -77,8 +97,46 @@ class LogCallback(Callback):
         logger.info("step %d  val_loss %.4f", record["step"], record["val_loss"])
 
 
+def rank_rows(batch_size: int, *, rank: int, world_size: int) -> slice:
+    """Rank ``rank``'s rows of a global batch of ``batch_size``; see [Note: global batch]."""
+    if batch_size % world_size:
+        lower = batch_size - batch_size % world_size
+        hint = f"{lower} or {lower + world_size}" if lower else str(world_size)
+        raise ConfigError(
+            "training.batch_size",
+            f"{batch_size} sequences do not split evenly over {world_size} ranks (it is the "
+            f"global micro-batch; each rank trains on batch_size / world size of its rows); set "
+            f"it to a multiple of {world_size}, e.g. {hint}, or run on a world size that divides it",
+        )
+    rows = batch_size // world_size
+    return slice(rank * rows, (rank + 1) * rows)
+
+
+def check_run_dir(run_dir: Path, *, resume: bool, overwrite: bool) -> None:
+    """Refuse a run that would clobber checkpoints or has none to resume from."""
+    if resume and overwrite:
+        raise ConfigError("", "--resume and --overwrite contradict each other; pick one")
+    existing = list_checkpoints(run_dir)
+    if existing and not resume and not overwrite:
+        raise ConfigError(
+            "run_dir",
+            f"{run_dir} already holds checkpoints up to step {existing[-1][0]}; pass "
+            f"--resume to continue that run, --overwrite to start over (deletes them), or "
+            f"--set run_dir=PATH for a new folder",
+        )
+    if resume and not existing:
+        raise ConfigError(
+            "run_dir",
+            f"--resume: no checkpoint under {run_dir / 'checkpoints'}; run without "
+            f"--resume to start a new run",
+        )
+
+
 class Trainer:
-    """Train the GPT preset of ``job`` on its token source with the engine it names."""
+    """Train the GPT preset of ``job`` on its token source with the engine it names.
+
+    Under torchrun every rank builds its own Trainer; see [Note: global batch].
+    """
 
     def __init__(
         self, job: JobConfig | str | dict[str, Any], overrides: Sequence[str] = ()
@@ -87,6 +145,10 @@ class Trainer:
         self.run_dir = self.job.run_path
         training = self.job.training
         self.model_config = self.job.model.resolve()
+        # Before the engine: a sharded engine reads the process group when it is built.
+        self.distributed = init_from_env(device=resolve_device(training.device))
+        self.rank, self.world_size = current_rank(), current_world_size()
+        self._rows = rank_rows(training.batch_size, rank=self.rank, world_size=self.world_size)
         torch.manual_seed(training.seed)
         model = build_gpt(self.model_config, device="cpu", seed=training.seed)
         self.engine = build_engine(model, self.job)
@@ -106,7 +168,10 @@ class Trainer:
         self.tokens_per_step = training.batch_size * seq_len * training.grad_accum_steps
         self.flops_per_token = training_flops_per_token(self.model_config)
         self.num_params = num_params(self.engine.model)
-        self.peak = peak_flops(self.device, training.precision, self.job.metrics.peak_tflops)
+        self.peak = _all_ranks_peak(
+            peak_flops(self.device, training.precision, self.job.metrics.peak_tflops),
+            self.world_size,
+        )
         self.metrics = MetricsFile(self.run_dir / "metrics.jsonl")
         self.tokens_seen = 0
         self.train_time_s = 0.0
@@ -124,8 +189,11 @@ class Trainer:
         """Train up to ``training.steps``; return the summary (also written to summary.json).
 
         Without ``callbacks`` the progress line goes to ``logging`` (``tidal.engine.trainer``).
+        Ranks other than 0 call no callbacks (see [Note: global batch]).
         """
-        if callbacks is None:
+        if self.rank != 0:
+            callbacks = []
+        elif callbacks is None:
             callbacks = [
                 LogCallback(
                     log_every=self.job.training.log_every, total_steps=self.job.training.steps
@@ -151,12 +219,14 @@ class Trainer:
             last_record = self._step_record(step, loss, step_s, window)
             if step % self.job.training.log_every == 0:
                 window.reset()
-            self.metrics.append(last_record)
+            if self.rank == 0:
+                self.metrics.append(last_record)
             for cb in callbacks:
                 cb.on_step(last_record)
             self._after_step(step, callbacks)
         summary = self._summary(last_record, timed, start_step, time.perf_counter() - start_wall)
-        write_json_atomic(self.run_dir / "summary.json", summary)
+        if self.rank == 0:
+            write_json_atomic(self.run_dir / "summary.json", summary)
         for cb in callbacks:
             cb.on_end(summary)
         return summary
@@ -165,12 +235,13 @@ class Trainer:
         start = time.perf_counter()
         loss_sum = torch.zeros((), device=self.device)
         for _ in range(self.job.training.grad_accum_steps):
-            inputs, targets = self.train_batches.next_batch()
+            inputs, targets = self._local(self.train_batches.next_batch())
             loss = self.engine(inputs.to(self.device), targets.to(self.device))
             self.engine.backward(loss)
             loss_sum += loss.detach().float()
             self.engine.step()
         loss_value = float(loss_sum) / self.job.training.grad_accum_steps  # syncs the device
+        loss_value = all_reduce_mean(loss_value)
         step_s = time.perf_counter() - start
         if not math.isfinite(loss_value):
             raise FloatingPointError(
@@ -179,6 +250,13 @@ class Trainer:
                 f"training.precision='bf16' instead of fp16"
             )
         return loss_value, step_s
+
+    def _local(self, batch: Batch) -> Batch:
+        """This rank's rows of a global batch; see [Note: global batch]."""
+        if self.world_size == 1:
+            return batch
+        inputs, targets = batch
+        return inputs[self._rows], targets[self._rows]
 
     def _step_record(
         self, step: int, loss: float, step_s: float, window: Throughput
@@ -202,7 +280,8 @@ class Trainer:
         if (training.val_every and step % training.val_every == 0) or last:
             self.last_val_loss = self.evaluate()
             record = {"kind": "val", "step": step, "val_loss": self.last_val_loss}
-            self.metrics.append(record)
+            if self.rank == 0:
+                self.metrics.append(record)
             for cb in callbacks:
                 cb.on_val(record)
         if (ckpt.every_steps and step % ckpt.every_steps == 0) or (last and ckpt.at_end):
@@ -216,24 +295,40 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self) -> float:
-        """Mean loss over the fixed validation batches."""
+        """Mean loss over the fixed validation batches (each rank its rows, then the mean)."""
         if self._val_batches is None:
             self._val_batches = self._val_sampler.fixed_batches(self.job.training.val_batches)
         model = self.engine.model
         was_training = model.training
         model.eval()
         total = 0.0
-        for inputs, targets in self._val_batches:
+        for batch in self._val_batches:
+            inputs, targets = self._local(batch)
             total += float(self.engine(inputs.to(self.device), targets.to(self.device)))
         model.train(was_training)
-        return total / len(self._val_batches)
+        return all_reduce_mean(total / len(self._val_batches))
 
     # -- run folder and checkpoints -------------------------------------------------------------
 
     def _prepare_run_dir(self, *, resume: bool, overwrite: bool) -> int:
-        if resume and overwrite:
-            raise ConfigError("", "--resume and --overwrite contradict each other; pick one")
-        existing = list_checkpoints(self.run_dir)
+        # Every rank checks, so that a refusal stops all of them rather than stranding peers.
+        check_run_dir(self.run_dir, resume=resume, overwrite=overwrite)
+        if resume or self.job.checkpoint.every_steps or self.job.checkpoint.at_end:
+            self._require_full_checkpoints()
+        if self.rank == 0:
+            self._reset_run_dir(overwrite=overwrite, resume=resume)
+        # The folder exists, and what --overwrite deletes is gone, before any rank reads it.
+        barrier()
+        if not resume:
+            return 0
+        path = latest_checkpoint(self.run_dir)
+        assert path is not None, "check_run_dir found a checkpoint"
+        step = self.load_checkpoint(path)
+        if self.rank == 0:
+            self.metrics.truncate_after(step)
+        return step
+
+    def _reset_run_dir(self, *, overwrite: bool, resume: bool) -> None:
         if overwrite:
             for name in ("checkpoints", "metrics.jsonl", "summary.json", "loss.png", "memory.png"):
                 path = self.run_dir / name
@@ -241,30 +336,36 @@ class Trainer:
                     shutil.rmtree(path)
                 elif path.exists():
                     path.unlink()
-        elif existing and not resume:
-            raise ConfigError(
-                "run_dir",
-                f"{self.run_dir} already holds checkpoints up to step {existing[-1][0]}; pass "
-                f"--resume to continue that run, --overwrite to start over (deletes them), or "
-                f"--set run_dir=PATH for a new folder",
-            )
         self.run_dir.mkdir(parents=True, exist_ok=True)
         write_json_atomic(self.run_dir / "config.json", to_dict(self.job))
         if not resume:
             self.metrics.truncate_after(0)
-            return 0
-        path = latest_checkpoint(self.run_dir)
-        if path is None:
-            raise ConfigError(
-                "run_dir",
-                f"--resume: no checkpoint under {self.run_dir / 'checkpoints'}; run without "
-                f"--resume to start a new run",
-            )
-        step = self.load_checkpoint(path)
-        self.metrics.truncate_after(step)
-        return step
 
-    def save_checkpoint(self) -> Any:
+    def _require_full_checkpoints(self) -> None:
+        # Rank 0 writes the full state of its engine. That is the whole run for the reference
+        # engine (data parallel replicas) but only one shard of a sharded engine, whose
+        # checkpoints go through torch.distributed.checkpoint instead (not written yet).
+        if self.world_size > 1 and not isinstance(self.engine, ReferenceEngine):
+            raise ConfigError(
+                "checkpoint",
+                f"the {self.job.engine} engine cannot save or resume checkpoints on "
+                f"{self.world_size} ranks yet; set checkpoint.every_steps=0 and "
+                f"checkpoint.at_end=false (no --resume), use engine='reference', or run one "
+                f"process",
+            )
+
+    def save_checkpoint(self) -> Path | None:
+        """Checkpoint the current step. Every rank calls it; rank 0 writes and returns the
+        folder, the others return None once it is complete."""
+        self._require_full_checkpoints()
+        path = None
+        if self.rank == 0:
+            path = self._write_checkpoint()
+        # No rank moves on (to exit, or to a resume that reads it) before the folder is complete.
+        barrier()
+        return path
+
+    def _write_checkpoint(self) -> Path:
         engine_state = self.engine.state_dict()
         model_state = engine_state.pop("model")
         train_state = {
@@ -285,7 +386,10 @@ class Trainer:
         )
 
     def load_checkpoint(self, path: Any) -> int:
-        """Restore everything [Note: exact resume] lists; returns the checkpoint's step."""
+        """Restore everything [Note: exact resume] lists; returns the checkpoint's step.
+
+        Every rank calls it and reads the same files."""
+        self._require_full_checkpoints()
         checkpoint = load_checkpoint(path)
         state = checkpoint["train_state"]
         saved_model = state["model_config"]
@@ -332,6 +436,7 @@ class Trainer:
         wall_s: float,
     ) -> dict[str, Any]:
         figures = timed.figures()
+        peak_memory = peak_memory_bytes(self.device)
         return {
             "name": self.job.name,
             "preset": self.job.model.preset,
@@ -348,17 +453,32 @@ class Trainer:
             "peak_tflops": self._peak_tflops,
             "peak_tflops_source": self.peak.source if self.peak else None,
             "flops_per_token": self.flops_per_token,
-            "peak_memory_bytes": peak_memory_bytes(self.device),
+            "peak_memory_bytes": peak_memory,
+            "peak_memory_bytes_per_rank": _gather_per_rank(peak_memory, self.world_size),
             "model_data_bytes": self.engine.model_data_bytes(),
             **_engine_figures(self.engine.stats()),
             "wall_s": wall_s,
             "train_s": self.train_time_s,
             "device": device_description(self.device),
+            "world_size": self.world_size,
             "precision": self.job.training.precision,
             "torch_version": torch.__version__,
             "git_commit": git_commit(),
             "finished_at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         }
+
+
+def _all_ranks_peak(peak: PeakFlops | None, world_size: int) -> PeakFlops | None:
+    """The peak of ``world_size`` devices like this one, which MFU over all ranks divides by."""
+    if peak is None or world_size == 1:
+        return peak
+    return PeakFlops(tflops=peak.tflops * world_size, source=f"{world_size} x {peak.source}")
+
+
+def _gather_per_rank(figures: dict[str, int], world_size: int) -> list[dict[str, int]]:
+    """Every rank's ``figures`` (same keys on each), indexed by rank; a collective."""
+    columns = {key: gather_ints(value) for key, value in figures.items()}
+    return [{key: columns[key][r] for key in figures} for r in range(world_size)]
 
 
 _CHUNK_FIGURES = (

@@ -1,0 +1,101 @@
+"""Rank helpers and the two small collectives, in one process and on two gloo ranks."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tidal.config import ConfigError
+from tidal.distributed import (
+    all_reduce_mean,
+    barrier,
+    gather_ints,
+    init_from_env,
+    is_main,
+    rank,
+    world_size,
+)
+from tidal.testing import free_port, run_on_ranks
+
+CPU = torch.device("cpu")
+
+
+def test_one_process_is_rank_0_of_a_world_of_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    assert not dist.is_initialized()
+    assert init_from_env(device=CPU) is False
+    assert not dist.is_initialized()
+    assert (rank(), world_size(), is_main()) == (0, 1, True)
+    assert all_reduce_mean(2.5) == 2.5
+    assert gather_ints(7) == [7]
+    barrier()
+
+
+def test_world_size_1_from_torchrun_sets_up_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setenv("RANK", "0")
+    assert init_from_env(device=CPU) is False
+    assert not dist.is_initialized()
+
+
+def test_partial_torchrun_environment_is_an_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.delenv("MASTER_PORT", raising=False)
+    with pytest.raises(RuntimeError, match="MASTER_PORT"):
+        init_from_env(device=CPU)
+    assert not dist.is_initialized()
+
+
+def test_a_fixed_gpu_index_on_several_ranks_names_the_key(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name, value in (("WORLD_SIZE", "2"), ("RANK", "0"), ("LOCAL_RANK", "0")):
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "1")
+    with pytest.raises(ConfigError, match="training.device: 'cuda:0' names one GPU"):
+        init_from_env(device=torch.device("cuda", 0))
+    assert not dist.is_initialized()
+
+
+def _helpers_on_ranks() -> tuple[bool, int, int, bool, float, list[int]]:
+    # The harness already made the group: init_from_env keeps it and says "distributed".
+    distributed = init_from_env(device=CPU)
+    assert init_from_env(device=CPU) is distributed  # idempotent
+    barrier()
+    r = rank()
+    return (
+        distributed,
+        r,
+        world_size(),
+        is_main(),
+        all_reduce_mean(1.0 + 2 * r),
+        gather_ints(10 * r + 3),
+    )
+
+
+def test_two_ranks_reduce_and_gather() -> None:
+    results = run_on_ranks(_helpers_on_ranks, world_size=2, timeout_s=60)
+    assert results == [
+        (True, 0, 2, True, 2.0, [3, 13]),
+        (True, 1, 2, False, 2.0, [3, 13]),
+    ]
+
+
+def _init_from_torchrun_variables() -> tuple[bool, str, int]:
+    # Tear down the harness's group, then build one from the variables, as under torchrun (gloo
+    # for a CPU device). A new port: a fast rank could otherwise reach the old store before a
+    # slow one has closed it.
+    port = [free_port() if rank() == 0 else 0]
+    dist.broadcast_object_list(port, src=0)
+    dist.destroy_process_group()
+    os.environ["MASTER_PORT"] = str(port[0])
+    distributed = init_from_env(device=CPU, timeout_s=30)
+    return distributed, dist.get_backend(), gather_ints(rank())[1]
+
+
+def test_init_from_env_builds_a_gloo_group_from_the_variables() -> None:
+    results = run_on_ranks(_init_from_torchrun_variables, world_size=2, timeout_s=60)
+    assert results == [(True, "gloo", 1), (True, "gloo", 1)]

@@ -1,0 +1,75 @@
+"""``tidal train --nproc N``: the command relaunched through torchrun, as a user runs it."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from tidal.distributed.launch import torchrun_command
+
+REPO = Path(__file__).resolve().parents[2]
+
+# Three steps of the tiny model on synthetic tokens, one validation batch, no checkpoint.
+TINY_RUN = [
+    "--recipe", "tiny", "--no-plots",
+    "--set", "data.source=synthetic", "--set", "data.synthetic_num_tokens=20000",
+    "--set", "training.steps=3", "--set", "training.val_batches=1",
+    "--set", "training.log_every=1", "--set", "training.device=cpu",
+    "--set", "checkpoint.every_steps=0", "--set", "checkpoint.at_end=false",
+]  # fmt: skip
+
+
+def tidal(*args: str, timeout_s: float = 180) -> subprocess.CompletedProcess[str]:
+    # One thread per rank: two ranks share this machine's cores.
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run(
+        [sys.executable, "-m", "tidal", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+        cwd=REPO,
+        env=env,
+        check=False,
+    )
+
+
+def test_nproc_2_trains_on_two_ranks_and_writes_one_summary(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    result = tidal("train", "--nproc", "2", *TINY_RUN, "--set", f"run_dir={run_dir}")
+    assert result.returncode == 0, result.stdout + result.stderr
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["steps"] == 3
+    assert len(summary["peak_memory_bytes_per_rank"]) == 2
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if r["kind"] == "train"] == [1, 2, 3]
+    # Rank 0 alone prints: one start line and one line per step.
+    assert result.stdout.count("tiny: starting") == 1, result.stdout
+    assert result.stdout.count("step 3/3  loss") == 1, result.stdout
+
+
+def test_nproc_below_1_is_one_line_and_exit_2(tmp_path: Path) -> None:
+    result = tidal("train", "--nproc", "0", *TINY_RUN, "--set", f"run_dir={tmp_path / 'run'}")
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert lines == ["tidal: error: --nproc: must be >= 1 (processes to train on), got 0"]
+    assert not (tmp_path / "run").exists()
+
+
+def test_nproc_with_a_batch_that_does_not_split_fails_before_launching(tmp_path: Path) -> None:
+    run = [*TINY_RUN, "--set", f"run_dir={tmp_path / 'run'}", "--set", "training.batch_size=3"]
+    result = tidal("train", "--nproc=2", *run)
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("tidal: error: training.batch_size: 3 ")
+    assert "torch.distributed" not in result.stderr
+
+
+def test_the_relaunch_drops_nproc_in_every_spelling() -> None:
+    argv = ["--np", "2", "--recipe", "tiny", "--nproc=2", "--set", "a=1", "--no-plots"]
+    assert torchrun_command(argv, nproc=2) == [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+        "-m", "tidal", "train", "--recipe", "tiny", "--set", "a=1", "--no-plots",
+    ]  # fmt: skip

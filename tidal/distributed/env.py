@@ -1,0 +1,122 @@
+"""The process group from torchrun's environment, rank helpers and two small collectives.
+
+``torchrun --nproc-per-node N`` (or ``tidal train --nproc N``) starts N processes and tells each
+who it is through ``WORLD_SIZE``, ``RANK``, ``LOCAL_RANK``, ``MASTER_ADDR`` and ``MASTER_PORT``.
+:func:`init_from_env` turns that into the default process group. Every helper here also works
+without a group, as the one process of a world of one, so single-process code needs no branches.
+"""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from tidal.config import ConfigError
+
+__all__ = [
+    "all_reduce_mean",
+    "barrier",
+    "gather_ints",
+    "init_from_env",
+    "is_main",
+    "rank",
+    "shutdown",
+    "world_size",
+]
+
+_TORCHRUN_VARS = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+def _initialized() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def init_from_env(*, device: torch.device, timeout_s: float = 600.0) -> bool:
+    """Join the default process group torchrun's variables describe; return whether distributed.
+
+    Idempotent: an existing group (a second call, a test harness, a user's own set-up) is kept.
+    Without the variables, or with ``WORLD_SIZE=1``, nothing is set up and the answer is False.
+    ``device`` picks the backend: NCCL for CUDA, whose rank then uses ``cuda:LOCAL_RANK``, gloo
+    otherwise. ``timeout_s`` bounds every collective, so a lost peer fails a rank, not hangs it.
+    """
+    if _initialized():
+        return dist.get_world_size() > 1
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return False
+    missing = [name for name in _TORCHRUN_VARS if name not in os.environ]
+    if missing:
+        raise RuntimeError(
+            f"WORLD_SIZE={os.environ['WORLD_SIZE']} but {', '.join(missing)} unset; start the "
+            f"ranks with torchrun (or tidal train --nproc N), which sets all of "
+            f"{', '.join(_TORCHRUN_VARS)}"
+        )
+    if not dist.is_available():
+        raise RuntimeError("this torch build has no torch.distributed; run one process")
+    if device.type == "cuda":
+        if device.index is not None:
+            # Every rank reads the same config, so a fixed index would put them all on one GPU.
+            raise ConfigError(
+                "training.device",
+                f"{str(device)!r} names one GPU for all {os.environ['WORLD_SIZE']} ranks; use "
+                f"'cuda' or 'auto' (each rank takes cuda:LOCAL_RANK)",
+            )
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+    return dist.get_world_size() > 1
+
+
+def shutdown() -> None:
+    """Leave the default process group, if any (the end of a torchrun process)."""
+    if _initialized():
+        dist.destroy_process_group()
+
+
+def rank() -> int:
+    """This process's rank; 0 without a process group."""
+    return dist.get_rank() if _initialized() else 0
+
+
+def world_size() -> int:
+    """Processes in the default group; 1 without one."""
+    return dist.get_world_size() if _initialized() else 1
+
+
+def is_main() -> bool:
+    """Whether this is rank 0, the one that writes files and prints."""
+    return rank() == 0
+
+
+def barrier() -> None:
+    """Wait for every rank; nothing to wait for in a world of one."""
+    if world_size() > 1:
+        dist.barrier()
+
+
+def _collective_device() -> torch.device:
+    # NCCL reduces CUDA tensors only; gloo takes CPU tensors.
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def all_reduce_mean(value: float) -> float:
+    """The mean of ``value`` over all ranks (reduced in float64); ``value`` itself for one."""
+    if world_size() == 1:
+        return value
+    total = torch.tensor([value], dtype=torch.float64, device=_collective_device())
+    dist.all_reduce(total, op=dist.ReduceOp.SUM)
+    return float(total.item()) / dist.get_world_size()
+
+
+def gather_ints(value: int) -> list[int]:
+    """Every rank's ``value``, indexed by rank, on every rank; ``[value]`` for one."""
+    if world_size() == 1:
+        return [value]
+    mine = torch.tensor([value], dtype=torch.int64, device=_collective_device())
+    gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, mine)
+    return [int(t.item()) for t in gathered]
