@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import torch.distributed as dist
 from torch import nn
 
 from tidal.engine.chunk_engine import ChunkEngine
 from tidal.engine.job import JobConfig
 from tidal.engine.reference import ReferenceEngine
+from tidal.engine.sharded_engine import ShardedEngine
 
 __all__ = ["Engine", "build_engine"]
 
@@ -14,13 +16,13 @@ Engine = ReferenceEngine | ChunkEngine
 
 
 def build_engine(model: nn.Module, job: JobConfig) -> Engine:
-    """``engine = "reference"``: plain PyTorch; ``"chunk"``: parameters in chunks under budgets."""
+    """``engine = "reference"``: plain PyTorch; ``"chunk"``: parameters in chunks under budgets,
+    sharded over the ranks (ZeRO-3) when a process group of several ranks is initialised."""
     if job.engine == "chunk":
-        return ChunkEngine(
-            model,
-            optimizer=job.optimizer,
-            training=job.training,
-            memory=job.memory,
-            chunk=job.chunk,
+        parts = dict(
+            optimizer=job.optimizer, training=job.training, memory=job.memory, chunk=job.chunk
         )
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            return ShardedEngine(model, sharding=job.sharding, **parts)
+        return ChunkEngine(model, **parts)
     return ReferenceEngine(model, optimizer=job.optimizer, training=job.training, memory=job.memory)

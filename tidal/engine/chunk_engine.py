@@ -38,7 +38,7 @@ from tidal.memory.optim_rules import make_rule
 from tidal.memory.policy import simulate
 from tidal.memory.relayout import relayout
 from tidal.memory.store import ChunkStore
-from tidal.memory.tiers import make_tiers
+from tidal.memory.tiers import Tier, make_tiers
 from tidal.memory.trace import AccessTrace, Moment
 
 __all__ = ["ChunkEngine"]
@@ -60,42 +60,18 @@ class ChunkEngine(AccumulationCounter):
         self.precision = training.precision
         self.model = model
         _move_buffers(model, self.device)
-        self.device_tier, self.host_tier = make_tiers(
-            device=self.device, device_budget=memory.device_budget, host_budget=memory.host_budget
-        )
-        self.layout = _layout(model, chunk)
+        self.device_tier, self.host_tier = self._make_tiers(memory)
+        self.layout = self._plan_layout(model, chunk)
         # bf16/fp16: the model computes in that precision from parameter chunks of it; the optimizer
         # updates fp32 master chunks, taken from the full-precision weights before the store
         # converts them. fp16 also scales the loss (LossScale) so small gradients survive.
         param_dtype = _PARAM_DTYPES[training.precision]
         self.loss_scale = LossScale() if training.precision == "fp16" else None
-        masters = None
-        if param_dtype != torch.float32:
-            masters = make_master_chunks(model, self.layout, self.host_tier)
-        self.store = ChunkStore(
-            model,
-            layout=self.layout,
-            device_tier=self.device_tier,
-            host_tier=self.host_tier,
-            dtype=param_dtype,
-            policy=chunk.policy,
-            prefetch=chunk.prefetch,
-        )
-        self.min_budget_bytes, self._largest_module = _largest_module_bytes(model, self.store)
+        masters = self._make_masters(model, param_dtype)
+        self.store = self._make_store(model, param_dtype, chunk)
+        self.min_budget_bytes, self._largest_module = self._minimum_budget()
         self._check_minimum_budget()
-        names = {id(p): n for n, p in model.named_parameters()}
-        self.optimizer = ChunkOptimizer(
-            self.store,
-            names=names,
-            rule=make_rule(optimizer),
-            weight_decay=optimizer.weight_decay,
-            fused=optimizer.fused,
-            masters=masters,
-            # [Note: gradients in parameter chunks] in tidal/memory/optim.py
-            grads_in_params=(
-                chunk.grads_in_params and masters is not None and training.grad_accum_steps == 1
-            ),
-        )
+        self.optimizer = self._make_optimizer(model, optimizer, training, chunk, masters)
         self._hooks = install_hooks(model, self.store, on_grad=self.optimizer.collect)
         self.store.on_unpin = self._unplace_optimizer
         self.schedule = WarmupCosine(
@@ -117,6 +93,59 @@ class ChunkEngine(AccumulationCounter):
         self._watch_uses = True
         self.min_device_bytes = 0  # of the last training iteration; see backward()
         self.peak_non_model_bytes = 0
+
+    # -- construction steps (the sharded engine replaces some) ------------------------------------
+
+    def _make_tiers(self, memory: MemoryConfig) -> tuple[Tier, Tier]:
+        return make_tiers(
+            device=self.device, device_budget=memory.device_budget, host_budget=memory.host_budget
+        )
+
+    def _plan_layout(self, model: nn.Module, chunk: ChunkConfig) -> ChunkLayout:
+        return _layout(model, chunk)
+
+    def _make_masters(self, model: nn.Module, param_dtype: torch.dtype) -> Any:
+        if param_dtype == torch.float32:
+            return None
+        return make_master_chunks(model, self.layout, self.host_tier)
+
+    def _make_store(
+        self, model: nn.Module, param_dtype: torch.dtype, chunk: ChunkConfig
+    ) -> ChunkStore:
+        return ChunkStore(
+            model,
+            layout=self.layout,
+            device_tier=self.device_tier,
+            host_tier=self.host_tier,
+            dtype=param_dtype,
+            policy=chunk.policy,
+            prefetch=chunk.prefetch,
+        )
+
+    def _minimum_budget(self) -> tuple[int, str]:
+        return _largest_module_bytes(self.model, self.store)
+
+    def _make_optimizer(
+        self,
+        model: nn.Module,
+        optimizer: OptimizerConfig,
+        training: TrainingConfig,
+        chunk: ChunkConfig,
+        masters: Any,
+    ) -> Any:
+        names = {id(p): n for n, p in model.named_parameters()}
+        return ChunkOptimizer(
+            self.store,
+            names=names,
+            rule=make_rule(optimizer),
+            weight_decay=optimizer.weight_decay,
+            fused=optimizer.fused,
+            masters=masters,
+            # [Note: gradients in parameter chunks] in tidal/memory/optim.py
+            grads_in_params=(
+                chunk.grads_in_params and masters is not None and training.grad_accum_steps == 1
+            ),
+        )
 
     def _check_minimum_budget(self) -> None:
         """Every module's own chunks must fit at once; else fail before training."""
@@ -192,9 +221,11 @@ class ChunkEngine(AccumulationCounter):
         scaled = loss / self.grad_accum_steps if self.grad_accum_steps > 1 else loss
         if self.loss_scale is not None:
             scaled = scaled * self.loss_scale.scale
+        self._before_backward()
         with _quiet_output_only_hooks():
             scaled.backward()
         self.store.release_all()
+        self._after_backward()
         self.store.end_iteration()
         self._in_iteration = False
         # Training iterations' figures, kept apart from evaluation's (no activations saved).
@@ -204,6 +235,12 @@ class ChunkEngine(AccumulationCounter):
         self._watch_uses = self._always_watch_uses or any(
             moment.label.startswith("fn:") for moment in self.store.trace.moments
         )
+
+    def _before_backward(self) -> None:
+        """Nothing here; the sharded engine drops the forward's gathered chunks."""
+
+    def _after_backward(self) -> None:
+        """Nothing here; the sharded engine waits for its gradient reductions."""
 
     def step(self) -> bool:
         """Count a micro-batch; on the boundary clip, update and zero. Returns whether it stepped."""

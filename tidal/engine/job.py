@@ -24,6 +24,7 @@ from tidal.engine.config import (
 )
 from tidal.memory.config import ChunkConfig
 from tidal.models import ModelConfig
+from tidal.sharding.config import ShardingConfig
 
 __all__ = ["JobConfig", "find_recipe", "list_recipes", "load_job"]
 
@@ -36,7 +37,8 @@ class JobConfig:
         name: the run's name; also the default run folder ``runs/<name>``.
         run_dir: where metrics, summary, plots and checkpoints go; ``None`` means ``runs/<name>``.
         engine: ``reference`` (plain PyTorch, all model data on the device) or ``chunk``
-            (parameters in chunks that move between device and host under memory budgets).
+            (parameters in chunks that move between device and host under memory budgets;
+            under torchrun with several ranks, chunks sharded across them: ZeRO-3).
     """
 
     name: str = "run"
@@ -50,6 +52,7 @@ class JobConfig:
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     memory: MemoryConfig = field(default_factory=MemoryConfig)
     chunk: ChunkConfig = field(default_factory=ChunkConfig)
+    sharding: ShardingConfig = field(default_factory=ShardingConfig)
 
     def __post_init__(self) -> None:
         require(

@@ -264,6 +264,12 @@ class Chunk:
                 self.view(slot).fill_(value)
                 self._set_state(slot, TensorState.HOLD)
 
+    def mark_filled(self) -> None:
+        """Every FREE slot now holds data written into the payload directly (a gather)."""
+        for slot, state in enumerate(self._states):
+            if state is TensorState.FREE:
+                self._set_state(slot, TensorState.HOLD)
+
     def acquire(self, slot: int) -> torch.Tensor:
         """Mark the slot in use (counted) and return its view."""
         if self._compute_refs[slot] == 0:

@@ -68,7 +68,7 @@ from tidal.memory.optim_rules import STATE_KEYS, UpdateRule
 from tidal.memory.store import ChunkStore
 from tidal.memory.tiers import Tier, TierKind
 
-__all__ = ["ChunkOptimizer", "MissingGradientError", "make_master_chunks"]
+__all__ = ["ChunkOptimizer", "MissingGradientError", "clip_coefficient", "make_master_chunks"]
 
 
 def make_master_chunks(
@@ -389,7 +389,7 @@ class ChunkOptimizer:
         if not torch.isfinite(norm):
             self.zero_grad()
             return None
-        norm, coefficient = _clip_coefficient(norm, max_grad_norm, loss_scale)
+        norm, coefficient = clip_coefficient(norm, max_grad_norm, loss_scale)
         if coefficient is not None:
             for device, group in _by_device(grads).items():
                 torch._foreach_mul_(group, coefficient.to(device))
@@ -428,7 +428,7 @@ class ChunkOptimizer:
             if not torch.isfinite(norm):
                 self.zero_grad()  # copies the masters back: the weights are as they were
                 return None
-            norm, coefficient = _clip_coefficient(norm, max_grad_norm, loss_scale)
+            norm, coefficient = clip_coefficient(norm, max_grad_norm, loss_scale)
             for index, picked in by_chunk.items():
                 grads = fp32_grads(index, picked)
                 if coefficient is not None:
@@ -565,7 +565,7 @@ class ChunkOptimizer:
             self._has_state[i] = True
 
 
-def _clip_coefficient(
+def clip_coefficient(
     norm: torch.Tensor, max_grad_norm: float, loss_scale: float
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The unscaled norm, and what to multiply the gradients by (None: nothing)."""

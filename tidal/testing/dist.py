@@ -106,8 +106,12 @@ def _rank_main(
         LOCAL_RANK=str(rank),
         WORLD_SIZE=str(world_size),
     )
+    import torch
     import torch.distributed as dist  # here, so importing tidal.testing stays cheap
 
+    # As torchrun does (OMP_NUM_THREADS=1): ranks sharing the cores with default thread pools
+    # oversubscribe them and every collective waits on a descheduled peer.
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
     try:
         dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
         value = fn(*args)

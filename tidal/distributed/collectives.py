@@ -1,0 +1,72 @@
+"""Collectives over flat buffers, with the bytes each rank sends or receives counted.
+
+[Note: collective byte counts]
+The counters are per rank and count what crosses the network in a ring implementation, which
+is what the ZeRO papers' formulas count: an all-gather of a buffer of ``B`` bytes brings each
+rank the ``B * (N-1)/N`` bytes it does not hold; a reduce-scatter of a ``B``-byte buffer sends
+``B * (N-1)/N`` of it; an all-reduce of ``B`` bytes is a reduce-scatter plus an all-gather,
+``2 * B * (N-1)/N``. So ZeRO-3's per-step volume, an all-gather of the parameters for the
+forward, another for the backward and a reduce-scatter of the gradients, reads directly off
+``bytes_all_gathered + bytes_reduce_scattered``. The counts are exact integers: buffers are
+whole multiples of the world size (each rank holds an equal shard).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["Collectives"]
+
+# all_gather_single / reduce_scatter_single replaced the *_tensor names in later torch
+# releases; the device machine runs an older one.
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+class Collectives:
+    """The collectives of one process group, counting bytes ([Note: collective byte counts])."""
+
+    def __init__(self, group: Any = None) -> None:
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group)
+        self.bytes_all_gathered = 0
+        self.bytes_reduce_scattered = 0
+        self.bytes_all_reduced = 0
+        self.num_all_gathers = 0
+        self.num_reduce_scatters = 0
+
+    def _peer_bytes(self, num_bytes: int) -> int:
+        assert num_bytes % self.world_size == 0, (num_bytes, self.world_size)
+        return num_bytes // self.world_size * (self.world_size - 1)
+
+    def all_gather(self, output: torch.Tensor, shard: torch.Tensor, *, async_op: bool) -> Any:
+        """Every rank's ``shard`` into ``output`` (rank order); a work handle if ``async_op``."""
+        assert output.numel() == shard.numel() * self.world_size, (output.shape, shard.shape)
+        self.bytes_all_gathered += self._peer_bytes(output.nbytes)
+        self.num_all_gathers += 1
+        return _all_gather(output, shard, group=self.group, async_op=async_op)
+
+    def reduce_scatter(self, shard: torch.Tensor, full: torch.Tensor, *, async_op: bool) -> Any:
+        """The sum over ranks of ``full``'s ``rank``-th shard into ``shard``."""
+        assert full.numel() == shard.numel() * self.world_size, (full.shape, shard.shape)
+        self.bytes_reduce_scattered += self._peer_bytes(full.nbytes)
+        self.num_reduce_scatters += 1
+        return _reduce_scatter(shard, full, group=self.group, async_op=async_op)
+
+    def all_reduce_sum(self, tensor: torch.Tensor) -> None:
+        """Sum ``tensor`` over ranks in place (small tensors: norms, flags)."""
+        self.bytes_all_reduced += 2 * tensor.nbytes * (self.world_size - 1) // self.world_size
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group)
+
+    def stats(self) -> dict[str, int]:
+        return {
+            "bytes_all_gathered": self.bytes_all_gathered,
+            "bytes_reduce_scattered": self.bytes_reduce_scattered,
+            "bytes_all_reduced": self.bytes_all_reduced,
+            "all_gathers": self.num_all_gathers,
+            "reduce_scatters": self.num_reduce_scatters,
+        }

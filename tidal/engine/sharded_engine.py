@@ -1,0 +1,210 @@
+"""The chunk engine over several ranks: ZeRO-3 data parallelism on sharded chunks.
+
+Each rank keeps 1/N of every chunk ([Note: sharded chunks] in tidal/sharding/store.py) and of its
+optimizer state, gathers chunks before use under the same device budget, trace, eviction and
+prefetch as on one process, and reduce-scatters gradients ([Note: sharded gradients] in
+tidal/sharding/optim.py). The calling convention is the chunk engine's; each rank passes its own
+slice of the global batch.
+
+[Note: sharded iterations]
+One training iteration per rank, with ``reshard_after_forward``: the forward gathers each chunk
+(prefetching along the trace) and keeps what the budget allows; when the backward starts every
+gathered chunk is dropped, so the backward gathers them again, and each chunk's gradient is
+reduce-scattered as soon as it is complete. At the step the gathered copies are dropped (the
+shards are about to change) and each rank updates its shards. Per step and rank that is the
+ZeRO-3 volume, ``3 * model bytes * (N-1)/N`` with an unlimited budget ([Note: collective byte
+counts] in tidal/distributed/collectives.py); a budget that forces evictions adds gathers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from tidal.distributed.collectives import Collectives
+from tidal.engine.chunk_engine import ChunkEngine, _largest_module_bytes, _persistent_buffers
+from tidal.engine.config import MemoryConfig, OptimizerConfig, TrainingConfig
+from tidal.engine.loss_scale import LossScale
+from tidal.memory.config import ChunkConfig
+from tidal.memory.layout import ChunkLayout, default_chunk_size, plan_layout, unique_parameters
+from tidal.memory.optim_rules import make_rule
+from tidal.memory.tiers import Tier
+from tidal.sharding.config import ShardingConfig
+from tidal.sharding.optim import ShardedOptimizer, make_master_shards
+from tidal.sharding.store import ShardedChunkStore
+
+__all__ = ["ShardedEngine"]
+
+
+class ShardedEngine(ChunkEngine):
+    """:class:`ChunkEngine` with chunks and optimizer state sharded over the default group."""
+
+    store: ShardedChunkStore
+    optimizer: ShardedOptimizer  # type: ignore[assignment]
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        optimizer: OptimizerConfig,
+        training: TrainingConfig,
+        memory: MemoryConfig,
+        chunk: ChunkConfig,
+        sharding: ShardingConfig,
+        group: Any = None,
+    ) -> None:
+        self.comm = Collectives(group)
+        self.sharding = sharding
+        # Relayout would re-shard every chunk and its state after the first step; gradients in
+        # parameter chunks would reduce bf16 sums. Neither is supported sharded (yet).
+        chunk = dataclasses.replace(chunk, relayout=False, grads_in_params=False)
+        super().__init__(model, optimizer=optimizer, training=training, memory=memory, chunk=chunk)
+        self.store.on_unpin = None
+
+    @property
+    def rank(self) -> int:
+        return self.comm.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.comm.world_size
+
+    # -- construction ------------------------------------------------------------------------------
+
+    def _make_tiers(self, memory: MemoryConfig) -> tuple[Tier, Tier]:
+        device_tier, host_tier = super()._make_tiers(memory)
+        # [Note: ranks decide alike] in tidal/sharding/store.py: one budget for every rank.
+        for tier in (device_tier, host_tier):
+            if tier.budget_bytes is not None:
+                smallest = torch.tensor([tier.budget_bytes], dtype=torch.int64)
+                dist.all_reduce(smallest, op=dist.ReduceOp.MIN, group=self.comm.group)
+                tier.budget_bytes = int(smallest.item())
+        return device_tier, host_tier
+
+    def _plan_layout(self, model: nn.Module, chunk: ChunkConfig) -> ChunkLayout:
+        # Capacities are multiples of the alignment, so an alignment that is a multiple of the
+        # world size makes every chunk split into equal shards.
+        align = math.lcm(chunk.align, self.comm.world_size)
+        params = unique_parameters(model)
+        size = chunk.size or default_chunk_size(params, align=align).chunk_size
+        return plan_layout(params, chunk_size=-(-size // align) * align, align=align)
+
+    def _make_masters(self, model: nn.Module, param_dtype: torch.dtype) -> Any:
+        if param_dtype == torch.float32:
+            return None
+        return make_master_shards(model, self.layout, rank=self.rank, world_size=self.world_size,
+                                  host_tier=self.host_tier)  # fmt: skip
+
+    def _make_store(
+        self, model: nn.Module, param_dtype: torch.dtype, chunk: ChunkConfig
+    ) -> ShardedChunkStore:
+        return ShardedChunkStore(
+            model,
+            comm=self.comm,
+            layout=self.layout,
+            device_tier=self.device_tier,
+            host_tier=self.host_tier,
+            dtype=param_dtype,
+            policy=chunk.policy,
+            prefetch=chunk.prefetch,
+        )
+
+    def _minimum_budget(self) -> tuple[int, str]:
+        need, owner = _largest_module_bytes(self.model, self.store)
+        return need + self._gradient_buffer_bytes(), owner
+
+    def _gradient_buffer_bytes(self) -> int:
+        """One chunk's fp32 gradient and its reduced shard: the least a backward needs besides
+        the module's chunks."""
+        largest = max((c.spec.capacity for c in self.store.chunks), default=0)
+        return 4 * largest + 4 * largest // self.world_size
+
+    def _make_optimizer(
+        self,
+        model: nn.Module,
+        optimizer: OptimizerConfig,
+        training: TrainingConfig,
+        chunk: ChunkConfig,
+        masters: Any,
+    ) -> ShardedOptimizer:
+        return ShardedOptimizer(
+            self.store,
+            names={id(p): n for n, p in model.named_parameters()},
+            rule=make_rule(optimizer),
+            weight_decay=optimizer.weight_decay,
+            fused=optimizer.fused,
+            masters=masters,
+            max_pending=self.sharding.max_pending_reductions,
+        )
+
+    # -- the iteration ([Note: sharded iterations]) ----------------------------------------------
+
+    def _before_backward(self) -> None:
+        if self.sharding.reshard_after_forward:
+            self.store.drop_gathered()
+
+    def _after_backward(self) -> None:
+        self.optimizer.finish_backward()
+
+    def _place_optimizer(self) -> None:
+        """Shards live on the device when there is no device budget, else on the host."""
+        if self.device_tier.budget_bytes is None:
+            self.optimizer.place(frozenset(range(len(self.store.chunks))), self.device_tier)
+        self._placed = True
+
+    def _unplace_optimizer(self) -> None:
+        raise AssertionError("sharded chunks are never pinned")
+
+    # -- figures -------------------------------------------------------------------------------
+
+    def stats(self) -> dict[str, Any]:
+        stats = super().stats()
+        transient = self.optimizer.peak_transient_bytes
+        stats.update(
+            engine="chunk-sharded",
+            rank=self.rank,
+            world_size=self.world_size,
+            reshard_after_forward=self.sharding.reshard_after_forward,
+            # the largest moment plus the gradient buffers the backward held at once
+            min_device_bytes=stats["min_device_bytes"] + transient,
+            peak_gradient_buffer_bytes=transient,
+            **self.comm.stats(),
+        )
+        return stats
+
+    # -- state: full (gathered) tensors, so any world size can load them ------------------------
+
+    def model_state_dict(self) -> dict[str, torch.Tensor]:
+        """The whole model's state dict on every rank; collective (every rank must call it)."""
+        self.store.wait_for_copies()
+        state: dict[str, torch.Tensor] = {}
+        for index, spec in enumerate(self.layout.chunks):
+            full = self.optimizer.full_weights(index)
+            for slot, info in enumerate(spec.slots):
+                value = self.store.chunks[index].view_in(full, slot).clone()
+                for name in info.names:
+                    state[name] = value
+        for name, buffer in _persistent_buffers(self.model):
+            state[name] = buffer.detach().cpu().clone()
+        return {k: state[k] for k in self.model.state_dict(keep_vars=True)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.store.drop_gathered()  # stale once the shards change
+        self.store.wait_for_copies()
+        params = dict(self.model.named_parameters(remove_duplicate=False))
+        buffers = dict(_persistent_buffers(self.model))
+        for name, value in state["model"].items():
+            if name in params:
+                self.optimizer.load_weights(params[name], value)
+            else:
+                buffers[name].copy_(value)
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.global_step = int(state["global_step"])
+        self.micro_step = int(state["micro_step"])
+        if self.loss_scale is not None and "loss_scale" in state:
+            self.loss_scale = LossScale(**state["loss_scale"])

@@ -1,0 +1,36 @@
+"""The ``[sharding]`` section: ZeRO-3 data parallelism over chunks (see [Note: sharded chunks])."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tidal.config import require
+
+__all__ = ["ShardingConfig"]
+
+
+@dataclass(kw_only=True, slots=True)
+class ShardingConfig:
+    """How the chunk engine shards model data when it runs on several ranks (torchrun).
+
+    With one process these settings do nothing.
+
+    Attributes:
+        reshard_after_forward: drop every gathered chunk when the forward ends, so the backward
+            gathers again (ZeRO-3: three transfers of the model per step, and between forward
+            and backward a rank holds only its shards). ``false`` keeps what the device budget
+            allows from the forward to the backward (two transfers, more device memory held
+            while the activations are at their peak).
+        max_pending_reductions: gradient reduce-scatters in flight at once during the backward;
+            each holds a chunk's fp32 gradient on the device until it completes.
+    """
+
+    reshard_after_forward: bool = True
+    max_pending_reductions: int = 2
+
+    def __post_init__(self) -> None:
+        require(
+            self.max_pending_reductions >= 1,
+            "max_pending_reductions",
+            f"must be >= 1, got {self.max_pending_reductions}",
+        )
