@@ -34,6 +34,7 @@ __all__ = [
     "list_checkpoints",
     "latest_checkpoint",
     "load_checkpoint",
+    "load_model_state",
     "save_checkpoint",
 ]
 
@@ -146,7 +147,8 @@ def _prune(run_dir: str | Path, keep: int) -> None:
 def load_checkpoint(
     path: str | Path, *, map_location: str | torch.device = "cpu"
 ) -> dict[str, Any]:
-    """``{"step", "model", "train_state"}`` from a checkpoint folder (tensors on ``map_location``)."""
+    """``{"step", "model", "train_state"}`` from a checkpoint folder (tensors on ``map_location``);
+    a sharded one (format 2) gives ``"meta"`` and ``"load_tensors"`` instead of ``"model"``."""
     path = Path(path)
     meta_path = path / "meta.json"
     if not meta_path.is_file():
@@ -155,6 +157,12 @@ def load_checkpoint(
             f"listed by list_checkpoints()"
         )
     meta = json.loads(meta_path.read_text())
+    if meta.get("format_version") == 2:  # sharded: the engine reads its tensors itself
+        from tidal.engine.dist_checkpoint import load_sharded_checkpoint
+
+        train_state, load = load_sharded_checkpoint(path, meta)
+        return {"step": int(meta["step"]), "train_state": train_state, "meta": meta,
+                "load_tensors": load}  # fmt: skip
     if meta.get("format_version") != _FORMAT_VERSION:
         raise ValueError(
             f"{path}: checkpoint format {meta.get('format_version')} is not supported by this "
@@ -167,3 +175,14 @@ def load_checkpoint(
             path / "train_state.pt", map_location=map_location, weights_only=True
         ),
     }
+
+
+def load_model_state(path: str | Path) -> dict[str, torch.Tensor]:
+    """The model's full state dict (``model.state_dict()`` names and shapes, fp32 weights, tied
+    weights under each of their names) from a checkpoint folder of any engine and world size."""
+    meta = json.loads((Path(path) / "meta.json").read_text())
+    if meta.get("format_version") == 2:
+        from tidal.engine.dist_checkpoint import read_model_state
+
+        return read_model_state(path, meta)
+    return load_checkpoint(path)["model"]

@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -40,6 +40,7 @@ from tidal.memory.relayout import relayout
 from tidal.memory.store import ChunkStore
 from tidal.memory.tiers import Tier, make_tiers
 from tidal.memory.trace import AccessTrace, Moment
+from tidal.sharding.state import model_key, optim_key
 
 __all__ = ["ChunkEngine"]
 
@@ -355,6 +356,64 @@ class ChunkEngine(AccumulationCounter):
         self.micro_step = int(state["micro_step"])
         if self.loss_scale is not None and "loss_scale" in state:
             self.loss_scale = LossScale(**state["loss_scale"])
+
+    # -- sharded checkpoints ([Note: checkpoint tensors] in tidal/sharding/state.py) ------------
+
+    def checkpoint_state(self) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+        """(tensors for torch.distributed.checkpoint, the small rest of the state, what
+        meta.json records: every key's numel, and each state-dict name's key and shape)."""
+        state = self.state_dict()
+        canonical = {info.names[0] for spec in self.layout.chunks for info in spec.slots}
+        tensors: dict[str, Any] = {}
+        for name, value in state["model"].items():
+            if name in canonical or name not in dict(self.model.named_parameters()):
+                tensors[_state_key(self, name)] = value.reshape(-1)
+        steps = {}
+        for name, saved in state["optimizer"].items():
+            for key, value in saved.items():
+                if key == "step":
+                    steps[name] = float(value)
+                else:
+                    tensors[optim_key(name, key)] = value.reshape(-1)
+        extras = {k: v for k, v in state.items() if k not in ("model", "optimizer")}
+        extras["optimizer_steps"] = steps
+        return tensors, extras, self._checkpoint_meta(tensors)
+
+    def _checkpoint_meta(self, tensors: dict[str, Any]) -> dict[str, Any]:
+        model_state = self.model.state_dict(keep_vars=True)
+        return {
+            "numels": {key: int(t.size(0)) for key, t in tensors.items()},
+            "model_keys": {name: _state_key(self, name) for name in model_state},
+            "model_shapes": {name: list(t.shape) for name, t in model_state.items()},
+        }
+
+    def restore_checkpoint(
+        self, load: Callable[[dict[str, Any]], None], extras: dict[str, Any], meta: dict[str, Any]
+    ) -> None:
+        """Load what :meth:`checkpoint_state` saved (at any world size) through ``load``."""
+        targets = {key: torch.empty(numel) for key, numel in meta["numels"].items()}
+        load(targets)
+        shapes = meta["model_shapes"]
+        model = {name: targets[key].view(shapes[name])
+                 for name, key in meta["model_keys"].items()}  # fmt: skip
+        optimizer: dict[str, dict[str, torch.Tensor]] = {}
+        for key, value in targets.items():
+            if key.startswith("optim/"):
+                name, state_name = key[len("optim/") :].rsplit("/", 1)
+                optimizer.setdefault(name, {})[state_name] = value.view(shapes[name])
+        for name, step in extras["optimizer_steps"].items():
+            optimizer.setdefault(name, {})["step"] = torch.tensor(step)
+        rest = {k: v for k, v in extras.items() if k != "optimizer_steps"}
+        self.load_state_dict({"model": model, "optimizer": optimizer, **rest})
+
+
+def _state_key(engine: ChunkEngine, name: str) -> str:
+    """The checkpoint key of a state-dict name: tied parameters share their first name's."""
+    params = dict(engine.model.named_parameters(remove_duplicate=False))
+    if name not in params:
+        return f"buffer/{name}"
+    index, slot = engine.store.slot_of[id(params[name])]
+    return model_key(engine.layout.chunks[index].slots[slot].names[0])
 
 
 _PARAM_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}

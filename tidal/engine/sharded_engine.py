@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -36,6 +37,7 @@ from tidal.memory.optim_rules import make_rule
 from tidal.memory.tiers import Tier
 from tidal.sharding.config import ShardingConfig
 from tidal.sharding.optim import ShardedOptimizer, make_master_shards
+from tidal.sharding.state import sharded_tensors
 from tidal.sharding.store import ShardedChunkStore
 
 __all__ = ["ShardedEngine"]
@@ -208,3 +210,39 @@ class ShardedEngine(ChunkEngine):
         self.micro_step = int(state["micro_step"])
         if self.loss_scale is not None and "loss_scale" in state:
             self.loss_scale = LossScale(**state["loss_scale"])
+
+    # -- sharded checkpoints ([Note: checkpoint tensors] in tidal/sharding/state.py) ------------
+
+    def checkpoint_state(self) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+        """This rank's pieces as ShardedTensors; the rest is the same on every rank."""
+        self.store.wait_for_copies()
+        tensors = sharded_tensors(self.optimizer)
+        for name, buffer in _persistent_buffers(self.model):
+            tensors[f"buffer/{name}"] = buffer.detach()
+        extras: dict[str, Any] = {"global_step": self.global_step, "micro_step": self.micro_step,
+                                  "optimizer_steps": self.optimizer.step_counts()}  # fmt: skip
+        if self.loss_scale is not None:
+            extras["loss_scale"] = dataclasses.asdict(self.loss_scale)
+        meta = self._checkpoint_meta(tensors)
+        meta["numels"] = {key: int(t.size(0)) for key, t in tensors.items()}
+        meta["world_size"] = self.world_size
+        return tensors, extras, meta
+
+    def restore_checkpoint(
+        self, load: Callable[[dict[str, Any]], None], extras: dict[str, Any], meta: dict[str, Any]
+    ) -> None:
+        """Read this rank's pieces straight into its shards (any world size wrote them)."""
+        self.store.drop_gathered()  # stale once the shards change
+        self.store.wait_for_copies()
+        saved = {key.split("/")[1] for key in meta["numels"] if key.startswith("optim/")}
+        self.optimizer.set_written(saved)
+        targets = sharded_tensors(self.optimizer)
+        for name, buffer in _persistent_buffers(self.model):
+            targets[f"buffer/{name}"] = buffer.detach()
+        load(targets)
+        self.optimizer.weights_loaded()
+        self.optimizer.set_step_counts(extras["optimizer_steps"])
+        self.global_step = int(extras["global_step"])
+        self.micro_step = int(extras["micro_step"])
+        if self.loss_scale is not None and "loss_scale" in extras:
+            self.loss_scale = LossScale(**extras["loss_scale"])

@@ -55,6 +55,7 @@ from tidal.engine.device import (
     reset_peak_memory,
     resolve_device,
 )
+from tidal.engine.dist_checkpoint import save_sharded_checkpoint
 from tidal.engine.job import JobConfig, load_job
 from tidal.engine.metrics import (
     MetricsFile,
@@ -64,7 +65,6 @@ from tidal.engine.metrics import (
     read_metrics,
     write_json_atomic,
 )
-from tidal.engine.reference import ReferenceEngine
 from tidal.models import build_gpt, num_params, training_flops_per_token
 
 __all__ = ["Callback", "LogCallback", "Trainer", "check_run_dir", "rank_rows"]
@@ -313,8 +313,6 @@ class Trainer:
     def _prepare_run_dir(self, *, resume: bool, overwrite: bool) -> int:
         # Every rank checks, so that a refusal stops all of them rather than stranding peers.
         check_run_dir(self.run_dir, resume=resume, overwrite=overwrite)
-        if resume or self.job.checkpoint.every_steps or self.job.checkpoint.at_end:
-            self._require_full_checkpoints()
         if self.rank == 0:
             self._reset_run_dir(overwrite=overwrite, resume=resume)
         # The folder exists, and what --overwrite deletes is gone, before any rank reads it.
@@ -341,23 +339,21 @@ class Trainer:
         if not resume:
             self.metrics.truncate_after(0)
 
-    def _require_full_checkpoints(self) -> None:
-        # Rank 0 writes the full state of its engine. That is the whole run for the reference
-        # engine (data parallel replicas) but only one shard of a sharded engine, whose
-        # checkpoints go through torch.distributed.checkpoint instead (not written yet).
-        if self.world_size > 1 and not isinstance(self.engine, ReferenceEngine):
-            raise ConfigError(
-                "checkpoint",
-                f"the {self.job.engine} engine cannot save or resume checkpoints on "
-                f"{self.world_size} ranks yet; set checkpoint.every_steps=0 and "
-                f"checkpoint.at_end=false (no --resume), use engine='reference', or run one "
-                f"process",
-            )
-
     def save_checkpoint(self) -> Path | None:
-        """Checkpoint the current step. Every rank calls it; rank 0 writes and returns the
-        folder, the others return None once it is complete."""
-        self._require_full_checkpoints()
+        """Checkpoint the current step. Every rank calls it. The chunk engines write sharded
+        checkpoints from every rank ([Note: atomic sharded checkpoints] in
+        dist_checkpoint.py); the reference engine's replicas are written by rank 0. Returns the
+        folder (None on ranks other than 0 for the reference engine)."""
+        if hasattr(self.engine, "checkpoint_state"):
+            tensors, extras, meta = self.engine.checkpoint_state()
+            return save_sharded_checkpoint(
+                self.run_dir,
+                self.engine.global_step,
+                tensors=tensors,
+                train_state=self._train_state(extras),
+                meta={**meta, "world_size": self.world_size},
+                keep=self.job.checkpoint.keep,
+            )
         path = None
         if self.rank == 0:
             path = self._write_checkpoint()
@@ -365,10 +361,8 @@ class Trainer:
         barrier()
         return path
 
-    def _write_checkpoint(self) -> Path:
-        engine_state = self.engine.state_dict()
-        model_state = engine_state.pop("model")
-        train_state = {
+    def _train_state(self, engine_state: dict[str, Any]) -> dict[str, Any]:
+        return {
             "engine": engine_state,
             "data": self.train_batches.state_dict(),
             "rng": self._rng_state(),
@@ -377,11 +371,15 @@ class Trainer:
             "last_val_loss": self.last_val_loss,
             "model_config": to_dict(self.model_config),
         }
+
+    def _write_checkpoint(self) -> Path:
+        engine_state = self.engine.state_dict()
+        model_state = engine_state.pop("model")
         return write_checkpoint(
             self.run_dir,
             self.engine.global_step,
             model_state=model_state,
-            train_state=train_state,
+            train_state=self._train_state(engine_state),
             keep=self.job.checkpoint.keep,
         )
 
@@ -389,7 +387,6 @@ class Trainer:
         """Restore everything [Note: exact resume] lists; returns the checkpoint's step.
 
         Every rank calls it and reads the same files."""
-        self._require_full_checkpoints()
         checkpoint = load_checkpoint(path)
         state = checkpoint["train_state"]
         saved_model = state["model_config"]
@@ -402,7 +399,18 @@ class Trainer:
                 f"the checkpoint in {path} was trained with other model settings ({', '.join(changed)});"
                 f" resume with the run's original [model] section",
             )
-        self.engine.load_state_dict({"model": checkpoint["model"], **state["engine"]})
+        if "load_tensors" in checkpoint:  # sharded (format 2): any engine of chunks, any world size
+            if not hasattr(self.engine, "restore_checkpoint"):
+                raise ConfigError(
+                    "engine",
+                    f"{path} is a sharded checkpoint of the chunk engine; resume it with "
+                    f"engine = 'chunk' (or export it with `tidal export {self.run_dir}`)",
+                )
+            self.engine.restore_checkpoint(
+                checkpoint["load_tensors"], state["engine"], checkpoint["meta"]
+            )
+        else:
+            self.engine.load_state_dict({"model": checkpoint["model"], **state["engine"]})
         self.train_batches.load_state_dict(state["data"])
         self._set_rng_state(state["rng"])
         self.tokens_seen = int(state["tokens_seen"])

@@ -411,6 +411,29 @@ class ShardedOptimizer:
             for kind, shards in self.states.items():
                 _view(shards, piece).copy_(_flat_piece(saved[STATE_KEYS[kind]], piece))
 
+    def step_counts(self) -> dict[str, float]:
+        """Each parameter's update count (torch's ``step``), the same on every rank."""
+        return {e.name: float(self.steps[i]) for i, e in enumerate(self._entries) if self.steps}
+
+    def set_step_counts(self, counts: dict[str, float]) -> None:
+        for i, e in enumerate(self._entries):
+            if self.steps:
+                self.steps[i].fill_(counts[e.name])
+
+    def set_written(self, names: set[str]) -> None:
+        """The parameters whose optimizer state a checkpoint holds; the others' is created by
+        their next update ([Note: lazy optimizer state] in tidal/memory/optim_rules.py)."""
+        for i, e in enumerate(self._entries):
+            self._has_state[i] = not self._lazy or e.name in names
+
+    def weights_loaded(self) -> None:
+        """The masters changed under the parameter shards (a checkpoint): copy them over."""
+        if self.masters is not None:
+            for index in self.trainable:
+                master = self.masters[index]
+                assert master is not None
+                self.store.shards[index].copy_(master)
+
     def load_weights(self, param: nn.Parameter, value: torch.Tensor) -> None:
         """This rank's piece of a full weight into its master and parameter shards."""
         index, slot = self.store.slot_of[id(param)]

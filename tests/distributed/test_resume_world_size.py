@@ -1,0 +1,120 @@
+"""Sharded checkpoints of the chunk engine resume on another world size (2 -> 1, 1 -> 2).
+
+A one-process chunk-engine run of 8 steps is the reference. The same job trained for 4 steps on
+2 ranks (sharded) and resumed on 1 process, or trained on 1 and resumed on 2, must continue
+with the same losses (1e-5 relative) and end with the same parameters; the checkpoint also
+reads back whole in one process (what `tidal export` uses).
+"""
+
+from __future__ import annotations
+
+import copy
+import errno
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tidal.engine import Trainer
+from tidal.engine.checkpoint import latest_checkpoint, list_checkpoints, load_model_state
+from tidal.engine.dist_checkpoint import CheckpointWriteError
+from tidal.engine.metrics import read_metrics
+from tidal.testing import run_on_ranks
+
+STEPS, HALF = 8, 4
+RTOL = 1e-5
+
+JOB: dict[str, Any] = {
+    "name": "resume-ws",
+    "engine": "chunk",
+    "model": {"preset": "tiny"},
+    "data": {"source": "synthetic", "synthetic_num_tokens": 20_000},
+    "training": {
+        "steps": STEPS,
+        "batch_size": 4,
+        "device": "cpu",
+        "log_every": 1,
+        "val_every": 0,
+        "val_batches": 1,
+    },  # fmt: skip
+    "optimizer": {"lr": 3e-3, "warmup_steps": 2, "decay_steps": STEPS},
+    "chunk": {"size": 128},
+    "checkpoint": {"every_steps": HALF, "keep": 3},
+    "metrics": {"peak_tflops": 1.0},
+}
+
+
+def _job(run_dir: Path, **memory: Any) -> dict[str, Any]:
+    job = copy.deepcopy(JOB)
+    job["run_dir"] = str(run_dir)
+    job["memory"] = memory
+    return job
+
+
+def _fit(job: dict[str, Any], steps: int, resume: bool) -> None:
+    job = copy.deepcopy(job)
+    job["training"]["steps"] = steps
+    Trainer(job).fit(resume=resume, overwrite=not resume)
+
+
+def _losses(run_dir: Path) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in read_metrics(run_dir) if r["kind"] == "train"}
+
+
+def _assert_continues(run_dir: Path, reference: Path) -> None:
+    got, want = _losses(run_dir), _losses(reference)
+    assert sorted(got) == list(range(1, STEPS + 1))
+    for step in range(1, STEPS + 1):
+        assert abs(got[step] - want[step]) <= RTOL * abs(want[step]), (step, got, want)
+    got_state = load_model_state(latest_checkpoint(run_dir))
+    want_state = load_model_state(latest_checkpoint(reference))
+    assert got_state.keys() == want_state.keys()
+    for name, value in want_state.items():
+        torch.testing.assert_close(got_state[name], value, rtol=1e-4, atol=2e-5)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    run_dir = tmp_path_factory.mktemp("one-process")
+    _fit(_job(run_dir), STEPS, resume=False)
+    return run_dir
+
+
+def test_two_ranks_then_one(tmp_path: Path, reference: Path) -> None:
+    job = _job(tmp_path)
+    run_on_ranks(_fit, world_size=2, args=(job, HALF, False), timeout_s=180)
+    meta = (latest_checkpoint(tmp_path) / "meta.json").read_text()
+    assert '"world_size": 2' in meta
+    assert len(list((latest_checkpoint(tmp_path) / "state").glob("*.distcp"))) == 2  # per rank
+    _fit(job, STEPS, resume=True)
+    _assert_continues(tmp_path, reference)
+
+
+def test_one_rank_then_two_under_a_budget(tmp_path: Path, reference: Path) -> None:
+    # The resumed part also runs under a device budget that forces gathers to be evicted.
+    job = _job(tmp_path)
+    _fit(job, HALF, resume=False)
+    tight = _job(tmp_path, device_budget="2MiB")
+    run_on_ranks(_fit, world_size=2, args=(tight, STEPS, True), timeout_s=180)
+    _assert_continues(tmp_path, reference)
+
+
+def test_a_full_disk_keeps_the_previous_checkpoint(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    job = _job(tmp_path)
+    _fit(job, HALF, resume=False)
+    before = list_checkpoints(tmp_path)
+
+    def full_disk(*_args: Any, **_kwargs: Any) -> int:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr("tidal.engine.dist_checkpoint._write_tensor_file", full_disk)
+    with pytest.raises(
+        CheckpointWriteError, match=r"No space left on device.*step_00000004 is intact"
+    ):
+        _fit(job, STEPS, resume=True)
+    assert list_checkpoints(tmp_path) == before
+    assert not [p for p in (tmp_path / "checkpoints").iterdir() if p.name.startswith(".")]
+    load_model_state(before[-1][1])  # still whole
