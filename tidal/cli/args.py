@@ -19,6 +19,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_report(sub)
     _add_bench(sub)
     _add_models(sub)
+    _add_export(sub)
     return parser
 
 
@@ -170,3 +171,28 @@ def _add_models(sub: argparse._SubParsersAction) -> None:
         description="List the GPT presets: shape, exact parameter count, and model-data bytes "
         "(weights in bf16 and fp32; mixed-precision AdamW training at 16 bytes/param).",
     )
+
+
+def _add_export(sub: argparse._SubParsersAction) -> None:
+    export = sub.add_parser(
+        "export",
+        help="write a run's checkpoint as safetensors for plain PyTorch and Hugging Face",
+        description="Write checkpoint --step (default: the latest) of RUN_DIR as one model: "
+        "model.safetensors with tidal's names (build_gpt(cfg).load_state_dict) and tidal.json, "
+        "plus hf/ (config.json + model.safetensors) that transformers.GPT2LMHeadModel."
+        "from_pretrained loads. Default folder: RUN_DIR/export/step_NNNNNNNN.",
+    )
+    export.add_argument("run_dir", metavar="RUN_DIR", help="a run folder, e.g. runs/demo")
+    export.add_argument(
+        "--step", type=int, default=None, metavar="N",
+        help="export the checkpoint of step N (default: the latest)",
+    )  # fmt: skip
+    export.add_argument(
+        "--out", default=None, metavar="DIR",
+        help="write here instead of RUN_DIR/export/step_NNNNNNNN (must not exist, or be empty)",
+    )  # fmt: skip
+    export.add_argument(
+        "--check", action="store_true",
+        help="read the files back: tidal's must equal the checkpoint, Hugging Face's logits "
+        "must match tidal's (needs transformers)",
+    )  # fmt: skip

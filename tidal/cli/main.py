@@ -47,6 +47,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _models(console)
         if args.command == "bench":
             return _bench(args, console)
+        if args.command == "export":
+            return _export(args, console)
     except (ConfigError, DeviceBudgetTooSmall, FileNotFoundError) as err:
         print(f"tidal: error: {err}", file=sys.stderr)
         return EXIT_BAD_INPUT
@@ -224,6 +226,35 @@ def _models(console: Console) -> int:
         "AdamW training = bf16 weights + bf16 grads + fp32 master weights + 2 fp32 moments "
         "(16 B/param), before activations."
     )
+    return 0
+
+
+def _export(args: argparse.Namespace, console: Console) -> int:
+    from tidal.config import format_bytes
+    from tidal.engine.export import ExportCheckError, check_export, export_info, export_run
+
+    out = export_run(args.run_dir, step=args.step, out=args.out)
+    info = export_info(out)
+    console.print(
+        f"exported step {info['step']} of {args.run_dir}: {info['num_params']:,} parameters "
+        f"-> {out}"
+    )
+    for name, size in info["files"].items():
+        console.print(f"  {out / name}  {format_bytes(size)}")
+    console.print(f"  {out / 'tidal.json'}  (model config, step, source checkpoint, tied names)")
+    if info["hf_skipped"] is not None:
+        from rich.markup import escape
+
+        console.print(f"[yellow]no hf/:[/] {escape(info['hf_skipped'])}")
+    else:
+        console.print(f"load: transformers.GPT2LMHeadModel.from_pretrained({str(out / 'hf')!r})")
+    if args.check:
+        try:
+            for line in check_export(out):
+                console.print(f"check: {line}")
+        except ExportCheckError as err:
+            print(f"tidal: export check failed: {err}", file=sys.stderr)
+            return EXIT_FAILED
     return 0
 
 
