@@ -10,6 +10,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
+import tempfile
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -60,7 +62,7 @@ def _sharded_run(case: dict[str, Any], budget: int | None) -> dict[str, Any]:
         _model(case.get("frozen", False)),
         optimizer=_optimizer(**case.get("optimizer", {})),
         training=TrainingConfig(device="cpu", **case.get("training", {})),
-        memory=MemoryConfig(device_budget=budget),
+        memory=MemoryConfig(device_budget=budget, **_disk(case)),
         chunk=ChunkConfig(size=case.get("size", TINY_CHUNK)),
         sharding=ShardingConfig(**case.get("sharding", {})),
     )
@@ -97,6 +99,13 @@ def _sharded_run(case: dict[str, Any], budget: int | None) -> dict[str, Any]:
     }
 
 
+def _disk(case: dict[str, Any]) -> dict[str, Any]:
+    """A host budget that keeps a few chunks' optimizer state in memory, the rest on disk."""
+    if not case.get("nvme"):
+        return {}
+    return {"host_budget": NVME_HOST_BUDGET, "nvme_dir": tempfile.gettempdir() + "/tidal-test-nvme"}
+
+
 def _all_cases(cases: dict[str, dict[str, Any]]) -> dict[str, Any]:
     results: dict[str, Any] = {}
     for name, case in cases.items():
@@ -119,7 +128,12 @@ CASES: dict[str, dict[str, Any]] = {
     },
     "frozen": {"frozen": True},
     "bf16": {"training": {"precision": "bf16"}},
+    # The host holds the parameter and gradient shards (483 KB per rank), three chunks of
+    # staging and a few chunks' optimizer state; the rest of the state streams through disk.
+    "nvme": {"nvme": True, "minimum": True},
+    "nvme-bf16": {"nvme": True, "training": {"precision": "bf16"}},
 }
+NVME_HOST_BUDGET = 700_000
 
 
 @pytest.fixture(scope="module")
@@ -175,7 +189,8 @@ def _assert_params_close(got: dict, want: dict, atol: float) -> None:
 
 
 @pytest.mark.parametrize("name", ["fp32", "fp32@minimum", "searched", "keep-gathered", "frozen",
-                                  "sgd-accum-clip", "sgd-accum-clip@minimum"])  # fmt: skip
+                                  "sgd-accum-clip", "sgd-accum-clip@minimum", "nvme",
+                                  "nvme@minimum"])  # fmt: skip
 def test_matches_the_one_process_reference(sharded: dict[str, Any], name: str) -> None:
     want_losses, want_state = _one_process(CASES[name.split("@")[0]])
     got = sharded[name]
@@ -202,7 +217,7 @@ def test_bf16_matches_the_one_process_chunk_engine(sharded: dict[str, Any]) -> N
 
 
 def test_minimum_budget_is_respected_and_evicts(sharded: dict[str, Any]) -> None:
-    for name in ("fp32@minimum", "sgd-accum-clip@minimum"):
+    for name in ("fp32@minimum", "sgd-accum-clip@minimum", "nvme@minimum"):
         for rank_result in sharded[name]:
             stats = rank_result["stats"]
             assert stats["device_budget"] == rank_result["budget"]
@@ -253,3 +268,27 @@ def test_each_rank_holds_half_the_model_data(sharded: dict[str, Any]) -> None:
     assert one["params"] * WORLD == _model_bytes(sharded["fp32"][0])
     num_tensors = len(list(_model().parameters()))  # one step counter each, as torch keeps
     assert one["optimizer_state"] == 2 * one["params"] + 4 * num_tensors
+
+
+# -- the NVMe tier ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["nvme", "nvme@minimum", "nvme-bf16"])
+def test_optimizer_state_streams_through_disk(sharded: dict[str, Any], name: str) -> None:
+    for rank_result in sharded[name]:
+        stats = rank_result["stats"]
+        assert 0 < stats["chunks_on_nvme"] < stats["num_chunks"]
+        on_disk = stats["peak_nvme_bytes"]
+        assert on_disk > 0
+        # Written once at the start and after every step, read once per step.
+        assert stats["bytes_from_nvme"] == STEPS * on_disk
+        assert stats["bytes_to_nvme"] == (STEPS + 1) * on_disk
+        assert stats["peak_host_bytes"] <= NVME_HOST_BUDGET
+
+
+def test_disk_changes_nothing_but_where_state_lives(sharded: dict[str, Any]) -> None:
+    for with_disk, without in (("nvme", "fp32"), ("nvme-bf16", "bf16")):
+        for a, b in zip(sharded[with_disk], sharded[without], strict=True):
+            assert a["losses"] == b["losses"]
+            for key, value in b["state"].items():
+                assert torch.equal(a["state"][key], value), key

@@ -33,12 +33,14 @@ from tidal.engine.config import MemoryConfig, OptimizerConfig, TrainingConfig
 from tidal.engine.loss_scale import LossScale
 from tidal.memory.config import ChunkConfig
 from tidal.memory.layout import ChunkLayout, default_chunk_size, plan_layout, unique_parameters
+from tidal.memory.nvme import NvmeTier
 from tidal.memory.optim_rules import make_rule
 from tidal.memory.tiers import Tier
 from tidal.sharding.config import ShardingConfig
 from tidal.sharding.optim import ShardedOptimizer, make_master_shards
 from tidal.sharding.state import sharded_tensors
 from tidal.sharding.store import ShardedChunkStore
+from tidal.sharding.swap import StateSwapper, plan_nvme
 
 __all__ = ["ShardedEngine"]
 
@@ -62,6 +64,10 @@ class ShardedEngine(ChunkEngine):
     ) -> None:
         self.comm = Collectives(group)
         self.sharding = sharding
+        self.memory = memory
+        self.optimizer_config = optimizer
+        self.nvme: NvmeTier | None = None
+        self.swapper: StateSwapper | None = None
         # Relayout would re-shard every chunk and its state after the first step; gradients in
         # parameter chunks would reduce bf16 sums. Neither is supported sharded (yet).
         chunk = dataclasses.replace(chunk, relayout=False, grads_in_params=False)
@@ -97,10 +103,35 @@ class ShardedEngine(ChunkEngine):
         return plan_layout(params, chunk_size=-(-size // align) * align, align=align)
 
     def _make_masters(self, model: nn.Module, param_dtype: torch.dtype) -> Any:
+        self.swapper = self._plan_disk(model, param_dtype)
         if param_dtype == torch.float32:
             return None
         return make_master_shards(model, self.layout, rank=self.rank, world_size=self.world_size,
-                                  host_tier=self.host_tier)  # fmt: skip
+                                  host_tier=self.host_tier, swapper=self.swapper)  # fmt: skip
+
+    def _plan_disk(self, model: nn.Module, param_dtype: torch.dtype) -> StateSwapper | None:
+        """Which chunk indices keep their optimizer shards on the NVMe tier (none without
+        ``memory.nvme_dir``); see [Note: streamed optimizer] in tidal/sharding/swap.py."""
+        if self.memory.nvme_dir is None:
+            return None
+        self.nvme = NvmeTier(self.memory.nvme_dir, budget_bytes=self.memory.nvme_budget)
+        trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+        kinds = len(make_rule(self.optimizer_config).state_kinds)
+        kinds += 1 if param_dtype != torch.float32 else 0  # the masters
+        shard_numels = [spec.capacity // self.world_size for spec in self.layout.chunks]
+        is_trainable = [any(i.names[0] in trainable for i in spec.slots)
+                        for spec in self.layout.chunks]  # fmt: skip
+        fixed = sum(n * param_dtype.itemsize + (4 * n if t else 0)  # param and gradient shards
+                    for n, t in zip(shard_numels, is_trainable, strict=True))  # fmt: skip
+        indices = plan_nvme(
+            group_bytes=[
+                4 * kinds * n if t else 0 for n, t in zip(shard_numels, is_trainable, strict=True)
+            ],  # fmt: skip
+            fixed_host_bytes=fixed,
+            host_budget_bytes=self.host_tier.budget_bytes,
+            has_nvme=True,
+        )
+        return StateSwapper(self.nvme, self.host_tier, indices)
 
     def _make_store(
         self, model: nn.Module, param_dtype: torch.dtype, chunk: ChunkConfig
@@ -142,6 +173,7 @@ class ShardedEngine(ChunkEngine):
             fused=optimizer.fused,
             masters=masters,
             max_pending=self.sharding.max_pending_reductions,
+            swapper=self.swapper,
         )
 
     # -- the iteration ([Note: sharded iterations]) ----------------------------------------------
@@ -156,7 +188,8 @@ class ShardedEngine(ChunkEngine):
     def _place_optimizer(self) -> None:
         """Shards live on the device when there is no device budget, else on the host."""
         if self.device_tier.budget_bytes is None:
-            self.optimizer.place(frozenset(range(len(self.store.chunks))), self.device_tier)
+            everything = frozenset(range(len(self.store.chunks))) - self.optimizer.on_disk
+            self.optimizer.place(everything, self.device_tier)
         self._placed = True
 
     def _unplace_optimizer(self) -> None:
@@ -175,8 +208,13 @@ class ShardedEngine(ChunkEngine):
             # the largest moment plus the gradient buffers the backward held at once
             min_device_bytes=stats["min_device_bytes"] + transient,
             peak_gradient_buffer_bytes=transient,
+            chunks_on_nvme=len(self.optimizer.on_disk),
             **self.comm.stats(),
         )
+        if self.nvme is not None:
+            nvme = self.nvme.stats()
+            stats.update(bytes_to_nvme=nvme["in_bytes"], bytes_from_nvme=nvme["out_bytes"],
+                         peak_nvme_bytes=nvme["peak_bytes"], nvme_budget=nvme["budget_bytes"])  # fmt: skip
         return stats
 
     # -- state: full (gathered) tensors, so any world size can load them ------------------------
@@ -200,12 +238,13 @@ class ShardedEngine(ChunkEngine):
         self.store.wait_for_copies()
         params = dict(self.model.named_parameters(remove_duplicate=False))
         buffers = dict(_persistent_buffers(self.model))
-        for name, value in state["model"].items():
-            if name in params:
-                self.optimizer.load_weights(params[name], value)
-            else:
-                buffers[name].copy_(value)
-        self.optimizer.load_state_dict(state["optimizer"])
+        with self.optimizer.all_resident(write_back=True):
+            for name, value in state["model"].items():
+                if name in params:
+                    self.optimizer.load_weights(params[name], value)
+                else:
+                    buffers[name].copy_(value)
+            self.optimizer.load_state_dict(state["optimizer"])
         self.global_step = int(state["global_step"])
         self.micro_step = int(state["micro_step"])
         if self.loss_scale is not None and "loss_scale" in state:
@@ -216,7 +255,9 @@ class ShardedEngine(ChunkEngine):
     def checkpoint_state(self) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
         """This rank's pieces as ShardedTensors; the rest is the same on every rank."""
         self.store.wait_for_copies()
-        tensors = sharded_tensors(self.optimizer)
+        # Shards on disk are read for the checkpoint; the tensors keep them alive until written.
+        with self.optimizer.all_resident(write_back=False):
+            tensors = sharded_tensors(self.optimizer)
         for name, buffer in _persistent_buffers(self.model):
             tensors[f"buffer/{name}"] = buffer.detach()
         extras: dict[str, Any] = {"global_step": self.global_step, "micro_step": self.micro_step,
@@ -236,11 +277,12 @@ class ShardedEngine(ChunkEngine):
         self.store.wait_for_copies()
         saved = {key.split("/")[1] for key in meta["numels"] if key.startswith("optim/")}
         self.optimizer.set_written(saved)
-        targets = sharded_tensors(self.optimizer)
-        for name, buffer in _persistent_buffers(self.model):
-            targets[f"buffer/{name}"] = buffer.detach()
-        load(targets)
-        self.optimizer.weights_loaded()
+        with self.optimizer.all_resident(write_back=True):
+            targets = sharded_tensors(self.optimizer)
+            for name, buffer in _persistent_buffers(self.model):
+                targets[f"buffer/{name}"] = buffer.detach()
+            load(targets)
+            self.optimizer.weights_loaded()
         self.optimizer.set_step_counts(extras["optimizer_steps"])
         self.global_step = int(extras["global_step"])
         self.micro_step = int(extras["micro_step"])

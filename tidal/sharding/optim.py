@@ -26,6 +26,7 @@ advance on every rank, holding a piece or not, so each rank can save them.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -37,16 +38,25 @@ from tidal.memory.optim import MissingGradientError, clip_coefficient
 from tidal.memory.optim_rules import STATE_KEYS, UpdateRule
 from tidal.memory.tiers import Tier
 from tidal.sharding.store import ShardedChunkStore
+from tidal.sharding.swap import ShardLists, StateSwapper
+
+MASTER = "master"  # the masters' name among the shard lists (the state kinds use torch's keys)
 
 __all__ = ["ShardedOptimizer", "make_master_shards"]
 
 
 def make_master_shards(
-    model: nn.Module, store_layout: Any, *, rank: int, world_size: int, host_tier: Tier
+    model: nn.Module,
+    store_layout: Any,
+    *,
+    rank: int,
+    world_size: int,
+    host_tier: Tier,
+    swapper: StateSwapper | None = None,
 ) -> list[torch.Tensor | None]:
-    """fp32 shards of the trainable chunks' weights; None where a chunk has none trainable.
-
-    Call before the store converts the parameters to a lower precision.
+    """fp32 shards of the trainable chunks' weights; None where a chunk has none trainable (or,
+    with ``swapper``, where they went to disk). Call before the store converts the parameters
+    to a lower precision.
     """
     params = dict(model.named_parameters(remove_duplicate=False))
     masters: list[torch.Tensor | None] = []
@@ -63,6 +73,8 @@ def make_master_shards(
                 flat = params[info.names[0]].detach().reshape(-1).float()
                 shard[lo - start : hi - start].copy_(flat[lo - info.offset : hi - info.offset])
         masters.append(shard)
+        if swapper is not None and spec.index in swapper.indices:
+            swapper.offload([(MASTER, masters)], spec.index)
     return masters
 
 
@@ -101,8 +113,12 @@ class ShardedOptimizer:
         decays: Callable[[nn.Parameter], bool] = lambda p: p.dim() >= 2,
         masters: list[torch.Tensor | None] | None = None,
         max_pending: int = 2,
+        swapper: StateSwapper | None = None,
     ) -> None:
         self.store = store
+        # [Note: streamed optimizer] in swap.py: the indices whose shards live on disk.
+        self.swapper = swapper
+        self.on_disk = swapper.indices if swapper is not None else frozenset()
         self.max_pending = max_pending
         self.comm = store.comm
         self.rule = rule
@@ -118,7 +134,7 @@ class ShardedOptimizer:
         self.trainable = frozenset(e.chunk for e in self._entries)
         self._pieces = [p for i, e in enumerate(self._entries) if (p := self._piece(i, e))]
         self._piece_of = {p.entry: p for p in self._pieces}
-        self.states = {kind: self._zero_shards() for kind in rule.state_kinds}
+        self.states = {kind: self._zero_shards(STATE_KEYS[kind]) for kind in rule.state_kinds}
         self.grads: list[torch.Tensor | None] = [None] * len(store.chunks)
         self._grad_tiers: dict[int, Tier] = {}  # where each present gradient shard was allocated
         self.steps = [torch.zeros((), dtype=torch.float32) for _ in self._entries]
@@ -146,7 +162,7 @@ class ShardedOptimizer:
             return None
         return _Piece(i, e.chunk, lo - start, lo - info.offset, hi - lo)
 
-    def _zero_shards(self) -> list[torch.Tensor | None]:
+    def _zero_shards(self, name: str) -> list[torch.Tensor | None]:
         shards: list[torch.Tensor | None] = []
         for index in range(len(self.store.chunks)):
             shard = None
@@ -155,7 +171,23 @@ class ShardedOptimizer:
                 shard = tier.allocate(self.store.shard_numel(index), torch.float32)
                 shard.zero_()
             shards.append(shard)
+            if self.swapper is not None and index in self.on_disk:
+                self.swapper.offload([(name, shards)], index)
         return shards
+
+    def _lists(self) -> ShardLists:
+        lists: ShardLists = [(STATE_KEYS[kind], shards) for kind, shards in self.states.items()]
+        if self.masters is not None:
+            lists.append((MASTER, self.masters))
+        return lists
+
+    def all_resident(self, *, write_back: bool) -> contextlib.AbstractContextManager[None]:
+        """Every shard in memory for the duration (checkpoints, full state dicts); see
+        [Note: streamed optimizer]."""
+        if self.swapper is None:
+            return contextlib.nullcontext()
+        numels = {i: self.store.shard_numel(i) for i in self.on_disk}
+        return self.swapper.resident(self._lists(), numels, write_back=write_back)
 
     # -- placement and figures -------------------------------------------------------------------
 
@@ -318,20 +350,33 @@ class ShardedOptimizer:
         if coefficient is not None:
             for grad in grads:
                 grad.mul_(coefficient.to(grad.device))
-        for decay in (True, False):
-            for group in self._update_groups([p for p in self._pieces if self._decays(p) == decay]):
-                self._update(group, lr, decay)
+        in_memory = [p for p in self._pieces if p.chunk not in self.on_disk]
+        self._update_pieces(in_memory, lr)
+        self._copy_masters(self.trainable - self.on_disk)
+        if self.swapper is not None and self.on_disk:
+            numels = {i: self.store.shard_numel(i) for i in self.on_disk}
+            for index in self.swapper.stream(self._lists(), numels):
+                self._update_pieces([p for p in self._pieces if p.chunk == index], lr)
+                self._copy_masters({index})
         for i in range(len(self._entries)):
             if self.steps and i not in self._piece_of:
                 self.steps[i] += 1
             self._has_state[i] = True
-        if self.masters is not None:
-            for index in self.trainable:
-                master = self.masters[index]
-                assert master is not None
-                self.store.shards[index].copy_(master)
         self.zero_grad()
         return float(norm)
+
+    def _update_pieces(self, pieces: list[_Piece], lr: float) -> None:
+        for decay in (True, False):
+            for group in self._update_groups([p for p in pieces if self._decays(p) == decay]):
+                self._update(group, lr, decay)
+
+    def _copy_masters(self, indices: set[int] | frozenset[int]) -> None:
+        if self.masters is None:
+            return
+        for index in indices:
+            master = self.masters[index]
+            assert master is not None
+            self.store.shards[index].copy_(master)
 
     def _decays(self, piece: _Piece) -> bool:
         return self._entries[piece.entry].decay
@@ -369,10 +414,18 @@ class ShardedOptimizer:
 
     # -- full (unsharded) state: every rank calls these, they are collective --------------------
 
+    def _one_in_memory(self, index: int) -> contextlib.AbstractContextManager[None]:
+        if self.swapper is None:
+            return contextlib.nullcontext()
+        return self.swapper.one(self._lists(), index, self.store.shard_numel(index))
+
     def full_weights(self, index: int) -> torch.Tensor:
         """Chunk ``index``'s weights at full precision (masters where there are), gathered."""
-        if self.masters is not None and (master := self.masters[index]) is not None:
-            return self._gather(master)
+        if self.masters is not None and index in self.trainable:
+            with self._one_in_memory(index):
+                master = self.masters[index]
+                assert master is not None
+                return self._gather(master)
         return self.store.full_chunk(index).float()
 
     def _gather(self, shard: torch.Tensor) -> torch.Tensor:
@@ -383,8 +436,13 @@ class ShardedOptimizer:
 
     def state_dict(self) -> dict[str, Any]:
         """torch's per-parameter keys (as the chunk optimizer's), gathered from every rank."""
-        gathered = {kind: {i: self._gather(s) for i, s in enumerate(shards) if s is not None}
-                    for kind, shards in self.states.items()}  # fmt: skip
+        gathered: dict[Any, dict[int, torch.Tensor]] = {kind: {} for kind in self.states}
+        for index in sorted(self.trainable):
+            with self._one_in_memory(index):
+                for kind, shards in self.states.items():
+                    shard = shards[index]
+                    assert shard is not None
+                    gathered[kind][index] = self._gather(shard)
         state: dict[str, Any] = {}
         for i, e in enumerate(self._entries):
             saved: dict[str, torch.Tensor] = {}
@@ -428,11 +486,7 @@ class ShardedOptimizer:
 
     def weights_loaded(self) -> None:
         """The masters changed under the parameter shards (a checkpoint): copy them over."""
-        if self.masters is not None:
-            for index in self.trainable:
-                master = self.masters[index]
-                assert master is not None
-                self.store.shards[index].copy_(master)
+        self._copy_masters(self.trainable)
 
     def load_weights(self, param: nn.Parameter, value: torch.Tensor) -> None:
         """This rank's piece of a full weight into its master and parameter shards."""

@@ -1,0 +1,142 @@
+"""The NVMe tier: chunk payloads in files of a directory, read and written by a thread pool.
+
+[Note: nvme tier]
+The third tier holds what is touched once per step: fp32 master and optimizer-state shards
+(AdamW's 12 of every 14 bytes of model data per parameter in bf16). Each payload gets its own
+file, created at its full size once and rewritten in place, so a step's traffic is plain
+``pwrite``/``preadv`` of whole payloads: the largest sequential requests a disk can serve, with
+no allocator or file-system metadata work in the steady state. Reads and writes run on a small
+thread pool (the GIL is released during the system calls), so the optimizer updates one chunk
+while the next is read and the previous one written ([Note: streamed optimizer] in
+tidal/sharding/optim.py). Like the other tiers it keeps a byte budget (``memory.nvme_budget``)
+that it refuses to exceed and counts what it holds and what crossed in and out of it. Files are
+removed when the tier closes (or the process ends); a crashed run leaves a folder named after
+its process that the next run in the same directory removes. Checkpoints never point into this
+folder: it is scratch space, not storage.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import shutil
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+from tidal.config import ConfigError, format_bytes
+
+__all__ = ["NvmeTier"]
+
+
+class NvmeTier:
+    """Payload files under ``directory`` with a byte budget; see [Note: nvme tier]."""
+
+    def __init__(
+        self, directory: str | Path, *, budget_bytes: int | None, threads: int = 4
+    ) -> None:
+        base = Path(directory)
+        try:
+            base.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            raise ConfigError("memory.nvme_dir", f"cannot create {base}: {err}") from err
+        _remove_dead_folders(base)
+        self.directory = base / f"tidal-{os.getpid()}"
+        self.directory.mkdir(exist_ok=True)
+        self.budget_bytes = budget_bytes
+        self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="tidal-nvme")
+        self._files: dict[str, tuple[int, int]] = {}  # key -> (file descriptor, bytes)
+        self._held_bytes = 0
+        self.peak_bytes = 0
+        self.bytes_in = 0
+        self.bytes_out = 0
+        atexit.register(self.close)
+
+    @property
+    def held_bytes(self) -> int:
+        return self._held_bytes
+
+    def holds(self, key: str) -> bool:
+        return key in self._files
+
+    def write(self, key: str, tensor: torch.Tensor) -> Future[None]:
+        """Start writing ``tensor`` (contiguous, CPU) to ``key``'s file; the caller keeps the
+        tensor alive and unchanged until the future is done."""
+        assert tensor.device.type == "cpu" and tensor.is_contiguous(), tensor.device
+        num_bytes = tensor.nbytes
+        fd = self._file(key, num_bytes)
+        self.bytes_in += num_bytes
+        view = memoryview(tensor.view(torch.uint8).numpy()) if num_bytes else memoryview(b"")
+        return self._pool.submit(_pwrite_all, fd, view)
+
+    def read(self, key: str, out: torch.Tensor) -> Future[None]:
+        """Start reading ``key``'s file into ``out`` (contiguous, CPU, the size written)."""
+        fd, num_bytes = self._files[key]
+        assert out.nbytes == num_bytes and out.is_contiguous(), (out.nbytes, num_bytes)
+        self.bytes_out += num_bytes
+        view = memoryview(out.view(torch.uint8).numpy()) if num_bytes else memoryview(bytearray())
+        return self._pool.submit(_pread_all, fd, view)
+
+    def _file(self, key: str, num_bytes: int) -> int:
+        if key in self._files:
+            fd, size = self._files[key]
+            assert size == num_bytes, f"{key}: {num_bytes} bytes into a file of {size}"
+            return fd
+        if self.budget_bytes is not None and self._held_bytes + num_bytes > self.budget_bytes:
+            raise ConfigError(
+                "memory.nvme_budget",
+                f"{format_bytes(self.budget_bytes)} is too small: {key} needs "
+                f"{format_bytes(num_bytes)} more with {format_bytes(self._held_bytes)} held; "
+                f"raise it or leave it unset (no limit)",
+            )
+        fd = os.open(self.directory / key, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        os.ftruncate(fd, num_bytes)
+        self._files[key] = (fd, num_bytes)
+        self._held_bytes += num_bytes
+        self.peak_bytes = max(self.peak_bytes, self._held_bytes)
+        return fd
+
+    def stats(self) -> dict[str, int | None]:
+        return {"held_bytes": self._held_bytes, "peak_bytes": self.peak_bytes,
+                "in_bytes": self.bytes_in, "out_bytes": self.bytes_out,
+                "budget_bytes": self.budget_bytes}  # fmt: skip
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+        for fd, _ in self._files.values():
+            os.close(fd)
+        self._files.clear()
+        shutil.rmtree(self.directory, ignore_errors=True)
+
+
+def _pwrite_all(fd: int, view: memoryview) -> None:
+    done = 0
+    while done < len(view):
+        done += os.pwrite(fd, view[done:], done)
+
+
+def _pread_all(fd: int, view: memoryview) -> None:
+    done = 0
+    while done < len(view):
+        got = os.preadv(fd, [view[done:]], done)
+        if got == 0:
+            raise OSError(f"unexpected end of file after {done} of {len(view)} bytes")
+        done += got
+
+
+def _remove_dead_folders(base: Path) -> None:
+    for path in base.glob("tidal-*"):
+        pid = path.name.removeprefix("tidal-")
+        if pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
