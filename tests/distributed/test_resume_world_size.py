@@ -19,6 +19,7 @@ import torch
 from tidal.engine import Trainer
 from tidal.engine.checkpoint import latest_checkpoint, list_checkpoints, load_model_state
 from tidal.engine.dist_checkpoint import CheckpointWriteError
+from tidal.engine.export import export_run, load_export
 from tidal.engine.metrics import read_metrics
 from tidal.testing import run_on_ranks
 
@@ -56,6 +57,20 @@ def _fit(job: dict[str, Any], steps: int, resume: bool) -> None:
     job = copy.deepcopy(job)
     job["training"]["steps"] = steps
     Trainer(job).fit(resume=resume, overwrite=not resume)
+
+
+def _fit_and_logits(job: dict[str, Any], steps: int) -> torch.Tensor:
+    """Train on the ranks, then the trained sharded engine's logits on a fixed batch."""
+    job = copy.deepcopy(job)
+    job["training"]["steps"] = steps
+    trainer = Trainer(job)
+    trainer.fit(overwrite=True)
+    trainer.engine.model.eval()
+    with torch.no_grad():
+        return trainer.engine(EXPORT_BATCH).detach().clone()
+
+
+EXPORT_BATCH = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(5))
 
 
 def _losses(run_dir: Path) -> dict[int, float]:
@@ -118,3 +133,12 @@ def test_a_full_disk_keeps_the_previous_checkpoint(
     assert list_checkpoints(tmp_path) == before
     assert not [p for p in (tmp_path / "checkpoints").iterdir() if p.name.startswith(".")]
     load_model_state(before[-1][1])  # still whole
+
+
+def test_export_of_a_sharded_run_gives_the_engines_logits(tmp_path: Path) -> None:
+    logits = run_on_ranks(_fit_and_logits, world_size=2, args=(_job(tmp_path), HALF),
+                          timeout_s=180)  # fmt: skip
+    assert torch.equal(logits[0], logits[1])
+    model = load_export(export_run(tmp_path, out=tmp_path / "exported"))
+    with torch.no_grad():
+        torch.testing.assert_close(model(EXPORT_BATCH), logits[0], rtol=0, atol=1e-6)

@@ -7,10 +7,9 @@ more than the cases), and each test checks its own case's results.
 
 from __future__ import annotations
 
+import tempfile
 from collections.abc import Iterator
 from typing import Any
-
-import tempfile
 
 import pytest
 import torch
@@ -37,10 +36,12 @@ def _optimizer(**kw: Any) -> OptimizerConfig:
     return OptimizerConfig(lr=3e-3, warmup_steps=5, decay_steps=STEPS, **kw)
 
 
-def _batches(num: int = STEPS, *, batch: int = 4) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+def _batches(
+    num: int = STEPS, *, batch: int = 4, seq_len: int = 64
+) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     g = torch.Generator().manual_seed(1)
     for _ in range(num):
-        tokens = torch.randint(0, 256, (batch, 65), generator=g)
+        tokens = torch.randint(0, 256, (batch, seq_len + 1), generator=g)
         yield tokens[:, :-1], tokens[:, 1:]
 
 
@@ -68,7 +69,7 @@ def _sharded_run(case: dict[str, Any], budget: int | None) -> dict[str, Any]:
     )
     losses, per_step, min_bytes = [], [], 0
     accum = engine.grad_accum_steps
-    batches = list(_batches(STEPS * accum))
+    batches = list(_batches(STEPS * accum, seq_len=case.get("seq_len", 64)))
     for step in range(STEPS):
         before = engine.stats()
         total = torch.zeros(())
@@ -132,6 +133,9 @@ CASES: dict[str, dict[str, Any]] = {
     # staging and a few chunks' optimizer state; the rest of the state streams through disk.
     "nvme": {"nvme": True, "minimum": True},
     "nvme-bf16": {"nvme": True, "training": {"precision": "bf16"}},
+    # Short sequences: activations small beside the model data, so the minimum device budget
+    # is below what a rank keeps of the model (offloading and sharding compose).
+    "short": {"seq_len": 8, "minimum": True},
 }
 NVME_HOST_BUDGET = 700_000
 
@@ -157,7 +161,7 @@ def _one_process(case: dict[str, Any], engine_kind: str = "reference") -> tuple[
                              training=training, memory=MemoryConfig(),
                              chunk=ChunkConfig(size=TINY_CHUNK))  # fmt: skip
     accum = training.grad_accum_steps
-    batches = list(_batches(STEPS * accum))
+    batches = list(_batches(STEPS * accum, seq_len=case.get("seq_len", 64)))
     losses = []
     for step in range(STEPS):
         total = 0.0
@@ -190,7 +194,7 @@ def _assert_params_close(got: dict, want: dict, atol: float) -> None:
 
 @pytest.mark.parametrize("name", ["fp32", "fp32@minimum", "searched", "keep-gathered", "frozen",
                                   "sgd-accum-clip", "sgd-accum-clip@minimum", "nvme",
-                                  "nvme@minimum"])  # fmt: skip
+                                  "nvme@minimum", "short@minimum"])  # fmt: skip
 def test_matches_the_one_process_reference(sharded: dict[str, Any], name: str) -> None:
     want_losses, want_state = _one_process(CASES[name.split("@")[0]])
     got = sharded[name]
@@ -292,3 +296,10 @@ def test_disk_changes_nothing_but_where_state_lives(sharded: dict[str, Any]) -> 
             assert a["losses"] == b["losses"]
             for key, value in b["state"].items():
                 assert torch.equal(a["state"][key], value), key
+
+
+def test_device_budget_below_the_ranks_share_of_the_model(sharded: dict[str, Any]) -> None:
+    for rank_result in sharded["short@minimum"]:
+        stats = rank_result["stats"]
+        share_bytes = sum(stats["model_data_bytes"].values())  # params, grads, optimizer state
+        assert stats["peak_device_bytes"] <= rank_result["budget"] < share_bytes
