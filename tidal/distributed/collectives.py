@@ -31,8 +31,11 @@ class Collectives:
 
     def __init__(self, group: Any = None) -> None:
         self.group = group
-        self.rank = dist.get_rank(group)
-        self.world_size = dist.get_world_size(group)
+        # One process without a process group: the collectives are copies (the NVMe tier runs
+        # the sharded engine on one process).
+        self.local = group is None and not (dist.is_available() and dist.is_initialized())
+        self.rank = 0 if self.local else dist.get_rank(group)
+        self.world_size = 1 if self.local else dist.get_world_size(group)
         self.bytes_all_gathered = 0
         self.bytes_reduce_scattered = 0
         self.bytes_all_reduced = 0
@@ -48,6 +51,9 @@ class Collectives:
         assert output.numel() == shard.numel() * self.world_size, (output.shape, shard.shape)
         self.bytes_all_gathered += self._peer_bytes(output.nbytes)
         self.num_all_gathers += 1
+        if self.local:
+            output.copy_(shard)
+            return None
         return _all_gather(output, shard, group=self.group, async_op=async_op)
 
     def reduce_scatter(self, shard: torch.Tensor, full: torch.Tensor, *, async_op: bool) -> Any:
@@ -55,11 +61,16 @@ class Collectives:
         assert full.numel() == shard.numel() * self.world_size, (full.shape, shard.shape)
         self.bytes_reduce_scattered += self._peer_bytes(full.nbytes)
         self.num_reduce_scatters += 1
+        if self.local:
+            shard.copy_(full)
+            return None
         return _reduce_scatter(shard, full, group=self.group, async_op=async_op)
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> None:
         """Sum ``tensor`` over ranks in place (small tensors: norms, flags)."""
         self.bytes_all_reduced += 2 * tensor.nbytes * (self.world_size - 1) // self.world_size
+        if self.local:
+            return
         dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group)
 
     def stats(self) -> dict[str, int]:

@@ -17,12 +17,14 @@ Engine = ReferenceEngine | ChunkEngine
 
 def build_engine(model: nn.Module, job: JobConfig) -> Engine:
     """``engine = "reference"``: plain PyTorch; ``"chunk"``: parameters in chunks under budgets,
-    sharded over the ranks (ZeRO-3) when a process group of several ranks is initialised."""
+    sharded over the ranks (ZeRO-3) when a process group of several ranks is initialised, and
+    on one process when ``memory.nvme_dir`` asks for the disk tier."""
     if job.engine == "chunk":
         parts = dict(
             optimizer=job.optimizer, training=job.training, memory=job.memory, chunk=job.chunk
         )
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        several = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+        if several or job.memory.nvme_dir is not None:  # the NVMe tier is the sharded engine's
             return ShardedEngine(model, sharding=job.sharding, **parts)
         return ChunkEngine(model, **parts)
     return ReferenceEngine(model, optimizer=job.optimizer, training=job.training, memory=job.memory)

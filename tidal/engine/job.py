@@ -60,6 +60,12 @@ class JobConfig:
             "name",
             f"must be a non-empty name without '/', got {self.name!r}",
         )
+        require(
+            self.memory.nvme_dir is None or self.engine == "chunk",
+            "memory.nvme_dir",
+            "the NVMe tier holds chunks: set engine = 'chunk' (the reference engine keeps all "
+            "model data on the device)",
+        )
         seq_len = self.model.resolve().seq_len
         require(seq_len >= 2, "model.seq_len", f"must be >= 2, got {seq_len}")
 

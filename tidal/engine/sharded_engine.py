@@ -88,7 +88,7 @@ class ShardedEngine(ChunkEngine):
         device_tier, host_tier = super()._make_tiers(memory)
         # [Note: ranks decide alike] in tidal/sharding/store.py: one budget for every rank.
         for tier in (device_tier, host_tier):
-            if tier.budget_bytes is not None:
+            if tier.budget_bytes is not None and not self.comm.local:
                 smallest = torch.tensor([tier.budget_bytes], dtype=torch.int64)
                 dist.all_reduce(smallest, op=dist.ReduceOp.MIN, group=self.comm.group)
                 tier.budget_bytes = int(smallest.item())

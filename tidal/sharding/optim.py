@@ -274,7 +274,8 @@ class ShardedOptimizer:
         tier = self.store.device_tier
         done = self._pending[: len(self._pending) - keep]
         for index, work, full, out in done:
-            work.wait()
+            if work is not None:  # None: done already (one process)
+                work.wait()
             tier.free(full)
             out.div_(self.comm.world_size)
             grad = self.grads[index]
