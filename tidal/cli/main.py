@@ -34,6 +34,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not console.is_terminal:  # logs and CI: rich would fold tables at 80 columns
         console = Console(highlight=False, width=160)
     from tidal.config import ConfigError
+    from tidal.distributed.watchdog import EXIT_CODE as RANK_DIED_EXIT_CODE
+    from tidal.distributed.watchdog import RankDiedError
+    from tidal.engine.dist_checkpoint import CheckpointWriteError
     from tidal.memory.store import DeviceBudgetTooSmall
 
     try:
@@ -52,9 +55,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ConfigError, DeviceBudgetTooSmall, FileNotFoundError) as err:
         print(f"tidal: error: {err}", file=sys.stderr)
         return EXIT_BAD_INPUT
-    except FloatingPointError as err:
+    except (FloatingPointError, CheckpointWriteError) as err:
         print(f"tidal: run failed: {err}", file=sys.stderr)
         return EXIT_FAILED
+    except RankDiedError as err:  # [Note: dead ranks] in tidal/distributed/watchdog.py
+        print(str(err), file=sys.stderr)
+        return RANK_DIED_EXIT_CODE
     except KeyboardInterrupt:
         print(
             "tidal: interrupted; checkpoints already written are intact (continue with --resume)",

@@ -1,4 +1,5 @@
-"""Process groups and rank helpers (env.py); ``tidal train --nproc N`` (launch.py)."""
+"""Process groups and rank helpers (env.py); ``tidal train --nproc N`` (launch.py); a heartbeat
+that stops the job when a rank dies (watchdog.py)."""
 
 from tidal.distributed.env import (
     all_reduce_mean,
@@ -10,8 +11,17 @@ from tidal.distributed.env import (
     shutdown,
     world_size,
 )
+from tidal.distributed.watchdog import (
+    RankDiedError,
+    RankWatchdog,
+    WatchdogConfig,
+    start_watchdog,
+)
 
 __all__ = [
+    "RankDiedError",
+    "RankWatchdog",
+    "WatchdogConfig",
     "all_reduce_mean",
     "barrier",
     "gather_ints",
@@ -19,5 +29,6 @@ __all__ = [
     "is_main",
     "rank",
     "shutdown",
+    "start_watchdog",
     "world_size",
 ]

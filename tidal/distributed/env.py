@@ -4,6 +4,8 @@
 who it is through ``WORLD_SIZE``, ``RANK``, ``LOCAL_RANK``, ``MASTER_ADDR`` and ``MASTER_PORT``.
 :func:`init_from_env` turns that into the default process group. Every helper here also works
 without a group, as the one process of a world of one, so single-process code needs no branches.
+A group made here gets a :class:`~tidal.distributed.watchdog.RankWatchdog` until :func:`shutdown`,
+so a rank that dies stops the others instead of hanging them ([Note: dead ranks] in watchdog.py).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from tidal.config import ConfigError
+from tidal.distributed.watchdog import RankWatchdog, config_from_env, start_watchdog
 
 __all__ = [
     "all_reduce_mean",
@@ -29,6 +32,9 @@ __all__ = [
 
 _TORCHRUN_VARS = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
+# The watchdog of the group init_from_env made, stopped by shutdown(); None otherwise.
+_watchdog: RankWatchdog | None = None
+
 
 def _initialized() -> bool:
     return dist.is_available() and dist.is_initialized()
@@ -40,8 +46,11 @@ def init_from_env(*, device: torch.device, timeout_s: float = 600.0) -> bool:
     Idempotent: an existing group (a second call, a test harness, a user's own set-up) is kept.
     Without the variables, or with ``WORLD_SIZE=1``, nothing is set up and the answer is False.
     ``device`` picks the backend: NCCL for CUDA, whose rank then uses ``cuda:LOCAL_RANK``, gloo
-    otherwise. ``timeout_s`` bounds every collective, so a lost peer fails a rank, not hangs it.
+    otherwise. ``timeout_s`` bounds every collective, so a lost peer fails a rank, not hangs it;
+    the watchdog started with the group (``TIDAL_HEARTBEAT_S``, ``TIDAL_DEAD_AFTER_S``; 0 turns
+    it off) stops the job much sooner when a rank dies, naming it.
     """
+    global _watchdog
     if _initialized():
         return dist.get_world_size() > 1
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
@@ -64,13 +73,23 @@ def init_from_env(*, device: torch.device, timeout_s: float = 600.0) -> bool:
                 f"'cuda' or 'auto' (each rank takes cuda:LOCAL_RANK)",
             )
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    watchdog_config = config_from_env()  # read first: a bad value fails before any group
     backend = "nccl" if device.type == "cuda" else "gloo"
     dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+    if watchdog_config is not None:
+        _watchdog = start_watchdog(watchdog_config)
     return dist.get_world_size() > 1
 
 
 def shutdown() -> None:
-    """Leave the default process group, if any (the end of a torchrun process)."""
+    """Leave the default process group, if any (the end of a torchrun process).
+
+    First marks this rank done for the watchdog, so its peers never take its exit for a death.
+    """
+    global _watchdog
+    if _watchdog is not None:
+        _watchdog.stop(done=True)
+        _watchdog = None
     if _initialized():
         dist.destroy_process_group()
 

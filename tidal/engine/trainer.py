@@ -43,6 +43,7 @@ from tidal.data import Batch, BatchSampler, build_token_splits
 from tidal.distributed import all_reduce_mean, barrier, gather_ints, init_from_env
 from tidal.distributed import rank as current_rank
 from tidal.distributed import world_size as current_world_size
+from tidal.distributed.faults import maybe_inject
 from tidal.engine.build import build_engine
 from tidal.engine.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint
 from tidal.engine.checkpoint import save_checkpoint as write_checkpoint
@@ -209,6 +210,7 @@ class Trainer:
         timed = Throughput(flops_per_token=self.flops_per_token, peak_tflops=self._peak_tflops)
         last_record: dict[str, Any] | None = None
         for step in range(start_step + 1, steps + 1):
+            maybe_inject(step)  # TIDAL_FAULT_INJECT, a testing aid (tidal/distributed/faults.py)
             loss, step_s = self._train_step()
             self.tokens_seen += self.tokens_per_step
             self.train_time_s += step_s

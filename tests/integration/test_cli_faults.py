@@ -1,0 +1,85 @@
+"""A rank killed mid-run under ``tidal train --nproc 2`` ends the job, naming the rank.
+
+The fault comes from ``TIDAL_FAULT_INJECT`` (tidal/distributed/faults.py), a testing aid.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tidal.config import ConfigError
+from tidal.distributed.faults import Fault, maybe_inject, parse_fault
+
+REPO = Path(__file__).resolve().parents[2]
+
+# Four steps of the tiny model on synthetic tokens, no checkpoint.
+TINY_RUN = [
+    "--recipe", "tiny", "--no-plots",
+    "--set", "data.source=synthetic", "--set", "data.synthetic_num_tokens=20000",
+    "--set", "training.steps=4", "--set", "training.val_batches=1",
+    "--set", "training.log_every=1", "--set", "training.device=cpu",
+    "--set", "checkpoint.every_steps=0", "--set", "checkpoint.at_end=false",
+]  # fmt: skip
+
+BOUND_S = 60.0
+
+
+def test_a_killed_rank_ends_the_job_and_is_named(tmp_path: Path) -> None:
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "TIDAL_FAULT_INJECT": "kill:rank=1:step=2",
+        "TIDAL_HEARTBEAT_S": "0.1",
+        "TIDAL_DEAD_AFTER_S": "1.5",
+    }
+    argv = ["train", "--nproc", "2", *TINY_RUN, "--set", f"run_dir={tmp_path / 'run'}"]
+    start = time.monotonic()
+    result = subprocess.run(
+        [sys.executable, "-m", "tidal", *argv],
+        capture_output=True,
+        text=True,
+        timeout=2 * BOUND_S,  # a hang fails here rather than holding the suite
+        cwd=REPO,
+        env=env,
+        check=False,
+    )
+    elapsed = time.monotonic() - start
+    output = result.stdout + result.stderr
+    assert result.returncode != 0, output
+    assert elapsed < BOUND_S, output
+    # Named either by torchrun's report (it sees the SIGKILL and stops rank 0) or by rank 0's
+    # watchdog, whichever comes first.
+    root_cause = output.rpartition("Root Cause")[2]
+    named_by_torchrun = re.search(r"rank\s*:\s*1 \(local_rank: 1\)", root_cause) is not None
+    assert named_by_torchrun or "tidal: rank 1 stopped responding" in output, output
+    assert "step 1/4" in output and "step 2/4" not in output, output
+
+
+def test_fault_specs_parse_or_name_the_variable() -> None:
+    assert parse_fault("kill:rank=1:step=2") == Fault(action="kill", rank=1, step=2)
+    assert parse_fault("raise:step=7:rank=0") == Fault(action="raise", rank=0, step=7)
+    for spec, problem in [
+        ("explode:rank=1:step=2", "unknown action 'explode'"),
+        ("kill:rank=1", "needs both rank=N and step=N"),
+        ("kill:rank=one:step=2", "'rank=one' in"),
+        ("kill:rank=1:step=2:rank=3", "'rank=3' in"),
+    ]:
+        with pytest.raises(ConfigError, match=f"TIDAL_FAULT_INJECT: .*{problem}"):
+            parse_fault(spec)
+
+
+def test_a_fault_fires_on_its_rank_and_step_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    maybe_inject(1)  # unset: nothing
+    monkeypatch.setenv("TIDAL_FAULT_INJECT", "raise:rank=1:step=2")
+    maybe_inject(2)  # one process is rank 0
+    monkeypatch.setenv("TIDAL_FAULT_INJECT", "raise:rank=0:step=2")
+    maybe_inject(1)
+    with pytest.raises(RuntimeError, match="injected failure on rank 0 at step 2"):
+        maybe_inject(2)
