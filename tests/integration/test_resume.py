@@ -110,19 +110,20 @@ def test_twenty_steps_equal_ten_plus_resume_plus_ten(tmp_path: Path, engine: str
 
 _KILLED_WRITER = textwrap.dedent(
     """
-    import sys, time
+    import importlib, sys, time
     from pathlib import Path
-    import tidal.engine.checkpoint as ckpt
     from tidal.engine import Trainer
 
     run_dir, marker = Path(sys.argv[1]), Path(sys.argv[2])
+    ckpt = importlib.import_module(sys.argv[3])  # the module whose file writes are torn
+    torn_call = int(sys.argv[4])
     real_write = ckpt._write_tensor_file
     calls = []
 
     def write_then_hang(obj, path):
         calls.append(path)
         size = real_write(obj, path)
-        if len(calls) == 3:  # the first file of the second checkpoint
+        if len(calls) == torn_call:  # a file of the second checkpoint
             with open(path, "r+b") as f:
                 f.truncate(size // 2)  # a torn file, as a kill mid-write leaves it
             marker.touch()
@@ -130,17 +131,38 @@ _KILLED_WRITER = textwrap.dedent(
         return size
 
     ckpt._write_tensor_file = write_then_hang
-    overrides = sys.argv[3:] + [f"run_dir={run_dir}"]
+    overrides = sys.argv[5:] + [f"run_dir={run_dir}"]
     Trainer("tiny", overrides).fit()
     """
 )
 
 
-def test_sigkill_while_writing_a_checkpoint_keeps_the_previous_one(tmp_path: Path) -> None:
+# (module whose writes are torn, which call, overrides): the reference engine's model.pt of the
+# second checkpoint; the chunk engine's train_state.pt, after every rank wrote its DCP shards.
+KILLED = {
+    "reference": ("tidal.engine.checkpoint", 3, ()),
+    "chunk": ("tidal.engine.dist_checkpoint", 2, ENGINES["chunk"]),
+}
+
+
+@pytest.mark.parametrize("engine", KILLED)
+def test_sigkill_while_writing_a_checkpoint_keeps_the_previous_one(
+    tmp_path: Path, engine: str
+) -> None:
     run_dir, marker = tmp_path / "killed", tmp_path / "writing"
-    overrides = [*COMMON, "training.steps=10", "checkpoint.every_steps=5"]
+    module, torn_call, extra = KILLED[engine]
+    overrides = [*COMMON, "training.steps=10", "checkpoint.every_steps=5", *extra]
     proc = subprocess.Popen(
-        [sys.executable, "-c", _KILLED_WRITER, str(run_dir), str(marker), *overrides],
+        [
+            sys.executable,
+            "-c",
+            _KILLED_WRITER,
+            str(run_dir),
+            str(marker),
+            module,
+            str(torn_call),
+            *overrides,
+        ],  # fmt: skip
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
     )
@@ -166,8 +188,8 @@ def test_sigkill_while_writing_a_checkpoint_keeps_the_previous_one(tmp_path: Pat
     assert load_checkpoint(list_checkpoints(run_dir)[-1][1])["step"] == 5
 
     # Resuming from it gives exactly the run that was never killed, and cleans the torn folder.
-    _run(run_dir, 10, resume=True, extra=("checkpoint.every_steps=5",))
-    _run(tmp_path / "clean", 10, extra=("checkpoint.every_steps=5",))
+    _run(run_dir, 10, resume=True, extra=("checkpoint.every_steps=5", *extra))
+    _run(tmp_path / "clean", 10, extra=("checkpoint.every_steps=5", *extra))
     assert [p.name for p in (run_dir / "checkpoints").iterdir()] == [
         p.name for p in (tmp_path / "clean" / "checkpoints").iterdir()
     ]
