@@ -31,11 +31,14 @@ import torch
 
 __all__ = [
     "checkpoint_root",
+    "fsync_dir",
     "list_checkpoints",
     "latest_checkpoint",
     "load_checkpoint",
     "load_model_state",
     "save_checkpoint",
+    "swap_into_place",
+    "write_json_durable",
 ]
 
 _STEP_DIR_RE = re.compile(r"^step_(\d{8})$")
@@ -72,12 +75,22 @@ def _write_tensor_file(obj: Any, path: Path) -> int:
     return path.stat().st_size
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
+    """Make a folder's entries (a rename, a new file) durable."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def write_json_durable(path: Path, data: dict[str, Any], *, indent: int = 1) -> int:
+    """Write ``data`` as JSON and fsync it; returns the file's size."""
+    with path.open("w") as f:
+        f.write(json.dumps(data, indent=indent) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    return path.stat().st_size
 
 
 def save_checkpoint(
@@ -101,23 +114,25 @@ def save_checkpoint(
         "train_state.pt": _write_tensor_file(train_state, tmp / "train_state.pt"),
     }
     meta = {"format_version": _FORMAT_VERSION, "step": step, "file_bytes": sizes}
-    with (tmp / "meta.json").open("w") as f:
-        json.dump(meta, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
-    _fsync_dir(tmp)
+    write_json_durable(tmp / "meta.json", meta)
+    fsync_dir(tmp)
+    swap_into_place(tmp, final, root)
+    _prune(run_dir, keep)
+    return final
+
+
+def swap_into_place(tmp: Path, final: Path, root: Path) -> None:
+    """Rename the complete folder ``tmp`` to ``final`` (in ``root``), durably."""
     if final.exists():
         # The same step saved again (e.g. a finished run resumed): swap the folders so there is
         # never a moment without a complete checkpoint for this step.
-        old = root / f".old-step_{step:08d}-{os.getpid()}"
+        old = root / f".old-{final.name}-{os.getpid()}"
         final.rename(old)
         tmp.rename(final)
         shutil.rmtree(old)
     else:
         tmp.rename(final)
-    _fsync_dir(root)
-    _prune(run_dir, keep)
-    return final
+    fsync_dir(root)
 
 
 def _remove_stale_temporaries(root: Path) -> None:

@@ -19,7 +19,6 @@ checkpoint, which was never touched.
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import warnings
@@ -31,12 +30,14 @@ import torch
 import torch.distributed as dist
 
 from tidal.engine.checkpoint import (
-    _fsync_dir,
     _prune,
     _remove_stale_temporaries,
     _write_tensor_file,
     checkpoint_root,
+    fsync_dir,
     latest_checkpoint,
+    swap_into_place,
+    write_json_durable,
 )
 
 __all__ = [
@@ -97,7 +98,7 @@ def save_sharded_checkpoint(
             sizes = {"train_state.pt": _write_tensor_file(train_state, tmp / "train_state.pt")}
             _write_meta(tmp, {"format_version": FORMAT_VERSION, "step": step,
                               "file_bytes": sizes, **meta})  # fmt: skip
-            _swap_into_place(tmp, final, root)
+            swap_into_place(tmp, final, root)
         except OSError as exc:
             error = exc
     message = _from_rank0(None if error is None else _describe(error, step, run_dir))
@@ -121,22 +122,8 @@ def _dcp_save(tensors: dict[str, Any], path: Path) -> None:
 
 
 def _write_meta(folder: Path, meta: dict[str, Any]) -> None:
-    with (folder / "meta.json").open("w") as f:
-        json.dump(meta, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
-    _fsync_dir(folder)
-
-
-def _swap_into_place(tmp: Path, final: Path, root: Path) -> None:
-    if final.exists():  # the same step again (a finished run resumed): never without one
-        old = root / f".old-{final.name}-{os.getpid()}"
-        final.rename(old)
-        tmp.rename(final)
-        shutil.rmtree(old)
-    else:
-        tmp.rename(final)
-    _fsync_dir(root)
+    write_json_durable(folder / "meta.json", meta)
+    fsync_dir(folder)
 
 
 def _describe(error: BaseException, step: int, run_dir: str | Path) -> str:

@@ -45,7 +45,13 @@ from typing import Any
 import torch
 
 from tidal.config import ConfigError, from_dict, to_dict
-from tidal.engine.checkpoint import checkpoint_root, list_checkpoints, load_model_state
+from tidal.engine.checkpoint import (
+    checkpoint_root,
+    fsync_dir,
+    list_checkpoints,
+    load_model_state,
+    write_json_durable,
+)
 from tidal.engine.safetensors import read_safetensors, write_safetensors
 from tidal.models import GPT, GPTConfig, ModelConfig, build_gpt, num_params
 
@@ -266,19 +272,7 @@ def _check_out(out: Path) -> None:
 
 
 def _write_json(path: Path, data: dict[str, Any]) -> int:
-    with path.open("w") as f:
-        f.write(json.dumps(data, indent=2) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-    return path.stat().st_size
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    return write_json_durable(path, data, indent=2)
 
 
 def _write_files(folder: Path, state: dict, config: GPTConfig, info: dict[str, Any]) -> None:
@@ -292,10 +286,10 @@ def _write_files(folder: Path, state: dict, config: GPTConfig, info: dict[str, A
         files[f"{_HF_DIR}/{_MODEL_FILE}"] = write_safetensors(
             hf / _MODEL_FILE, to_hf_gpt2(state, config), metadata=metadata
         )
-        _fsync_dir(hf)
+        fsync_dir(hf)
     info["files"] = files
     _write_json(folder / _TIDAL_JSON, info)
-    _fsync_dir(folder)
+    fsync_dir(folder)
 
 
 def export_run(
@@ -335,7 +329,7 @@ def export_run(
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    _fsync_dir(out.parent)
+    fsync_dir(out.parent)
     return out
 
 
