@@ -352,6 +352,10 @@ class ChunkEngine(AccumulationCounter):
             else:
                 buffers[name].copy_(value)
         self.optimizer.load_state_dict(state["optimizer"])
+        self._restore_counters(state)
+
+    def _restore_counters(self, state: dict[str, Any]) -> None:
+        """The step counters and the loss scale of a state dict (or checkpoint extras)."""
         self.global_step = int(state["global_step"])
         self.micro_step = int(state["micro_step"])
         if self.loss_scale is not None and "loss_scale" in state:

@@ -30,7 +30,6 @@ from torch import nn
 from tidal.distributed.collectives import Collectives
 from tidal.engine.chunk_engine import ChunkEngine, _largest_module_bytes, _persistent_buffers
 from tidal.engine.config import MemoryConfig, OptimizerConfig, TrainingConfig
-from tidal.engine.loss_scale import LossScale
 from tidal.memory.config import ChunkConfig
 from tidal.memory.layout import ChunkLayout, default_chunk_size, plan_layout, unique_parameters
 from tidal.memory.nvme import NvmeTier
@@ -245,10 +244,7 @@ class ShardedEngine(ChunkEngine):
                 else:
                     buffers[name].copy_(value)
             self.optimizer.load_state_dict(state["optimizer"])
-        self.global_step = int(state["global_step"])
-        self.micro_step = int(state["micro_step"])
-        if self.loss_scale is not None and "loss_scale" in state:
-            self.loss_scale = LossScale(**state["loss_scale"])
+        self._restore_counters(state)
 
     # -- sharded checkpoints ([Note: checkpoint tensors] in tidal/sharding/state.py) ------------
 
@@ -284,7 +280,4 @@ class ShardedEngine(ChunkEngine):
             load(targets)
             self.optimizer.weights_loaded()
         self.optimizer.set_step_counts(extras["optimizer_steps"])
-        self.global_step = int(extras["global_step"])
-        self.micro_step = int(extras["micro_step"])
-        if self.loss_scale is not None and "loss_scale" in extras:
-            self.loss_scale = LossScale(**extras["loss_scale"])
+        self._restore_counters(extras)
