@@ -470,6 +470,11 @@ class ShardedOptimizer:
             for kind, shards in self.states.items():
                 _view(shards, piece).copy_(_flat_piece(saved[STATE_KEYS[kind]], piece))
 
+    def names_with_state(self) -> set[str]:
+        """The trainable parameters whose optimizer state has been written (all of them but
+        a lazy rule's before its first update)."""
+        return {e.name for i, e in enumerate(self._entries) if self._has_state[i]}
+
     def step_counts(self) -> dict[str, float]:
         """Each parameter's update count (torch's ``step``), the same on every rank."""
         return {e.name: float(self.steps[i]) for i, e in enumerate(self._entries) if self.steps}

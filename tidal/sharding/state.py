@@ -54,8 +54,7 @@ def sharded_tensors(optimizer: ShardedOptimizer) -> dict[str, Any]:
     store, rank = optimizer.store, optimizer.comm.rank
     masters = optimizer.masters
     tensors: dict[str, Any] = {}
-    written = {e.name for i, e in enumerate(optimizer._entries) if optimizer._has_state[i]}
-    trainable = {e.name for e in optimizer._entries}
+    written = optimizer.names_with_state()
     for index, spec in enumerate(store.layout.chunks):
         master = masters[index] if masters is not None else None
         weights = master if master is not None else store.shards[index]
@@ -63,7 +62,7 @@ def sharded_tensors(optimizer: ShardedOptimizer) -> dict[str, Any]:
             name = info.names[0]
             ranges = list(_ranges(optimizer, index, info.offset, info.numel))
             tensors[model_key(name)] = _sharded(weights, ranges, rank, info.numel)
-            if name in trainable and name in written:
+            if name in written:
                 for kind, shards in optimizer.states.items():
                     shard = shards[index]
                     assert shard is not None
