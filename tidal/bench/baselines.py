@@ -8,8 +8,9 @@ clipping, through the calling convention they share (``loss = engine(x, y)``,
 - ``pytorch``: tidal's reference engine (plain PyTorch, ``torch.optim.AdamW``);
 - ``tidal-chunk``: the chunk engine;
 - ``deepspeed``: DeepSpeed ZeRO-3 with parameters and optimizer state offloaded to the CPU and
-  DeepSpeedCPUAdam, one process, gloo. DeepSpeed is an optional extra (``pip install -e
-  .[baselines]``) and is imported only here, inside the function that builds it.
+  DeepSpeedCPUAdam, gloo: one process here; ``tidal bench dp`` builds it on each of N ranks
+  (:func:`build_deepspeed`). DeepSpeed is an optional extra (``pip install -e .[baselines]``)
+  and is imported only here, inside the function that builds it.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ __all__ = [
     "SYSTEMS",
     "TIDAL_CHUNK",
     "Run",
+    "build_deepspeed",
     "build_run",
     "deepspeed_config",
     "deepspeed_missing_reason",
@@ -80,7 +82,7 @@ def build_run(system: str, job: JobConfig) -> Run:
     num_params = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
     device = resolve_device(training.device)
     if system == DEEPSPEED:
-        engine = _build_deepspeed(model, job, device)
+        engine = build_deepspeed(model, job, device)
     elif system in (PYTORCH, TIDAL_CHUNK):
         engine_name = "reference" if system == PYTORCH else "chunk"
         engine = build_engine(model, _with_engine(job, engine_name))
@@ -135,16 +137,21 @@ def train_steps(run: Run, steps: int) -> tuple[list[float], list[float]]:
 # -- DeepSpeed -----------------------------------------------------------------------------------
 
 
-def deepspeed_config(job: JobConfig) -> dict[str, Any]:
-    """ZeRO-3 with parameters and optimizer state offloaded to the CPU, as the job trains."""
+def deepspeed_config(job: JobConfig, *, world_size: int = 1) -> dict[str, Any]:
+    """ZeRO-3 with parameters and optimizer state offloaded to the CPU, as the job trains;
+    ``training.batch_size`` is the global micro-batch, split equally over ``world_size`` ranks."""
     training = job.training
     if training.precision == "fp16":
         raise ValueError(
             "the DeepSpeed baseline runs fp32 or bf16 only (fp16 needs DeepSpeed's loss scaler, "
             "which tidal's fp16 path does not mirror)"
         )
+    if training.batch_size % world_size:
+        raise ValueError(
+            f"training.batch_size {training.batch_size} does not split over {world_size} ranks"
+        )
     return {
-        "train_micro_batch_size_per_gpu": training.batch_size,
+        "train_micro_batch_size_per_gpu": training.batch_size // world_size,
         "gradient_accumulation_steps": training.grad_accum_steps,
         "gradient_clipping": training.grad_clip_norm,
         "bf16": {"enabled": training.precision == "bf16"},
@@ -173,21 +180,26 @@ def _decay_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]
     ]
 
 
-def _build_deepspeed(model: nn.Module, job: JobConfig, device: torch.device) -> Any:
+def build_deepspeed(model: nn.Module, job: JobConfig, device: torch.device) -> Any:
+    """DeepSpeed's engine for ``model``: on the initialised process group's ranks, else alone."""
     reason = deepspeed_missing_reason()
     if reason is not None:
         raise RuntimeError(reason)
     if device.type == "cpu":
         # Without it DeepSpeed probes for accelerators and warns that it fell back to the CPU.
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    # One process is the whole world: the bench runs each case in a fresh process.
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(_free_port()),
-        RANK="0",
-        WORLD_SIZE="1",
-        LOCAL_RANK="0",
-    )
+    world_size = 1
+    if torch.distributed.is_initialized():  # DeepSpeed adopts the group the caller set up
+        world_size = torch.distributed.get_world_size()
+    else:
+        # One process is the whole world: the bench runs each case in a fresh process.
+        os.environ.update(
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(_free_port()),
+            RANK="0",
+            WORLD_SIZE="1",
+            LOCAL_RANK="0",
+        )
     import deepspeed
     from deepspeed.ops.adam import DeepSpeedCPUAdam
 
@@ -216,6 +228,9 @@ def _build_deepspeed(model: nn.Module, job: JobConfig, device: torch.device) -> 
         )
 
     engine, _, _, _ = deepspeed.initialize(
-        model=model, optimizer=optimizer, lr_scheduler=scheduler, config=deepspeed_config(job)
+        model=model,
+        optimizer=optimizer,
+        lr_scheduler=scheduler,
+        config=deepspeed_config(job, world_size=world_size),
     )
     return engine

@@ -101,6 +101,7 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
         "--warmup-steps", type=int, default=5, help="leading steps left out of the figures (5)"
     )
     _add_bench_offload(benches)
+    _add_bench_dp(benches)
 
 
 def _add_bench_offload(benches: argparse._SubParsersAction) -> None:
@@ -162,6 +163,52 @@ def _add_bench_offload(benches: argparse._SubParsersAction) -> None:
         metavar="DIR",
         help="write the JSON file here instead of benchmarks/results/",
     )
+
+
+def _add_bench_dp(benches: argparse._SubParsersAction) -> None:
+    dp = benches.add_parser(
+        "dp",
+        help="tidal's sharded chunks against DeepSpeed ZeRO-3 offload and FSDP2 offload on N ranks",
+        description="Each configuration (system, N ranks) runs in N fresh processes (gloo on the "
+        "CPU, cores // N threads per rank), all systems on the same GPT, seed, global batches "
+        "(split equally over the ranks), AdamW, schedule and clipping. perf: median step after "
+        "--warmup, tokens/s, final loss, peak RSS and RSS after warm-up per rank, ratios against "
+        "tidal at the same N (about 2 min on 2 CPU cores for demo). scale: on the largest --nproc "
+        "ranks, the deepest GPT (the recipe's width, batch of one 64-token sequence per rank, "
+        "synthetic data, 2 steps) each system trains with every rank's peak RSS within "
+        "--host-budget, by doubling then bisecting the depth (five or six probes per system, "
+        "about 4 min). DeepSpeed rows need the baselines extra (pip install -e .[baselines]); without it "
+        "they say so. Writes benchmarks/results/dp-*.json.",
+    )
+    dp.add_argument(
+        "--section", dest="sections", action="append", default=None, choices=("perf", "scale"),
+        help="run only this section (repeatable; default: both)",
+    )  # fmt: skip
+    dp.add_argument(
+        "--recipe", default="demo", metavar="NAME_OR_PATH",
+        help=_RECIPE_HELP + " (default demo); scale keeps its width and varies its depth",
+    )  # fmt: skip
+    dp.add_argument("--steps", type=int, default=10, help="steps per perf configuration (10)")
+    dp.add_argument(
+        "--warmup", type=int, default=3, help="leading perf steps left out of the median (3)"
+    )
+    dp.add_argument(
+        "--nproc", default="1,2", metavar="N[,N...]",
+        help="rank counts for perf; scale runs on the largest (default 1,2)",
+    )  # fmt: skip
+    dp.add_argument(
+        "--systems", default=None, metavar="NAME[,NAME...]",
+        help="a subset of tidal,deepspeed-zero3-offload,fsdp2-cpu-offload (default: all)",
+    )  # fmt: skip
+    dp.add_argument(
+        "--host-budget", default="1GiB", metavar="SIZE[,SIZE...]",
+        help="per-rank host budget(s) of the scale search, judged by each rank's peak RSS (1GiB)",
+    )  # fmt: skip
+    _add_overrides(dp, scope="; applies to every configuration of both sections")
+    dp.add_argument(
+        "--out", default=None, metavar="DIR",
+        help="write the JSON file here instead of benchmarks/results/",
+    )  # fmt: skip
 
 
 def _add_models(sub: argparse._SubParsersAction) -> None:

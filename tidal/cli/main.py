@@ -137,6 +137,8 @@ def _report(run_dir: str, console: Console) -> int:
 def _bench(args: argparse.Namespace, console: Console) -> int:
     if args.bench == "offload":
         return _bench_offload(args, console)
+    if args.bench == "dp":
+        return _bench_dp(args, console)
     from tidal.bench import bench_train, write_results
     from tidal.config import format_bytes
 
@@ -200,6 +202,58 @@ def _bench_offload(args: argparse.Namespace, console: Console) -> int:
         for line in cells:
             view.add_row(*line)
         console.print(view)
+    console.print(f"results: {path}")
+    return 0
+
+
+def _bench_dp(args: argparse.Namespace, console: Console) -> int:
+    from pathlib import Path
+
+    from tidal.bench.dp import (
+        SECTIONS,
+        TEARDOWN_FOOTNOTE,
+        DpSettings,
+        bench_dp,
+        has_teardown_errors,
+        table,
+        write_dp_results,
+    )
+    from tidal.bench.dp_systems import DP_SYSTEMS
+    from tidal.config import ConfigError, parse_bytes
+
+    def names(text: str) -> tuple[str, ...]:
+        return tuple(part.strip() for part in text.split(",") if part.strip())
+
+    try:
+        nprocs = tuple(int(n) for n in names(args.nproc))
+    except ValueError:
+        raise ConfigError("--nproc", f"expected numbers such as 1,2, got {args.nproc!r}") from None
+    settings = DpSettings(
+        sections=tuple(args.sections or SECTIONS),
+        recipe=args.recipe,
+        systems=names(args.systems) if args.systems else DP_SYSTEMS,
+        nprocs=nprocs,
+        steps=args.steps,
+        warmup_steps=args.warmup,
+        host_budgets_bytes=tuple(
+            parse_bytes(size, key="--host-budget") for size in names(args.host_budget)
+        ),
+        overrides=tuple(args.overrides),
+    )
+    rows = bench_dp(settings)
+    path = write_dp_results(settings, rows, folder=Path(args.out) if args.out else None)
+    for section in SECTIONS:
+        if section not in settings.sections:
+            continue
+        headers, cells = table(section, rows)
+        view = Table(title=f"tidal bench dp: {section}", title_justify="left")
+        for i, header in enumerate(headers):
+            view.add_column(header, justify="left" if i == 0 else "right")
+        for line in cells:
+            view.add_row(*line)
+        console.print(view)
+    if has_teardown_errors(rows):
+        console.print(TEARDOWN_FOOTNOTE)
     console.print(f"results: {path}")
     return 0
 

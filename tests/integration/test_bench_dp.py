@@ -1,0 +1,106 @@
+"""``tidal bench dp``: the results file of a small perf run, and the scale search's bracketing.
+Figures are checked for consistency, never for speed."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tidal.bench import dp
+from tidal.bench.dp import search_largest
+from tidal.bench.dp_systems import Case, tidal_budget_overrides
+from tidal.testing import RankFailure, RankOutcome
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_perf_section_through_the_cli(tmp_path: Path) -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "tidal", "bench", "dp", "--recipe", "tiny",
+         "--systems", "tidal,fsdp2-cpu-offload", "--nproc", "1,2", "--section", "perf",
+         "--steps", "2", "--warmup", "1", "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=300, cwd=REPO, check=False,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert "time vs tidal" in result.stdout
+    (path,) = tmp_path.glob("dp-*.json")
+    data = json.loads(path.read_text())
+    for key in ("command", "git_commit", "torch_version", "deepspeed_version", "device"):
+        assert key in data
+    assert data["settings"]["nprocs"] == [1, 2] and data["settings"]["steps"] == 2
+    rows = data["rows"]
+    assert [(r["system"], r["nproc"]) for r in rows] == [
+        ("tidal", 1), ("fsdp2-cpu-offload", 1), ("tidal", 2), ("fsdp2-cpu-offload", 2),
+    ]  # fmt: skip
+    for row in rows:
+        assert "error" not in row, (row["error"], result.stderr[-3000:])
+        assert row["section"] == "perf"
+        assert math.isfinite(row["median_step_s"]) and row["median_step_s"] > 0
+        assert len(row["peak_rss_bytes"]) == len(row["rss_after_warmup_bytes"]) == row["nproc"]
+        assert all(peak >= 0 for peak in row["peak_rss_bytes"])
+    # Same model, seed and global batches: the systems and world sizes train alike.
+    tidal_loss = rows[0]["final_loss"]
+    for row in rows:
+        assert row["final_loss"] == pytest.approx(tidal_loss, rel=1e-3)
+
+
+def _search(edge: int, *, start: int, limit: int, bisections: int) -> tuple[int | None, list[int]]:
+    probes: list[int] = []
+
+    def fits(n: int) -> bool:
+        probes.append(n)
+        return n <= edge
+
+    return search_largest(fits, start=start, limit=limit, bisections=bisections), probes
+
+
+def test_search_doubles_then_bisects() -> None:
+    largest, probes = _search(37, start=5, limit=1000, bisections=2)
+    assert probes == [5, 10, 20, 40, 30, 35]
+    assert largest == 35  # two bisections of (20, 40): coarse, never above the edge
+    largest, probes = _search(37, start=5, limit=1000, bisections=10)
+    assert largest == 37 and len(probes) == len(set(probes))
+
+
+def test_search_halves_from_a_guess_that_does_not_fit() -> None:
+    largest, probes = _search(6, start=40, limit=1000, bisections=3)
+    assert probes[:3] == [40, 20, 10] and largest == 6
+    assert _search(0, start=8, limit=1000, bisections=3) == (None, [8, 4, 2, 1])
+
+
+def test_search_stops_below_the_known_limit() -> None:
+    largest, probes = _search(10**6, start=3, limit=20, bisections=5)
+    assert largest == 19 and max(probes) == 19
+
+
+def test_tidal_budgets_leave_room_for_the_process() -> None:
+    device, host = tidal_budget_overrides(1000, 300, 0.1)
+    assert device == "memory.device_budget=100" and host == "memory.host_budget=600"
+    with pytest.raises(ValueError, match="leaves the host tier nothing"):
+        tidal_budget_overrides(1000, 950, 0.1)
+
+
+def test_a_failure_after_every_rank_reported_keeps_the_figures(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    def fake_run_on_ranks(fn: object, *, world_size: int, args: tuple, timeout_s: float) -> list:
+        (case,) = args
+        for rank in range(world_size - 1 if case.recipe == "crash" else world_size):
+            (Path(case.result_dir) / f"rank{rank}.json").write_text(json.dumps({"rank": rank}))
+        outcome = RankOutcome(1, "signal", -6, "killed by signal SIGABRT")
+        raise RankFailure([outcome], world_size)
+
+    monkeypatch.setattr(dp, "run_on_ranks", fake_run_on_ranks)
+    case = Case(system="tidal", recipe="tiny", overrides=(), steps=2, warmup_steps=1)
+    ranks = dp._run(case, 2, 10.0)
+    assert [r["rank"] for r in ranks] == [0, 1]
+    assert all("SIGABRT" in r["teardown_error"] for r in ranks)
+    # A rank that never wrote its figures did not finish: the configuration failed.
+    error = dp._run(dataclasses.replace(case, recipe="crash"), 2, 10.0)
+    assert error == "1 of 2 ranks failed: rank 1: killed by signal SIGABRT"
