@@ -91,6 +91,7 @@ def shutdown() -> None:
         _watchdog.stop(done=True)
         _watchdog = None
     if _initialized():
+        dist.barrier()  # see the teardown comment in tidal/testing/dist.py
         dist.destroy_process_group()
 
 
