@@ -115,12 +115,14 @@ def _rank_main(
     try:
         dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
         value = fn(*args)
+        _send(conn, ("ok", value))
         # Every rank reaches teardown before any tears its connections down: a rank destroying
         # its gloo group while a peer still used the pairs aborted the peer now and then
-        # ("terminate called without an active exception", about 1 run in 25).
-        dist.barrier()
+        # ("terminate called without an active exception", about 1 run in 25). A peer that
+        # failed instead makes the barrier raise, which is that peer's failure, not this one's.
+        with contextlib.suppress(RuntimeError):
+            dist.barrier()
         dist.destroy_process_group()
-        _send(conn, ("ok", value))
     except BaseException as exc:
         # Report before cleaning up: the parent must learn of the failure even if cleanup hangs.
         _send(conn, ("error", _describe(exc)))
