@@ -56,7 +56,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -64,11 +63,11 @@ from torch import nn
 
 from tidal.memory.chunk import Chunk, ChunkKind
 from tidal.memory.layout import ChunkLayout
-from tidal.memory.optim_rules import STATE_KEYS, UpdateRule
+from tidal.memory.optim_rules import STATE_KEYS, OptimizerEntry, UpdateRule, clip_coefficient
 from tidal.memory.store import ChunkStore
 from tidal.memory.tiers import Tier, TierKind
 
-__all__ = ["ChunkOptimizer", "MissingGradientError", "clip_coefficient", "make_master_chunks"]
+__all__ = ["ChunkOptimizer", "MissingGradientError", "make_master_chunks"]
 
 
 def make_master_chunks(
@@ -106,15 +105,6 @@ class MissingGradientError(RuntimeError):
     """A trainable parameter received no gradient in an accumulation window."""
 
 
-@dataclass(frozen=True, slots=True)
-class _Entry:
-    name: str
-    param: nn.Parameter
-    chunk: int
-    slot: int
-    decay: bool
-
-
 class ChunkOptimizer:
     """An optimizer whose state lives in chunks; call ``collect`` from the grad hook, then ``step``.
 
@@ -145,7 +135,7 @@ class ChunkOptimizer:
         self.weight_decay = weight_decay
         self.fused = True if fused is None else fused
         self._entries = [
-            _Entry(names[pid], param, *store.slot_of[pid], decay=decays(param))
+            OptimizerEntry(names[pid], param, *store.slot_of[pid], decay=decays(param))
             for pid, param in store.params.items()
             if param.requires_grad
         ]
@@ -516,7 +506,7 @@ class ChunkOptimizer:
             self._has_state[i] = True
 
     @staticmethod
-    def _view(chunks: list[Chunk | None] | list[Chunk], entry: _Entry) -> torch.Tensor:
+    def _view(chunks: list[Chunk | None] | list[Chunk], entry: OptimizerEntry) -> torch.Tensor:
         chunk = chunks[entry.chunk]
         assert chunk is not None, f"{entry.name} has no chunk of this kind"
         return chunk.view(entry.slot)
@@ -563,21 +553,6 @@ class ChunkOptimizer:
             for kind, chunks in self.states.items():
                 self._view(chunks, e).copy_(_saved(saved, STATE_KEYS[kind], e.name))
             self._has_state[i] = True
-
-
-def clip_coefficient(
-    norm: torch.Tensor, max_grad_norm: float, loss_scale: float
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The unscaled norm, and what to multiply the gradients by (None: nothing)."""
-    if loss_scale != 1.0:
-        norm = norm / loss_scale
-    coefficient = None
-    if max_grad_norm > 0:
-        # The reference's clip_grad_norm_ formula, so clipped gradients agree bit for bit.
-        coefficient = torch.clamp(max_grad_norm / (norm + 1e-6), max=1.0)
-    if loss_scale != 1.0:  # unscaling folded into the same multiply
-        coefficient = (1.0 if coefficient is None else coefficient) / loss_scale
-    return norm, None if coefficient is None else torch.as_tensor(coefficient)
 
 
 def _total_norm(norms: list[torch.Tensor]) -> torch.Tensor:

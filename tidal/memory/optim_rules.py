@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import ClassVar, Protocol
 
 import torch
+from torch import nn
 from torch.optim.adam import adam
 from torch.optim.sgd import sgd
 
@@ -30,9 +31,11 @@ from tidal.memory.chunk import ChunkKind
 __all__ = [
     "STATE_KEYS",
     "AdamRule",
+    "OptimizerEntry",
     "OptimizerSettings",
     "SgdRule",
     "UpdateRule",
+    "clip_coefficient",
     "make_rule",
 ]
 
@@ -204,3 +207,29 @@ def make_rule(settings: OptimizerSettings) -> UpdateRule:
             momentum=settings.momentum, dampening=settings.dampening, nesterov=settings.nesterov
         )
     raise ValueError(f"no update rule called {settings.name!r}; expected adamw, adam or sgd")
+
+
+@dataclass(frozen=True, slots=True)
+class OptimizerEntry:
+    """One trainable parameter as a chunk optimizer sees it: where it lives, whether it decays."""
+
+    name: str
+    param: nn.Parameter
+    chunk: int
+    slot: int
+    decay: bool
+
+
+def clip_coefficient(
+    norm: torch.Tensor, max_grad_norm: float, loss_scale: float
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The unscaled norm, and what to multiply the gradients by (None: nothing)."""
+    if loss_scale != 1.0:
+        norm = norm / loss_scale
+    coefficient = None
+    if max_grad_norm > 0:
+        # The reference's clip_grad_norm_ formula, so clipped gradients agree bit for bit.
+        coefficient = torch.clamp(max_grad_norm / (norm + 1e-6), max=1.0)
+    if loss_scale != 1.0:  # unscaling folded into the same multiply
+        coefficient = (1.0 if coefficient is None else coefficient) / loss_scale
+    return norm, None if coefficient is None else torch.as_tensor(coefficient)

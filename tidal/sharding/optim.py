@@ -34,8 +34,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from tidal.memory.optim import MissingGradientError, clip_coefficient
-from tidal.memory.optim_rules import STATE_KEYS, UpdateRule
+from tidal.memory.optim import MissingGradientError
+from tidal.memory.optim_rules import STATE_KEYS, OptimizerEntry, UpdateRule, clip_coefficient
 from tidal.memory.tiers import Tier
 from tidal.sharding.store import ShardedChunkStore
 from tidal.sharding.swap import ShardLists, StateSwapper
@@ -79,15 +79,6 @@ def make_master_shards(
 
 
 @dataclass(frozen=True, slots=True)
-class _Entry:
-    name: str
-    param: nn.Parameter
-    chunk: int
-    slot: int
-    decay: bool
-
-
-@dataclass(frozen=True, slots=True)
 class _Piece:
     """Entry ``entry``'s elements ``[param_start, param_start + numel)`` (flat), found at
     ``[start, start + numel)`` of chunk ``chunk``'s shard ([Note: updates on pieces])."""
@@ -127,7 +118,7 @@ class ShardedOptimizer:
         self.fused = True if fused is None else fused
         self.grads_in_params = False  # the engine's figures ask
         self._entries = [
-            _Entry(names[pid], param, *store.slot_of[pid], decay=decays(param))
+            OptimizerEntry(names[pid], param, *store.slot_of[pid], decay=decays(param))
             for pid, param in store.params.items()
             if param.requires_grad
         ]
@@ -154,7 +145,7 @@ class ShardedOptimizer:
         self.peak_transient_bytes = 0
         self.on_device: frozenset[int] = frozenset()
 
-    def _piece(self, i: int, e: _Entry) -> _Piece | None:
+    def _piece(self, i: int, e: OptimizerEntry) -> _Piece | None:
         info = self.store.layout.chunks[e.chunk].slots[e.slot]
         start, numel = self.store.shard_start(e.chunk), self.store.shard_numel(e.chunk)
         lo, hi = max(info.offset, start), min(info.offset + info.numel, start + numel)
