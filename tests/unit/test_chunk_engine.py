@@ -346,8 +346,12 @@ def test_bf16_parameters_with_fp32_masters() -> None:
     unlimited = _chunk(_tiny, size=TINY_CHUNK, precision="bf16")
     losses = _train(unlimited, _learnable(STEPS))
     assert losses[-1] < losses[0] - 1.0
+    # The chunk engine stores the weights themselves in bf16 (fp32 masters), autocast only
+    # computes in it, so the two differ by the rounding of the weights (2^-9 relative) as well
+    # as by autocast's own deviation. That deviation is the bound where it is large; on a CPU
+    # without native bf16 (AVX2: 8e-5 relative) the weights' rounding is, at 1e-3.
     for got, want in zip(losses, bf16, strict=True):
-        assert abs(got - want) <= max(4 * own, 1e-4) * want, (losses, bf16, own)
+        assert abs(got - want) <= max(4 * own, 1e-3) * want, (losses, bf16, own)
     minimum_bytes, _ = _probe(_tiny, _learnable(1), size=TINY_CHUNK, precision="bf16")
     tight = _chunk(_tiny, size=TINY_CHUNK, precision="bf16", budget=minimum_bytes)
     # Placement never changes the arithmetic: any budget gives the same losses.
