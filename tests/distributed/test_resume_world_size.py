@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import errno
+import json
 from pathlib import Path
 from typing import Any
 
@@ -113,6 +114,20 @@ def test_one_rank_then_two_under_a_budget(tmp_path: Path, reference: Path) -> No
     tight = _job(tmp_path, device_budget="2MiB")
     run_on_ranks(_fit, world_size=2, args=(tight, STEPS, True), timeout_s=180)
     _assert_continues(tmp_path, reference)
+
+
+def test_two_ranks_on_disk_then_one_on_disk(tmp_path: Path, reference: Path) -> None:
+    """Host memory for little more than staging on both sides: most shards live on the NVMe
+    tier, and the checkpoint reads and writes their pieces there ([Note: checkpoint pieces on
+    disk]), under another chunk layout on each side (the alignment follows the world size)."""
+    nvme_dir = str(tmp_path / "nvme")
+    run_on_ranks(_fit, world_size=2, timeout_s=180,
+                 args=(_job(tmp_path, host_budget=600_000, nvme_dir=nvme_dir), HALF, False))  # fmt: skip
+    job = _job(tmp_path, host_budget=1_200_000, nvme_dir=nvme_dir)
+    _fit(job, STEPS, resume=True)
+    _assert_continues(tmp_path, reference)
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["param_shards_on_nvme"] > 0 and summary["peak_host_bytes"] <= 1_200_000
 
 
 def test_a_full_disk_keeps_the_previous_checkpoint(

@@ -90,7 +90,9 @@ def _sharded_run(case: dict[str, Any], budget: int | None) -> dict[str, Any]:
     stats["min_device_bytes"] = min_bytes
     capacity = [(c.spec.capacity, c.num_bytes, c.index in engine.optimizer.trainable)
                 for c in engine.store.chunks]  # fmt: skip
+    plan = engine.swapper.plan if engine.swapper is not None else None
     return {
+        "plan": (sorted(plan.state), sorted(plan.params)) if plan is not None else None,
         "losses": losses,
         "per_step": per_step,
         "stats": stats,
@@ -101,10 +103,14 @@ def _sharded_run(case: dict[str, Any], budget: int | None) -> dict[str, Any]:
 
 
 def _disk(case: dict[str, Any]) -> dict[str, Any]:
-    """A host budget that keeps a few chunks' optimizer state in memory, the rest on disk."""
+    """A host budget that keeps a few chunks' optimizer state in memory, the rest on disk; or
+    (``"params"``) one so small that most parameter and gradient shards go to disk too."""
     if not case.get("nvme"):
         return {}
-    return {"host_budget": NVME_HOST_BUDGET, "nvme_dir": tempfile.gettempdir() + "/tidal-test-nvme"}
+    return {
+        "host_budget": _host_budget(case),
+        "nvme_dir": tempfile.gettempdir() + "/tidal-test-nvme",
+    }
 
 
 def _all_cases(cases: dict[str, dict[str, Any]]) -> dict[str, Any]:
@@ -133,11 +139,28 @@ CASES: dict[str, dict[str, Any]] = {
     # staging and a few chunks' optimizer state; the rest of the state streams through disk.
     "nvme": {"nvme": True, "minimum": True},
     "nvme-bf16": {"nvme": True, "training": {"precision": "bf16"}},
+    # Host memory for little more than staging: parameter and gradient shards on disk too.
+    "nvme-params": {"nvme": "params", "minimum": True},
+    "nvme-params-bf16": {"nvme": "params", "training": {"precision": "bf16"}},
+    "nvme-params-sgd-accum-clip": {
+        "nvme": "params",
+        "host_budget": 500_000,  # SGD's state is half of AdamW's: less staging, more in memory
+        "optimizer": {"name": "sgd", "momentum": 0.9, "nesterov": True},
+        "training": {"grad_accum_steps": 2, "grad_clip_norm": 0.05},
+    },
     # Short sequences: activations small beside the model data, so the minimum device budget
     # is below what a rank keeps of the model (offloading and sharding compose).
     "short": {"seq_len": 8, "minimum": True},
 }
 NVME_HOST_BUDGET = 700_000
+CASES_READ_AHEAD = 2  # memory.nvme_read_ahead's default
+NVME_PARAMS_HOST_BUDGET = 600_000  # staging is 544 KB per rank (the 64 KB embedding chunk's)
+
+
+def _host_budget(case: dict[str, Any]) -> int:
+    if case["nvme"] != "params":
+        return NVME_HOST_BUDGET
+    return case.get("host_budget", NVME_PARAMS_HOST_BUDGET)
 
 
 @pytest.fixture(scope="module")
@@ -194,7 +217,9 @@ def _assert_params_close(got: dict, want: dict, atol: float) -> None:
 
 @pytest.mark.parametrize("name", ["fp32", "fp32@minimum", "searched", "keep-gathered", "frozen",
                                   "sgd-accum-clip", "sgd-accum-clip@minimum", "nvme",
-                                  "nvme@minimum", "short@minimum"])  # fmt: skip
+                                  "nvme@minimum", "short@minimum", "nvme-params",
+                                  "nvme-params@minimum",
+                                  "nvme-params-sgd-accum-clip"])  # fmt: skip
 def test_matches_the_one_process_reference(sharded: dict[str, Any], name: str) -> None:
     want_losses, want_state = _one_process(CASES[name.split("@")[0]])
     got = sharded[name]
@@ -221,7 +246,7 @@ def test_bf16_matches_the_one_process_chunk_engine(sharded: dict[str, Any]) -> N
 
 
 def test_minimum_budget_is_respected_and_evicts(sharded: dict[str, Any]) -> None:
-    for name in ("fp32@minimum", "sgd-accum-clip@minimum", "nvme@minimum"):
+    for name in ("fp32@minimum", "sgd-accum-clip@minimum", "nvme@minimum", "nvme-params@minimum"):
         for rank_result in sharded[name]:
             stats = rank_result["stats"]
             assert stats["device_budget"] == rank_result["budget"]
@@ -291,11 +316,52 @@ def test_optimizer_state_streams_through_disk(sharded: dict[str, Any], name: str
 
 
 def test_disk_changes_nothing_but_where_state_lives(sharded: dict[str, Any]) -> None:
-    for with_disk, without in (("nvme", "fp32"), ("nvme-bf16", "bf16")):
+    for with_disk, without in (("nvme", "fp32"), ("nvme-bf16", "bf16"), ("nvme-params", "fp32"),
+                               ("nvme-params@minimum", "fp32"), ("nvme-params-bf16", "bf16"),
+                               ("nvme-params-sgd-accum-clip", "sgd-accum-clip")):  # fmt: skip
         for a, b in zip(sharded[with_disk], sharded[without], strict=True):
-            assert a["losses"] == b["losses"]
+            assert a["losses"] == b["losses"], with_disk
             for key, value in b["state"].items():
-                assert torch.equal(a["state"][key], value), key
+                assert torch.equal(a["state"][key], value), (with_disk, key)
+
+
+@pytest.mark.parametrize("name", ["nvme-params", "nvme-params-bf16", "nvme-params-sgd-accum-clip"])
+def test_parameter_and_gradient_shards_stream_through_disk(
+    sharded: dict[str, Any], name: str
+) -> None:
+    """Per step, a parameter shard on disk is read for the forward's gather, again for the
+    backward's, and (fp32, where it is the weights) by the update, then written; a gradient
+    shard is written once per micro-batch (read back to add to when accumulating) and read by
+    the update; optimizer state is read and written once."""
+    accum = CASES[name].get("training", {}).get("grad_accum_steps", 1)
+    for rank_result in sharded[name]:
+        stats, (state_on_disk, params_on_disk) = rank_result["stats"], rank_result["plan"]
+        assert state_on_disk == list(range(stats["num_chunks"]))  # every chunk's state
+        assert 0 < len(params_on_disk) < stats["num_chunks"]
+        assert stats["param_shards_on_nvme"] == len(params_on_disk)
+        shard_numel = {
+            i: capacity // WORLD for i, (capacity, _, _) in enumerate(rank_result["chunks"])
+        }
+        param_itemsize = 2 if "bf16" in name else 4
+        params = sum(shard_numel[i] * param_itemsize for i in params_on_disk)
+        grads = sum(shard_numel[i] * 4 for i in params_on_disk)
+        kinds = {"sgd": 1}.get(CASES[name].get("optimizer", {}).get("name"), 2)
+        kinds += "bf16" in name  # the masters
+        state = sum(shard_numel[i] * 4 * kinds for i in state_on_disk)
+        weights_read = params if param_itemsize == 4 else 0
+        gathers = accum + 1
+        per_step_reads = gathers * params + weights_read + (accum - 1) * grads + grads + state
+        per_step_writes = params + accum * grads + state
+        # The last step started reading what the next forward would gather first.
+        pending = stats["param_bytes_read_ahead"]
+        assert 0 < pending <= CASES_READ_AHEAD * max(shard_numel.values()) * param_itemsize
+        assert stats["bytes_from_nvme"] == STEPS * per_step_reads + pending
+        assert stats["bytes_to_nvme"] == params + state + STEPS * per_step_writes  # + the start
+        reads = stats["param_reads_ahead"] + stats["param_reads_on_demand"]
+        taken = STEPS * gathers * len(params_on_disk)
+        assert taken < reads <= taken + CASES_READ_AHEAD
+        assert stats["param_reads_ahead"] > stats["param_reads_on_demand"]
+        assert stats["peak_host_bytes"] <= _host_budget(CASES[name])
 
 
 def test_device_budget_below_the_ranks_share_of_the_model(sharded: dict[str, Any]) -> None:

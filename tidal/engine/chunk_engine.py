@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -27,6 +27,7 @@ from tidal.config import ConfigError, format_bytes
 from tidal.engine.accumulation import AccumulationCounter
 from tidal.engine.config import MemoryConfig, OptimizerConfig, TrainingConfig
 from tidal.engine.device import memory_bytes, peak_memory_bytes, resolve_device
+from tidal.engine.dist_checkpoint import CheckpointTensors, LoadTensors
 from tidal.engine.loss_scale import LossScale
 from tidal.engine.lr import WarmupCosine
 from tidal.memory.config import ChunkConfig
@@ -363,9 +364,8 @@ class ChunkEngine(AccumulationCounter):
 
     # -- sharded checkpoints ([Note: checkpoint tensors] in tidal/sharding/state.py) ------------
 
-    def checkpoint_state(self) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
-        """(tensors for torch.distributed.checkpoint, the small rest of the state, what
-        meta.json records: every key's numel, and each state-dict name's key and shape)."""
+    def checkpoint_state(self) -> CheckpointTensors:
+        """The state as flat per-parameter tensors for torch.distributed.checkpoint."""
         state = self.state_dict()
         canonical = {info.names[0] for spec in self.layout.chunks for info in spec.slots}
         tensors: dict[str, Any] = {}
@@ -381,7 +381,9 @@ class ChunkEngine(AccumulationCounter):
                     tensors[optim_key(name, key)] = value.reshape(-1)
         extras = {k: v for k, v in state.items() if k not in ("model", "optimizer")}
         extras["optimizer_steps"] = steps
-        return tensors, extras, self._checkpoint_meta(tensors)
+        return CheckpointTensors(
+            tensors=tensors, extras=extras, meta=self._checkpoint_meta(tensors)
+        )
 
     def _checkpoint_meta(self, tensors: dict[str, Any]) -> dict[str, Any]:
         model_state = self.model.state_dict(keep_vars=True)
@@ -392,7 +394,7 @@ class ChunkEngine(AccumulationCounter):
         }
 
     def restore_checkpoint(
-        self, load: Callable[[dict[str, Any]], None], extras: dict[str, Any], meta: dict[str, Any]
+        self, load: LoadTensors, extras: dict[str, Any], meta: dict[str, Any]
     ) -> None:
         """Load what :meth:`checkpoint_state` saved (at any world size) through ``load``."""
         targets = {key: torch.empty(numel) for key, numel in meta["numels"].items()}

@@ -207,21 +207,28 @@ class MemoryConfig:
             (see ``tidal.memory.tiers.resolve_budget``); unset: no limit. The reference engine
             keeps all model data on the device, so it refuses a model whose data exceeds it.
         host_budget: the same for host memory, where offloaded model data lives.
-        nvme_dir: a directory on a fast disk for the third tier: the chunk engine on several
-            ranks keeps there the fp32 master and optimizer-state shards that do not fit
-            ``host_budget`` and streams them through host memory at each step ([Note: nvme
-            tier] in tidal/memory/nvme.py). Unset: no disk tier.
+        nvme_dir: a directory on a fast disk for the third tier: the chunk engine keeps there
+            the model data that does not fit ``host_budget``: first fp32 master and
+            optimizer-state shards, streamed through host memory at each step, then, when the
+            host cannot hold even the parameter and gradient shards, those too, read ahead of
+            their gathers ([Note: nvme placement] in tidal/sharding/swap.py). Unset: no disk
+            tier.
         nvme_budget: the most bytes the run may keep under ``nvme_dir``; unset: no limit.
+        nvme_read_ahead: parameter shards on disk read ahead of the gathers that need them,
+            along the trace; each holds one shard of host memory while it waits.
     """
 
     device_budget: ByteSize | Literal["auto"] | None = None
     host_budget: ByteSize | Literal["auto"] | None = None
     nvme_dir: str | None = None
     nvme_budget: ByteSize | None = None
+    nvme_read_ahead: int = 2
 
     def __post_init__(self) -> None:
         if self.nvme_budget is not None:
             require(self.nvme_dir is not None, "nvme_budget", "needs memory.nvme_dir (where)")
+        require(self.nvme_read_ahead >= 0, "nvme_read_ahead",
+                f"must be >= 0, got {self.nvme_read_ahead}")  # fmt: skip
         for name in ("device_budget", "host_budget", "nvme_budget"):
             value = getattr(self, name)
             if isinstance(value, int):

@@ -22,9 +22,9 @@ from __future__ import annotations
 import os
 import shutil
 import warnings
-from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -42,7 +42,9 @@ from tidal.engine.checkpoint import (
 
 __all__ = [
     "FORMAT_VERSION",
+    "CheckpointTensors",
     "CheckpointWriteError",
+    "LoadTensors",
     "load_sharded_checkpoint",
     "read_model_state",
     "read_tensors",
@@ -54,6 +56,26 @@ FORMAT_VERSION = 2
 
 class CheckpointWriteError(OSError):
     """A checkpoint could not be written; the earlier ones are intact."""
+
+
+@dataclass(frozen=True, slots=True)
+class CheckpointTensors:
+    """What an engine gives a sharded checkpoint: the DCP tensors, the small rest of its state
+    (in ``train_state.pt``), what ``meta.json`` records (every key's numel, each state-dict
+    name's key and shape) and, when some tensors are not in memory, the DCP save planner that
+    reads them."""
+
+    tensors: dict[str, Any]
+    extras: dict[str, Any]
+    meta: dict[str, Any]
+    planner: Any = None
+
+
+class LoadTensors(Protocol):
+    """Loads a checkpoint's DCP tensors into ``targets`` in place (through ``planner``, a DCP
+    load planner, when given)."""
+
+    def __call__(self, targets: dict[str, Any], *, planner: Any = None) -> None: ...
 
 
 def _distributed() -> bool:
@@ -76,6 +98,7 @@ def save_sharded_checkpoint(
     train_state: dict[str, Any],
     meta: dict[str, Any],
     keep: int,
+    planner: Any = None,
 ) -> Path:
     """Write checkpoint ``step`` from every rank; see [Note: atomic sharded checkpoints]."""
     root = checkpoint_root(run_dir)
@@ -90,7 +113,7 @@ def save_sharded_checkpoint(
     final = root / f"step_{step:08d}"
     error = None
     try:
-        _dcp_save(tensors, tmp / "state")
+        _dcp_save(tensors, tmp / "state", planner)
     except Exception as exc:  # every rank sees DCP's error: a collective one
         error = exc
     if is_main and error is None:
@@ -113,12 +136,13 @@ def save_sharded_checkpoint(
     return final
 
 
-def _dcp_save(tensors: dict[str, Any], path: Path) -> None:
+def _dcp_save(tensors: dict[str, Any], path: Path, planner: Any) -> None:
     import torch.distributed.checkpoint as dcp
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # sharded-tensor deprecation notices
-        dcp.save(tensors, storage_writer=dcp.FileSystemWriter(str(path), sync_files=True))
+        dcp.save(tensors, storage_writer=dcp.FileSystemWriter(str(path), sync_files=True),
+                 planner=planner)  # fmt: skip
 
 
 def _write_meta(folder: Path, meta: dict[str, Any]) -> None:
@@ -156,12 +180,12 @@ def _root_cause(error: BaseException) -> str:
 
 def load_sharded_checkpoint(
     path: str | Path, meta: dict[str, Any]
-) -> tuple[dict[str, Any], Callable[[dict[str, Any]], None]]:
+) -> tuple[dict[str, Any], LoadTensors]:
     """(train_state, a function that loads DCP tensors into the given targets in place)."""
     path = Path(path)
     train_state = torch.load(path / "train_state.pt", map_location="cpu", weights_only=True)
 
-    def load(targets: dict[str, Any]) -> None:
+    def load(targets: dict[str, Any], *, planner: Any = None) -> None:
         import torch.distributed.checkpoint as dcp
 
         unknown = sorted(set(targets) - set(meta["numels"]))
@@ -169,7 +193,7 @@ def load_sharded_checkpoint(
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             dcp.load(targets, storage_reader=dcp.FileSystemReader(str(path / "state")),
-                     no_dist=not _distributed())  # fmt: skip
+                     planner=planner, no_dist=not _distributed())  # fmt: skip
 
     return train_state, load
 

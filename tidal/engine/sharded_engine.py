@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -30,16 +29,18 @@ from torch import nn
 from tidal.distributed.collectives import Collectives
 from tidal.engine.chunk_engine import ChunkEngine, _largest_module_bytes, _persistent_buffers
 from tidal.engine.config import MemoryConfig, OptimizerConfig, TrainingConfig
+from tidal.engine.dist_checkpoint import CheckpointTensors, LoadTensors
 from tidal.memory.config import ChunkConfig
 from tidal.memory.layout import ChunkLayout, default_chunk_size, plan_layout, unique_parameters
 from tidal.memory.nvme import NvmeTier
 from tidal.memory.optim_rules import make_rule
 from tidal.memory.tiers import Tier
 from tidal.sharding.config import ShardingConfig
+from tidal.sharding.disk_checkpoint import DiskLoadPlanner, DiskSavePlanner
 from tidal.sharding.optim import ShardedOptimizer, make_master_shards
 from tidal.sharding.state import sharded_tensors
 from tidal.sharding.store import ShardedChunkStore
-from tidal.sharding.swap import StateSwapper, plan_nvme
+from tidal.sharding.swap import ShardReader, StateSwapper, plan_nvme
 
 __all__ = ["ShardedEngine"]
 
@@ -109,35 +110,38 @@ class ShardedEngine(ChunkEngine):
                                   host_tier=self.host_tier, swapper=self.swapper)  # fmt: skip
 
     def _plan_disk(self, model: nn.Module, param_dtype: torch.dtype) -> StateSwapper | None:
-        """Which chunk indices keep their optimizer shards on the NVMe tier (none without
-        ``memory.nvme_dir``); see [Note: streamed optimizer] in tidal/sharding/swap.py."""
+        """Which chunk indices keep which shards on the NVMe tier (none without
+        ``memory.nvme_dir``); see [Note: nvme placement] in tidal/sharding/swap.py."""
         if self.memory.nvme_dir is None:
             return None
         self.nvme = NvmeTier(self.memory.nvme_dir, budget_bytes=self.memory.nvme_budget)
         trainable = {n for n, p in model.named_parameters() if p.requires_grad}
         kinds = len(make_rule(self.optimizer_config).state_kinds)
         kinds += 1 if param_dtype != torch.float32 else 0  # the masters
-        shard_numels = [spec.capacity // self.world_size for spec in self.layout.chunks]
+        numels = [spec.capacity // self.world_size for spec in self.layout.chunks]
         is_trainable = [any(i.names[0] in trainable for i in spec.slots)
                         for spec in self.layout.chunks]  # fmt: skip
-        fixed = sum(n * param_dtype.itemsize + (4 * n if t else 0)  # param and gradient shards
-                    for n, t in zip(shard_numels, is_trainable, strict=True))  # fmt: skip
-        indices = plan_nvme(
-            group_bytes=[
-                4 * kinds * n if t else 0 for n, t in zip(shard_numels, is_trainable, strict=True)
-            ],  # fmt: skip
-            fixed_host_bytes=fixed,
+        plan = plan_nvme(
+            state_bytes=[4 * kinds * n * t for n, t in zip(numels, is_trainable, strict=True)],
+            param_bytes=[n * param_dtype.itemsize for n in numels],
+            grad_bytes=[4 * n * t for n, t in zip(numels, is_trainable, strict=True)],
             host_budget_bytes=self.host_tier.budget_bytes,
-            has_nvme=True,
+            read_ahead=self.memory.nvme_read_ahead,
         )
-        return StateSwapper(self.nvme, self.host_tier, indices)
+        return StateSwapper(self.nvme, self.host_tier, plan)
 
     def _make_store(
         self, model: nn.Module, param_dtype: torch.dtype, chunk: ChunkConfig
     ) -> ShardedChunkStore:
+        reader = None
+        if self.swapper is not None and self.swapper.plan.params:
+            numels = [spec.capacity // self.world_size for spec in self.layout.chunks]
+            reader = ShardReader(self.swapper, numels=numels, dtype=param_dtype,
+                                 depth=self.memory.nvme_read_ahead)  # fmt: skip
         return ShardedChunkStore(
             model,
             comm=self.comm,
+            reader=reader,
             layout=self.layout,
             device_tier=self.device_tier,
             host_tier=self.host_tier,
@@ -208,12 +212,18 @@ class ShardedEngine(ChunkEngine):
             min_device_bytes=stats["min_device_bytes"] + transient,
             peak_gradient_buffer_bytes=transient,
             chunks_on_nvme=len(self.optimizer.on_disk),
+            param_shards_on_nvme=len(self.store.on_disk),
             **self.comm.stats(),
         )
         if self.nvme is not None:
             nvme = self.nvme.stats()
             stats.update(bytes_to_nvme=nvme["in_bytes"], bytes_from_nvme=nvme["out_bytes"],
                          peak_nvme_bytes=nvme["peak_bytes"], nvme_budget=nvme["budget_bytes"])  # fmt: skip
+        if self.store.reader is not None:
+            reader = self.store.reader
+            stats.update(param_reads_ahead=reader.num_read_ahead,
+                         param_reads_on_demand=reader.num_read_on_demand,
+                         param_bytes_read_ahead=reader.ahead_bytes)  # fmt: skip
         return stats
 
     # -- state: full (gathered) tensors, so any world size can load them ------------------------
@@ -233,27 +243,26 @@ class ShardedEngine(ChunkEngine):
         return {k: state[k] for k in self.model.state_dict(keep_vars=True)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.store.drop_gathered()  # stale once the shards change
-        self.store.wait_for_copies()
-        params = dict(self.model.named_parameters(remove_duplicate=False))
+        self._before_load()
         buffers = dict(_persistent_buffers(self.model))
-        with self.optimizer.all_resident(write_back=True):
-            for name, value in state["model"].items():
-                if name in params:
-                    self.optimizer.load_weights(params[name], value)
-                else:
-                    buffers[name].copy_(value)
-            self.optimizer.load_state_dict(state["optimizer"])
+        for name, value in state["model"].items():
+            if name in buffers:
+                buffers[name].copy_(value)
+        self.optimizer.load_full(state["model"], state["optimizer"])
         self._restore_counters(state)
+
+    def _before_load(self) -> None:
+        self.store.drop_gathered()  # stale once the shards change
+        self.store.drop_read_ahead()
+        self.store.wait_for_copies()
 
     # -- sharded checkpoints ([Note: checkpoint tensors] in tidal/sharding/state.py) ------------
 
-    def checkpoint_state(self) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
-        """This rank's pieces as ShardedTensors; the rest is the same on every rank."""
+    def checkpoint_state(self) -> CheckpointTensors:
+        """This rank's pieces as ShardedTensors (pieces on disk are read as DCP writes them);
+        the rest is the same on every rank."""
         self.store.wait_for_copies()
-        # Shards on disk are read for the checkpoint; the tensors keep them alive until written.
-        with self.optimizer.all_resident(write_back=False):
-            tensors = sharded_tensors(self.optimizer)
+        tensors, on_disk = sharded_tensors(self.optimizer)
         for name, buffer in _persistent_buffers(self.model):
             tensors[f"buffer/{name}"] = buffer.detach()
         extras: dict[str, Any] = {"global_step": self.global_step, "micro_step": self.micro_step,
@@ -263,21 +272,28 @@ class ShardedEngine(ChunkEngine):
         meta = self._checkpoint_meta(tensors)
         meta["numels"] = {key: int(t.size(0)) for key, t in tensors.items()}
         meta["world_size"] = self.world_size
-        return tensors, extras, meta
+        planner = None
+        if on_disk:
+            assert self.nvme is not None
+            planner = DiskSavePlanner(self.nvme, on_disk)
+        return CheckpointTensors(tensors=tensors, extras=extras, meta=meta, planner=planner)
 
     def restore_checkpoint(
-        self, load: Callable[[dict[str, Any]], None], extras: dict[str, Any], meta: dict[str, Any]
+        self, load: LoadTensors, extras: dict[str, Any], meta: dict[str, Any]
     ) -> None:
-        """Read this rank's pieces straight into its shards (any world size wrote them)."""
-        self.store.drop_gathered()  # stale once the shards change
-        self.store.wait_for_copies()
+        """Read this rank's pieces straight into its shards, in memory or on disk (any world
+        size wrote them)."""
+        self._before_load()
         saved = {key.split("/")[1] for key in meta["numels"] if key.startswith("optim/")}
         self.optimizer.set_written(saved)
-        with self.optimizer.all_resident(write_back=True):
-            targets = sharded_tensors(self.optimizer)
-            for name, buffer in _persistent_buffers(self.model):
-                targets[f"buffer/{name}"] = buffer.detach()
+        targets, on_disk = sharded_tensors(self.optimizer)
+        for name, buffer in _persistent_buffers(self.model):
+            targets[f"buffer/{name}"] = buffer.detach()
+        if on_disk:
+            assert self.nvme is not None
+            load(targets, planner=DiskLoadPlanner(self.nvme, on_disk))
+        else:
             load(targets)
-            self.optimizer.weights_loaded()
+        self.optimizer.weights_loaded()
         self.optimizer.set_step_counts(extras["optimizer_steps"])
         self._restore_counters(extras)

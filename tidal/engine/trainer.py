@@ -347,14 +347,15 @@ class Trainer:
         dist_checkpoint.py); the reference engine's replicas are written by rank 0. Returns the
         folder (None on ranks other than 0 for the reference engine)."""
         if hasattr(self.engine, "checkpoint_state"):
-            tensors, extras, meta = self.engine.checkpoint_state()
+            state = self.engine.checkpoint_state()
             return save_sharded_checkpoint(
                 self.run_dir,
                 self.engine.global_step,
-                tensors=tensors,
-                train_state=self._train_state(extras),
-                meta={**meta, "world_size": self.world_size},
+                tensors=state.tensors,
+                train_state=self._train_state(state.extras),
+                meta={**state.meta, "world_size": self.world_size},
                 keep=self.job.checkpoint.keep,
+                planner=state.planner,
             )
         path = None
         if self.rank == 0:
@@ -501,9 +502,20 @@ _CHUNK_FIGURES = (
     "min_device_bytes",
     "chunk_size",
     "num_chunks",
+    "host_budget",
+    "peak_host_bytes",
+    # sharded runs (rank 0's figures)
+    "bytes_all_gathered",
+    "bytes_reduce_scattered",
+    # the NVMe tier
+    "bytes_to_nvme",
+    "bytes_from_nvme",
+    "peak_nvme_bytes",
+    "chunks_on_nvme",
+    "param_shards_on_nvme",
 )
 
 
 def _engine_figures(stats: dict[str, Any]) -> dict[str, Any]:
-    """The engine's name and, for the chunk engine, its traffic and residency figures."""
+    """The engine's name and, for the chunk engines, their traffic and residency figures."""
     return {"engine": stats["engine"], **{k: stats[k] for k in _CHUNK_FIGURES if k in stats}}

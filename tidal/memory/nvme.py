@@ -1,18 +1,21 @@
 """The NVMe tier: chunk payloads in files of a directory, read and written by a thread pool.
 
 [Note: nvme tier]
-The third tier holds what is touched once per step: fp32 master and optimizer-state shards
-(AdamW's 12 of every 14 bytes of model data per parameter in bf16). Each payload gets its own
-file, created at its full size once and rewritten in place, so a step's traffic is plain
-``pwrite``/``preadv`` of whole payloads: the largest sequential requests a disk can serve, with
-no allocator or file-system metadata work in the steady state. Reads and writes run on a small
-thread pool (the GIL is released during the system calls), so the optimizer updates one chunk
-while the next is read and the previous one written ([Note: streamed optimizer] in
-tidal/sharding/optim.py). Like the other tiers it keeps a byte budget (``memory.nvme_budget``)
-that it refuses to exceed and counts what it holds and what crossed in and out of it. Files are
-removed when the tier closes (or the process ends); a crashed run leaves a folder named after
-its process that the next run in the same directory removes. Checkpoints never point into this
-folder: it is scratch space, not storage.
+The third tier holds what the host cannot: first what is touched once per step, fp32 master and
+optimizer-state shards (AdamW's 12 of every 14 bytes of model data per parameter in bf16), then,
+when the host is shorter still, parameter and gradient shards ([Note: nvme placement] in
+tidal/sharding/swap.py). Each payload gets its own file, created at its full size once and
+rewritten in place, so a step's traffic is plain ``pwrite``/``preadv`` of whole payloads: the
+largest sequential requests a disk can serve, with no allocator or file-system metadata work in
+the steady state. Checkpoints read and write ranges of those files (a rank's piece of one
+parameter). Reads and writes run on a small thread pool (the GIL is released during the system
+calls), so the optimizer updates one chunk while the next is read and the previous one written
+([Note: streamed optimizer]), and parameter shards are read while the model computes. Like the
+other tiers it keeps a byte budget (``memory.nvme_budget``) that it refuses to exceed and counts
+what it holds and what crossed in and out of it. Files are removed when the tier closes (or the
+process ends); a crashed run leaves a folder named after its process that the next run in the
+same directory removes. Checkpoints never point into this folder: it is scratch space, not
+storage.
 """
 
 from __future__ import annotations
@@ -60,23 +63,38 @@ class NvmeTier:
     def holds(self, key: str) -> bool:
         return key in self._files
 
-    def write(self, key: str, tensor: torch.Tensor) -> Future[None]:
-        """Start writing ``tensor`` (contiguous, CPU) to ``key``'s file; the caller keeps the
+    def write(
+        self, key: str, tensor: torch.Tensor, *, offset_bytes: int | None = None
+    ) -> Future[None]:
+        """Start writing ``tensor`` (contiguous, CPU) to ``key``'s file: the whole file, or with
+        ``offset_bytes`` a range inside a file written whole before. The caller keeps the
         tensor alive and unchanged until the future is done."""
         assert tensor.device.type == "cpu" and tensor.is_contiguous(), tensor.device
         num_bytes = tensor.nbytes
-        fd = self._file(key, num_bytes)
+        if offset_bytes is None:
+            fd, offset_bytes = self._file(key, num_bytes), 0
+        else:
+            fd = self._range(key, offset_bytes, num_bytes)
         self.bytes_in += num_bytes
-        view = memoryview(tensor.view(torch.uint8).numpy()) if num_bytes else memoryview(b"")
-        return self._pool.submit(_pwrite_all, fd, view)
+        return self._pool.submit(_pwrite_all, fd, _bytes_of(tensor), offset_bytes)
 
-    def read(self, key: str, out: torch.Tensor) -> Future[None]:
-        """Start reading ``key``'s file into ``out`` (contiguous, CPU, the size written)."""
-        fd, num_bytes = self._files[key]
-        assert out.nbytes == num_bytes and out.is_contiguous(), (out.nbytes, num_bytes)
-        self.bytes_out += num_bytes
-        view = memoryview(out.view(torch.uint8).numpy()) if num_bytes else memoryview(bytearray())
-        return self._pool.submit(_pread_all, fd, view)
+    def read(self, key: str, out: torch.Tensor, *, offset_bytes: int | None = None) -> Future[None]:
+        """Start reading ``key``'s file into ``out`` (contiguous, CPU): the whole file (``out``
+        has its size), or with ``offset_bytes`` the range of ``out``'s size there."""
+        assert out.device.type == "cpu" and out.is_contiguous(), out.device
+        if offset_bytes is None:
+            fd, num_bytes = self._files[key]
+            assert out.nbytes == num_bytes, (key, out.nbytes, num_bytes)
+            offset_bytes = 0
+        else:
+            fd = self._range(key, offset_bytes, out.nbytes)
+        self.bytes_out += out.nbytes
+        return self._pool.submit(_pread_all, fd, _bytes_of(out), offset_bytes)
+
+    def _range(self, key: str, offset_bytes: int, num_bytes: int) -> int:
+        fd, size = self._files[key]
+        assert offset_bytes >= 0 and offset_bytes + num_bytes <= size, (key, offset_bytes, size)
+        return fd
 
     def _file(self, key: str, num_bytes: int) -> int:
         if key in self._files:
@@ -110,16 +128,20 @@ class NvmeTier:
         shutil.rmtree(self.directory, ignore_errors=True)
 
 
-def _pwrite_all(fd: int, view: memoryview) -> None:
-    done = 0
-    while done < len(view):
-        done += os.pwrite(fd, view[done:], done)
+def _bytes_of(tensor: torch.Tensor) -> memoryview:
+    return memoryview(tensor.view(torch.uint8).numpy()) if tensor.nbytes else memoryview(b"")
 
 
-def _pread_all(fd: int, view: memoryview) -> None:
+def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:
     done = 0
     while done < len(view):
-        got = os.preadv(fd, [view[done:]], done)
+        done += os.pwrite(fd, view[done:], offset + done)
+
+
+def _pread_all(fd: int, view: memoryview, offset: int) -> None:
+    done = 0
+    while done < len(view):
+        got = os.preadv(fd, [view[done:]], offset + done)
         if got == 0:
             raise OSError(f"unexpected end of file after {done} of {len(view)} bytes")
         done += got

@@ -27,7 +27,9 @@ advance on every rank, holding a piece or not, so each rank can save them.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,7 +40,7 @@ from tidal.memory.optim import MissingGradientError
 from tidal.memory.optim_rules import STATE_KEYS, OptimizerEntry, UpdateRule, clip_coefficient
 from tidal.memory.tiers import Tier
 from tidal.sharding.store import ShardedChunkStore
-from tidal.sharding.swap import ShardLists, StateSwapper
+from tidal.sharding.swap import GRAD, GRAD_WRITES, PARAM, ShardList, StateSwapper
 
 MASTER = "master"  # the masters' name among the shard lists (the state kinds use torch's keys)
 
@@ -60,6 +62,7 @@ def make_master_shards(
     """
     params = dict(model.named_parameters(remove_duplicate=False))
     masters: list[torch.Tensor | None] = []
+    on_disk = swapper.plan.state if swapper is not None else frozenset()
     for spec in store_layout.chunks:
         if not any(params[info.names[0]].requires_grad for info in spec.slots):
             masters.append(None)
@@ -73,8 +76,8 @@ def make_master_shards(
                 flat = params[info.names[0]].detach().reshape(-1).float()
                 shard[lo - start : hi - start].copy_(flat[lo - info.offset : hi - info.offset])
         masters.append(shard)
-        if swapper is not None and spec.index in swapper.indices:
-            swapper.offload([(MASTER, masters)], spec.index)
+        if swapper is not None and spec.index in on_disk:
+            swapper.offload(ShardList(MASTER, masters, torch.float32, on_disk), spec.index)
     return masters
 
 
@@ -107,9 +110,10 @@ class ShardedOptimizer:
         swapper: StateSwapper | None = None,
     ) -> None:
         self.store = store
-        # [Note: streamed optimizer] in swap.py: the indices whose shards live on disk.
+        # [Note: nvme placement] in swap.py: the indices with shards on disk, at either level.
         self.swapper = swapper
         self.on_disk = swapper.indices if swapper is not None else frozenset()
+        self._state_on_disk = swapper.plan.state if swapper is not None else frozenset()
         self.max_pending = max_pending
         self.comm = store.comm
         self.rule = rule
@@ -123,6 +127,11 @@ class ShardedOptimizer:
             if param.requires_grad
         ]
         self.trainable = frozenset(e.chunk for e in self._entries)
+        self.grads_on_disk = store.on_disk & self.trainable
+        # Gradients on disk: the norm of each one's latest value (the step's clipping needs
+        # the global norm before it reads them back) and the writes in flight.
+        self._disk_grad_norms: dict[int, torch.Tensor] = {}
+        self._grad_writes: list[tuple[Future[None], torch.Tensor]] = []
         self._pieces = [p for i, e in enumerate(self._entries) if (p := self._piece(i, e))]
         self._piece_of = {p.entry: p for p in self._pieces}
         self.states = {kind: self._zero_shards(STATE_KEYS[kind]) for kind in rule.state_kinds}
@@ -133,9 +142,10 @@ class ShardedOptimizer:
             self.steps = []
         self._lazy = rule.lazy_state and bool(rule.state_kinds)
         self._has_state = [not self._lazy] * len(self._entries)
-        self._params_in = {i: 0 for i in self.trainable}  # trainable params per chunk index
-        for e in self._entries:
-            self._params_in[e.chunk] += 1
+        self._entries_in: dict[int, list[int]] = {}  # chunk index -> its entries
+        for i, e in enumerate(self._entries):
+            self._entries_in.setdefault(e.chunk, []).append(i)
+        self._params_in = {i: len(entries) for i, entries in self._entries_in.items()}
         self._arrived: dict[int, int] = {}  # chunk index -> gradients arrived this backward
         self._got_grad: set[int] = set()  # id(param) with a gradient since the last step
         self._full: dict[int, torch.Tensor] = {}  # chunk index -> its gradient, being collected
@@ -162,23 +172,54 @@ class ShardedOptimizer:
                 shard = tier.allocate(self.store.shard_numel(index), torch.float32)
                 shard.zero_()
             shards.append(shard)
-            if self.swapper is not None and index in self.on_disk:
-                self.swapper.offload([(name, shards)], index)
+            if self.swapper is not None and index in self._state_on_disk:
+                on_disk = ShardList(name, shards, torch.float32, self._state_on_disk)
+                self.swapper.offload(on_disk, index)
         return shards
 
-    def _lists(self) -> ShardLists:
-        lists: ShardLists = [(STATE_KEYS[kind], shards) for kind, shards in self.states.items()]
+    # -- shards on disk ([Note: nvme placement], [Note: streamed optimizer] in swap.py) ---------
+
+    def state_lists(self) -> list[ShardList]:
+        """The optimizer-state shard lists, by torch's state names."""
+        return [ShardList(STATE_KEYS[kind], shards, torch.float32, self._state_on_disk)
+                for kind, shards in self.states.items()]  # fmt: skip
+
+    def weight_list(self, index: int) -> ShardList:
+        """Where chunk ``index``'s full-precision weights live: its masters, if it has any,
+        else its parameter shards."""
+        if self.masters is not None and index in self.trainable:
+            return self._master_list()
+        return self.param_list()
+
+    def _master_list(self) -> ShardList:
+        assert self.masters is not None
+        return ShardList(MASTER, self.masters, torch.float32, self._state_on_disk)
+
+    def param_list(self) -> ShardList:
+        """The parameter shards; with masters, the update writes them without reading them."""
+        store = self.store
+        return ShardList(PARAM, store.shards, store.chunks[0].dtype, store.on_disk,
+                         read=self.masters is None)  # fmt: skip
+
+    def _step_lists(self) -> list[ShardList]:
+        """What the step streams: state, masters, gradients (read, not written back) and
+        parameter shards."""
+        lists = self.state_lists()
         if self.masters is not None:
-            lists.append((MASTER, self.masters))
+            lists.append(self._master_list())
+        lists.append(ShardList(GRAD, self.grads, torch.float32, self.grads_on_disk, write=False))
+        lists.append(self.param_list())
         return lists
 
-    def all_resident(self, *, write_back: bool) -> contextlib.AbstractContextManager[None]:
-        """Every shard in memory for the duration (checkpoints, full state dicts); see
-        [Note: streamed optimizer]."""
-        if self.swapper is None:
+    def in_memory(
+        self, index: int, lists: list[ShardList], *, write_back: bool = False
+    ) -> contextlib.AbstractContextManager[None]:
+        """``lists``' shards of ``index`` in memory for the duration, written back after if
+        ``write_back``."""
+        if self.swapper is None or index not in self.on_disk:
             return contextlib.nullcontext()
-        numels = {i: self.store.shard_numel(i) for i in self.on_disk}
-        return self.swapper.resident(self._lists(), numels, write_back=write_back)
+        numel = self.store.shard_numel(index)
+        return self.swapper.one(lists, index, numel, write_back=write_back)
 
     # -- placement and figures -------------------------------------------------------------------
 
@@ -270,7 +311,9 @@ class ShardedOptimizer:
             tier.free(full)
             out.div_(self.comm.world_size)
             grad = self.grads[index]
-            if grad is None:
+            if index in self.grads_on_disk:
+                self._spill_grad(index, out)
+            elif grad is None:
                 target = self.store.shard_tiers[index]
                 grad = self.grads[index] = target.allocate(out.numel(), torch.float32)
                 self._grad_tiers[index] = target
@@ -284,6 +327,32 @@ class ShardedOptimizer:
             self._transient_bytes -= full.nbytes + out.nbytes
         del self._pending[: len(done)]
 
+    def _spill_grad(self, index: int, reduced: torch.Tensor) -> None:
+        """Write a reduced gradient shard to disk (added to the one there when accumulating),
+        keeping its norm for the step ([Note: nvme placement] in swap.py)."""
+        assert self.swapper is not None
+        host, device = self.store.host_tier, self.store.device_tier
+        staging = host.allocate(reduced.numel(), torch.float32, own_mapping=False)
+        if index in self._disk_grad_norms:  # the same operations as for a gradient in memory
+            self.swapper.read_now(GRAD, index, staging)
+            staging.add_(reduced.to(staging.device))
+        else:
+            staging.copy_(reduced)
+        if device is not host:
+            device.record_move(out_bytes=reduced.nbytes)
+            host.record_move(in_bytes=reduced.nbytes)
+        self._disk_grad_norms[index] = torch._foreach_norm([staging], 2.0)[0]
+        self._grad_writes.append((self.swapper.write_async(GRAD, index, staging), staging))
+        if len(self._grad_writes) > GRAD_WRITES:
+            self._finish_grad_writes(keep=GRAD_WRITES)
+
+    def _finish_grad_writes(self, *, keep: int = 0) -> None:
+        done = self._grad_writes[: len(self._grad_writes) - keep]
+        for future, staging in done:
+            future.result()
+            self.store.host_tier.free(staging)
+        del self._grad_writes[: len(done)]
+
     def finish_backward(self) -> None:
         """Wait for this backward's reductions; every trainable chunk must have been reduced."""
         incomplete = [i for i in sorted(self.trainable) if i in self._full or i in self._arrived
@@ -291,6 +360,7 @@ class ShardedOptimizer:
         if incomplete:
             self._missing(incomplete)
         self._wait_reductions()
+        self._finish_grad_writes()
         self._arrived.clear()
 
     def _missing(self, indices: list[int]) -> None:
@@ -306,6 +376,8 @@ class ShardedOptimizer:
 
     def zero_grad(self) -> None:
         self._wait_reductions()
+        self._finish_grad_writes()
+        self._disk_grad_norms.clear()
         for index, grad in enumerate(self.grads):
             if grad is not None:
                 self._grad_tiers.pop(index).free(grad)
@@ -326,13 +398,17 @@ class ShardedOptimizer:
         nothing updated) when a gradient on any rank was not finite."""
         self.finish_backward()
         self.store.drop_gathered()  # stale once the shards change
+        self.store.drop_read_ahead()
         self.store.wait_for_copies()
-        absent = [i for i in sorted(self.trainable) if self.grads[i] is None]
+        absent = [i for i in sorted(self.trainable)
+                  if self.grads[i] is None and i not in self._disk_grad_norms]  # fmt: skip
         if absent:
             self._missing(absent)
         grads = [g for g in self.grads if g is not None]
-        norms = torch._foreach_norm(grads, 2.0) if grads else []
-        squares = torch.stack([n.double().cpu() ** 2 for n in norms]).sum()
+        norms = dict(zip((i for i, g in enumerate(self.grads) if g is not None),
+                         torch._foreach_norm(grads, 2.0) if grads else [], strict=True))  # fmt: skip
+        norms.update(self._disk_grad_norms)
+        squares = torch.stack([norms[i].double().cpu() ** 2 for i in sorted(norms)]).sum()
         self.comm.all_reduce_sum(squares)
         norm = squares.sqrt().float()
         if not torch.isfinite(norm):
@@ -346,8 +422,12 @@ class ShardedOptimizer:
         self._update_pieces(in_memory, lr)
         self._copy_masters(self.trainable - self.on_disk)
         if self.swapper is not None and self.on_disk:
-            numels = {i: self.store.shard_numel(i) for i in self.on_disk}
-            for index in self.swapper.stream(self._lists(), numels):
+            numels = {i: self.store.shard_numel(i) for i in self.on_disk & self.trainable}
+            for index in self.swapper.stream(self._step_lists(), numels):
+                grad = self.grads[index]
+                if coefficient is not None and index in self.grads_on_disk:
+                    assert grad is not None
+                    grad.mul_(coefficient.to(grad.device))
                 self._update_pieces([p for p in self._pieces if p.chunk == index], lr)
                 self._copy_masters({index})
         for i in range(len(self._entries)):
@@ -355,6 +435,7 @@ class ShardedOptimizer:
                 self.steps[i] += 1
             self._has_state[i] = True
         self.zero_grad()
+        self.store.read_ahead_from_start()
         return float(norm)
 
     def _update_pieces(self, pieces: list[_Piece], lr: float) -> None:
@@ -366,9 +447,9 @@ class ShardedOptimizer:
         if self.masters is None:
             return
         for index in indices:
-            master = self.masters[index]
-            assert master is not None
-            self.store.shards[index].copy_(master)
+            master, shard = self.masters[index], self.store.shards[index]
+            assert master is not None and shard is not None
+            shard.copy_(master)
 
     def _decays(self, piece: _Piece) -> bool:
         return self._entries[piece.entry].decay
@@ -406,15 +487,10 @@ class ShardedOptimizer:
 
     # -- full (unsharded) state: every rank calls these, they are collective --------------------
 
-    def _one_in_memory(self, index: int) -> contextlib.AbstractContextManager[None]:
-        if self.swapper is None:
-            return contextlib.nullcontext()
-        return self.swapper.one(self._lists(), index, self.store.shard_numel(index))
-
     def full_weights(self, index: int) -> torch.Tensor:
         """Chunk ``index``'s weights at full precision (masters where there are), gathered."""
         if self.masters is not None and index in self.trainable:
-            with self._one_in_memory(index):
+            with self.in_memory(index, [self._master_list()]):
                 master = self.masters[index]
                 assert master is not None
                 return self._gather(master)
@@ -430,7 +506,7 @@ class ShardedOptimizer:
         """torch's per-parameter keys (as the chunk optimizer's), gathered from every rank."""
         gathered: dict[Any, dict[int, torch.Tensor]] = {kind: {} for kind in self.states}
         for index in sorted(self.trainable):
-            with self._one_in_memory(index):
+            with self.in_memory(index, self.state_lists()):
                 for kind, shards in self.states.items():
                     shard = shards[index]
                     assert shard is not None
@@ -448,18 +524,42 @@ class ShardedOptimizer:
                 state[e.name] = saved
         return state
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Take this rank's pieces of a full state (any world size saved it)."""
+    def load_full(self, weights: dict[str, torch.Tensor], state: dict[str, Any]) -> None:
+        """Take this rank's pieces of full weights (``model.state_dict()`` names) and of a full
+        optimizer state (any world size saved them), a chunk index at a time."""
         for i, e in enumerate(self._entries):
             saved = state.get(e.name, {})
             if self.steps:
                 self.steps[i].copy_(saved["step"])
             self._has_state[i] = not self._lazy or bool(set(saved) - {"step"})
-            piece = self._piece_of.get(i)
-            if piece is None or not self._has_state[i]:
-                continue
-            for kind, shards in self.states.items():
-                _view(shards, piece).copy_(_flat_piece(saved[STATE_KEYS[kind]], piece))
+        lists = [*self.state_lists(), self.param_list()]
+        if self.masters is not None:
+            lists.append(self._master_list())
+        for index, spec in enumerate(self.store.layout.chunks):
+            with self.in_memory(index, lists, write_back=True):
+                for slot, info in enumerate(spec.slots):
+                    self._load_weights(index, slot, weights[info.names[0]])
+                for i in self._entries_in.get(index, []):
+                    piece = self._piece_of.get(i)
+                    if piece is None or not self._has_state[i]:
+                        continue
+                    saved = state[self._entries[i].name]
+                    for kind, shards in self.states.items():
+                        _view(shards, piece).copy_(_flat_piece(saved[STATE_KEYS[kind]], piece))
+
+    def _load_weights(self, index: int, slot: int, value: torch.Tensor) -> None:
+        """This rank's piece of a full weight into its master and parameter shards."""
+        info = self.store.layout.chunks[index].slots[slot]
+        start, numel = self.store.shard_start(index), self.store.shard_numel(index)
+        lo, hi = max(info.offset, start), min(info.offset + info.numel, start + numel)
+        if lo >= hi:
+            return
+        flat = value.reshape(-1)[lo - info.offset : hi - info.offset]
+        shard = self.store.shards[index]
+        assert shard is not None
+        shard[lo - start : hi - start].copy_(flat)
+        if self.masters is not None and (master := self.masters[index]) is not None:
+            master[lo - start : hi - start].copy_(flat)
 
     def names_with_state(self) -> set[str]:
         """The trainable parameters whose optimizer state has been written (all of them but
@@ -482,21 +582,16 @@ class ShardedOptimizer:
             self._has_state[i] = not self._lazy or e.name in names
 
     def weights_loaded(self) -> None:
-        """The masters changed under the parameter shards (a checkpoint): copy them over."""
-        self._copy_masters(self.trainable)
-
-    def load_weights(self, param: nn.Parameter, value: torch.Tensor) -> None:
-        """This rank's piece of a full weight into its master and parameter shards."""
-        index, slot = self.store.slot_of[id(param)]
-        info = self.store.layout.chunks[index].slots[slot]
-        start, numel = self.store.shard_start(index), self.store.shard_numel(index)
-        lo, hi = max(info.offset, start), min(info.offset + info.numel, start + numel)
-        if lo >= hi:
+        """The masters changed under the parameter shards (a checkpoint): copy them over,
+        streaming the indices on disk."""
+        if self.masters is None:
             return
-        flat = value.reshape(-1)[lo - info.offset : hi - info.offset]
-        self.store.shards[index][lo - start : hi - start].copy_(flat)
-        if self.masters is not None and (master := self.masters[index]) is not None:
-            master[lo - start : hi - start].copy_(flat)
+        self._copy_masters(self.trainable - self.on_disk)
+        if self.swapper is not None:
+            lists = [dataclasses.replace(self._master_list(), write=False), self.param_list()]
+            numels = {i: self.store.shard_numel(i) for i in self.on_disk & self.trainable}
+            for index in self.swapper.stream(lists, numels):
+                self._copy_masters({index})
 
 
 def _view(shards: list[torch.Tensor | None] | list[torch.Tensor], piece: _Piece) -> torch.Tensor:

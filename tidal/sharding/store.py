@@ -25,6 +25,11 @@ tidal/memory/store.py); only what a move means changes:
   a gather and the next optimizer step, and the step drops every gathered copy before it
   updates the shards (the copies would be stale).
 
+A shard the NVMe tier holds ([Note: nvme placement] in swap.py, level 3) is first read into
+host staging: ahead of time, while following the trace, for the chunks the next moments need
+that are not on the device (:meth:`ShardedChunkStore._read_ahead`), else on demand. The fetch
+copies it into this rank's own range of the chunk buffer and gathers in place.
+
 [Note: ranks decide alike]
 A collective needs every rank, so every rank must gather the same chunks in the same order.
 Placement decisions are a deterministic function of the model, the config (budgets are the
@@ -46,17 +51,26 @@ from tidal.distributed.collectives import Collectives
 from tidal.memory.chunk import Chunk, ChunkState
 from tidal.memory.store import ChunkStore
 from tidal.memory.tiers import Tier, TierBudgetError
+from tidal.sharding.swap import PARAM, ShardList, ShardReader
 
 __all__ = ["ShardedChunkStore"]
+
+# How far ahead of the current moment the trace is searched for shards to read from disk.
+READ_AHEAD_MOMENTS = 32
 
 
 class ShardedChunkStore(ChunkStore):
     """A :class:`ChunkStore` whose chunks are sharded over ranks; see [Note: sharded chunks]."""
 
-    def __init__(self, model: nn.Module, *, comm: Collectives, **kwargs: Any) -> None:
+    def __init__(
+        self, model: nn.Module, *, comm: Collectives, reader: ShardReader | None = None,
+        **kwargs: Any,
+    ) -> None:  # fmt: skip
         self.comm = comm
-        # Per chunk index: this rank's shard (a tier allocation) and the tier it is on.
-        self.shards: list[torch.Tensor] = []
+        self.reader = reader
+        # Per chunk index: this rank's shard (a tier allocation; None while on disk) and the
+        # tier it is on when in memory.
+        self.shards: list[torch.Tensor | None] = []
         self.shard_tiers: list[Tier] = []
         self._gathers: dict[int, Any] = {}  # chunk index -> work handle of its pending gather
         super().__init__(model, **kwargs)
@@ -77,8 +91,13 @@ class ShardedChunkStore(ChunkStore):
 
     @property
     def model_bytes(self) -> int:
-        """Bytes of parameters this rank keeps: its shards."""
-        return sum(shard.nbytes for shard in self.shards)
+        """Bytes of parameters this rank keeps: its shards (in memory or on disk)."""
+        return sum(self.shard_bytes(i) for i in range(len(self.chunks)))
+
+    @property
+    def on_disk(self) -> frozenset[int]:
+        """The chunk indices whose parameter shard lives on the NVMe tier."""
+        return self.reader.indices if self.reader is not None else frozenset()
 
     def _load_parameters(self, model: nn.Module) -> None:
         """Keep this rank's shard of every chunk; the chunks themselves start with no payload."""
@@ -95,6 +114,10 @@ class ShardedChunkStore(ChunkStore):
             shard.copy_(full.narrow(0, start, shard.numel()))
             self.shards.append(shard)
             self.shard_tiers.append(self.host_tier)
+            if chunk.index in self.on_disk:
+                assert self.reader is not None
+                shards = ShardList(PARAM, self.shards, chunk.dtype, self.on_disk)
+                self.reader.swapper.offload(shards, chunk.index)
         for pid, (index, slot) in self.slot_of.items():
             self.params[pid].data = self.chunks[index].device_view(slot, self.device_tier)
 
@@ -104,6 +127,7 @@ class ShardedChunkStore(ChunkStore):
         if tier is source:
             return
         shard = self.shards[index]
+        assert shard is not None, f"chunk {index}'s shard is on disk"
         self.wait_for_copies()  # a pending gather may still read it
         moved = tier.allocate(shard.numel(), shard.dtype)
         moved.copy_(shard)
@@ -123,8 +147,14 @@ class ShardedChunkStore(ChunkStore):
         full = chunk.payload
         assert full is not None
         shard = self.shards[index]
-        if shard.device != full.device:  # NCCL gathers device memory: stage it in place
-            own = full.narrow(0, self.shard_start(index), shard.numel())
+        own = full.narrow(0, self.shard_start(index), self.shard_numel(index))
+        if shard is None:  # on disk: read (or read ahead) into staging, gathered in place
+            assert self.reader is not None
+            staging = self.reader.take(index)
+            own.copy_(staging)  # blocking: the staging goes back right after
+            self.reader.release(staging)
+            shard = own
+        elif shard.device != full.device:  # NCCL gathers device memory: stage it in place
             own.copy_(shard, non_blocking=True)
             self.shard_tiers[index].record_move(out_bytes=shard.nbytes)
             shard = own
@@ -132,6 +162,33 @@ class ShardedChunkStore(ChunkStore):
         chunk.mark_filled()
         self.device_tier.record_move(in_bytes=chunk.num_bytes)
         self.num_fetches += 1
+
+    def _prefetch_next(self, moment: int, reserve_bytes: int) -> None:
+        super()._prefetch_next(moment, reserve_bytes)
+        if self.reader is not None:
+            self._read_ahead(moment)
+
+    def _read_ahead(self, moment: int) -> None:
+        """Start reading the shards on disk that the next moments will gather (those not on
+        the device now), in the order they are needed, while the reader has room."""
+        assert self.trace is not None and self.reader is not None
+        moments = self.trace.moments[moment + 1 : moment + 1 + READ_AHEAD_MOMENTS]
+        for upcoming in moments:
+            for index in sorted(upcoming.chunks & self.on_disk):
+                if self.reader.full:
+                    return
+                if not self.chunks[index].on_device:
+                    self.reader.request(index)
+
+    def read_ahead_from_start(self) -> None:
+        """Start reading what the next iteration gathers first (after a step wrote the shards)."""
+        if self.reader is not None and self.trace is not None and self.prefetch:
+            self._read_ahead(-1)
+
+    def drop_read_ahead(self) -> None:
+        """Forget the shards read ahead: the step or a load is about to change them."""
+        if self.reader is not None:
+            self.reader.drop()
 
     def _await_arrival(self, indices: Iterable[int]) -> None:
         for index in indices:
@@ -159,9 +216,15 @@ class ShardedChunkStore(ChunkStore):
     def full_chunk(self, index: int) -> torch.Tensor:
         """Chunk ``index`` gathered into a new host tensor (checkpoints, export); collective."""
         shard = self.shards[index]
+        staging = None
+        if shard is None:
+            assert self.reader is not None
+            shard = staging = self.reader.take(index)
         full = torch.empty(shard.numel() * self.comm.world_size, dtype=shard.dtype,
                            device=shard.device)  # fmt: skip
         self.comm.all_gather(full, shard, async_op=False)
+        if staging is not None:
+            self.reader.release(staging)  # type: ignore[union-attr]
         return full.cpu()
 
     def adopt_layout(self, *args: Any, **kwargs: Any) -> None:
