@@ -3,7 +3,7 @@
 Each rank keeps 1/N of every chunk ([Note: sharded chunks] in tidal/sharding/store.py) and of its
 optimizer state, gathers chunks before use under the same device budget, trace, eviction and
 prefetch as on one process, and reduce-scatters gradients ([Note: sharded gradients] in
-tidal/sharding/optim.py). The calling convention is the chunk engine's; each rank passes its own
+tidal/sharding/grads.py). The calling convention is the chunk engine's; each rank passes its own
 slice of the global batch.
 
 [Note: sharded iterations]

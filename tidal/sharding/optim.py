@@ -1,18 +1,4 @@
-"""The sharded optimizer: gradients reduce-scattered chunk by chunk, updates on this rank's shards.
-
-[Note: sharded gradients]
-A chunk's gradient is complete once the post-accumulate-grad hook has fired for every trainable
-parameter in it (each fires once per backward, after the parameter's last use). Gradients are
-copied into a transient fp32 buffer of the whole chunk on the device tier as they arrive; when
-the chunk is complete its buffer is reduce-scattered, asynchronously, into a shard-sized buffer,
-and the backward goes on while the reduction runs. :meth:`ShardedOptimizer.finish_backward`
-waits for every reduction, divides by the world size (each rank's loss is the mean over its
-slice of the global batch, so the mean of the ranks' gradients is the global batch's) and adds
-the result into this rank's fp32 gradient shard, so accumulation sums micro-batches exactly as
-on one process. Every rank completes its chunks in the same order (the same autograd graph),
-which is the order the collectives need ([Note: ranks decide alike] in store.py). Reductions
-run in fp32 whatever the parameters' precision: with bf16 parameter chunks each gradient is
-rounded once, as on one process, and the sum over ranks adds no rounding of its own.
+"""The sharded optimizer: updates on this rank's shards, with gradients from grads.py.
 
 [Note: updates on pieces]
 A shard cuts parameters anywhere, so this rank's part of a parameter is a *piece*: the flat
@@ -29,18 +15,17 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
-from tidal.memory.optim import MissingGradientError
 from tidal.memory.optim_rules import STATE_KEYS, OptimizerEntry, UpdateRule, clip_coefficient
 from tidal.memory.tiers import Tier
+from tidal.sharding.grads import ShardedGradients
 from tidal.sharding.store import ShardedChunkStore
-from tidal.sharding.swap import GRAD, GRAD_WRITES, PARAM, ShardList, StateSwapper
+from tidal.sharding.swap import PARAM, ShardList, StateSwapper
 
 MASTER = "master"  # the masters' name among the shard lists (the state kinds use torch's keys)
 
@@ -114,7 +99,6 @@ class ShardedOptimizer:
         self.swapper = swapper
         self.on_disk = swapper.indices if swapper is not None else frozenset()
         self._state_on_disk = swapper.plan.state if swapper is not None else frozenset()
-        self.max_pending = max_pending
         self.comm = store.comm
         self.rule = rule
         self.masters = masters
@@ -127,16 +111,11 @@ class ShardedOptimizer:
             if param.requires_grad
         ]
         self.trainable = frozenset(e.chunk for e in self._entries)
-        self.grads_on_disk = store.on_disk & self.trainable
-        # Gradients on disk: the norm of each one's latest value (the step's clipping needs
-        # the global norm before it reads them back) and the writes in flight.
-        self._disk_grad_norms: dict[int, torch.Tensor] = {}
-        self._grad_writes: list[tuple[Future[None], torch.Tensor]] = []
+        self.gradients = ShardedGradients(store, self._entries, max_pending=max_pending,
+                                          swapper=swapper)  # fmt: skip
         self._pieces = [p for i, e in enumerate(self._entries) if (p := self._piece(i, e))]
         self._piece_of = {p.entry: p for p in self._pieces}
         self.states = {kind: self._zero_shards(STATE_KEYS[kind]) for kind in rule.state_kinds}
-        self.grads: list[torch.Tensor | None] = [None] * len(store.chunks)
-        self._grad_tiers: dict[int, Tier] = {}  # where each present gradient shard was allocated
         self.steps = [torch.zeros((), dtype=torch.float32) for _ in self._entries]
         if not rule.counts_steps:
             self.steps = []
@@ -145,14 +124,6 @@ class ShardedOptimizer:
         self._entries_in: dict[int, list[int]] = {}  # chunk index -> its entries
         for i, e in enumerate(self._entries):
             self._entries_in.setdefault(e.chunk, []).append(i)
-        self._params_in = {i: len(entries) for i, entries in self._entries_in.items()}
-        self._arrived: dict[int, int] = {}  # chunk index -> gradients arrived this backward
-        self._got_grad: set[int] = set()  # id(param) with a gradient since the last step
-        self._full: dict[int, torch.Tensor] = {}  # chunk index -> its gradient, being collected
-        self._pending: list[tuple[int, Any, torch.Tensor, torch.Tensor]] = []
-        # Bytes of gradient buffers held on the device now, and the most held at once.
-        self._transient_bytes = 0
-        self.peak_transient_bytes = 0
         self.on_device: frozenset[int] = frozenset()
 
     def _piece(self, i: int, e: OptimizerEntry) -> _Piece | None:
@@ -207,7 +178,7 @@ class ShardedOptimizer:
         lists = self.state_lists()
         if self.masters is not None:
             lists.append(self._master_list())
-        lists.append(ShardList(GRAD, self.grads, torch.float32, self.grads_on_disk, write=False))
+        lists.append(self.gradients.shard_list())
         lists.append(self.param_list())
         return lists
 
@@ -250,146 +221,28 @@ class ShardedOptimizer:
         shards = [s for shards in self._shard_lists() for s in shards if s is not None]
         return sum(s.nbytes for s in shards) + 4 * len(self.steps)
 
-    @property
-    def grad_bytes(self) -> int:
-        return sum(g.nbytes for g in self.grads if g is not None)
-
-    def full_grad_bytes(self) -> int:
-        """The largest transient gradient buffer of one chunk (fp32, whole chunk)."""
-        return max((4 * self.store.chunks[i].spec.capacity for i in self.trainable), default=0)
-
-    # -- gradients ([Note: sharded gradients]) ---------------------------------------------------
+    # -- gradients ([Note: sharded gradients] in grads.py) --------------------------------------
 
     def collect(self, param: nn.Parameter) -> None:
-        grad = param.grad
-        assert grad is not None
-        index, slot = self.store.slot_of[id(param)]
-        full = self._full.get(index)
-        if full is None:
-            full = self._full[index] = self._allocate_full(index)
-        self.store.chunks[index].view_in(full, slot).copy_(grad)
-        param.grad = None
-        self._got_grad.add(id(param))
-        self._arrived[index] = arrived = self._arrived.get(index, 0) + 1
-        assert arrived <= self._params_in[index], f"a second gradient in one backward: {index}"
-        if arrived == self._params_in[index]:
-            self._reduce(index)
-
-    def _allocate_full(self, index: int) -> torch.Tensor:
-        tier, num_bytes = self.store.device_tier, 4 * self.store.chunks[index].spec.capacity
-        if not tier.can_fit(num_bytes):
-            self._wait_reductions()  # their buffers go
-        self.store.make_device_room(num_bytes)
-        full = tier.allocate(num_bytes // 4, torch.float32, own_mapping=False)
-        self._count_transient(full.nbytes)
-        return full.zero_()  # padding, and slots whose gradient comes later
-
-    def _reduce(self, index: int) -> None:
-        full = self._full.pop(index)
-        tier = self.store.device_tier
-        if not tier.can_fit(full.nbytes // self.comm.world_size):
-            self._wait_reductions()
-        self.store.make_device_room(full.nbytes // self.comm.world_size)
-        out = tier.allocate(full.numel() // self.comm.world_size, torch.float32, own_mapping=False)
-        self._count_transient(out.nbytes)
-        work = self.comm.reduce_scatter(out, full, async_op=True)
-        self._pending.append((index, work, full, out))
-        if len(self._pending) > self.max_pending:
-            self._wait_reductions(keep=self.max_pending)
-
-    def _count_transient(self, num_bytes: int) -> None:
-        self._transient_bytes += num_bytes
-        self.peak_transient_bytes = max(self.peak_transient_bytes, self._transient_bytes)
-
-    def _wait_reductions(self, *, keep: int = 0) -> None:
-        """Wait for all but the newest ``keep`` reductions, oldest first."""
-        tier = self.store.device_tier
-        done = self._pending[: len(self._pending) - keep]
-        for index, work, full, out in done:
-            if work is not None:  # None: done already (one process)
-                work.wait()
-            tier.free(full)
-            out.div_(self.comm.world_size)
-            grad = self.grads[index]
-            if index in self.grads_on_disk:
-                self._spill_grad(index, out)
-            elif grad is None:
-                target = self.store.shard_tiers[index]
-                grad = self.grads[index] = target.allocate(out.numel(), torch.float32)
-                self._grad_tiers[index] = target
-                grad.copy_(out)
-                if target is not tier:
-                    tier.record_move(out_bytes=out.nbytes)
-                    target.record_move(in_bytes=out.nbytes)
-            else:
-                grad.add_(out.to(grad.device))
-            tier.free(out)
-            self._transient_bytes -= full.nbytes + out.nbytes
-        del self._pending[: len(done)]
-
-    def _spill_grad(self, index: int, reduced: torch.Tensor) -> None:
-        """Write a reduced gradient shard to disk (added to the one there when accumulating),
-        keeping its norm for the step ([Note: nvme placement] in swap.py)."""
-        assert self.swapper is not None
-        host, device = self.store.host_tier, self.store.device_tier
-        staging = host.allocate(reduced.numel(), torch.float32, own_mapping=False)
-        if index in self._disk_grad_norms:  # the same operations as for a gradient in memory
-            self.swapper.read_now(GRAD, index, staging)
-            staging.add_(reduced.to(staging.device))
-        else:
-            staging.copy_(reduced)
-        if device is not host:
-            device.record_move(out_bytes=reduced.nbytes)
-            host.record_move(in_bytes=reduced.nbytes)
-        self._disk_grad_norms[index] = torch._foreach_norm([staging], 2.0)[0]
-        self._grad_writes.append((self.swapper.write_async(GRAD, index, staging), staging))
-        if len(self._grad_writes) > GRAD_WRITES:
-            self._finish_grad_writes(keep=GRAD_WRITES)
-
-    def _finish_grad_writes(self, *, keep: int = 0) -> None:
-        done = self._grad_writes[: len(self._grad_writes) - keep]
-        for future, staging in done:
-            future.result()
-            self.store.host_tier.free(staging)
-        del self._grad_writes[: len(done)]
+        self.gradients.collect(param)
 
     def finish_backward(self) -> None:
-        """Wait for this backward's reductions; every trainable chunk must have been reduced."""
-        incomplete = [i for i in sorted(self.trainable) if i in self._full or i in self._arrived
-                      and self._arrived[i] < self._params_in[i]]  # fmt: skip
-        if incomplete:
-            self._missing(incomplete)
-        self._wait_reductions()
-        self._finish_grad_writes()
-        self._arrived.clear()
-
-    def _missing(self, indices: list[int]) -> None:
-        missing = [e.name for e in self._entries
-                   if e.chunk in indices and id(e.param) not in self._got_grad]  # fmt: skip
-        raise MissingGradientError(
-            f"no gradient reached {', '.join(missing[:5])}"
-            + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
-            + " in this backward: sharded data parallelism reduces a chunk's gradients once all "
-            "of its trainable parameters have one (set requires_grad=False on parameters the "
-            "model does not use)"
-        )
+        self.gradients.finish_backward()
 
     def zero_grad(self) -> None:
-        self._wait_reductions()
-        self._finish_grad_writes()
-        self._disk_grad_norms.clear()
-        for index, grad in enumerate(self.grads):
-            if grad is not None:
-                self._grad_tiers.pop(index).free(grad)
-                self.grads[index] = None
-        for index in list(self._full):
-            full = self._full.pop(index)
-            self.store.device_tier.free(full)
-            self._transient_bytes -= full.nbytes
-        self._arrived.clear()
-        self._got_grad.clear()
-        for e in self._entries:
-            e.param.grad = None
+        self.gradients.zero()
+
+    @property
+    def grads(self) -> list[torch.Tensor | None]:
+        return self.gradients.shards
+
+    @property
+    def grad_bytes(self) -> int:
+        return self.gradients.num_bytes
+
+    @property
+    def peak_transient_bytes(self) -> int:
+        return self.gradients.peak_transient_bytes
 
     # -- the step ([Note: updates on pieces]) ----------------------------------------------------
 
@@ -400,14 +253,7 @@ class ShardedOptimizer:
         self.store.drop_gathered()  # stale once the shards change
         self.store.drop_read_ahead()
         self.store.wait_for_copies()
-        absent = [i for i in sorted(self.trainable)
-                  if self.grads[i] is None and i not in self._disk_grad_norms]  # fmt: skip
-        if absent:
-            self._missing(absent)
-        grads = [g for g in self.grads if g is not None]
-        norms = dict(zip((i for i, g in enumerate(self.grads) if g is not None),
-                         torch._foreach_norm(grads, 2.0) if grads else [], strict=True))  # fmt: skip
-        norms.update(self._disk_grad_norms)
+        norms = self.gradients.norms()
         squares = torch.stack([norms[i].double().cpu() ** 2 for i in sorted(norms)]).sum()
         self.comm.all_reduce_sum(squares)
         norm = squares.sqrt().float()
@@ -416,7 +262,7 @@ class ShardedOptimizer:
             return None
         norm, coefficient = clip_coefficient(norm, max_grad_norm, loss_scale)
         if coefficient is not None:
-            for grad in grads:
+            for grad in self.gradients.in_memory():
                 grad.mul_(coefficient.to(grad.device))
         in_memory = [p for p in self._pieces if p.chunk not in self.on_disk]
         self._update_pieces(in_memory, lr)
@@ -425,7 +271,7 @@ class ShardedOptimizer:
             numels = {i: self.store.shard_numel(i) for i in self.on_disk & self.trainable}
             for index in self.swapper.stream(self._step_lists(), numels):
                 grad = self.grads[index]
-                if coefficient is not None and index in self.grads_on_disk:
+                if coefficient is not None and index in self.gradients.on_disk:
                     assert grad is not None
                     grad.mul_(coefficient.to(grad.device))
                 self._update_pieces([p for p in self._pieces if p.chunk == index], lr)
