@@ -21,6 +21,7 @@ from tidal.config import ConfigError
 from tidal.engine import JobConfig, ReferenceEngine, Trainer, load_job
 from tidal.engine.build import Engine, build_engine
 from tidal.engine.chunk_engine import ChunkEngine
+from tidal.memory.materialize import ParameterValues
 
 __version__ = "0.1.0"
 
@@ -39,11 +40,22 @@ __all__ = [
 
 
 def initialize(
-    model: nn.Module, config: JobConfig | Mapping[str, Any] | str | Path | None = None
+    model: nn.Module,
+    config: JobConfig | Mapping[str, Any] | str | Path | None = None,
+    *,
+    init: ParameterValues | None = None,
 ) -> Engine:
     """Wrap ``model`` in the engine its config names (``engine = "reference" | "chunk"``).
 
     The reference engine moves the model to the training device; the chunk engine moves its
     parameters into chunks under ``memory.device_budget`` and ``memory.host_budget``.
+
+    A model too large to build whole can be built on the meta device and its values given as
+    ``init``: a function returning ``(name, value)`` pairs, one parameter at a time, which the
+    chunk engine streams into its chunks (every rank keeps only its shards); for tidal's GPT
+    presets, ``tidal.models.gpt_init(model, seed)``::
+
+        model = build_gpt(preset("gpt2-xl"), device="meta")   # shapes only
+        engine = tidal.initialize(model, config, init=gpt_init(model, seed=0))
     """
-    return build_engine(model, load_job(config))
+    return build_engine(model, load_job(config), init=init)

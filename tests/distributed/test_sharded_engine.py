@@ -21,7 +21,7 @@ from tidal.engine.chunk_engine import ChunkEngine
 from tidal.engine.config import MemoryConfig
 from tidal.engine.sharded_engine import ShardedEngine
 from tidal.memory.config import ChunkConfig
-from tidal.models import build_gpt, preset
+from tidal.models import build_gpt, gpt_init, preset
 from tidal.sharding.config import ShardingConfig
 from tidal.testing import run_on_ranks
 
@@ -59,8 +59,15 @@ def _model(frozen: bool = False) -> nn.Module:
 
 def _sharded_run(case: dict[str, Any], budget: int | None) -> dict[str, Any]:
     rank, world = dist.get_rank(), dist.get_world_size()
+    init = None
+    if case.get("deferred"):  # built on the meta device, values streamed into the shards
+        model = build_gpt(TINY, device="meta")
+        init = gpt_init(model, seed=0)
+    else:
+        model = _model(case.get("frozen", False))
     engine = ShardedEngine(
-        _model(case.get("frozen", False)),
+        model,
+        init=init,
         optimizer=_optimizer(**case.get("optimizer", {})),
         training=TrainingConfig(device="cpu", **case.get("training", {})),
         memory=MemoryConfig(device_budget=budget, **_disk(case)),
@@ -142,6 +149,7 @@ CASES: dict[str, dict[str, Any]] = {
     # Host memory for little more than staging: parameter and gradient shards on disk too.
     "nvme-params": {"nvme": "params", "minimum": True},
     "nvme-params-bf16": {"nvme": "params", "training": {"precision": "bf16"}},
+    "deferred-nvme-params": {"nvme": "params", "deferred": True},
     "nvme-params-sgd-accum-clip": {
         "nvme": "params",
         "host_budget": 500_000,  # SGD's state is half of AdamW's: less staging, more in memory
@@ -218,8 +226,8 @@ def _assert_params_close(got: dict, want: dict, atol: float) -> None:
 @pytest.mark.parametrize("name", ["fp32", "fp32@minimum", "searched", "keep-gathered", "frozen",
                                   "sgd-accum-clip", "sgd-accum-clip@minimum", "nvme",
                                   "nvme@minimum", "short@minimum", "nvme-params",
-                                  "nvme-params@minimum",
-                                  "nvme-params-sgd-accum-clip"])  # fmt: skip
+                                  "nvme-params@minimum", "nvme-params-sgd-accum-clip",
+                                  "deferred-nvme-params"])  # fmt: skip
 def test_matches_the_one_process_reference(sharded: dict[str, Any], name: str) -> None:
     want_losses, want_state = _one_process(CASES[name.split("@")[0]])
     got = sharded[name]
@@ -318,7 +326,8 @@ def test_optimizer_state_streams_through_disk(sharded: dict[str, Any], name: str
 def test_disk_changes_nothing_but_where_state_lives(sharded: dict[str, Any]) -> None:
     for with_disk, without in (("nvme", "fp32"), ("nvme-bf16", "bf16"), ("nvme-params", "fp32"),
                                ("nvme-params@minimum", "fp32"), ("nvme-params-bf16", "bf16"),
-                               ("nvme-params-sgd-accum-clip", "sgd-accum-clip")):  # fmt: skip
+                               ("nvme-params-sgd-accum-clip", "sgd-accum-clip"),
+                               ("deferred-nvme-params", "fp32")):  # fmt: skip
         for a, b in zip(sharded[with_disk], sharded[without], strict=True):
             assert a["losses"] == b["losses"], with_disk
             for key, value in b["state"].items():

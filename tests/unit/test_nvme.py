@@ -50,13 +50,17 @@ def test_budget_refuses_a_file_that_does_not_fit(tmp_path: Path) -> None:
 
 
 def test_folders_of_dead_runs_are_removed(tmp_path: Path) -> None:
-    dead = tmp_path / "tidal-999999999"  # no such process
+    dead = tmp_path / "tidal-999999999-abc"  # no such process
     dead.mkdir()
     (dead / "exp_avg-000001").write_bytes(b"x" * 10)
-    alive = tmp_path / f"tidal-{os.getppid()}"
+    alive = tmp_path / f"tidal-{os.getppid()}-xyz"
     alive.mkdir()
     nvme = NvmeTier(tmp_path, budget_bytes=None)
     assert not dead.exists() and alive.exists()
+    other = NvmeTier(tmp_path, budget_bytes=None)  # a second tier of this process
+    assert other.directory != nvme.directory and nvme.directory.exists()
+    other.close()
+    assert nvme.directory.exists()
     nvme.close()
 
 

@@ -9,22 +9,33 @@ from tidal.engine.chunk_engine import ChunkEngine
 from tidal.engine.job import JobConfig
 from tidal.engine.reference import ReferenceEngine
 from tidal.engine.sharded_engine import ShardedEngine
+from tidal.memory.materialize import ParameterValues
 
 __all__ = ["Engine", "build_engine"]
 
 Engine = ReferenceEngine | ChunkEngine
 
 
-def build_engine(model: nn.Module, job: JobConfig) -> Engine:
+def build_engine(
+    model: nn.Module, job: JobConfig, *, init: ParameterValues | None = None
+) -> Engine:
     """``engine = "reference"``: plain PyTorch; ``"chunk"``: parameters in chunks under budgets,
     sharded over the ranks (ZeRO-3) when a process group of several ranks is initialised, and
-    on one process when ``memory.nvme_dir`` asks for the disk tier."""
+    on one process when ``memory.nvme_dir`` asks for the disk tier. ``init``: the values of a
+    model built on the meta device ([Note: deferred construction] in
+    tidal/memory/materialize.py)."""
     if job.engine == "chunk":
         parts = dict(
-            optimizer=job.optimizer, training=job.training, memory=job.memory, chunk=job.chunk
+            optimizer=job.optimizer,
+            training=job.training,
+            memory=job.memory,
+            chunk=job.chunk,
+            init=init,
         )
         several = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
         if several or job.memory.nvme_dir is not None:  # the NVMe tier is the sharded engine's
             return ShardedEngine(model, sharding=job.sharding, **parts)
         return ChunkEngine(model, **parts)
-    return ReferenceEngine(model, optimizer=job.optimizer, training=job.training, memory=job.memory)
+    return ReferenceEngine(
+        model, optimizer=job.optimizer, training=job.training, memory=job.memory, init=init
+    )

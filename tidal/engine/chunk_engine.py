@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -34,6 +34,7 @@ from tidal.memory.config import ChunkConfig
 from tidal.memory.functional import FunctionalUses
 from tidal.memory.hooks import OUTPUT_ONLY_HOOK_WARNING, install_hooks
 from tidal.memory.layout import ChunkLayout, default_chunk_size, plan_layout, unique_parameters
+from tidal.memory.materialize import ParameterValues, check_buffers, meta_parameters, values_of
 from tidal.memory.optim import ChunkOptimizer, make_master_chunks
 from tidal.memory.optim_rules import make_rule
 from tidal.memory.policy import simulate
@@ -57,10 +58,12 @@ class ChunkEngine(AccumulationCounter):
         training: TrainingConfig,
         memory: MemoryConfig,
         chunk: ChunkConfig,
+        init: ParameterValues | None = None,
     ) -> None:
         self.device = resolve_device(training.device)
         self.precision = training.precision
         self.model = model
+        self._init = _check_init(model, init)
         _move_buffers(model, self.device)
         self.device_tier, self.host_tier = self._make_tiers(memory)
         self.layout = self._plan_layout(model, chunk)
@@ -106,10 +109,14 @@ class ChunkEngine(AccumulationCounter):
     def _plan_layout(self, model: nn.Module, chunk: ChunkConfig) -> ChunkLayout:
         return _layout(model, chunk)
 
+    def _values(self) -> Iterable[tuple[str, torch.Tensor]]:
+        """The parameters' values, one pass ([Note: deferred construction] in materialize.py)."""
+        return self._init() if self._init is not None else values_of(self.model)
+
     def _make_masters(self, model: nn.Module, param_dtype: torch.dtype) -> Any:
         if param_dtype == torch.float32:
             return None
-        return make_master_chunks(model, self.layout, self.host_tier)
+        return make_master_chunks(model, self.layout, self.host_tier, self._values())
 
     def _make_store(
         self, model: nn.Module, param_dtype: torch.dtype, chunk: ChunkConfig
@@ -122,6 +129,7 @@ class ChunkEngine(AccumulationCounter):
             dtype=param_dtype,
             policy=chunk.policy,
             prefetch=chunk.prefetch,
+            values=self._values(),
         )
 
     def _minimum_budget(self) -> tuple[int, str]:
@@ -516,6 +524,19 @@ def _layout(model: nn.Module, chunk: ChunkConfig) -> ChunkLayout:
     params = unique_parameters(model)
     size = chunk.size or default_chunk_size(params, align=chunk.align).chunk_size
     return plan_layout(params, chunk_size=size, align=chunk.align)
+
+
+def _check_init(model: nn.Module, init: ParameterValues | None) -> ParameterValues | None:
+    """A model on the meta device needs an init source, and its buffers materialized."""
+    meta = meta_parameters(model)
+    if meta and init is None:
+        raise ValueError(
+            f"{len(meta)} parameters are on the meta device ({', '.join(meta[:3])}): pass their "
+            f"values as init= (tidal.initialize(model, config, init=...); for tidal's GPT "
+            f"presets: tidal.models.gpt_init(model, seed)), or build the model on the CPU"
+        )
+    check_buffers(model)
+    return init
 
 
 def _move_buffers(model: nn.Module, device: torch.device) -> None:

@@ -30,6 +30,7 @@ from tidal.engine.accumulation import AccumulationCounter
 from tidal.engine.config import MemoryConfig, OptimizerConfig, TrainingConfig
 from tidal.engine.device import memory_bytes, peak_memory_bytes, resolve_device
 from tidal.engine.lr import WarmupCosine
+from tidal.memory.materialize import ParameterValues, materialize
 from tidal.memory.tiers import TierKind, resolve_budget
 
 __all__ = ["ReferenceEngine", "build_optimizer"]
@@ -98,9 +99,12 @@ class ReferenceEngine(AccumulationCounter):
         optimizer: OptimizerConfig,
         training: TrainingConfig,
         memory: MemoryConfig | None = None,
+        init: ParameterValues | None = None,
     ) -> None:
         self.device = resolve_device(training.device)
         _check_device_budget(model, memory or MemoryConfig(), optimizer, self.device)
+        if init is not None:  # a model on the meta device: the whole of it on the device
+            materialize(model, init, self.device)
         self.precision = training.precision
         if self.precision == "fp16" and self.device.type != "cuda":
             raise ConfigError(

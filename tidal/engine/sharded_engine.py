@@ -32,6 +32,7 @@ from tidal.engine.config import MemoryConfig, OptimizerConfig, TrainingConfig
 from tidal.engine.dist_checkpoint import CheckpointTensors, LoadTensors
 from tidal.memory.config import ChunkConfig
 from tidal.memory.layout import ChunkLayout, default_chunk_size, plan_layout, unique_parameters
+from tidal.memory.materialize import ParameterValues
 from tidal.memory.nvme import NvmeTier
 from tidal.memory.optim_rules import make_rule
 from tidal.memory.tiers import Tier
@@ -61,6 +62,7 @@ class ShardedEngine(ChunkEngine):
         chunk: ChunkConfig,
         sharding: ShardingConfig,
         group: Any = None,
+        init: ParameterValues | None = None,
     ) -> None:
         self.comm = Collectives(group)
         self.sharding = sharding
@@ -71,7 +73,8 @@ class ShardedEngine(ChunkEngine):
         # Relayout would re-shard every chunk and its state after the first step; gradients in
         # parameter chunks would reduce bf16 sums. Neither is supported sharded (yet).
         chunk = dataclasses.replace(chunk, relayout=False, grads_in_params=False)
-        super().__init__(model, optimizer=optimizer, training=training, memory=memory, chunk=chunk)
+        super().__init__(model, optimizer=optimizer, training=training, memory=memory, chunk=chunk,
+                         init=init)  # fmt: skip
         self.store.on_unpin = None
 
     @property
@@ -107,7 +110,8 @@ class ShardedEngine(ChunkEngine):
         if param_dtype == torch.float32:
             return None
         return make_master_shards(model, self.layout, rank=self.rank, world_size=self.world_size,
-                                  host_tier=self.host_tier, swapper=self.swapper)  # fmt: skip
+                                  host_tier=self.host_tier, swapper=self.swapper,
+                                  values=self._values())  # fmt: skip
 
     def _plan_disk(self, model: nn.Module, param_dtype: torch.dtype) -> StateSwapper | None:
         """Which chunk indices keep which shards on the NVMe tier (none without
@@ -148,6 +152,7 @@ class ShardedEngine(ChunkEngine):
             dtype=param_dtype,
             policy=chunk.policy,
             prefetch=chunk.prefetch,
+            values=self._values(),
         )
 
     def _minimum_budget(self) -> tuple[int, str]:

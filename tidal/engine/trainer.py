@@ -66,7 +66,7 @@ from tidal.engine.metrics import (
     read_metrics,
     write_json_atomic,
 )
-from tidal.models import build_gpt, num_params, training_flops_per_token
+from tidal.models import build_gpt, gpt_init, num_params, training_flops_per_token
 
 __all__ = ["Callback", "LogCallback", "Trainer", "check_run_dir", "rank_rows"]
 
@@ -151,8 +151,10 @@ class Trainer:
         self.rank, self.world_size = current_rank(), current_world_size()
         self._rows = rank_rows(training.batch_size, rank=self.rank, world_size=self.world_size)
         torch.manual_seed(training.seed)
-        model = build_gpt(self.model_config, device="cpu", seed=training.seed)
-        self.engine = build_engine(model, self.job)
+        # Built on the meta device and streamed into the engine, so no rank ever holds the whole
+        # model ([Note: deferred construction] in tidal/memory/materialize.py).
+        model = build_gpt(self.model_config, device="meta")
+        self.engine = build_engine(model, self.job, init=gpt_init(model, training.seed))
         self.device = self.engine.device
         splits = build_token_splits(
             self.job.data, vocab_size=self.model_config.vocab_size, seed=training.seed

@@ -13,8 +13,8 @@ calls), so the optimizer updates one chunk while the next is read and the previo
 ([Note: streamed optimizer]), and parameter shards are read while the model computes. Like the
 other tiers it keeps a byte budget (``memory.nvme_budget``) that it refuses to exceed and counts
 what it holds and what crossed in and out of it. Files are removed when the tier closes (or the
-process ends); a crashed run leaves a folder named after its process that the next run in the
-same directory removes. Checkpoints never point into this folder: it is scratch space, not
+process ends); a crashed run leaves a folder named after its process (``tidal-<pid>-<random>``,
+one per tier) that the next run in the same directory removes. Checkpoints never point into this folder: it is scratch space, not
 storage.
 """
 
@@ -23,6 +23,7 @@ from __future__ import annotations
 import atexit
 import os
 import shutil
+import tempfile
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
@@ -45,8 +46,8 @@ class NvmeTier:
         except OSError as err:
             raise ConfigError("memory.nvme_dir", f"cannot create {base}: {err}") from err
         _remove_dead_folders(base)
-        self.directory = base / f"tidal-{os.getpid()}"
-        self.directory.mkdir(exist_ok=True)
+        # One folder per tier: several engines of one process (or of one test) may share a dir.
+        self.directory = Path(tempfile.mkdtemp(prefix=f"tidal-{os.getpid()}-", dir=base))
         self.budget_bytes = budget_bytes
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="tidal-nvme")
         self._files: dict[str, tuple[int, int]] = {}  # key -> (file descriptor, bytes)
@@ -149,7 +150,7 @@ def _pread_all(fd: int, view: memoryview, offset: int) -> None:
 
 def _remove_dead_folders(base: Path) -> None:
     for path in base.glob("tidal-*"):
-        pid = path.name.removeprefix("tidal-")
+        pid = path.name.split("-")[1]
         if pid.isdigit() and not _alive(int(pid)):
             shutil.rmtree(path, ignore_errors=True)
 

@@ -55,7 +55,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -63,6 +63,7 @@ from torch import nn
 
 from tidal.memory.chunk import Chunk, ChunkKind
 from tidal.memory.layout import ChunkLayout
+from tidal.memory.materialize import feed_chunks
 from tidal.memory.optim_rules import STATE_KEYS, OptimizerEntry, UpdateRule, clip_coefficient
 from tidal.memory.store import ChunkStore
 from tidal.memory.tiers import Tier, TierKind
@@ -71,26 +72,37 @@ __all__ = ["ChunkOptimizer", "MissingGradientError", "make_master_chunks"]
 
 
 def make_master_chunks(
-    model: nn.Module, layout: ChunkLayout, host_tier: Tier
+    model: nn.Module,
+    layout: ChunkLayout,
+    host_tier: Tier,
+    values: Iterable[tuple[str, torch.Tensor]],
 ) -> list[Chunk | None]:
-    """fp32 copies of the trainable parameters, laid out like the parameter chunks, on the host.
+    """fp32 copies of the trainable parameters, laid out like the parameter chunks, on the
+    host, filled from the full-precision ``values`` ([Note: deferred construction] in
+    materialize.py).
 
     ``None`` for a chunk index without trainable parameters: a frozen weight is never updated,
-    so its low-precision chunk is all there is of it. Call this before the chunk store converts
-    the parameters to a lower precision: the masters must start from the full-precision weights.
+    so its low-precision chunk is all there is of it.
     """
     params = dict(model.named_parameters(remove_duplicate=False))
-    masters: list[Chunk | None] = []
+    masters: list[Chunk | None] = [None] * len(layout.chunks)
     for spec in layout.chunks:
-        if not any(params[info.names[0]].requires_grad for info in spec.slots):
-            masters.append(None)
-            continue
-        chunk = Chunk(spec, kind=ChunkKind.MASTER, dtype=torch.float32)
-        chunk.allocate(host_tier)
-        for slot, info in enumerate(spec.slots):
-            chunk.write(slot, params[info.names[0]].detach().float())
-        chunk.fill_free_slots(0.0)  # padding between slots
-        masters.append(chunk)
+        if any(params[info.names[0]].requires_grad for info in spec.slots):
+            masters[spec.index] = Chunk(spec, kind=ChunkKind.MASTER, dtype=torch.float32)
+
+    def begin(index: int) -> None:
+        if (chunk := masters[index]) is not None:
+            chunk.allocate(host_tier)
+
+    def write(index: int, slot: int, value: torch.Tensor) -> None:
+        if (chunk := masters[index]) is not None:
+            chunk.write(slot, value.float())
+
+    def end(index: int) -> None:
+        if (chunk := masters[index]) is not None:
+            chunk.fill_free_slots(0.0)  # padding between slots
+
+    feed_chunks(layout, values, begin=begin, write=write, end=end)
     return masters
 
 

@@ -55,6 +55,7 @@ from tidal.config import format_bytes
 from tidal.memory.activations import make_meter
 from tidal.memory.chunk import Chunk, ChunkKind, ChunkState, TensorState
 from tidal.memory.layout import ChunkLayout
+from tidal.memory.materialize import feed_chunks, repoint, values_of
 from tidal.memory.tiers import Tier, TierBudgetError, TierKind
 from tidal.memory.trace import AccessTrace, TraceRecorder
 
@@ -82,6 +83,7 @@ class ChunkStore:
         dtype: torch.dtype = torch.float32,
         policy: str = "belady",
         prefetch: bool = True,
+        values: Iterable[tuple[str, torch.Tensor]] | None = None,
     ) -> None:
         assert device_tier.kind is TierKind.DEVICE and host_tier.kind is TierKind.HOST
         assert policy in ("belady", "lru"), policy
@@ -98,7 +100,8 @@ class ChunkStore:
         self.chunks = [Chunk(spec, kind=ChunkKind.PARAM, dtype=dtype) for spec in layout.chunks]
         self.slot_of: dict[int, tuple[int, int]] = {}  # id(param) -> (chunk index, slot)
         self.params: dict[int, nn.Parameter] = {}  # id(param) -> param
-        self._load_parameters(model)
+        # [Note: deferred construction] in materialize.py: the values, if not the model's own.
+        self._load_parameters(model, values_of(model) if values is None else values)
         self.trace: AccessTrace | None = None
         self._recorder = TraceRecorder([c.num_bytes for c in self.chunks])
         self._following_trace = False
@@ -129,19 +132,32 @@ class ChunkStore:
             on_model_unpack=self._model_unpacked,
         )
 
-    def _load_parameters(self, model: nn.Module) -> None:
-        params = {name: p for name, p in model.named_parameters(remove_duplicate=False)}
+    def _load_parameters(
+        self, model: nn.Module, values: Iterable[tuple[str, torch.Tensor]]
+    ) -> None:
+        self._register_slots(model)
         for chunk in self.chunks:
             chunk.allocate(self.host_tier)
-            for slot, info in enumerate(chunk.spec.slots):
+
+        def write(index: int, slot: int, value: torch.Tensor) -> None:
+            self.chunks[index].write(slot, value.to(self.chunks[index].dtype))
+
+        feed_chunks(self.layout, values, write=write)
+        self._repoint()
+
+    def _register_slots(self, model: nn.Module) -> None:
+        params = dict(model.named_parameters(remove_duplicate=False))
+        for spec in self.layout.chunks:
+            for slot, info in enumerate(spec.slots):
                 param = params[info.names[0]]
-                chunk.write(slot, param.detach().to(chunk.dtype))
-                self.slot_of[id(param)] = (chunk.index, slot)
+                self.slot_of[id(param)] = (spec.index, slot)
                 self.params[id(param)] = param
-        # Re-point every parameter only once all were copied: a tied parameter appears once.
+
+    def _repoint(self) -> None:
+        """Every parameter becomes a view of its chunk's device buffer, once all were copied
+        (a tied parameter appears once)."""
         for pid, (index, slot) in self.slot_of.items():
-            chunk = self.chunks[index]
-            self.params[pid].data = chunk.device_view(slot, self.device_tier)
+            repoint(self.params[pid], self.chunks[index].device_view(slot, self.device_tier))
 
     # -- queries ---------------------------------------------------------------------------------
 

@@ -11,7 +11,9 @@ until it is materialised, and so that initialisation is one explicit, determinis
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -241,14 +243,21 @@ class GPT(nn.Module):
     @torch.no_grad()
     def init_weights(self, seed: int = 0) -> None:
         """GPT-2 initialisation; see [Note: deterministic init]."""
+        for name, value in self.parameter_values(seed):
+            self.get_parameter(name).copy_(value)
+
+    def parameter_values(self, seed: int = 0) -> Iterator[tuple[str, torch.Tensor]]:
+        """What :meth:`init_weights` gives each parameter, one fp32 CPU tensor at a time, made
+        when asked for; a model on the meta device can be trained from it without ever being
+        whole ([Note: deferred construction] in tidal/memory/materialize.py)."""
         generator = torch.Generator(device="cpu").manual_seed(seed)
         for name, param in self.named_parameters():
             is_random, value = self._init_rule(name)
             if is_random:
                 noise = torch.randn(param.shape, generator=generator, dtype=torch.float32)
-                param.copy_(noise.mul_(value))
+                yield name, noise.mul_(value)
             else:
-                param.fill_(value)
+                yield name, torch.full(param.shape, value, dtype=torch.float32)
 
     def _init_rule(self, name: str) -> tuple[bool, float]:
         """``(True, std)`` for a normal draw, ``(False, c)`` for the constant ``c``."""
@@ -262,6 +271,12 @@ class GPT(nn.Module):
             # from growing with depth (GPT-2 paper, section 2.3).
             return True, INIT_STD / math.sqrt(2 * self.config.num_layers)
         return True, INIT_STD
+
+
+def gpt_init(model: GPT, seed: int = 0) -> Callable[[], Iterator[tuple[str, torch.Tensor]]]:
+    """The init source of ``build_gpt(config, device="meta")`` for ``tidal.initialize(...,
+    init=)``: the values ``build_gpt(config, seed=seed)`` would have."""
+    return functools.partial(model.parameter_values, seed)
 
 
 def build_gpt(config: GPTConfig, *, device: str | torch.device = "cpu", seed: int = 0) -> GPT:

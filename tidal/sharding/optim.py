@@ -14,17 +14,18 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
+from tidal.memory.materialize import feed_chunks
 from tidal.memory.optim_rules import STATE_KEYS, OptimizerEntry, UpdateRule, clip_coefficient
 from tidal.memory.tiers import Tier
 from tidal.sharding.grads import ShardedGradients
-from tidal.sharding.store import ShardedChunkStore
+from tidal.sharding.store import ShardedChunkStore, copy_into_shard
 from tidal.sharding.swap import PARAM, ShardList, StateSwapper
 
 MASTER = "master"  # the masters' name among the shard lists (the state kinds use torch's keys)
@@ -39,30 +40,34 @@ def make_master_shards(
     rank: int,
     world_size: int,
     host_tier: Tier,
+    values: Iterable[tuple[str, torch.Tensor]],
     swapper: StateSwapper | None = None,
 ) -> list[torch.Tensor | None]:
-    """fp32 shards of the trainable chunks' weights; None where a chunk has none trainable (or,
-    with ``swapper``, where they went to disk). Call before the store converts the parameters
-    to a lower precision.
-    """
+    """fp32 shards of the trainable chunks' weights, filled from ``values`` ([Note: deferred
+    construction] in tidal/memory/materialize.py); None where a chunk has none trainable (or,
+    with ``swapper``, where they went to disk)."""
     params = dict(model.named_parameters(remove_duplicate=False))
-    masters: list[torch.Tensor | None] = []
+    trainable = {spec.index for spec in store_layout.chunks
+                 if any(params[info.names[0]].requires_grad for info in spec.slots)}  # fmt: skip
     on_disk = swapper.plan.state if swapper is not None else frozenset()
-    for spec in store_layout.chunks:
-        if not any(params[info.names[0]].requires_grad for info in spec.slots):
-            masters.append(None)
-            continue
-        numel = spec.capacity // world_size
-        start, shard = rank * numel, host_tier.allocate(numel, torch.float32)
-        shard.zero_()
-        for info in spec.slots:
-            lo, hi = max(info.offset, start), min(info.offset + info.numel, start + numel)
-            if lo < hi:
-                flat = params[info.names[0]].detach().reshape(-1).float()
-                shard[lo - start : hi - start].copy_(flat[lo - info.offset : hi - info.offset])
-        masters.append(shard)
-        if swapper is not None and spec.index in on_disk:
-            swapper.offload(ShardList(MASTER, masters, torch.float32, on_disk), spec.index)
+    masters: list[torch.Tensor | None] = [None] * len(store_layout.chunks)
+
+    def begin(index: int) -> None:
+        if index in trainable:
+            numel = store_layout.chunks[index].capacity // world_size
+            masters[index] = host_tier.allocate(numel, torch.float32).zero_()
+
+    def write(index: int, slot: int, value: torch.Tensor) -> None:
+        if index in trainable:
+            start = rank * store_layout.chunks[index].capacity // world_size
+            copy_into_shard(masters[index], value, store_layout.chunks[index].slots[slot],
+                            start=start)  # fmt: skip
+
+    def end(index: int) -> None:
+        if swapper is not None and index in on_disk:
+            swapper.offload(ShardList(MASTER, masters, torch.float32, on_disk), index)
+
+    feed_chunks(store_layout, values, begin=begin, write=write, end=end)
     return masters
 
 

@@ -49,11 +49,13 @@ from torch import nn
 
 from tidal.distributed.collectives import Collectives
 from tidal.memory.chunk import Chunk, ChunkState
+from tidal.memory.layout import TensorSlot
+from tidal.memory.materialize import feed_chunks
 from tidal.memory.store import ChunkStore
 from tidal.memory.tiers import Tier, TierBudgetError
 from tidal.sharding.swap import PARAM, ShardList, ShardReader
 
-__all__ = ["ShardedChunkStore"]
+__all__ = ["ShardedChunkStore", "copy_into_shard"]
 
 # How far ahead of the current moment the trace is searched for shards to read from disk.
 READ_AHEAD_MOMENTS = 32
@@ -99,27 +101,31 @@ class ShardedChunkStore(ChunkStore):
         """The chunk indices whose parameter shard lives on the NVMe tier."""
         return self.reader.indices if self.reader is not None else frozenset()
 
-    def _load_parameters(self, model: nn.Module) -> None:
-        """Keep this rank's shard of every chunk; the chunks themselves start with no payload."""
-        params = dict(model.named_parameters(remove_duplicate=False))
-        for chunk in self.chunks:
-            full = torch.zeros(chunk.spec.capacity, dtype=chunk.dtype)  # padding stays zero
-            for slot, info in enumerate(chunk.spec.slots):
-                param = params[info.names[0]]
-                chunk.view_in(full, slot).copy_(param.detach())
-                self.slot_of[id(param)] = (chunk.index, slot)
-                self.params[id(param)] = param
-            shard = self.host_tier.allocate(self.shard_numel(chunk.index), chunk.dtype)
-            start = self.shard_start(chunk.index)
-            shard.copy_(full.narrow(0, start, shard.numel()))
-            self.shards.append(shard)
-            self.shard_tiers.append(self.host_tier)
-            if chunk.index in self.on_disk:
+    def _load_parameters(
+        self, model: nn.Module, values: Iterable[tuple[str, torch.Tensor]]
+    ) -> None:
+        """Keep this rank's shard of every chunk, filled as the values arrive ([Note: deferred
+        construction] in tidal/memory/materialize.py); the chunks start with no payload."""
+        self._register_slots(model)
+        self.shards = [None] * len(self.chunks)
+        self.shard_tiers = [self.host_tier] * len(self.chunks)
+
+        def begin(index: int) -> None:
+            shard = self.host_tier.allocate(self.shard_numel(index), self.chunks[index].dtype)
+            self.shards[index] = shard.zero_()  # padding stays zero
+
+        def write(index: int, slot: int, value: torch.Tensor) -> None:
+            copy_into_shard(self.shards[index], value, self.layout.chunks[index].slots[slot],
+                            start=self.shard_start(index))  # fmt: skip
+
+        def end(index: int) -> None:
+            if index in self.on_disk:
                 assert self.reader is not None
-                shards = ShardList(PARAM, self.shards, chunk.dtype, self.on_disk)
-                self.reader.swapper.offload(shards, chunk.index)
-        for pid, (index, slot) in self.slot_of.items():
-            self.params[pid].data = self.chunks[index].device_view(slot, self.device_tier)
+                shards = ShardList(PARAM, self.shards, self.chunks[index].dtype, self.on_disk)
+                self.reader.swapper.offload(shards, index)
+
+        feed_chunks(self.layout, values, begin=begin, write=write, end=end)
+        self._repoint()
 
     def move_shard(self, index: int, tier: Tier) -> None:
         """Keep chunk ``index``'s shard on ``tier`` from now on (optimizer placement)."""
@@ -229,3 +235,15 @@ class ShardedChunkStore(ChunkStore):
 
     def adopt_layout(self, *args: Any, **kwargs: Any) -> None:
         raise NotImplementedError("relayout of sharded chunks: the engine turns relayout off")
+
+
+def copy_into_shard(
+    shard: torch.Tensor | None, value: torch.Tensor, info: TensorSlot, *, start: int
+) -> None:
+    """The part of a parameter's full ``value`` that falls in ``shard`` (elements ``[start,
+    start + len)`` of the chunk), converted to the shard's dtype."""
+    assert shard is not None
+    lo, hi = max(info.offset, start), min(info.offset + info.numel, start + shard.numel())
+    if lo < hi:
+        flat = value.detach().reshape(-1)[lo - info.offset : hi - info.offset]
+        shard[lo - start : hi - start].copy_(flat)
