@@ -98,9 +98,31 @@ def test_a_failure_after_every_rank_reported_keeps_the_figures(
 
     monkeypatch.setattr(dp, "run_on_ranks", fake_run_on_ranks)
     case = Case(system="tidal", recipe="tiny", overrides=(), steps=2, warmup_steps=1)
-    ranks = dp._run(case, 2, 10.0)
+    ranks = dp.run_configuration(case, 2, 10.0)
     assert [r["rank"] for r in ranks] == [0, 1]
     assert all("SIGABRT" in r["teardown_error"] for r in ranks)
     # A rank that never wrote its figures did not finish: the configuration failed.
-    error = dp._run(dataclasses.replace(case, recipe="crash"), 2, 10.0)
+    error = dp.run_configuration(dataclasses.replace(case, recipe="crash"), 2, 10.0)
     assert error == "1 of 2 ranks failed: rank 1: killed by signal SIGABRT"
+
+
+def test_nvme_rows_judge_the_budget_and_rate_the_disk() -> None:
+    from tidal.bench.dp_nvme import nvme_figures, nvme_table
+
+    def rank(peak: int, moved: int) -> dict:
+        disk = {"timed_bytes_to_nvme": moved // 2, "timed_bytes_from_nvme": moved // 2,
+                "timed_steps": 2, "param_shards_on_nvme": 7, "num_chunks": 9}  # fmt: skip
+        return {"median_step_s": 0.5, "tokens_per_step": 128, "step_s": [1.0, 0.5, 0.5],
+                "losses": [5.0, 4.0, 3.0], "tidal_budgets": [], "disk": disk,
+                "hwm_rss_bytes": peak, "ru_maxrss_bytes": peak, "base_rss_bytes": 0,
+                "rss_after_warmup_bytes": peak - 1, "hwm_rss_after_build_bytes": peak}  # fmt: skip
+
+    figures = nvme_figures([rank(900, 4_000), rank(1_000, 2_000)], budget_bytes=1_000)
+    assert figures["fits"] and figures["tokens_per_s"] == 256
+    assert figures["disk_bytes_per_step_per_rank"] == [2_000, 1_000]
+    assert figures["disk_bytes_per_s_per_rank"] == [4_000, 2_000]
+    assert not nvme_figures([rank(1_001, 0)], budget_bytes=1_000)["fits"]
+    row = {"nproc": 2, "host_budget_bytes_per_rank": 1_000, "num_layers": 3,
+           "num_params": 10, "model_data_bytes": 160, **figures}  # fmt: skip
+    headers, (cells,) = nvme_table([row])
+    assert len(cells) == len(headers) and cells[4] == "yes" and cells[5] == "7 / 9"

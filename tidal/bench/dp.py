@@ -3,7 +3,7 @@
 Every configuration (system, N ranks) runs in N fresh processes (:func:`tidal.testing.run_on_ranks`,
 gloo on the CPU, ``cores // N`` threads per rank), so a rank's peak resident set is that
 configuration's alone; the systems and what they share are in :mod:`tidal.bench.dp_systems`.
-Two sections, each a list of rows tagged ``"section"``:
+Three sections, each a list of rows tagged ``"section"``:
 
 - ``perf``: per system and N, the median step time after ``warmup_steps``, global tokens/s, the
   losses (systems at the same N train the same model on the same batches, so they agree to
@@ -16,6 +16,8 @@ Two sections, each a list of rows tagged ``"section"``:
   rank (an out-of-memory kill, or tidal refusing its tier budgets) counts as not fitting. The
   search is coarse on purpose (:func:`search_largest`): double the depth from a guess until a
   probe does not fit, then bisect a few times.
+- ``nvme``: tidal alone, a model whose AdamW data is larger than its ranks' host budgets, built
+  deferred and trained through the NVMe tier (:mod:`tidal.bench.dp_nvme`).
 """
 
 from __future__ import annotations
@@ -57,7 +59,7 @@ __all__ = [
     "write_dp_results",
 ]
 
-SECTIONS = ("perf", "scale")
+SECTIONS = ("perf", "scale", "nvme")
 SCALE_STEPS = 2
 SCALE_SEQ_LEN = 64
 FP32_BYTES = 4
@@ -92,6 +94,7 @@ class DpSettings:
     host_budgets_bytes: tuple[int, ...] = (1 << 30,)
     bisections: int = 3
     tidal_device_fraction: float = 0.1
+    nvme_model_factor: float = 2.0
     timeout_s: float = 600.0
     overrides: tuple[str, ...] = field(default_factory=tuple)
 
@@ -117,6 +120,8 @@ class DpSettings:
             f"budgets must be > 0, got {self.host_budgets_bytes}",
         )
         require(self.bisections >= 0, "bisections", f"must be >= 0, got {self.bisections}")
+        require(self.nvme_model_factor > 0, "nvme_model_factor",
+                f"must be > 0, got {self.nvme_model_factor}")  # fmt: skip
 
     @property
     def scale_nproc(self) -> int:
@@ -125,10 +130,13 @@ class DpSettings:
 
 def bench_dp(settings: DpSettings) -> list[dict[str, Any]]:
     """Every selected section's rows, in the order of :data:`SECTIONS`."""
+    from tidal.bench.dp_nvme import nvme_rows  # it builds on this module
+
     _check(settings)
     sections: dict[str, Callable[[DpSettings], list[dict[str, Any]]]] = {
         "perf": perf_rows,
         "scale": scale_rows,
+        "nvme": nvme_rows,
     }
     rows: list[dict[str, Any]] = []
     for name in SECTIONS:
@@ -153,17 +161,17 @@ def write_dp_results(
     return path
 
 
-def _job(recipe: str, overrides: Sequence[str]) -> JobConfig:
+def recipe_job(recipe: str, overrides: Sequence[str]) -> JobConfig:
     return load_job(find_recipe(recipe), list(overrides))
 
 
 def _check(settings: DpSettings) -> None:
     """A bad recipe, override or batch split fails before any configuration runs."""
-    job = _job(settings.recipe, _perf_overrides(settings))
+    job = recipe_job(settings.recipe, _perf_overrides(settings))
     for n in settings.nprocs:
         rank_rows(job.training.batch_size, rank=0, world_size=n)
-    if "scale" in settings.sections:
-        job = _job(settings.recipe, _scale_overrides(settings))
+    if "scale" in settings.sections or "nvme" in settings.sections:
+        job = recipe_job(settings.recipe, scale_overrides(settings))
         rank_rows(job.training.batch_size, rank=0, world_size=settings.scale_nproc)
 
 
@@ -177,7 +185,7 @@ def _check(settings: DpSettings) -> None:
 # and says what failed after them (``teardown_error``). Any other failure is the row's error.
 
 
-def _run(case: Case, nproc: int, timeout_s: float) -> list[dict[str, Any]] | str:
+def run_configuration(case: Case, nproc: int, timeout_s: float) -> list[dict[str, Any]] | str:
     """Every rank's figures, or why the configuration failed."""
     with tempfile.TemporaryDirectory(prefix="tidal-bench-dp-") as folder:
         case = dataclasses.replace(case, result_dir=folder)
@@ -230,7 +238,7 @@ def _perf_row(settings: DpSettings, system: str, nproc: int) -> dict[str, Any]:
         warmup_steps=settings.warmup_steps,
     )
     load_before = os.getloadavg()[0]
-    ranks = _run(case, nproc, settings.timeout_s)
+    ranks = run_configuration(case, nproc, settings.timeout_s)
     if isinstance(ranks, str):
         return row | {"error": ranks}
     first = ranks[0]
@@ -245,26 +253,27 @@ def _perf_row(settings: DpSettings, system: str, nproc: int) -> dict[str, Any]:
         "step_s": first["step_s"],
         "losses": first["losses"],
         "final_loss": first["losses"][-1],
-        **_per_rank(ranks),
+        **per_rank_memory(ranks),
         "num_threads_per_rank": first["num_threads"],
-        **_teardown(first),
+        **teardown_figures(first),
         # Other processes on the machine slow a configuration down; this says how busy it was.
         "load_average_1m": [load_before, os.getloadavg()[0]],
     }
 
 
-def _teardown(first: dict[str, Any]) -> dict[str, str]:
+def teardown_figures(first: dict[str, Any]) -> dict[str, str]:
     """See [Note: teardown failures]."""
     return {"teardown_error": first["teardown_error"]} if "teardown_error" in first else {}
 
 
-def _per_rank(ranks: Sequence[dict[str, Any]]) -> dict[str, list[int]]:
+def per_rank_memory(ranks: Sequence[dict[str, Any]]) -> dict[str, list[int]]:
     return {
         "peak_rss_bytes": [r["hwm_rss_bytes"] for r in ranks],
         "ru_maxrss_bytes": [r["ru_maxrss_bytes"] for r in ranks],
         "rss_after_warmup_bytes": [r["rss_after_warmup_bytes"] for r in ranks],
         "base_rss_bytes": [r["base_rss_bytes"] for r in ranks],
-        # Each rank builds the whole model before a system shards it: this shows that peak.
+        # Each rank builds the whole model before a system shards it (tidal in the nvme
+        # section builds it deferred): this shows that peak.
         "peak_rss_after_build_bytes": [r["hwm_rss_after_build_bytes"] for r in ranks],
     }
 
@@ -326,12 +335,12 @@ def search_largest(
     return low
 
 
-def _scale_overrides(settings: DpSettings) -> tuple[str, ...]:
+def scale_overrides(settings: DpSettings) -> tuple[str, ...]:
     batch = f"training.batch_size={settings.scale_nproc}"
     return (*settings.overrides, *_FIXED, "engine=chunk", *_UNLIMITED, *_SCALE_OVERRIDES, batch)
 
 
-def _num_params(base: JobConfig, depth: int) -> int:
+def num_params_at_depth(base: JobConfig, depth: int) -> int:
     return closed_form_num_params(dataclasses.replace(base.model.resolve(), num_layers=depth))
 
 
@@ -345,8 +354,8 @@ def _depth_bounds(base: JobConfig, budget_bytes: int, nproc: int) -> tuple[int, 
     """
     guess_params = budget_bytes * nproc // (8 * MODEL_DATA_BYTES_PER_PARAM)
     start = limit = 1
-    while _num_params(base, limit) * FP32_BYTES <= budget_bytes:
-        if _num_params(base, limit) <= guess_params:
+    while num_params_at_depth(base, limit) * FP32_BYTES <= budget_bytes:
+        if num_params_at_depth(base, limit) <= guess_params:
             start = limit
         limit += 1
     return start, limit
@@ -368,8 +377,8 @@ def scale_rows(settings: DpSettings) -> list[dict[str, Any]]:
 
 def _scale_row(settings: DpSettings, system: str, budget_bytes: int) -> dict[str, Any]:
     nproc = settings.scale_nproc
-    overrides = _scale_overrides(settings)
-    base = _job(settings.recipe, overrides)
+    overrides = scale_overrides(settings)
+    base = recipe_job(settings.recipe, overrides)
     model = base.model.resolve()
     row: dict[str, Any] = {
         "system": system, "nproc": nproc, "recipe": settings.recipe,
@@ -392,7 +401,11 @@ def _scale_row(settings: DpSettings, system: str, budget_bytes: int) -> dict[str
             tidal_device_fraction=settings.tidal_device_fraction,
         )
         tries.append(_probe(case, nproc, budget_bytes, settings.timeout_s))
-        tries[-1] = {"num_layers": depth, "num_params": _num_params(base, depth), **tries[-1]}
+        tries[-1] = {
+            "num_layers": depth,
+            "num_params": num_params_at_depth(base, depth),
+            **tries[-1],
+        }
         return bool(tries[-1]["fits"])
 
     start, limit = _depth_bounds(base, budget_bytes, nproc)
@@ -408,15 +421,15 @@ def _scale_row(settings: DpSettings, system: str, budget_bytes: int) -> dict[str
 
 
 def _probe(case: Case, nproc: int, budget_bytes: int, timeout_s: float) -> dict[str, Any]:
-    ranks = _run(case, nproc, timeout_s)
+    ranks = run_configuration(case, nproc, timeout_s)
     if isinstance(ranks, str):
         return {"fits": False, "error": ranks}
-    figures = _per_rank(ranks)
+    figures = per_rank_memory(ranks)
     over = max(figures["peak_rss_bytes"]) > budget_bytes
     return {
         "fits": not over,
         **figures,
-        **_teardown(ranks[0]),
+        **teardown_figures(ranks[0]),
         "final_loss": ranks[0]["losses"][-1],
         "tidal_budgets": ranks[0]["tidal_budgets"],
     }
@@ -448,8 +461,10 @@ def _sizes(values: Sequence[int] | None) -> str:
 
 def table(section: str, rows: Sequence[dict[str, Any]]) -> tuple[list[str], list[list[str]]]:
     """Headers and cells of one section's table (the CLI draws it)."""
+    from tidal.bench.dp_nvme import nvme_table
+
     rows = [r for r in rows if r["section"] == section]
-    return {"perf": _perf_table, "scale": _scale_table}[section](rows)
+    return {"perf": _perf_table, "scale": _scale_table, "nvme": nvme_table}[section](rows)
 
 
 def _perf_table(rows: Sequence[dict[str, Any]]) -> tuple[list[str], list[list[str]]]:

@@ -47,7 +47,7 @@ from tidal.engine.job import JobConfig, find_recipe, load_job
 from tidal.engine.lr import WarmupCosine
 from tidal.engine.reference import build_optimizer
 from tidal.engine.trainer import rank_rows
-from tidal.models import build_gpt, num_params
+from tidal.models import build_gpt, gpt_init, num_params
 
 __all__ = [
     "DEEPSPEED",
@@ -84,6 +84,7 @@ class Case:
     tidal_budget_bytes: int | None = None
     tidal_device_fraction: float = 0.1
     result_dir: str | None = None
+    deferred: bool = False  # tidal builds the model on the meta device (tidal.models.gpt_init)
 
 
 def missing_reason(system: str) -> str | None:
@@ -207,6 +208,18 @@ def _build(system: str, model: nn.Module, job: JobConfig, world_size: int) -> An
     raise ValueError(f"unknown system {system!r}; expected one of {DP_SYSTEMS}")
 
 
+_DISK_FIGURES = ("bytes_to_nvme", "bytes_from_nvme", "peak_nvme_bytes", "chunks_on_nvme",
+                 "param_shards_on_nvme", "num_chunks", "peak_host_bytes", "host_budget",
+                 "param_reads_ahead", "param_reads_on_demand")  # fmt: skip
+
+
+def _disk_figures(engine: Any) -> dict[str, int]:
+    stats = engine.stats() if hasattr(engine, "stats") else {}
+    if "bytes_to_nvme" not in stats:
+        return {}
+    return {key: stats[key] for key in _DISK_FIGURES if key in stats}
+
+
 def run_case(case: Case) -> dict[str, Any]:
     """Build ``case.system`` on this rank and train; the rank's figures (under
     :func:`tidal.testing.run_on_ranks`, which has set up the process group)."""
@@ -223,9 +236,14 @@ def run_case(case: Case) -> dict[str, Any]:
     rows = rank_rows(training.batch_size, rank=rank, world_size=world_size)
     model_config = job.model.resolve()
     torch.manual_seed(training.seed)
-    model = build_gpt(model_config, device="cpu", seed=training.seed)
+    if case.deferred:
+        assert case.system == TIDAL, "only tidal streams a meta model's values"
+        model = build_gpt(model_config, device="meta")
+        engine: Any = build_engine(model, job, init=gpt_init(model, training.seed))
+    else:
+        model = build_gpt(model_config, device="cpu", seed=training.seed)
+        engine = _build(case.system, model, job, world_size)
     count = num_params(model)
-    engine = _build(case.system, model, job, world_size)
     built = rss_figures()
     splits = build_token_splits(job.data, vocab_size=model_config.vocab_size, seed=training.seed)
     batches = BatchSampler(
@@ -235,9 +253,11 @@ def run_case(case: Case) -> dict[str, Any]:
     step_s: list[float] = []
     losses: list[float] = []
     after_warmup: dict[str, int] = {}
+    disk_before: dict[str, int] = {}
     for step in range(case.steps):
         if step == case.warmup_steps:
             after_warmup = rss_figures()
+            disk_before = _disk_figures(engine)
         start = time.perf_counter()
         loss_sum = 0.0
         for _ in range(training.grad_accum_steps):
@@ -268,6 +288,14 @@ def run_case(case: Case) -> dict[str, Any]:
         "tidal_budgets": budgets,
         "load_average_1m": os.getloadavg()[0],
     }
+    disk_after = _disk_figures(engine)
+    if disk_after:  # tidal with an NVMe tier: what crossed it in the timed steps, and where
+        figures["disk"] = {
+            **disk_after,
+            "timed_bytes_to_nvme": disk_after["bytes_to_nvme"] - disk_before["bytes_to_nvme"],
+            "timed_bytes_from_nvme": disk_after["bytes_from_nvme"] - disk_before["bytes_from_nvme"],
+            "timed_steps": len(timed),
+        }
     if case.result_dir is not None:
         path = Path(case.result_dir) / f"rank{rank}.json"
         path.with_suffix(".tmp").write_text(json.dumps(figures))

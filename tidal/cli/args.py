@@ -177,12 +177,17 @@ def _add_bench_dp(benches: argparse._SubParsersAction) -> None:
         "ranks, the deepest GPT (the recipe's width, batch of one 64-token sequence per rank, "
         "synthetic data, 2 steps) each system trains with every rank's peak RSS within "
         "--host-budget, by doubling then bisecting the depth (five or six probes per system, "
-        "about 4 min). DeepSpeed rows need the baselines extra (pip install -e .[baselines]); without it "
-        "they say so. Writes benchmarks/results/dp-*.json.",
+        "about 4 min). nvme: tidal alone on the largest --nproc ranks, the recipe's width at the "
+        "smallest depth whose AdamW data is twice what the ranks' --host-budget holds, built on "
+        "the meta device and trained through the NVMe tier: peak RSS per rank against the "
+        "budget, tokens/s, disk bytes per step and rate. DeepSpeed rows need the baselines extra "
+        "(pip install -e .[baselines]); without it they say so. Writes "
+        "benchmarks/results/dp-*.json.",
     )
     dp.add_argument(
-        "--section", dest="sections", action="append", default=None, choices=("perf", "scale"),
-        help="run only this section (repeatable; default: both)",
+        "--section", dest="sections", action="append", default=None,
+        choices=("perf", "scale", "nvme"),
+        help="run only this section (repeatable; default: all three)",
     )  # fmt: skip
     dp.add_argument(
         "--recipe", default="demo", metavar="NAME_OR_PATH",
@@ -204,7 +209,7 @@ def _add_bench_dp(benches: argparse._SubParsersAction) -> None:
         "--host-budget", default="1GiB", metavar="SIZE[,SIZE...]",
         help="per-rank host budget(s) of the scale search, judged by each rank's peak RSS (1GiB)",
     )  # fmt: skip
-    _add_overrides(dp, scope="; applies to every configuration of both sections")
+    _add_overrides(dp, scope="; applies to every configuration of every section")
     dp.add_argument(
         "--out", default=None, metavar="DIR",
         help="write the JSON file here instead of benchmarks/results/",
