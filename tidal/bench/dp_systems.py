@@ -198,6 +198,18 @@ def tidal_budget_overrides(
     return [f"memory.device_budget={device_bytes}", f"memory.host_budget={host_bytes}"]
 
 
+def _model_and_engine(case: Case, job: JobConfig, world_size: int) -> tuple[nn.Module, Any]:
+    """The GPT, built whole on the CPU (or for a deferred tidal case on the meta device), in
+    ``case.system``'s engine."""
+    config, seed = job.model.resolve(), job.training.seed
+    if case.deferred:
+        assert case.system == TIDAL, "only tidal streams a meta model's values"
+        model = build_gpt(config, device="meta")
+        return model, build_engine(model, job, init=gpt_init(model, seed))
+    model = build_gpt(config, device="cpu", seed=seed)
+    return model, _build(case.system, model, job, world_size)
+
+
 def _build(system: str, model: nn.Module, job: JobConfig, world_size: int) -> Any:
     if system == TIDAL:
         return build_engine(model, job)
@@ -236,13 +248,7 @@ def run_case(case: Case) -> dict[str, Any]:
     rows = rank_rows(training.batch_size, rank=rank, world_size=world_size)
     model_config = job.model.resolve()
     torch.manual_seed(training.seed)
-    if case.deferred:
-        assert case.system == TIDAL, "only tidal streams a meta model's values"
-        model = build_gpt(model_config, device="meta")
-        engine: Any = build_engine(model, job, init=gpt_init(model, training.seed))
-    else:
-        model = build_gpt(model_config, device="cpu", seed=training.seed)
-        engine = _build(case.system, model, job, world_size)
+    model, engine = _model_and_engine(case, job, world_size)
     count = num_params(model)
     built = rss_figures()
     splits = build_token_splits(job.data, vocab_size=model_config.vocab_size, seed=training.seed)
