@@ -180,12 +180,12 @@ class ShardedOptimizer:
     def _step_lists(self) -> list[ShardList]:
         """What the step streams: state, masters, gradients (read, not written back) and
         parameter shards."""
-        lists = self.state_lists()
-        if self.masters is not None:
-            lists.append(self._master_list())
-        lists.append(self.gradients.shard_list())
-        lists.append(self.param_list())
-        return lists
+        return [*self._optimizer_lists(), self.gradients.shard_list(), self.param_list()]
+
+    def _optimizer_lists(self) -> list[ShardList]:
+        """What the optimizer owns: its state and, in bf16, the fp32 masters."""
+        masters = [self._master_list()] if self.masters is not None else []
+        return [*self.state_lists(), *masters]
 
     def in_memory(
         self, index: int, lists: list[ShardList], *, write_back: bool = False
@@ -204,7 +204,7 @@ class ShardedOptimizer:
         for index in sorted(indices):
             source = self.store.shard_tiers[index]
             self.store.move_shard(index, tier)
-            for shards in self._shard_lists():
+            for shards in (s.shards for s in self._optimizer_lists()):
                 shard = shards[index]
                 if shard is not None and source is not tier:
                     shards[index] = tier.allocate(shard.numel(), shard.dtype)
@@ -215,15 +215,9 @@ class ShardedOptimizer:
         self.steps = [s.to(tier.device) for s in self.steps]
         self.on_device = indices if tier is self.store.device_tier else frozenset()
 
-    def _shard_lists(self) -> list[list[torch.Tensor | None]]:
-        lists = list(self.states.values())
-        if self.masters is not None:
-            lists.append(self.masters)
-        return lists
-
     @property
     def state_bytes(self) -> int:
-        shards = [s for shards in self._shard_lists() for s in shards if s is not None]
+        shards = [s for lst in self._optimizer_lists() for s in lst.shards if s is not None]
         return sum(s.nbytes for s in shards) + 4 * len(self.steps)
 
     # -- gradients ([Note: sharded gradients] in grads.py) --------------------------------------
@@ -383,9 +377,7 @@ class ShardedOptimizer:
             if self.steps:
                 self.steps[i].copy_(saved["step"])
             self._has_state[i] = not self._lazy or bool(set(saved) - {"step"})
-        lists = [*self.state_lists(), self.param_list()]
-        if self.masters is not None:
-            lists.append(self._master_list())
+        lists = [*self._optimizer_lists(), self.param_list()]
         for index, spec in enumerate(self.store.layout.chunks):
             with self.in_memory(index, lists, write_back=True):
                 for slot, info in enumerate(spec.slots):
