@@ -1,0 +1,32 @@
+"""The planner: measure a model, model its strategies' costs, solve an ILP, emit a plan.
+
+``measure`` (measure.py) traces a model on the meta device into decision units; ``candidates``
+(strategies.py) and ``evaluate`` (cost_model.py) are the cost model; ``build_problem`` (ilp.py)
+is the ILP on scipy's HiGHS; ``make_plan`` (search.py) runs it over every mesh and compares with
+the baselines (baselines.py); a :class:`Plan` (plan.py) is the result as plain data. Everything
+here is pure except ``apply`` (apply.py), which realises a plan on a model with DTensor.
+"""
+
+from tidal.planner.cluster import CLUSTER_PRESETS, ClusterSpec, Mesh
+from tidal.planner.measure import ModelGraph, Unit, measure, measure_gpt
+from tidal.planner.plan import Layout, Plan, Recompute, StrategyName, UnitChoice
+from tidal.planner.search import Infeasible, PlannerConfig, PlanResult, make_plan
+
+__all__ = [
+    "CLUSTER_PRESETS",
+    "ClusterSpec",
+    "Infeasible",
+    "Layout",
+    "Mesh",
+    "ModelGraph",
+    "Plan",
+    "PlanResult",
+    "PlannerConfig",
+    "Recompute",
+    "StrategyName",
+    "Unit",
+    "UnitChoice",
+    "make_plan",
+    "measure",
+    "measure_gpt",
+]

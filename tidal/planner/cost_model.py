@@ -1,0 +1,149 @@
+"""Model, part two: resharding between units, and the cost of a whole assignment.
+
+:func:`evaluate` prices a complete choice (one candidate per unit, one recomputation mode per
+repeated block) the way the ILP does, term by term, so the solver can be checked against brute
+force and the baselines are priced by the same rules as the plans they are compared with.
+
+[Note: peak memory]
+The peak per device is the model data (parameters, gradients, optimizer state), plus every
+activation saved for backward (all of them are alive when the last forward ends and backward
+begins), plus the largest transient: one unit's gathered weights or full-size buffers, or the
+activations a recomputed block brings back during its backward. It is a maximum over transients,
+not a sum: the ILP writes it as ``M >= base + transient_k`` for every candidate transient ``k``.
+
+[Note: edge costs]
+An edge from producer ``a`` to consumer ``b`` converts ``a``'s output layout to ``b``'s input
+layout in forward, and in backward converts the gradient ``b`` returns (its ``in_grad``) to the
+layout ``a`` needs for its output's gradient (the same layout, except that a partial-sum output
+takes a replicated gradient). A column-parallel linear fed a replicated input returns a partial
+gradient: that is the all-reduce Megatron's ``f`` operator does in backward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tidal.planner.cluster import Axis, ClusterSpec, Collective, Mesh, collective_s
+from tidal.planner.measure import ModelGraph, Unit
+from tidal.planner.plan import Layout, MemoryBreakdown, Recompute
+from tidal.planner.strategies import Candidate, TrainingSpec
+
+__all__ = ["Assignment", "Costed", "block_input", "convert_s", "edge_s", "evaluate"]
+
+
+def convert_s(src: Layout, dst: Layout, nbytes: float, mesh: Mesh, cluster: ClusterSpec) -> float:
+    """Seconds to turn a tensor of ``nbytes`` (whole) from layout ``src`` into ``dst``."""
+    if src is dst or (src is Layout.R and dst is not Layout.P):
+        return 0.0
+
+    def tp(kind: Collective) -> float:
+        return collective_s(kind, nbytes, mesh, Axis.TENSOR, cluster)
+
+    if src is Layout.P:
+        return tp(Collective.ALL_REDUCE if dst is Layout.R else Collective.REDUCE_SCATTER)
+    if dst is Layout.R:
+        return tp(Collective.ALL_GATHER)
+    if dst is Layout.P:
+        raise AssertionError("no unit takes a partial-sum input")
+    return tp(Collective.ALL_TO_ALL)
+
+
+def _grad_layout(out: Layout) -> Layout:
+    return Layout.R if out is Layout.P else out
+
+
+def edge_s(a: Candidate, b: Candidate, nbytes: float, mesh: Mesh, cluster: ClusterSpec) -> float:
+    """Forward plus backward resharding on one edge, per micro-batch; see [Note: edge costs]."""
+    forward = convert_s(a.out_layout, b.in_layout, nbytes, mesh, cluster)
+    backward = convert_s(b.in_grad, _grad_layout(a.out_layout), nbytes, mesh, cluster)
+    return forward + backward
+
+
+def block_input(graph: ModelGraph, prefix: str) -> tuple[str, float]:
+    """The unit of block ``prefix`` whose output enters the next block, and its bytes: what full
+    recomputation keeps."""
+    order = {u.name: i for i, u in enumerate(graph.units)}
+    inside = {u.name for u in graph.units if graph.block_of(u) == prefix}
+    for e in graph.edges:
+        if e.src in inside and e.dst in inside and order[e.src] > order[e.dst]:
+            return e.src, e.nbytes
+    raise ValueError(f"block {prefix} has no edge into its next repetition")
+
+
+@dataclass(kw_only=True, slots=True)
+class Assignment:
+    """A complete choice: a candidate per unit name, a recomputation mode per block."""
+
+    mesh: Mesh
+    choice: dict[str, Candidate]
+    recompute: dict[str, Recompute]
+
+
+@dataclass(kw_only=True, slots=True)
+class Costed:
+    memory: MemoryBreakdown
+    step_time_s: float
+    unit_memory: dict[str, MemoryBreakdown]
+    unit_time_s: dict[str, float]
+
+
+def _activations(unit: Unit, cand: Candidate, mode: Recompute) -> float:
+    if mode is Recompute.FULL:
+        return 0.0
+    if mode is Recompute.SELECTIVE:
+        return cand.selective_activations
+    return cand.memory.activations
+
+
+def _recompute_s(unit: Unit, cand: Candidate, mode: Recompute) -> float:
+    if mode is Recompute.FULL or (mode is Recompute.SELECTIVE and unit.kind == "attention"):
+        return cand.forward_s
+    return 0.0
+
+
+def evaluate(
+    graph: ModelGraph, assignment: Assignment, cluster: ClusterSpec, spec: TrainingSpec
+) -> Costed:
+    """Peak memory ([Note: peak memory]) and step time of ``assignment``."""
+    mesh, choice, m = assignment.mesh, assignment.choice, spec.num_microbatches
+    total = MemoryBreakdown()
+    unit_memory: dict[str, MemoryBreakdown] = {}
+    unit_time: dict[str, float] = {}
+    transients = [0.0]
+    recomputed: dict[str, float] = {}
+    for unit in graph.units:
+        cand = choice[unit.name]
+        block = graph.block_of(unit)
+        mode = assignment.recompute.get(block, Recompute.NONE) if block else Recompute.NONE
+        mine = MemoryBreakdown(
+            params=cand.memory.params,
+            grads=cand.memory.grads,
+            optimizer=cand.memory.optimizer,
+            activations=_activations(unit, cand, mode),
+            transient=cand.memory.transient,
+            redundant=cand.memory.redundant,
+        )
+        unit_memory[unit.name] = mine
+        for name in ("params", "grads", "optimizer", "activations", "redundant"):
+            setattr(total, name, getattr(total, name) + unit.count * getattr(mine, name))
+        transients.append(cand.memory.transient)
+        if mode is Recompute.FULL:
+            recomputed[block] = recomputed.get(block, 0.0) + cand.memory.activations
+        elif mode is Recompute.SELECTIVE and unit.kind == "attention":
+            transients.append(cand.memory.activations - cand.selective_activations)
+        per_mb = cand.compute_s + cand.comm_s + _recompute_s(unit, cand, mode)
+        unit_time[unit.name] = unit.count * (m * per_mb + cand.sync_s)
+    for prefix, mode in assignment.recompute.items():
+        if mode is Recompute.FULL:
+            src, nbytes = block_input(graph, prefix)
+            layout = choice[src].out_layout
+            kept = nbytes / (mesh.tp if layout in (Layout.SEQ, Layout.HID) else 1)
+            total.activations += graph.blocks[prefix] * kept
+    transients.extend(recomputed.values())
+    total.transient = max(transients)
+    edges_s = sum(
+        e.count * m * edge_s(choice[e.src], choice[e.dst], e.nbytes, mesh, cluster)
+        for e in graph.edges
+    )
+    step = sum(unit_time.values()) + edges_s
+    return Costed(memory=total, step_time_s=step, unit_memory=unit_memory, unit_time_s=unit_time)

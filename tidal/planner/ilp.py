@@ -1,0 +1,344 @@
+"""Solve: the plan as an integer linear program on scipy's HiGHS (``scipy.optimize.milp``).
+
+[Note: the ILP]
+Variables, for one mesh:
+
+- ``x[u,k]`` binary: unit ``u`` takes candidate ``k`` (strategy and ZeRO level); one per unit,
+  shared by every occurrence of a repeated block's unit;
+- ``r[b,mode]`` binary: repeated block ``b`` recomputes with ``mode`` (none, selective, full);
+- ``y[u,k,mode]`` continuous, ``>= x[u,k] + r[b,mode] - 1``: the product of the two, for units
+  inside a block (activation bytes and recompute time depend on both);
+- ``e[edge,a,b]`` continuous: the edge's producer gives layout class ``a`` and its consumer takes
+  class ``b``; row and column sums equal the two units' ``x`` sums (integral once ``x`` is);
+- ``M`` continuous: the peak, ``M >= base + transient_k`` for each transient ``k``
+  ([Note: peak memory] in cost_model.py).
+
+Every coefficient a product variable carries is non-negative and the products only appear on
+the cost side, so the lower bounds alone make them exact at an optimum. Objectives: minimum time
+with ``M <= device memory``, or minimum ``M`` with time ``<= (1 + eps) * T*``; each with a tiny
+weight on the other term to break ties. The LP relaxation is solved first; its bound gives the
+reported gap.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+from scipy.optimize import LinearConstraint, milp
+from scipy.sparse import csr_array
+
+from tidal.planner.cluster import ClusterSpec, Mesh
+from tidal.planner.cost_model import Assignment, block_input, edge_s
+from tidal.planner.measure import ModelGraph
+from tidal.planner.plan import Layout, Recompute
+from tidal.planner.strategies import Candidate, TrainingSpec
+
+__all__ = ["Problem", "Solution", "build_problem"]
+
+_MODES = (Recompute.NONE, Recompute.SELECTIVE, Recompute.FULL)
+_TIE = 1e-4
+GiB = 1024**3
+
+
+@dataclass(kw_only=True, slots=True)
+class Solution:
+    """An optimum: the assignment, the objective's two terms as the ILP sees them, the gap."""
+
+    assignment: Assignment | None
+    status: str
+    peak_bytes: float = float("inf")
+    step_time_s: float = float("inf")
+    lp_bound: float = float("nan")
+    objective: float = float("nan")
+    solve_s: float = 0.0
+
+    @property
+    def feasible(self) -> bool:
+        return self.assignment is not None
+
+    @property
+    def lp_gap(self) -> float:
+        """Relative gap between the MILP optimum and its LP relaxation (0 = LP was integral)."""
+        if not self.feasible or not np.isfinite(self.lp_bound) or self.objective == 0:
+            return float("nan")
+        return max(0.0, (self.objective - self.lp_bound) / abs(self.objective))
+
+
+@dataclass(kw_only=True)
+class Problem:
+    """The ILP of one graph on one mesh; :meth:`solve` for an objective."""
+
+    graph: ModelGraph
+    mesh: Mesh
+    options: dict[str, list[Candidate]]
+    num_vars: int = 0
+    integer: list[int] = field(default_factory=list)
+    x: dict[tuple[str, int], int] = field(default_factory=dict)
+    r: dict[tuple[str, Recompute], int] = field(default_factory=dict)
+    time_row: dict[int, float] = field(default_factory=dict)
+    base_row: dict[int, float] = field(default_factory=dict)
+    transient_rows: list[tuple[str, dict[int, float]]] = field(default_factory=list)
+    rows: list[tuple[str, dict[int, float], float, float]] = field(default_factory=list)
+
+    def var(self, integer: bool = False) -> int:
+        self.num_vars += 1
+        if integer:
+            self.integer.append(self.num_vars - 1)
+        return self.num_vars - 1
+
+    def row(self, name: str, coeffs: dict[int, float], lo: float, hi: float) -> None:
+        self.rows.append((name, coeffs, lo, hi))
+
+    # -- solving ---------------------------------------------------------------------------
+    def solve(
+        self,
+        *,
+        objective: str,
+        memory_limit: float = float("inf"),
+        time_limit: float = float("inf"),
+        solver_time_limit_s: float = 60.0,
+    ) -> Solution:
+        """``objective="time"``: fastest under ``memory_limit``; ``"memory"``: smallest peak
+        under ``time_limit`` (seconds per step). Ties in the objective go to the other term:
+        a second solve holds the first optimum and minimises the other."""
+        first = self._solve(objective, memory_limit, time_limit, solver_time_limit_s)
+        if not first.feasible:
+            return first
+        slack = 1 + 1e-6
+        if objective == "time":
+            limits = (memory_limit, first.step_time_s * slack + 1e-9)
+        else:
+            limits = (first.peak_bytes * slack + 1.0, time_limit)
+        other = "memory" if objective == "time" else "time"
+        second = self._solve(other, *limits, solver_time_limit_s)
+        if not second.feasible:  # numerically at the edge: keep the first optimum
+            return first
+        second.lp_bound, second.objective = first.lp_bound, first.objective
+        second.solve_s += first.solve_s
+        return second
+
+    def _solve(
+        self, objective: str, memory_limit: float, time_limit: float, solver_time_limit_s: float
+    ) -> Solution:
+        started = time.perf_counter()
+        peak = self.var()  # in GiB: byte-sized coefficients would upset HiGHS's tolerances
+        c = np.zeros(self.num_vars)
+        for col, v in self.time_row.items():
+            c[col] += 1.0 if objective == "time" else _TIE
+        c[peak] = _TIE if objective == "time" else 1.0
+        rows = list(self.rows)
+        for name, transient in self.transient_rows:
+            coeffs = {col: -v / GiB for col, v in self.base_row.items()}
+            for col, v in transient.items():
+                coeffs[col] = coeffs.get(col, 0.0) - v / GiB
+            coeffs[peak] = 1.0
+            rows.append((f"peak>={name}", coeffs, 0.0, np.inf))
+        rows.append(("peak<=device_memory", {peak: 1.0}, -np.inf, memory_limit / GiB))
+        rows.append(("time<=limit", dict(self.time_row), -np.inf, time_limit))
+        constraint = _constraints(rows, self.num_vars)
+        integrality = np.zeros(self.num_vars)
+        relaxed = milp(c, constraints=constraint, bounds=self._bounds(peak))
+        integrality[self.integer] = 1
+        options = {"time_limit": solver_time_limit_s, "mip_rel_gap": 1e-6}
+        result = milp(
+            c,
+            constraints=constraint,
+            integrality=integrality,
+            bounds=self._bounds(peak),
+            options=options,
+        )
+        self.num_vars -= 1  # the peak variable belongs to this solve only
+        elapsed = time.perf_counter() - started
+        if result.x is None:
+            return Solution(assignment=None, status=result.message, solve_s=elapsed)
+        values = result.x
+        return Solution(
+            assignment=self._assignment(values),
+            status=result.message,
+            peak_bytes=float(values[peak]) * GiB,
+            step_time_s=float(sum(v * values[col] for col, v in self.time_row.items())),
+            lp_bound=float(relaxed.fun) if relaxed.x is not None else float("nan"),
+            objective=float(result.fun),
+            solve_s=elapsed,
+        )
+
+    def _bounds(self, peak: int):
+        from scipy.optimize import Bounds
+
+        upper = np.ones(self.num_vars)
+        upper[peak] = np.inf
+        return Bounds(np.zeros(self.num_vars), upper)
+
+    def _assignment(self, values: np.ndarray) -> Assignment:
+        choice = {}
+        for unit in self.graph.units:
+            opts = self.options[unit.name]
+            k = max(range(len(opts)), key=lambda i: values[self.x[(unit.name, i)]])
+            choice[unit.name] = opts[k]
+        recompute = {
+            b: max(_MODES, key=lambda mode: values[self.r[(b, mode)]]) for b in self.graph.blocks
+        }
+        return Assignment(mesh=self.mesh, choice=choice, recompute=recompute)
+
+
+def _constraints(rows: list, num_vars: int) -> LinearConstraint:
+    data, cols, indptr, lo, hi = [], [], [0], [], []
+    for _, coeffs, low, high in rows:
+        for col, v in coeffs.items():
+            if v != 0.0:
+                cols.append(col)
+                data.append(v)
+        indptr.append(len(cols))
+        lo.append(low)
+        hi.append(high)
+    matrix = csr_array((data, cols, indptr), shape=(len(rows), num_vars))
+    return LinearConstraint(matrix, np.array(lo), np.array(hi))
+
+
+def _add(target: dict[int, float], col: int, value: float) -> None:
+    if value:
+        target[col] = target.get(col, 0.0) + value
+
+
+def build_problem(
+    graph: ModelGraph,
+    mesh: Mesh,
+    options: dict[str, list[Candidate]],
+    cluster: ClusterSpec,
+    spec: TrainingSpec,
+    *,
+    recompute_modes: dict[str, tuple[Recompute, ...]] | None = None,
+) -> Problem:
+    """The ILP of [Note: the ILP] for ``graph`` on ``mesh`` with the candidates ``options``."""
+    problem = Problem(graph=graph, mesh=mesh, options=options)
+    for unit in graph.units:
+        if not options[unit.name]:
+            raise ValueError(f"unit {unit.name} has no candidate strategy on {mesh}")
+        cols = [problem.var(integer=True) for _ in options[unit.name]]
+        for k, col in enumerate(cols):
+            problem.x[(unit.name, k)] = col
+        problem.row(f"one_strategy[{unit.name}]", dict.fromkeys(cols, 1.0), 1.0, 1.0)
+    for prefix in graph.blocks:
+        allowed = (recompute_modes or {}).get(prefix, _MODES)
+        cols = [problem.var(integer=True) for _ in _MODES]
+        for mode, col in zip(_MODES, cols, strict=True):
+            problem.r[(prefix, mode)] = col
+            if mode not in allowed:
+                problem.row(f"recompute_not_allowed[{prefix},{mode}]", {col: 1.0}, 0.0, 0.0)
+        problem.row(f"one_recompute[{prefix}]", dict.fromkeys(cols, 1.0), 1.0, 1.0)
+    _unit_terms(problem, cluster, spec)
+    _edge_terms(problem, cluster, spec)
+    _tie_terms(problem)
+    return problem
+
+
+def _unit_terms(problem: Problem, cluster: ClusterSpec, spec: TrainingSpec) -> None:
+    graph, m = problem.graph, spec.num_microbatches
+    full_block: dict[str, dict[int, float]] = {}
+    kept_src = {prefix: block_input(graph, prefix) for prefix in graph.blocks}
+    for unit in graph.units:
+        block, n = graph.block_of(unit), unit.count
+        transient: dict[int, float] = {}
+        selective_extra: dict[int, float] = {}
+        for k, cand in enumerate(problem.options[unit.name]):
+            x = problem.x[(unit.name, k)]
+            _add(problem.base_row, x, n * cand.memory.resident)
+            _add(problem.time_row, x, n * (m * (cand.compute_s + cand.comm_s) + cand.sync_s))
+            _add(transient, x, cand.memory.transient)
+            if block is None:
+                _add(problem.base_row, x, n * cand.memory.activations)
+                continue
+            y = {
+                mode: _product(problem, x, problem.r[(block, mode)], unit.name, mode)
+                for mode in _MODES
+            }
+            _add(problem.base_row, y[Recompute.NONE], n * cand.memory.activations)
+            _add(problem.base_row, y[Recompute.SELECTIVE], n * cand.selective_activations)
+            _add(problem.time_row, y[Recompute.FULL], n * m * cand.forward_s)
+            full_block.setdefault(block, {})
+            _add(full_block[block], y[Recompute.FULL], cand.memory.activations)
+            if unit.kind == "attention":
+                _add(problem.time_row, y[Recompute.SELECTIVE], n * m * cand.forward_s)
+                extra = cand.memory.activations - cand.selective_activations
+                _add(selective_extra, y[Recompute.SELECTIVE], extra)
+            src, nbytes = kept_src[block]
+            if unit.name == src:
+                split = cand.out_layout in (Layout.SEQ, Layout.HID)
+                kept = nbytes / (problem.mesh.tp if split else 1)
+                _add(problem.base_row, y[Recompute.FULL], graph.blocks[block] * kept)
+        problem.transient_rows.append((unit.name, transient))
+        if selective_extra:
+            problem.transient_rows.append((f"selective[{unit.name}]", selective_extra))
+    for block, coeffs in full_block.items():
+        problem.transient_rows.append((f"recomputed[{block}]", coeffs))
+
+
+def _product(problem: Problem, x: int, r: int, name: str, mode: Recompute) -> int:
+    y = problem.var()
+    problem.row(f"product[{name},{mode}]", {y: 1.0, x: -1.0, r: -1.0}, -1.0, np.inf)
+    return y
+
+
+def _edge_terms(problem: Problem, cluster: ClusterSpec, spec: TrainingSpec) -> None:
+    m, mesh = spec.num_microbatches, problem.mesh
+    for edge in problem.graph.edges:
+        a_opts, b_opts = problem.options[edge.src], problem.options[edge.dst]
+        if edge.src == edge.dst:
+            for k, cand in enumerate(a_opts):
+                cost = edge_s(cand, cand, edge.nbytes, mesh, cluster)
+                _add(problem.time_row, problem.x[(edge.src, k)], edge.count * m * cost)
+            continue
+        a_classes = _classes(a_opts, lambda c: (c.out_layout,))
+        b_classes = _classes(b_opts, lambda c: (c.in_layout, c.in_grad))
+        e = {}
+        for ia, a_members in a_classes.items():
+            for ib, b_members in b_classes.items():
+                col = problem.var()
+                e[(ia, ib)] = col
+                cost = edge_s(
+                    a_opts[a_members[0]], b_opts[b_members[0]], edge.nbytes, mesh, cluster
+                )
+                _add(problem.time_row, col, edge.count * m * cost)
+        tag = f"{edge.src}->{edge.dst}"
+        for ia, members in a_classes.items():
+            coeffs = {e[(ia, ib)]: 1.0 for ib in b_classes}
+            for k in members:
+                coeffs[problem.x[(edge.src, k)]] = -1.0
+            problem.row(f"edge_out[{tag},{ia}]", coeffs, 0.0, 0.0)
+        for ib, members in b_classes.items():
+            coeffs = {e[(ia, ib)]: 1.0 for ia in a_classes}
+            for k in members:
+                coeffs[problem.x[(edge.dst, k)]] = -1.0
+            problem.row(f"edge_in[{tag},{ib}]", coeffs, 0.0, 0.0)
+
+
+def _classes(options: list[Candidate], key) -> dict[tuple, list[int]]:
+    classes: dict[tuple, list[int]] = {}
+    for k, cand in enumerate(options):
+        classes.setdefault(key(cand), []).append(k)
+    return classes
+
+
+def _tie_terms(problem: Problem) -> None:
+    """A shared weight has one placement in every unit that uses it (its ZeRO level is the
+    owner's: the other units count none of its bytes)."""
+    for unit in problem.graph.units:
+        for i, p in enumerate(unit.params):
+            if p.tied_to is None:
+                continue
+            owner = problem.graph.unit(p.tied_to)
+            j = next(
+                (j for j, q in enumerate(owner.params) if q.tied_to is None and q.shape == p.shape),
+                None,
+            )
+            if j is None:
+                raise ValueError(f"{p.name} is tied to {p.tied_to}, which has no such parameter")
+            mine = _classes(problem.options[unit.name], lambda c, i=i: (c.placements[i],))
+            theirs = _classes(problem.options[owner.name], lambda c, j=j: (c.placements[j],))
+            for key in set(mine) | set(theirs):
+                coeffs = {problem.x[(unit.name, k)]: 1.0 for k in mine.get(key, [])}
+                for k in theirs.get(key, []):
+                    coeffs[problem.x[(owner.name, k)]] = -1.0
+                problem.row(f"tied[{p.name},{key[0]}]", coeffs, 0.0, 0.0)

@@ -1,0 +1,487 @@
+"""Measure: trace a model on the meta device into a graph of decision units, allocating nothing.
+
+The forward pass runs on meta tensors under three observers: module hooks say which module is
+running, a dispatch mode sees every aten op (its FLOPs, the tensors it reads and writes) and a
+saved-tensor hook sees what autograd keeps for backward. From them :func:`measure` builds a
+:class:`ModelGraph`: one :class:`Unit` per leaf module and per run of a module's own operations
+between its children ([Note: unit segments]), the data-flow edges between units, and the bytes
+each unit saves for backward, split by role ([Note: saved roles]). Identical repeated blocks are
+then folded into one unit per position (``blocks.*.attn.qkv``) with a count, so a 96-layer model
+has as many decisions as one layer.
+
+[Note: unit segments]
+A module with children runs some operations itself: a transformer block's residual adds, an
+attention module's split / SDPA / reshape between its ``qkv`` and ``proj`` children, a model's
+loss. Each maximal run of such operations between two child calls is a unit of its own, named
+``module[k]`` for the k-th non-empty run (``blocks.*[0]`` is a block's first residual add,
+``[2]`` is the root's third run). Counting only non-empty runs keeps names independent of how
+many children sit between them.
+
+[Note: saved roles]
+Each tensor storage autograd saves is counted once, by the first unit that saves it, with a role:
+``input`` when another unit (or the caller) produced it, ``output`` when this unit produced it
+and another unit reads it, ``internal`` otherwise. The cost model shards a saved input as the
+unit's input layout, everything else as the unit's own work; selective recomputation drops the
+internal tensors of attention cores.
+
+[Note: kernels as on the accelerator]
+A meta trace follows the CPU dispatcher, which runs attention with dropout as unfused math in
+fp32 and dropout as a float mask. A GPU runs fused attention (saving q, k, v, the output and a
+log-sum-exp row) and keeps a one-byte mask. With ``accelerator_kernels=True`` (the default)
+:func:`measure` swaps ``F.scaled_dot_product_attention`` and ``F.dropout`` for stand-ins that
+save exactly what those kernels save, so the bytes are the ones a training run will hold.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+from torch.utils.flop_counter import flop_registry
+
+__all__ = ["Edge", "ModelGraph", "ParamInfo", "Unit", "measure", "measure_gpt"]
+
+
+@dataclass(kw_only=True, slots=True)
+class ParamInfo:
+    """A parameter a unit owns. ``tied_to`` names the unit that counts a shared tensor."""
+
+    name: str
+    shape: tuple[int, ...]
+    nbytes: int
+    tied_to: str | None = None
+
+
+@dataclass(kw_only=True, slots=True)
+class Unit:
+    """One decision unit (per occurrence; ``count`` occurrences after clustering)."""
+
+    name: str
+    module: str
+    segment: int | None
+    kind: str  # linear, embedding, norm, elementwise, attention, loss
+    count: int = 1
+    params: list[ParamInfo] = field(default_factory=list)
+    flops: float = 0.0  # forward
+    io_bytes: float = 0.0  # bytes read and written by its ops, forward
+    saved_input_bytes: float = 0.0
+    saved_output_bytes: float = 0.0
+    saved_internal_bytes: float = 0.0
+    out_bytes: float = 0.0  # its largest output activation
+    in_features: int | None = None
+    out_features: int | None = None
+    weight_transposed: bool = False  # HF Conv1D keeps [in, out]
+    heads: int | None = None
+    kv_heads: int | None = None
+
+    @property
+    def param_bytes(self) -> int:
+        return sum(p.nbytes for p in self.params if p.tied_to is None)
+
+    @property
+    def num_params(self) -> int:
+        return sum(_numel(p.shape) for p in self.params if p.tied_to is None)
+
+    @property
+    def saved_bytes(self) -> float:
+        return self.saved_input_bytes + self.saved_output_bytes + self.saved_internal_bytes
+
+    def signature(self) -> tuple[Any, ...]:
+        shapes = tuple((p.shape, p.tied_to is None) for p in self.params)
+        return (self.kind, self.segment, shapes, self.flops, self.saved_bytes, self.out_bytes)
+
+
+@dataclass(kw_only=True, slots=True)
+class Edge:
+    """Activations flowing from ``src`` to ``dst``: the largest tensor's bytes, ``count`` times."""
+
+    src: str
+    dst: str
+    nbytes: float
+    count: int = 1
+
+
+@dataclass(kw_only=True, slots=True)
+class ModelGraph:
+    """Decision units in execution order, the edges between them, and the repeated blocks."""
+
+    name: str
+    units: list[Unit]
+    edges: list[Edge]
+    micro_batch: int
+    seq_len: int
+    blocks: dict[str, int] = field(default_factory=dict)  # cluster prefix ("blocks.*") -> count
+
+    def unit(self, name: str) -> Unit:
+        for unit in self.units:
+            if unit.name == name:
+                return unit
+        raise KeyError(f"no unit {name!r}")
+
+    def block_of(self, unit: Unit) -> str | None:
+        """The repeated-block prefix a unit belongs to, if any."""
+        for prefix in self.blocks:
+            if unit.module == prefix or unit.module.startswith(prefix + "."):
+                return prefix
+        return None
+
+    @property
+    def num_params(self) -> int:
+        return sum(u.num_params * u.count for u in self.units)
+
+    @property
+    def flops(self) -> float:
+        return sum(u.flops * u.count for u in self.units)
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _storage_key(t: torch.Tensor) -> int:
+    return t.untyped_storage()._cdata
+
+
+def _kind_of(module: nn.Module) -> str:
+    name = type(module).__name__
+    if isinstance(module, nn.Linear) or name == "Conv1D":
+        return "linear"
+    if isinstance(module, nn.Embedding):
+        return "embedding"
+    if "Norm" in name:
+        return "norm"
+    return "elementwise"
+
+
+# ---------------------------------------------------------------------------------------------
+# stand-ins for the accelerator's kernels; see [Note: kernels as on the accelerator]
+
+
+class _FusedAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        B, H, T, K = q.shape
+        out = q.new_empty(B, T, H, v.shape[-1]).transpose(1, 2)  # [B, H, T, K] over [B, T, H, K]
+        lse = q.new_empty(B, H, T, dtype=torch.float32)
+        ctx.save_for_backward(q, k, v, out, lse)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        q, k, v, _, _ = ctx.saved_tensors
+        return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+@contextlib.contextmanager
+def _accelerator_kernels(tracer: _Tracer) -> Iterator[None]:
+    original_sdpa, original_dropout = F.scaled_dot_product_attention, F.dropout
+
+    def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *args: Any, **kwargs: Any):
+        if k.shape[1] != q.shape[1]:  # grouped-query attention: broadcast K/V heads
+            repeat = q.shape[1] // k.shape[1]
+            k, v = (t.repeat_interleave(repeat, dim=1) for t in (k, v))
+        tracer.note_attention(q, k)
+        return _FusedAttention.apply(q, k, v)
+
+    def dropout(x: torch.Tensor, p: float = 0.5, training: bool = True, inplace: bool = False):
+        if not training or p == 0.0:
+            return x
+        return torch.ops.aten.native_dropout(x, p, True)[0]
+
+    F.scaled_dot_product_attention, F.dropout = sdpa, dropout
+    try:
+        yield
+    finally:
+        F.scaled_dot_product_attention, F.dropout = original_sdpa, original_dropout
+
+
+# ---------------------------------------------------------------------------------------------
+# the tracer
+
+
+@dataclass(slots=True)
+class _Frame:
+    fqn: str
+    leaf: bool
+    runs: int = 0  # non-empty own-op runs so far
+    open_run: int | None = None
+
+
+class _Tracer(TorchDispatchMode):
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+        self.stack: list[_Frame] = []
+        self.units: dict[str, Unit] = {}
+        self.producer: dict[int, str] = {}  # storage -> unit that produced it
+        self.readers: dict[int, set[str]] = {}  # storage -> units that read it
+        self.edges: dict[tuple[str, str], float] = {}
+        self.saved: dict[int, tuple[str, int]] = {}  # storage -> (first saver, bytes)
+        self.keep_alive: list[torch.Tensor] = []
+        self.param_storages = {_storage_key(p) for p in model.parameters()}
+        self.modules = dict(model.named_modules())
+
+    # module frames -----------------------------------------------------------------------
+    def enter(self, fqn: str, module: nn.Module) -> None:
+        if self.stack:
+            self.stack[-1].open_run = None  # a child call ends the parent's run of own ops
+        self.stack.append(_Frame(fqn, leaf=not any(True for _ in module.children())))
+
+    def leave(self) -> None:
+        self.stack.pop()
+        if self.stack:
+            self.stack[-1].open_run = None
+
+    def current_unit(self) -> Unit:
+        frame = self.stack[-1] if self.stack else _Frame("", leaf=False)
+        if frame.leaf:
+            name, segment = frame.fqn, None
+            kind = _kind_of(self.modules[frame.fqn])
+        else:
+            if frame.open_run is None:
+                frame.open_run, frame.runs = frame.runs, frame.runs + 1
+            segment = frame.open_run
+            name, kind = f"{frame.fqn}[{segment}]", "elementwise"
+        if name not in self.units:
+            self.units[name] = self._new_unit(name, frame.fqn, segment, kind)
+        return self.units[name]
+
+    def _new_unit(self, name: str, fqn: str, segment: int | None, kind: str) -> Unit:
+        unit = Unit(name=name, module=fqn, segment=segment, kind=kind)
+        if segment is None:
+            module = self.modules[fqn]
+            for pname, p in module.named_parameters(recurse=False):
+                unit.params.append(
+                    ParamInfo(name=f"{fqn}.{pname}", shape=tuple(p.shape), nbytes=_nbytes(p))
+                )
+            weight = getattr(module, "weight", None)
+            if kind == "linear" and isinstance(weight, torch.Tensor):
+                unit.weight_transposed = type(module).__name__ == "Conv1D"
+                out_f, in_f = weight.shape[::-1] if unit.weight_transposed else weight.shape
+                unit.in_features, unit.out_features = int(in_f), int(out_f)
+            if kind == "embedding" and isinstance(weight, torch.Tensor):
+                unit.out_features = int(weight.shape[0])  # rows: the vocabulary
+        return unit
+
+    def note_attention(self, q: torch.Tensor, k: torch.Tensor) -> None:
+        unit = self.current_unit()
+        unit.kind = "attention"
+        unit.heads, unit.kv_heads = int(q.shape[1]), int(k.shape[1])
+        B, H, T, K = q.shape
+        unit.flops += 4.0 * B * H * T * k.shape[2] * K
+
+    # ops -------------------------------------------------------------------------------------
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        unit = self.current_unit()
+        inputs = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        outputs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+        counter = flop_registry.get(func._overloadpacket)
+        if counter is not None:
+            unit.flops += counter(*args, **kwargs, out_val=out)
+        if func._overloadpacket in (torch.ops.aten.log_softmax, torch.ops.aten.nll_loss_forward):
+            unit.kind = "loss"
+        is_view = bool(outputs) and all(
+            _storage_key(o) in {_storage_key(i) for i in inputs} for o in outputs
+        )
+        for t in inputs:
+            key = _storage_key(t)
+            if key in self.param_storages:
+                continue
+            if not is_view:
+                unit.io_bytes += _nbytes(t)
+            src = self.producer.get(key)
+            if src is not None and src != unit.name:
+                self.readers.setdefault(key, set()).add(unit.name)
+                edge = (src, unit.name)
+                self.edges[edge] = max(self.edges.get(edge, 0.0), float(_nbytes(t)))
+        for t in outputs:
+            key = _storage_key(t)
+            if key in self.param_storages or key in self.producer:
+                continue
+            self.producer[key] = unit.name
+            self.keep_alive.append(t)
+            unit.io_bytes += _nbytes(t)
+            unit.out_bytes = max(unit.out_bytes, float(_nbytes(t)))
+        return out
+
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
+        key = _storage_key(t)
+        if key in self.param_storages or key in self.saved:
+            return t
+        unit = self.current_unit()
+        self.saved[key] = (unit.name, t.untyped_storage().nbytes())
+        self.keep_alive.append(t)
+        return t
+
+    def finish(self) -> tuple[list[Unit], list[Edge]]:
+        for key, (name, nbytes) in self.saved.items():
+            unit, src = self.units[name], self.producer.get(key)
+            if src != name:
+                unit.saved_input_bytes += nbytes
+            elif self.readers.get(key):
+                unit.saved_output_bytes += nbytes
+            else:
+                unit.saved_internal_bytes += nbytes
+        edges = [Edge(src=s, dst=d, nbytes=b) for (s, d), b in self.edges.items()]
+        return list(self.units.values()), edges
+
+
+def _install_hooks(model: nn.Module, tracer: _Tracer) -> list[Any]:
+    handles = []
+    for fqn, module in model.named_modules():
+        handles.append(module.register_forward_pre_hook(lambda m, a, fqn=fqn: tracer.enter(fqn, m)))
+        handles.append(
+            module.register_forward_hook(lambda m, a, o: tracer.leave(), always_call=True)
+        )
+    return handles
+
+
+def measure(
+    model: nn.Module,
+    inputs: Callable[[], tuple[Any, ...]] | tuple[Any, ...],
+    *,
+    name: str = "model",
+    accelerator_kernels: bool = True,
+) -> ModelGraph:
+    """Trace ``model(*inputs)`` (on the meta device) into a clustered :class:`ModelGraph`.
+
+    ``inputs`` are meta tensors (or a function returning them); their dim 0 is the micro-batch
+    and dim 1 the sequence. The model is run in training mode; nothing is allocated.
+    """
+    args = inputs() if callable(inputs) else inputs
+    tensors = [a for a in args if isinstance(a, torch.Tensor)]
+    if any(t.device.type != "meta" for t in tensors) or any(
+        p.device.type != "meta" for p in model.parameters()
+    ):
+        raise ValueError(
+            "measure traces on the meta device: build the model with device='meta' "
+            "(or `with torch.device('meta'):`) and pass meta tensors as inputs"
+        )
+    tracer = _Tracer(model)
+    handles = _install_hooks(model, tracer)
+    kernels = _accelerator_kernels(tracer) if accelerator_kernels else contextlib.nullcontext()
+    was_training = model.training
+    model.train()
+    try:
+        with kernels, torch.autograd.graph.saved_tensors_hooks(tracer.pack, lambda t: t), tracer:
+            model(*args)
+    finally:
+        model.train(was_training)
+        for handle in handles:
+            handle.remove()
+    units, edges = tracer.finish()
+    _resolve_ties(model, units)
+    batch, seq = (int(tensors[0].shape[0]), int(tensors[0].shape[1])) if tensors else (1, 1)
+    graph = ModelGraph(name=name, units=units, edges=edges, micro_batch=batch, seq_len=seq)
+    return cluster_blocks(graph)
+
+
+def _resolve_ties(model: nn.Module, units: list[Unit]) -> None:
+    owners: dict[int, str] = {}
+    by_name = dict(model.named_parameters(remove_duplicate=False))
+    for unit in units:
+        for p in unit.params:
+            key = id(by_name[p.name])
+            if key in owners and owners[key] != unit.name:
+                p.tied_to = owners[key]
+            else:
+                owners.setdefault(key, unit.name)
+
+
+# ---------------------------------------------------------------------------------------------
+# clustering identical blocks
+
+_INDEXED = re.compile(r"^(.*?)\.(\d+)(\.|\[|$)")
+
+
+def _block_key(module: str) -> tuple[str, int] | None:
+    match = _INDEXED.match(module)
+    return (match.group(1), int(match.group(2))) if match else None
+
+
+def cluster_blocks(graph: ModelGraph) -> ModelGraph:
+    """Fold units of identical repeated blocks (``blocks.0`` ... ``blocks.N``) into one each."""
+    groups: dict[str, dict[int, list[Unit]]] = {}
+    for unit in graph.units:
+        key = _block_key(unit.module)
+        if key is not None:
+            groups.setdefault(key[0], {}).setdefault(key[1], []).append(unit)
+    renames: dict[str, str] = {}
+    blocks: dict[str, int] = {}
+    for prefix, members in groups.items():
+        signatures = {
+            i: tuple((u.name.removeprefix(f"{prefix}.{i}"), u.signature()) for u in us)
+            for i, us in members.items()
+        }
+        if len(members) < 2 or len(set(signatures.values())) != 1:
+            continue
+        blocks[f"{prefix}.*"] = len(members)
+        for i, us in members.items():
+            for u in us:
+                renames[u.name] = f"{prefix}.*" + u.name.removeprefix(f"{prefix}.{i}")
+    units: dict[str, Unit] = {}
+    for unit in graph.units:
+        new = renames.get(unit.name, unit.name)
+        if new in units:
+            units[new].count += 1
+            continue
+        unit.name = new
+        unit.module = new if unit.segment is None else new[: new.rindex("[")]
+        for p in unit.params:
+            p.name = _star_path(p.name, blocks)
+            p.tied_to = renames.get(p.tied_to, p.tied_to) if p.tied_to else None
+        units[new] = unit
+    edges: dict[tuple[str, str], Edge] = {}
+    for e in graph.edges:
+        src, dst = renames.get(e.src, e.src), renames.get(e.dst, e.dst)
+        if (src, dst) in edges:
+            merged = edges[(src, dst)]
+            merged.count += e.count
+            merged.nbytes = max(merged.nbytes, e.nbytes)
+        else:
+            edges[(src, dst)] = Edge(src=src, dst=dst, nbytes=e.nbytes, count=e.count)
+    return ModelGraph(
+        name=graph.name,
+        units=list(units.values()),
+        edges=list(edges.values()),
+        micro_batch=graph.micro_batch,
+        seq_len=graph.seq_len,
+        blocks=blocks,
+    )
+
+
+def _star_path(path: str, blocks: dict[str, int]) -> str:
+    for prefix in blocks:
+        head = prefix.removesuffix(".*")
+        match = re.match(rf"^{re.escape(head)}\.\d+(\..*)$", path)
+        if match:
+            return prefix + match.group(1)
+    return path
+
+
+def measure_gpt(config: Any, *, micro_batch: int = 1, dtype: torch.dtype = torch.bfloat16):
+    """The :class:`ModelGraph` of ``tidal.models.GPT(config)`` at ``micro_batch`` sequences of
+    ``config.seq_len`` tokens, with ``dtype`` weights and activations."""
+    from tidal.models import build_gpt
+
+    model = build_gpt(config, device="meta").to(dtype)
+    shape = (micro_batch, config.seq_len)
+    idx = torch.empty(shape, dtype=torch.long, device="meta")
+    return measure(model, (idx, torch.empty(shape, dtype=torch.long, device="meta")))

@@ -1,0 +1,217 @@
+"""A parallel plan as plain data: what the solver chose, what it costs, and its JSON form.
+
+A :class:`Plan` is what ``tidal plan`` prints and writes, what ``tidal.planner.apply`` carries
+out, and what ``tidal train --plan`` reads. It holds no torch objects, so it can be made,
+compared and tested anywhere.
+
+[Note: plan layouts]
+Every activation between two units has one of four layouts on the tensor axis of the mesh (the
+data axis always splits the batch):
+
+- ``R``: replicated, every tensor-axis rank holds the whole ``[B, T, X]`` tensor;
+- ``S(seq)``: sharded along the sequence (dim 1), as in Megatron's sequence parallelism;
+- ``S(hid)``: sharded along the last dim (hidden, heads or vocabulary);
+- ``P``: partial sums, every rank holds a full-size tensor whose sum over the axis is the value
+  (a row-parallel linear's output before its all-reduce or reduce-scatter).
+
+A unit's strategy fixes the layout it takes in and the layout it gives out; the edge between two
+units pays for converting one to the other (``P -> R`` an all-reduce, ``P -> S`` a
+reduce-scatter, ``S -> R`` an all-gather, ``R -> S`` a free slice, ``S -> S'`` an all-to-all).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+__all__ = ["Layout", "MemoryBreakdown", "Plan", "Recompute", "StrategyName", "UnitChoice"]
+
+PLAN_FORMAT = 1
+
+
+class Layout(enum.StrEnum):
+    """An activation's placement on the tensor axis; see [Note: plan layouts]."""
+
+    R = "R"
+    SEQ = "S(seq)"
+    HID = "S(hid)"
+    P = "P"
+
+
+class StrategyName(enum.StrEnum):
+    """What a unit does on the tensor axis."""
+
+    REPLICATE = "replicate"  # whole weights, whole activations: every rank computes the same
+    SEQUENCE = "sequence"  # token-wise work split along the sequence; weights whole
+    COLWISE = "colwise"  # linear, output features split (Megatron's column parallel)
+    ROWWISE = "rowwise"  # linear, input features split; partial-sum output
+    VOCAB = "vocab"  # embedding table split by vocabulary rows; partial-sum output
+    HEADS = "heads"  # attention core, heads split
+    HIDDEN = "hidden"  # element-wise work on a hidden-sharded activation
+
+
+class Recompute(enum.StrEnum):
+    """Activation recomputation of a repeated block."""
+
+    NONE = "none"
+    SELECTIVE = "selective"  # recompute the attention core only (Megatron's selective)
+    FULL = "full"  # keep the block's input, recompute everything in backward
+
+
+@dataclass(kw_only=True, slots=True)
+class MemoryBreakdown:
+    """Bytes per device; ``redundant`` is the part above a perfect 1/N split of the same data."""
+
+    params: float = 0.0
+    grads: float = 0.0
+    optimizer: float = 0.0
+    activations: float = 0.0
+    transient: float = 0.0
+    redundant: float = 0.0
+
+    @property
+    def resident(self) -> float:
+        return self.params + self.grads + self.optimizer
+
+    @property
+    def total(self) -> float:
+        return self.resident + self.activations + self.transient
+
+    def to_dict(self) -> dict[str, float]:
+        return {**dataclasses.asdict(self), "total": self.total}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> MemoryBreakdown:
+        return cls(**{f.name: float(data.get(f.name, 0.0)) for f in dataclasses.fields(cls)})
+
+
+@dataclass(kw_only=True, slots=True)
+class UnitChoice:
+    """One decision unit and what the plan does with it.
+
+    ``module`` is the unit's module path with ``*`` for the index of a repeated block
+    (``blocks.*.attn.qkv``); ``segment`` is ``None`` for a leaf module and ``k`` for the k-th run
+    of a module's own operations between its children (``blocks.*`` segment 1 is the first
+    residual add). ``count`` is how many times the unit occurs (the number of blocks).
+    """
+
+    name: str
+    module: str
+    segment: int | None
+    kind: str
+    strategy: StrategyName
+    in_layout: Layout
+    out_layout: Layout
+    zero: int
+    count: int
+    memory: MemoryBreakdown = field(default_factory=MemoryBreakdown)
+    time_s: float = 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "module": self.module,
+            "segment": self.segment,
+            "kind": self.kind,
+            "strategy": str(self.strategy),
+            "in_layout": str(self.in_layout),
+            "out_layout": str(self.out_layout),
+            "zero": self.zero,
+            "count": self.count,
+            "memory": self.memory.to_dict(),
+            "time_s": self.time_s,
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> UnitChoice:
+        return cls(
+            name=data["name"],
+            module=data["module"],
+            segment=data["segment"],
+            kind=data["kind"],
+            strategy=StrategyName(data["strategy"]),
+            in_layout=Layout(data["in_layout"]),
+            out_layout=Layout(data["out_layout"]),
+            zero=int(data["zero"]),
+            count=int(data["count"]),
+            memory=MemoryBreakdown.from_dict(data.get("memory", {})),
+            time_s=float(data.get("time_s", 0.0)),
+        )
+
+
+@dataclass(kw_only=True, slots=True)
+class Plan:
+    """A whole plan: mesh, per-unit choices, recomputation, and the cost model's figures."""
+
+    model: str
+    devices: int
+    dp: int
+    tp: int
+    micro_batch: int
+    seq_len: int
+    num_microbatches: int
+    units: list[UnitChoice]
+    recompute: dict[str, Recompute]
+    memory: MemoryBreakdown
+    step_time_s: float
+    edges: list[tuple[str, str, int]] = field(default_factory=list)
+
+    @property
+    def peak_memory_bytes(self) -> float:
+        return self.memory.total
+
+    def unit(self, name: str) -> UnitChoice:
+        for unit in self.units:
+            if unit.name == name:
+                return unit
+        raise KeyError(f"the plan has no unit {name!r}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "format": PLAN_FORMAT,
+            "model": self.model,
+            "devices": self.devices,
+            "mesh": {"dp": self.dp, "tp": self.tp},
+            "micro_batch": self.micro_batch,
+            "seq_len": self.seq_len,
+            "num_microbatches": self.num_microbatches,
+            "peak_memory_bytes": self.peak_memory_bytes,
+            "step_time_s": self.step_time_s,
+            "memory": self.memory.to_dict(),
+            "recompute": {k: str(v) for k, v in self.recompute.items()},
+            "units": [u.to_dict() for u in self.units],
+            "edges": [list(e) for e in self.edges],
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Plan:
+        if data.get("format") != PLAN_FORMAT:
+            raise ValueError(
+                f"plan format {data.get('format')!r} is not {PLAN_FORMAT}; "
+                "make the plan again with this version's `tidal plan`"
+            )
+        return cls(
+            model=data["model"],
+            devices=int(data["devices"]),
+            dp=int(data["mesh"]["dp"]),
+            tp=int(data["mesh"]["tp"]),
+            micro_batch=int(data["micro_batch"]),
+            seq_len=int(data["seq_len"]),
+            num_microbatches=int(data["num_microbatches"]),
+            units=[UnitChoice.from_dict(u) for u in data["units"]],
+            recompute={k: Recompute(v) for k, v in data["recompute"].items()},
+            memory=MemoryBreakdown.from_dict(data["memory"]),
+            step_time_s=float(data["step_time_s"]),
+            edges=[(str(a), str(b), int(n)) for a, b, n in data.get("edges", [])],
+        )
+
+    def save(self, path: str | Path, extra: dict[str, Any] | None = None) -> None:
+        Path(path).write_text(json.dumps({**self.to_dict(), **(extra or {})}, indent=2) + "\n")
+
+    @classmethod
+    def load(cls, path: str | Path) -> Plan:
+        return cls.from_dict(json.loads(Path(path).read_text()))

@@ -1,0 +1,302 @@
+"""The planner's front door: measure -> model -> solve over every mesh -> emit a :class:`Plan`.
+
+:func:`make_plan` tries each ``dp x tp`` factorisation the model allows (``tp`` within a node,
+dividing the heads and feature sizes, ``dp`` dividing the global batch), solves each mesh's ILP,
+and keeps the best plan for the objective:
+
+- ``memory``: the smallest peak whose step time is within ``(1 + eps)`` of the fastest plan that
+  fits (the fastest over all meshes);
+- ``time``: the fastest plan that fits in the device memory.
+
+When nothing fits, it solves for the smallest peak on each mesh and reports that as the least
+device memory that would work, with the units holding most of it ([`Infeasible`]).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+
+from tidal.config.configurable import ConfigError, format_bytes, require
+from tidal.planner.baselines import BASELINES, Baseline, baseline, megatron_tp
+from tidal.planner.cluster import ClusterSpec, Mesh
+from tidal.planner.cost_model import Assignment, Costed, evaluate
+from tidal.planner.ilp import Problem, Solution, build_problem
+from tidal.planner.measure import ModelGraph
+from tidal.planner.plan import Plan, UnitChoice
+from tidal.planner.strategies import TrainingSpec, candidates, valid_tensor_sizes
+
+__all__ = ["Infeasible", "PlannerConfig", "PlanResult", "make_plan", "to_plan"]
+
+PARETO_EPS = (0.0, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0)
+
+
+@dataclass(kw_only=True, frozen=True, slots=True)
+class PlannerConfig:
+    objective: str = "memory"  # or "time"
+    eps: float = 0.05  # memory objective: allowed slowdown over the fastest plan
+    global_batch: int | None = None  # sequences per step; default one per device
+    tp: int | None = None  # force the tensor-parallel size
+    param_bytes: int = 2
+    grad_bytes: int = 2
+    optimizer_bytes: int = 12
+    pareto: bool = True
+    baselines: bool = True
+    solver_time_limit_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        require(
+            self.objective in ("memory", "time"),
+            "objective",
+            f"must be 'memory' or 'time', got {self.objective!r}",
+        )
+        require(self.eps >= 0, "eps", f"must be >= 0, got {self.eps}")
+        if self.global_batch is not None:
+            require(
+                self.global_batch >= 1, "global_batch", f"must be >= 1, got {self.global_batch}"
+            )
+
+
+class Infeasible(ValueError):
+    """No plan fits the device memory; says the least memory that would do and who needs it."""
+
+    def __init__(
+        self, device_memory: float, needed: float, mesh: Mesh, top: list[tuple[str, float]]
+    ):
+        self.needed_bytes = needed
+        self.mesh = mesh
+        self.top_units = top
+        units = ", ".join(f"{name} {format_bytes(int(b))}" for name, b in top)
+        super().__init__(
+            f"no plan fits in {format_bytes(int(device_memory))} per device: the least any plan "
+            f"needs is {format_bytes(int(needed))} (dp {mesh.dp} x tp {mesh.tp}); most of it is "
+            f"held by {units}. Use devices with at least that much memory, more devices, "
+            "or a smaller micro-batch"
+        )
+
+
+@dataclass(kw_only=True, slots=True)
+class MeshResult:
+    mesh: Mesh
+    fastest: Solution
+    problem: Problem
+
+
+@dataclass(kw_only=True, slots=True)
+class PlanResult:
+    plan: Plan
+    solution: Solution
+    costed: Costed
+    solve_s: float
+    fastest_s: float
+    meshes: list[MeshResult]
+    baselines: dict[str, Baseline] = field(default_factory=dict)
+    pareto: list[dict[str, float]] = field(default_factory=list)
+
+    def saving(self, name: str) -> float:
+        """Fraction of the baseline's peak memory this plan saves."""
+        other = self.baselines[name].peak_memory_bytes
+        return 1.0 - self.plan.peak_memory_bytes / other if math.isfinite(other) else float("nan")
+
+
+def _spec(
+    graph: ModelGraph, mesh: Mesh, config: PlannerConfig, devices: int
+) -> TrainingSpec | None:
+    global_batch = config.global_batch or devices * graph.micro_batch
+    per_step = graph.micro_batch * mesh.dp
+    if global_batch % per_step:
+        return None
+    return TrainingSpec(
+        num_microbatches=global_batch // per_step,
+        param_bytes=config.param_bytes,
+        grad_bytes=config.grad_bytes,
+        optimizer_bytes=config.optimizer_bytes,
+    )
+
+
+def meshes_for(graph: ModelGraph, cluster: ClusterSpec, config: PlannerConfig) -> list[Mesh]:
+    valid = valid_tensor_sizes(graph.units, cluster.devices, cluster.devices_per_node)
+    if config.tp is not None:
+        if config.tp not in valid:
+            raise ConfigError(
+                "tp",
+                f"{config.tp} does not split this model on {cluster.devices} devices "
+                f"(it must divide the devices and every attention unit's heads and feature "
+                f"size, and fit in a node of {cluster.devices_per_node}); choose one of "
+                f"{', '.join(map(str, valid))}",
+            )
+        valid = [config.tp]
+    meshes = [Mesh(dp=cluster.devices // t, tp=t) for t in valid]
+    meshes = [mesh for mesh in meshes if _spec(graph, mesh, config, cluster.devices)]
+    if not meshes:
+        raise ConfigError(
+            "global_batch",
+            f"{config.global_batch} sequences do not split into micro-batches of "
+            f"{graph.micro_batch} over any data-parallel size; use a multiple of "
+            f"{graph.micro_batch * cluster.devices}",
+        )
+    return meshes
+
+
+def _problem(graph: ModelGraph, mesh: Mesh, cluster: ClusterSpec, spec: TrainingSpec) -> Problem:
+    options = {u.name: candidates(u, mesh, cluster, spec) for u in graph.units}
+    return build_problem(graph, mesh, options, cluster, spec)
+
+
+def make_plan(graph: ModelGraph, cluster: ClusterSpec, config: PlannerConfig) -> PlanResult:
+    """The best plan for ``config.objective``; raises :class:`Infeasible` when none fits."""
+    started = time.perf_counter()
+    limit = float(cluster.device_memory_bytes)
+    results = []
+    for mesh in meshes_for(graph, cluster, config):
+        spec = _spec(graph, mesh, config, cluster.devices)
+        problem = _problem(graph, mesh, cluster, spec)
+        fastest = problem.solve(
+            objective="time", memory_limit=limit, solver_time_limit_s=config.solver_time_limit_s
+        )
+        results.append(MeshResult(mesh=mesh, fastest=fastest, problem=problem))
+    feasible = [r for r in results if r.fastest.feasible]
+    if not feasible:
+        raise _diagnose(graph, cluster, results, config)
+    fastest_s = min(r.fastest.step_time_s for r in feasible)
+    best = _best(feasible, config, limit, fastest_s, config.eps)
+    solve_s = time.perf_counter() - started
+    spec = _spec(graph, best.assignment.mesh, config, cluster.devices)
+    costed = evaluate(graph, best.assignment, cluster, spec)
+    plan = to_plan(graph, best.assignment, costed, spec)
+    result = PlanResult(
+        plan=plan,
+        solution=best,
+        costed=costed,
+        solve_s=solve_s,
+        fastest_s=fastest_s,
+        meshes=results,
+    )
+    if config.pareto:
+        result.pareto = _pareto(graph, cluster, feasible, config, limit, fastest_s)
+    if config.baselines:
+        result.baselines = _baselines(graph, cluster, config)
+    return result
+
+
+def _best(
+    feasible: list[MeshResult], config: PlannerConfig, limit: float, fastest_s: float, eps: float
+) -> Solution:
+    if config.objective == "time":
+        return min((r.fastest for r in feasible), key=lambda s: s.step_time_s)
+    solutions = []
+    for r in feasible:
+        if r.fastest.step_time_s > (1 + eps) * fastest_s:
+            continue
+        solution = r.problem.solve(
+            objective="memory",
+            memory_limit=limit,
+            time_limit=(1 + eps) * fastest_s,
+            solver_time_limit_s=config.solver_time_limit_s,
+        )
+        if solution.feasible:
+            solutions.append(solution)
+    return min(solutions, key=lambda s: (s.peak_bytes, s.step_time_s))
+
+
+def _pareto(
+    graph: ModelGraph,
+    cluster: ClusterSpec,
+    feasible: list[MeshResult],
+    config: PlannerConfig,
+    limit: float,
+    fastest_s: float,
+) -> list[dict[str, float]]:
+    frontier = []
+    for eps in PARETO_EPS:
+        best = _best(feasible, PlannerConfig(objective="memory"), limit, fastest_s, eps)
+        mesh = best.assignment.mesh
+        frontier.append(
+            {
+                "eps": eps,
+                "peak_memory_bytes": best.peak_bytes,
+                "step_time_s": best.step_time_s,
+                "dp": mesh.dp,
+                "tp": mesh.tp,
+            }
+        )
+    return frontier
+
+
+def _baselines(
+    graph: ModelGraph, cluster: ClusterSpec, config: PlannerConfig
+) -> dict[str, Baseline]:
+    valid = valid_tensor_sizes(graph.units, cluster.devices, cluster.devices_per_node)
+    t = megatron_tp(graph, cluster, valid)
+
+    def spec_for(mesh: Mesh) -> TrainingSpec | None:
+        return _spec(graph, mesh, config, cluster.devices)
+
+    found = {}
+    for name in BASELINES:
+        result = baseline(name, graph, cluster, spec_for, t)
+        if result is not None:
+            found[name] = result
+    return found
+
+
+def _diagnose(
+    graph: ModelGraph, cluster: ClusterSpec, results: list[MeshResult], config: PlannerConfig
+) -> Infeasible:
+    smallest = None
+    for r in results:
+        solution = r.problem.solve(
+            objective="memory", solver_time_limit_s=config.solver_time_limit_s
+        )
+        if solution.feasible and (smallest is None or solution.peak_bytes < smallest.peak_bytes):
+            smallest = solution
+    assert smallest is not None and smallest.assignment is not None
+    mesh = smallest.assignment.mesh
+    costed = evaluate(
+        graph, smallest.assignment, cluster, _spec(graph, mesh, config, cluster.devices)
+    )
+    held = {
+        u.name: u.count
+        * (costed.unit_memory[u.name].resident + costed.unit_memory[u.name].activations)
+        for u in graph.units
+    }
+    top = sorted(held.items(), key=lambda kv: -kv[1])[:3]
+    return Infeasible(cluster.device_memory_bytes, costed.memory.total, mesh, top)
+
+
+def to_plan(graph: ModelGraph, assignment: Assignment, costed: Costed, spec: TrainingSpec) -> Plan:
+    """The :class:`Plan` (plain data) of a costed assignment."""
+    units = []
+    for unit in graph.units:
+        cand = assignment.choice[unit.name]
+        units.append(
+            UnitChoice(
+                name=unit.name,
+                module=unit.module,
+                segment=unit.segment,
+                kind=unit.kind,
+                strategy=cand.strategy,
+                in_layout=cand.in_layout,
+                out_layout=cand.out_layout,
+                zero=cand.zero,
+                count=unit.count,
+                memory=costed.unit_memory[unit.name],
+                time_s=costed.unit_time_s[unit.name],
+            )
+        )
+    mesh = assignment.mesh
+    return Plan(
+        model=graph.name,
+        devices=mesh.devices,
+        dp=mesh.dp,
+        tp=mesh.tp,
+        micro_batch=graph.micro_batch,
+        seq_len=graph.seq_len,
+        num_microbatches=spec.num_microbatches,
+        units=units,
+        recompute=dict(assignment.recompute),
+        memory=costed.memory,
+        step_time_s=costed.step_time_s,
+        edges=[(e.src, e.dst, e.count) for e in graph.edges],
+    )

@@ -1,0 +1,287 @@
+"""Model, part one: the candidate strategies of each unit on a mesh, and what each costs.
+
+A :class:`Candidate` is one (strategy, ZeRO level) choice for one occurrence of a unit, with its
+layouts ([Note: plan layouts] in plan.py) and its cost coefficients: bytes per device by kind,
+seconds of compute and of communication per micro-batch, and seconds of gradient
+synchronisation per step. Everything here is linear in the choice, which is what lets the ILP
+add it up; what couples neighbouring units (resharding) is in cost_model.py.
+
+[Note: sharded fractions]
+What a device holds of a unit's data under a strategy, on a tensor axis of ``t`` ranks and a
+data axis of ``d`` ranks:
+
+- parameters: ``1/t`` of a tensor-split weight (uneven splits of a vocabulary round up), then
+  ZeRO on the data axis divides optimizer state (level >= 1), gradients (>= 2) and parameters
+  (3) by ``d``;
+- saved activations: a saved input is split as the unit's input layout (``1/t`` unless ``R``); its
+  own outputs and internal tensors are split as its work (``1/t`` unless it replicates the work,
+  or produces partial sums, which are full-size);
+- compute: ``1/t`` of the FLOPs and bytes unless the work is replicated.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from tidal.config.configurable import require
+from tidal.planner.cluster import Axis, ClusterSpec, Collective, Mesh, collective_s
+from tidal.planner.measure import Unit
+from tidal.planner.plan import Layout, MemoryBreakdown, StrategyName
+
+__all__ = ["Candidate", "TrainingSpec", "candidates", "valid_tensor_sizes"]
+
+S = StrategyName
+
+
+@dataclass(kw_only=True, frozen=True, slots=True)
+class TrainingSpec:
+    """Bytes per parameter of each kind of model data, and the step's size in micro-batches.
+
+    The defaults are mixed-precision Adam as in the ZeRO paper: 2-byte weights and gradients,
+    12 bytes of fp32 master weights and two moments (``16 * params`` in all)."""
+
+    num_microbatches: int = 1
+    param_bytes: int = 2
+    grad_bytes: int = 2
+    optimizer_bytes: int = 12
+
+    def __post_init__(self) -> None:
+        require(
+            self.num_microbatches >= 1,
+            "num_microbatches",
+            f"must be >= 1, got {self.num_microbatches}",
+        )
+        for name in ("param_bytes", "grad_bytes", "optimizer_bytes"):
+            require(getattr(self, name) >= 0, name, f"must be >= 0, got {getattr(self, name)}")
+
+    @property
+    def state_bytes(self) -> int:
+        return self.param_bytes + self.grad_bytes + self.optimizer_bytes
+
+
+@dataclass(kw_only=True, frozen=True, slots=True)
+class Candidate:
+    """One choice for a unit: layouts, ZeRO level and costs per occurrence."""
+
+    strategy: StrategyName
+    in_layout: Layout
+    out_layout: Layout
+    in_grad: Layout  # layout of the gradient it returns for its input
+    zero: int
+    placements: tuple[str, ...]  # per own parameter: "R", "S0" or "S1" on the tensor axis
+    memory: MemoryBreakdown = field(default_factory=MemoryBreakdown)
+    selective_activations: float = 0.0  # activations when its attention core is recomputed
+    compute_s: float = 0.0  # forward + backward, per micro-batch
+    comm_s: float = 0.0  # its own collectives, per micro-batch
+    sync_s: float = 0.0  # gradient and parameter collectives per step
+    forward_s: float = 0.0  # what recomputing it costs, per micro-batch
+
+    @property
+    def label(self) -> str:
+        zero = f" z{self.zero}" if self.placements else ""
+        return f"{self.strategy}[{self.in_layout}->{self.out_layout}]{zero}"
+
+
+@dataclass(frozen=True, slots=True)
+class _Shape:
+    strategy: StrategyName
+    in_layout: Layout
+    out_layout: Layout
+    in_grad: Layout
+    weight_split: str  # "R", "S0" (output rows / vocabulary) or "S1" (input columns)
+    work_split: bool  # its own tensors and FLOPs are split by t
+    gather_input: bool = False  # colwise on a sequence-split input: all-gathers it itself
+
+
+_LINEAR = (
+    _Shape(S.REPLICATE, Layout.R, Layout.R, Layout.R, "R", False),
+    _Shape(S.SEQUENCE, Layout.SEQ, Layout.SEQ, Layout.SEQ, "R", True),
+    _Shape(S.COLWISE, Layout.R, Layout.HID, Layout.P, "S0", True),
+    _Shape(S.COLWISE, Layout.SEQ, Layout.HID, Layout.SEQ, "S0", True, gather_input=True),
+    _Shape(S.ROWWISE, Layout.HID, Layout.P, Layout.HID, "S1", True),
+)
+_EMBEDDING = (
+    _Shape(S.REPLICATE, Layout.R, Layout.R, Layout.R, "R", False),
+    _Shape(S.SEQUENCE, Layout.SEQ, Layout.SEQ, Layout.SEQ, "R", True),
+    _Shape(S.VOCAB, Layout.R, Layout.P, Layout.R, "S0", False),
+)
+_NORM = (
+    _Shape(S.REPLICATE, Layout.R, Layout.R, Layout.R, "R", False),
+    _Shape(S.SEQUENCE, Layout.SEQ, Layout.SEQ, Layout.SEQ, "R", True),
+)
+_ELEMENTWISE = (*_NORM, _Shape(S.HIDDEN, Layout.HID, Layout.HID, Layout.HID, "R", True))
+_ATTENTION = (
+    _Shape(S.REPLICATE, Layout.R, Layout.R, Layout.R, "R", False),
+    _Shape(S.HEADS, Layout.HID, Layout.HID, Layout.HID, "R", True),
+)
+_LOSS = _ELEMENTWISE  # S(hid) is the vocabulary-parallel loss
+_SHAPES = {
+    "linear": _LINEAR,
+    "embedding": _EMBEDDING,
+    "norm": _NORM,
+    "elementwise": _ELEMENTWISE,
+    "attention": _ATTENTION,
+    "loss": _LOSS,
+}
+
+
+def valid_tensor_sizes(units: list[Unit], devices: int, devices_per_node: int) -> list[int]:
+    """Tensor-axis sizes that divide every attention unit's heads and every non-vocabulary
+    feature dimension, and fit in a node."""
+    sizes = []
+    for t in range(1, min(devices, devices_per_node) + 1):
+        if devices % t:
+            continue
+        if all(_divides(u, t) for u in units):
+            sizes.append(t)
+    return sizes
+
+
+def _divides(unit: Unit, t: int) -> bool:
+    if unit.kind == "attention":
+        return all(h % t == 0 for h in (unit.heads or 1, unit.kv_heads or 1))
+    if unit.kind == "linear" and any(p.tied_to for p in unit.params):
+        return True  # a tied LM head splits a vocabulary, which may split unevenly
+    if unit.kind == "linear":
+        return (unit.in_features or 1) % t == 0 and (unit.out_features or 1) % t == 0
+    return True
+
+
+def _split_fraction(unit: Unit, split: str, t: int) -> float:
+    if split == "R" or t == 1:
+        return 1.0
+    if unit.kind == "embedding" or (unit.kind == "linear" and split == "S0"):
+        n = unit.out_features or t  # rows may be a vocabulary: round the split up
+        return math.ceil(n / t) / n
+    return 1.0 / t
+
+
+def candidates(unit: Unit, mesh: Mesh, cluster: ClusterSpec, spec: TrainingSpec) -> list[Candidate]:
+    """Every choice for ``unit`` on ``mesh`` with its costs; see [Note: sharded fractions]."""
+    t = mesh.tp
+    shapes = _SHAPES[unit.kind] if t > 1 else _SHAPES[unit.kind][:1]
+    if unit.kind == "attention" and not _divides(unit, t):
+        shapes = shapes[:1]
+    if unit.kind == "linear" and any(p.tied_to for p in unit.params):
+        shapes = tuple(s for s in shapes if s.weight_split != "S1")
+    own_params = any(p.tied_to is None for p in unit.params)
+    zeros = (0, 1, 2, 3) if own_params and mesh.dp > 1 else (0,)
+    return [_cost(unit, shape, z, mesh, cluster, spec) for shape in shapes for z in zeros]
+
+
+def _cost(
+    unit: Unit, shape: _Shape, zero: int, mesh: Mesh, cluster: ClusterSpec, spec: TrainingSpec
+) -> Candidate:
+    t, d = mesh.tp, mesh.dp
+    weight_fraction = _split_fraction(unit, shape.weight_split, t)
+    n_params = unit.num_params * weight_fraction  # elements this device is responsible for
+    params = n_params * spec.param_bytes / (d if zero >= 3 else 1)
+    grads = n_params * spec.grad_bytes / (d if zero >= 2 else 1)
+    optimizer = n_params * spec.optimizer_bytes / (d if zero >= 1 else 1)
+    work = 1.0 / t if shape.work_split else 1.0
+    in_fraction = 1.0 if shape.in_layout is Layout.R else 1.0 / t
+    own_fraction = 1.0 if shape.out_layout is Layout.P else work
+    activations = (
+        unit.saved_input_bytes * in_fraction
+        + (unit.saved_output_bytes + unit.saved_internal_bytes) * own_fraction
+    )
+    selective = activations - unit.saved_internal_bytes * own_fraction
+    transient = 0.0
+    if zero >= 3:  # the gathered weights in use plus the next ones prefetched
+        transient += 2 * n_params * spec.param_bytes
+    if zero >= 2:  # a whole gradient before it is reduce-scattered
+        transient += n_params * spec.grad_bytes
+    if shape.out_layout is Layout.P:  # the full-size partial output before its reduction
+        transient += unit.out_bytes
+    in_bytes = unit.out_bytes if unit.kind != "linear" else _input_bytes(unit)
+    if shape.gather_input:
+        transient += in_bytes
+    memory = MemoryBreakdown(
+        params=params,
+        grads=grads,
+        optimizer=optimizer,
+        activations=activations,
+        transient=transient,
+    )
+    ideal = unit.num_params * spec.state_bytes / mesh.devices + unit.saved_bytes / t
+    memory.redundant = max(0.0, memory.resident + memory.activations - ideal)
+    forward_s = _compute_s(unit, work, cluster)
+    comm_s = _own_comm_s(unit, shape, in_bytes, mesh, cluster)
+    sync_s = _sync_s(unit, shape, n_params, zero, mesh, cluster, spec)
+    return Candidate(
+        strategy=shape.strategy,
+        in_layout=shape.in_layout,
+        out_layout=shape.out_layout,
+        in_grad=shape.in_grad,
+        zero=zero,
+        placements=tuple(shape.weight_split for p in unit.params),
+        memory=memory,
+        selective_activations=selective if unit.kind == "attention" else activations,
+        compute_s=3 * forward_s,
+        comm_s=comm_s,
+        sync_s=sync_s,
+        forward_s=forward_s + (comm_s / 3 if shape.gather_input else 0.0),
+    )
+
+
+def _input_bytes(unit: Unit) -> float:
+    """A linear's input activation, from its output and its feature sizes."""
+    if unit.in_features and unit.out_features:
+        return unit.out_bytes * unit.in_features / unit.out_features
+    return unit.out_bytes
+
+
+def _compute_s(unit: Unit, work: float, cluster: ClusterSpec) -> float:
+    flops_s = unit.flops * work / (cluster.peak_flops * cluster.compute_efficiency)
+    bytes_s = unit.io_bytes * work / (cluster.memory_bandwidth * cluster.compute_efficiency)
+    return max(flops_s, bytes_s)
+
+
+def _own_comm_s(
+    unit: Unit, shape: _Shape, in_bytes: float, mesh: Mesh, cluster: ClusterSpec
+) -> float:
+    def tp(kind: Collective, nbytes: float) -> float:
+        return collective_s(kind, nbytes, mesh, Axis.TENSOR, cluster)
+
+    if shape.gather_input:  # forward all-gather, backward reduce-scatter and re-gather
+        return 2 * tp(Collective.ALL_GATHER, in_bytes) + tp(Collective.REDUCE_SCATTER, in_bytes)
+    if unit.kind == "loss" and shape.in_layout is Layout.HID:
+        # the vocabulary-parallel softmax: max, sum of exponentials and the target's logit, fp32
+        rows = unit.out_bytes / 4 if unit.out_bytes else 0.0
+        return 3 * tp(Collective.ALL_REDUCE, 4 * max(rows, 1.0))
+    return 0.0
+
+
+def _sync_s(
+    unit: Unit,
+    shape: _Shape,
+    n_params: float,
+    zero: int,
+    mesh: Mesh,
+    cluster: ClusterSpec,
+    spec: TrainingSpec,
+) -> float:
+    """Gradient reduction and parameter gathers over the data axis, per step."""
+    if n_params == 0:
+        return 0.0
+    m = spec.num_microbatches
+    grad_b, param_b = n_params * spec.grad_bytes, n_params * spec.param_bytes
+
+    def dp(kind: Collective, nbytes: float) -> float:
+        return collective_s(kind, nbytes, mesh, Axis.DATA, cluster)
+
+    if zero == 0:
+        seconds = dp(Collective.ALL_REDUCE, grad_b)
+    elif zero == 1:
+        seconds = dp(Collective.REDUCE_SCATTER, grad_b) + dp(Collective.ALL_GATHER, param_b)
+    elif zero == 2:  # sharded gradients must be reduced after every micro-batch
+        seconds = m * dp(Collective.REDUCE_SCATTER, grad_b) + dp(Collective.ALL_GATHER, param_b)
+    else:  # and sharded weights gathered for every forward and backward
+        seconds = m * (
+            dp(Collective.REDUCE_SCATTER, grad_b) + 2 * dp(Collective.ALL_GATHER, param_b)
+        )
+    if shape.weight_split == "R" and shape.work_split:
+        # whole weights over split tokens: their gradients are partial on the tensor axis too
+        seconds += collective_s(Collective.ALL_REDUCE, grad_b, mesh, Axis.TENSOR, cluster)
+    return seconds
