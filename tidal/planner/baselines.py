@@ -69,9 +69,18 @@ def _megatron_rule(sp: bool) -> Callable[[Unit, Candidate, ModelGraph], bool]:
             return cand.in_layout is Layout.HID
         if unit.kind == "norm":
             return cand.strategy is token_wise
-        return cand.strategy in (token_wise, S.HIDDEN)
+        if _between_linears(unit, graph):  # the MLP's activation, on the split features
+            return cand.strategy is S.HIDDEN
+        return cand.strategy is token_wise
 
     return allowed
+
+
+def _between_linears(unit: Unit, graph: ModelGraph) -> bool:
+    kinds = {u.name: u.kind for u in graph.units}
+    into = [kinds[e.src] for e in graph.edges if e.dst == unit.name]
+    out = [kinds[e.dst] for e in graph.edges if e.src == unit.name]
+    return bool(into) and bool(out) and set(into) == {"linear"} and set(out) == {"linear"}
 
 
 def megatron_tp(graph: ModelGraph, cluster: ClusterSpec, valid: list[int]) -> int:

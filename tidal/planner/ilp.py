@@ -39,6 +39,7 @@ __all__ = ["Problem", "Solution", "build_problem"]
 
 _MODES = (Recompute.NONE, Recompute.SELECTIVE, Recompute.FULL)
 _TIE = 1e-4
+MIP_REL_GAP = 1e-4  # HiGHS stops within this relative gap of its bound
 GiB = 1024**3
 
 
@@ -99,12 +100,13 @@ class Problem:
         memory_limit: float = float("inf"),
         time_limit: float = float("inf"),
         solver_time_limit_s: float = 60.0,
+        refine: bool = True,
     ) -> Solution:
         """``objective="time"``: fastest under ``memory_limit``; ``"memory"``: smallest peak
-        under ``time_limit`` (seconds per step). Ties in the objective go to the other term:
-        a second solve holds the first optimum and minimises the other."""
+        under ``time_limit`` (seconds per step). With ``refine``, ties in the objective go to
+        the other term: a second solve holds the first optimum and minimises the other."""
         first = self._solve(objective, memory_limit, time_limit, solver_time_limit_s)
-        if not first.feasible:
+        if not first.feasible or not refine:
             return first
         slack = 1 + 1e-6
         if objective == "time":
@@ -126,7 +128,7 @@ class Problem:
         peak = self.var()  # in GiB: byte-sized coefficients would upset HiGHS's tolerances
         c = np.zeros(self.num_vars)
         for col, v in self.time_row.items():
-            c[col] += 1.0 if objective == "time" else _TIE
+            c[col] += (1.0 if objective == "time" else _TIE) * v
         c[peak] = _TIE if objective == "time" else 1.0
         rows = list(self.rows)
         for name, transient in self.transient_rows:
@@ -141,7 +143,7 @@ class Problem:
         integrality = np.zeros(self.num_vars)
         relaxed = milp(c, constraints=constraint, bounds=self._bounds(peak))
         integrality[self.integer] = 1
-        options = {"time_limit": solver_time_limit_s, "mip_rel_gap": 1e-6}
+        options = {"time_limit": solver_time_limit_s, "mip_rel_gap": MIP_REL_GAP}
         result = milp(
             c,
             constraints=constraint,

@@ -41,8 +41,8 @@ class PlannerConfig:
     param_bytes: int = 2
     grad_bytes: int = 2
     optimizer_bytes: int = 12
-    pareto: bool = True
-    baselines: bool = True
+    pareto: tuple[float, ...] = PARETO_EPS  # eps values of the memory-time frontier; () skips
+    baselines: tuple[str, ...] = tuple(BASELINES)  # names in baselines.BASELINES
     solver_time_limit_s: float = 60.0
 
     def __post_init__(self) -> None:
@@ -52,6 +52,8 @@ class PlannerConfig:
             f"must be 'memory' or 'time', got {self.objective!r}",
         )
         require(self.eps >= 0, "eps", f"must be >= 0, got {self.eps}")
+        unknown = sorted(set(self.baselines) - set(BASELINES))
+        require(not unknown, "baselines", f"unknown {unknown}; choose from {', '.join(BASELINES)}")
         if self.global_batch is not None:
             require(
                 self.global_batch >= 1, "global_batch", f"must be >= 1, got {self.global_batch}"
@@ -94,10 +96,19 @@ class PlanResult:
     baselines: dict[str, Baseline] = field(default_factory=dict)
     pareto: list[dict[str, float]] = field(default_factory=list)
 
+    matched: dict[str, Solution] = field(default_factory=dict)
+
     def saving(self, name: str) -> float:
         """Fraction of the baseline's peak memory this plan saves."""
         other = self.baselines[name].peak_memory_bytes
         return 1.0 - self.plan.peak_memory_bytes / other if math.isfinite(other) else float("nan")
+
+    def matched_saving(self, name: str) -> float:
+        """Fraction of the baseline's peak memory saved by the smallest plan that is at least
+        as fast as the baseline (the paper's "at similar throughput")."""
+        other = self.baselines[name].peak_memory_bytes
+        mine = self.matched[name].peak_bytes if name in self.matched else float("nan")
+        return 1.0 - mine / other if math.isfinite(other) else float("nan")
 
 
 def _spec(
@@ -153,7 +164,10 @@ def make_plan(graph: ModelGraph, cluster: ClusterSpec, config: PlannerConfig) ->
         spec = _spec(graph, mesh, config, cluster.devices)
         problem = _problem(graph, mesh, cluster, spec)
         fastest = problem.solve(
-            objective="time", memory_limit=limit, solver_time_limit_s=config.solver_time_limit_s
+            objective="time",
+            memory_limit=limit,
+            solver_time_limit_s=config.solver_time_limit_s,
+            refine=config.objective == "time",
         )
         results.append(MeshResult(mesh=mesh, fastest=fastest, problem=problem))
     feasible = [r for r in results if r.fastest.feasible]
@@ -177,7 +191,30 @@ def make_plan(graph: ModelGraph, cluster: ClusterSpec, config: PlannerConfig) ->
         result.pareto = _pareto(graph, cluster, feasible, config, limit, fastest_s)
     if config.baselines:
         result.baselines = _baselines(graph, cluster, config)
+        for name, base in result.baselines.items():
+            if base.solution.feasible:
+                matched = _smallest_within(results, config, base.step_time_s)
+                if matched is not None:
+                    result.matched[name] = matched
     return result
+
+
+def _smallest_within(
+    results: list[MeshResult], config: PlannerConfig, time_limit: float
+) -> Solution | None:
+    """The smallest peak of any plan no slower than ``time_limit``, on any mesh, fitting or
+    not (a baseline need not fit either)."""
+    best = None
+    for r in results:
+        solution = r.problem.solve(
+            objective="memory",
+            time_limit=time_limit * (1 + 1e-9),
+            solver_time_limit_s=config.solver_time_limit_s,
+            refine=False,
+        )
+        if solution.feasible and (best is None or solution.peak_bytes < best.peak_bytes):
+            best = solution
+    return best
 
 
 def _best(
@@ -209,7 +246,7 @@ def _pareto(
     fastest_s: float,
 ) -> list[dict[str, float]]:
     frontier = []
-    for eps in PARETO_EPS:
+    for eps in config.pareto:
         best = _best(feasible, PlannerConfig(objective="memory"), limit, fastest_s, eps)
         mesh = best.assignment.mesh
         frontier.append(
@@ -234,7 +271,7 @@ def _baselines(
         return _spec(graph, mesh, config, cluster.devices)
 
     found = {}
-    for name in BASELINES:
+    for name in config.baselines:
         result = baseline(name, graph, cluster, spec_for, t)
         if result is not None:
             found[name] = result
