@@ -17,6 +17,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_train(sub)
     _add_report(sub)
+    _add_plan(sub)
     _add_bench(sub)
     _add_models(sub)
     _add_export(sub)
@@ -67,6 +68,41 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
     )  # fmt: skip
 
 
+def _add_plan(sub: argparse._SubParsersAction) -> None:
+    plan = sub.add_parser(
+        "plan",
+        help="choose per-unit data / tensor / sequence sharding, ZeRO and recompute (an ILP)",
+        description="Trace the model on the meta device, price every strategy of every unit on "
+        "each dp x tp mesh, solve for the plan with the least memory within --eps of the "
+        "fastest (or the fastest that fits), and compare with Megatron-LM and ZeRO in the same "
+        "cost model.",
+    )
+    plan.add_argument("--model", required=True, help="a GPT preset (see `tidal models`)")
+    plan.add_argument("--devices", type=int, required=True, metavar="N")
+    plan.add_argument("--devices-per-node", type=int, default=8, metavar="N")
+    plan.add_argument(
+        "--device-memory",
+        default=None,
+        metavar="SIZE",
+        help="per device, e.g. 80GiB (default: the cluster's)",
+    )
+    plan.add_argument("--cluster", default="h100", help="device and link figures: h100 or a100")
+    plan.add_argument("--objective", choices=("memory", "time"), default="memory")
+    plan.add_argument(
+        "--eps", type=float, default=0.05,
+        help="memory objective: allowed slowdown over the fastest plan that fits (default 0.05)",
+    )  # fmt: skip
+    plan.add_argument("--micro-batch", type=int, default=1, metavar="B")
+    plan.add_argument(
+        "--global-batch", type=int, default=None, metavar="SEQUENCES",
+        help="sequences per step (default: one micro-batch per device)",
+    )  # fmt: skip
+    plan.add_argument("--seq-len", type=int, default=None, help="default: the preset's")
+    plan.add_argument("--dropout", type=float, default=0.1, help="dropout the model trains with")
+    plan.add_argument("--tp", type=int, default=None, help="force the tensor-parallel size")
+    plan.add_argument("--json", default=None, metavar="PATH", help="write the plan here")
+
+
 def _add_report(sub: argparse._SubParsersAction) -> None:
     report = sub.add_parser(
         "report",
@@ -102,6 +138,7 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     )
     _add_bench_offload(benches)
     _add_bench_dp(benches)
+    _add_bench_plan(benches)
 
 
 def _add_bench_offload(benches: argparse._SubParsersAction) -> None:
@@ -163,6 +200,23 @@ def _add_bench_offload(benches: argparse._SubParsersAction) -> None:
         metavar="DIR",
         help="write the JSON file here instead of benchmarks/results/",
     )
+
+
+def _add_bench_plan(benches: argparse._SubParsersAction) -> None:
+    plan = benches.add_parser(
+        "plan",
+        help="the planner against Megatron-LM and ZeRO-3 on GPT-3 sizes (cost model, no training)",
+        description="For each model and device count: the plan with the least memory within "
+        "--eps of the fastest, Megatron-LM (TP in a node + DP, selective recompute, with and "
+        "without SP) and ZeRO-3 priced by the same cost model, the savings and the solve time. "
+        "Writes benchmarks/results/plan-*.json.",
+    )
+    plan.add_argument("--models", default="gpt3-1.3b,gpt3-13b,gpt3-175b", metavar="A,B")
+    plan.add_argument("--devices", default="8,64,512", metavar="N,M")
+    plan.add_argument("--devices-per-node", type=int, default=8)
+    plan.add_argument("--device-memory", default="80GiB", metavar="SIZE")
+    plan.add_argument("--eps", type=float, default=0.05)
+    plan.add_argument("--results-dir", default=None, metavar="DIR")
 
 
 def _add_bench_dp(benches: argparse._SubParsersAction) -> None:

@@ -38,12 +38,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     from tidal.distributed.watchdog import RankDiedError
     from tidal.engine.dist_checkpoint import CheckpointWriteError
     from tidal.memory.store import DeviceBudgetTooSmall
+    from tidal.planner.search import Infeasible
 
     try:
         if args.command == "train":
             if args.nproc != 1:
                 return _launch(args, argv)
             return _train(args, console)
+        if args.command == "plan":
+            from tidal.cli.plan import run_plan
+
+            return run_plan(args, console)
         if args.command == "report":
             return _report(args.run_dir, console)
         if args.command == "models":
@@ -52,7 +57,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _bench(args, console)
         if args.command == "export":
             return _export(args, console)
-    except (ConfigError, DeviceBudgetTooSmall, FileNotFoundError) as err:
+    except (ConfigError, DeviceBudgetTooSmall, FileNotFoundError, Infeasible) as err:
         print(f"tidal: error: {err}", file=sys.stderr)
         return EXIT_BAD_INPUT
     except (FloatingPointError, CheckpointWriteError) as err:
@@ -139,6 +144,8 @@ def _bench(args: argparse.Namespace, console: Console) -> int:
         return _bench_offload(args, console)
     if args.bench == "dp":
         return _bench_dp(args, console)
+    if args.bench == "plan":
+        return _bench_plan(args, console)
     from tidal.bench import bench_train, write_results
     from tidal.config import format_bytes
 
@@ -202,6 +209,32 @@ def _bench_offload(args: argparse.Namespace, console: Console) -> int:
         for line in cells:
             view.add_row(*line)
         console.print(view)
+    console.print(f"results: {path}")
+    return 0
+
+
+def _bench_plan(args: argparse.Namespace, console: Console) -> int:
+    from pathlib import Path
+
+    from tidal.bench import write_results
+    from tidal.bench.plan import COLUMNS, bench_plan, rows_table
+    from tidal.config import parse_bytes
+
+    rows = bench_plan(
+        tuple(args.models.split(",")),
+        tuple(int(n) for n in args.devices.split(",")),
+        devices_per_node=args.devices_per_node,
+        device_memory_bytes=parse_bytes(args.device_memory),
+        eps=args.eps,
+    )
+    folder = Path(args.results_dir) if args.results_dir else None
+    path = write_results("plan", rows, folder=folder)
+    view = Table(title="tidal bench plan (cost model, H100 cluster)", title_justify="left")
+    for column in COLUMNS:
+        view.add_column(column, justify="left" if column == "model" else "right")
+    for cells in rows_table(rows):
+        view.add_row(*cells)
+    console.print(view)
     console.print(f"results: {path}")
     return 0
 

@@ -22,7 +22,11 @@ reported gap.
 
 from __future__ import annotations
 
+import contextlib
+import os
+import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -141,16 +145,17 @@ class Problem:
         rows.append(("time<=limit", dict(self.time_row), -np.inf, time_limit))
         constraint = _constraints(rows, self.num_vars)
         integrality = np.zeros(self.num_vars)
-        relaxed = milp(c, constraints=constraint, bounds=self._bounds(peak))
-        integrality[self.integer] = 1
         options = {"time_limit": solver_time_limit_s, "mip_rel_gap": MIP_REL_GAP}
-        result = milp(
-            c,
-            constraints=constraint,
-            integrality=integrality,
-            bounds=self._bounds(peak),
-            options=options,
-        )
+        with _native_stdout_silenced():
+            relaxed = milp(c, constraints=constraint, bounds=self._bounds(peak))
+            integrality[self.integer] = 1
+            result = milp(
+                c,
+                constraints=constraint,
+                integrality=integrality,
+                bounds=self._bounds(peak),
+                options=options,
+            )
         self.num_vars -= 1  # the peak variable belongs to this solve only
         elapsed = time.perf_counter() - started
         if result.x is None:
@@ -183,6 +188,26 @@ class Problem:
             b: max(_MODES, key=lambda mode: values[self.r[(b, mode)]]) for b in self.graph.blocks
         }
         return Assignment(mesh=self.mesh, choice=choice, recompute=recompute)
+
+
+@contextlib.contextmanager
+def _native_stdout_silenced() -> Iterator[None]:
+    """HiGHS 1.x prints a debugging line from C++ on some MIP solves, past ``disp=False``; keep
+    it off the user's terminal by pointing file descriptor 1 at /dev/null meanwhile."""
+    sys.stdout.flush()
+    try:
+        saved = os.dup(1)
+    except OSError:  # no file descriptor 1 (an embedding host): nothing to silence
+        yield
+        return
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, 1)
+        yield
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)
+        os.close(devnull)
 
 
 def _constraints(rows: list, num_vars: int) -> LinearConstraint:

@@ -1,0 +1,112 @@
+"""``tidal bench plan``: the planner against Megatron-LM and ZeRO-3 on GPT-3 sizes and clusters.
+
+For each (model, devices) it measures the model on the meta device, solves for the plan with the
+least memory within ``eps`` of the fastest plan that fits, and prices the baselines in the same
+cost model. A row holds the plan's peak and step time, each baseline's, the saving in percent,
+the saving at the baseline's own step time, and the solve time (the issue's target: 10 s for
+175B on 64 devices). Figures are the cost model's, for the cluster preset (H100 by default);
+no model is trained here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any
+
+from tidal.planner import ClusterSpec, Infeasible, PlannerConfig, make_plan, measure_gpt
+from tidal.planner.report import plan_report
+
+__all__ = ["MODELS", "DEVICES", "bench_plan", "rows_table"]
+
+MODELS = ("gpt3-1.3b", "gpt3-13b", "gpt3-175b")
+DEVICES = (8, 64, 512)
+
+
+def bench_plan(
+    models: tuple[str, ...] = MODELS,
+    devices: tuple[int, ...] = DEVICES,
+    *,
+    devices_per_node: int = 8,
+    device_memory_bytes: int = 80 * 1024**3,
+    eps: float = 0.05,
+    micro_batch: int = 1,
+) -> list[dict[str, Any]]:
+    from tidal.models import preset
+
+    rows = []
+    for name in models:
+        started = time.perf_counter()
+        config = dataclasses.replace(preset(name), dropout=0.1)
+        graph = measure_gpt(config, micro_batch=micro_batch)
+        graph.name = name
+        measure_s = time.perf_counter() - started
+        for n in devices:
+            cluster = ClusterSpec(
+                devices=n,
+                devices_per_node=devices_per_node,
+                device_memory_bytes=device_memory_bytes,
+            )
+            planner = PlannerConfig(
+                eps=eps, pareto=(), baselines=("megatron", "megatron_sp", "zero3")
+            )
+            row: dict[str, Any] = {"model": name, "devices": n, "measure_s": measure_s}
+            try:
+                result = make_plan(graph, cluster, planner)
+            except Infeasible as err:
+                rows.append({**row, "infeasible": str(err), "needed_bytes": err.needed_bytes})
+                continue
+            report = plan_report(result, cluster)
+            row.update(
+                mesh=report["mesh"],
+                num_microbatches=report["num_microbatches"],
+                recompute=report["recompute"],
+                peak_memory_bytes=report["peak_memory_bytes"],
+                step_time_s=report["step_time_s"],
+                fastest_step_time_s=report["fastest_step_time_s"],
+                solve_s=report["solve_s"],
+                lp_gap=report["lp_gap"],
+                memory=report["memory"],
+                baselines=report["baselines"],
+            )
+            rows.append(row)
+    return rows
+
+
+def _gib(value: float | None) -> str:
+    return "-" if value is None else f"{value / 1024**3:.1f}"
+
+
+def _pct(value: float | None) -> str:
+    return "-" if value is None else f"{100 * value:.0f}%"
+
+
+COLUMNS = (
+    "model", "N", "plan dp x tp", "plan GiB", "plan s", "megatron GiB", "megatron s",
+    "saves", "at megatron's s", "megatron-sp GiB", "saves", "zero3 GiB", "zero3 s", "saves",
+    "solve s", "LP gap",
+)  # fmt: skip
+
+
+def rows_table(rows: list[dict[str, Any]]) -> list[list[str]]:
+    """The printed table: one list of cells per row, in :data:`COLUMNS` order."""
+    cells = []
+    for row in rows:
+        if "infeasible" in row:
+            cells.append([row["model"], str(row["devices"]), "does not fit"] + [""] * 13)
+            continue
+        mega, sp, z3 = (row["baselines"][k] for k in ("megatron", "megatron_sp", "zero3"))
+        same = mega["at_same_step_time"] or {}
+        cells.append(
+            [
+                row["model"], str(row["devices"]), f"{row['mesh']['dp']} x {row['mesh']['tp']}",
+                _gib(row["peak_memory_bytes"]), f"{row['step_time_s']:.3f}",
+                _gib(mega["peak_memory_bytes"]) + ("" if mega["fits"] else " (no fit)"),
+                f"{mega['step_time_s']:.3f}", _pct(mega["saving"]), _pct(same.get("saving")),
+                _gib(sp["peak_memory_bytes"]), _pct(sp["saving"]),
+                _gib(z3["peak_memory_bytes"]) + ("" if z3["fits"] else " (no fit)"),
+                f"{z3['step_time_s']:.3f}", _pct(z3["saving"]),
+                f"{row['solve_s']:.2f}", _pct(row["lp_gap"]),
+            ]
+        )  # fmt: skip
+    return cells

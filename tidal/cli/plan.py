@@ -1,0 +1,127 @@
+"""``tidal plan``: measure a model, solve for a plan, print it and write it as JSON."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from tidal.config.configurable import ConfigError, format_bytes, parse_bytes
+
+__all__ = ["run_plan"]
+
+
+def _gib(num_bytes: float | None) -> str:
+    return "-" if num_bytes is None else f"{num_bytes / 1024**3:.2f}"
+
+
+def _cluster(args: argparse.Namespace):
+    from tidal.planner import CLUSTER_PRESETS, ClusterSpec
+
+    if args.cluster not in CLUSTER_PRESETS:
+        raise ConfigError(
+            "cluster", f"unknown {args.cluster!r}; choose {', '.join(CLUSTER_PRESETS)}"
+        )
+    values = dict(CLUSTER_PRESETS[args.cluster])
+    if args.device_memory is not None:
+        values["device_memory_bytes"] = parse_bytes(args.device_memory)
+    return ClusterSpec(devices=args.devices, devices_per_node=args.devices_per_node, **values)
+
+
+def _graph(args: argparse.Namespace):
+    from tidal.models import preset
+    from tidal.planner import measure_gpt
+
+    config = preset(args.model)
+    overrides = {"dropout": args.dropout}
+    if args.seq_len is not None:
+        overrides["seq_len"] = args.seq_len
+    config = dataclasses.replace(config, **overrides)
+    graph = measure_gpt(config, micro_batch=args.micro_batch)
+    graph.name = args.model
+    return graph
+
+
+def run_plan(args: argparse.Namespace, console: Console) -> int:
+    from tidal.planner import PlannerConfig, make_plan
+    from tidal.planner.report import plan_report
+
+    cluster = _cluster(args)
+    config = PlannerConfig(
+        objective=args.objective, eps=args.eps, global_batch=args.global_batch, tp=args.tp
+    )
+    graph = _graph(args)
+    result = make_plan(graph, cluster, config)
+    report = plan_report(result, cluster)
+    console.print(units_table(report))
+    console.print(baselines_table(report))
+    console.print(summary_line(report, cluster))
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+        console.print(f"plan: {args.json}")
+    return 0
+
+
+def units_table(report: dict) -> Table:
+    mesh = report["mesh"]
+    recompute = ", ".join(f"{k}: {v}" for k, v in report["recompute"].items()) or "none"
+    table = Table(
+        title=f"{report['model']} on dp {mesh['dp']} x tp {mesh['tp']} "
+        f"({report['num_microbatches']} micro-batches of {report['micro_batch']}; "
+        f"recompute {recompute}); GiB per device",
+        title_justify="left",
+    )
+    for column in ("unit", "x", "strategy", "layout", "zero", "params+grads+opt", "activations",
+                   "redundant", "time s"):  # fmt: skip
+        table.add_column(
+            column, justify="left" if column in ("unit", "strategy", "layout") else "right"
+        )
+    for unit in report["units"]:
+        memory, n = unit["memory"], unit["count"]
+        states = (memory["params"] + memory["grads"] + memory["optimizer"]) * n
+        table.add_row(
+            unit["name"], str(n), unit["strategy"], f"{unit['in_layout']} -> {unit['out_layout']}",
+            str(unit["zero"]), _gib(states), _gib(memory["activations"] * n),
+            _gib(memory["redundant"] * n), f"{unit['time_s']:.4f}",
+        )  # fmt: skip
+    return table
+
+
+def baselines_table(report: dict) -> Table:
+    table = Table(title="against the baselines (same cost model)", title_justify="left")
+    for column in ("system", "mesh", "peak GiB", "fits", "step s", "plan saves",
+                   "at its step time: plan GiB", "saves"):  # fmt: skip
+        table.add_column(column, justify="left" if column in ("system", "mesh") else "right")
+    table.add_row(
+        "tidal plan", f"{report['mesh']['dp']}x{report['mesh']['tp']}",
+        _gib(report["peak_memory_bytes"]), "yes", f"{report['step_time_s']:.3f}", "", "", "",
+    )  # fmt: skip
+    for name, base in report["baselines"].items():
+        same = base["at_same_step_time"] or {}
+        table.add_row(
+            name, f"{base['mesh']['dp']}x{base['mesh']['tp']}", _gib(base["peak_memory_bytes"]),
+            "yes" if base["fits"] else "no",
+            "-" if base["step_time_s"] is None else f"{base['step_time_s']:.3f}",
+            _percent(base["saving"]), _gib(same.get("peak_memory_bytes")),
+            _percent(same.get("saving")),
+        )  # fmt: skip
+    return table
+
+
+def _percent(value: float | None) -> str:
+    return "-" if value is None else f"{100 * value:.1f}%"
+
+
+def summary_line(report: dict, cluster) -> str:
+    gap = report["lp_gap"]
+    return (
+        f"peak {format_bytes(report['peak_memory_bytes'])} of "
+        f"{format_bytes(cluster.device_memory_bytes)} per device, step "
+        f"{report['step_time_s']:.3f} s (fastest that fits {report['fastest_step_time_s']:.3f} s), "
+        f"solved in {report['solve_s']:.2f} s, LP gap "
+        + ("-" if gap is None else f"{100 * gap:.2f}%")
+    )
