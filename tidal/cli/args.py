@@ -100,6 +100,14 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
     plan.add_argument("--seq-len", type=int, default=None, help="default: the preset's")
     plan.add_argument("--dropout", type=float, default=0.1, help="dropout the model trains with")
     plan.add_argument("--tp", type=int, default=None, help="force the tensor-parallel size")
+    plan.add_argument(
+        "--pareto", default="0,0.02,0.05,0.1,0.2,0.5,1", metavar="EPS,EPS",
+        help="slowdowns at which to report the least memory (the frontier); '' for none",
+    )  # fmt: skip
+    plan.add_argument(
+        "--baselines", default="megatron,megatron_sp,megatron_full,zero1,zero2,zero3",
+        metavar="A,B", help="systems to price in the same cost model",
+    )  # fmt: skip
     plan.add_argument("--json", default=None, metavar="PATH", help="write the plan here")
 
 

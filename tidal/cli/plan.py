@@ -51,8 +51,19 @@ def run_plan(args: argparse.Namespace, console: Console) -> int:
     from tidal.planner.report import plan_report
 
     cluster = _cluster(args)
+    try:
+        pareto = tuple(float(x) for x in args.pareto.split(",") if x.strip())
+    except ValueError:
+        raise ConfigError(
+            "--pareto", f"expected numbers such as 0,0.1, got {args.pareto!r}"
+        ) from None
     config = PlannerConfig(
-        objective=args.objective, eps=args.eps, global_batch=args.global_batch, tp=args.tp
+        objective=args.objective,
+        eps=args.eps,
+        global_batch=args.global_batch,
+        tp=args.tp,
+        pareto=pareto,
+        baselines=tuple(x.strip() for x in args.baselines.split(",") if x.strip()),
     )
     graph = _graph(args)
     result = make_plan(graph, cluster, config)
