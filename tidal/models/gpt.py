@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from tidal.config.configurable import ConfigError, require
 
@@ -147,23 +148,40 @@ class CausalSelfAttention(nn.Module):
         super().__init__()
         d = config.d_model
         self.num_heads = config.num_heads
+        self.head_dim = d // config.num_heads
         self.dropout = config.dropout
         self.qkv = nn.Linear(d, 3 * d, bias=config.bias)
         self.proj = nn.Linear(d, d, bias=config.bias)
         self.resid_drop = nn.Dropout(config.dropout)
+        # Recompute the attention core in backward instead of keeping its activations
+        # (Megatron's selective recomputation); set by tidal.planner.apply.
+        self.recompute_core = False
 
     def forward(self, x_BTD: torch.Tensor) -> torch.Tensor:
-        B, T, D = x_BTD.shape
-        H = self.num_heads
-        q_BTD, k_BTD, v_BTD = self.qkv(x_BTD).split(D, dim=-1)
+        qkv_BT3D = self.qkv(x_BTD)
+        if self.recompute_core:
+            y_BTD = checkpoint(self.core, qkv_BT3D, use_reentrant=False)
+        else:
+            y_BTD = self.core(qkv_BT3D)
+        return self.resid_drop(self.proj(y_BTD))
+
+    def core(self, qkv_BT3D: torch.Tensor) -> torch.Tensor:
+        """Attention from the stacked ``[q; k; v]`` projections to the heads' outputs, side by side.
+
+        Head counts come from the width, not the config, so a tensor-parallel rank whose ``qkv``
+        gives ``[q; k; v]`` of its own heads only runs this unchanged on its share (``D`` and
+        ``H`` are then that rank's; see [Note: fused qkv under tensor parallelism] in
+        tidal/planner/apply.py).
+        """
+        B, T, _ = qkv_BT3D.shape
+        q_BTD, k_BTD, v_BTD = qkv_BT3D.chunk(3, dim=-1)
         q_BHTK, k_BHTK, v_BHTK = (
-            t.view(B, T, H, D // H).transpose(1, 2) for t in (q_BTD, k_BTD, v_BTD)
+            t.view(B, T, -1, self.head_dim).transpose(1, 2) for t in (q_BTD, k_BTD, v_BTD)
         )
         y_BHTK = F.scaled_dot_product_attention(
             q_BHTK, k_BHTK, v_BHTK, is_causal=True, dropout_p=self.dropout if self.training else 0.0
         )
-        y_BTD = y_BHTK.transpose(1, 2).reshape(B, T, D)
-        return self.resid_drop(self.proj(y_BTD))
+        return y_BHTK.transpose(1, 2).reshape(B, T, -1)
 
 
 class MLP(nn.Module):
