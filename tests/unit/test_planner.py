@@ -261,3 +261,36 @@ def test_plan_json_round_trip(tmp_path, gpt3_graph: ModelGraph) -> None:
     again = Plan.load(path)
     assert again.to_dict() == result.plan.to_dict()
     assert again.unit("blocks.*.attn.qkv").count == 4
+
+
+def test_hugging_face_decoders_measure_and_plan() -> None:
+    transformers = pytest.importorskip("transformers")
+    from tidal.planner import measure
+    from tidal.planner.strategies import valid_tensor_sizes
+
+    config = transformers.LlamaConfig(
+        vocab_size=1000, hidden_size=256, intermediate_size=688, num_hidden_layers=3,
+        num_attention_heads=8, num_key_value_heads=4,
+    )  # fmt: skip
+    config._attn_implementation = "sdpa"
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(config)
+    graph = measure(model, (torch.empty(2, 128, dtype=torch.long, device="meta"),))
+    assert graph.blocks == {"model.layers.*": 3}
+    attention = [u for u in graph.units if u.kind == "attention"]
+    assert [(u.heads, u.kv_heads, u.count) for u in attention] == [(8, 4, 3)]
+    assert graph.num_params == sum(p.numel() for p in model.parameters())
+    # four key/value heads: a tensor axis of 8 cannot split them
+    assert valid_tensor_sizes(graph.units, 8, 8) == [1, 2, 4]
+    result = make_plan(graph, ClusterSpec(devices=8), PlannerConfig(pareto=(), baselines=()))
+    assert result.plan.tp in (1, 2, 4)
+    assert result.solution.peak_bytes == pytest.approx(result.costed.memory.total, rel=1e-6)
+
+    gpt2 = transformers.GPT2Config(vocab_size=1000, n_embd=128, n_layer=2, n_head=4)
+    gpt2._attn_implementation = "sdpa"
+    with torch.device("meta"):
+        model = transformers.GPT2LMHeadModel(gpt2)
+    graph = measure(model, (torch.empty(2, 64, dtype=torch.long, device="meta"),))
+    assert graph.unit("lm_head").params[0].tied_to == "transformer.wte"
+    assert graph.unit("transformer.h.*.attn.c_attn").weight_transposed  # HF's Conv1D
+    assert graph.unit("transformer.h.*.attn.c_attn").out_features == 3 * 128

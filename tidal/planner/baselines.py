@@ -69,18 +69,35 @@ def _megatron_rule(sp: bool) -> Callable[[Unit, Candidate, ModelGraph], bool]:
             return cand.in_layout is Layout.HID
         if unit.kind == "norm":
             return cand.strategy is token_wise
-        if _between_linears(unit, graph):  # the MLP's activation, on the split features
+        if unit.name in split_work_units(graph):  # e.g. the MLP's activation
             return cand.strategy is S.HIDDEN
         return cand.strategy is token_wise
 
     return allowed
 
 
-def _between_linears(unit: Unit, graph: ModelGraph) -> bool:
+def split_work_units(graph: ModelGraph) -> set[str]:
+    """Element-wise units that Megatron runs on tensor-split features: those fed only by linears
+    (or other such units) and feeding only linears, attention (or other such units), like an
+    MLP's activation or the reshapes of q, k and v. The residual stream is never among them."""
     kinds = {u.name: u.kind for u in graph.units}
-    into = [kinds[e.src] for e in graph.edges if e.dst == unit.name]
-    out = [kinds[e.dst] for e in graph.edges if e.src == unit.name]
-    return bool(into) and bool(out) and set(into) == {"linear"} and set(out) == {"linear"}
+    inside = {u.name for u in graph.units if u.kind == "elementwise"}
+    changed = True
+    while changed:
+        changed = False
+        for name in sorted(inside):
+            into = [
+                kinds[e.src] if e.src not in inside else "ok" for e in graph.edges if e.dst == name
+            ]
+            out = [
+                kinds[e.dst] if e.dst not in inside else "ok" for e in graph.edges if e.src == name
+            ]
+            good = into and out and set(into) <= {"linear", "ok"}
+            good = good and set(out) <= {"linear", "attention", "ok"}
+            if not good:
+                inside.discard(name)
+                changed = True
+    return inside
 
 
 def megatron_tp(graph: ModelGraph, cluster: ClusterSpec, valid: list[int]) -> int:

@@ -18,7 +18,9 @@ loss. Each maximal run of such operations between two child calls is a unit of i
 many children sit between them.
 
 [Note: saved roles]
-Each tensor storage autograd saves is counted once, by the first unit that saves it, with a role:
+Each tensor storage autograd saves is counted once, by the first unit that saves it (when it
+belongs to a repeated block, once per repetition: a shared input such as a rotary table is then
+counted per layer, a small overcount), with a role:
 ``input`` when another unit (or the caller) produced it, ``output`` when this unit produced it
 and another unit reads it, ``internal`` otherwise. The cost model shards a saved input as the
 unit's input layout, everything else as the unit's own work; selective recomputation drops the
@@ -76,6 +78,7 @@ class Unit:
     saved_output_bytes: float = 0.0
     saved_internal_bytes: float = 0.0
     out_bytes: float = 0.0  # its largest output activation
+    shared_saved_bytes: float = 0.0  # saved here too, but counted by an earlier unit
     in_features: int | None = None
     out_features: int | None = None
     weight_transposed: bool = False  # HF Conv1D keeps [in, out]
@@ -96,7 +99,10 @@ class Unit:
 
     def signature(self) -> tuple[Any, ...]:
         shapes = tuple((p.shape, p.tied_to is None) for p in self.params)
-        return (self.kind, self.segment, shapes, self.flops, self.saved_bytes, self.out_bytes)
+        # Shared inputs (a model's rotary cos/sin, saved by every layer) are counted by the first
+        # layer that saves them; comparing with them included keeps the layers identical.
+        saved = self.saved_bytes + self.shared_saved_bytes
+        return (self.kind, self.segment, shapes, self.flops, saved, self.out_bytes)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -192,10 +198,10 @@ def _accelerator_kernels(tracer: _Tracer) -> Iterator[None]:
     original_sdpa, original_dropout = F.scaled_dot_product_attention, F.dropout
 
     def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *args: Any, **kwargs: Any):
+        tracer.note_attention(q, k)
         if k.shape[1] != q.shape[1]:  # grouped-query attention: broadcast K/V heads
             repeat = q.shape[1] // k.shape[1]
             k, v = (t.repeat_interleave(repeat, dim=1) for t in (k, v))
-        tracer.note_attention(q, k)
         return _FusedAttention.apply(q, k, v)
 
     def dropout(x: torch.Tensor, p: float = 0.5, training: bool = True, inplace: bool = False):
@@ -232,6 +238,7 @@ class _Tracer(TorchDispatchMode):
         self.readers: dict[int, set[str]] = {}  # storage -> units that read it
         self.edges: dict[tuple[str, str], float] = {}
         self.saved: dict[int, tuple[str, int]] = {}  # storage -> (first saver, bytes)
+        self.shared: set[tuple[str, int]] = set()  # (unit, storage) saved again by a later unit
         self.keep_alive: list[torch.Tensor] = []
         self.param_storages = {_storage_key(p) for p in model.parameters()}
         self.modules = dict(model.named_modules())
@@ -323,9 +330,14 @@ class _Tracer(TorchDispatchMode):
 
     def pack(self, t: torch.Tensor) -> torch.Tensor:
         key = _storage_key(t)
-        if key in self.param_storages or key in self.saved:
+        if key in self.param_storages:
             return t
         unit = self.current_unit()
+        if key in self.saved:
+            if self.saved[key][0] != unit.name and (unit.name, key) not in self.shared:
+                self.shared.add((unit.name, key))
+                unit.shared_saved_bytes += t.untyped_storage().nbytes()
+            return t
         self.saved[key] = (unit.name, t.untyped_storage().nbytes())
         self.keep_alive.append(t)
         return t
@@ -386,11 +398,30 @@ def measure(
         model.train(was_training)
         for handle in handles:
             handle.remove()
-    units, edges = tracer.finish()
+    units, edges = _drop_dead_views(*tracer.finish())
     _resolve_ties(model, units)
     batch, seq = (int(tensors[0].shape[0]), int(tensors[0].shape[1])) if tensors else (1, 1)
     graph = ModelGraph(name=name, units=units, edges=edges, micro_batch=batch, seq_len=seq)
     return cluster_blocks(graph)
+
+
+def _drop_dead_views(units: list[Unit], edges: list[Edge]) -> tuple[list[Unit], list[Edge]]:
+    """Units that only make views nobody reads through them (a reshape of q whose storage its
+    consumers reach straight from the projection) decide nothing: drop them and their edges."""
+    sources = {e.src for e in edges}
+    dead = {
+        u.name
+        for u in units
+        if u.kind == "elementwise"
+        and u.name not in sources
+        and not u.params
+        and u.flops == 0
+        and u.saved_bytes == 0
+    }
+    return (
+        [u for u in units if u.name not in dead],
+        [e for e in edges if e.src not in dead and e.dst not in dead],
+    )
 
 
 def _resolve_ties(model: nn.Module, units: list[Unit]) -> None:
