@@ -18,7 +18,8 @@ import torch.distributed as dist
 from torch.distributed.tensor.debug import CommDebugMode
 
 from tidal.models import build_gpt, preset
-from tidal.planner import measure_gpt
+from tidal.planner import ClusterSpec, PlannerConfig, measure_gpt
+from tidal.planner import make_plan as make_tidal_plan
 from tidal.planner.apply import GPT_UNITS, apply, check_plan, full_state_dict, gpt_edges, make_mesh
 from tidal.planner.plan import Layout, MemoryBreakdown, Plan, Recompute, StrategyName, UnitChoice
 from tidal.testing import run_on_ranks
@@ -59,6 +60,20 @@ GATHER_BEFORE_COLWISE: Choices = {
     **{n: (S.COLWISE, R, HID) for n in ("blocks.*.attn.qkv", "blocks.*.mlp.fc", "lm_head")},
 }
 COLWISE_ON_SEQUENCE = 2 * TINY.num_layers + 1  # qkv and fc per block, and lm_head
+# Tokens split everywhere but in the colwise/rowwise pairs, the loss taken on split targets.
+SEQUENCE_EVERYWHERE: Choices = {
+    **SEQUENCE_PARALLEL,
+    "tok_embed": (S.SEQUENCE, SEQ, SEQ),
+    "lm_head": (S.SEQUENCE, SEQ, SEQ),
+    "[2]": (S.SEQUENCE, SEQ, SEQ),
+}
+# As the planner chose for gpt2-small on 4 devices: attention replicated, the rest split by
+# tokens. The first block's input is whole but its residual add takes S(seq): ln_1 detours.
+REPLICATED_ATTENTION: Choices = {
+    name: (S.SEQUENCE, SEQ, SEQ)
+    for name in GPT_UNITS
+    if name.startswith(("blocks.*[", "blocks.*.ln_2", "blocks.*.mlp", "ln_f", "lm_head", "[2]"))
+}
 
 
 def plan_units(
@@ -113,6 +128,8 @@ CASES: dict[str, Plan] = {
     "sequence parallel": make_plan(SEQUENCE_PARALLEL),
     "sequence parallel, full recompute": make_plan(SEQUENCE_PARALLEL, recompute=Recompute.FULL),
     "gather before colwise": make_plan(GATHER_BEFORE_COLWISE),
+    "sequence everywhere": make_plan(SEQUENCE_EVERYWHERE),
+    "replicated attention": make_plan(REPLICATED_ATTENTION),
     "zero-3": make_plan({}, dp=2, tp=1, zero=3),
     # units of a block at different levels get FSDP groups of their own; ZeRO-0 is all-reduced
     "mixed zero, full recompute": make_plan(
@@ -124,8 +141,20 @@ CASES: dict[str, Plan] = {
         recompute=Recompute.FULL,
     ),
 }
-TENSOR_CASES = [name for name, plan in CASES.items() if plan.tp > 1]
-DATA_CASES = [name for name, plan in CASES.items() if plan.dp > 1]
+TENSOR_CASES = [name for name, plan in CASES.items() if plan.tp > 1] + ["planner, tp 2"]
+DATA_CASES = [name for name, plan in CASES.items() if plan.dp > 1] + ["planner, dp 2"]
+
+
+def _planner_cases() -> dict[str, Plan]:
+    """What ``tidal plan`` makes for the tiny GPT on 2 devices: whatever it picks must run."""
+    graph = measure_gpt(TINY)
+    config = {"objective": "memory", "pareto": (), "baselines": ()}
+    return {
+        f"planner, {axis} 2": make_tidal_plan(
+            graph, ClusterSpec(devices=2), PlannerConfig(tp=2 if axis == "tp" else 1, **config)
+        ).plan
+        for axis in ("tp", "dp")
+    }
 
 
 def _batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -163,24 +192,28 @@ def _run_case(plan: Plan) -> dict[str, Any]:
         loss = loss.detach()
         dist.all_reduce(loss, group=mesh.get_group("dp"))  # the global batch's mean
         losses.append(loss.item() / plan.dp)
+    with torch.no_grad():  # logits, without targets: whole, whatever the loss's layout
+        logits = model(_batches()[0][0])
     state = full_state_dict(model, plan)
+    mine = dist.get_rank() == 0
     return {
         "losses": losses,
         "backward_comms": comms,
-        "state": state if dist.get_rank() == 0 else None,
+        "state": state if mine else None,
+        "logits": logits if mine else None,
     }
 
 
-def _run_cases(names: list[str]) -> dict[str, dict[str, Any]]:
+def _run_cases(cases: dict[str, Plan]) -> dict[str, dict[str, Any]]:
     # CommDebugMode's module tracker warns about hooks on outputs; nothing to act on here.
     warnings.filterwarnings("ignore", category=UserWarning)
-    return {name: _run_case(CASES[name]) for name in names}
+    return {name: _run_case(plan) for name, plan in cases.items()}
 
 
 # -- the tests -----------------------------------------------------------------------------------------
 
 
-def _single_device() -> tuple[list[float], dict[str, torch.Tensor]]:
+def _single_device() -> dict[str, Any]:
     model = build_gpt(TINY, seed=0)
     optimizer = _optimizer(model)
     losses = []
@@ -190,22 +223,27 @@ def _single_device() -> tuple[list[float], dict[str, torch.Tensor]]:
         optimizer.step()
         optimizer.zero_grad()
         losses.append(loss.item())
-    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+    with torch.no_grad():
+        logits = model(_batches()[0][0])
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return {"losses": losses, "state": state, "logits": logits}
 
 
 @pytest.fixture(scope="module")
 def results() -> dict[str, dict[str, Any]]:
-    return run_on_ranks(_run_cases, world_size=WORLD, args=(list(CASES),), timeout_s=240)[0]
+    cases = {**CASES, **_planner_cases()}
+    return run_on_ranks(_run_cases, world_size=WORLD, args=(cases,), timeout_s=240)[0]
 
 
 @pytest.fixture(scope="module")
-def reference() -> tuple[list[float], dict[str, torch.Tensor]]:
+def reference() -> dict[str, Any]:
     return _single_device()
 
 
-def _assert_matches(result: dict[str, Any], reference: tuple[list[float], dict]) -> None:
-    ref_losses, ref_state = reference
+def _assert_matches(result: dict[str, Any], reference: dict[str, Any]) -> None:
+    ref_losses, ref_state = reference["losses"], reference["state"]
     assert result["losses"] == pytest.approx(ref_losses, abs=TOL, rel=0)
+    torch.testing.assert_close(result["logits"], reference["logits"], atol=TOL, rtol=0)
     assert ref_losses[-1] != pytest.approx(ref_losses[0], abs=1e-3), "training must move"
     state = result["state"]
     assert state.keys() == ref_state.keys()
@@ -237,6 +275,11 @@ def test_units_and_edges_are_the_planners() -> None:
         (name, s.module, s.segment, s.kind) for name, s in GPT_UNITS.items()
     }
     assert {(e.src, e.dst, e.count) for e in graph.edges} == set(gpt_edges(TINY.num_layers))
+
+
+def test_a_detour_into_a_block_warns() -> None:
+    with pytest.warns(UserWarning, match=r"first block, blocks\.\*\.ln_1 takes R .* S\(seq\) -> R"):
+        check_plan(build_gpt(TINY, device="meta"), CASES["replicated attention"])
 
 
 def test_a_plan_without_dropout_units_is_accepted() -> None:

@@ -1,53 +1,50 @@
 """Carry out a :class:`~tidal.planner.plan.Plan` on tidal's GPT: DTensor on ``tp``, FSDP2 on ``dp``.
 
 ``apply(model, plan, make_mesh(plan, "cuda"))`` changes the model in place. Training then needs
-nothing special: the loss comes back as a plain tensor, hooks reduce the gradients FSDP does not
-own, and :func:`full_state_dict` gives the parameters back in the single-device layout. Plans
-that do not fit the model, or that DTensor cannot carry out, raise ``ValueError``.
+nothing special: the loss comes back plain and whole, hooks reduce the gradients FSDP does not
+own, and :func:`full_state_dict` gives the single-device parameters back. Plans that do not fit
+the model, or that DTensor cannot carry out, raise ``ValueError`` (:func:`check_plan`).
 
 [Note: plan realisation]
 Between modules an activation travels as a plain local tensor in one layout of [Note: plan
-layouts], its *wire* layout; DTensors live only inside a module's forward. A module unit's
-forward pre-hook wraps its input as a DTensor in the wire layout and redistributes it to what the
-module computes on; its forward hook redistributes the output to its own wire layout and unwraps
-it. A unit's wire layout is
+layouts], its *wire* layout. A module unit's pre-hook wraps its input as a DTensor in that
+layout and redistributes it to what the module computes on; its forward hook redistributes the
+output to its own wire layout and unwraps it. A unit's wire layout is, for a segment (code in a
+forward, which no hook can convert), its ``out_layout``, but whole for positions ``[0]``
+(pos_embed slices them); for a module feeding a segment, that segment's ``in_layout`` (so
+rowwise partial sums reach the residual adds reduced: ``P -> R`` all-reduce, ``P -> S(seq)``
+reduce-scatter); for a module giving ``P``, its consumers' common ``in_layout``; else its
+``out_layout``, converted by each consumer. So segments must get their ``in_layout``; plans
+where they do not are rejected. A block's input, which feeds ln_1 and the add ``blocks.*[0]``,
+is converted to the add's layout by the block's pre-hook, and ln_1 converts from there (with a
+warning when that is a detour the plan did not count). Consumers come from the model's
+structure (:func:`gpt_edges`), not ``plan.edges``; a dropout unit the plan leaves out (the
+planner does at ``p = 0``) passes on what it gets. The loss [2] takes ``R`` logits, ``S(hid)``
+ones under ``loss_parallel()``, or ``S(seq)`` ones with targets split alike (_ModelOutputs).
 
-- for a segment (code in a parent's forward, which no hook can convert): its ``out_layout``;
-  positions (``[0]``) are always made whole, slicing them is free and pos_embed does it;
-- for a module feeding a segment: that segment's ``in_layout``, so rowwise partial sums reach the
-  residual adds already reduced (``P -> R`` all-reduce, ``P -> S(seq)`` reduce-scatter);
-- for a module whose ``out_layout`` is ``P``: its consumers' common ``in_layout``;
-- otherwise its ``out_layout``, converted by each consumer's pre-hook.
-
-So a segment's inputs must arrive in its ``in_layout``, and a unit fed by several producers must
-get one layout from all; other plans are rejected. Consumers come from the model's structure
-(:func:`gpt_edges`), not from ``plan.edges``; a dropout unit the plan leaves out (the planner
-does at ``p = 0``) passes on what it gets. The loss takes ``R`` logits, or ``S(hid)`` ones under
-``loss_parallel()``; an ``S(seq)`` loss is taken on gathered logits, as GPT.forward flattens
-batch and sequence together.
-
-With ``tp > 1`` every parameter becomes a DTensor on the tensor axis (``Replicate`` unless the
-strategy splits it), so FSDP sees one kind of parameter. A whole weight used on split tokens
-gets a ``Partial`` gradient, which a post-accumulate hook reduces (FSDP does it for its own).
+With ``tp > 1`` every parameter is a DTensor on the tensor axis (``Replicate`` unless its
+strategy splits it), so FSDP sees one kind. A whole weight used on split tokens gets a
+``Partial`` gradient, which a post-accumulate hook reduces (FSDP does it for its own).
 
 [Note: fused qkv under tensor parallelism]
 qkv's weight rows are ``[q; k; v]``, each ``H`` heads of ``K`` rows, so a contiguous ``Shard(0)``
-over ``t`` ranks would give rank 0 all of q and part of k. apply reorders the rows (and the bias)
-so that rank r's block is ``[q_r; k_r; v_r]``, the rows of its ``H/t`` heads; the attention core
-splits its local output in three and counts heads from the width, so it runs unchanged on a
-share. Parameters, gradients and optimizer state are then in that order; :func:`full_state_dict`
-undoes it. Hence qkv is ``colwise`` exactly when the attention core is ``heads``.
+would give rank 0 all of q and part of k. apply reorders the rows (and the bias) so that rank
+r's block is ``[q_r; k_r; v_r]`` for its ``H/t`` heads; the attention core splits its share in
+three and counts heads from the width. Parameters, gradients and optimizer state keep that
+order; :func:`full_state_dict` undoes it. So qkv is ``colwise`` exactly when the core is
+``heads``.
 
 [Note: colwise inputs kept sharded]
-A colwise linear fed ``S(seq)`` all-gathers its input, and autograd would keep the gathered input
-for the weight gradient. As in Megatron's sequence parallelism (and the cost model), saved-tensor
-hooks keep only this rank's ``1/t`` of each replicated DTensor the module saves and all-gather
-it again in backward. Fully recomputed blocks skip them: their checkpoint keeps nothing inside.
+A colwise linear fed ``S(seq)`` all-gathers its input, and autograd would keep the gathered
+input. As in Megatron's sequence parallelism (and the cost model), saved-tensor hooks keep this
+rank's ``1/t`` of each replicated DTensor the module saves and all-gather it in backward; not in
+fully recomputed blocks, whose checkpoint keeps nothing inside anyway.
 """
 
 from __future__ import annotations
 
 import functools
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -116,10 +113,9 @@ _SHAPES: dict[str, set[tuple[StrategyName, Layout, Layout]]] = {
     "embedding": _TOKENWISE | {(S.VOCAB, R, P)},
     "norm": _TOKENWISE,
     "elementwise": _TOKENWISE | {(S.HIDDEN, HID, HID)},
-    "dropout": _TOKENWISE | {(S.HIDDEN, HID, HID)},
-    "loss": _TOKENWISE | {(S.HIDDEN, HID, HID)},
     "attention": {(S.REPLICATE, R, R), (S.HEADS, HID, HID)},
 }
+_SHAPES["dropout"] = _SHAPES["loss"] = _SHAPES["elementwise"]
 
 
 def gpt_edges(num_layers: int) -> list[tuple[str, str, int]]:
@@ -148,6 +144,7 @@ class _Wiring:
     units: dict[str, UnitChoice]
     wire_in: dict[str, Layout]
     wire_out: dict[str, Layout]
+    block_in: tuple[Layout, Layout]  # what the first block is handed, and what the others are
 
 
 def check_plan(model: nn.Module, plan: Plan) -> None:
@@ -170,21 +167,36 @@ def _wire(model: nn.Module, plan: Plan) -> _Wiring:
     _check_sizes(model, plan, units)
     _check_pairs(model, units)
     edges = _contract(units, gpt_edges(len(model.blocks)))
+    # A block's input enters its forward, whose pre-hook converts it for ln_1 and [0] both.
+    entry, heads = units["blocks.*[0]"].in_layout, ("blocks.*.ln_1", "blocks.*[0]")
+    into = {(s, d) for s, d in edges if d in heads and not s.startswith("blocks.*")}
+    later = {(s, d) for s, d in edges if d in heads and s == "blocks.*[1]"}
+    edges -= into | later
     wire_out = {name: _own_wire(name, units, edges) for name in units}
+    block_in = (wire_out[next(iter(into))[0]], wire_out["blocks.*[1]"] if later else entry)
     for src, dst in sorted(edges):
-        if GPT_UNITS[dst].segment is not None and wire_out[src] != _takes(units[dst]):
+        if GPT_UNITS[dst].segment is not None and wire_out[src] != units[dst].in_layout:
             raise ValueError(
                 f"unit {dst!r} takes {units[dst].in_layout} but {src!r} gives {wire_out[src]}; "
                 f"{dst!r} is code in a forward, which cannot convert: make {src!r} give "
                 f"{units[dst].in_layout}"
             )
-    wire_in = {"tok_embed": R}  # the token ids come whole
-    for name in units:
-        producers = {wire_out[src] for src, dst in edges if dst == name}
-        if len(producers) > 1:
-            raise ValueError(f"unit {name!r} is fed in several layouts ({_join(producers)})")
-        wire_in.update({name: producers.pop()} if producers else {})
-    return _Wiring(units=units, wire_in=wire_in, wire_out=wire_out)
+    if plan.tp > 1:
+        _warn_detour(units, entry, block_in)
+    # Only segments have two producers, and those must agree (above); token ids come whole.
+    wire_in = {"tok_embed": R, "blocks.*.ln_1": entry} | {d: wire_out[s] for s, d in edges}
+    return _Wiring(units=units, wire_in=wire_in, wire_out=wire_out, block_in=block_in)
+
+
+def _warn_detour(units: dict[str, UnitChoice], entry: Layout, block_in: tuple) -> None:
+    ln_1 = units["blocks.*.ln_1"].in_layout
+    for which, given in zip(("the first block", "later blocks"), block_in, strict=True):
+        if given != entry and ln_1 != entry:
+            message = f"in {which}, blocks.*.ln_1 takes {ln_1} but the block's input ({given}) "
+            message += f"must become {entry} for the add blocks.*[0] first: ln_1 then converts "
+            warnings.warn(
+                f"{message}{entry} -> {ln_1}, a cost the plan does not count", stacklevel=4
+            )
 
 
 def _check_units(plan: Plan) -> dict[str, UnitChoice]:
@@ -200,11 +212,8 @@ def _check_units(plan: Plan) -> dict[str, UnitChoice]:
         raise ValueError(f"the plan has no choice for units {_join(map(repr, missing))}")
     for name, unit in units.items():
         spec = GPT_UNITS[name]
-        if (unit.module, unit.segment) != (spec.module, spec.segment):
-            raise ValueError(
-                f"unit {name!r} names module {unit.module!r} segment {unit.segment}, but in "
-                f"tidal's GPT it is module {spec.module!r} segment {spec.segment}"
-            )
+        if (unit.module, unit.segment) != (spec.module, spec.segment):  # another version's?
+            raise ValueError(f"unit {name!r} is {spec.module!r} segment {spec.segment} in the GPT")
         if unit.zero not in (0, 1, 2, 3):
             raise ValueError(f"unit {name!r} has ZeRO level {unit.zero}; levels are 0 to 3")
     if set(plan.recompute) - {"blocks.*"}:
@@ -230,10 +239,8 @@ def _check_sizes(model: GPT, plan: Plan, units: dict[str, UnitChoice]) -> None:
                 f"unit {name!r} is {unit.strategy} on a tensor axis of {t} ranks, but its {size} "
                 f"{what} are not divisible by {t}: {fix}"
             )
-    for layout, size, what in (
-        (HID, model.config.d_model, "d_model"),
-        (SEQ, plan.seq_len, "seq_len"),
-    ):
+    splits = ((HID, model.config.d_model, "d_model"), (SEQ, plan.seq_len, "seq_len"))
+    for layout, size, what in splits:
         if size % t and any(layout in (u.in_layout, u.out_layout) for u in units.values()):
             raise ValueError(f"{layout} activations need {what} ({size}) divisible by {t}: {fix}")
 
@@ -248,14 +255,12 @@ def _check_pairs(model: GPT, units: dict[str, UnitChoice]) -> None:
             f"fused qkv under tensor parallelism] in tidal/planner/apply.py)"
         )
     tok, head = units["tok_embed"], units["lm_head"]
-    if model.config.tie_embeddings and (
-        _weight_placement("embedding", tok.strategy) != _weight_placement("linear", head.strategy)
-        or tok.zero != head.zero
-    ):
+    if model.config.tie_embeddings and _weight_placement(
+        "embedding", tok.strategy
+    ) != _weight_placement("linear", head.strategy):
         raise ValueError(
-            f"tok_embed ({tok.strategy}, ZeRO {tok.zero}) and lm_head ({head.strategy}, ZeRO "
-            f"{head.zero}) share one weight: give them one ZeRO level and one split (vocab with "
-            f"colwise, or replicate and sequence with either)"
+            f"tok_embed ({tok.strategy}) and lm_head ({head.strategy}) share one weight but "
+            f"split it differently: pair vocab with colwise, or replicate and sequence with either"
         )
     if units["[2]"].in_layout is HID and head.strategy not in (S.COLWISE, S.ROWWISE):
         raise ValueError(
@@ -280,22 +285,17 @@ def _contract(units: dict[str, UnitChoice], edges: list[tuple[str, str, int]]) -
     return pairs
 
 
-def _takes(unit: UnitChoice) -> Layout:
-    """The layout a segment's inputs arrive in ([Note: plan realisation])."""
-    return R if unit.name == "[2]" and unit.in_layout is SEQ else unit.in_layout
-
-
 def _own_wire(name: str, units: dict[str, UnitChoice], edges: set[tuple]) -> Layout:
     unit, spec = units[name], GPT_UNITS[name]
     if spec.segment is not None:
         return R if spec.role == "positions" else unit.out_layout
     consumers = [units[d] for s, d in edges if s == name]
-    fixed = {_takes(c) for c in consumers if GPT_UNITS[c.name].segment is not None}
+    fixed = {c.in_layout for c in consumers if GPT_UNITS[c.name].segment is not None}
     if not fixed and unit.out_layout is P:
         fixed = {c.in_layout for c in consumers}
     if len(fixed) > 1 or P in fixed:
         raise ValueError(
-            f"{name!r} feeds units that take {_join(fixed)}: not one of R, S(seq), S(hid)"
+            f"{name!r} feeds units taking {_join(fixed)}, not one of R, S(seq), S(hid)"
         )
     return fixed.pop() if fixed else unit.out_layout
 
@@ -341,8 +341,9 @@ def apply(model: GPT, plan: Plan, mesh: DeviceMesh) -> GPT:
         _shard_data_axis(model, wiring, mesh["dp"])
     dp_group = mesh.get_group("dp") if plan.dp > 1 else None
     for param in {id(p): p for p in model.parameters()}.values():
-        if _owned_by_fsdp(param) or (dp_group is None and not isinstance(param, DTensor)):
-            continue
+        axes = param.device_mesh.mesh_dim_names if isinstance(param, DTensor) else None
+        if "dp" in (axes or ()) or (dp_group is None and axes is None):
+            continue  # FSDP reduces its own; a plain parameter on one data rank needs nothing
         param.register_post_accumulate_grad_hook(functools.partial(_reduce_grad, group=dp_group))
     return model
 
@@ -388,7 +389,8 @@ def _parallelize_tensor_axis(
             keep_dtensor=name == "lm_head" and units["[2]"].in_layout is HID,
             saved=_SavedShards(mesh) if keep_share and unit.in_layout is SEQ else None,
         )
-        for module in _modules(model, spec.module):
+        for i in range(len(model.blocks) if "*" in spec.module else 1):
+            module = model.get_submodule(spec.module.replace("*", str(i)))
             for pname, param in list(module.named_parameters(recurse=False)):
                 if id(param) not in distributed:
                     split = _weight_placement(spec.role, unit.strategy)
@@ -398,17 +400,15 @@ def _parallelize_tensor_axis(
                 module.register_parameter(pname, distributed[id(param)])
             module.register_forward_pre_hook(boundary.before)
             module.register_forward_hook(boundary.after)
-    if any(SEQ in (u.in_layout, u.out_layout) for u in units.values()):
-        model.register_forward_pre_hook(functools.partial(_check_length, tp=mesh.size()))
-    outputs = _ModelOutputs()
+    for i, block in enumerate(model.blocks):
+        given, entry = wiring.block_in[min(i, 1)], units["blocks.*[0]"].in_layout
+        block.register_forward_pre_hook(functools.partial(_enter_block, mesh, given, entry))
+    split_sequence = any(SEQ in (u.in_layout, u.out_layout) for u in units.values())
+    outputs = _ModelOutputs(mesh, units["[2]"].in_layout, split_sequence)
+    model.register_forward_pre_hook(outputs.before, with_kwargs=True)
     if units["[2]"].in_layout is HID:
         model.lm_head.register_forward_hook(outputs.logits_made)
     model.register_forward_hook(outputs.finish)
-
-
-def _modules(model: GPT, path: str) -> list[nn.Module]:
-    blocks = range(len(model.blocks)) if "*" in path else [0]
-    return [model.get_submodule(path.replace("*", str(i))) for i in blocks]
 
 
 def _qkv_rows(d_model: int, tp: int) -> torch.Tensor:
@@ -418,9 +418,10 @@ def _qkv_rows(d_model: int, tp: int) -> torch.Tensor:
     return torch.cat([torch.arange(share) + start for start in starts])
 
 
-def _check_length(model: nn.Module, args: tuple[Any, ...], *, tp: int) -> None:
-    if args[0].shape[1] % tp:
-        raise ValueError(f"the plan splits sequences over {tp} ranks; {args[0].shape[1]} does not")
+def _enter_block(
+    mesh: DeviceMesh, given: Layout, entry: Layout, block: nn.Module, args: tuple[Any, ...]
+) -> tuple[Any, ...]:
+    return (_relayout(args[0], mesh, given, entry), *args[1:])
 
 
 def _placement(layout: Layout, x: torch.Tensor, indices: bool = False) -> Placement:
@@ -431,11 +432,13 @@ def _placement(layout: Layout, x: torch.Tensor, indices: bool = False) -> Placem
     return Shard(x.ndim - 1 if layout is HID or indices else x.ndim - 2)
 
 
-def _relayout(x: torch.Tensor, mesh: DeviceMesh, src: Layout, dst: Layout) -> torch.Tensor:
+def _relayout(
+    x: torch.Tensor, mesh: DeviceMesh, src: Layout, dst: Layout, indices: bool = False
+) -> torch.Tensor:
     if src is dst:
         return x
-    x_dt = DTensor.from_local(x, mesh, [_placement(src, x)], run_check=False)
-    return x_dt.redistribute(mesh, [_placement(dst, x)]).to_local()
+    x_dt = DTensor.from_local(x, mesh, [_placement(src, x, indices)], run_check=False)
+    return x_dt.redistribute(mesh, [_placement(dst, x, indices)]).to_local()
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)
@@ -499,25 +502,42 @@ class _SavedShards:
 
 
 class _ModelOutputs:
-    """Hands back plain whole outputs, and keeps ``loss_parallel()`` on while the loss is
-    taken from vocabulary-split logits: in forward between lm_head's forward hook and the
-    model's, in backward between the loss's gradient and the logits'."""
+    """The model's inputs and outputs, whole and plain outside, as the loss [2] needs inside.
 
-    def __init__(self) -> None:
-        self._depth = 0
-        self._context: Any = None
+    ``S(hid)``: ``loss_parallel()`` is kept on while the loss is taken from vocabulary-split
+    logits, in forward between lm_head's forward hook and the model's, in backward between the
+    loss's gradient and the logits'. ``S(seq)``: each rank takes the mean loss of its share of
+    the sequence, on its share of the targets; the loss is the mean over the ranks, and each
+    rank's loss counts ``1/t`` towards the gradients, which the tensor axis then sums.
+    """
+
+    def __init__(self, mesh: DeviceMesh, loss: Layout, split_sequence: bool) -> None:
+        self.mesh, self.loss, self.split_sequence = mesh, loss, split_sequence
+        self._context: Any = None  # loss_parallel(), while on
         self._logits: DTensor | None = None
 
+    def before(self, model: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict]:
+        if self.split_sequence and args[0].shape[1] % self.mesh.size():
+            raise ValueError(
+                f"the plan splits sequences over {self.mesh.size()} ranks, which "
+                f"{args[0].shape[1]} tokens do not divide"
+            )
+        if self.loss is SEQ and len(args) > 1:
+            args = (args[0], _relayout(args[1], self.mesh, R, SEQ, indices=True), *args[2:])
+        elif self.loss is SEQ and kwargs.get("targets_BT") is not None:
+            targets = _relayout(kwargs["targets_BT"], self.mesh, R, SEQ, indices=True)
+            kwargs = {**kwargs, "targets_BT": targets}
+        return args, kwargs
+
     def _enter(self, *_: Any) -> None:
-        if self._depth == 0:
+        if self._context is None:  # else left on by a forward that raised
             self._context = loss_parallel()
             self._context.__enter__()
-        self._depth += 1
 
     def _exit(self, *_: Any) -> None:
-        self._depth -= 1
-        if self._depth == 0:
+        if self._context is not None:
             self._context.__exit__(None, None, None)
+            self._context = None
 
     def logits_made(self, module: nn.Module, args: tuple[Any, ...], out: DTensor) -> None:
         self._enter()
@@ -530,11 +550,13 @@ class _ModelOutputs:
             if out.ndim == 0 and out.requires_grad:
                 out.register_hook(self._enter)
                 logits.register_hook(self._exit)
+        if self.loss is SEQ and out.ndim == 0:
+            total = out.detach().clone()
+            dist.all_reduce(total, group=self.mesh.get_group())
+            return (out + (total - out.detach())) / self.mesh.size()
+        if self.loss is SEQ:
+            return _relayout(out, self.mesh, SEQ, R)  # logits, without targets
         return out.full_tensor() if isinstance(out, DTensor) else out
-
-
-def _owned_by_fsdp(param: nn.Parameter) -> bool:
-    return isinstance(param, DTensor) and "dp" in (param.device_mesh.mesh_dim_names or ())
 
 
 def _reduce_grad(param: nn.Parameter, *, group: dist.ProcessGroup | None) -> None:
@@ -575,23 +597,20 @@ def _shard_data_axis(model: GPT, wiring: _Wiring, mesh: DeviceMesh) -> None:
 
 def _members(model: GPT, wiring: _Wiring, block: str | None) -> list[tuple[int, list[nn.Module]]]:
     """(ZeRO level, modules) of each unit with parameters in one block, or outside the blocks
-    (``block=None``); tied units come as one."""
+    (``block=None``). Tied units come as one, at the first's level: the planner gives the others
+    no parameters of their own, hence no level."""
     found: dict[int, tuple[int, list[nn.Module]]] = {}
-    for name, unit in wiring.units.items():
-        spec = GPT_UNITS[name]
-        if spec.segment is None and spec.module.startswith("blocks.") == (block is not None):
-            module = model.get_submodule(spec.module.replace("*", block or ""))
-            for param in list(module.parameters())[:1]:
-                found.setdefault(id(param), (unit.zero, []))[1].append(module)
+    for name, spec in GPT_UNITS.items():
+        in_blocks, unit = spec.module.startswith("blocks."), wiring.units.get(name)
+        if unit is None or spec.segment is not None or in_blocks != (block is not None):
+            continue
+        module = model.get_submodule(spec.module.replace("*", block or ""))
+        for param in list(module.parameters())[:1]:
+            found.setdefault(id(param), (unit.zero, []))[1].append(module)
     return list(found.values())
 
 
-def _shard_group(
-    owner: nn.Module | None,
-    members: list[tuple[int, list[nn.Module]]],
-    mesh: DeviceMesh,
-    ignored: set[nn.Parameter],
-) -> bool:
+def _shard_group(owner: nn.Module | None, members: list, mesh: DeviceMesh, ignored: set) -> bool:
     """Shard ``owner`` as one group if its units agree on a level, else each unit; say if any."""
     levels = {zero for zero, _ in members}
     if owner is not None and len(levels) == 1 and levels != {0}:
