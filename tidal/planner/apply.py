@@ -24,7 +24,9 @@ ones under ``loss_parallel()``, or ``S(seq)`` ones with targets split alike (_Mo
 
 With ``tp > 1`` every parameter is a DTensor on the tensor axis (``Replicate`` unless its
 strategy splits it), so FSDP sees one kind. A whole weight used on split tokens gets a
-``Partial`` gradient, which a post-accumulate hook reduces (FSDP does it for its own).
+``Partial`` gradient, which a post-accumulate hook reduces (FSDP does it for its own). Dropout
+draws from each rank's own generator: seed a tensor axis's ranks alike, as replicated
+activations need equal masks.
 
 [Note: fused qkv under tensor parallelism]
 qkv's weight rows are ``[q; k; v]``, each ``H`` heads of ``K`` rows, so a contiguous ``Shard(0)``
