@@ -7,6 +7,7 @@ the baselines (baselines.py); a :class:`Plan` (plan.py) is the result as plain d
 here is pure except ``apply`` (apply.py), which realises a plan on a model with DTensor.
 """
 
+from tidal.planner.apply import apply, full_state_dict, make_mesh, set_accumulating
 from tidal.planner.cluster import CLUSTER_PRESETS, ClusterSpec, Mesh
 from tidal.planner.measure import ModelGraph, Unit, measure, measure_gpt
 from tidal.planner.plan import Layout, Plan, Recompute, StrategyName, UnitChoice
@@ -26,7 +27,11 @@ __all__ = [
     "StrategyName",
     "Unit",
     "UnitChoice",
+    "apply",
+    "full_state_dict",
+    "make_mesh",
     "make_plan",
     "measure",
     "measure_gpt",
+    "set_accumulating",
 ]

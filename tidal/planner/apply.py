@@ -64,6 +64,7 @@ from tidal.models.gpt import GPT
 from tidal.planner.plan import Layout, Plan, Recompute, StrategyName, UnitChoice
 
 __all__ = [
+    "set_accumulating",
     "GPT_UNITS", "UnitSpec", "apply", "check_plan", "full_state_dict", "gpt_edges", "make_mesh"
 ]  # fmt: skip
 
@@ -379,7 +380,8 @@ def _parallelize_tensor_axis(
         if spec.segment is not None:
             continue
         colwise = (spec.role, unit.strategy) == ("linear", S.COLWISE)
-        keep_share = colwise and not full_recompute
+        # inside a fully recomputed block the checkpoint keeps nothing; lm_head is outside it
+        keep_share = colwise and not (full_recompute and "*" in spec.module)
         boundary = _Boundary(
             mesh=mesh,
             wire_in=wiring.wire_in[name],
@@ -579,8 +581,9 @@ def _reduce_grad(param: nn.Parameter, *, group: dist.ProcessGroup | None) -> Non
 def _shard_data_axis(model: GPT, wiring: _Wiring, mesh: DeviceMesh) -> None:
     """FSDP2 per block and on the root at the plan's ZeRO levels.
 
-    ZeRO-3 reshards parameters after forward. ZeRO-1 is realised as ZeRO-2: FSDP2 without
-    resharding after forward, which also shards gradients; FSDP2 has no optimizer-only sharding.
+    ZeRO-3 reshards parameters after forward; ZeRO-1 and -2 do not (FSDP2 has no optimizer-only
+    sharding). ZeRO-1 groups are tagged for :func:`set_accumulating`, which keeps their whole
+    gradients until a step's last micro-batch; see [Note: ZeRO as executed] in strategies.py.
     ZeRO-0 parameters are FSDP's ``ignored_params``; hooks all-reduce their gradients. Units of
     one block (or of the root) at different levels get FSDP groups of their own.
     """
@@ -595,6 +598,21 @@ def _shard_data_axis(model: GPT, wiring: _Wiring, mesh: DeviceMesh) -> None:
         fully_shard(model, mesh=mesh, reshard_after_forward=levels == {3}, ignored_params=ignored)
     elif _shard_group(None, root_members, mesh, ignored) or any(sharded):
         fully_shard(model, mesh=mesh, ignored_params=ignored)  # a root for the groups below
+
+
+def set_accumulating(model: nn.Module, accumulating: bool) -> None:
+    """Say whether the coming backward is a step's last micro-batch (``False``) or not.
+
+    ZeRO-1 units keep their gathered weights and accumulate whole gradients over the step's
+    micro-batches, and reduce-scatter once, in the last backward ([Note: ZeRO as executed] in
+    strategies.py). Without this call they reduce every micro-batch, like ZeRO-2: the same
+    result, more traffic."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if getattr(module, "_tidal_zero1", False) and isinstance(module, FSDPModule):
+            module.set_requires_gradient_sync(not accumulating, recurse=False)
+            module.set_reshard_after_backward(not accumulating, recurse=False)
 
 
 def _members(model: GPT, wiring: _Wiring, block: str | None) -> list[tuple[int, list[nn.Module]]]:
@@ -617,6 +635,8 @@ def _shard_group(owner: nn.Module | None, members: list, mesh: DeviceMesh, ignor
     levels = {zero for zero, _ in members}
     if owner is not None and len(levels) == 1 and levels != {0}:
         fully_shard(owner, mesh=mesh, reshard_after_forward=levels == {3})
+        if levels == {1}:
+            owner._tidal_zero1 = True
         return True
     for zero, modules in members:
         if zero == 0:
@@ -624,4 +644,7 @@ def _shard_group(owner: nn.Module | None, members: list, mesh: DeviceMesh, ignor
         else:
             group = modules[0] if len(modules) == 1 else modules
             fully_shard(group, mesh=mesh, reshard_after_forward=zero == 3)
+            if zero == 1:
+                for module in modules:
+                    module._tidal_zero1 = True
     return any(zero for zero, _ in members)

@@ -17,6 +17,15 @@ data axis of ``d`` ranks:
   own outputs and internal tensors are split as its work (``1/t`` unless it replicates the work,
   or produces partial sums, which are full-size);
 - compute: ``1/t`` of the FLOPs and bytes unless the work is replicated.
+
+[Note: ZeRO as executed]
+ZeRO levels are priced as tidal carries them out (planner/apply.py), which is FSDP2 on the data
+axis: level 3 keeps ``1/d`` of the weights and gathers each unit's in turn; levels 1 and 2 keep
+``1/d`` too but gather them all in the first forward and hold them until the step's last backward
+(``fully_shard`` without resharding after forward), so ``1 + 1/d`` copies are alive at the peak
+where DeepSpeed would hold one. Level 2 reduce-scatters gradients after every micro-batch and
+keeps ``1/d`` of them; level 1 accumulates whole gradients and reduce-scatters once per step
+(``apply.set_accumulating`` between micro-batches). Optimizer state is ``1/d`` from level 1 on.
 """
 
 from __future__ import annotations
@@ -29,7 +38,9 @@ from tidal.planner.cluster import Axis, ClusterSpec, Collective, Mesh, collectiv
 from tidal.planner.measure import Unit
 from tidal.planner.plan import Layout, MemoryBreakdown, StrategyName
 
-__all__ = ["Candidate", "TrainingSpec", "candidates", "valid_tensor_sizes"]
+PLANNED_ZERO_LEVELS = (0, 1, 2, 3)
+
+__all__ = ["PLANNED_ZERO_LEVELS", "Candidate", "TrainingSpec", "candidates", "valid_tensor_sizes"]
 
 S = StrategyName
 
@@ -157,7 +168,14 @@ def _split_fraction(unit: Unit, split: str, t: int) -> float:
     return 1.0 / t
 
 
-def candidates(unit: Unit, mesh: Mesh, cluster: ClusterSpec, spec: TrainingSpec) -> list[Candidate]:
+def candidates(
+    unit: Unit,
+    mesh: Mesh,
+    cluster: ClusterSpec,
+    spec: TrainingSpec,
+    *,
+    zero_levels: tuple[int, ...] = PLANNED_ZERO_LEVELS,
+) -> list[Candidate]:
     """Every choice for ``unit`` on ``mesh`` with its costs; see [Note: sharded fractions]."""
     t = mesh.tp
     shapes = _SHAPES[unit.kind] if t > 1 else _SHAPES[unit.kind][:1]
@@ -166,7 +184,7 @@ def candidates(unit: Unit, mesh: Mesh, cluster: ClusterSpec, spec: TrainingSpec)
     if unit.kind == "linear" and any(p.tied_to for p in unit.params):
         shapes = tuple(s for s in shapes if s.weight_split != "S1")
     own_params = any(p.tied_to is None for p in unit.params)
-    zeros = (0, 1, 2, 3) if own_params and mesh.dp > 1 else (0,)
+    zeros = zero_levels if own_params and mesh.dp > 1 else (0,)
     return [_cost(unit, shape, z, mesh, cluster, spec) for shape in shapes for z in zeros]
 
 
@@ -176,7 +194,7 @@ def _cost(
     t, d = mesh.tp, mesh.dp
     weight_fraction = _split_fraction(unit, shape.weight_split, t)
     n_params = unit.num_params * weight_fraction  # elements this device is responsible for
-    params = n_params * spec.param_bytes / (d if zero >= 3 else 1)
+    params = n_params * spec.param_bytes * _param_copies(zero, d)
     grads = n_params * spec.grad_bytes / (d if zero >= 2 else 1)
     optimizer = n_params * spec.optimizer_bytes / (d if zero >= 1 else 1)
     work = 1.0 / t if shape.work_split else 1.0
@@ -223,6 +241,15 @@ def _cost(
         sync_s=sync_s,
         forward_s=forward_s + (comm_s / 3 if shape.gather_input else 0.0),
     )
+
+
+def _param_copies(zero: int, d: int) -> float:
+    """Parameter bytes held per weight byte under a ZeRO level; see [Note: ZeRO as executed]."""
+    if zero >= 3:
+        return 1.0 / d
+    if zero in (1, 2) and d > 1:
+        return 1.0 + 1.0 / d
+    return 1.0
 
 
 def _input_bytes(unit: Unit) -> float:
