@@ -11,7 +11,7 @@ from tidal.planner import Plan
 def test_plan_writes_the_json_the_issue_names(tmp_path, capsys) -> None:
     out = tmp_path / "plan.json"
     code = main(
-        ["plan", "--model", "gpt2-small", "--devices", "16", "--devices-per-node", "8",
+        ["plan", "--model", "demo", "--devices", "16", "--devices-per-node", "8",
          "--device-memory", "80GiB", "--pareto", "0,0.5", "--baselines", "megatron,zero3",
          "--json", str(out)]
     )  # fmt: skip
@@ -24,7 +24,7 @@ def test_plan_writes_the_json_the_issue_names(tmp_path, capsys) -> None:
         assert report["baselines"][name]["peak_memory_bytes"] > 0
         assert report["baselines"][name]["step_time_s"] > 0
     qkv = next(u for u in report["units"] if u["name"] == "blocks.*.attn.qkv")
-    assert qkv["count"] == 12 and qkv["memory"]["total"] > 0
+    assert qkv["count"] == 4 and qkv["memory"]["total"] > 0
     assert len(report["pareto"]) >= 2
     plan = Plan.load(out)  # what `tidal train --plan` reads
     assert plan.dp * plan.tp == 16
@@ -44,12 +44,12 @@ def test_plan_bad_input_is_one_line_and_exit_2(capsys) -> None:
 
 
 def test_bench_plan_writes_results(tmp_path, capsys) -> None:
-    args = ["bench", "plan", "--models", "gpt2-small", "--devices", "8", "--results-dir"]
+    args = ["bench", "plan", "--models", "demo", "--devices", "8", "--results-dir"]
     assert main([*args, str(tmp_path)]) == 0
     (path,) = tmp_path.glob("plan-*.json")
     data = json.loads(path.read_text())
     assert data["bench"] == "plan" and data["git_commit"] and data["torch_version"]
     (row,) = data["rows"]
-    assert row["model"] == "gpt2-small" and row["devices"] == 8
+    assert row["model"] == "demo" and row["devices"] == 8
     assert set(row["baselines"]) == {"megatron", "megatron_sp", "zero3"}
     assert f"results: {path}" in capsys.readouterr().out
