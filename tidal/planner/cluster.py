@@ -13,7 +13,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-from tidal.config.configurable import ConfigError, require
+from tidal.config.configurable import require
 
 __all__ = ["Axis", "ClusterSpec", "Collective", "Mesh", "collective_s", "CLUSTER_PRESETS"]
 
@@ -123,8 +123,3 @@ def collective_s(
         return steps + (n - 1) / n**2 * nbytes / bandwidth
     one_pass = steps + (n - 1) / n * nbytes / bandwidth
     return 2 * one_pass if kind is Collective.ALL_REDUCE else one_pass
-
-
-def check_mesh(mesh: Mesh, cluster: ClusterSpec) -> None:
-    if mesh.devices != cluster.devices:
-        raise ConfigError("mesh", f"dp {mesh.dp} x tp {mesh.tp} is not {cluster.devices} devices")

@@ -30,7 +30,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
-from scipy.optimize import LinearConstraint, milp
+from scipy.optimize import Bounds, LinearConstraint, milp
 from scipy.sparse import csr_array
 
 from tidal.planner.cluster import ClusterSpec, Mesh
@@ -172,8 +172,6 @@ class Problem:
         )
 
     def _bounds(self, peak: int):
-        from scipy.optimize import Bounds
-
         upper = np.ones(self.num_vars)
         upper[peak] = np.inf
         return Bounds(np.zeros(self.num_vars), upper)
