@@ -88,11 +88,6 @@ class Candidate:
     sync_s: float = 0.0  # gradient and parameter collectives per step
     forward_s: float = 0.0  # what recomputing it costs, per micro-batch
 
-    @property
-    def label(self) -> str:
-        zero = f" z{self.zero}" if self.placements else ""
-        return f"{self.strategy}[{self.in_layout}->{self.out_layout}]{zero}"
-
 
 @dataclass(frozen=True, slots=True)
 class _Shape:
