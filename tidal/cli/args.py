@@ -66,6 +66,11 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
         help="train on N processes (ranks) of this machine, started through torchrun; "
         "training.batch_size is the global batch, split over them (default 1: this process)",
     )  # fmt: skip
+    train.add_argument(
+        "--plan", default=None, metavar="PATH",
+        help="train as the plan `tidal plan --json PATH` wrote says (tensor / sequence "
+        "parallel, ZeRO, recompute), on its dp x tp ranks (with --nproc dp*tp)",
+    )  # fmt: skip
 
 
 def _add_plan(sub: argparse._SubParsersAction) -> None:

@@ -83,7 +83,7 @@ def _train(args: argparse.Namespace, console: Console) -> int:
     from tidal.engine.job import find_recipe
 
     job = load_job(find_recipe(args.recipe), args.overrides)
-    trainer = Trainer(job)
+    trainer = Trainer(job, plan=args.plan)
     trainer.fit(resume=args.resume, overwrite=args.overwrite, callbacks=[RichProgress(console)])
     if trainer.distributed:
         from tidal.distributed import shutdown
@@ -113,7 +113,12 @@ def _launch(args: argparse.Namespace, argv: list[str]) -> int:
         )
     # An error found here is one line, rather than one per rank above torchrun's report.
     job = load_job(find_recipe(args.recipe), args.overrides)
-    rank_rows(job.training.batch_size, rank=0, world_size=args.nproc)
+    if args.plan is not None:
+        from tidal.engine.plan_engine import check_plan_job, load_plan
+
+        check_plan_job(load_plan(args.plan), job, world_size=args.nproc)
+    else:
+        rank_rows(job.training.batch_size, rank=0, world_size=args.nproc)
     check_run_dir(job.run_path, resume=args.resume, overwrite=args.overwrite)
     return launch_train(argv[argv.index("train") + 1 :], nproc=args.nproc)
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch.distributed as dist
 from torch import nn
 
@@ -11,19 +13,35 @@ from tidal.engine.reference import ReferenceEngine
 from tidal.engine.sharded_engine import ShardedEngine
 from tidal.memory.materialize import ParameterValues
 
+if TYPE_CHECKING:
+    from tidal.engine.plan_engine import PlanEngine
+    from tidal.planner import Plan
+
 __all__ = ["Engine", "build_engine"]
 
 Engine = ReferenceEngine | ChunkEngine
 
 
 def build_engine(
-    model: nn.Module, job: JobConfig, *, init: ParameterValues | None = None
-) -> Engine:
+    model: nn.Module,
+    job: JobConfig,
+    *,
+    init: ParameterValues | None = None,
+    plan: Plan | None = None,
+) -> Engine | PlanEngine:
     """``engine = "reference"``: plain PyTorch; ``"chunk"``: parameters in chunks under budgets,
     sharded over the ranks (ZeRO-3) when a process group of several ranks is initialised, and
-    on one process when ``memory.nvme_dir`` asks for the disk tier. ``init``: the values of a
-    model built on the meta device ([Note: deferred construction] in
-    tidal/memory/materialize.py)."""
+    on one process when ``memory.nvme_dir`` asks for the disk tier. With a ``plan`` (``tidal
+    plan``), the plan engine on the plan's ranks. ``init``: the values of a model built on the
+    meta device ([Note: deferred construction] in tidal/memory/materialize.py)."""
+    if plan is not None:
+        # Imported here: the planner's runtime (DTensor, FSDP2) is only needed for plan runs.
+        from tidal.engine.plan_engine import PlanEngine, refuse_chunk_engine
+
+        refuse_chunk_engine(job)
+        return PlanEngine(
+            model, plan=plan, optimizer=job.optimizer, training=job.training, init=init
+        )
     if job.engine == "chunk":
         parts = dict(
             optimizer=job.optimizer,

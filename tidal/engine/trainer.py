@@ -20,7 +20,9 @@ the loss of the global batch, and the engine's gradient average is the global ba
 The batches, and so the losses, do not depend on the world size: a run resumed on another number
 of ranks continues with the batches it would have seen. Hence B must divide by W. (Dropout is
 the exception: each rank draws its masks for its own rows from the shared seed, so with dropout
-on, runs on different world sizes agree in distribution, not bit for bit.)
+on, runs on different world sizes agree in distribution, not bit for bit.) A run with a plan
+splits the rows over the plan's data-parallel ranks only, the ranks of a tensor-parallel group
+sharing theirs, so B must divide by the plan's ``dp`` ([Note: plan runs] in plan_engine.py).
 Only rank 0 writes config.json, metrics.jsonl and summary.json and calls the callbacks; every
 rank runs the loop, the collectives and the checkpoint calls.
 """
@@ -34,7 +36,7 @@ import shutil
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -67,6 +69,9 @@ from tidal.engine.metrics import (
     write_json_atomic,
 )
 from tidal.models import build_gpt, gpt_init, num_params, training_flops_per_token
+
+if TYPE_CHECKING:
+    from tidal.planner import Plan
 
 __all__ = ["Callback", "LogCallback", "Trainer", "check_run_dir", "rank_rows"]
 
@@ -136,25 +141,34 @@ def check_run_dir(run_dir: Path, *, resume: bool, overwrite: bool) -> None:
 class Trainer:
     """Train the GPT preset of ``job`` on its token source with the engine it names.
 
-    Under torchrun every rank builds its own Trainer; see [Note: global batch].
+    Under torchrun every rank builds its own Trainer; see [Note: global batch]. ``plan``: a
+    plan of ``tidal plan`` (or the path of its JSON file) to train with, on its ``dp x tp``
+    ranks ([Note: plan runs] in tidal/engine/plan_engine.py).
     """
 
     def __init__(
-        self, job: JobConfig | str | dict[str, Any], overrides: Sequence[str] = ()
+        self,
+        job: JobConfig | str | dict[str, Any],
+        overrides: Sequence[str] = (),
+        *,
+        plan: Plan | str | Path | None = None,
     ) -> None:
         self.job = load_job(job, overrides)
+        self.plan = _load_plan(plan) if isinstance(plan, str | Path) else plan
         self.run_dir = self.job.run_path
         training = self.job.training
         self.model_config = self.job.model.resolve()
         # Before the engine: a sharded engine reads the process group when it is built.
         self.distributed = init_from_env(device=resolve_device(training.device))
         self.rank, self.world_size = current_rank(), current_world_size()
-        self._rows = rank_rows(training.batch_size, rank=self.rank, world_size=self.world_size)
+        self._rows = self._rank_rows()
         torch.manual_seed(training.seed)
         # Built on the meta device and streamed into the engine, so no rank ever holds the whole
         # model ([Note: deferred construction] in tidal/memory/materialize.py).
         model = build_gpt(self.model_config, device="meta")
-        self.engine = build_engine(model, self.job, init=gpt_init(model, training.seed))
+        self.engine = build_engine(
+            model, self.job, init=gpt_init(model, training.seed), plan=self.plan
+        )
         self.device = self.engine.device
         splits = build_token_splits(
             self.job.data, vocab_size=self.model_config.vocab_size, seed=training.seed
@@ -179,6 +193,14 @@ class Trainer:
         self.tokens_seen = 0
         self.train_time_s = 0.0
         self.last_val_loss: float | None = None
+
+    def _rank_rows(self) -> slice:
+        batch_size = self.job.training.batch_size
+        if self.plan is None:
+            return rank_rows(batch_size, rank=self.rank, world_size=self.world_size)
+        from tidal.engine.plan_engine import plan_rows
+
+        return plan_rows(batch_size, self.plan, rank=self.rank)
 
     # -- the run -------------------------------------------------------------------------------
 
@@ -346,8 +368,9 @@ class Trainer:
     def save_checkpoint(self) -> Path | None:
         """Checkpoint the current step. Every rank calls it. The chunk engines write sharded
         checkpoints from every rank ([Note: atomic sharded checkpoints] in
-        dist_checkpoint.py); the reference engine's replicas are written by rank 0. Returns the
-        folder (None on ranks other than 0 for the reference engine)."""
+        dist_checkpoint.py); the reference engine's replicas are written by rank 0, and so are a
+        plan run's whole tensors, which every rank helps gather. Returns the folder (None on
+        ranks other than 0 for those two)."""
         if hasattr(self.engine, "checkpoint_state"):
             state = self.engine.checkpoint_state()
             return save_sharded_checkpoint(
@@ -360,8 +383,9 @@ class Trainer:
                 planner=state.planner,
             )
         path = None
+        engine_state = self.engine.state_dict() if self.plan is not None else None  # gathers
         if self.rank == 0:
-            path = self._write_checkpoint()
+            path = self._write_checkpoint(engine_state or self.engine.state_dict())
         # No rank moves on (to exit, or to a resume that reads it) before the folder is complete.
         barrier()
         return path
@@ -377,8 +401,7 @@ class Trainer:
             "model_config": to_dict(self.model_config),
         }
 
-    def _write_checkpoint(self) -> Path:
-        engine_state = self.engine.state_dict()
+    def _write_checkpoint(self, engine_state: dict[str, Any]) -> Path:
         model_state = engine_state.pop("model")
         return write_checkpoint(
             self.run_dir,
@@ -415,6 +438,12 @@ class Trainer:
                 checkpoint["load_tensors"], state["engine"], checkpoint["meta"]
             )
         else:
+            if "plan" in state["engine"] and self.plan is None:
+                raise ConfigError(
+                    "--plan",
+                    f"the checkpoint in {path} was trained with a plan; resume with --plan and "
+                    f"the same plan file (or export it with `tidal export {self.run_dir}`)",
+                )
             self.engine.load_state_dict({"model": checkpoint["model"], **state["engine"]})
         self.train_batches.load_state_dict(state["data"])
         self._set_rng_state(state["rng"])
@@ -481,6 +510,12 @@ class Trainer:
         }
 
 
+def _load_plan(path: str | Path) -> Plan:
+    from tidal.engine.plan_engine import load_plan
+
+    return load_plan(path)
+
+
 def _all_ranks_peak(peak: PeakFlops | None, world_size: int) -> PeakFlops | None:
     """The peak of ``world_size`` devices like this one, which MFU over all ranks divides by."""
     if peak is None or world_size == 1:
@@ -519,5 +554,7 @@ _CHUNK_FIGURES = (
 
 
 def _engine_figures(stats: dict[str, Any]) -> dict[str, Any]:
-    """The engine's name and, for the chunk engines, their traffic and residency figures."""
-    return {"engine": stats["engine"], **{k: stats[k] for k in _CHUNK_FIGURES if k in stats}}
+    """The engine's name, a plan run's mesh and, for the chunk engines, their traffic and
+    residency figures."""
+    keys = ("mesh", *_CHUNK_FIGURES)
+    return {"engine": stats["engine"], **{k: stats[k] for k in keys if k in stats}}

@@ -1,0 +1,404 @@
+"""The plan engine: train tidal's GPT as a planner's plan says (``tidal train --plan PATH``).
+
+``tidal plan --json PATH`` writes a :class:`~tidal.planner.Plan`; this engine realises it with
+``tidal.planner.apply`` (DTensor on the ``tp`` mesh axis, FSDP2 on ``dp``) and trains it with
+the reference engine's calling convention, optimizer, schedule and clipping, so a plan run and
+a one-device run of the same job take the same steps up to rounding.
+
+[Note: plan runs]
+A plan fixes the mesh: it runs on exactly ``dp * tp`` ranks, rank ``r`` at data-parallel index
+``r // tp`` (``make_mesh`` lays the mesh out row-major). The ranks of one tensor-parallel group
+train on the same rows of the global batch, so ``training.batch_size`` splits over ``dp`` only
+([Note: global batch] in trainer.py). Each data-parallel rank's loss is the mean over its rows;
+FSDP and apply's hooks average the gradients over ``dp`` and finish the tensor axis's partial
+sums, so what is optimised is the mean over the global batch, as on one device. ZeRO-1 units
+accumulate unsynchronised until a step's last micro-batch (:func:`set_accumulating`).
+
+Checkpoints hold whole tensors, gathered by every rank: the model in the single-device layout
+(``full_state_dict``: ``tidal export`` and the reference engine read it as any other), the
+optimizer's state by parameter name in the plan's layout. So a plan run resumes with the same
+plan only; the checkpoint keeps the plan's choices and loading checks them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import warnings
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_optimizer_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.tensor import DTensor
+
+from tidal.config import ConfigError
+from tidal.distributed import rank, world_size
+from tidal.engine.accumulation import AccumulationCounter
+from tidal.engine.config import OptimizerConfig, TrainingConfig
+from tidal.engine.device import memory_bytes, peak_memory_bytes, resolve_device
+from tidal.engine.lr import WarmupCosine
+from tidal.engine.reference import build_optimizer
+from tidal.memory.materialize import ParameterValues, materialize
+from tidal.models import build_gpt
+from tidal.planner import Plan, apply, full_state_dict, make_mesh, set_accumulating
+from tidal.planner.apply import check_plan
+
+if TYPE_CHECKING:
+    from tidal.engine.job import JobConfig
+
+__all__ = [
+    "PlanEngine", "check_plan_fits", "check_plan_job", "load_plan", "plan_rows", "refuse_chunk_engine"
+]  # fmt: skip
+
+logger = logging.getLogger(__name__)
+
+_MAKE_PLAN = "`tidal plan --model PRESET --devices N --json PATH`"
+
+
+def load_plan(path: str | Path) -> Plan:
+    """The plan ``tidal plan --json`` wrote at ``path``; a missing or unreadable file is a
+    ConfigError naming ``--plan``."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError("--plan", f"no plan file at {str(path)!r}; make one with {_MAKE_PLAN}")
+    try:
+        return Plan.load(path)
+    except (ValueError, KeyError, TypeError) as err:  # JSON errors are ValueErrors
+        raise ConfigError(
+            "--plan", f"{path} is not a plan {_MAKE_PLAN} wrote ({type(err).__name__}: {err})"
+        ) from None
+
+
+def check_plan_fits(plan: Plan, model: nn.Module, *, world_size: int) -> None:
+    """Raise a ConfigError naming ``--plan`` and the fix unless ``plan`` can train ``model`` (a
+    GPT, on the meta device or not) on ``world_size`` ranks."""
+    devices = plan.dp * plan.tp
+    if devices == 1:
+        raise ConfigError(
+            "--plan", "the plan is for one device, which needs no plan: train without --plan"
+        )
+    if devices != world_size:
+        ranks, other = "1 rank is", ""
+        if world_size > 1:
+            ranks, other = (
+                f"{world_size} ranks are",
+                f", or make the plan with --devices {world_size}",
+            )
+        raise ConfigError(
+            "--plan",
+            f"the plan is for {devices} devices (dp {plan.dp} x tp {plan.tp}) but {ranks} "
+            f"running; run with --nproc {devices}{other}",
+        )
+    config = model.config
+    blocks = {u.count for u in plan.units if "*" in u.name}
+    if plan.seq_len != config.seq_len or blocks - {config.num_layers}:
+        raise ConfigError(
+            "--plan",
+            f"the plan was made for another model ({plan.model!r}: {_join(blocks)} blocks, "
+            f"{plan.seq_len}-token sequences); this run's has {config.num_layers} blocks and "
+            f"{config.seq_len}-token sequences: make the plan for it with {_MAKE_PLAN}",
+        )
+    try:
+        check_plan(model, plan)
+    except ValueError as err:
+        raise ConfigError("--plan", str(err)) from None
+
+
+def check_plan_job(plan: Plan, job: JobConfig, *, world_size: int) -> None:
+    """All that ``tidal train --plan`` checks of the job and the world before training, for a
+    launcher to report once rather than once per rank."""
+    refuse_chunk_engine(job)
+    check_plan_fits(plan, build_gpt(job.model.resolve(), device="meta"), world_size=world_size)
+    plan_rows(job.training.batch_size, plan, rank=0)
+
+
+def refuse_chunk_engine(job: JobConfig) -> None:
+    """A plan runs on the plan engine alone."""
+    if job.engine != "reference":
+        raise ConfigError(
+            "--plan",
+            f"a plan says how to shard the model, which the {job.engine} engine would do too; "
+            f"drop --plan, or set engine = 'reference' (--set engine=reference)",
+        )
+
+
+def _join(items: set[int]) -> str:
+    return "/".join(str(n) for n in sorted(items))
+
+
+def plan_rows(batch_size: int, plan: Plan, *, rank: int) -> slice:
+    """Rank ``rank``'s rows of a global batch under ``plan``; see [Note: plan runs]."""
+    dp = plan.dp
+    if batch_size % dp:
+        lower = batch_size - batch_size % dp
+        hint = f"{lower} or {lower + dp}" if lower else str(dp)
+        raise ConfigError(
+            "training.batch_size",
+            f"{batch_size} sequences do not split evenly over the plan's {dp} data-parallel "
+            f"ranks (dp {dp} x tp {plan.tp}; the ranks of a tensor-parallel group share their "
+            f"rows); set it to a multiple of {dp}, e.g. {hint}",
+        )
+    rows = batch_size // dp
+    index = rank // plan.tp
+    return slice(index * rows, (index + 1) * rows)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    local = _local(t)
+    return local.numel() * local.element_size()
+
+
+def _by_mesh(tensors: list[Any]) -> list[list[Any]]:
+    """``tensors`` by mesh, plain tensors together, in their order (so every rank's is the same).
+
+    [Note: one mesh per list]
+    torch's fused and foreach kernels, and ``torch.stack``, take a list of tensors that are all
+    plain or all DTensors of one mesh, but a plan mixes FSDP's DTensors (``dp``, or ``dp x tp``),
+    the tensor axis's (ZeRO-0 units under ``tp``) and plain tensors (ZeRO-0 units on ``dp``
+    alone). So the optimizer's groups and the gradient norm go mesh by mesh.
+    """
+    found: dict[Any, list[Any]] = {}
+    for t in tensors:
+        found.setdefault(t.device_mesh if isinstance(t, DTensor) else None, []).append(t)
+    return list(found.values())
+
+
+def _build_optimizer(model: nn.Module, config: OptimizerConfig, lr: float) -> torch.optim.Optimizer:
+    """The reference engine's optimizer, each group split by mesh ([Note: one mesh per list])."""
+    optimizer = build_optimizer(model, config, lr)
+    groups, optimizer.param_groups = optimizer.param_groups, []
+    for group in groups:
+        for params in _by_mesh(group["params"]):
+            optimizer.add_param_group({**group, "params": params})
+    return optimizer
+
+
+def _total_norm(grads: list[torch.Tensor]) -> torch.Tensor:
+    """The L2 norm of all ``grads``: each mesh's norm made whole, then theirs ([Note: one mesh
+    per list])."""
+    norms = []
+    for group in _by_mesh(grads):
+        norm = torch.nn.utils.get_total_norm(group)
+        norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+    return torch.linalg.vector_norm(torch.stack(norms))
+
+
+def _plan_choices(plan: Plan) -> dict[str, Any]:
+    """What a checkpoint must be resumed with: the mesh and every unit's choice."""
+    return {
+        "mesh": f"dp {plan.dp} x tp {plan.tp}",
+        "units": {
+            u.name: f"{u.strategy} {u.in_layout}->{u.out_layout} {u.zero}" for u in plan.units
+        },
+        "recompute": {k: str(v) for k, v in plan.recompute.items()},
+    }
+
+
+def _difference(saved: dict[str, Any], ours: dict[str, Any]) -> str:
+    """The first way a checkpoint's plan choices differ from this plan's."""
+    if saved["mesh"] != ours["mesh"]:
+        return f"mesh {saved['mesh']}, not {ours['mesh']}"
+    units = saved["units"].keys() | ours["units"].keys()
+    for name in sorted(n for n in units if saved["units"].get(n) != ours["units"].get(n)):
+        return f"unit {name}: {saved['units'].get(name)}, not {ours['units'].get(name)}"
+    return f"recompute {saved['recompute']}, not {ours['recompute']}"
+
+
+class PlanEngine(AccumulationCounter):
+    """Train a GPT as ``plan`` says on its ``dp x tp`` ranks; the reference engine's surface."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        plan: Plan,
+        optimizer: OptimizerConfig,
+        training: TrainingConfig,
+        init: ParameterValues | None = None,
+    ) -> None:
+        self.device = resolve_device(training.device)
+        # Read once: the group is set up before any engine is built.
+        self.world_size, self.rank = world_size(), rank()
+        check_plan_fits(plan, model, world_size=self.world_size)
+        self.precision = training.precision
+        if self.precision == "fp16":
+            raise ConfigError(
+                "training.precision",
+                "a plan run trains in 'fp32' or 'bf16' (fp16's loss scaling is not wired to "
+                "sharded gradients); use 'bf16'",
+            )
+        if init is not None:  # a model on the meta device: all of it here, until apply shards it
+            materialize(model, init, self.device)
+        self.plan = plan
+        self.mesh = make_mesh(plan, self.device.type)
+        self.model = apply(model.to(self.device), plan, self.mesh)
+        self.grad_accum_steps = training.grad_accum_steps
+        self.grad_clip_norm = training.grad_clip_norm
+        self.schedule = WarmupCosine(
+            peak_lr=optimizer.lr,
+            warmup_steps=optimizer.warmup_steps,
+            decay_steps=optimizer.decay_steps or training.steps,
+            min_lr_ratio=optimizer.min_lr_ratio,
+        )
+        self.optimizer = _build_optimizer(self.model, optimizer, self.schedule.lr_at(0))
+        self.global_step = 0
+        self.micro_step = 0
+        self.last_grad_norm: float | None = None
+        self._warn_on_micro_batch(training.batch_size)
+
+    def _warn_on_micro_batch(self, batch_size: int) -> None:
+        rows = batch_size // self.plan.dp
+        if self.rank == 0 and rows != self.plan.micro_batch:
+            logger.warning(
+                "the plan was priced for %d sequence(s) per data-parallel rank and micro-batch; "
+                "this run has %d (training.batch_size %d / dp %d), so its memory differs from "
+                "the plan's",
+                self.plan.micro_batch, rows, batch_size, self.plan.dp,
+            )  # fmt: skip
+
+    # -- the training calls --------------------------------------------------------------------
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        with self._autocast():
+            return self.model(*args, **kwargs)
+
+    def _autocast(self) -> contextlib.AbstractContextManager[Any]:
+        if self.precision == "fp32":
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """See [Note: accumulation boundary]; the gradients are averaged over ``dp`` by FSDP and
+        apply's hooks ([Note: plan runs])."""
+        set_accumulating(self.model, not self.is_accumulation_boundary())
+        scaled = loss / self.grad_accum_steps if self.grad_accum_steps > 1 else loss
+        scaled.backward()
+
+    def step(self) -> bool:
+        """Count a micro-batch; on the boundary step the optimizer. Returns whether it stepped."""
+        if not self._count_micro_batch():
+            return False
+        self.last_grad_norm = self._clip_gradients()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.global_step += 1
+        self._set_lr(self.schedule.lr_at(self.global_step))
+        return True
+
+    def zero_grad(self) -> None:
+        """Drop the gradients (``step`` already does after each update; this is for symmetry)."""
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def _clip_gradients(self) -> float:
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        if not params:
+            return 0.0
+        grads = [p.grad for p in params]
+        norm = _total_norm(grads)
+        if self.grad_clip_norm > 0:
+            # clip_grad_norm_'s rule, with a Python factor: its tensor one cannot multiply DTensors
+            factor = float(torch.clamp(self.grad_clip_norm / (norm + 1e-6), max=1.0))
+            for grad in grads:
+                grad.mul_(factor)
+        return float(norm)
+
+    def _set_lr(self, lr: float) -> None:
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+
+    @property
+    def lr(self) -> float:
+        return float(self.optimizer.param_groups[0]["lr"])
+
+    # -- figures -----------------------------------------------------------------------------
+
+    def stats(self) -> dict[str, Any]:
+        """Figures of the engine now: step, learning rate, this rank's model-data bytes."""
+        return {
+            "engine": "plan",
+            "mesh": f"dp {self.plan.dp} x tp {self.plan.tp}",
+            "device": str(self.device),
+            "world_size": self.world_size,
+            "rank": self.rank,
+            "precision": self.precision,
+            "global_step": self.global_step,
+            "lr": self.lr,
+            "grad_norm": self.last_grad_norm,
+            "model_data_bytes": self.model_data_bytes(),
+            "memory_bytes": memory_bytes(self.device),
+            "peak_memory_bytes": peak_memory_bytes(self.device),
+        }
+
+    def model_data_bytes(self) -> dict[str, int]:
+        """Bytes of this rank's shares of the parameters, gradients and optimizer state."""
+        params = {id(p): p for p in self.model.parameters()}.values()
+        return {
+            "params": sum(_nbytes(p) for p in params),
+            "grads": sum(_nbytes(p.grad) for p in params if p.grad is not None),
+            "optimizer_state": sum(
+                _nbytes(t)
+                for s in self.optimizer.state.values()
+                for t in s.values()
+                if isinstance(t, torch.Tensor)
+            ),
+        }
+
+    # -- state ---------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """Whole tensors ([Note: plan runs]); the optimizer's on rank 0 only, on the CPU. A
+        collective: every rank must call it."""
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        return {
+            "model": full_state_dict(self.model, self.plan),
+            "optimizer": get_optimizer_state_dict(self.model, self.optimizer, options=options),
+            "plan": _plan_choices(self.plan),
+            "global_step": self.global_step,
+            "micro_step": self.micro_step,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Load what :meth:`state_dict` gave, on every rank (a collective)."""
+        saved = state.get("plan")
+        if saved is None:
+            raise ConfigError(
+                "--plan", "the checkpoint was not trained with a plan; resume it without --plan"
+            )
+        ours = _plan_choices(self.plan)
+        if saved != ours:
+            raise ConfigError(
+                "--plan",
+                f"the checkpoint was trained with another plan ({_difference(saved, ours)}); "
+                f"resume with the plan file it was trained with, or export it with `tidal "
+                f"export RUN_DIR`",
+            )
+        self._load_model(state["model"])
+        options = StateDictOptions(full_state_dict=True)
+        set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"], options=options)
+        self.global_step = int(state["global_step"])
+        self.micro_step = int(state["micro_step"])
+        self._set_lr(self.schedule.lr_at(self.global_step))
+
+    def _load_model(self, values: dict[str, torch.Tensor]) -> None:
+        """Whole single-device values into this rank's shares. They go through ``apply`` on a
+        fresh model, so they land in the plan's layout (fused qkv rows reordered, shards cut)
+        by the code that laid out the model being trained."""
+        fresh = build_gpt(self.model.config, device="meta")
+        materialize(fresh, lambda: values.items(), self.device)
+        with warnings.catch_warnings():  # apply warned of any detour when the engine was built
+            warnings.simplefilter("ignore")
+            apply(fresh, self.plan, self.mesh)
+        own = dict(self.model.named_parameters())
+        with torch.no_grad():
+            for name, value in fresh.named_parameters():
+                _local(own[name]).copy_(_local(value))
