@@ -294,3 +294,32 @@ def test_hugging_face_decoders_measure_and_plan() -> None:
     assert graph.unit("lm_head").params[0].tied_to == "transformer.wte"
     assert graph.unit("transformer.h.*.attn.c_attn").weight_transposed  # HF's Conv1D
     assert graph.unit("transformer.h.*.attn.c_attn").out_features == 3 * 128
+
+
+@pytest.mark.parametrize(("devices", "eps"), [(2, 100.0), (4, 0.05), (4, 100.0)])
+def test_planner_plans_are_ones_apply_can_run(devices: int, eps: float) -> None:
+    from tidal.models import build_gpt, preset
+    from tidal.planner.apply import check_plan
+
+    graph = measure_gpt(preset("tiny"), micro_batch=1)
+    for objective in ("memory", "time"):
+        config = PlannerConfig(objective=objective, eps=eps, pareto=(), baselines=())
+        plan = make_plan(graph, ClusterSpec(devices=devices), config).plan
+        check_plan(build_gpt(preset("tiny"), device="meta"), plan)
+        if plan.unit("blocks.*.attn[0]").strategy == "heads":
+            assert plan.unit("blocks.*.attn.qkv").strategy == "colwise"
+
+
+def test_split_heads_need_a_column_parallel_fused_qkv() -> None:
+    """With qkv only row-parallel, the least memory would reduce-scatter its fused output onto
+    split heads, which hands a rank part of q and part of k: the ILP must refuse that."""
+    from tidal.models import preset
+    from tidal.planner.plan import StrategyName
+
+    graph = measure_gpt(preset("tiny"), micro_batch=1)
+    cluster, mesh, spec = ClusterSpec(devices=2), Mesh(dp=1, tp=2), TrainingSpec()
+    options = {u.name: candidates(u, mesh, cluster, spec) for u in graph.units}
+    qkv = "blocks.*.attn.qkv"
+    options[qkv] = [c for c in options[qkv] if c.strategy is StrategyName.ROWWISE]
+    solution = build_problem(graph, mesh, options, cluster, spec).solve(objective="memory")
+    assert solution.assignment.choice["blocks.*.attn[0]"].strategy is StrategyName.REPLICATE

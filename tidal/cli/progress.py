@@ -48,9 +48,11 @@ class RichProgress(Callback):
         peak = trainer.peak
         peak_text = f"{peak.tflops:.2f} TFLOP/s ({peak.source})" if peak else "unknown"
         verb = f"resuming at step {start_step}" if start_step else "starting"
+        plan = trainer.plan
+        engine = f"plan dp {plan.dp} x tp {plan.tp}" if plan is not None else f"{job.engine} engine"
         self.console.print(
             f"[bold]{job.name}[/]: {verb}; {job.model.preset} with {trainer.num_params:,} "
-            f"params on {trainer.device} ({job.training.precision}, {job.engine} engine); "
+            f"params on {trainer.device} ({job.training.precision}, {engine}); "
             f"{trainer.tokens_per_step:,} tokens/step; peak {peak_text}; run dir {trainer.run_dir}",
             soft_wrap=True,
         )

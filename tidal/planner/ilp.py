@@ -256,6 +256,7 @@ def build_problem(
     _unit_terms(problem, cluster, spec)
     _edge_terms(problem, cluster, spec)
     _tie_terms(problem)
+    _fused_projection_terms(problem)
     return problem
 
 
@@ -344,6 +345,33 @@ def _classes(options: list[Candidate], key) -> dict[tuple, list[int]]:
     for k, cand in enumerate(options):
         classes.setdefault(key(cand), []).append(k)
     return classes
+
+
+def _fused_projection_terms(problem: Problem) -> None:
+    """Heads split only what a column-parallel fused projection gives them.
+
+    A fused q/k/v output (an attention input larger than the attention's output) laid out
+    ``[q; k; v]`` splits into whole heads only from a column-parallel projection whose rows are
+    ordered per rank ([Note: fused qkv under tensor parallelism] in apply.py); slicing,
+    reduce-scattering or all-to-all-ing the fused tensor along its last dim would hand a rank
+    part of q and part of k."""
+    from tidal.planner.plan import StrategyName
+
+    graph = problem.graph
+    for edge in graph.edges:
+        dst = graph.unit(edge.dst)
+        if dst.kind != "attention" or edge.nbytes <= 1.5 * dst.out_bytes:
+            continue
+        coeffs = {
+            problem.x[(edge.dst, k)]: 1.0
+            for k, c in enumerate(problem.options[edge.dst])
+            if c.strategy is StrategyName.HEADS
+        }
+        for k, c in enumerate(problem.options[edge.src]):
+            if c.strategy is StrategyName.COLWISE:
+                coeffs[problem.x[(edge.src, k)]] = -1.0
+        if coeffs:
+            problem.row(f"fused_heads[{edge.src}->{edge.dst}]", coeffs, -np.inf, 0.0)
 
 
 def _tie_terms(problem: Problem) -> None:
