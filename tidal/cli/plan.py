@@ -97,7 +97,7 @@ def units_table(report: dict) -> Table:
         table.add_row(
             unit["name"], str(n), unit["strategy"], f"{unit['in_layout']} -> {unit['out_layout']}",
             str(unit["zero"]), _gib(states), _gib(memory["activations"] * n),
-            _gib(memory["redundant"] * n), f"{unit['time_s']:.4f}",
+            _gib(memory["redundant"] * n), _seconds(unit["time_s"]),
         )  # fmt: skip
     return table
 
@@ -109,18 +109,22 @@ def baselines_table(report: dict) -> Table:
         table.add_column(column, justify="left" if column in ("system", "mesh") else "right")
     table.add_row(
         "tidal plan", f"{report['mesh']['dp']}x{report['mesh']['tp']}",
-        _gib(report["peak_memory_bytes"]), "yes", f"{report['step_time_s']:.3f}", "", "", "",
+        _gib(report["peak_memory_bytes"]), "yes", _seconds(report["step_time_s"]), "", "", "",
     )  # fmt: skip
     for name, base in report["baselines"].items():
         same = base["at_same_step_time"] or {}
         table.add_row(
             name, f"{base['mesh']['dp']}x{base['mesh']['tp']}", _gib(base["peak_memory_bytes"]),
             "yes" if base["fits"] else "no",
-            "-" if base["step_time_s"] is None else f"{base['step_time_s']:.3f}",
+            _seconds(base["step_time_s"]),
             _percent(base["saving"]), _gib(same.get("peak_memory_bytes")),
             _percent(same.get("saving")),
         )  # fmt: skip
     return table
+
+
+def _seconds(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3g}"
 
 
 def _percent(value: float | None) -> str:
@@ -132,7 +136,8 @@ def summary_line(report: dict, cluster) -> str:
     return (
         f"peak {format_bytes(report['peak_memory_bytes'])} of "
         f"{format_bytes(cluster.device_memory_bytes)} per device, step "
-        f"{report['step_time_s']:.3f} s (fastest that fits {report['fastest_step_time_s']:.3f} s), "
+        f"{_seconds(report['step_time_s'])} s (fastest that fits "
+        f"{_seconds(report['fastest_step_time_s'])} s), "
         f"solved in {report['solve_s']:.2f} s, LP gap "
         + ("-" if gap is None else f"{100 * gap:.2f}%")
     )
