@@ -14,6 +14,7 @@ device memory that would work, with the units holding most of it ([`Infeasible`]
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from dataclasses import dataclass, field
@@ -229,11 +230,13 @@ def _best(
         solution = r.problem.solve(
             objective="memory",
             memory_limit=limit,
-            time_limit=(1 + eps) * fastest_s,
+            time_limit=(1 + eps) * fastest_s * (1 + 1e-9),  # eps = 0 keeps the fastest itself
             solver_time_limit_s=config.solver_time_limit_s,
         )
         if solution.feasible:
             solutions.append(solution)
+    if not solutions:  # only numerical edge cases: the fastest plan always qualifies
+        return min((r.fastest for r in feasible), key=lambda s: s.step_time_s)
     return min(solutions, key=lambda s: (s.peak_bytes, s.step_time_s))
 
 
@@ -247,7 +250,8 @@ def _pareto(
 ) -> list[dict[str, float]]:
     frontier = []
     for eps in config.pareto:
-        best = _best(feasible, PlannerConfig(objective="memory"), limit, fastest_s, eps)
+        sweep = dataclasses.replace(config, objective="memory")
+        best = _best(feasible, sweep, limit, fastest_s, eps)
         mesh = best.assignment.mesh
         frontier.append(
             {
