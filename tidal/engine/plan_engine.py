@@ -22,7 +22,6 @@ plan only; the checkpoint keeps the plan's choices and loading checks them.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import warnings
 from pathlib import Path
@@ -39,11 +38,9 @@ from torch.distributed.tensor import DTensor
 
 from tidal.config import ConfigError
 from tidal.distributed import rank, world_size
-from tidal.engine.accumulation import AccumulationCounter
 from tidal.engine.config import OptimizerConfig, TrainingConfig
-from tidal.engine.device import memory_bytes, peak_memory_bytes, resolve_device
-from tidal.engine.lr import WarmupCosine
-from tidal.engine.reference import build_optimizer
+from tidal.engine.device import resolve_device
+from tidal.engine.reference import ReferenceEngine, build_optimizer, lr_schedule
 from tidal.memory.materialize import ParameterValues, materialize
 from tidal.models import build_gpt
 from tidal.planner import Plan, apply, full_state_dict, make_mesh, set_accumulating
@@ -214,8 +211,10 @@ def _difference(saved: dict[str, Any], ours: dict[str, Any]) -> str:
     return f"recompute {saved['recompute']}, not {ours['recompute']}"
 
 
-class PlanEngine(AccumulationCounter):
-    """Train a GPT as ``plan`` says on its ``dp x tp`` ranks; the reference engine's surface."""
+class PlanEngine(ReferenceEngine):
+    """Train a GPT as ``plan`` says on its ``dp x tp`` ranks. The training calls, learning
+    rate and figures are the reference engine's; building, backward (no all-reduce: FSDP and
+    apply's hooks average), clipping, byte counts and state are its own."""
 
     def __init__(
         self,
@@ -226,6 +225,7 @@ class PlanEngine(AccumulationCounter):
         training: TrainingConfig,
         init: ParameterValues | None = None,
     ) -> None:
+        # Not ReferenceEngine.__init__: the model is built by the plan, not moved whole.
         self.device = resolve_device(training.device)
         # Read once: the group is set up before any engine is built.
         self.world_size, self.rank = world_size(), rank()
@@ -244,13 +244,9 @@ class PlanEngine(AccumulationCounter):
         self.model = apply(model.to(self.device), plan, self.mesh)
         self.grad_accum_steps = training.grad_accum_steps
         self.grad_clip_norm = training.grad_clip_norm
-        self.schedule = WarmupCosine(
-            peak_lr=optimizer.lr,
-            warmup_steps=optimizer.warmup_steps,
-            decay_steps=optimizer.decay_steps or training.steps,
-            min_lr_ratio=optimizer.min_lr_ratio,
-        )
+        self.schedule = lr_schedule(optimizer, training)
         self.optimizer = _build_optimizer(self.model, optimizer, self.schedule.lr_at(0))
+        self.scaler = None  # fp16 is refused above
         self.global_step = 0
         self.micro_step = 0
         self.last_grad_norm: float | None = None
@@ -266,38 +262,12 @@ class PlanEngine(AccumulationCounter):
                 self.plan.micro_batch, rows, batch_size, self.plan.dp,
             )  # fmt: skip
 
-    # -- the training calls --------------------------------------------------------------------
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        with self._autocast():
-            return self.model(*args, **kwargs)
-
-    def _autocast(self) -> contextlib.AbstractContextManager[Any]:
-        if self.precision == "fp32":
-            return contextlib.nullcontext()
-        return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16)
-
     def backward(self, loss: torch.Tensor) -> None:
         """See [Note: accumulation boundary]; the gradients are averaged over ``dp`` by FSDP and
         apply's hooks ([Note: plan runs])."""
         set_accumulating(self.model, not self.is_accumulation_boundary())
         scaled = loss / self.grad_accum_steps if self.grad_accum_steps > 1 else loss
         scaled.backward()
-
-    def step(self) -> bool:
-        """Count a micro-batch; on the boundary step the optimizer. Returns whether it stepped."""
-        if not self._count_micro_batch():
-            return False
-        self.last_grad_norm = self._clip_gradients()
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        self.global_step += 1
-        self._set_lr(self.schedule.lr_at(self.global_step))
-        return True
-
-    def zero_grad(self) -> None:
-        """Drop the gradients (``step`` already does after each update; this is for symmetry)."""
-        self.optimizer.zero_grad(set_to_none=True)
 
     def _clip_gradients(self) -> float:
         params = [p for p in self.model.parameters() if p.grad is not None]
@@ -312,32 +282,10 @@ class PlanEngine(AccumulationCounter):
                 grad.mul_(factor)
         return float(norm)
 
-    def _set_lr(self, lr: float) -> None:
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
-
-    @property
-    def lr(self) -> float:
-        return float(self.optimizer.param_groups[0]["lr"])
-
-    # -- figures -----------------------------------------------------------------------------
-
     def stats(self) -> dict[str, Any]:
-        """Figures of the engine now: step, learning rate, this rank's model-data bytes."""
-        return {
-            "engine": "plan",
-            "mesh": f"dp {self.plan.dp} x tp {self.plan.tp}",
-            "device": str(self.device),
-            "world_size": self.world_size,
-            "rank": self.rank,
-            "precision": self.precision,
-            "global_step": self.global_step,
-            "lr": self.lr,
-            "grad_norm": self.last_grad_norm,
-            "model_data_bytes": self.model_data_bytes(),
-            "memory_bytes": memory_bytes(self.device),
-            "peak_memory_bytes": peak_memory_bytes(self.device),
-        }
+        """The reference engine's figures, with this rank's shares of the model data."""
+        mesh = f"dp {self.plan.dp} x tp {self.plan.tp}"
+        return {**super().stats(), "engine": "plan", "mesh": mesh}
 
     def model_data_bytes(self) -> dict[str, int]:
         """Bytes of this rank's shares of the parameters, gradients and optimizer state."""

@@ -66,6 +66,16 @@ def build_optimizer(model: nn.Module, config: OptimizerConfig, lr: float) -> tor
 _FP32_BYTES = 4
 
 
+def lr_schedule(optimizer: OptimizerConfig, training: TrainingConfig) -> WarmupCosine:
+    """The warm-up + cosine learning rate of a job's optimizer and length."""
+    return WarmupCosine(
+        peak_lr=optimizer.lr,
+        warmup_steps=optimizer.warmup_steps,
+        decay_steps=optimizer.decay_steps or training.steps,
+        min_lr_ratio=optimizer.min_lr_ratio,
+    )
+
+
 def _check_device_budget(
     model: nn.Module, memory: MemoryConfig, optimizer: OptimizerConfig, device: torch.device
 ) -> None:
@@ -114,12 +124,7 @@ class ReferenceEngine(AccumulationCounter):
         self.model = model.to(self.device)
         self.grad_accum_steps = training.grad_accum_steps
         self.grad_clip_norm = training.grad_clip_norm
-        self.schedule = WarmupCosine(
-            peak_lr=optimizer.lr,
-            warmup_steps=optimizer.warmup_steps,
-            decay_steps=optimizer.decay_steps or training.steps,
-            min_lr_ratio=optimizer.min_lr_ratio,
-        )
+        self.schedule = lr_schedule(optimizer, training)
         self.optimizer = build_optimizer(self.model, optimizer, self.schedule.lr_at(0))
         self.scaler = torch.amp.GradScaler("cuda") if self.precision == "fp16" else None
         self.global_step = 0
