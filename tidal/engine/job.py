@@ -24,6 +24,7 @@ from tidal.engine.config import (
 )
 from tidal.memory.config import ChunkConfig
 from tidal.models import ModelConfig
+from tidal.pipeline.config import PipelineConfig
 from tidal.sharding.config import ShardingConfig
 
 __all__ = ["JobConfig", "find_recipe", "list_recipes", "load_job"]
@@ -53,6 +54,7 @@ class JobConfig:
     memory: MemoryConfig = field(default_factory=MemoryConfig)
     chunk: ChunkConfig = field(default_factory=ChunkConfig)
     sharding: ShardingConfig = field(default_factory=ShardingConfig)
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
 
     def __post_init__(self) -> None:
         require(
@@ -65,6 +67,12 @@ class JobConfig:
             "memory.nvme_dir",
             "the NVMe tier holds chunks: set engine = 'chunk' (the reference engine keeps all "
             "model data on the device)",
+        )
+        require(
+            self.pipeline.stages == 1 or self.engine == "reference",
+            "pipeline.stages",
+            "a pipeline runs each stage with the reference engine; set engine = 'reference' "
+            "(chunk offload of pipeline stages is not supported yet)",
         )
         seq_len = self.model.resolve().seq_len
         require(seq_len >= 2, "model.seq_len", f"must be >= 2, got {seq_len}")

@@ -1,0 +1,95 @@
+"""The ``[pipeline]`` section: how a run splits its model into stages and which schedule runs them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from tidal.config import require
+
+__all__ = ["PipelineConfig", "ScheduleName"]
+
+ScheduleName = Literal["gpipe", "1f1b", "interleaved", "pipedream", "2bw", "pipemare", "pipemarew"]
+_ASYNC = ("pipedream", "2bw", "pipemare", "pipemarew")
+
+
+@dataclass(kw_only=True, slots=True)
+class PipelineConfig:
+    """Pipeline parallelism: one process per stage (``tidal train --pipeline-stages P``).
+
+    Attributes:
+        stages: pipeline ranks; 1 means no pipeline.
+        schedule: ``gpipe``, ``1f1b`` (PipeDream-Flush / DAPPLE), ``interleaved`` (1F1B over
+            ``virtual_stages`` model chunks per rank) are synchronous: every step flushes, and
+            the result equals one-process training. ``pipedream`` (weight stashing), ``2bw``
+            (two weight versions), ``pipemare`` (no stashing, delay-aware) and ``pipemarew``
+            (``sync_steps`` synchronous steps, then ``pipemare``) update weights while
+            microbatches are in flight: no flush, no bubble after the start, but gradients are
+            computed ``tau`` updates late.
+        microbatches: per optimizer step (the rows of ``training.batch_size`` are split into
+            this many); ``None`` means one per stage. May be below ``stages``.
+        virtual_stages: model chunks per rank for ``interleaved``.
+        partition: ``balanced`` splits the blocks by dynamic programming over their profiled
+            time (under ``memory_limit_bytes``); ``even`` gives each stage the same count.
+        lr_rescheduling: PipeMare's first technique, dividing each stage's learning rate by its
+            delay ``tau`` at the start and fading that out by step ``lr_warmup_steps``.
+            ``None`` means on for ``pipemare``/``pipemarew`` and off otherwise.
+        lr_warmup_steps: T1 of the rescheduling.
+        correction: PipeMare's discrepancy correction: backward weights ``w - tau * delta``,
+            ``delta`` an average of recent updates (one weight-sized buffer per stage).
+        correction_decay: ``D`` in ``gamma = D ** (1 / tau)``.
+        sync_steps: ``pipemarew``'s synchronous warm-up steps (T2).
+    """
+
+    stages: int = 1
+    schedule: ScheduleName = "1f1b"
+    microbatches: int | None = None
+    virtual_stages: int = 1
+    partition: Literal["balanced", "even"] = "balanced"
+    lr_rescheduling: bool | None = None
+    lr_warmup_steps: int = 100
+    correction: bool = False
+    correction_decay: float = 0.1
+    sync_steps: int = 10
+
+    def __post_init__(self) -> None:
+        require(self.stages >= 1, "stages", f"must be >= 1, got {self.stages}")
+        require(
+            self.microbatches is None or self.microbatches >= 1,
+            "microbatches",
+            f"must be >= 1 (or unset for one per stage), got {self.microbatches}",
+        )
+        require(
+            self.virtual_stages >= 1, "virtual_stages", f"must be >= 1, got {self.virtual_stages}"
+        )
+        require(
+            self.virtual_stages == 1 or self.schedule == "interleaved",
+            "virtual_stages",
+            f"only the interleaved schedule runs several chunks per rank; got "
+            f"{self.virtual_stages} with schedule {self.schedule!r}",
+        )
+        require(
+            self.lr_warmup_steps >= 0,
+            "lr_warmup_steps",
+            f"must be >= 0, got {self.lr_warmup_steps}",
+        )
+        require(
+            0.0 < self.correction_decay < 1.0,
+            "correction_decay",
+            f"must be in (0, 1), got {self.correction_decay}",
+        )
+        require(self.sync_steps >= 0, "sync_steps", f"must be >= 0, got {self.sync_steps}")
+
+    @property
+    def num_microbatches(self) -> int:
+        return self.stages if self.microbatches is None else self.microbatches
+
+    @property
+    def asynchronous(self) -> bool:
+        return self.schedule in _ASYNC
+
+    @property
+    def reschedules_lr(self) -> bool:
+        if self.lr_rescheduling is None:
+            return self.schedule in ("pipemare", "pipemarew")
+        return self.lr_rescheduling
