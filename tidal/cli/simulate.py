@@ -1,0 +1,139 @@
+"""``tidal simulate``: time a pipeline schedule, print bubbles, memory and delay per stage."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from tidal.config import ConfigError, format_bytes, parse_bytes
+
+__all__ = ["add_arguments", "run"]
+
+_DEFAULT_ASYNC_STEPS = 4  # enough for an asynchronous schedule to reach its steady state
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from tidal.pipeline.schedules import SCHEDULE_NAMES
+
+    parser.add_argument("--schedule", required=True, choices=SCHEDULE_NAMES)
+    parser.add_argument("--stages", type=int, default=4, metavar="P", help="pipeline ranks")
+    parser.add_argument("--microbatches", type=int, default=8, metavar="M", help="per step")
+    parser.add_argument(
+        "--virtual", type=int, default=1, metavar="V", help="chunks per rank (interleaved)"
+    )
+    parser.add_argument(
+        "--steps",
+        type=int,
+        default=None,
+        help=f"optimizer steps (default 1 for synchronous schedules, {_DEFAULT_ASYNC_STEPS} "
+        "for asynchronous ones)",
+    )
+    parser.add_argument(
+        "--sync-steps", type=int, default=1, help="pipemarew: synchronous steps first"
+    )
+    for flag, default, what in (
+        ("--forward-s", "1", "forward"),
+        ("--backward-s", "2", "full backward"),
+        ("--weight-grad-s", "0", "weight-gradient part of the backward"),
+        ("--update-s", "0", "optimizer update"),
+    ):
+        parser.add_argument(
+            flag, default=default, metavar="S", help=f"{what} seconds: one value or one per stage"
+        )
+    parser.add_argument("--p2p-s", type=float, default=0.0, help="seconds per message")
+    parser.add_argument(
+        "--activation-bytes",
+        default="0",
+        metavar="BYTES",
+        help="kept per in-flight microbatch: one size (e.g. 64MiB) or one per stage",
+    )
+    parser.add_argument("--json", default=None, metavar="PATH", help="write the results here")
+    parser.add_argument("--png", default=None, metavar="PATH", help="draw the timeline here")
+    parser.add_argument("--programs", action="store_true", help="print each rank's program")
+
+
+def _per_stage(text: str, flag: str, parse) -> float | tuple:
+    try:
+        values = tuple(parse(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise ConfigError(flag, f"expected a number or a comma list, got {text!r}") from None
+    if not values:
+        raise ConfigError(flag, f"expected a number or a comma list, got {text!r}")
+    return values[0] if len(values) == 1 else values
+
+
+def _costs(args: argparse.Namespace):
+    from tidal.pipeline.simulate import StageCosts
+
+    return StageCosts(
+        forward_s=_per_stage(args.forward_s, "--forward-s", float),
+        backward_s=_per_stage(args.backward_s, "--backward-s", float),
+        weight_grad_s=_per_stage(args.weight_grad_s, "--weight-grad-s", float),
+        update_s=_per_stage(args.update_s, "--update-s", float),
+        p2p_s=args.p2p_s,
+        activation_bytes=_per_stage(args.activation_bytes, "--activation-bytes", parse_bytes),
+    )
+
+
+def run(args: argparse.Namespace, console: Console) -> int:
+    from tidal.pipeline.schedules import make_schedule
+    from tidal.pipeline.simulate import simulate
+
+    steps = args.steps
+    if steps is None:
+        steps = 1 if args.schedule in ("gpipe", "1f1b", "interleaved") else _DEFAULT_ASYNC_STEPS
+    schedule = make_schedule(
+        args.schedule,
+        stages=args.stages,
+        microbatches=args.microbatches,
+        virtual=args.virtual,
+        steps=steps,
+        sync_steps=args.sync_steps,
+    )
+    sim = simulate(schedule, _costs(args))
+    if args.programs:
+        console.print(str(schedule), markup=False)
+    console.print(stage_table(sim))
+    console.print(summary_line(sim))
+    if args.json:
+        Path(args.json).write_text(json.dumps(sim.to_json(), indent=2) + "\n")
+        console.print(f"results: {args.json}")
+    if args.png:
+        from tidal.pipeline.timeline import draw_timeline
+
+        console.print(f"timeline: {draw_timeline(sim, args.png)}")
+    return 0
+
+
+def stage_table(sim) -> Table:
+    schedule = sim.schedule
+    table = Table(title=f"tidal simulate {schedule.name}", title_justify="left")
+    for name in ("stage", "rank", "busy s", "peak act.", "act. bytes", "versions", "delay"):
+        table.add_column(name, justify="right")
+    for s in range(schedule.num_stages):
+        rank = schedule.rank_of(s)
+        table.add_row(
+            str(s),
+            str(rank),
+            f"{sim.busy_s[rank]:.4g}",
+            str(sim.peak_activations[s]),
+            format_bytes(sim.peak_activation_bytes[s]),
+            str(sim.weight_versions[s]),
+            str(sim.delay[s]),
+        )
+    return table
+
+
+def summary_line(sim) -> str:
+    schedule = sim.schedule
+    kind = "asynchronous" if schedule.asynchronous else "synchronous"
+    return (
+        f"{schedule.name} ({kind}): {schedule.num_ranks} ranks, {schedule.num_stages} stages, "
+        f"{schedule.num_microbatches} microbatches x {schedule.num_steps} steps; "
+        f"makespan {sim.makespan_s:.4g} s, bubble {sim.bubble_fraction:.2%}, "
+        f"steady bubble {sim.steady_bubble_fraction:.2%}"
+    )
