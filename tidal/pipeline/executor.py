@@ -1,0 +1,688 @@
+"""The per-rank interpreter of a :class:`~tidal.pipeline.ir.Schedule`, and a one-process runner.
+
+One :class:`RankExecutor` walks one rank's program and owns a :class:`StageRunner` per stage of
+that rank. :func:`run_local` drives every rank's executor in this process over a
+:class:`LocalTransport`: the single-process simulator of a pipeline's weight delays.
+:mod:`tidal.pipeline.runtime` drives one executor per process over ``torch.distributed``.
+
+[Note: one executor, bit-identical runs]
+A stage's arithmetic depends only on its own inputs (activations, gradients, the batch) and its
+own state (weights, optimizer, versions), and each rank performs its stages' actions in its
+program's order whatever the other ranks do. So the interleaving that :func:`run_local` picks,
+and the timing of a distributed run, cannot change any number: a distributed run of a schedule
+equals :func:`run_local` of it bit for bit, as long as the stages run the same kernels (same
+thread count) and no cross-stage reduction is involved. The one cross-stage reduction is the
+global gradient norm of synchronous schedules (an all-reduce whose summation order may differ
+from the local sum), so synchronous runs with clipping match to rounding, not bitwise.
+
+[Note: loss and gradient scale]
+A step's loss is the row-weighted mean of its microbatches' mean losses: microbatch ``i`` of a
+batch of ``R`` rows holds ``r_i`` rows (``tensor_split`` along dim 0, so uneven splits are
+allowed) and the last stage backpropagates ``loss_i * r_i / R``. With equal token counts per
+row the accumulated gradients are the gradients of the whole batch's mean loss, whatever ``m``.
+
+[Note: backward and weight-gradient actions]
+``B`` is the whole backward of a microbatch unless the program also has a ``W`` for it. Then
+``B`` computes only the input gradient (``autograd.grad`` keeping the graph) and ``W``
+backpropagates again restricted to the parameters. That costs a second pass over the graph:
+correct zero-bubble semantics, not zero-bubble speed. No generated schedule has ``W`` yet.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import AbstractContextManager
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+from torch import nn
+
+from tidal.config import ConfigError, require
+from tidal.pipeline.ir import Action, Kind, Schedule, with_communication
+
+__all__ = [
+    "Direction",
+    "LocalResult",
+    "LocalTransport",
+    "MessageKey",
+    "Microbatches",
+    "PipelineDeadlock",
+    "RankExecutor",
+    "StageRunner",
+    "StageWeightsLike",
+    "TiedPair",
+    "Transport",
+    "UpdateRules",
+    "clip_coefficient",
+    "run_local",
+]
+
+BatchFn = Callable[[int], tuple[torch.Tensor, torch.Tensor]]
+LrFn = Callable[[int], float]
+# ((stage, parameter name), (stage, parameter name)): one matrix held by two stages.
+TiedPair = tuple[tuple[int, str], tuple[int, str]]
+
+
+class PipelineDeadlock(RuntimeError):
+    """No rank can run its next action: the programs wait on each other."""
+
+
+class Direction(enum.Enum):
+    FORWARD = "forward"  # an activation, stage s -> s + 1
+    BACKWARD = "backward"  # the gradient of an activation, stage s -> s - 1
+
+
+@dataclass(frozen=True, slots=True, order=True)
+class MessageKey:
+    """One point-to-point message: ``src_stage`` sends it to ``dst_stage`` for ``microbatch``."""
+
+    src_stage: int
+    dst_stage: int
+    microbatch: int
+
+    def __post_init__(self) -> None:
+        assert abs(self.src_stage - self.dst_stage) == 1, self
+
+    @property
+    def direction(self) -> Direction:
+        return Direction.FORWARD if self.dst_stage > self.src_stage else Direction.BACKWARD
+
+
+class Transport(Protocol):
+    """Moves one tensor per :class:`MessageKey` between stages on different ranks."""
+
+    def send(self, key: MessageKey, tensor: torch.Tensor) -> None:
+        """Start sending; never blocks on the receiver."""
+        ...
+
+    def recv(self, key: MessageKey) -> torch.Tensor:
+        """The tensor sent under ``key``; may block until it arrives."""
+        ...
+
+    def ready(self, key: MessageKey) -> bool:
+        """Whether :meth:`recv` would return without waiting on another rank's progress."""
+        ...
+
+    def flush(self) -> None:
+        """Wait until every send has completed."""
+        ...
+
+
+class LocalTransport:
+    """In-process messages for :func:`run_local`: a dict from key to tensor."""
+
+    def __init__(self) -> None:
+        self._messages: dict[MessageKey, torch.Tensor] = {}
+
+    def send(self, key: MessageKey, tensor: torch.Tensor) -> None:
+        assert key not in self._messages, f"{key} sent twice"
+        self._messages[key] = tensor.detach()
+
+    def recv(self, key: MessageKey) -> torch.Tensor:
+        if key not in self._messages:
+            raise PipelineDeadlock(f"receive of {key} before its send")
+        return self._messages.pop(key)
+
+    def ready(self, key: MessageKey) -> bool:
+        return key in self._messages
+
+    def flush(self) -> None:
+        pass
+
+    def __len__(self) -> int:
+        return len(self._messages)
+
+
+class StageWeightsLike(Protocol):
+    """What the executor needs from :class:`tidal.pipeline.pipemare.StageWeights`."""
+
+    @property
+    def version(self) -> int: ...
+
+    def forward(self, mb: int) -> AbstractContextManager[object]: ...
+
+    def backward(self, mb: int) -> AbstractContextManager[object]: ...
+
+    def step(self, *, lr: float, step: int) -> float: ...
+
+
+# ---------------------------------------------------------------------------------------------
+# data
+
+
+class Microbatches:
+    """Splits ``batch_fn(step)`` into ``m`` microbatches, on demand, for global microbatch ids.
+
+    Microbatch ``mb`` is row slice ``mb % m`` of the batch of step ``step_offset + mb // m``
+    (``torch.tensor_split`` along dim 0). ``batch_fn`` is called once per step, only by
+    executors holding the first or last stage, and a step is dropped once its ``uses_per_row``
+    reads (one for the first stage's inputs, one for the last stage's targets) are done.
+    """
+
+    def __init__(
+        self, batch_fn: BatchFn, num_microbatches: int, *, step_offset: int = 0, uses: int = 2
+    ) -> None:
+        self._batch_fn = batch_fn
+        self.num_microbatches = num_microbatches
+        self.step_offset = step_offset
+        self._uses = uses
+        self._steps: dict[int, tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]] = {}
+        self._pending: dict[int, int] = {}
+        self._rows: dict[int, tuple[int, int]] = {}
+
+    def _split(self, mb: int) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
+        step = mb // self.num_microbatches
+        if step not in self._steps:
+            idx_BT, targets_BT = self._batch_fn(self.step_offset + step)
+            rows = idx_BT.shape[0]
+            m = self.num_microbatches
+            if m > rows:
+                raise ConfigError(
+                    "microbatches",
+                    f"{m} microbatches but the batch of step {self.step_offset + step} has "
+                    f"{rows} rows; use at most {rows} microbatches or a larger batch",
+                )
+            assert targets_BT.shape[0] == rows, (idx_BT.shape, targets_BT.shape)
+            self._steps[step] = (
+                torch.tensor_split(idx_BT, m, dim=0),
+                torch.tensor_split(targets_BT, m, dim=0),
+            )
+            self._pending[step] = m * self._uses
+        return self._steps[step]
+
+    def _used(self, mb: int) -> None:
+        step = mb // self.num_microbatches
+        self._pending[step] -= 1
+        if self._pending[step] == 0:
+            del self._steps[step], self._pending[step]
+
+    def inputs(self, mb: int) -> torch.Tensor:
+        out = self._split(mb)[0][mb % self.num_microbatches]
+        self._used(mb)
+        return out
+
+    def targets(self, mb: int) -> tuple[torch.Tensor, float]:
+        """The targets of ``mb`` and its share ``r_i / R`` of the step's rows."""
+        splits = self._split(mb)[1]
+        out = splits[mb % self.num_microbatches]
+        total = sum(t.shape[0] for t in splits)
+        self._used(mb)
+        return out, out.shape[0] / total
+
+
+# ---------------------------------------------------------------------------------------------
+# one stage
+
+
+@dataclass(slots=True)
+class _InFlight:
+    """A microbatch between its F and its B (or W)."""
+
+    input: torch.Tensor  # token ids on the first stage, else a leaf activation
+    output: torch.Tensor  # the scaled loss on the last stage, else the activation
+    forward_version: int
+    grad: torch.Tensor | None = None  # of the output, kept from B for a split W
+
+
+class StageRunner:
+    """One stage on this rank: its module, weights, microbatches in flight and records.
+
+    ``delays[mb]`` is the measured tau of microbatch ``mb``: the stage's version when its
+    ``B`` ran minus its version at ``F`` (the next update applies to the version current at
+    ``B``). On the last stage ``losses[mb]`` holds ``(mean loss, row share)``.
+    """
+
+    def __init__(
+        self,
+        *,
+        index: int,
+        num_stages: int,
+        module: nn.Module,
+        weights: StageWeightsLike,
+        split_weight_grad: frozenset[int] = frozenset(),
+    ) -> None:
+        self.index = index
+        self.num_stages = num_stages
+        self.module = module
+        self.weights = weights
+        self.num_updates = 0
+        self.delays: dict[int, int] = {}
+        self.losses: dict[int, tuple[torch.Tensor, float]] = {}
+        self._split_w = split_weight_grad
+        self._in_flight: dict[int, _InFlight] = {}
+
+    @property
+    def is_first(self) -> bool:
+        return self.index == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.index == self.num_stages - 1
+
+    def parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        return ((n, p) for n, p in self.module.named_parameters() if p.requires_grad)
+
+    def forward(
+        self, mb: int, x: torch.Tensor, targets: tuple[torch.Tensor, float] | None
+    ) -> torch.Tensor | None:
+        """Run F; returns the activation to hand to the next stage (None on the last)."""
+        assert mb not in self._in_flight, f"stage {self.index}: F{mb} twice"
+        if not self.is_first and x.is_floating_point():
+            x = x.detach().requires_grad_(True)
+        version = self.weights.version
+        with self.weights.forward(mb):
+            if self.is_last:
+                assert targets is not None
+                targets_BT, share = targets
+                loss = self.module(x, targets_BT)
+                self.losses[mb] = (loss.detach(), share)
+                out = loss * share
+            else:
+                out = self.module(x)
+        self._in_flight[mb] = _InFlight(input=x, output=out, forward_version=version)
+        return None if self.is_last else out.detach()
+
+    def backward(self, mb: int, grad: torch.Tensor | None) -> torch.Tensor | None:
+        """Run B; returns the gradient of this stage's input (None on the first stage)."""
+        state = self._in_flight[mb]
+        assert (grad is None) == self.is_last, f"stage {self.index}: B{mb} gradient mismatch"
+        self.delays[mb] = self.weights.version - state.forward_version
+        want_input = not self.is_first and state.input.requires_grad
+        with self.weights.backward(mb):
+            if mb in self._split_w:
+                state.grad = grad
+                if not want_input:
+                    return None
+                (dx,) = torch.autograd.grad(
+                    state.output, state.input, grad, retain_graph=True, allow_unused=True
+                )
+                return torch.zeros_like(state.input) if dx is None else dx
+            torch.autograd.backward(state.output, grad)
+        del self._in_flight[mb]
+        if not want_input:
+            return None
+        dx = state.input.grad
+        return torch.zeros_like(state.input) if dx is None else dx
+
+    def weight_grad(self, mb: int) -> None:
+        """Run a split W: the parameter gradients of ``mb`` (see [Note: backward and ...])."""
+        state = self._in_flight.pop(mb)
+        params = [p for _, p in self.parameters()]
+        with self.weights.backward(mb):
+            torch.autograd.backward(state.output, state.grad, inputs=params)
+
+    def in_flight(self) -> list[int]:
+        return sorted(self._in_flight)
+
+
+# ---------------------------------------------------------------------------------------------
+# updates
+
+
+@dataclass(kw_only=True, frozen=True, slots=True)
+class UpdateRules:
+    """What happens at ``U`` besides the optimizer step.
+
+    Attributes:
+        max_grad_norm: clip gradients to this norm; ``None`` disables clipping. Synchronous
+            schedules clip by the global norm over every stage (the tied matrix counted once);
+            asynchronous ones clip each stage by its own norm, because a global norm would need
+            every stage's gradient of the same step at once, i.e. a flush.
+        tied: matrices held by two stages whose gradients are summed before the update
+            (synchronous schedules only).
+    """
+
+    max_grad_norm: float | None = None
+    tied: tuple[TiedPair, ...] = ()
+
+    def __post_init__(self) -> None:
+        require(
+            self.max_grad_norm is None or self.max_grad_norm > 0,
+            "max_grad_norm",
+            f"must be > 0 (or None to disable clipping), got {self.max_grad_norm}",
+        )
+
+    def counted_once(self, stage: int, name: str) -> bool:
+        """False for the second copy of a tied matrix (its gradient equals the first's)."""
+        return all((stage, name) != second for _, second in self.tied)
+
+
+def clip_coefficient(total_norm: torch.Tensor, max_norm: float) -> torch.Tensor:
+    """The factor ``clip_grad_norm_`` scales gradients by, capped at 1."""
+    return torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
+
+
+def grad_squares(runner: StageRunner, rules: UpdateRules) -> torch.Tensor:
+    """Sum of squared gradient entries of one stage, tied second copies left out."""
+    total = torch.zeros((), dtype=torch.float32)
+    for name, p in runner.parameters():
+        if p.grad is not None and rules.counted_once(runner.index, name):
+            total = total + torch.linalg.vector_norm(p.grad.float()).square().cpu()
+    return total
+
+
+def scale_grads(runner: StageRunner, factor: torch.Tensor) -> None:
+    for _, p in runner.parameters():
+        if p.grad is not None:
+            p.grad.mul_(factor.to(p.grad.device, p.grad.dtype))
+
+
+def _clip_stage(runner: StageRunner, max_norm: float) -> None:
+    params = [p for _, p in runner.parameters()]
+    torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=False)
+
+
+def _prepare_local(runners: Mapping[int, StageRunner], rules: UpdateRules) -> None:
+    """The synchronous pre-update for every stage in this process: tied sum, global clip."""
+    for (sa, na), (sb, nb) in rules.tied:
+        a = dict(runners[sa].module.named_parameters())[na]
+        b = dict(runners[sb].module.named_parameters())[nb]
+        assert a.grad is not None and b.grad is not None, f"tied {na} / {nb} has no gradient"
+        total = a.grad + b.grad
+        a.grad.copy_(total)
+        b.grad.copy_(total)
+    if rules.max_grad_norm is not None:
+        squares = torch.stack([grad_squares(r, rules) for _, r in sorted(runners.items())])
+        factor = clip_coefficient(squares.sum().sqrt(), rules.max_grad_norm)
+        for r in runners.values():
+            scale_grads(r, factor)
+
+
+# ---------------------------------------------------------------------------------------------
+# one rank
+
+
+def _split_weight_grads(program: Sequence[Action]) -> dict[int, frozenset[int]]:
+    found: dict[int, set[int]] = {}
+    for a in program:
+        if a.kind is Kind.WEIGHT_GRAD:
+            found.setdefault(a.stage, set()).add(a.microbatch)
+    return {s: frozenset(mbs) for s, mbs in found.items()}
+
+
+class RankExecutor:
+    """Walks one rank's program (with communication actions) over its stages.
+
+    ``prepare_step(step)`` runs once per step at the rank's first ``U`` of a synchronous
+    schedule (tied-gradient sum and global clipping, collective in a distributed run); for an
+    asynchronous schedule each ``U`` clips its own stage instead. ``U`` of a stage's ``k``-th
+    update in this program uses step ``step_offset + k`` for ``lr_fn`` and the optimizer.
+    """
+
+    def __init__(
+        self,
+        *,
+        schedule: Schedule,
+        rank: int,
+        modules: Mapping[int, nn.Module],
+        weights: Mapping[int, StageWeightsLike],
+        transport: Transport,
+        data: Microbatches,
+        lr_fn: LrFn,
+        rules: UpdateRules,
+        prepare_step: Callable[[int], None] | None = None,
+        step_offset: int = 0,
+    ) -> None:
+        if not any(a.kind.is_comm for _, a in schedule.actions()) and schedule.num_ranks > 1:
+            schedule = with_communication(schedule)
+        self.schedule = schedule
+        self.rank = rank
+        self.program = schedule.programs[rank]
+        require(
+            sorted(modules) == schedule.stages_of(rank) == sorted(weights),
+            "stages",
+            f"rank {rank} of {schedule.name} holds stages {schedule.stages_of(rank)}; got "
+            f"modules for {sorted(modules)} and weights for {sorted(weights)}",
+        )
+        split_w = _split_weight_grads(self.program)
+        self.runners = {
+            s: StageRunner(
+                index=s,
+                num_stages=schedule.num_stages,
+                module=modules[s],
+                weights=weights[s],
+                split_weight_grad=split_w.get(s, frozenset()),
+            )
+            for s in schedule.stages_of(rank)
+        }
+        self.transport = transport
+        self.data = data
+        self.lr_fn = lr_fn
+        self.rules = rules
+        self.prepare_step = prepare_step
+        self.step_offset = step_offset
+        self.prepared: set[int] = set()
+        self.lrs: dict[tuple[int, int], float] = {}  # (stage, step) -> learning rate used
+        self.pc = 0
+        self._inputs: dict[tuple[int, int], torch.Tensor] = {}  # (stage, mb) -> activation
+        self._grads: dict[tuple[int, int], torch.Tensor] = {}  # (stage, mb) -> output grad
+        self._outgoing: dict[MessageKey, torch.Tensor] = {}
+
+    @property
+    def done(self) -> bool:
+        return self.pc == len(self.program)
+
+    @property
+    def next_action(self) -> Action | None:
+        return None if self.done else self.program[self.pc]
+
+    def update_step(self, action: Action) -> int:
+        return self.step_offset + self.runners[action.stage].num_updates
+
+    def ready(self, action: Action) -> bool:
+        """Whether ``action`` can run now without waiting on another rank (for run_local)."""
+        s, mb = action.stage, action.microbatch
+        if action.kind is Kind.RECV_FORWARD:
+            return self.transport.ready(MessageKey(s - 1, s, mb))
+        if action.kind is Kind.RECV_BACKWARD:
+            return self.transport.ready(MessageKey(s + 1, s, mb))
+        if action.kind is Kind.FORWARD:
+            return s == 0 or (s, mb) in self._inputs
+        if action.kind is Kind.BACKWARD:
+            return s == self.schedule.num_stages - 1 or (s, mb) in self._grads
+        if action.kind is Kind.UPDATE and self.synchronous:
+            return self.update_step(action) in self.prepared
+        return True
+
+    @property
+    def synchronous(self) -> bool:
+        return not self.schedule.asynchronous
+
+    def step(self) -> None:
+        """Run the next action."""
+        action = self.program[self.pc]
+        try:
+            self._execute(action)
+        except KeyError as exc:
+            raise PipelineDeadlock(
+                f"rank {self.rank}: {action} needs {exc} which no earlier action produced"
+            ) from exc
+        self.pc += 1
+
+    def run(self) -> None:
+        """Run the whole program in order (a distributed rank: receives block)."""
+        while not self.done:
+            self.step()
+        self.transport.flush()
+
+    def _execute(self, a: Action) -> None:
+        s, mb = a.stage, a.microbatch
+        if a.kind is Kind.RECV_FORWARD:
+            self._inputs[s, mb] = self.transport.recv(MessageKey(s - 1, s, mb))
+        elif a.kind is Kind.RECV_BACKWARD:
+            self._grads[s, mb] = self.transport.recv(MessageKey(s + 1, s, mb))
+        elif a.kind is Kind.SEND_FORWARD:
+            key = MessageKey(s, s + 1, mb)
+            self.transport.send(key, self._outgoing.pop(key))
+        elif a.kind is Kind.SEND_BACKWARD:
+            key = MessageKey(s, s - 1, mb)
+            self.transport.send(key, self._outgoing.pop(key))
+        elif a.kind is Kind.FORWARD:
+            self._forward(s, mb)
+        elif a.kind is Kind.BACKWARD:
+            self._backward(s, mb)
+        elif a.kind is Kind.WEIGHT_GRAD:
+            self.runners[s].weight_grad(mb)
+        else:
+            self._update(a)
+
+    def _forward(self, s: int, mb: int) -> None:
+        runner = self.runners[s]
+        x = self.data.inputs(mb) if runner.is_first else self._inputs.pop((s, mb))
+        targets = self.data.targets(mb) if runner.is_last else None
+        out = runner.forward(mb, x, targets)
+        if out is None:
+            return
+        if s + 1 in self.runners:  # the next stage is on this rank: no message
+            self._inputs[s + 1, mb] = out
+        else:
+            self._outgoing[MessageKey(s, s + 1, mb)] = out
+
+    def _backward(self, s: int, mb: int) -> None:
+        runner = self.runners[s]
+        grad = None if runner.is_last else self._grads.pop((s, mb))
+        dx = runner.backward(mb, grad)
+        if dx is None:
+            return
+        if s - 1 in self.runners:
+            self._grads[s - 1, mb] = dx
+        else:
+            self._outgoing[MessageKey(s, s - 1, mb)] = dx
+
+    def _update(self, a: Action) -> None:
+        runner = self.runners[a.stage]
+        step = self.update_step(a)
+        if self.synchronous:
+            if step not in self.prepared:
+                assert self.prepare_step is not None, "synchronous update without prepare_step"
+                self.prepare_step(step)
+                self.prepared.add(step)
+        elif self.rules.max_grad_norm is not None:
+            _clip_stage(runner, self.rules.max_grad_norm)
+        self.lrs[a.stage, step] = runner.weights.step(lr=self.lr_fn(step), step=step)
+        runner.num_updates += 1
+        if a.version is not None and runner.weights.version != a.version:
+            raise RuntimeError(
+                f"rank {self.rank}: {a} should produce version {a.version}, the stage's "
+                f"weights are at {runner.weights.version}"
+            )
+
+    def step_losses(self, num_steps: int) -> list[float]:
+        """Row-weighted mean loss per step of this program (the last stage's rank only)."""
+        last = self.runners[self.schedule.num_stages - 1]
+        m = self.schedule.num_microbatches
+        out = []
+        for step in range(num_steps):
+            total = torch.zeros((), dtype=torch.float32)
+            for mb in range(step * m, (step + 1) * m):
+                loss, share = last.losses[mb]
+                total = total + loss.float() * share
+            out.append(float(total))
+        return out
+
+
+# ---------------------------------------------------------------------------------------------
+# every rank in one process
+
+
+@dataclass(frozen=True, slots=True)
+class LocalResult:
+    """What :func:`run_local` measured.
+
+    ``losses[k]`` is step ``k``'s row-weighted mean loss; ``delays[(stage, mb)]`` the measured
+    tau; ``lrs[(stage, step)]`` the learning rate each update used.
+    """
+
+    losses: list[float]
+    delays: dict[tuple[int, int], int]
+    lrs: dict[tuple[int, int], float] = field(default_factory=dict)
+
+    def stage_delays(self, stage: int) -> list[int]:
+        return [tau for (s, _), tau in sorted(self.delays.items()) if s == stage]
+
+
+def run_local(
+    schedule: Schedule,
+    modules: Sequence[nn.Module],
+    weights: Sequence[StageWeightsLike],
+    batch_fn: BatchFn,
+    lr_fn: LrFn,
+    *,
+    rules: UpdateRules | None = None,
+    step_offset: int = 0,
+) -> LocalResult:
+    """Run every rank's program of ``schedule`` in this process; see [Note: one executor ...].
+
+    ``modules[s]`` / ``weights[s]`` are stage ``s``'s; ``batch_fn(step) -> (idx_BT,
+    targets_BT)`` gives step ``step_offset + k``'s batch. The ranks take turns: each runs
+    actions while its next one is ready (its message arrived, its input exists; a synchronous
+    ``U`` waits until every rank reached its step's updates). Raises :class:`PipelineDeadlock`
+    when no rank can move.
+    """
+    rules = rules or UpdateRules()
+    require(
+        len(modules) == len(weights) == schedule.num_stages,
+        "stages",
+        f"{schedule.name} has {schedule.num_stages} stages; got {len(modules)} modules and "
+        f"{len(weights)} weights",
+    )
+    require(
+        not (schedule.asynchronous and rules.tied),
+        "tie_embeddings",
+        f"{schedule.name} is asynchronous: the two copies of a tied matrix would update at "
+        "different times; set tie_embeddings=false",
+    )
+    transport = LocalTransport()
+    data = Microbatches(batch_fn, schedule.num_microbatches, step_offset=step_offset)
+    executors = [
+        RankExecutor(
+            schedule=schedule,
+            rank=r,
+            modules={s: modules[s] for s in schedule.stages_of(r)},
+            weights={s: weights[s] for s in schedule.stages_of(r)},
+            transport=transport,
+            data=data,
+            lr_fn=lr_fn,
+            rules=rules,
+            step_offset=step_offset,
+        )
+        for r in range(schedule.num_ranks)
+    ]
+    runners = {s: r for ex in executors for s, r in ex.runners.items()}
+    while not all(ex.done for ex in executors):
+        moved = False
+        for ex in executors:
+            while not ex.done and ex.ready(ex.program[ex.pc]):
+                ex.step()
+                moved = True
+        if not moved and not _sync_barrier(executors, runners, rules):
+            waiting = ", ".join(f"rank {ex.rank} at {ex.next_action}" for ex in executors)
+            raise PipelineDeadlock(f"{schedule.name}: no rank can move ({waiting})")
+    assert len(transport) == 0, "messages left unreceived"
+    delays = {(s, mb): tau for s, r in runners.items() for mb, tau in r.delays.items()}
+    lrs = dict(itertools.chain.from_iterable(ex.lrs.items() for ex in executors))
+    last = executors[schedule.rank_of(schedule.num_stages - 1)]
+    return LocalResult(losses=last.step_losses(schedule.num_steps), delays=delays, lrs=lrs)
+
+
+def _sync_barrier(
+    executors: Sequence[RankExecutor], runners: Mapping[int, StageRunner], rules: UpdateRules
+) -> bool:
+    """If every unfinished rank waits at a synchronous ``U`` of one step, prepare that step."""
+    waiting = [ex for ex in executors if not ex.done]
+    steps = set()
+    for ex in waiting:
+        a = ex.program[ex.pc]
+        if a.kind is not Kind.UPDATE or not ex.synchronous:
+            return False
+        steps.add(ex.update_step(a))
+    if len(steps) != 1 or len(waiting) != len(executors):
+        return False
+    (step,) = steps
+    _prepare_local(runners, rules)
+    for ex in executors:
+        ex.prepared.add(step)
+    return True
