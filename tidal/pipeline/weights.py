@@ -1,0 +1,521 @@
+"""One pipeline stage's weights under asynchronous schedules: versions, delays, and the
+saved-tensor redirection that lets the optimizer step in place between a microbatch's F and B.
+
+Import from :mod:`tidal.pipeline.pipemare`, which re-exports everything here and holds the
+PipeMare math ([Note: weight delay tau], [Note: PipeMare rules]).
+
+[Note: saved-tensor redirection]
+An in-place ``optimizer.step()`` between a microbatch's forward and backward makes autograd raise
+("modified by an inplace operation"); an out-of-place step silently keeps every old weight alive
+through autograd's saved tensors, which is PipeDream's stashing memory by accident. Instead, while
+``forward(mb)`` is active, a ``saved_tensors_hooks`` pack hook replaces each saved tensor that
+aliases one of the stage's parameters (same storage, same dtype, its elements inside the
+parameter's) by a small token: (parameter index, size, stride, offset relative to the parameter,
+forward version, microbatch). No weight is referenced, so nothing is stashed and the in-place
+update is legal. Unpacking a token in backward rebuilds the view with ``as_strided`` on the
+*backward weights* of that microbatch ([Note: backward weights]), so views such as the
+``weight.t()`` that ``addmm`` saves come back with their own size, stride and offset.
+- Saved tensors that do not alias a parameter are kept as detached references (returning the
+  tensor itself would make a reference cycle through its ``grad_fn`` that never frees), with
+  their version recorded: unpacking raises if it changed, the check autograd itself skips once
+  hooks are installed.
+- Hooks already installed when ``forward`` is entered (a memory meter, ``save_on_cpu``) still get
+  every non-parameter tensor: the pack hook hands them on and unpacks through them.
+- Derived tensors cannot be redirected: a dtype cast under autocast, or a fused kernel's private
+  copy, is a new storage computed from the forward's weights, so autograd keeps it (a stashed
+  copy of sorts) and the backward uses the forward's weights for it. A saved tensor with a
+  parameter's shape (or transposed shape) and another dtype is counted in
+  ``num_unredirected_saves`` and warned about once.
+- With no update between F and B the tokens rebuild exactly the tensors autograd would have
+  used, so gradients are bit-for-bit those of plain autograd.
+- Limits: non-reentrant activation checkpointing installs its own hooks inside its region, whose
+  recompute runs with the live weights; ``create_graph=True`` does not differentiate through
+  redirected weights.
+
+[Note: backward weights]
+- ``CURRENT``: the live parameter (no copy). With correction: ``w - tau * delta``, built once per
+  parameter and backward call and freed when the call ends; tau = 0 uses the live parameter.
+- ``STASH`` (PipeDream): the forward's version. Forward always runs on the live weights; ``step``
+  copies the current weights before updating them in place if an in-flight microbatch (forward
+  done, backward not yet finished) used them, and a copy is dropped once no in-flight microbatch
+  uses it: the copies held are (versions in flight - 1).
+- ``TWO_VERSIONS`` (PipeDream-2BW, W_{t+1} = W_t - lr * grad f(W_{t-1})): batch b =
+  microbatch // microbatches_per_update runs its forward *and* backward on version max(b - 1, 0),
+  a delay of exactly 1 from the second batch on. Its first microbatches find that version live;
+  the rest, after update b, run on the stashed copy: ``forward`` swaps each parameter's ``.data``
+  with the copy for the duration of the forward (O(1), the parameter objects and the optimizer's
+  state stay the same) and back. At most one copy is ever held; a schedule that would need two
+  (fewer microbatches per update than in flight) raises.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import warnings
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from tidal.config import require
+
+__all__ = ["AsyncConfig", "StageWeights", "WeightMode", "correction_gamma", "lr_scale"]
+
+
+class WeightMode(enum.StrEnum):
+    """Which weights a microbatch's backward uses; see [Note: backward weights]."""
+
+    CURRENT = "current"  # the stage's current weights (PipeMare, naive async, sync schedules)
+    STASH = "stash"  # the exact weights its forward used (PipeDream: every version still needed)
+    TWO_VERSIONS = "2bw"  # PipeDream-2BW: at most two versions live
+
+
+@dataclass(kw_only=True, frozen=True, slots=True)
+class AsyncConfig:
+    """How one stage treats its weights under an asynchronous schedule.
+
+    Attributes:
+        weights: backward weights; see :class:`WeightMode`.
+        lr_rescheduling: PipeMare technique 1 (divide the LR by the delay early on).
+        lr_warmup_steps: T1, the step from which the base LR is used unchanged; 0 = no effect.
+        correction: PipeMare technique 2 (backward on ``w - tau * delta``); ``CURRENT`` only.
+        correction_decay: D in (0, 1); the velocity EMA factor is ``D ** (1 / tau)``.
+        microbatches_per_update: m, for ``TWO_VERSIONS``: batch ``b = microbatch // m`` runs on
+            version ``max(b - 1, 0)``. 0 means the caller passes ``forward(mb, version=...)``.
+    """
+
+    weights: WeightMode = WeightMode.CURRENT
+    lr_rescheduling: bool = False
+    lr_warmup_steps: int = 0
+    correction: bool = False
+    correction_decay: float = 0.1
+    microbatches_per_update: int = 0
+
+    def __post_init__(self) -> None:
+        modes = ", ".join(m.value for m in WeightMode)
+        require(
+            self.weights in set(WeightMode),
+            "weights",
+            f"must be one of {modes}, got {self.weights!r}",
+        )
+        # Accept the plain string from a config file or CLI; slots + frozen need object.__setattr__.
+        object.__setattr__(self, "weights", WeightMode(self.weights))
+        require(
+            self.lr_warmup_steps >= 0,
+            "lr_warmup_steps",
+            f"must be >= 0 (0 disables the rescheduling effect), got {self.lr_warmup_steps}",
+        )
+        require(
+            0.0 < self.correction_decay < 1.0,
+            "correction_decay",
+            f"must be in (0, 1), e.g. 0.1, got {self.correction_decay}",
+        )
+        require(
+            not self.correction or self.weights is WeightMode.CURRENT,
+            "correction",
+            f"discrepancy correction needs weights='current' (got {self.weights.value!r}): "
+            "stashing already gives the backward its forward's weights; drop one of the two",
+        )
+        require(
+            self.microbatches_per_update >= 0,
+            "microbatches_per_update",
+            f"must be >= 0, got {self.microbatches_per_update}",
+        )
+
+
+def lr_scale(tau: float, step: int, warmup_steps: int) -> float:
+    """PipeMare's LR multiplier ``1 / max(tau, 1) ** (1 - min(step / T1, 1))``; 1 when T1 = 0."""
+    if warmup_steps <= 0:
+        return 1.0
+    exponent = 1.0 - min(step / warmup_steps, 1.0)
+    return 1.0 / max(tau, 1.0) ** exponent
+
+
+def correction_gamma(tau: float, decay: float) -> float:
+    """The velocity EMA's factor ``D ** (1 / max(tau, 1))`` for discrepancy correction."""
+    return decay ** (1.0 / max(tau, 1.0))
+
+
+class _ParamToken:
+    """What autograd keeps instead of a saved view of a parameter."""
+
+    __slots__ = ("index", "microbatch", "rel_offset", "size", "stride", "version", "weights")
+
+    def __init__(
+        self,
+        weights: StageWeights,
+        index: int,
+        t: torch.Tensor,
+        base: torch.Tensor,
+        microbatch: int,
+        version: int,
+    ) -> None:
+        self.weights = weights
+        self.index = index
+        self.size = tuple(t.size())
+        self.stride = tuple(t.stride())
+        self.rel_offset = t.storage_offset() - base.storage_offset()
+        self.microbatch = microbatch
+        self.version = version
+
+
+class _Saved:
+    """A non-parameter saved tensor, detached (no cycle through grad_fn) with its version."""
+
+    __slots__ = ("tensor", "version")
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.tensor = t.detach()
+        self.version = t._version
+
+
+def _extent(t: torch.Tensor) -> tuple[int, int]:
+    """First and one-past-last storage element a strided tensor can address."""
+    last = t.storage_offset() + sum((n - 1) * s for n, s in zip(t.size(), t.stride(), strict=True))
+    return t.storage_offset(), last + 1
+
+
+def _storage_ptr(t: torch.Tensor) -> int:
+    try:
+        return t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):  # sparse, nested, some subclasses: no storage
+        return 0
+
+
+def _clone_like(p: torch.Tensor) -> torch.Tensor:
+    # Same strides as the parameter, so a token's relative offset addresses the same element.
+    out = torch.empty_strided(p.size(), p.stride(), dtype=p.dtype, device=p.device)
+    return out.copy_(p.detach())
+
+
+def _outer_hooks() -> tuple[Callable[[torch.Tensor], Any], Callable[[Any], torch.Tensor]] | None:
+    # The innermost saved_tensors_hooks win, so ours would hide hooks installed around the stage
+    # (memory meters, CPU offload); torch has no public accessor for them.
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    return None if top is None else top(False)
+
+
+class _Packer:
+    """The pack/unpack pair of one ``forward(mb)``; see [Note: saved-tensor redirection]."""
+
+    def __init__(self, weights: StageWeights, microbatch: int, version: int) -> None:
+        self.weights = weights
+        self.microbatch = microbatch
+        self.version = version
+        self.outer = _outer_hooks()
+        # storage pointer -> (param index, first element, end element, dtype, live tensor)
+        self.by_storage: dict[int, list[tuple[int, int, int, torch.dtype, torch.Tensor]]] = {}
+        self.shapes: set[tuple[tuple[int, ...], torch.dtype]] = set()
+        for index, p in enumerate(weights.params):
+            ptr = _storage_ptr(p)
+            if ptr != 0 and p.numel() > 0:
+                lo, hi = _extent(p)
+                self.by_storage.setdefault(ptr, []).append((index, lo, hi, p.dtype, p))
+            self.shapes.add((tuple(p.shape), p.dtype))
+            self.shapes.add((tuple(reversed(p.shape)), p.dtype))
+
+    def _find(self, t: torch.Tensor) -> tuple[int, torch.Tensor] | None:
+        if t.numel() == 0 or t.layout is not torch.strided:
+            return None
+        candidates = self.by_storage.get(_storage_ptr(t))
+        if not candidates:
+            return None
+        lo, hi = _extent(t)
+        for index, p_lo, p_hi, dtype, p in candidates:
+            if dtype == t.dtype and p_lo <= lo and hi <= p_hi:
+                return index, p
+        return None
+
+    def pack(self, t: torch.Tensor) -> Any:
+        found = self._find(t)
+        if found is not None:
+            index, base = found
+            return _ParamToken(self.weights, index, t, base, self.microbatch, self.version)
+        shape = (tuple(t.shape), t.dtype)
+        if shape not in self.shapes and any(shape[0] == s for s, _ in self.shapes):
+            self.weights._note_unredirected()
+        if self.outer is not None:
+            return self.outer[0](t)
+        return _Saved(t)
+
+    def unpack(self, packed: Any) -> torch.Tensor:
+        if isinstance(packed, _ParamToken):
+            return packed.weights._backward_view(packed)
+        if isinstance(packed, _Saved):
+            if packed.tensor._version != packed.version:
+                raise RuntimeError(
+                    "one of the variables needed for gradient computation has been modified by "
+                    f"an inplace operation (saved at version {packed.version}, now "
+                    f"{packed.tensor._version}); clone it before modifying it in place"
+                )
+            return packed.tensor
+        assert self.outer is not None, "a foreign packed value without outer hooks"
+        return self.outer[1](packed)
+
+
+class StageWeights:
+    """Versions, delays and backward weights of one pipeline stage; see the module notes."""
+
+    version: int  # updates applied so far
+    delays: dict[int, int]  # microbatch -> measured tau ([Note: weight delay tau])
+
+    def __init__(
+        self, module: nn.Module, optimizer: torch.optim.Optimizer, config: AsyncConfig
+    ) -> None:
+        self.module = module
+        self.optimizer = optimizer
+        self.config = config
+        # Frozen parameters never change, so only trainable ones are versioned and redirected.
+        self.params: list[nn.Parameter] = [p for p in module.parameters() if p.requires_grad]
+        self.version = 0
+        self.delays = {}
+        self.version_at_forward: dict[int, int] = {}  # microbatches in flight
+        self.last_lr: float | None = None
+        self.last_delay = 0.0  # mean tau of the last update's microbatches
+        self.num_unredirected_saves = 0
+        self._pending: list[int] = []  # backward done since the last update
+        self._stashes: dict[int, list[torch.Tensor]] = {}  # version -> copies of every param
+        self._delta: list[torch.Tensor] | None = None
+        if config.correction:
+            self._delta = [
+                torch.zeros_like(p, memory_format=torch.preserve_format) for p in self.params
+            ]
+        self._active: int | None = None  # microbatch whose backward is running
+        self._corrected: dict[int, torch.Tensor] = {}  # param index -> w - tau * delta
+        self._warned = False
+
+    # -----------------------------------------------------------------------------------------
+    # forward
+
+    def _forward_version(self, microbatch: int, version: int | None) -> int:
+        if version is None:
+            if self.config.weights is not WeightMode.TWO_VERSIONS:
+                return self.version
+            m = self.config.microbatches_per_update
+            if m == 0:
+                raise ValueError(
+                    "weights='2bw' needs the forward's version: set "
+                    "AsyncConfig.microbatches_per_update or pass forward(mb, version=...)"
+                )
+            return max(microbatch // m - 1, 0)
+        if self.config.weights is WeightMode.CURRENT and version != self.version:
+            raise ValueError(
+                f"weights='current' runs the forward on the live version {self.version}, "
+                f"got version={version}; use weights='stash' or '2bw' to run older versions"
+            )
+        return version
+
+    @contextlib.contextmanager
+    def forward(self, microbatch: int, *, version: int | None = None) -> Iterator[None]:
+        """Wrap the stage's forward of ``microbatch``; see [Note: saved-tensor redirection]."""
+        if microbatch in self.version_at_forward:
+            raise ValueError(f"microbatch {microbatch} is already in flight on this stage")
+        fwd_version = self._forward_version(microbatch, version)
+        if fwd_version > self.version:
+            raise RuntimeError(
+                f"microbatch {microbatch} needs weight version {fwd_version} but the stage is at "
+                f"{self.version}: with weights='2bw' an update needs at least as many microbatches "
+                "as are in flight (m >= number of stages)"
+            )
+        live: list[torch.Tensor] | None = None
+        if fwd_version != self.version:
+            live = self._swap_in(self._stash(fwd_version))
+        self.version_at_forward[microbatch] = fwd_version
+        packer = _Packer(self, microbatch, fwd_version)
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(packer.pack, packer.unpack):
+                yield
+        except BaseException:
+            del self.version_at_forward[microbatch]
+            raise
+        finally:
+            if live is not None:
+                self._swap_in(live)
+
+    def _swap_in(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        previous = [p.data for p in self.params]
+        for p, t in zip(self.params, tensors, strict=True):
+            p.data = t
+        return previous
+
+    def _stash(self, version: int) -> list[torch.Tensor]:
+        stash = self._stashes.get(version)
+        if stash is None:
+            raise RuntimeError(
+                f"weight version {version} is not held (stage at {self.version}, held "
+                f"{sorted(self._stashes)}): with weights={self.config.weights.value!r} only "
+                "versions used by in-flight microbatches are kept"
+            )
+        return stash
+
+    def _note_unredirected(self) -> None:
+        self.num_unredirected_saves += 1
+        if not self._warned:
+            self._warned = True
+            warnings.warn(
+                "a saved tensor with a parameter's shape but another dtype (an autocast cast?) "
+                "cannot be redirected: autograd keeps it, so its backward uses the forward's "
+                "weights and it costs a weight copy per microbatch in flight",
+                stacklevel=4,
+            )
+
+    # -----------------------------------------------------------------------------------------
+    # backward
+
+    def delay(self, microbatch: int) -> int:
+        """Current version minus the version ``microbatch``'s forward used."""
+        return self.version - self.version_at_forward[microbatch]
+
+    @contextlib.contextmanager
+    def backward(self, microbatch: int, *, last: bool = True) -> Iterator[None]:
+        """Wrap ``torch.autograd.backward`` of ``microbatch``; see [Note: backward weights].
+
+        ``last=False`` keeps the microbatch in flight (a zero-bubble ``B`` before its ``W``).
+        """
+        if microbatch not in self.version_at_forward:
+            raise ValueError(f"microbatch {microbatch} has no forward in flight on this stage")
+        tau = self.delay(microbatch)
+        self.delays[microbatch] = tau
+        self._active = microbatch
+        try:
+            yield
+        finally:
+            self._active = None
+            self._corrected.clear()
+        if microbatch not in self._pending:
+            self._pending.append(microbatch)
+        if last:
+            del self.version_at_forward[microbatch]
+            self._release()
+
+    def _backward_base(self, index: int, microbatch: int, version: int) -> torch.Tensor:
+        live = self.params[index].detach()
+        mode = self.config.weights
+        if mode is not WeightMode.CURRENT:
+            return live if version == self.version else self._stash(version)[index]
+        tau = self.version - version
+        if self._delta is None or tau == 0:
+            return live
+        if microbatch == self._active and index in self._corrected:
+            return self._corrected[index]
+        corrected = _clone_like(live).sub_(self._delta[index], alpha=tau)
+        if microbatch == self._active:
+            self._corrected[index] = corrected
+        return corrected
+
+    def _backward_view(self, token: _ParamToken) -> torch.Tensor:
+        base = self._backward_base(token.index, token.microbatch, token.version)
+        offset = base.storage_offset() + token.rel_offset
+        return base.as_strided(token.size, token.stride, offset)
+
+    # -----------------------------------------------------------------------------------------
+    # update
+
+    def step(self, *, lr: float, step: int) -> float:
+        """Apply one in-place optimizer update to the accumulated ``.grad``; returns the lr used.
+
+        The delay used for LR rescheduling and for the correction's gamma is the mean measured
+        tau of the microbatches whose backward ran since the previous update ([Note: PipeMare
+        rules]).
+        """
+        taus = [self.delays[mb] for mb in self._pending]
+        tau = sum(taus) / len(taus) if taus else 0.0
+        scale = 1.0
+        if self.config.lr_rescheduling:
+            scale = lr_scale(tau, step, self.config.lr_warmup_steps)
+        lr_used = lr * scale
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr_used
+        self._stash_before_update()  # also drops copies no longer needed after this update
+        # A transient copy of the old weights: w_new - w_old in one subtraction is exact enough
+        # for tiny updates, where folding w_old into delta first would lose them to rounding.
+        old = [_clone_like(p) for p in self.params] if self._delta is not None else None
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        if self._delta is not None and old is not None:
+            gamma = correction_gamma(tau, self.config.correction_decay)
+            with torch.no_grad():
+                for d, p, w_old in zip(self._delta, self.params, old, strict=True):
+                    d.mul_(gamma).add_(p.detach() - w_old, alpha=1.0 - gamma)
+            del old
+        self._pending.clear()
+        self.version += 1
+        self.last_lr, self.last_delay = lr_used, tau
+        self._release()
+        return lr_used
+
+    def _needed_versions(self) -> set[int]:
+        needed = set(self.version_at_forward.values())
+        if self.config.weights is WeightMode.TWO_VERSIONS:
+            needed.add(max(self.version - 1, 0))  # the forward version of the current batch
+        return needed
+
+    def _stash_before_update(self) -> None:
+        if self.config.weights is WeightMode.CURRENT:
+            return
+        # Versions needed once this update is done: in-flight forwards', and for 2BW the
+        # current one, which becomes the next batch's forward version. Dropping the others
+        # first keeps 2BW at one copy even during the update.
+        needed = set(self.version_at_forward.values())
+        if self.config.weights is WeightMode.TWO_VERSIONS:
+            needed.add(self.version)
+        for version in [v for v in self._stashes if v not in needed]:
+            del self._stashes[version]
+        if self.version in needed and self.version not in self._stashes:
+            self._stashes[self.version] = [_clone_like(p) for p in self.params]
+
+    def _release(self) -> None:
+        needed = self._needed_versions()
+        for version in [v for v in self._stashes if v not in needed]:
+            del self._stashes[version]
+        if self.config.weights is WeightMode.TWO_VERSIONS and len(self._stashes) > 1:
+            raise RuntimeError(
+                f"weights='2bw' would hold versions {sorted(self._stashes)} besides the live "
+                f"{self.version}: update every m >= (microbatches in flight) microbatches"
+            )
+
+    # -----------------------------------------------------------------------------------------
+    # memory and checkpoints
+
+    def held_weight_bytes(self) -> int:
+        """Bytes of the distinct storages held beyond the live parameters."""
+        tensors = [t for stash in self._stashes.values() for t in stash]
+        tensors += self._delta or []
+        tensors += list(self._corrected.values())
+        storages = {_storage_ptr(t): t.untyped_storage().nbytes() for t in tensors}
+        return sum(storages.values())
+
+    def held_weight_copies(self) -> int:
+        """Weight-sized copies held now beyond the live parameters (stashes + delta)."""
+        param_bytes = sum(p.numel() * p.element_size() for p in self.params)
+        return round(self.held_weight_bytes() / param_bytes) if param_bytes else 0
+
+    def state_dict(self) -> dict[str, Any]:
+        """Version, delta, stashes and measured delays, for checkpoints (tensors not copied)."""
+        return {
+            "version": self.version,
+            "delta": None if self._delta is None else list(self._delta),
+            "stashes": {v: list(ts) for v, ts in self._stashes.items()},
+            "version_at_forward": dict(self.version_at_forward),
+            "delays": dict(self.delays),
+            "pending": list(self._pending),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`'s output; tensors are copied into fresh buffers."""
+        delta = state["delta"]
+        if (delta is None) != (self._delta is None):
+            raise ValueError(
+                "the checkpoint's discrepancy correction setting differs from this stage's "
+                "AsyncConfig.correction; resume with the same setting"
+            )
+        self.version = int(state["version"])
+        if delta is not None:
+            self._delta = [_clone_like(d) for d in delta]
+        self._stashes = {int(v): [_clone_like(t) for t in ts] for v, ts in state["stashes"].items()}
+        self.version_at_forward = {int(k): int(v) for k, v in state["version_at_forward"].items()}
+        self.delays = {int(k): int(v) for k, v in state["delays"].items()}
+        self._pending = [int(mb) for mb in state["pending"]]
