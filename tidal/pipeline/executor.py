@@ -142,9 +142,11 @@ class StageWeightsLike(Protocol):
     @property
     def version(self) -> int: ...
 
-    def forward(self, mb: int) -> AbstractContextManager[object]: ...
+    def forward(
+        self, microbatch: int, *, version: int | None = None
+    ) -> AbstractContextManager[object]: ...
 
-    def backward(self, mb: int) -> AbstractContextManager[object]: ...
+    def backward(self, microbatch: int, *, last: bool = True) -> AbstractContextManager[object]: ...
 
     def step(self, *, lr: float, step: int) -> float: ...
 
@@ -266,14 +268,21 @@ class StageRunner:
         return ((n, p) for n, p in self.module.named_parameters() if p.requires_grad)
 
     def forward(
-        self, mb: int, x: torch.Tensor, targets: tuple[torch.Tensor, float] | None
+        self,
+        mb: int,
+        x: torch.Tensor,
+        targets: tuple[torch.Tensor, float] | None,
+        *,
+        version: int | None = None,
     ) -> torch.Tensor | None:
-        """Run F; returns the activation to hand to the next stage (None on the last)."""
+        """Run F on weight ``version`` (default: the current one); returns the activation to
+        hand to the next stage (None on the last)."""
         assert mb not in self._in_flight, f"stage {self.index}: F{mb} twice"
         if not self.is_first and x.is_floating_point():
             x = x.detach().requires_grad_(True)
-        version = self.weights.version
-        with self.weights.forward(mb):
+        if version is None:
+            version = self.weights.version
+        with self.weights.forward(mb, version=version):
             if self.is_last:
                 assert targets is not None
                 targets_BT, share = targets
@@ -291,7 +300,7 @@ class StageRunner:
         assert (grad is None) == self.is_last, f"stage {self.index}: B{mb} gradient mismatch"
         self.delays[mb] = self.weights.version - state.forward_version
         want_input = not self.is_first and state.input.requires_grad
-        with self.weights.backward(mb):
+        with self.weights.backward(mb, last=mb not in self._split_w):
             if mb in self._split_w:
                 state.grad = grad
                 if not want_input:
@@ -456,6 +465,8 @@ class RankExecutor:
         self.step_offset = step_offset
         self.prepared: set[int] = set()
         self.lrs: dict[tuple[int, int], float] = {}  # (stage, step) -> learning rate used
+        # The programs number versions from 0; the weights count every update they ever did.
+        self.version_offset = {s: w.version for s, w in weights.items()}
         self.pc = 0
         self._inputs: dict[tuple[int, int], torch.Tensor] = {}  # (stage, mb) -> activation
         self._grads: dict[tuple[int, int], torch.Tensor] = {}  # (stage, mb) -> output grad
@@ -521,7 +532,8 @@ class RankExecutor:
             key = MessageKey(s, s - 1, mb)
             self.transport.send(key, self._outgoing.pop(key))
         elif a.kind is Kind.FORWARD:
-            self._forward(s, mb)
+            version = None if a.version is None else a.version + self.version_offset[s]
+            self._forward(s, mb, version)
         elif a.kind is Kind.BACKWARD:
             self._backward(s, mb)
         elif a.kind is Kind.WEIGHT_GRAD:
@@ -529,11 +541,11 @@ class RankExecutor:
         else:
             self._update(a)
 
-    def _forward(self, s: int, mb: int) -> None:
+    def _forward(self, s: int, mb: int, version: int | None) -> None:
         runner = self.runners[s]
         x = self.data.inputs(mb) if runner.is_first else self._inputs.pop((s, mb))
         targets = self.data.targets(mb) if runner.is_last else None
-        out = runner.forward(mb, x, targets)
+        out = runner.forward(mb, x, targets, version=version)
         if out is None:
             return
         if s + 1 in self.runners:  # the next stage is on this rank: no message
@@ -564,9 +576,10 @@ class RankExecutor:
             _clip_stage(runner, self.rules.max_grad_norm)
         self.lrs[a.stage, step] = runner.weights.step(lr=self.lr_fn(step), step=step)
         runner.num_updates += 1
-        if a.version is not None and runner.weights.version != a.version:
+        expected = None if a.version is None else a.version + self.version_offset[a.stage]
+        if expected is not None and runner.weights.version != expected:
             raise RuntimeError(
-                f"rank {self.rank}: {a} should produce version {a.version}, the stage's "
+                f"rank {self.rank}: {a} should produce version {expected}, the stage's "
                 f"weights are at {runner.weights.version}"
             )
 
