@@ -52,6 +52,8 @@ def test_cyclic_programs_raise_deadlock_naming_each_blocked_rank() -> None:
     crossed = _hand("crossed", "0F0 0B0 0F1 0B1", "1F1 1B1 1F0 1B0", microbatches=2)
     with pytest.raises(Deadlock, match="rank 0: 0RB0 waits on 1SB0"):
         simulate(crossed)
+    with pytest.raises(ValueError, match="0F0 appears twice"):
+        simulate(_hand("twice", "0F0 0F0 0B0"))
 
 
 def test_single_microbatch_pays_two_messages_per_link() -> None:

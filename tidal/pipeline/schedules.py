@@ -31,6 +31,7 @@ from tidal.pipeline.ir import Action, Kind, Schedule
 
 __all__ = [
     "SCHEDULE_NAMES",
+    "Stashing",
     "asynchronous_1f1b",
     "gpipe",
     "interleaved_1f1b",

@@ -96,7 +96,19 @@ class _Timed(NamedTuple):
 
 @dataclass(kw_only=True, frozen=True, slots=True)
 class Simulation:
-    """What :func:`simulate` measured. Tuples are indexed by rank (``busy_s``) or stage."""
+    """What :func:`simulate` measured. Tuples are indexed by rank (``busy_s``) or stage.
+
+    ``bubble_fraction`` is ``1 - sum(busy_s) / (num_ranks * makespan_s)``.
+    ``steady_bubble_fraction`` is the idle fraction between the latest first ``B`` over ranks
+    and the earliest last ``F``: every rank has left its warm-up and none has entered its
+    cool-down, so ramp-up idling (the first rank waiting for its first gradient) is left out
+    and an asynchronous schedule in steady state scores 0, while flushes between synchronous
+    steps still count. With no such window it equals ``bubble_fraction``.
+    ``weight_versions`` counts the versions live at once on a stage (the newest plus older ones
+    a pending ``B``/``W`` uses); ``delays`` maps (stage, microbatch) to tau, the version the
+    stage's next update after that microbatch's ``B``/``W`` applies to minus its ``F``'s
+    version; ``delay`` is the maximum per stage.
+    """
 
     schedule: Schedule
     costs: StageCosts
@@ -311,8 +323,9 @@ def _delays(stage: int, program: list[Action]) -> dict[tuple[int, int], int]:
     for a in program:
         if a.kind is Kind.FORWARD:
             forward_version[a.microbatch] = a.version if a.version is not None else current
-        elif a.kind in (Kind.BACKWARD, Kind.WEIGHT_GRAD) and a.microbatch not in done:
-            done.append(a.microbatch)
+        elif a.kind in (Kind.BACKWARD, Kind.WEIGHT_GRAD):
+            if a.microbatch not in done and (stage, a.microbatch) not in out:
+                done.append(a.microbatch)
         elif a.kind is Kind.UPDATE:
             current = a.version if a.version is not None else current + 1
             for mb in done:
