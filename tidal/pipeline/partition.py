@@ -1,0 +1,578 @@
+"""Cut a model's layers into contiguous pipeline stages: the slowest stage as fast as possible,
+every stage within its memory.
+
+A model is a list of :class:`LayerProfile` units, ``embed, blocks.0, ..., blocks.{L-1}, head``
+(what :func:`profile_gpt` and :func:`profile_model` give); :func:`partition` cuts it into
+``num_stages`` contiguous non-empty runs and returns the :class:`Partition`, whose
+``block_ranges`` :func:`tidal.pipeline.split.split_model` takes.
+
+[Note: stage memory]
+Stage ``s`` holding units with weight bytes ``W`` and per-microbatch activation bytes ``A`` needs
+``state_bytes_per_param_byte * W + weight_versions[s] * W + in_flight[s] * A`` bytes:
+weights, gradients and optimizer state (fp32 AdamW: weights + grads + two moments = 4x the
+weights), the extra weight copies an asynchronous schedule stashes (PipeDream ``p - s``, 2BW 1,
+PipeMare's discrepancy correction 1), and the activations of every microbatch between its
+forward and its backward. ``in_flight`` comes from the schedule: GPipe keeps all ``m``, 1F1B
+(flush) ``min(p - s, m)``, PipeDream and PipeMare ``p - s``. The default ``p - s`` makes the
+first stage the binding one, so an optimal split moves work to later stages when memory is tight.
+A weight tied across the first and last stage (embedding and LM head) is held by both stages
+(tidal/pipeline/split.py, [Note: tied embeddings across stages]), so the profiles count it in
+both; with a single stage that overcounts one matrix.
+
+[Note: partition objective]
+Minimise the bottleneck ``max_s (F_s + B_s)`` over feasible contiguous splits: in steady state
+every stage handles one forward and one backward per microbatch, so the slowest stage sets the
+pipeline's rate. Many splits often share the optimal bottleneck; among those the partitioner
+takes the least total memory (activations moved to stages with fewer microbatches in flight),
+then the most even stage times (least sum of squared stage times). Both tie-breaks are sums over
+stages, so a second dynamic programme restricted to stages no slower than the optimum finds the
+exact lexicographic minimum; one programme carrying (bottleneck, memory) pairs would not, since
+a suffix that loses on its own bottleneck can win once a slower stage in front hides it.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import math
+import re
+import statistics
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from tidal.config import format_bytes, require
+from tidal.models.gpt import GPTConfig, build_gpt
+from tidal.pipeline.split import (
+    DecoderFamily,
+    block_container,
+    decoder_family,
+    num_blocks,
+    split_model,
+)
+from tidal.planner.cluster import ClusterSpec
+from tidal.planner.measure import ModelGraph
+from tidal.planner.measure import measure as trace_model
+
+__all__ = [
+    "DEFAULT_FLOPS_PER_S",
+    "DEFAULT_MEMORY_BYTES_PER_S",
+    "LayerProfile",
+    "Partition",
+    "PartitionInfeasible",
+    "partition",
+    "profile_gpt",
+    "profile_model",
+    "stage_memory_bytes",
+]
+
+_H100 = ClusterSpec(devices=1)
+# Achieved, not peak: the planner's H100 defaults times its compute efficiency.
+DEFAULT_FLOPS_PER_S = _H100.peak_flops * _H100.compute_efficiency
+DEFAULT_MEMORY_BYTES_PER_S = _H100.memory_bandwidth * _H100.compute_efficiency
+# Backward computes the input and the weight gradient, each about one forward's work.
+_BACKWARD_PER_FORWARD = 2.0
+_TIME_RTOL = 1e-9  # stage times within this of the bottleneck count as ties
+
+
+@dataclass(kw_only=True, frozen=True, slots=True)
+class LayerProfile:
+    """One partitionable unit (``embed``, ``blocks.i`` or ``head``): its costs per microbatch."""
+
+    name: str
+    forward_s: float
+    backward_s: float
+    param_bytes: int  # weights
+    activation_bytes: int  # kept per in-flight microbatch, forward to backward
+
+    def __post_init__(self) -> None:
+        require(bool(self.name), "name", "a layer profile needs a name")
+        for key in ("forward_s", "backward_s", "param_bytes", "activation_bytes"):
+            value = getattr(self, key)
+            require(
+                math.isfinite(value) and value >= 0, key, f"{self.name}: must be >= 0, got {value}"
+            )
+
+
+@dataclass(kw_only=True, frozen=True, slots=True)
+class Partition:
+    """A contiguous split of the profile list into stages, and what each stage costs."""
+
+    block_ranges: tuple[tuple[int, int], ...]  # what split_model takes
+    unit_ranges: tuple[tuple[int, int], ...]  # over the profile list
+    stage_time_s: tuple[float, ...]  # forward + backward of one microbatch
+    stage_memory_bytes: tuple[int, ...]  # see [Note: stage memory]
+    bottleneck_s: float
+
+
+class PartitionInfeasible(ValueError):
+    """No contiguous split fits the memory limits. ``least_bytes`` is the least memory per stage
+    any split needs (the best split's largest stage), ``binding_stage`` that stage."""
+
+    def __init__(self, message: str, *, least_bytes: int, binding_stage: int) -> None:
+        super().__init__(message)
+        self.least_bytes = least_bytes
+        self.binding_stage = binding_stage
+
+
+# ---------------------------------------------------------------------------------------------
+# the cost of a stage
+
+
+@dataclass(frozen=True, slots=True)
+class _Costs:
+    """Prefix sums over the units, and the per-stage memory coefficients."""
+
+    time_s: list[float]  # time_s[i] = sum of F + B over units [0, i)
+    param_bytes: list[int]
+    activation_bytes: list[int]
+    in_flight: list[int]
+    weight_versions: list[int]
+    state_factor: float
+    limits: list[float]
+
+    def time(self, a: int, b: int) -> float:
+        return self.time_s[b] - self.time_s[a]
+
+    def memory(self, s: int, a: int, b: int) -> float:
+        weights = self.param_bytes[b] - self.param_bytes[a]
+        acts = self.activation_bytes[b] - self.activation_bytes[a]
+        return (self.state_factor + self.weight_versions[s]) * weights + self.in_flight[s] * acts
+
+
+def _prefix(values: Sequence[float]) -> list:
+    out = [0 * values[0]] if values else [0]
+    for v in values:
+        out.append(out[-1] + v)
+    return out
+
+
+def stage_memory_bytes(
+    profiles: Sequence[LayerProfile],
+    *,
+    in_flight: int,
+    state_bytes_per_param_byte: float = 4.0,
+    weight_versions: int = 0,
+) -> int:
+    """The bytes one stage holding ``profiles`` needs; see [Note: stage memory]."""
+    weights = sum(p.param_bytes for p in profiles)
+    acts = sum(p.activation_bytes for p in profiles)
+    return math.ceil((state_bytes_per_param_byte + weight_versions) * weights + in_flight * acts)
+
+
+def _per_stage(value: int | Sequence[int] | None, default: list, num_stages: int, key: str) -> list:
+    if value is None:
+        return default
+    if isinstance(value, int | float):
+        return [value] * num_stages
+    values = list(value)
+    require(
+        len(values) == num_stages,
+        key,
+        f"has {len(values)} entries for {num_stages} stages; give one per stage",
+    )
+    return values
+
+
+def _costs(
+    profiles: Sequence[LayerProfile],
+    num_stages: int,
+    memory_limit_bytes: int | Sequence[int] | None,
+    in_flight: Sequence[int] | None,
+    state_bytes_per_param_byte: float,
+    weight_versions: Sequence[int] | None,
+) -> _Costs:
+    require(len(profiles) >= 1, "profiles", "nothing to partition: the profile list is empty")
+    require(
+        1 <= num_stages <= len(profiles),
+        "num_stages",
+        f"must be in [1, {len(profiles)}] (every stage holds at least one of the "
+        f"{len(profiles)} units), got {num_stages}",
+    )
+    p = num_stages
+    limits = _per_stage(memory_limit_bytes, [math.inf] * p, p, "memory_limit_bytes")
+    flights = _per_stage(in_flight, [p - s for s in range(p)], p, "in_flight")
+    versions = _per_stage(weight_versions, [0] * p, p, "weight_versions")
+    require(all(x > 0 for x in limits), "memory_limit_bytes", f"must be > 0, got {limits}")
+    require(all(x >= 0 for x in flights), "in_flight", f"must be >= 0, got {flights}")
+    require(all(x >= 0 for x in versions), "weight_versions", f"must be >= 0, got {versions}")
+    require(
+        state_bytes_per_param_byte >= 0,
+        "state_bytes_per_param_byte",
+        f"must be >= 0, got {state_bytes_per_param_byte}",
+    )
+    return _Costs(
+        time_s=_prefix([pr.forward_s + pr.backward_s for pr in profiles]),
+        param_bytes=_prefix([pr.param_bytes for pr in profiles]),
+        activation_bytes=_prefix([pr.activation_bytes for pr in profiles]),
+        in_flight=flights,
+        weight_versions=versions,
+        state_factor=state_bytes_per_param_byte,
+        limits=[float(x) for x in limits],
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# the dynamic programmes; see [Note: partition objective]
+
+_INF = math.inf
+
+
+def _last_start(s: int, num_units: int, num_stages: int) -> int:
+    """One past the last unit stage ``s`` may start at: later stages need a unit each."""
+    return num_units - (num_stages - 1 - s)
+
+
+def _min_bottleneck(c: _Costs, num_units: int, num_stages: int) -> float:
+    """The least bottleneck over memory-feasible splits (``inf`` if none fits)."""
+    best = [[_INF] * (num_units + 1) for _ in range(num_stages + 1)]
+    best[num_stages][num_units] = 0.0
+    for s in reversed(range(num_stages)):
+        end = _last_start(s, num_units, num_stages)
+        for a in range(s, end):
+            value = _INF
+            for b in range(a + 1, end + 1):
+                rest = best[s + 1][b]
+                if rest < value and c.memory(s, a, b) <= c.limits[s]:
+                    value = min(value, max(c.time(a, b), rest))
+            best[s][a] = value
+    return best[0][0]
+
+
+def _least_memory_split(
+    c: _Costs, num_units: int, num_stages: int, bottleneck_s: float
+) -> list[tuple[int, int]]:
+    """Among feasible splits with no stage slower than ``bottleneck_s``: least total memory,
+    then least sum of squared stage times."""
+    cap_s = bottleneck_s + _TIME_RTOL * abs(bottleneck_s)
+    best: list[list[tuple[float, float] | None]] = [
+        [None] * (num_units + 1) for _ in range(num_stages + 1)
+    ]
+    choice = [[0] * (num_units + 1) for _ in range(num_stages)]
+    best[num_stages][num_units] = (0.0, 0.0)
+    for s in reversed(range(num_stages)):
+        end = _last_start(s, num_units, num_stages)
+        for a in range(s, end):
+            for b in range(a + 1, end + 1):
+                rest, t_s, mem = best[s + 1][b], c.time(a, b), c.memory(s, a, b)
+                if rest is None or t_s > cap_s or mem > c.limits[s]:
+                    continue
+                key = (mem + rest[0], t_s * t_s + rest[1])
+                if best[s][a] is None or key < best[s][a]:
+                    best[s][a], choice[s][a] = key, b
+    assert best[0][0] is not None, "the bottleneck came from a feasible split"
+    ranges, a = [], 0
+    for s in range(num_stages):
+        ranges.append((a, choice[s][a]))
+        a = choice[s][a]
+    return ranges
+
+
+def _minimax_memory_split(c: _Costs, num_units: int, num_stages: int) -> list[tuple[int, int]]:
+    """The split whose largest stage memory is least, limits ignored."""
+    best = [[_INF] * (num_units + 1) for _ in range(num_stages + 1)]
+    choice = [[0] * (num_units + 1) for _ in range(num_stages)]
+    best[num_stages][num_units] = 0.0
+    for s in reversed(range(num_stages)):
+        end = _last_start(s, num_units, num_stages)
+        for a in range(s, end):
+            for b in range(a + 1, end + 1):
+                value = max(c.memory(s, a, b), best[s + 1][b])
+                if value < best[s][a]:
+                    best[s][a], choice[s][a] = value, b
+    ranges, a = [], 0
+    for s in range(num_stages):
+        ranges.append((a, choice[s][a]))
+        a = choice[s][a]
+    return ranges
+
+
+def _infeasible(
+    c: _Costs, profiles: Sequence[LayerProfile], num_stages: int, limits: object
+) -> PartitionInfeasible:
+    ranges = _minimax_memory_split(c, len(profiles), num_stages)
+    memories = [c.memory(s, a, b) for s, (a, b) in enumerate(ranges)]
+    binding = max(range(num_stages), key=lambda s: memories[s])
+    a, b = ranges[binding]
+    least = math.ceil(memories[binding])
+    weights = (c.state_factor + c.weight_versions[binding]) * (c.param_bytes[b] - c.param_bytes[a])
+    acts = c.activation_bytes[b] - c.activation_bytes[a]
+    units = profiles[a].name if b == a + 1 else f"{profiles[a].name}..{profiles[b - 1].name}"
+    message = (
+        f"no split of {len(profiles)} units into {num_stages} stages fits memory_limit_bytes="
+        f"{limits}: the least memory per stage any split needs is {format_bytes(least)} "
+        f"({least} bytes; stage {binding} binds, holding {units}: {format_bytes(weights)} of "
+        f"weights and optimizer state + {c.in_flight[binding]} in flight x "
+        f"{format_bytes(acts)} of activations); raise the limit to at least that, use more "
+        "stages, or keep fewer microbatches in flight"
+    )
+    return PartitionInfeasible(message, least_bytes=least, binding_stage=binding)
+
+
+def _block_ranges(
+    profiles: Sequence[LayerProfile], unit_ranges: Sequence[tuple[int, int]]
+) -> tuple[tuple[int, int], ...]:
+    """Unit ranges to block ranges: ``embed`` (if first) and ``head`` (if last) are no blocks."""
+    lead = 1 if profiles[0].name == "embed" else 0
+    trail = 1 if len(profiles) > lead and profiles[-1].name == "head" else 0
+    num_blocks_ = len(profiles) - lead - trail
+    return tuple(
+        (min(max(a - lead, 0), num_blocks_), min(max(b - lead, 0), num_blocks_))
+        for a, b in unit_ranges
+    )
+
+
+def partition(
+    profiles: Sequence[LayerProfile],
+    num_stages: int,
+    *,
+    memory_limit_bytes: int | Sequence[int] | None = None,
+    in_flight: Sequence[int] | None = None,
+    state_bytes_per_param_byte: float = 4.0,
+    weight_versions: Sequence[int] | None = None,
+) -> Partition:
+    """The contiguous split of ``profiles`` into ``num_stages`` non-empty stages with the least
+    bottleneck stage time whose stages fit their memory ([Note: stage memory]); ties go to the
+    least total memory, then the most even stage times ([Note: partition objective]).
+
+    ``memory_limit_bytes`` is one limit for every stage or one per stage (``None``: unlimited);
+    ``in_flight`` and ``weight_versions`` are per stage (defaults ``p - s`` and ``0``). Raises
+    :class:`PartitionInfeasible` when no split fits, :class:`ConfigError` on bad arguments.
+    """
+    c = _costs(
+        profiles,
+        num_stages,
+        memory_limit_bytes,
+        in_flight,
+        state_bytes_per_param_byte,
+        weight_versions,
+    )
+    bottleneck_s = _min_bottleneck(c, len(profiles), num_stages)
+    if bottleneck_s == _INF:
+        raise _infeasible(c, profiles, num_stages, memory_limit_bytes)
+    unit_ranges = _least_memory_split(c, len(profiles), num_stages, bottleneck_s)
+    return Partition(
+        block_ranges=_block_ranges(profiles, unit_ranges),
+        unit_ranges=tuple(unit_ranges),
+        stage_time_s=tuple(c.time(a, b) for a, b in unit_ranges),
+        stage_memory_bytes=tuple(
+            math.ceil(c.memory(s, a, b)) for s, (a, b) in enumerate(unit_ranges)
+        ),
+        bottleneck_s=bottleneck_s,
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# profiles
+
+
+def _block_of(module: str, container: str) -> int | str | None:
+    """``"*"`` for a unit of every (clustered) block, ``i`` for block ``i``, ``None`` outside."""
+    if not module.startswith(container + "."):
+        return None
+    head = re.split(r"[.\[]", module[len(container) + 1 :], maxsplit=1)[0]
+    if head == "*":
+        return "*"
+    return int(head) if head.isdigit() else None
+
+
+@dataclass(slots=True)
+class _Layer:
+    time_s: float = 0.0
+    param_bytes: int = 0
+    activation_bytes: float = 0.0
+
+
+def _graph_profiles(
+    graph: ModelGraph,
+    container: str,
+    num_blocks_: int,
+    *,
+    flops_per_s: float,
+    memory_bytes_per_s: float,
+) -> list[LayerProfile]:
+    """Units of a traced model summed into ``embed``, ``blocks.i`` and ``head``: units before
+    the first block are the embedding's, after the blocks the head's (final norm, LM head, loss).
+    A unit's forward time is its roofline ``max(FLOPs / flops_per_s, bytes / memory_bytes_per_s)``.
+    """
+    layers = {"embed": _Layer(), **{f"blocks.{i}": _Layer() for i in range(num_blocks_)}}
+    layers["head"] = _Layer()
+    layer_of_unit: dict[str, list[str]] = {}
+    seen_block = False
+    for unit in graph.units:
+        index = _block_of(unit.module, container)
+        if index is None:
+            names = ["head" if seen_block else "embed"]
+        else:
+            seen_block = True
+            names = (
+                [f"blocks.{i}" for i in range(num_blocks_)] if index == "*" else [f"blocks.{index}"]
+            )
+        layer_of_unit[unit.name] = names
+        time_s = max(unit.flops / flops_per_s, unit.io_bytes / memory_bytes_per_s)
+        for p in unit.params:
+            # A weight tied to another layer's (embedding and head) is held there and here.
+            if p.tied_to is not None and layer_of_unit.get(p.tied_to) == names:
+                continue
+            for name in names:
+                layers[name].param_bytes += p.nbytes
+        for name in names:
+            layers[name].time_s += time_s
+            layers[name].activation_bytes += unit.saved_bytes
+    return [
+        LayerProfile(
+            name=name,
+            forward_s=layer.time_s,
+            backward_s=_BACKWARD_PER_FORWARD * layer.time_s,
+            param_bytes=layer.param_bytes,
+            activation_bytes=math.ceil(layer.activation_bytes),
+        )
+        for name, layer in layers.items()
+    ]
+
+
+def profile_gpt(
+    config: GPTConfig,
+    *,
+    micro_batch: int,
+    seq_len: int,
+    flops_per_s: float = DEFAULT_FLOPS_PER_S,
+    memory_bytes_per_s: float = DEFAULT_MEMORY_BYTES_PER_S,
+    dtype: torch.dtype = torch.float32,
+) -> list[LayerProfile]:
+    """Analytic profiles ``embed, blocks.0, ..., head`` of ``GPT(config)`` for one microbatch of
+    ``micro_batch`` sequences of ``seq_len`` tokens, traced on the meta device (nothing is
+    allocated) by :func:`tidal.planner.measure.measure`."""
+    require(micro_batch >= 1, "micro_batch", f"must be >= 1, got {micro_batch}")
+    require(
+        1 <= seq_len <= config.seq_len,
+        "seq_len",
+        f"must be in [1, {config.seq_len}] (the model's positions), got {seq_len}",
+    )
+    _require_rates(flops_per_s, memory_bytes_per_s)
+    model = build_gpt(config, device="meta").to(dtype)
+    idx = torch.empty((micro_batch, seq_len), dtype=torch.long, device="meta")
+    graph = trace_model(model, (idx, idx), name="gpt")
+    return _graph_profiles(
+        graph,
+        "blocks",
+        config.num_layers,
+        flops_per_s=flops_per_s,
+        memory_bytes_per_s=memory_bytes_per_s,
+    )
+
+
+def _require_rates(flops_per_s: float, memory_bytes_per_s: float) -> None:
+    require(flops_per_s > 0, "flops_per_s", f"must be > 0, got {flops_per_s}")
+    require(memory_bytes_per_s > 0, "memory_bytes_per_s", f"must be > 0, got {memory_bytes_per_s}")
+
+
+class _CausalLMLoss(nn.Module):
+    """A Hugging Face causal LM as ``(ids, labels) -> loss``, the call the tracer makes."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, idx_BT: torch.Tensor, labels_BT: torch.Tensor) -> torch.Tensor:
+        return self.inner(input_ids=idx_BT, labels=labels_BT).loss
+
+
+def _meta_twin(model: nn.Module, family: DecoderFamily) -> nn.Module:
+    """The same architecture on the meta device, in the model's dtype, allocating nothing."""
+    dtype = next(model.parameters()).dtype
+    if family is DecoderFamily.TIDAL_GPT:
+        return build_gpt(model.config, device="meta").to(dtype)
+    with torch.device("meta"):
+        twin = type(model)(copy.deepcopy(model.config))
+    return _CausalLMLoss(twin.to(dtype))
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _measured_times(
+    model: nn.Module, *, micro_batch: int, seq_len: int, repeats: int
+) -> list[tuple[float, float]]:
+    """Median forward and backward seconds of each unit, run as a one-unit stage on the model's
+    device (one warm-up, then ``repeats`` timed runs). Copies the model once."""
+    num = num_blocks(model)
+    units = split_model(model, [(0, 0), *((i, i + 1) for i in range(num)), (num, num)])
+    device = next(model.parameters()).device
+    generator = torch.Generator().manual_seed(0)
+    shape = (micro_batch, seq_len)
+    idx_BT = torch.randint(0, model.config.vocab_size, shape, generator=generator).to(device)
+    inputs = [idx_BT]
+    with torch.no_grad():
+        for stage in units[:-1]:
+            inputs.append(stage(inputs[-1]))
+    times = []
+    for stage, x in zip(units, inputs, strict=True):
+        forward_s, backward_s = [], []
+        for _ in range(1 + repeats):
+            x_in = x if stage.is_first else x.detach().requires_grad_(True)
+            _sync(device)
+            start = time.perf_counter()
+            out = stage(x_in, idx_BT) if stage.is_last else stage(x_in)
+            _sync(device)
+            middle = time.perf_counter()
+            out.backward(None if stage.is_last else torch.ones_like(out))
+            _sync(device)
+            forward_s.append(middle - start)
+            backward_s.append(time.perf_counter() - middle)
+        times.append((statistics.median(forward_s[1:]), statistics.median(backward_s[1:])))
+    return times
+
+
+def profile_model(
+    model: nn.Module,
+    *,
+    micro_batch: int,
+    seq_len: int,
+    measure: bool = False,
+    flops_per_s: float = DEFAULT_FLOPS_PER_S,
+    memory_bytes_per_s: float = DEFAULT_MEMORY_BYTES_PER_S,
+    repeats: int = 3,
+) -> list[LayerProfile]:
+    """Profiles ``embed, blocks.0, ..., head`` of a tidal GPT or Hugging Face LLaMA / GPT-2.
+
+    Bytes (weights, activations) always come from a meta-device trace of the same architecture
+    in the model's dtype; times too, unless ``measure=True``: then each unit's forward and
+    backward are timed on the model's own device (slow on CPU: meant for small models there).
+    """
+    family = decoder_family(model)
+    require(micro_batch >= 1, "micro_batch", f"must be >= 1, got {micro_batch}")
+    require(seq_len >= 1, "seq_len", f"must be >= 1, got {seq_len}")
+    require(repeats >= 1, "repeats", f"must be >= 1, got {repeats}")
+    _require_rates(flops_per_s, memory_bytes_per_s)
+    if family is DecoderFamily.TIDAL_GPT:
+        require(
+            seq_len <= model.config.seq_len,
+            "seq_len",
+            f"must be <= {model.config.seq_len} (the model's positions), got {seq_len}",
+        )
+    twin = _meta_twin(model, family)
+    container = block_container(model)
+    if family is not DecoderFamily.TIDAL_GPT:
+        container = f"inner.{container}"
+    idx = torch.empty((micro_batch, seq_len), dtype=torch.long, device="meta")
+    graph = trace_model(twin, (idx, idx), name=type(model).__name__)
+    profiles = _graph_profiles(
+        graph,
+        container,
+        num_blocks(model),
+        flops_per_s=flops_per_s,
+        memory_bytes_per_s=memory_bytes_per_s,
+    )
+    if not measure:
+        return profiles
+    times = _measured_times(model, micro_batch=micro_batch, seq_len=seq_len, repeats=repeats)
+    return [
+        dataclasses.replace(p, forward_s=f, backward_s=b)
+        for p, (f, b) in zip(profiles, times, strict=True)
+    ]
