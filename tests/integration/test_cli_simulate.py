@@ -62,3 +62,20 @@ def test_simulate_bad_input_raises_config_error() -> None:
         )
     with pytest.raises(ConfigError, match="--forward-s"):
         _run(["--schedule", "gpipe", "--forward-s", "fast"])
+
+
+def test_tidal_simulate_command(tmp_path, capsys) -> None:
+    """Through ``tidal``'s own parser: GPipe's bubble is (p-1)/(m+p-1); bad input exits 2."""
+    from tidal.cli.main import main
+
+    out = tmp_path / "gpipe.json"
+    argv = ["simulate", "--schedule", "gpipe", "--stages", "4", "--microbatches", "4"]
+    assert main([*argv, "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["bubble_fraction"] == pytest.approx(3 / 7)
+    assert report["peak_activations"] == [4, 4, 4, 4] and report["delay"] == [0, 0, 0, 0]
+    assert (
+        main(["simulate", "--schedule", "interleaved", "--virtual", "2", "--microbatches", "6"])
+        == 2
+    )
+    assert "multiple of stages" in capsys.readouterr().err

@@ -18,6 +18,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_train(sub)
     _add_report(sub)
     _add_plan(sub)
+    _add_simulate(sub)
     _add_bench(sub)
     _add_models(sub)
     _add_export(sub)
@@ -281,6 +282,20 @@ def _add_bench_dp(benches: argparse._SubParsersAction) -> None:
         "--out", default=None, metavar="DIR",
         help="write the JSON file here instead of benchmarks/results/",
     )  # fmt: skip
+
+
+def _add_simulate(sub: argparse._SubParsersAction) -> None:
+    from tidal.cli.simulate import add_arguments
+
+    simulate = sub.add_parser(
+        "simulate",
+        help="time a pipeline schedule: makespan, bubble, activations, weight versions, delay",
+        description="Run a pipeline schedule (gpipe, 1f1b, interleaved, pipedream, 2bw, "
+        "pipemare, pipemarew) through the discrete-event simulator with per-stage forward, "
+        "backward and point-to-point costs; print per-stage figures, optionally write JSON and "
+        "draw the timeline.",
+    )
+    add_arguments(simulate)
 
 
 def _add_models(sub: argparse._SubParsersAction) -> None:

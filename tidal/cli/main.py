@@ -49,6 +49,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             from tidal.cli.plan import run_plan
 
             return run_plan(args, console)
+        if args.command == "simulate":
+            from tidal.cli.simulate import run as run_simulate
+
+            return run_simulate(args, console)
         if args.command == "report":
             return _report(args.run_dir, console)
         if args.command == "models":
