@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import itertools
 import math
 import re
 import statistics
@@ -144,10 +145,7 @@ class _Costs:
 
 
 def _prefix(values: Sequence[float]) -> list:
-    out = [0 * values[0]] if values else [0]
-    for v in values:
-        out.append(out[-1] + v)
-    return out
+    return list(itertools.accumulate(values, initial=0))
 
 
 def stage_memory_bytes(
