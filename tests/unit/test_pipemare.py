@@ -305,53 +305,46 @@ def test_weight_copies_with_microbatches_in_flight(mode: str) -> None:
     assert [weights.delays[mb] for mb in range(_NUM_IN_FLIGHT)] == [3, 2, 1, 0]
 
 
-def test_two_versions_delay_one_and_one_copy() -> None:
+_FIRST_STAGE = "F0 F1 B0 F2 B1 U F3 B2 F4 B3 U F5 B4 B5 U"  # two microbatches in flight
+_LAST_STAGE = "F0 B0 F1 B1 U F2 B2 F3 B3 U F4 B4 F5 B5 U"  # one in flight
+
+
+@pytest.mark.parametrize(
+    ("program", "expected_delays"),
+    [(_FIRST_STAGE, [0, 0, 1, 1, 1, 1]), (_LAST_STAGE, [0, 0, 0, 0, 0, 0])],
+)
+def test_two_versions_batch_version_and_one_copy(program: str, expected_delays: list[int]) -> None:
     module = _mlp()
     reference = copy.deepcopy(module)
     config = AsyncConfig(weights=WeightMode.TWO_VERSIONS, microbatches_per_update=2)
     weights = StageWeights(module, torch.optim.SGD(module.parameters(), lr=0.1), config)
     inputs = [torch.randn(3, 4) for _ in range(6)]
     outputs: dict[int, torch.Tensor] = {}
-    version_0 = [p.detach().clone() for p in module.parameters()]
-    program = [
-        "F0",
-        "F1",
-        "B0",
-        "F2",
-        "B1",
-        "U",
-        "F3",
-        "B2",
-        "F4",
-        "B3",
-        "U",
-        "F5",
-        "B4",
-        "B5",
-        "U",
-    ]
+    forward_weights: dict[int, list[torch.Tensor]] = {}
     max_copies = 0
-    for action in program:
+    for action in program.split():
         if action == "U":
-            if weights.version == 1:  # batch 1 (mbs 2, 3) ran F and B on version 0
-                for p, w in zip(reference.parameters(), version_0, strict=True):
+            # The update applies this batch's gradients, each taken at its forward's weights.
+            for mb in [mb for mb in forward_weights if weights.delays.get(mb) is not None]:
+                for p, w in zip(reference.parameters(), forward_weights.pop(mb), strict=True):
                     p.data = w.clone()
-                for mb in (2, 3):
-                    reference(inputs[mb]).sum().backward()
-                for p, q in zip(module.parameters(), reference.parameters(), strict=True):
-                    torch.testing.assert_close(p.grad, q.grad, atol=1e-7, rtol=0)
+                reference(inputs[mb]).sum().backward()
+            for p, q in zip(module.parameters(), reference.parameters(), strict=True):
+                torch.testing.assert_close(p.grad, q.grad, atol=1e-6, rtol=0)
+                q.grad = None
             weights.step(lr=0.1, step=weights.version)
         elif action[0] == "F":
             mb = int(action[1:])
             with weights.forward(mb):
                 outputs[mb] = module(inputs[mb])
+                forward_weights[mb] = [p.detach().clone() for p in module.parameters()]
         else:
             mb = int(action[1:])
             with weights.backward(mb):
                 outputs[mb].sum().backward()
         max_copies = max(max_copies, weights.held_weight_copies())
-    assert [weights.delays[mb] for mb in range(6)] == [0, 0, 1, 1, 1, 1]
-    assert max_copies == 1
+    assert [weights.delays[mb] for mb in range(6)] == expected_delays
+    assert max_copies == 1  # one stashed version besides the live one, never two
 
 
 # ---------------------------------------------------------------------------------------------

@@ -23,9 +23,10 @@ update is legal. Unpacking a token in backward rebuilds the view with ``as_strid
   every non-parameter tensor: the pack hook hands them on and unpacks through them.
 - Derived tensors cannot be redirected: a dtype cast under autocast, or a fused kernel's private
   copy, is a new storage computed from the forward's weights, so autograd keeps it (a stashed
-  copy of sorts) and the backward uses the forward's weights for it. A saved tensor with a
-  parameter's shape (or transposed shape) and another dtype is counted in
-  ``num_unredirected_saves`` and warned about once.
+  copy of sorts) and the backward uses the forward's weights for it. A saved floating-point
+  tensor with a weight matrix's shape (or transposed shape) and another dtype is counted in
+  ``num_unredirected_saves`` and warned about once (a heuristic: an activation of exactly that
+  shape and dtype would be counted too).
 - With no update between F and B the tokens rebuild exactly the tensors autograd would have
   used, so gradients are bit-for-bit those of plain autograd.
 - Limits: non-reentrant activation checkpointing installs its own hooks inside its region, whose
@@ -39,13 +40,16 @@ update is legal. Unpacking a token in backward rebuilds the view with ``as_strid
   copies the current weights before updating them in place if an in-flight microbatch (forward
   done, backward not yet finished) used them, and a copy is dropped once no in-flight microbatch
   uses it: the copies held are (versions in flight - 1).
-- ``TWO_VERSIONS`` (PipeDream-2BW, W_{t+1} = W_t - lr * grad f(W_{t-1})): batch b =
-  microbatch // microbatches_per_update runs its forward *and* backward on version max(b - 1, 0),
-  a delay of exactly 1 from the second batch on. Its first microbatches find that version live;
-  the rest, after update b, run on the stashed copy: ``forward`` swaps each parameter's ``.data``
-  with the copy for the duration of the forward (O(1), the parameter objects and the optimizer's
-  state stay the same) and back. At most one copy is ever held; a schedule that would need two
-  (fewer microbatches per update than in flight) raises.
+- ``TWO_VERSIONS`` (PipeDream-2BW, W_{t+1} = W_t - lr * grad f(W_{t-1})): like ``STASH``, but
+  the forward version is refreshed only at the first microbatch of each batch of m
+  (``microbatch % m == 0``) to the stage's current version, and every microbatch of the batch
+  runs its forward *and* backward on it; the same rule as the 2bw schedule generator
+  ([Note: weight versions in generated schedules] in schedules.py), whose versions the executor
+  passes explicitly. The batch's later microbatches, after an update, run on the stashed copy:
+  ``forward`` swaps each parameter's ``.data`` with the copy for the duration of the forward
+  (O(1); the parameter objects and the optimizer's state stay the same) and back. The batch's
+  version is kept until the next batch starts, so at most one copy is held; a schedule that
+  would need two (fewer microbatches per update than in flight) raises.
 """
 
 from __future__ import annotations
@@ -83,8 +87,9 @@ class AsyncConfig:
         lr_warmup_steps: T1, the step from which the base LR is used unchanged; 0 = no effect.
         correction: PipeMare technique 2 (backward on ``w - tau * delta``); ``CURRENT`` only.
         correction_decay: D in (0, 1); the velocity EMA factor is ``D ** (1 / tau)``.
-        microbatches_per_update: m, for ``TWO_VERSIONS``: batch ``b = microbatch // m`` runs on
-            version ``max(b - 1, 0)``. 0 means the caller passes ``forward(mb, version=...)``.
+        microbatches_per_update: m, for ``TWO_VERSIONS``: a forward of a microbatch with
+            ``microbatch % m == 0`` starts a batch on the current version. 0 means the caller
+            passes ``forward(mb, version=...)`` (the executor passes the schedule's versions).
     """
 
     weights: WeightMode = WeightMode.CURRENT
@@ -214,8 +219,9 @@ class _Packer:
             if ptr != 0 and p.numel() > 0:
                 lo, hi = _extent(p)
                 self.by_storage.setdefault(ptr, []).append((index, lo, hi, p.dtype, p))
-            self.shapes.add((tuple(p.shape), p.dtype))
-            self.shapes.add((tuple(reversed(p.shape)), p.dtype))
+            if p.dim() >= 2:  # weight matrices: a vector's shape matches too many activations
+                self.shapes.add((tuple(p.shape), p.dtype))
+                self.shapes.add((tuple(reversed(p.shape)), p.dtype))
 
     def _find(self, t: torch.Tensor) -> tuple[int, torch.Tensor] | None:
         if t.numel() == 0 or t.layout is not torch.strided:
@@ -235,7 +241,11 @@ class _Packer:
             index, base = found
             return _ParamToken(self.weights, index, t, base, self.microbatch, self.version)
         shape = (tuple(t.shape), t.dtype)
-        if shape not in self.shapes and any(shape[0] == s for s, _ in self.shapes):
+        if (
+            t.is_floating_point()
+            and shape not in self.shapes
+            and any(shape[0] == s for s, _ in self.shapes)
+        ):
             self.weights._note_unredirected()
         if self.outer is not None:
             return self.outer[0](t)
@@ -286,6 +296,7 @@ class StageWeights:
         self._active: int | None = None  # microbatch whose backward is running
         self._corrected: dict[int, torch.Tensor] = {}  # param index -> w - tau * delta
         self._warned = False
+        self._batch_version = 0  # 2BW: the version the current batch's forwards use
 
     # -----------------------------------------------------------------------------------------
     # forward
@@ -300,7 +311,7 @@ class StageWeights:
                     "weights='2bw' needs the forward's version: set "
                     "AsyncConfig.microbatches_per_update or pass forward(mb, version=...)"
                 )
-            return max(microbatch // m - 1, 0)
+            return self.version if microbatch % m == 0 else self._batch_version
         if self.config.weights is WeightMode.CURRENT and version != self.version:
             raise ValueError(
                 f"weights='current' runs the forward on the live version {self.version}, "
@@ -320,10 +331,11 @@ class StageWeights:
                 f"{self.version}: with weights='2bw' an update needs at least as many microbatches "
                 "as are in flight (m >= number of stages)"
             )
-        live: list[torch.Tensor] | None = None
-        if fwd_version != self.version:
-            live = self._swap_in(self._stash(fwd_version))
+        stash = None if fwd_version == self.version else self._stash(fwd_version)
         self.version_at_forward[microbatch] = fwd_version
+        self._batch_version = fwd_version
+        self._release()  # a 2BW batch's first forward frees the previous batch's copy
+        live = None if stash is None else self._swap_in(stash)
         packer = _Packer(self, microbatch, fwd_version)
         try:
             with torch.autograd.graph.saved_tensors_hooks(packer.pack, packer.unpack):
@@ -450,18 +462,14 @@ class StageWeights:
     def _needed_versions(self) -> set[int]:
         needed = set(self.version_at_forward.values())
         if self.config.weights is WeightMode.TWO_VERSIONS:
-            needed.add(max(self.version - 1, 0))  # the forward version of the current batch
+            needed.add(self._batch_version)  # the current batch's forwards still to come
         return needed
 
     def _stash_before_update(self) -> None:
         if self.config.weights is WeightMode.CURRENT:
             return
-        # Versions needed once this update is done: in-flight forwards', and for 2BW the
-        # current one, which becomes the next batch's forward version. Dropping the others
-        # first keeps 2BW at one copy even during the update.
-        needed = set(self.version_at_forward.values())
-        if self.config.weights is WeightMode.TWO_VERSIONS:
-            needed.add(self.version)
+        # Dropping the copies this update makes useless first keeps 2BW at one copy throughout.
+        needed = self._needed_versions()
         for version in [v for v in self._stashes if v not in needed]:
             del self._stashes[version]
         if self.version in needed and self.version not in self._stashes:
@@ -502,6 +510,7 @@ class StageWeights:
             "version_at_forward": dict(self.version_at_forward),
             "delays": dict(self.delays),
             "pending": list(self._pending),
+            "batch_version": self._batch_version,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -519,3 +528,4 @@ class StageWeights:
         self.version_at_forward = {int(k): int(v) for k, v in state["version_at_forward"].items()}
         self.delays = {int(k): int(v) for k, v in state["delays"].items()}
         self._pending = [int(mb) for mb in state["pending"]]
+        self._batch_version = int(state.get("batch_version", self.version))
