@@ -1,0 +1,352 @@
+"""``PipelineRuntime`` on 2 and 4 gloo ranks.
+
+Synchronous schedules must equal one-process training of the whole model (1e-6) and
+``torch.distributed.pipelining``'s schedules on the same stage modules; asynchronous ones must
+equal ``run_local`` (the one-process delay simulator) bit for bit, with the simulator's tau.
+One spawn per world size runs every case (start-up costs more than the cases); each rank
+computes its references in its own process, so they use the same kernels and thread count.
+Workers return what they measured and the tests assert on it.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from tidal.models import build_gpt
+from tidal.models.gpt import GPTConfig
+from tidal.pipeline.executor import run_local
+from tidal.pipeline.pipemare import AsyncConfig, StageWeights, WeightMode
+from tidal.pipeline.runtime import PipelineRuntime, RuntimeConfig
+from tidal.pipeline.schedules import make_schedule
+from tidal.pipeline.simulate import simulate
+from tidal.pipeline.split import even_ranges, split_gpt, tied_parameters
+from tidal.testing import run_on_ranks
+
+LR = 0.5
+ATOL = 1e-6
+SEQ_BY_STEP = (8, 5, 7)  # variable sequence length across steps
+
+
+def tiny_gpt(layers: int, *, tie: bool = False) -> nn.Module:
+    config = GPTConfig(
+        vocab_size=64, seq_len=8, num_layers=layers, num_heads=2, d_model=16, tie_embeddings=tie
+    )
+    return build_gpt(config, seed=0)
+
+
+def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(100 + step)
+    tokens = torch.randint(0, 64, (4, SEQ_BY_STEP[step % 3] + 1), generator=gen)
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def sgd_weights(stages, config: AsyncConfig | None = None, momentum: float = 0.0):
+    config = config or AsyncConfig(weights=WeightMode.CURRENT)
+    return [
+        StageWeights(s, torch.optim.SGD(s.parameters(), lr=LR, momentum=momentum), config)
+        for s in stages
+    ]
+
+
+def my_stages(stages: list[nn.Module], group: dist.ProcessGroup) -> list[nn.Module]:
+    return stages[dist.get_rank(group) :: dist.get_world_size(group)]
+
+
+def max_diff_to_model(model: nn.Module, stages: list[nn.Module]) -> float:
+    whole = dict(model.named_parameters())
+    diffs = [
+        (p - whole[stage.source_names[n]]).abs().max().item()
+        for stage in stages
+        for n, p in stage.named_parameters()
+    ]
+    return max(diffs)
+
+
+def max_diff(a: list[nn.Module], b: list[nn.Module]) -> float:
+    pa = [p for m in a for p in m.parameters()]
+    pb = [p for m in b for p in m.parameters()]
+    assert len(pa) == len(pb)
+    return max((x - y).abs().max().item() for x, y in zip(pa, pb, strict=True))
+
+
+def all_equal(a: list[nn.Module], b: list[nn.Module]) -> bool:
+    pa = [p for m in a for p in m.state_dict().values()]
+    pb = [p for m in b for p in m.state_dict().values()]
+    return len(pa) == len(pb) and all(torch.equal(x, y) for x, y in zip(pa, pb, strict=True))
+
+
+# ---------------------------------------------------------------------------------------------
+# synchronous: one step against the whole model and against torch.distributed.pipelining
+
+
+class _Logits(nn.Module):
+    """A stage returning logits instead of the loss, for torch's schedules (they apply loss_fn)."""
+
+    def __init__(self, stage: nn.Module) -> None:
+        super().__init__()
+        self.stage = stage
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        s = self.stage
+        h = s.embed(x) if s.embed is not None else x
+        for layer in s.layers:
+            h = layer(h)
+        return h if s.head is None else s.head(h)
+
+
+def _loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+
+
+def torch_step(
+    name: str, stages: list[nn.Module], num_stages: int, m: int, group: dist.ProcessGroup
+) -> None:
+    """One SGD step of ``stages`` (this rank's) with torch's schedule of the same name."""
+    from torch.distributed import pipelining as pp
+
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    ids = list(range(rank, num_stages, world))
+    wrapped = [
+        pp.PipelineStage(_Logits(st), s, num_stages, torch.device("cpu"), group=group)
+        for s, st in zip(ids, stages, strict=True)
+    ]
+    if name == "interleaved":
+        schedule = pp.ScheduleInterleaved1F1B(wrapped, m, loss_fn=_loss_fn)
+    else:
+        cls = {"gpipe": pp.ScheduleGPipe, "1f1b": pp.Schedule1F1B}[name]
+        schedule = cls(wrapped[0], m, loss_fn=_loss_fn)
+    idx, targets = batch(0)
+    args = (idx,) if 0 in ids else ()
+    kwargs: dict[str, Any] = {"target": targets, "losses": []} if num_stages - 1 in ids else {}
+    schedule.step(*args, **kwargs)
+    with torch.no_grad():
+        for st in stages:
+            for p in st.parameters():
+                p -= LR * p.grad
+
+
+def _sync_case(name: str, m: int, virtual: int, group: dist.ProcessGroup) -> dict[str, Any]:
+    world = dist.get_world_size(group)
+    num_stages = world * virtual
+    layers = max(4, num_stages)
+    model = tiny_gpt(layers)
+    ranges = even_ranges(layers, num_stages)
+    ours = my_stages(split_gpt(copy.deepcopy(model), ranges), group)
+    theirs = my_stages(split_gpt(copy.deepcopy(model), ranges), group)
+    config = RuntimeConfig(schedule=name, microbatches=m, virtual_stages=virtual)
+    runtime = PipelineRuntime(config, stages=ours, weights=sgd_weights(ours), group=group)
+    (loss,) = runtime.train(1, batch, lambda _: LR)
+    torch_step(name, theirs, num_stages, m, group)
+    idx, targets = batch(0)
+    ref_loss = model(idx, targets)
+    ref_loss.backward()
+    with torch.no_grad():
+        for p in model.parameters():
+            p -= LR * p.grad
+    return {
+        "loss_diff": abs(loss - ref_loss.item()),
+        "vs_model": max_diff_to_model(model, ours),
+        "vs_torch": max_diff(ours, theirs),
+        "torch_vs_model": max_diff_to_model(model, theirs),
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# asynchronous: bit for bit against run_local, tau against the simulator
+
+ASYNC_CASES = {
+    "pipemare": ("pipemare", AsyncConfig(weights=WeightMode.CURRENT, lr_rescheduling=True)),
+    "pipemare+correction": (
+        "pipemare",
+        AsyncConfig(weights=WeightMode.CURRENT, correction=True, lr_rescheduling=True),
+    ),
+    "pipedream": ("pipedream", AsyncConfig(weights=WeightMode.STASH)),
+}
+
+
+def _async_case(key: str, m: int, steps: int, group: dist.ProcessGroup) -> dict[str, Any]:
+    name, async_config = ASYNC_CASES[key]
+    world = dist.get_world_size(group)
+    model = tiny_gpt(4)
+    ranges = even_ranges(4, world)
+    ours = my_stages(split_gpt(copy.deepcopy(model), ranges), group)
+    local = split_gpt(copy.deepcopy(model), ranges)
+
+    def lr_fn(step: int) -> float:
+        return 0.1 / (1 + step)
+
+    config = RuntimeConfig(schedule=name, microbatches=m)
+    runtime = PipelineRuntime(
+        config, stages=ours, weights=sgd_weights(ours, async_config, momentum=0.9), group=group
+    )
+    losses = runtime.train(steps, batch, lr_fn)
+    schedule = make_schedule(name, stages=world, microbatches=m, steps=steps)
+    result = run_local(
+        schedule, local, sgd_weights(local, async_config, momentum=0.9), batch, lr_fn
+    )
+    mine = set(range(dist.get_rank(group), world, world))
+    simulated = {k: v for k, v in simulate(schedule).delays.items() if k[0] in mine}
+    return {
+        "params_equal": all_equal(ours, my_stages(local, group)),
+        "losses_equal": losses == result.losses,
+        "delays_equal_local": runtime.delays
+        == {k: v for k, v in result.delays.items() if k[0] in mine},
+        "delays_equal_simulated": runtime.delays == simulated,
+        "max_delay": max(runtime.delays.values()),
+        "lrs_equal": runtime.lrs == {k: v for k, v in result.lrs.items() if k[0] in mine},
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# variable sequence length, tied weights, global clipping, checkpoint resume (1f1b, sync)
+
+MAX_NORM = 0.05
+
+
+def _resume_runtime(stages: list[nn.Module], group: dist.ProcessGroup) -> PipelineRuntime:
+    config = RuntimeConfig(
+        schedule="1f1b", microbatches=2, max_grad_norm=MAX_NORM, partition=((0, 2), (2, 4))
+    )
+    mine = my_stages(stages, group)
+    return PipelineRuntime(
+        config,
+        stages=mine,
+        weights=sgd_weights(mine, momentum=0.9),
+        tied=tied_parameters(stages),
+        group=group,
+    )
+
+
+def _clip_resume_case(folder: str, group: dist.ProcessGroup) -> dict[str, Any]:
+    model = tiny_gpt(4, tie=True)
+    ranges = even_ranges(4, 2)
+    full = _resume_runtime(split_gpt(copy.deepcopy(model), ranges), group)
+    losses = full.train(3, batch, lambda _: LR)
+
+    first = _resume_runtime(split_gpt(copy.deepcopy(model), ranges), group)
+    resumed_losses = first.train(1, batch, lambda _: LR)
+    first.save(folder)
+    second = _resume_runtime(split_gpt(copy.deepcopy(model), ranges), group)
+    resumed_at = second.load(folder)
+    resumed_losses += second.train(2, batch, lambda _: LR)
+
+    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
+    ref_losses, clipped = [], 0
+    for step in range(3):
+        loss = model(*batch(step))
+        loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
+        clipped += int(norm > MAX_NORM)
+        opt.step()
+        opt.zero_grad()
+        ref_losses.append(loss.item())
+    stages = list(full.modules.values())
+    return {
+        "vs_model": max_diff_to_model(model, stages),
+        "loss_diff": max(abs(a - b) for a, b in zip(losses, ref_losses, strict=True)),
+        "clipped_steps": clipped,
+        "resumed_at": resumed_at,
+        "resume_params_equal": all_equal(stages, list(second.modules.values())),
+        "resume_losses_equal": losses == resumed_losses,
+        "tied": bool(tied_parameters(split_gpt(copy.deepcopy(model), ranges))),
+    }
+
+
+def _refuses_tied_async(group: dist.ProcessGroup) -> str:
+    stages = split_gpt(tiny_gpt(4, tie=True), even_ranges(4, dist.get_world_size(group)))
+    mine = my_stages(stages, group)
+    try:
+        PipelineRuntime(
+            RuntimeConfig(schedule="pipemare", microbatches=2),
+            stages=mine,
+            weights=sgd_weights(mine),
+            tied=tied_parameters(stages),
+            group=group,
+        )
+    except ValueError as exc:
+        return str(exc)
+    return ""
+
+
+# ---------------------------------------------------------------------------------------------
+# the spawn: 4 ranks run the 4-rank cases on the world and, at the same time, the 2-rank cases on
+# the pairs {0, 1} and {2, 3} (so also on a pipeline group that is not the world)
+
+SYNC_CASES = {
+    2: [("gpipe", 4, 1), ("1f1b", 4, 1), ("interleaved", 2, 2)],
+    4: [("gpipe", 2, 1), ("1f1b", 4, 1), ("interleaved", 4, 2)],  # gpipe with m < p
+}
+ASYNC_RUNS = {2: ["pipemare", "pipemare+correction", "pipedream"], 4: ["pipemare", "pipedream"]}
+
+
+def _cases(world: int, group: dist.ProcessGroup, folder: str) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for name, m, v in SYNC_CASES[world]:
+        out[f"sync/{name}"] = _sync_case(name, m, v, group)
+    for key in ASYNC_RUNS[world]:
+        out[f"async/{key}"] = _async_case(key, m=2, steps=3, group=group)
+    if world == 2:
+        out["clip_resume"] = _clip_resume_case(folder, group)
+        out["tied_async"] = _refuses_tied_async(group)
+    return out
+
+
+def _worker(folder: str) -> dict[int, dict[str, Any]]:
+    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    pair = dist.get_rank() // 2
+    return {
+        4: _cases(4, dist.group.WORLD, folder),
+        2: _cases(2, pairs[pair], f"{folder}/pair{pair}"),
+    }
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory) -> dict[int, list[dict[str, Any]]]:
+    folder = str(tmp_path_factory.mktemp("pipeline-ckpt"))
+    per_rank = run_on_ranks(_worker, world_size=4, args=(folder,), timeout_s=180)
+    # results[world][rank in that world's group]: the pairs' ranks are 0, 1, 0, 1.
+    return {world: [r[world] for r in per_rank] for world in (2, 4)}
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_sync_schedules_equal_one_process_and_torch(results, world):
+    for rank_result in results[world]:
+        for name, _, _ in SYNC_CASES[world]:
+            r = rank_result[f"sync/{name}"]
+            assert r["loss_diff"] < ATOL, (name, r)
+            assert r["vs_model"] < ATOL, (name, r)
+            assert r["vs_torch"] < ATOL, (name, r)
+            assert r["torch_vs_model"] < ATOL, (name, r)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_async_schedules_equal_run_local_bit_for_bit(results, world):
+    for index, rank_result in enumerate(results[world]):
+        rank = index % world
+        for key in ASYNC_RUNS[world]:
+            r = rank_result[f"async/{key}"]
+            assert r["params_equal"] and r["losses_equal"] and r["lrs_equal"], (key, rank, r)
+            assert r["delays_equal_local"] and r["delays_equal_simulated"], (key, rank, r)
+            # Every stage but the last sees stale weights under 1F1B without a flush.
+            assert (r["max_delay"] >= 1) == (rank < world - 1), (key, rank, r)
+
+
+def test_variable_length_tied_clipping_and_resume(results):
+    for r in (rank_result["clip_resume"] for rank_result in results[2]):
+        assert r["tied"]
+        assert r["clipped_steps"] >= 1  # the clip was active
+        assert r["vs_model"] < ATOL and r["loss_diff"] < ATOL, r
+        assert r["resumed_at"] == 1
+        assert r["resume_params_equal"] and r["resume_losses_equal"], r
+
+
+def test_async_refuses_tied_weights(results):
+    for rank_result in results[2]:
+        assert "tie_embeddings=false" in rank_result["tied_async"]

@@ -1,0 +1,431 @@
+"""The distributed pipeline: one process per rank, point-to-point over ``torch.distributed``.
+
+:class:`PipelineRuntime` holds one rank's stages and runs the rank's program of a schedule with
+:class:`~tidal.pipeline.executor.RankExecutor` over a :class:`P2PTransport`. What a stage computes
+is exactly what :func:`~tidal.pipeline.executor.run_local` computes for it ([Note: one executor,
+bit-identical runs]); this module only adds the wire and the cross-rank steps of an update.
+
+[Note: point-to-point protocol]
+- Every message is a fixed-size int64 header ``(dtype code, ndim, dims..., 0 padding)`` followed
+  by the payload, so shapes are never inferred ahead of time: variable sequence lengths and
+  uneven microbatches just work.
+- Sends are ``isend`` and waited at the end of the program (or reaped once complete), so a rank
+  never blocks on a send: 1F1B's steady state (send forward, then wait for a gradient) cannot
+  deadlock. Receives block where the program needs the tensor.
+- Tags are not used to match messages (NCCL ignores them). Instead a receiver knows, from the
+  sender's program, the order in which that peer sends to it; a receive takes the peer's
+  messages in that order and parks any that arrive before the one it wants. Receiving an earlier
+  message never waits longer than the wanted one would, so this adds no deadlock.
+- NCCL is untested here (one GPU per machine): an ``isend`` followed by a blocking ``recv`` on
+  the same pair may serialise on NCCL's stream; gloo (CPU) is the tested backend.
+
+[Note: synchronous and asynchronous training]
+Synchronous schedules (gpipe, 1f1b, interleaved) run one flushed step per :meth:`train_step`;
+at the rank's first ``U`` of a step the tied copies' gradients are summed over point-to-point
+and the squared gradient norms are all-reduced over the pipeline group for global clipping.
+Asynchronous schedules (pipedream, 2bw, pipemare, pipemarew) have no flush, so :meth:`train`
+runs one long program over all its steps; each stage clips by its own norm and tied weights are
+refused. A checkpoint taken between two :meth:`train` calls of an asynchronous schedule is a
+flush point: the program ends with no microbatch in flight, so a resumed run equals an
+uninterrupted run of two programs, not of one program over all the steps. Gradient
+accumulation is the ``m`` microbatches of a step; to accumulate more, raise ``m``.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from tidal.config import ConfigError, require
+from tidal.pipeline.executor import (
+    BatchFn,
+    LrFn,
+    MessageKey,
+    Microbatches,
+    RankExecutor,
+    StageRunner,
+    StageWeightsLike,
+    TiedPair,
+    UpdateRules,
+    clip_coefficient,
+    grad_squares,
+    scale_grads,
+)
+from tidal.pipeline.ir import Kind, Schedule, with_communication
+from tidal.pipeline.schedules import SCHEDULE_NAMES, make_schedule
+
+__all__ = ["P2PTransport", "PipelineRuntime", "RuntimeConfig"]
+
+_MAX_DIMS = 8
+_DTYPES = (
+    torch.float32,
+    torch.float16,
+    torch.bfloat16,
+    torch.float64,
+    torch.int64,
+    torch.int32,
+    torch.bool,
+)
+_TIED_TAG = 1  # gloo matches by tag; tied-gradient exchanges never mix with activations
+
+
+class P2PTransport:
+    """Messages between ranks of a schedule over ``torch.distributed``.
+
+    See [Note: point-to-point protocol]. ``schedule`` must have its communication actions.
+    """
+
+    def __init__(
+        self,
+        schedule: Schedule,
+        rank: int,
+        *,
+        group: dist.ProcessGroup | None = None,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        self.schedule = schedule
+        self.rank = rank
+        self.group = group
+        self.device = torch.device(device)
+        self._pending: list[tuple[dist.Work, torch.Tensor, torch.Tensor]] = []
+        self._parked: dict[MessageKey, torch.Tensor] = {}
+        self._expected = {
+            peer: iter(self._sends_to(peer, rank)) for peer in range(schedule.num_ranks)
+        }
+        self.bytes_sent = 0
+
+    def _sends_to(self, sender: int, receiver: int) -> list[MessageKey]:
+        out = []
+        for a in self.schedule.programs[sender]:
+            if a.kind is Kind.SEND_FORWARD:
+                key = MessageKey(a.stage, a.stage + 1, a.microbatch)
+            elif a.kind is Kind.SEND_BACKWARD:
+                key = MessageKey(a.stage, a.stage - 1, a.microbatch)
+            else:
+                continue
+            if self.schedule.rank_of(key.dst_stage) == receiver:
+                out.append(key)
+        return out
+
+    def _global(self, rank: int) -> int:
+        return rank if self.group is None else dist.get_global_rank(self.group, rank)
+
+    def send(self, key: MessageKey, tensor: torch.Tensor) -> None:
+        require(
+            tensor.dtype in _DTYPES and tensor.dim() <= _MAX_DIMS,
+            "pipeline",
+            f"cannot send a {tensor.dtype} tensor of {tensor.dim()} dims between stages; "
+            f"supported: {_MAX_DIMS} dims of {', '.join(str(d) for d in _DTYPES)}",
+        )
+        payload = tensor.detach().contiguous()
+        header = torch.zeros(2 + _MAX_DIMS, dtype=torch.int64, device=payload.device)
+        header[0] = _DTYPES.index(payload.dtype)
+        header[1] = payload.dim()
+        header[2 : 2 + payload.dim()] = torch.tensor(payload.shape, dtype=torch.int64)
+        dst = self._global(self.schedule.rank_of(key.dst_stage))
+        work_h = dist.isend(header, dst=dst, group=self.group)
+        work_p = dist.isend(payload, dst=dst, group=self.group)
+        self._pending += [(work_h, header, header), (work_p, payload, header)]
+        self.bytes_sent += payload.numel() * payload.element_size()
+        self._pending = [item for item in self._pending if not item[0].is_completed()]
+
+    def _receive_next(self, src: int) -> torch.Tensor:
+        header = torch.empty(2 + _MAX_DIMS, dtype=torch.int64, device=self.device)
+        dist.recv(header, src=self._global(src), group=self.group)
+        dtype, ndim = _DTYPES[int(header[0])], int(header[1])
+        shape = [int(d) for d in header[2 : 2 + ndim]]
+        payload = torch.empty(shape, dtype=dtype, device=self.device)
+        dist.recv(payload, src=self._global(src), group=self.group)
+        return payload
+
+    def recv(self, key: MessageKey) -> torch.Tensor:
+        if key in self._parked:
+            return self._parked.pop(key)
+        src = self.schedule.rank_of(key.src_stage)
+        for expected in self._expected[src]:
+            tensor = self._receive_next(src)
+            if expected == key:
+                return tensor
+            self._parked[expected] = tensor
+        raise RuntimeError(f"rank {self.rank}: {key} is not among rank {src}'s sends")
+
+    def ready(self, key: MessageKey) -> bool:
+        return key in self._parked
+
+    def flush(self) -> None:
+        for work, _, _ in self._pending:
+            work.wait()
+        self._pending.clear()
+        assert not self._parked, f"rank {self.rank}: received but unused {sorted(self._parked)}"
+
+
+@dataclass(kw_only=True, frozen=True, slots=True)
+class RuntimeConfig:
+    """How :class:`PipelineRuntime` runs; the number of ranks is the pipeline group's size.
+
+    Attributes:
+        schedule: one of ``gpipe``, ``1f1b``, ``interleaved`` (synchronous) or ``pipedream``,
+            ``2bw``, ``pipemare``, ``pipemarew`` (asynchronous).
+        microbatches: ``m`` per optimizer step; may be below the number of ranks.
+        virtual_stages: chunks per rank (``interleaved`` only).
+        sync_steps: ``pipemarew``'s flushed warm-up steps, counted from step 0 of the run.
+        max_grad_norm: gradient clipping (see :class:`~tidal.pipeline.executor.UpdateRules`).
+        partition: the stages' block ranges, recorded in checkpoints and checked on load.
+    """
+
+    schedule: str = "1f1b"
+    microbatches: int
+    virtual_stages: int = 1
+    sync_steps: int = 0
+    max_grad_norm: float | None = None
+    partition: tuple[tuple[int, int], ...] = ()
+
+    def __post_init__(self) -> None:
+        require(
+            self.schedule in SCHEDULE_NAMES,
+            "schedule",
+            f"unknown {self.schedule!r}; choose one of {', '.join(SCHEDULE_NAMES)}",
+        )
+        require(self.microbatches >= 1, "microbatches", f"must be >= 1, got {self.microbatches}")
+        require(self.sync_steps >= 0, "sync_steps", f"must be >= 0, got {self.sync_steps}")
+
+    def make(self, num_ranks: int, steps: int, first_step: int = 0) -> Schedule:
+        """The schedule for ``steps`` steps starting at global step ``first_step``."""
+        return make_schedule(
+            self.schedule,
+            stages=num_ranks,
+            microbatches=self.microbatches,
+            virtual=self.virtual_stages,
+            steps=steps,
+            sync_steps=min(steps, max(0, self.sync_steps - first_step)),
+        )
+
+
+class PipelineRuntime:
+    """One rank's stages of a pipeline, trained over ``torch.distributed``.
+
+    ``stages`` / ``weights`` are this rank's, in stage order (rank ``r`` holds stages ``r,
+    r + p, ...``); ``tied`` the pairs of :func:`tidal.pipeline.split.tied_parameters` (global
+    stage indices); ``group`` the pipeline's process group (default: the world).
+    """
+
+    def __init__(
+        self,
+        config: RuntimeConfig,
+        *,
+        stages: Sequence[nn.Module],
+        weights: Sequence[StageWeightsLike],
+        tied: Sequence[TiedPair] = (),
+        group: dist.ProcessGroup | None = None,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        self.config = config
+        self.group = group
+        self.device = torch.device(device)
+        self.rank = dist.get_rank(group)
+        self.num_ranks = dist.get_world_size(group)
+        probe = config.make(self.num_ranks, steps=1)
+        self.asynchronous = probe.asynchronous
+        self.num_stages = probe.num_stages
+        self.stage_ids = probe.stages_of(self.rank)
+        require(
+            len(stages) == len(weights) == len(self.stage_ids),
+            "stages",
+            f"rank {self.rank} of {config.schedule} holds stages {self.stage_ids}; got "
+            f"{len(stages)} modules and {len(weights)} weights",
+        )
+        require(
+            not (self.asynchronous and tied),
+            "tie_embeddings",
+            f"{config.schedule} is asynchronous: the two copies of a tied matrix would update "
+            "at different times; set tie_embeddings=false",
+        )
+        require(
+            not config.partition or len(config.partition) == self.num_stages,
+            "partition",
+            f"{len(config.partition)} block ranges for {self.num_stages} stages",
+        )
+        self.modules = dict(zip(self.stage_ids, stages, strict=True))
+        self.weights = dict(zip(self.stage_ids, weights, strict=True))
+        self.rules = UpdateRules(max_grad_norm=config.max_grad_norm, tied=tuple(tied))
+        self.step = 0
+        self.delays: dict[tuple[int, int], int] = {}  # (stage, global microbatch) -> tau
+        self.lrs: dict[tuple[int, int], float] = {}  # (stage, step) -> learning rate used
+        self._runners: dict[int, StageRunner] = {}
+
+    # -- training ---------------------------------------------------------------------------
+
+    def train(self, num_steps: int, batch_fn: BatchFn, lr_fn: LrFn) -> list[float]:
+        """``num_steps`` optimizer steps; every rank gets the per-step losses.
+
+        ``batch_fn(step) -> (idx_BT, targets_BT)`` is called on the ranks holding the first or
+        the last stage, once per step; ``lr_fn(step)`` at each update. Synchronous schedules run
+        :meth:`train_step` per step, asynchronous ones one program over all the steps.
+        """
+        require(num_steps >= 1, "num_steps", f"must be >= 1, got {num_steps}")
+        if not self.asynchronous:
+            return [self.train_step(batch_fn, lr_fn) for _ in range(num_steps)]
+        return self._run(num_steps, batch_fn, lr_fn)
+
+    def train_step(self, batch_fn: BatchFn, lr_fn: LrFn) -> float:
+        """One flushed step of a synchronous schedule; returns its loss."""
+        require(
+            not self.asynchronous,
+            "schedule",
+            f"{self.config.schedule} is asynchronous: use train(num_steps, ...), one program "
+            "over every step",
+        )
+        return self._run(1, batch_fn, lr_fn)[0]
+
+    def _run(self, num_steps: int, batch_fn: BatchFn, lr_fn: LrFn) -> list[float]:
+        schedule = with_communication(self.config.make(self.num_ranks, num_steps, self.step))
+        last = self.num_stages - 1
+        uses = sum(s in (0, last) for s in self.stage_ids) + (last == 0)
+        executor = RankExecutor(
+            schedule=schedule,
+            rank=self.rank,
+            modules=self.modules,
+            weights=self.weights,
+            transport=P2PTransport(schedule, self.rank, group=self.group, device=self.device),
+            data=Microbatches(batch_fn, self.config.microbatches, step_offset=self.step, uses=uses),
+            lr_fn=lr_fn,
+            rules=self.rules,
+            prepare_step=self._prepare_step,
+            step_offset=self.step,
+        )
+        self._runners = executor.runners
+        executor.run()
+        first_mb = self.step * self.config.microbatches
+        for s, runner in executor.runners.items():
+            self.delays.update({(s, first_mb + mb): tau for mb, tau in runner.delays.items()})
+        self.lrs.update(executor.lrs)
+        losses = torch.zeros(num_steps, dtype=torch.float64)
+        if last in self.stage_ids:
+            losses = torch.tensor(executor.step_losses(num_steps), dtype=torch.float64)
+        losses = losses.to(self._collective_device())
+        dist.broadcast(losses, src=self._global(schedule.rank_of(last)), group=self.group)
+        self.step += num_steps
+        return [float(x) for x in losses.cpu()]
+
+    def _collective_device(self) -> torch.device:
+        return self.device if dist.get_backend(self.group) == "nccl" else torch.device("cpu")
+
+    def _global(self, rank: int) -> int:
+        return rank if self.group is None else dist.get_global_rank(self.group, rank)
+
+    # -- the synchronous update --------------------------------------------------------------
+
+    def _prepare_step(self, step: int) -> None:
+        """Tied-gradient sum, then global-norm clipping, over the pipeline group."""
+        for pair in self.rules.tied:
+            self._sum_tied(pair)
+        if self.rules.max_grad_norm is None:
+            return
+        squares = sum(
+            (grad_squares(self._runners[s], self.rules) for s in self.stage_ids),
+            start=torch.zeros((), dtype=torch.float32),
+        )
+        squares = squares.to(self._collective_device())
+        dist.all_reduce(squares, group=self.group)
+        factor = clip_coefficient(squares.cpu().sqrt(), self.rules.max_grad_norm)
+        for s in self.stage_ids:
+            scale_grads(self._runners[s], factor)
+
+    def _sum_tied(self, pair: TiedPair) -> None:
+        """Both copies' gradients become ``first + second`` (same order on both ranks)."""
+        (sa, na), (sb, nb) = pair
+        mine = [(s, n) for s, n in pair if s in self.modules]
+        if not mine:
+            return
+        grads = {(s, n): dict(self.modules[s].named_parameters())[n].grad for s, n in mine}
+        for key, g in grads.items():
+            assert g is not None, f"tied parameter {key} has no gradient"
+        if len(mine) == 2:
+            total = grads[sa, na] + grads[sb, nb]
+        else:
+            (own,) = mine
+            peer_stage = sb if own[0] == sa else sa
+            peer = self._global(peer_stage % self.num_ranks)
+            g = grads[own]
+            other = torch.empty_like(g)
+            work = dist.isend(g.contiguous(), dst=peer, group=self.group, tag=_TIED_TAG)
+            dist.recv(other, src=peer, group=self.group, tag=_TIED_TAG)
+            work.wait()
+            total = g + other if own[0] == sa else other + g
+        for g in grads.values():
+            g.copy_(total)
+
+    # -- checkpoints -------------------------------------------------------------------------
+
+    def save(self, folder: str | os.PathLike[str], step: int | None = None) -> list[Path]:
+        """Write ``stage-{s}.pt`` for each stage of this rank; returns the paths."""
+        folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        paths = []
+        for s in self.stage_ids:
+            path = folder / f"stage-{s}.pt"
+            tmp = path.with_suffix(".pt.tmp")
+            torch.save(self._stage_state(s, self.step if step is None else step), tmp)
+            os.replace(tmp, path)  # a crash mid-write leaves the previous checkpoint intact
+            paths.append(path)
+        return paths
+
+    def _stage_state(self, s: int, step: int) -> dict[str, Any]:
+        weights = self.weights[s]
+        optimizer = getattr(weights, "optimizer", None)
+        return {
+            "stage": s,
+            "num_stages": self.num_stages,
+            "schedule": self.config.schedule,
+            "microbatches": self.config.microbatches,
+            "partition": [list(r) for r in self.config.partition],
+            "step": step,
+            "module": self.modules[s].state_dict(),
+            "weights": _state_dict(weights),
+            "optimizer": None if optimizer is None else optimizer.state_dict(),
+        }
+
+    def load(self, folder: str | os.PathLike[str]) -> int:
+        """Restore this rank's stages from :meth:`save`'s files; returns the step to resume at."""
+        steps = set()
+        for s in self.stage_ids:
+            path = Path(folder) / f"stage-{s}.pt"
+            require(path.exists(), "checkpoint", f"{path} is missing; save() writes it")
+            state = torch.load(path, map_location=self.device, weights_only=False)
+            self._check(state, path)
+            self.modules[s].load_state_dict(state["module"])
+            weights = self.weights[s]
+            if state["optimizer"] is not None:
+                weights.optimizer.load_state_dict(state["optimizer"])  # type: ignore[attr-defined]
+            if state["weights"] is not None:
+                weights.load_state_dict(state["weights"])  # type: ignore[attr-defined]
+            steps.add(int(state["step"]))
+        require(len(steps) == 1, "checkpoint", f"stages of {folder} are at steps {sorted(steps)}")
+        (self.step,) = steps
+        return self.step
+
+    def _check(self, state: dict[str, Any], path: Path) -> None:
+        expected = {
+            "num_stages": self.num_stages,
+            "schedule": self.config.schedule,
+            "partition": [list(r) for r in self.config.partition],
+        }
+        for key, want in expected.items():
+            if state[key] != want:
+                raise ConfigError(
+                    "checkpoint",
+                    f"{path} was saved with {key}={state[key]!r}, this run has {want!r}; "
+                    "resume with the same schedule and partition",
+                )
+
+
+def _state_dict(weights: StageWeightsLike) -> Any:
+    fn: Callable[[], Any] | None = getattr(weights, "state_dict", None)
+    return None if fn is None else fn()
