@@ -32,6 +32,7 @@ from tidal.testing import run_on_ranks
 LR = 0.5
 ATOL = 1e-6
 SEQ_BY_STEP = (8, 5, 7)  # variable sequence length across steps
+ROWS_BY_STEP = (4, 5, 3)  # and uneven microbatches (m = 2) after step 0
 
 
 def tiny_gpt(layers: int, *, tie: bool = False) -> nn.Module:
@@ -43,7 +44,9 @@ def tiny_gpt(layers: int, *, tie: bool = False) -> nn.Module:
 
 def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(100 + step)
-    tokens = torch.randint(0, 64, (4, SEQ_BY_STEP[step % 3] + 1), generator=gen)
+    tokens = torch.randint(
+        0, 64, (ROWS_BY_STEP[step % 3], SEQ_BY_STEP[step % 3] + 1), generator=gen
+    )
     return tokens[:, :-1], tokens[:, 1:]
 
 

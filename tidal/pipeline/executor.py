@@ -1,5 +1,8 @@
 """The per-rank interpreter of a :class:`~tidal.pipeline.ir.Schedule`, and a one-process runner.
 
+Messages (:class:`Transport`, :class:`LocalTransport`, :class:`MessageKey`) live in
+:mod:`tidal.pipeline.p2p` and are re-exported here.
+
 One :class:`RankExecutor` walks one rank's program and owns a :class:`StageRunner` per stage of
 that rank. :func:`run_local` drives every rank's executor in this process over a
 :class:`LocalTransport`: the single-process simulator of a pipeline's weight delays.
@@ -30,7 +33,6 @@ correct zero-bubble semantics, not zero-bubble speed. No generated schedule has 
 
 from __future__ import annotations
 
-import enum
 import itertools
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager
@@ -42,6 +44,13 @@ from torch import nn
 
 from tidal.config import ConfigError, require
 from tidal.pipeline.ir import Action, Kind, Schedule, with_communication
+from tidal.pipeline.p2p import (
+    Direction,
+    LocalTransport,
+    MessageKey,
+    PipelineDeadlock,
+    Transport,
+)
 
 __all__ = [
     "Direction",
@@ -64,76 +73,6 @@ BatchFn = Callable[[int], tuple[torch.Tensor, torch.Tensor]]
 LrFn = Callable[[int], float]
 # ((stage, parameter name), (stage, parameter name)): one matrix held by two stages.
 TiedPair = tuple[tuple[int, str], tuple[int, str]]
-
-
-class PipelineDeadlock(RuntimeError):
-    """No rank can run its next action: the programs wait on each other."""
-
-
-class Direction(enum.Enum):
-    FORWARD = "forward"  # an activation, stage s -> s + 1
-    BACKWARD = "backward"  # the gradient of an activation, stage s -> s - 1
-
-
-@dataclass(frozen=True, slots=True, order=True)
-class MessageKey:
-    """One point-to-point message: ``src_stage`` sends it to ``dst_stage`` for ``microbatch``."""
-
-    src_stage: int
-    dst_stage: int
-    microbatch: int
-
-    def __post_init__(self) -> None:
-        assert abs(self.src_stage - self.dst_stage) == 1, self
-
-    @property
-    def direction(self) -> Direction:
-        return Direction.FORWARD if self.dst_stage > self.src_stage else Direction.BACKWARD
-
-
-class Transport(Protocol):
-    """Moves one tensor per :class:`MessageKey` between stages on different ranks."""
-
-    def send(self, key: MessageKey, tensor: torch.Tensor) -> None:
-        """Start sending; never blocks on the receiver."""
-        ...
-
-    def recv(self, key: MessageKey) -> torch.Tensor:
-        """The tensor sent under ``key``; may block until it arrives."""
-        ...
-
-    def ready(self, key: MessageKey) -> bool:
-        """Whether :meth:`recv` would return without waiting on another rank's progress."""
-        ...
-
-    def flush(self) -> None:
-        """Wait until every send has completed."""
-        ...
-
-
-class LocalTransport:
-    """In-process messages for :func:`run_local`: a dict from key to tensor."""
-
-    def __init__(self) -> None:
-        self._messages: dict[MessageKey, torch.Tensor] = {}
-
-    def send(self, key: MessageKey, tensor: torch.Tensor) -> None:
-        assert key not in self._messages, f"{key} sent twice"
-        self._messages[key] = tensor.detach()
-
-    def recv(self, key: MessageKey) -> torch.Tensor:
-        if key not in self._messages:
-            raise PipelineDeadlock(f"receive of {key} before its send")
-        return self._messages.pop(key)
-
-    def ready(self, key: MessageKey) -> bool:
-        return key in self._messages
-
-    def flush(self) -> None:
-        pass
-
-    def __len__(self) -> int:
-        return len(self._messages)
 
 
 class StageWeightsLike(Protocol):

@@ -5,20 +5,6 @@
 is exactly what :func:`~tidal.pipeline.executor.run_local` computes for it ([Note: one executor,
 bit-identical runs]); this module only adds the wire and the cross-rank steps of an update.
 
-[Note: point-to-point protocol]
-- Every message is a fixed-size int64 header ``(dtype code, ndim, dims..., 0 padding)`` followed
-  by the payload, so shapes are never inferred ahead of time: variable sequence lengths and
-  uneven microbatches just work.
-- Sends are ``isend`` and waited at the end of the program (or reaped once complete), so a rank
-  never blocks on a send: 1F1B's steady state (send forward, then wait for a gradient) cannot
-  deadlock. Receives block where the program needs the tensor.
-- Tags are not used to match messages (NCCL ignores them). Instead a receiver knows, from the
-  sender's program, the order in which that peer sends to it; a receive takes the peer's
-  messages in that order and parks any that arrive before the one it wants. Receiving an earlier
-  message never waits longer than the wanted one would, so this adds no deadlock.
-- NCCL is untested here (one GPU per machine): an ``isend`` followed by a blocking ``recv`` on
-  the same pair may serialise on NCCL's stream; gloo (CPU) is the tested backend.
-
 [Note: synchronous and asynchronous training]
 Synchronous schedules (gpipe, 1f1b, interleaved) run one flushed step per :meth:`train_step`;
 at the rank's first ``U`` of a step the tied copies' gradients are summed over point-to-point
@@ -47,7 +33,6 @@ from tidal.config import ConfigError, require
 from tidal.pipeline.executor import (
     BatchFn,
     LrFn,
-    MessageKey,
     Microbatches,
     RankExecutor,
     StageRunner,
@@ -58,112 +43,13 @@ from tidal.pipeline.executor import (
     grad_squares,
     scale_grads,
 )
-from tidal.pipeline.ir import Kind, Schedule, with_communication
+from tidal.pipeline.ir import Schedule, with_communication
+from tidal.pipeline.p2p import P2PTransport
 from tidal.pipeline.schedules import SCHEDULE_NAMES, make_schedule
 
 __all__ = ["P2PTransport", "PipelineRuntime", "RuntimeConfig"]
 
-_MAX_DIMS = 8
-_DTYPES = (
-    torch.float32,
-    torch.float16,
-    torch.bfloat16,
-    torch.float64,
-    torch.int64,
-    torch.int32,
-    torch.bool,
-)
 _TIED_TAG = 1  # gloo matches by tag; tied-gradient exchanges never mix with activations
-
-
-class P2PTransport:
-    """Messages between ranks of a schedule over ``torch.distributed``.
-
-    See [Note: point-to-point protocol]. ``schedule`` must have its communication actions.
-    """
-
-    def __init__(
-        self,
-        schedule: Schedule,
-        rank: int,
-        *,
-        group: dist.ProcessGroup | None = None,
-        device: torch.device | str = "cpu",
-    ) -> None:
-        self.schedule = schedule
-        self.rank = rank
-        self.group = group
-        self.device = torch.device(device)
-        self._pending: list[tuple[dist.Work, torch.Tensor, torch.Tensor]] = []
-        self._parked: dict[MessageKey, torch.Tensor] = {}
-        self._expected = {
-            peer: iter(self._sends_to(peer, rank)) for peer in range(schedule.num_ranks)
-        }
-        self.bytes_sent = 0
-
-    def _sends_to(self, sender: int, receiver: int) -> list[MessageKey]:
-        out = []
-        for a in self.schedule.programs[sender]:
-            if a.kind is Kind.SEND_FORWARD:
-                key = MessageKey(a.stage, a.stage + 1, a.microbatch)
-            elif a.kind is Kind.SEND_BACKWARD:
-                key = MessageKey(a.stage, a.stage - 1, a.microbatch)
-            else:
-                continue
-            if self.schedule.rank_of(key.dst_stage) == receiver:
-                out.append(key)
-        return out
-
-    def _global(self, rank: int) -> int:
-        return rank if self.group is None else dist.get_global_rank(self.group, rank)
-
-    def send(self, key: MessageKey, tensor: torch.Tensor) -> None:
-        require(
-            tensor.dtype in _DTYPES and tensor.dim() <= _MAX_DIMS,
-            "pipeline",
-            f"cannot send a {tensor.dtype} tensor of {tensor.dim()} dims between stages; "
-            f"supported: {_MAX_DIMS} dims of {', '.join(str(d) for d in _DTYPES)}",
-        )
-        payload = tensor.detach().contiguous()
-        header = torch.zeros(2 + _MAX_DIMS, dtype=torch.int64, device=payload.device)
-        header[0] = _DTYPES.index(payload.dtype)
-        header[1] = payload.dim()
-        header[2 : 2 + payload.dim()] = torch.tensor(payload.shape, dtype=torch.int64)
-        dst = self._global(self.schedule.rank_of(key.dst_stage))
-        work_h = dist.isend(header, dst=dst, group=self.group)
-        work_p = dist.isend(payload, dst=dst, group=self.group)
-        self._pending += [(work_h, header, header), (work_p, payload, header)]
-        self.bytes_sent += payload.numel() * payload.element_size()
-        self._pending = [item for item in self._pending if not item[0].is_completed()]
-
-    def _receive_next(self, src: int) -> torch.Tensor:
-        header = torch.empty(2 + _MAX_DIMS, dtype=torch.int64, device=self.device)
-        dist.recv(header, src=self._global(src), group=self.group)
-        dtype, ndim = _DTYPES[int(header[0])], int(header[1])
-        shape = [int(d) for d in header[2 : 2 + ndim]]
-        payload = torch.empty(shape, dtype=dtype, device=self.device)
-        dist.recv(payload, src=self._global(src), group=self.group)
-        return payload
-
-    def recv(self, key: MessageKey) -> torch.Tensor:
-        if key in self._parked:
-            return self._parked.pop(key)
-        src = self.schedule.rank_of(key.src_stage)
-        for expected in self._expected[src]:
-            tensor = self._receive_next(src)
-            if expected == key:
-                return tensor
-            self._parked[expected] = tensor
-        raise RuntimeError(f"rank {self.rank}: {key} is not among rank {src}'s sends")
-
-    def ready(self, key: MessageKey) -> bool:
-        return key in self._parked
-
-    def flush(self) -> None:
-        for work, _, _ in self._pending:
-            work.wait()
-        self._pending.clear()
-        assert not self._parked, f"rank {self.rank}: received but unused {sorted(self._parked)}"
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)
@@ -398,7 +284,7 @@ class PipelineRuntime:
         for s in self.stage_ids:
             path = Path(folder) / f"stage-{s}.pt"
             require(path.exists(), "checkpoint", f"{path} is missing; save() writes it")
-            state = torch.load(path, map_location=self.device, weights_only=False)
+            state = torch.load(path, map_location=self.device, weights_only=True)
             self._check(state, path)
             self.modules[s].load_state_dict(state["module"])
             weights = self.weights[s]

@@ -1,0 +1,213 @@
+"""Point-to-point messages between pipeline stages: in one process or over ``torch.distributed``.
+
+A :class:`Transport` moves one tensor per :class:`MessageKey` (source stage, destination stage,
+microbatch). :class:`LocalTransport` is a dict, for :func:`~tidal.pipeline.executor.run_local`;
+:class:`P2PTransport` speaks ``torch.distributed`` for one process per rank.
+
+[Note: point-to-point protocol]
+- Every message is a fixed-size int64 header ``(dtype code, ndim, dims..., 0 padding)`` followed
+  by the payload, so shapes are never inferred ahead of time: variable sequence lengths and
+  uneven microbatches just work.
+- Sends are ``isend`` and waited at the end of the program (or reaped once complete), so a rank
+  never blocks on a send: 1F1B's steady state (send forward, then wait for a gradient) cannot
+  deadlock. Receives block where the program needs the tensor.
+- Tags are not used to match messages (NCCL ignores them). Instead a receiver knows, from the
+  sender's program, the order in which that peer sends to it; a receive takes the peer's
+  messages in that order and parks any that arrive before the one it wants. Receiving an earlier
+  message never waits longer than the wanted one would, so this adds no deadlock.
+- NCCL is untested here (one GPU per machine): an ``isend`` followed by a blocking ``recv`` on
+  the same pair may serialise on NCCL's stream; gloo (CPU) is the tested backend.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+import torch.distributed as dist
+
+from tidal.config import require
+from tidal.pipeline.ir import Kind, Schedule
+
+__all__ = [
+    "Direction",
+    "LocalTransport",
+    "MessageKey",
+    "P2PTransport",
+    "PipelineDeadlock",
+    "Transport",
+]
+
+
+class PipelineDeadlock(RuntimeError):
+    """No rank can run its next action: the programs wait on each other."""
+
+
+class Direction(enum.Enum):
+    FORWARD = "forward"  # an activation, stage s -> s + 1
+    BACKWARD = "backward"  # the gradient of an activation, stage s -> s - 1
+
+
+@dataclass(frozen=True, slots=True, order=True)
+class MessageKey:
+    """One point-to-point message: ``src_stage`` sends it to ``dst_stage`` for ``microbatch``."""
+
+    src_stage: int
+    dst_stage: int
+    microbatch: int
+
+    def __post_init__(self) -> None:
+        assert abs(self.src_stage - self.dst_stage) == 1, self
+
+    @property
+    def direction(self) -> Direction:
+        return Direction.FORWARD if self.dst_stage > self.src_stage else Direction.BACKWARD
+
+
+class Transport(Protocol):
+    """Moves one tensor per :class:`MessageKey` between stages on different ranks."""
+
+    def send(self, key: MessageKey, tensor: torch.Tensor) -> None:
+        """Start sending; never blocks on the receiver."""
+        ...
+
+    def recv(self, key: MessageKey) -> torch.Tensor:
+        """The tensor sent under ``key``; may block until it arrives."""
+        ...
+
+    def ready(self, key: MessageKey) -> bool:
+        """Whether :meth:`recv` would return without waiting on another rank's progress."""
+        ...
+
+    def flush(self) -> None:
+        """Wait until every send has completed."""
+        ...
+
+
+class LocalTransport:
+    """In-process messages for :func:`run_local`: a dict from key to tensor."""
+
+    def __init__(self) -> None:
+        self._messages: dict[MessageKey, torch.Tensor] = {}
+
+    def send(self, key: MessageKey, tensor: torch.Tensor) -> None:
+        assert key not in self._messages, f"{key} sent twice"
+        self._messages[key] = tensor.detach()
+
+    def recv(self, key: MessageKey) -> torch.Tensor:
+        if key not in self._messages:
+            raise PipelineDeadlock(f"receive of {key} before its send")
+        return self._messages.pop(key)
+
+    def ready(self, key: MessageKey) -> bool:
+        return key in self._messages
+
+    def flush(self) -> None:
+        pass
+
+    def __len__(self) -> int:
+        return len(self._messages)
+
+
+_MAX_DIMS = 8
+_DTYPES = (
+    torch.float32,
+    torch.float16,
+    torch.bfloat16,
+    torch.float64,
+    torch.int64,
+    torch.int32,
+    torch.bool,
+)
+
+
+class P2PTransport:
+    """Messages between ranks of a schedule over ``torch.distributed``.
+
+    See [Note: point-to-point protocol]. ``schedule`` must have its communication actions.
+    """
+
+    def __init__(
+        self,
+        schedule: Schedule,
+        rank: int,
+        *,
+        group: dist.ProcessGroup | None = None,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        self.schedule = schedule
+        self.rank = rank
+        self.group = group
+        self.device = torch.device(device)
+        self._pending: list[tuple[dist.Work, torch.Tensor, torch.Tensor]] = []
+        self._parked: dict[MessageKey, torch.Tensor] = {}
+        self._expected = {
+            peer: iter(self._sends_to(peer, rank)) for peer in range(schedule.num_ranks)
+        }
+        self.bytes_sent = 0
+
+    def _sends_to(self, sender: int, receiver: int) -> list[MessageKey]:
+        out = []
+        for a in self.schedule.programs[sender]:
+            if a.kind is Kind.SEND_FORWARD:
+                key = MessageKey(a.stage, a.stage + 1, a.microbatch)
+            elif a.kind is Kind.SEND_BACKWARD:
+                key = MessageKey(a.stage, a.stage - 1, a.microbatch)
+            else:
+                continue
+            if self.schedule.rank_of(key.dst_stage) == receiver:
+                out.append(key)
+        return out
+
+    def _global(self, rank: int) -> int:
+        return rank if self.group is None else dist.get_global_rank(self.group, rank)
+
+    def send(self, key: MessageKey, tensor: torch.Tensor) -> None:
+        require(
+            tensor.dtype in _DTYPES and tensor.dim() <= _MAX_DIMS,
+            "pipeline",
+            f"cannot send a {tensor.dtype} tensor of {tensor.dim()} dims between stages; "
+            f"supported: {_MAX_DIMS} dims of {', '.join(str(d) for d in _DTYPES)}",
+        )
+        payload = tensor.detach().contiguous()
+        header = torch.zeros(2 + _MAX_DIMS, dtype=torch.int64, device=payload.device)
+        header[0] = _DTYPES.index(payload.dtype)
+        header[1] = payload.dim()
+        header[2 : 2 + payload.dim()] = torch.tensor(payload.shape, dtype=torch.int64)
+        dst = self._global(self.schedule.rank_of(key.dst_stage))
+        work_h = dist.isend(header, dst=dst, group=self.group)
+        work_p = dist.isend(payload, dst=dst, group=self.group)
+        self._pending += [(work_h, header, header), (work_p, payload, header)]
+        self.bytes_sent += payload.numel() * payload.element_size()
+        self._pending = [item for item in self._pending if not item[0].is_completed()]
+
+    def _receive_next(self, src: int) -> torch.Tensor:
+        header = torch.empty(2 + _MAX_DIMS, dtype=torch.int64, device=self.device)
+        dist.recv(header, src=self._global(src), group=self.group)
+        dtype, ndim = _DTYPES[int(header[0])], int(header[1])
+        shape = [int(d) for d in header[2 : 2 + ndim]]
+        payload = torch.empty(shape, dtype=dtype, device=self.device)
+        dist.recv(payload, src=self._global(src), group=self.group)
+        return payload
+
+    def recv(self, key: MessageKey) -> torch.Tensor:
+        if key in self._parked:
+            return self._parked.pop(key)
+        src = self.schedule.rank_of(key.src_stage)
+        for expected in self._expected[src]:
+            tensor = self._receive_next(src)
+            if expected == key:
+                return tensor
+            self._parked[expected] = tensor
+        raise RuntimeError(f"rank {self.rank}: {key} is not among rank {src}'s sends")
+
+    def ready(self, key: MessageKey) -> bool:
+        return key in self._parked
+
+    def flush(self) -> None:
+        for work, _, _ in self._pending:
+            work.wait()
+        self._pending.clear()
+        assert not self._parked, f"rank {self.rank}: received but unused {sorted(self._parked)}"
