@@ -7,6 +7,7 @@ the gradients) and the loss of one step of the whole model on the whole batch.
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -21,7 +22,7 @@ from tidal.pipeline.executor import (
     UpdateRules,
     run_local,
 )
-from tidal.pipeline.ir import Schedule, parse_program
+from tidal.pipeline.ir import Action, Kind, Schedule, parse_program
 from tidal.pipeline.pipemare import AsyncConfig, StageWeights, WeightMode
 from tidal.pipeline.schedules import make_schedule
 from tidal.pipeline.simulate import simulate
@@ -104,6 +105,31 @@ def test_sync_step_equals_whole_model(name, ranks, m, virtual):
     assert_stages_match(model, stages)
     assert result.losses == pytest.approx([ref_loss], abs=ATOL)
     assert set(result.delays.values()) == {0}  # a flushed step has no delay
+
+
+def test_split_weight_gradient_actions():
+    # 1F1B with every B split into B (input gradient) and a later W (weight gradient).
+    model = tiny_gpt()
+    base = make_schedule("1f1b", stages=2, microbatches=2)
+    programs = []
+    for program in base.programs:
+        out, deferred = [], []
+        for a in program:
+            if a.kind is Kind.UPDATE:
+                out += deferred
+            out.append(a)
+            if a.kind is Kind.BACKWARD:
+                deferred.append(
+                    Action(stage=a.stage, kind=Kind.WEIGHT_GRAD, microbatch=a.microbatch)
+                )
+        programs.append(tuple(out))
+    schedule = dataclasses.replace(base, programs=tuple(programs))
+    assert sum(a.kind is Kind.WEIGHT_GRAD for _, a in schedule.actions()) == 4
+    stages = split_gpt(copy.deepcopy(model), even_ranges(4, 2))
+    result = run_local(schedule, stages, stage_weights(stages), batch, lambda _: LR)
+    ref_loss = reference_step(model, batch)
+    assert_stages_match(model, stages)
+    assert result.losses == pytest.approx([ref_loss], abs=ATOL)
 
 
 def test_uneven_microbatches_tied_and_clipped():
