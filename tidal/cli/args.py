@@ -68,6 +68,17 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
         "training.batch_size is the global batch, split over them (default 1: this process)",
     )  # fmt: skip
     train.add_argument(
+        "--pipeline-stages", type=int, default=None, metavar="P",
+        help="train as a pipeline of P stages, one process each (sets pipeline.stages and "
+        "--nproc P); the [pipeline] section holds microbatches, partition and PipeMare's knobs",
+    )  # fmt: skip
+    train.add_argument(
+        "--schedule", default=None,
+        choices=("gpipe", "1f1b", "interleaved", "pipedream", "2bw", "pipemare", "pipemarew"),
+        help="the pipeline schedule (sets pipeline.schedule; default 1f1b): gpipe, 1f1b and "
+        "interleaved are synchronous, the rest update weights with microbatches in flight",
+    )  # fmt: skip
+    train.add_argument(
         "--plan", default=None, metavar="PATH",
         help="train as the plan `tidal plan --json PATH` wrote says (tensor / sequence "
         "parallel, ZeRO, recompute), on its dp x tp ranks (with --nproc dp*tp)",

@@ -42,9 +42,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     try:
         if args.command == "train":
+            _pipeline_flags(args)
             if args.nproc != 1:
                 return _launch(args, argv)
-            return _train(args, console)
+            return _train(args, console, argv)
         if args.command == "plan":
             from tidal.cli.plan import run_plan
 
@@ -79,7 +80,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     raise AssertionError(f"unhandled command {args.command!r}")
 
 
-def _train(args: argparse.Namespace, console: Console) -> int:
+def _pipeline_flags(args: argparse.Namespace) -> None:
+    """``--pipeline-stages P --schedule S``: overrides of ``[pipeline]``, and P processes."""
+    import os
+
+    if args.schedule is not None:
+        args.overrides = [*args.overrides, f"pipeline.schedule={args.schedule}"]
+    if args.pipeline_stages is None:
+        return
+    args.overrides = [*args.overrides, f"pipeline.stages={args.pipeline_stages}"]
+    under_torchrun = (
+        "TORCHELASTIC_RUN_ID" in os.environ or int(os.environ.get("WORLD_SIZE", "1")) > 1
+    )
+    if args.nproc == 1 and not under_torchrun:
+        args.nproc = args.pipeline_stages
+
+
+def _train(args: argparse.Namespace, console: Console, argv: list[str]) -> int:
+    import os
+
     from tidal.cli.progress import RichProgress
     from tidal.engine import Trainer, load_job
 
@@ -87,7 +106,15 @@ def _train(args: argparse.Namespace, console: Console) -> int:
     from tidal.engine.job import find_recipe
 
     job = load_job(find_recipe(args.recipe), args.overrides)
-    trainer = Trainer(job, plan=args.plan)
+    if job.pipeline.stages > 1 or args.pipeline_stages is not None:
+        if job.pipeline.stages > 1 and int(os.environ.get("WORLD_SIZE", "1")) == 1:
+            args.nproc = job.pipeline.stages  # a recipe's [pipeline] stages: one rank each
+            return _launch(args, argv)
+        from tidal.engine.pipeline_trainer import PipelineTrainer
+
+        trainer = PipelineTrainer(job)
+    else:
+        trainer = Trainer(job, plan=args.plan)
     trainer.fit(resume=args.resume, overwrite=args.overwrite, callbacks=[RichProgress(console)])
     if trainer.distributed:
         from tidal.distributed import shutdown
@@ -121,6 +148,10 @@ def _launch(args: argparse.Namespace, argv: list[str]) -> int:
         from tidal.engine.plan_engine import check_plan_job, load_plan
 
         check_plan_job(load_plan(args.plan), job, world_size=args.nproc)
+    elif job.pipeline.stages > 1 or args.pipeline_stages is not None:
+        from tidal.engine.pipeline_trainer import check_pipeline_job
+
+        check_pipeline_job(job, world_size=args.nproc)
     else:
         rank_rows(job.training.batch_size, rank=0, world_size=args.nproc)
     check_run_dir(job.run_path, resume=args.resume, overwrite=args.overwrite)

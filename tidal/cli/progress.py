@@ -50,6 +50,8 @@ class RichProgress(Callback):
         verb = f"resuming at step {start_step}" if start_step else "starting"
         plan = trainer.plan
         engine = f"plan dp {plan.dp} x tp {plan.tp}" if plan is not None else f"{job.engine} engine"
+        if job.pipeline.stages > 1:
+            engine = f"pipeline of {job.pipeline.stages} stages, {job.pipeline.schedule}"
         self.console.print(
             f"[bold]{job.name}[/]: {verb}; {job.model.preset} with {trainer.num_params:,} "
             f"params on {trainer.device} ({job.training.precision}, {engine}); "
