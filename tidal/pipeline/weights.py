@@ -243,6 +243,7 @@ class _Packer:
         shape = (tuple(t.shape), t.dtype)
         if (
             t.is_floating_point()
+            and t.dim() >= 2  # matrices: a vector activation may match a bias by chance
             and shape not in self.shapes
             and any(shape[0] == s for s, _ in self.shapes)
         ):
