@@ -1,5 +1,43 @@
-"""Pipeline parallelism: schedules as data, a simulator, a partitioner, a stage runtime, PipeMare."""
+"""Pipeline parallelism: schedules as data, a simulator, a partitioner, a stage runtime, PipeMare.
 
+Map (docs/pipeline.md): ``ir`` (actions and programs) -> ``schedules`` (generators) ->
+``simulate`` (discrete-event timing) ; ``split`` and ``partition`` (stages of a model) ->
+``weights``/``pipemare`` (per-stage versions, delays, redirection) -> ``executor`` (one interpreter;
+``run_local``: every stage in one process) -> ``runtime`` (one process per rank over
+``torch.distributed``). ``tidal.engine.pipeline_trainer`` trains a recipe with it.
+"""
+
+from tidal.pipeline.config import PipelineConfig
+from tidal.pipeline.executor import UpdateRules, run_local
 from tidal.pipeline.ir import Action, Kind, Schedule, format_program, parse_program
+from tidal.pipeline.pipemare import AsyncConfig, StageWeights, WeightMode
+from tidal.pipeline.runtime import PipelineRuntime, RuntimeConfig
+from tidal.pipeline.schedules import SCHEDULE_NAMES, make_schedule
+from tidal.pipeline.simulate import Deadlock, Simulation, StageCosts, simulate
+from tidal.pipeline.split import PipelineStage, even_ranges, split_model, tied_parameters
 
-__all__ = ["Action", "Kind", "Schedule", "format_program", "parse_program"]
+__all__ = [
+    "SCHEDULE_NAMES",
+    "Action",
+    "AsyncConfig",
+    "Deadlock",
+    "Kind",
+    "PipelineConfig",
+    "PipelineRuntime",
+    "PipelineStage",
+    "RuntimeConfig",
+    "Schedule",
+    "Simulation",
+    "StageCosts",
+    "StageWeights",
+    "UpdateRules",
+    "WeightMode",
+    "even_ranges",
+    "format_program",
+    "make_schedule",
+    "parse_program",
+    "run_local",
+    "simulate",
+    "split_model",
+    "tied_parameters",
+]
