@@ -118,7 +118,12 @@ def check_pipeline_job(job: JobConfig, *, world_size: int) -> None:
 
 
 def block_ranges(job: JobConfig) -> tuple[tuple[int, int], ...]:
-    """The stages' blocks: profiled and balanced by the DP partitioner, or even."""
+    """The stages' blocks: balanced by the DP partitioner over profiled time, or even.
+
+    The balanced split prices each stage's memory under the run's schedule: the simulator's
+    peak in-flight microbatches and live weight versions per stage (1F1B's first stage holds
+    ``p`` microbatches, its last one), plus the correction buffer of PipeMare.
+    """
     pipe, config = job.pipeline, job.model.resolve()
     num_stages = pipe.stages * pipe.virtual_stages
     if pipe.partition == "even" or num_stages == 1:
@@ -129,11 +134,33 @@ def block_ranges(job: JobConfig) -> tuple[tuple[int, int], ...]:
                 f"has {config.num_layers}; use partition = 'balanced'",
             )
         return tuple(even_ranges(config.num_layers, num_stages))
-    from tidal.pipeline.partition import partition, profile_gpt
+    from tidal.pipeline.partition import PartitionInfeasible, partition, profile_gpt
+    from tidal.pipeline.schedules import make_schedule
+    from tidal.pipeline.simulate import simulate
 
-    micro_batch = max(1, job.training.batch_size // pipe.num_microbatches)
-    profiles = profile_gpt(config, micro_batch=micro_batch, seq_len=config.seq_len)
-    return tuple(partition(profiles, num_stages).block_ranges)
+    m = pipe.num_microbatches
+    steps = 3 if pipe.asynchronous else 1  # enough for an asynchronous schedule's steady state
+    schedule = make_schedule(
+        pipe.schedule, stages=pipe.stages, microbatches=m, virtual=pipe.virtual_stages,
+        steps=steps, sync_steps=min(pipe.sync_steps, steps),
+    )  # fmt: skip
+    sim = simulate(schedule)
+    extra_versions = [v - 1 + int(pipe.correction) for v in sim.weight_versions]
+    state_per_weight_byte = 4.0 if job.optimizer.name in ("adamw", "adam") else 3.0
+    profiles = profile_gpt(config, micro_batch=max(1, job.training.batch_size // m),
+                           seq_len=config.seq_len)  # fmt: skip
+    try:
+        split = partition(
+            profiles,
+            num_stages,
+            memory_limit_bytes=pipe.stage_memory,
+            in_flight=sim.peak_activations,
+            state_bytes_per_param_byte=state_per_weight_byte,
+            weight_versions=extra_versions,
+        )
+    except PartitionInfeasible as err:
+        raise ConfigError("pipeline.stage_memory", str(err)) from None
+    return tuple(split.block_ranges)
 
 
 class PipelineTrainer:

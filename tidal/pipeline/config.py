@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from tidal.config import require
+from tidal.config import ByteSize, require
 
 __all__ = ["PipelineConfig", "ScheduleName"]
 
@@ -39,6 +39,9 @@ class PipelineConfig:
             ``delta`` an average of recent updates (one weight-sized buffer per stage).
         correction_decay: ``D`` in ``gamma = D ** (1 / tau)``.
         sync_steps: ``pipemarew``'s synchronous warm-up steps (T2).
+        stage_memory: bytes each stage may hold (weights, gradients, optimizer state, stashed
+            versions and the activations of its in-flight microbatches under the schedule);
+            the balanced partition respects it or says the least any split needs.
     """
 
     stages: int = 1
@@ -51,6 +54,7 @@ class PipelineConfig:
     correction: bool = False
     correction_decay: float = 0.1
     sync_steps: int = 10
+    stage_memory: ByteSize | None = None
 
     def __post_init__(self) -> None:
         require(self.stages >= 1, "stages", f"must be >= 1, got {self.stages}")
