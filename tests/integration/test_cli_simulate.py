@@ -79,3 +79,23 @@ def test_tidal_simulate_command(tmp_path, capsys) -> None:
         == 2
     )
     assert "multiple of stages" in capsys.readouterr().err
+
+
+def test_simulate_a_preset_partitions_it(tmp_path, capsys) -> None:
+    """``--model``: the balanced split covers every block once, its per-stage costs feed the
+    simulator (stage activations come from the profile), and a memory limit below the least any
+    split needs exits 2 naming it."""
+    from tidal.cli.main import main
+    from tidal.models import preset
+
+    out = tmp_path / "tiny.json"
+    argv = ["simulate", "--schedule", "1f1b", "--stages", "2", "--microbatches", "2"]
+    assert main([*argv, "--model", "tiny", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    ranges = report["block_ranges"]
+    assert ranges[0][0] == 0 and ranges[-1][1] == preset("tiny").num_layers
+    assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:], strict=False))
+    assert all(x > 0 for x in report["peak_activation_bytes"])
+    assert report["peak_activation_bytes"][0] > report["peak_activation_bytes"][1] * 0.5
+    assert main([*argv, "--model", "tiny", "--stage-memory", "1KiB"]) == 2
+    assert "the least memory per stage any split needs" in capsys.readouterr().err

@@ -51,6 +51,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="BYTES",
         help="kept per in-flight microbatch: one size (e.g. 64MiB) or one per stage",
     )
+    parser.add_argument(
+        "--model", default=None, metavar="PRESET",
+        help="cut this GPT preset into stages with the balanced partitioner and take each "
+        "stage's forward/backward seconds and activation bytes from its profile (analytic, "
+        "H100-like rates) instead of --forward-s/--backward-s/--activation-bytes",
+    )  # fmt: skip
+    parser.add_argument(
+        "--micro-batch", type=int, default=1, metavar="ROWS", help="sequences per microbatch"
+    )
+    parser.add_argument(
+        "--stage-memory", default=None, metavar="BYTES",
+        help="with --model: what each stage may hold (e.g. 80GiB); the split respects it",
+    )  # fmt: skip
     parser.add_argument("--json", default=None, metavar="PATH", help="write the results here")
     parser.add_argument("--png", default=None, metavar="PATH", help="draw the timeline here")
     parser.add_argument("--programs", action="store_true", help="print each rank's program")
@@ -94,13 +107,21 @@ def run(args: argparse.Namespace, console: Console) -> int:
         steps=steps,
         sync_steps=args.sync_steps,
     )
-    sim = simulate(schedule, _costs(args))
+    costs, split = _costs(args), None
+    if args.model is not None:
+        split, costs = _model_costs(args, schedule, costs)
+    sim = simulate(schedule, costs)
     if args.programs:
         console.print(str(schedule), markup=False)
-    console.print(stage_table(sim))
+    console.print(stage_table(sim, split))
     console.print(summary_line(sim))
     if args.json:
-        Path(args.json).write_text(json.dumps(sim.to_json(), indent=2) + "\n")
+        report = sim.to_json()
+        if split is not None:
+            report["model"] = args.model
+            report["block_ranges"] = [list(r) for r in split.block_ranges]
+            report["stage_memory_bytes"] = list(split.stage_memory_bytes)
+        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
         console.print(f"results: {args.json}")
     if args.png:
         from tidal.pipeline.timeline import draw_timeline
@@ -109,14 +130,57 @@ def run(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
-def stage_table(sim) -> Table:
+def _model_costs(args: argparse.Namespace, schedule, costs):
+    """The balanced split of ``--model`` under ``schedule``, and its per-stage costs."""
+    import dataclasses
+
+    from tidal.models import preset
+    from tidal.pipeline.partition import PartitionInfeasible, partition, profile_gpt
+    from tidal.pipeline.simulate import simulate
+
+    try:
+        config = preset(args.model)
+    except (KeyError, ValueError) as err:
+        raise ConfigError("--model", str(err)) from None
+    profiles = profile_gpt(config, micro_batch=args.micro_batch, seq_len=config.seq_len)
+    shape = simulate(schedule)  # in-flight microbatches and versions do not depend on costs
+    limit = None
+    if args.stage_memory is not None:
+        limit = parse_bytes(args.stage_memory, key="--stage-memory")
+    try:
+        split = partition(
+            profiles,
+            schedule.num_stages,
+            memory_limit_bytes=limit,
+            in_flight=shape.peak_activations,
+            weight_versions=[v - 1 for v in shape.weight_versions],
+        )
+    except PartitionInfeasible as err:
+        raise ConfigError("--stage-memory", str(err)) from None
+
+    def per_stage(field: str) -> tuple:
+        return tuple(sum(getattr(p, field) for p in profiles[a:b]) for a, b in split.unit_ranges)
+
+    costs = dataclasses.replace(
+        costs,
+        forward_s=per_stage("forward_s"),
+        backward_s=per_stage("backward_s"),
+        activation_bytes=tuple(int(x) for x in per_stage("activation_bytes")),
+    )
+    return split, costs
+
+
+def stage_table(sim, split=None) -> Table:
     schedule = sim.schedule
     table = Table(title=f"tidal simulate {schedule.name}", title_justify="left")
-    for name in ("stage", "rank", "busy s", "peak act.", "act. bytes", "versions", "delay"):
+    columns = ["stage", "rank", "busy s", "peak act.", "act. bytes", "versions", "delay"]
+    if split is not None:
+        columns += ["blocks", "stage memory"]
+    for name in columns:
         table.add_column(name, justify="right")
     for s in range(schedule.num_stages):
         rank = schedule.rank_of(s)
-        table.add_row(
+        row = [
             str(s),
             str(rank),
             f"{sim.busy_s[rank]:.4g}",
@@ -124,7 +188,12 @@ def stage_table(sim) -> Table:
             format_bytes(sim.peak_activation_bytes[s]),
             str(sim.weight_versions[s]),
             str(sim.delay[s]),
-        )
+        ]
+        if split is not None:
+            start, end = split.block_ranges[s]
+            row += [f"{start}-{end - 1}" if end > start else "-",
+                    format_bytes(split.stage_memory_bytes[s])]  # fmt: skip
+        table.add_row(*row)
     return table
 
 
