@@ -164,6 +164,7 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     _add_bench_offload(benches)
     _add_bench_dp(benches)
     _add_bench_plan(benches)
+    _add_bench_pipemare(benches)
 
 
 def _add_bench_offload(benches: argparse._SubParsersAction) -> None:
@@ -242,6 +243,20 @@ def _add_bench_plan(benches: argparse._SubParsersAction) -> None:
     plan.add_argument("--device-memory", default="80GiB", metavar="SIZE")
     plan.add_argument("--eps", type=float, default=0.05)
     plan.add_argument("--results-dir", default=None, metavar="DIR")
+
+
+def _add_bench_pipemare(benches: argparse._SubParsersAction) -> None:
+    from tidal.bench.pipemare import add_arguments
+
+    pipemare = benches.add_parser(
+        "pipemare",
+        help="PipeMare against synchronous and naive asynchronous pipelines: loss curves",
+        description="Train a GPT cut into fine-grained pipeline stages (one process simulates "
+        "the stages' weight delays) with sync (1F1B), naive async, PipeMare (LR rescheduling), "
+        "PipeMare (LR + discrepancy correction) and PipeMareW; writes "
+        "benchmarks/results/pipemare-*.json and a loss-curve PNG beside it.",
+    )
+    add_arguments(pipemare)
 
 
 def _add_bench_dp(benches: argparse._SubParsersAction) -> None:
