@@ -518,7 +518,8 @@ def plot(rows: Sequence[dict[str, Any]], path: Path) -> Path:
         f"{cpu['processes']} single-thread processes on {cpu['usable_cores']} cores", fontsize=9
     )
     ax.grid(axis="y", alpha=0.3)
-    ax.legend(fontsize=8)
+    ax.set_ylim(top=1.35 * max(r[key] for r in rows for _, key in series))  # room for the legend
+    ax.legend(fontsize=8, loc="upper center", ncol=2)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
