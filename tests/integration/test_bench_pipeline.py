@@ -32,7 +32,8 @@ ROW_KEYS = {
     "schedule", "stages", "microbatches", "tokens_per_step", "measured_step_s", "tokens_per_s",
     "predicted_step_s", "measured_over_predicted", "core_bound_step_s",
     "measured_over_core_bound", "bubble_fraction", "program_bubble_fraction", "work_s",
-    "step_time_definition", "costs", "cpu", "settings",
+    "step_time_definition", "costs", "cpu", "settings", "cpu_s_per_step",
+    "run_queue_wait_s_per_step", "cores_used",
 }  # fmt: skip
 
 

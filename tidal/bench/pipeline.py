@@ -23,7 +23,12 @@ one, so the bubble costs little, but the busy ranks share the cores. ``core_boun
 then ``max(predicted_step_s, total work / cores)`` with the work of every stage of one step
 (``m (F + B) + U`` each): the simulator's critical path or the cores' capacity, whichever
 binds. It is a lower bound, like the prediction itself: context switches, p2p wake-ups and the
-runtime's Python are in neither.
+runtime's Python are in neither. To show what the ranks actually got, each timed section also
+records every rank's CPU seconds (``time.process_time``) and the seconds its main thread sat
+runnable on a run queue (``/proc/self/schedstat``, Linux; 0 elsewhere), summed over ranks per
+step: ``cores_used = cpu_s_per_step / measured_step_s`` is the cores the pipeline kept busy,
+and ``run_queue_wait_s_per_step`` the time lost to other runnable threads (its own ranks or
+anything else on the machine).
 
 [Note: step time]
 - Synchronous schedules (gpipe, 1f1b): every step is one flushed program. ``measured_step_s``
@@ -45,7 +50,6 @@ runtime's Python are in neither.
 from __future__ import annotations
 
 import argparse
-import copy
 import os
 import statistics
 import time
@@ -249,7 +253,6 @@ def _stage_probe(
     config: PipelineBenchConfig, stage: PipelineStage
 ) -> Callable[[int], tuple[float, float, float]]:
     """``probe(rep)`` times one (forward, backward, update) of one microbatch on ``stage``."""
-    stage = copy.deepcopy(stage)  # the measured runs start from untouched weights
     weights = _weights(stage)
     runner = StageRunner(
         index=stage.stage_index, num_stages=config.stages, module=stage, weights=weights
@@ -325,21 +328,34 @@ def _calibrate(config: PipelineBenchConfig, stage: PipelineStage) -> dict[str, A
     return {"stages": [g["costs"] for g in gathered], "p2p_s": statistics.median(p2p_all)}
 
 
-def _slowest(seconds: Sequence[float]) -> list[float]:
-    """The per-entry maximum over ranks."""
-    t = torch.tensor(list(seconds), dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return [float(x) for x in t]
+def _run_delay_s() -> float:
+    """Seconds this process's main thread has waited on a run queue (Linux schedstat), else 0."""
+    try:
+        with open("/proc/self/schedstat") as f:
+            return int(f.read().split()[1]) / 1e9
+    except (OSError, IndexError, ValueError):
+        return 0.0
 
 
-def _timed(fn: Callable[[], Any]) -> float:
+def _timed(fn: Callable[[], Any]) -> tuple[float, float, float]:
+    """(wall, CPU, run-queue wait) seconds of ``fn`` on this rank, started after a barrier."""
     dist.barrier()
-    t0 = time.perf_counter()
+    t0, c0, w0 = time.perf_counter(), time.process_time(), _run_delay_s()
     fn()
-    return time.perf_counter() - t0
+    return time.perf_counter() - t0, time.process_time() - c0, _run_delay_s() - w0
+
+
+def _over_ranks(timings: Sequence[tuple[float, float, float]]) -> list[tuple[float, float, float]]:
+    """Per timed call: the slowest rank's wall time, and CPU and run-queue wait summed."""
+    wall = torch.tensor([t[0] for t in timings], dtype=torch.float64)
+    used = torch.tensor([t[1:] for t in timings], dtype=torch.float64)
+    dist.all_reduce(wall, op=dist.ReduceOp.MAX)
+    dist.all_reduce(used, op=dist.ReduceOp.SUM)
+    return [(float(w), float(c), float(q)) for w, (c, q) in zip(wall, used, strict=True)]
 
 
 def _measure(config: PipelineBenchConfig, schedule: str, rank: int) -> dict[str, Any]:
+    """See [Note: step time]; CPU and run-queue wait are per step, summed over ranks."""
     stage = _my_stage(config, rank)
     runtime = PipelineRuntime(
         RuntimeConfig(schedule=schedule, microbatches=config.num_microbatches),
@@ -354,16 +370,26 @@ def _measure(config: PipelineBenchConfig, schedule: str, rank: int) -> dict[str,
     if config.warmup_steps:
         runtime.train(config.warmup_steps, batch, lr)
     if not runtime.asynchronous:
-        steps = _slowest(
+        steps = _over_ranks(
             [_timed(lambda: runtime.train_step(batch, lr)) for _ in range(config.steps)]
         )
-        return {"measured_step_s": statistics.median(steps), "step_times_s": steps}
-    ones = _slowest([_timed(lambda: runtime.train(1, batch, lr)) for _ in range(config.repeats)])
-    (many,) = _slowest([_timed(lambda: runtime.train(config.steps, batch, lr))])
+        wall, cpu, wait = zip(*steps, strict=True)
+        return {
+            "measured_step_s": statistics.median(wall),
+            "step_times_s": list(wall),
+            "cpu_s_per_step": statistics.mean(cpu),
+            "run_queue_wait_s_per_step": statistics.mean(wait),
+        }
+    ones = _over_ranks([_timed(lambda: runtime.train(1, batch, lr)) for _ in range(config.repeats)])
+    (many,) = _over_ranks([_timed(lambda: runtime.train(config.steps, batch, lr))])
+    one = [statistics.median(column) for column in zip(*ones, strict=True)]
+    wall, cpu, wait = ((m - o) / (config.steps - 1) for m, o in zip(many, one, strict=True))
     return {
-        "measured_step_s": (many - statistics.median(ones)) / (config.steps - 1),
-        "one_step_programs_s": ones,
-        "program_s": many,
+        "measured_step_s": wall,
+        "one_step_programs_s": [t[0] for t in ones],
+        "program_s": many[0],
+        "cpu_s_per_step": cpu,
+        "run_queue_wait_s_per_step": wait,
     }
 
 
@@ -385,13 +411,11 @@ def _costs(per_stage: Sequence[Sequence[float]], p2p_s: float) -> StageCosts:
     return StageCosts(forward_s=fwd, backward_s=bwd, update_s=upd, p2p_s=p2p_s)
 
 
-def _costs_json(costs: StageCosts) -> dict[str, Any]:
-    return {
-        "forward_s": list(costs.forward_s),  # type: ignore[arg-type]
-        "backward_s": list(costs.backward_s),  # type: ignore[arg-type]
-        "update_s": list(costs.update_s),  # type: ignore[arg-type]
-        "p2p_s": costs.p2p_s,
+def _costs_json(costs: StageCosts, stages: int) -> dict[str, Any]:
+    per_stage = {
+        k: list(costs.per_stage(k, stages)) for k in ("forward_s", "backward_s", "update_s")
     }
+    return {**per_stage, "p2p_s": costs.p2p_s}
 
 
 def _row(
@@ -411,6 +435,7 @@ def _row(
         "tokens_per_step": config.tokens_per_step,
         **measured,
         "tokens_per_s": config.tokens_per_step / step_s if step_s > 0 else None,
+        "cores_used": measured["cpu_s_per_step"] / step_s if step_s > 0 else None,
         "predicted_step_s": pred["step_s"],
         "measured_over_predicted": step_s / pred["step_s"],
         "core_bound_step_s": core_bound,
@@ -419,7 +444,7 @@ def _row(
         "program_bubble_fraction": pred["program_bubble_fraction"],
         "work_s": pred["work_s"],
         "step_time_definition": definition,
-        "costs": _costs_json(costs),
+        "costs": _costs_json(costs, config.stages),
         "cpu": cpu,
         "settings": {k: v for k, v in asdict(config).items() if k != "schedules"},
     }
@@ -434,27 +459,38 @@ def bench_pipeline(config: PipelineBenchConfig) -> list[dict[str, Any]]:
     return [_row(config, name, result["measured"][name], costs) for name in config.schedules]
 
 
+_USAGE_NOTE = (
+    ". 'cores used' is the ranks' CPU seconds per step over the step time; 'run-queue wait' the "
+    "seconds per step, summed over ranks, that runnable ranks waited for a core"
+)
+
+
 def contention_note(rows: Sequence[dict[str, Any]]) -> str:
     cpu = rows[0]["cpu"]
     if not cpu["oversubscribed"]:
         return (
             f"{cpu['processes']} single-thread processes, {cpu['usable_cores']} usable cores "
-            f"(os.cpu_count() = {cpu['cpu_count']}): a core per stage"
-        )
+            f"(os.cpu_count() = {cpu['cpu_count']}): a core per stage if nothing else runs"
+        ) + _USAGE_NOTE
     return (
         f"{cpu['processes']} single-thread processes share {cpu['usable_cores']} usable cores "
         f"(os.cpu_count() = {cpu['cpu_count']}): measured times are contended. 'predicted' is "
         "the simulator with a core per stage; 'core-bound' is max(predicted, work / cores)"
-    )
+    ) + _USAGE_NOTE
 
 
 COLUMNS = (
-    "schedule", "p", "m", "step s", "tokens/s", "predicted s", "measured / predicted",
-    "core-bound s", "measured / core-bound", "bubble (sim)",
+    "schedule", "step s", "tokens/s", "predicted s", "measured / predicted",
+    "core-bound s", "measured / core-bound", "bubble (sim)", "cores used", "run-queue wait s",
 )  # fmt: skip
 
 
-def table(rows: Sequence[dict[str, Any]], *, title: str = "tidal bench pipeline") -> Table:
+def table(rows: Sequence[dict[str, Any]]) -> Table:
+    first = rows[0]
+    title = (
+        f"tidal bench pipeline: p = {first['stages']} gloo ranks, m = {first['microbatches']}, "
+        f"{first['tokens_per_step']} tokens per step"
+    )
     view = Table(title=title, title_justify="left", caption=contention_note(rows))
     for column in COLUMNS:
         view.add_column(column, justify="left" if column == "schedule" else "right")
@@ -462,8 +498,6 @@ def table(rows: Sequence[dict[str, Any]], *, title: str = "tidal bench pipeline"
         tokens = row["tokens_per_s"]
         view.add_row(
             row["schedule"],
-            str(row["stages"]),
-            str(row["microbatches"]),
             f"{row['measured_step_s']:.4f}",
             "-" if tokens is None else f"{tokens:,.0f}",
             f"{row['predicted_step_s']:.4f}",
@@ -471,6 +505,8 @@ def table(rows: Sequence[dict[str, Any]], *, title: str = "tidal bench pipeline"
             f"{row['core_bound_step_s']:.4f}",
             f"{row['measured_over_core_bound']:.2f}",
             f"{100 * row['bubble_fraction']:.1f}%",
+            "-" if row["cores_used"] is None else f"{row['cores_used']:.2f}",
+            f"{row['run_queue_wait_s_per_step']:.4f}",
         )
     return view
 
