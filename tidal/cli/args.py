@@ -165,6 +165,7 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     _add_bench_dp(benches)
     _add_bench_plan(benches)
     _add_bench_pipemare(benches)
+    _add_bench_pipeline(benches)
 
 
 def _add_bench_offload(benches: argparse._SubParsersAction) -> None:
@@ -257,6 +258,20 @@ def _add_bench_pipemare(benches: argparse._SubParsersAction) -> None:
         "benchmarks/results/pipemare-*.json and a loss-curve PNG beside it.",
     )
     add_arguments(pipemare)
+
+
+def _add_bench_pipeline(benches: argparse._SubParsersAction) -> None:
+    from tidal.bench.pipeline import add_arguments
+
+    pipeline = benches.add_parser(
+        "pipeline",
+        help="GPipe, 1F1B and PipeMare on gloo ranks: measured step time against the simulator",
+        description="Run a GPT split into --stages stages, one gloo process each (one thread "
+        "per process), with each schedule at m = p; calibrate the simulator from the same "
+        "ranks' stage and point-to-point timings and compare its predicted step time with the "
+        "measured one. Writes benchmarks/results/pipeline-*.json.",
+    )
+    add_arguments(pipeline)
 
 
 def _add_bench_dp(benches: argparse._SubParsersAction) -> None:

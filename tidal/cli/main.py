@@ -186,6 +186,10 @@ def _bench(args: argparse.Namespace, console: Console) -> int:
         return _bench_dp(args, console)
     if args.bench == "plan":
         return _bench_plan(args, console)
+    if args.bench == "pipeline":
+        from tidal.bench.pipeline import run as run_pipeline
+
+        return run_pipeline(args, console)
     if args.bench == "pipemare":
         from tidal.bench.pipemare import run as run_pipemare
 
