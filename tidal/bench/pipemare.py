@@ -58,13 +58,17 @@ __all__ = [
     "add_arguments",
     "bench_pipemare",
     "build_model",
+    "config_from_args",
     "lr_schedule",
     "make_optimizer",
     "plot",
     "run",
     "run_variant",
     "samplers",
+    "settings",
     "table",
+    "validation_loss",
+    "variant_schedule",
 ]
 
 BYTE_VOCAB_SIZE = 256
@@ -100,7 +104,7 @@ class OptimizerName(enum.StrEnum):
     SGD = "sgd"  # with momentum
 
 
-DEFAULT_LR = {OptimizerName.ADAMW: 3e-3, OptimizerName.SGD: 0.1}
+DEFAULT_LR = {OptimizerName.ADAMW: 3e-3, OptimizerName.SGD: 0.2}
 
 
 @dataclasses.dataclass(kw_only=True, frozen=True, slots=True)
