@@ -23,8 +23,8 @@ from tidal.config import ConfigError
 from tidal.pipeline.simulate import StageCosts
 
 TINY_FLAGS = [
-    "--stages", "2", "--steps", "2", "--warmup-steps", "1", "--repeats", "1", "--reps", "1",
-    "--layers", "2", "--d-model", "16", "--heads", "2", "--seq-len", "8", "--vocab-size", "32",
+    "--stages", "2", "--steps", "2", "--warmup-steps", "1", "--repeats", "1", "--rounds", "2",
+    "--reps", "1", "--layers", "2", "--d-model", "16", "--heads", "2", "--seq-len", "8", "--vocab-size", "32",
     "--rows-per-microbatch", "1", "--timeout-s", "60",
 ]  # fmt: skip
 
@@ -33,7 +33,7 @@ ROW_KEYS = {
     "predicted_step_s", "measured_over_predicted", "core_bound_step_s",
     "measured_over_core_bound", "bubble_fraction", "program_bubble_fraction", "work_s",
     "step_time_definition", "costs", "cpu", "settings", "cpu_s_per_step",
-    "run_queue_wait_s_per_step", "cores_used",
+    "run_queue_wait_s_per_step", "cores_used", "measured_step_s_by_round", "rounds",
 }  # fmt: skip
 
 
@@ -64,6 +64,8 @@ def test_tiny_run_writes_json_and_png(tmp_path) -> None:
         assert len(costs["forward_s"]) == len(costs["backward_s"]) == len(costs["update_s"]) == 2
         assert all(x > 0 for k in ("forward_s", "backward_s", "update_s") for x in costs[k])
         assert costs["p2p_s"] > 0
+        assert len(row["rounds"]) == 2
+        assert row["measured_step_s"] == min(row["measured_step_s_by_round"])
         assert row["cpu"]["processes"] == 2 and row["cpu"]["threads_per_process"] == 1
     by_name = {r["schedule"]: r for r in data["rows"]}
     assert len(by_name["gpipe"]["step_times_s"]) == 2  # one per timed step

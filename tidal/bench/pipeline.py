@@ -42,6 +42,12 @@ anything else on the machine).
   where ``T(n)`` is the time of an ``n``-step program (measured: slowest rank from a barrier,
   ``T(1)`` the median of ``repeats`` runs; predicted: the simulated makespans) and ``k`` the
   number of timed steps: the fill and drain that every program pays once are subtracted.
+- [Note: rounds] After its warm-up steps every schedule is timed ``rounds`` times, the
+  schedules taking turns (gpipe, 1f1b, pipemare, gpipe, ...), and a row reports its fastest
+  round (every round is kept under ``rounds``): on a shared machine outside load only ever
+  slows a round down, and taking turns keeps a burst of it from landing on one schedule only.
+  PipeMare's figure is a difference of two timings, so a burst during its ``T(1)`` would lower
+  it instead; ``program_s / k`` (fill and drain included) in the JSON bounds it from above.
 - ``bubble_fraction`` is the simulator's idle share of the ranks in that step time,
   ``1 - sum over stages of (m (F + B) + U) / (p * predicted_step_s)``: ``(p-1)/(m+p-1)`` plus
   the update and p2p terms for the synchronous schedules, about 0 for PipeMare.
@@ -102,6 +108,7 @@ class PipelineBenchConfig:
         steps: timed steps per schedule (``k`` of [Note: step time]; at least 2).
         warmup_steps: untimed steps first.
         repeats: one-step programs timed for the asynchronous ``T(1)``.
+        rounds: interleaved measurement rounds; the fastest is reported ([Note: rounds]).
         reps: timed repetitions of each calibration measurement.
         rows_per_microbatch: batch rows per microbatch (batch = rows * m).
         schedules: from :data:`~tidal.pipeline.schedules.SCHEDULE_NAMES`, non-interleaved.
@@ -113,6 +120,7 @@ class PipelineBenchConfig:
     steps: int = 10
     warmup_steps: int = 2
     repeats: int = 3
+    rounds: int = 3
     reps: int = 5
     num_layers: int = 8
     d_model: int = 128
@@ -131,7 +139,7 @@ class PipelineBenchConfig:
         require(self.steps >= 2, "steps", f"must be >= 2 (see [Note: step time]), got {self.steps}")
         w = self.warmup_steps
         require(w >= 0, "warmup_steps", f"must be >= 0, got {w}")
-        for key in ("repeats", "reps", "rows_per_microbatch", "seq_len", "vocab_size"):
+        for key in ("repeats", "rounds", "reps", "rows_per_microbatch", "seq_len", "vocab_size"):
             require(getattr(self, key) >= 1, key, f"must be >= 1, got {getattr(self, key)}")
         require(
             self.num_layers >= self.stages,
@@ -354,24 +362,28 @@ def _over_ranks(timings: Sequence[tuple[float, float, float]]) -> list[tuple[flo
     return [(float(w), float(c), float(q)) for w, (c, q) in zip(wall, used, strict=True)]
 
 
-def _measure(config: PipelineBenchConfig, schedule: str, rank: int) -> dict[str, Any]:
-    """See [Note: step time]; CPU and run-queue wait are per step, summed over ranks."""
+def _lr(_step: int) -> float:
+    return _LR
+
+
+def _warm_runtime(config: PipelineBenchConfig, schedule: str, rank: int) -> PipelineRuntime:
     stage = _my_stage(config, rank)
     runtime = PipelineRuntime(
         RuntimeConfig(schedule=schedule, microbatches=config.num_microbatches),
         stages=[stage],
         weights=[_weights(stage, schedule)],
     )
-    batch = _batch_fn(config)
-
-    def lr(_step: int) -> float:
-        return _LR
-
     if config.warmup_steps:
-        runtime.train(config.warmup_steps, batch, lr)
+        runtime.train(config.warmup_steps, _batch_fn(config), _lr)
+    return runtime
+
+
+def _measure(config: PipelineBenchConfig, runtime: PipelineRuntime) -> dict[str, Any]:
+    """One round; see [Note: step time]. CPU and run-queue wait are per step, summed over ranks."""
+    batch = _batch_fn(config)
     if not runtime.asynchronous:
         steps = _over_ranks(
-            [_timed(lambda: runtime.train_step(batch, lr)) for _ in range(config.steps)]
+            [_timed(lambda: runtime.train_step(batch, _lr)) for _ in range(config.steps)]
         )
         wall, cpu, wait = zip(*steps, strict=True)
         return {
@@ -380,8 +392,10 @@ def _measure(config: PipelineBenchConfig, schedule: str, rank: int) -> dict[str,
             "cpu_s_per_step": statistics.mean(cpu),
             "run_queue_wait_s_per_step": statistics.mean(wait),
         }
-    ones = _over_ranks([_timed(lambda: runtime.train(1, batch, lr)) for _ in range(config.repeats)])
-    (many,) = _over_ranks([_timed(lambda: runtime.train(config.steps, batch, lr))])
+    ones = _over_ranks(
+        [_timed(lambda: runtime.train(1, batch, _lr)) for _ in range(config.repeats)]
+    )
+    (many,) = _over_ranks([_timed(lambda: runtime.train(config.steps, batch, _lr))])
     one = [statistics.median(column) for column in zip(*ones, strict=True)]
     wall, cpu, wait = ((m - o) / (config.steps - 1) for m, o in zip(many, one, strict=True))
     return {
@@ -398,8 +412,12 @@ def _rank_main(config: PipelineBenchConfig) -> dict[str, Any] | None:
     torch.set_num_threads(1)
     rank = dist.get_rank()
     calibration = _calibrate(config, _my_stage(config, rank))
-    measured = {name: _measure(config, name, rank) for name in config.schedules}
-    return {"calibration": calibration, "measured": measured} if rank == 0 else None
+    runtimes = {name: _warm_runtime(config, name, rank) for name in config.schedules}
+    rounds: dict[str, list[dict[str, Any]]] = {name: [] for name in config.schedules}
+    for _ in range(config.rounds):  # interleaved: see [Note: rounds]
+        for name, runtime in runtimes.items():
+            rounds[name].append(_measure(config, runtime))
+    return {"calibration": calibration, "rounds": rounds} if rank == 0 else None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -419,8 +437,9 @@ def _costs_json(costs: StageCosts, stages: int) -> dict[str, Any]:
 
 
 def _row(
-    config: PipelineBenchConfig, name: str, measured: dict[str, Any], costs: StageCosts
+    config: PipelineBenchConfig, name: str, rounds: list[dict[str, Any]], costs: StageCosts
 ) -> dict[str, Any]:
+    measured = min(rounds, key=lambda r: r["measured_step_s"])  # see [Note: rounds]
     shape = {"stages": config.stages, "microbatches": config.num_microbatches}
     cpu = cpu_info(config.stages)
     pred = predict(name, steps=config.steps, costs=costs, **shape)
@@ -446,6 +465,8 @@ def _row(
         "step_time_definition": definition,
         "costs": _costs_json(costs, config.stages),
         "cpu": cpu,
+        "measured_step_s_by_round": [r["measured_step_s"] for r in rounds],
+        "rounds": rounds,
         "settings": {k: v for k, v in asdict(config).items() if k != "schedules"},
     }
 
@@ -456,7 +477,7 @@ def bench_pipeline(config: PipelineBenchConfig) -> list[dict[str, Any]]:
         _rank_main, world_size=config.stages, args=(config,), timeout_s=config.timeout_s
     )
     costs = _costs(result["calibration"]["stages"], result["calibration"]["p2p_s"])
-    return [_row(config, name, result["measured"][name], costs) for name in config.schedules]
+    return [_row(config, name, result["rounds"][name], costs) for name in config.schedules]
 
 
 _USAGE_NOTE = (
@@ -574,6 +595,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         ("--steps", int, d.steps, "timed steps per schedule (>= 2)"),
         ("--warmup-steps", int, d.warmup_steps, "untimed steps first"),
         ("--repeats", int, d.repeats, "one-step programs timed for PipeMare's T(1)"),
+        ("--rounds", int, d.rounds, "interleaved rounds over the schedules; the fastest counts"),
         ("--reps", int, d.reps, "repetitions of each calibration timing"),
         ("--layers", int, d.num_layers, "GPT blocks, split evenly over the stages"),
         ("--d-model", int, d.d_model, "GPT width"),
@@ -612,6 +634,7 @@ def config_from_args(args: argparse.Namespace) -> PipelineBenchConfig:
         steps=args.steps,
         warmup_steps=args.warmup_steps,
         repeats=args.repeats,
+        rounds=args.rounds,
         reps=args.reps,
         num_layers=args.layers,
         d_model=args.d_model,
