@@ -98,6 +98,12 @@ def test_pipemare_prediction_is_the_steady_state(steps: int) -> None:
     assert pred["program_bubble_fraction"] > 0
 
 
+def test_flags_map_onto_the_config() -> None:
+    assert config_from_args(parse([])) == PipelineBenchConfig()
+    config = config_from_args(parse(["--layers", "6", "--heads", "2", "--schedules", "1f1b"]))
+    assert (config.num_layers, config.num_heads, config.schedules) == (6, 2, ("1f1b",))
+
+
 def test_bad_settings_name_the_flag() -> None:
     with pytest.raises(ConfigError, match="schedules"):
         config_from_args(parse(["--schedules", "gpipe,interleaved"]))

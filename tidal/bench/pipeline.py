@@ -56,6 +56,7 @@ anything else on the machine).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import statistics
 import time
@@ -181,10 +182,8 @@ class PipelineBenchConfig:
 
 def cpu_info(num_processes: int) -> dict[str, Any]:
     """Cores the processes may use, against how many single-thread processes share them."""
-    try:
-        usable = len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        usable = os.cpu_count() or 1
+    affinity = getattr(os, "sched_getaffinity", None)  # Linux only
+    usable = len(affinity(0)) if affinity is not None else os.cpu_count() or 1
     return {
         "cpu_count": os.cpu_count(),
         "usable_cores": usable,
@@ -320,10 +319,9 @@ def _calibrate(config: PipelineBenchConfig, stage: PipelineStage) -> dict[str, A
     for rep in range(config.reps + 1):  # rep 0 warms the allocator and kernels up
         for turn in range(world):
             dist.barrier()
-            if turn == rank and rep:
-                times.append(probe(rep))
-            elif turn == rank:
-                probe(rep)
+            if turn == rank:
+                timing = probe(rep)
+                times += [timing] if rep else []
     costs = tuple(statistics.median(column) for column in zip(*times, strict=True))
     p2p = []
     for left in range(world - 1):
@@ -589,26 +587,30 @@ def plot(rows: Sequence[dict[str, Any]], path: Path) -> Path:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     d = PipelineBenchConfig()
-    flags: list[tuple[str, type, Any, str]] = [
-        ("--stages", int, d.stages, "pipeline stages p, one gloo process each"),
-        ("--microbatches", int, None, "microbatches m per step (default: m = p)"),
-        ("--steps", int, d.steps, "timed steps per schedule (>= 2)"),
-        ("--warmup-steps", int, d.warmup_steps, "untimed steps first"),
-        ("--repeats", int, d.repeats, "one-step programs timed for PipeMare's T(1)"),
-        ("--rounds", int, d.rounds, "interleaved rounds over the schedules; the fastest counts"),
-        ("--reps", int, d.reps, "repetitions of each calibration timing"),
-        ("--layers", int, d.num_layers, "GPT blocks, split evenly over the stages"),
-        ("--d-model", int, d.d_model, "GPT width"),
-        ("--heads", int, d.num_heads, "attention heads"),
-        ("--seq-len", int, d.seq_len, "tokens per row"),
-        ("--vocab-size", int, d.vocab_size, "random-token vocabulary"),
-        ("--rows-per-microbatch", int, d.rows_per_microbatch, "batch rows per microbatch"),
-        ("--seed", int, d.seed, "model init and batches"),
-        ("--timeout-s", float, d.timeout_s, "limit for the whole multi-process run"),
+    flags: list[tuple[str, str, type, str]] = [  # flag, config field, type, help
+        ("--stages", "stages", int, "pipeline stages p, one gloo process each"),
+        ("--microbatches", "microbatches", int, "microbatches m per step (default: m = p)"),
+        ("--steps", "steps", int, "timed steps per schedule (>= 2)"),
+        ("--warmup-steps", "warmup_steps", int, "untimed steps first"),
+        ("--repeats", "repeats", int, "one-step programs timed for PipeMare's T(1)"),
+        ("--rounds", "rounds", int, "interleaved rounds over the schedules; the fastest counts"),
+        ("--reps", "reps", int, "repetitions of each calibration timing"),
+        ("--layers", "num_layers", int, "GPT blocks, split evenly over the stages"),
+        ("--d-model", "d_model", int, "GPT width"),
+        ("--heads", "num_heads", int, "attention heads"),
+        ("--seq-len", "seq_len", int, "tokens per row"),
+        ("--vocab-size", "vocab_size", int, "random-token vocabulary"),
+        ("--rows-per-microbatch", "rows_per_microbatch", int, "batch rows per microbatch"),
+        ("--seed", "seed", int, "model init and batches"),
+        ("--timeout-s", "timeout_s", float, "limit for the whole multi-process run"),
     ]
-    for flag, kind, default, what in flags:
+    for flag, field, kind, what in flags:
+        default = getattr(d, field)
         shown = "" if default is None else f" ({default})"
-        parser.add_argument(flag, type=kind, default=default, help=what + shown)
+        metavar = flag[2:].upper().replace("-", "_")
+        parser.add_argument(
+            flag, dest=field, metavar=metavar, type=kind, default=default, help=what + shown
+        )
     parser.add_argument(
         "--schedules",
         default=",".join(d.schedules),
@@ -628,24 +630,8 @@ def config_from_args(args: argparse.Namespace) -> PipelineBenchConfig:
     schedules = tuple(s.strip() for s in args.schedules.split(",") if s.strip())
     if not schedules:
         raise ConfigError("--schedules", f"expected a comma list, got {args.schedules!r}")
-    return PipelineBenchConfig(
-        stages=args.stages,
-        microbatches=args.microbatches,
-        steps=args.steps,
-        warmup_steps=args.warmup_steps,
-        repeats=args.repeats,
-        rounds=args.rounds,
-        reps=args.reps,
-        num_layers=args.layers,
-        d_model=args.d_model,
-        num_heads=args.heads,
-        seq_len=args.seq_len,
-        vocab_size=args.vocab_size,
-        rows_per_microbatch=args.rows_per_microbatch,
-        schedules=schedules,
-        seed=args.seed,
-        timeout_s=args.timeout_s,
-    )
+    names = [f.name for f in dataclasses.fields(PipelineBenchConfig) if f.name != "schedules"]
+    return PipelineBenchConfig(schedules=schedules, **{n: getattr(args, n) for n in names})
 
 
 def run(args: argparse.Namespace, console: Console) -> int:
