@@ -17,6 +17,9 @@ tokens/s, TFLOP/s, memory), validation losses, ``summary.json`` and checkpoints 
   ``train_state.pt``, made visible all at once by rank 0's ``meta.json`` after a barrier.
 - Validation runs the stages forward only, microbatch by microbatch, over the same
   point-to-point protocol as training.
+- Every rank builds the whole model (with the deterministic init) and keeps its stages: simple
+  and equal to the reference bit for bit, but a model that does not fit one host's memory
+  would need a meta-device build per stage (not done yet).
 - fp32 only: under autocast a stage saves dtype copies of its weights that the saved-tensor
   redirection of asynchronous schedules cannot reach ([Note: saved-tensor redirection]).
 """
@@ -24,7 +27,6 @@ tokens/s, TFLOP/s, memory), validation losses, ``summary.json`` and checkpoints 
 from __future__ import annotations
 
 import datetime as dt
-import logging
 import math
 import os
 import shutil
@@ -44,7 +46,6 @@ from tidal.engine.checkpoint import (
     _prune,
     checkpoint_root,
     latest_checkpoint,
-    list_checkpoints,
     swap_into_place,
     write_json_durable,
 )
@@ -67,8 +68,6 @@ from tidal.pipeline.runtime import PipelineRuntime, RuntimeConfig
 from tidal.pipeline.split import even_ranges, split_gpt, tied_parameters
 
 __all__ = ["PipelineTrainer", "check_pipeline_job"]
-
-log = logging.getLogger(__name__)
 
 _WEIGHTS = {"pipedream": WeightMode.STASH, "2bw": WeightMode.TWO_VERSIONS}
 
@@ -466,7 +465,3 @@ class PipelineTrainer:
         for (s, _), tau in self.runtime.delays.items():
             out[s] = max(out.get(s, 0), tau)
         return out
-
-
-def existing_steps(run_dir: Path) -> list[int]:
-    return [step for step, _ in list_checkpoints(run_dir)]
