@@ -15,11 +15,10 @@ from tidal.pipeline.partition import (
     LayerProfile,
     PartitionInfeasible,
     partition,
-    profile_gpt,
-    profile_model,
     stage_memory_bytes,
 )
 from tidal.pipeline.split import split_model, validate_block_ranges
+from tidal.planner.stage_profile import profile_gpt, profile_model
 
 
 def _profile(name: str, forward_s: float, param_bytes: int, activation_bytes: int) -> LayerProfile:

@@ -135,8 +135,9 @@ def _model_costs(args: argparse.Namespace, schedule, costs):
     import dataclasses
 
     from tidal.models import preset
-    from tidal.pipeline.partition import PartitionInfeasible, partition, profile_gpt
+    from tidal.pipeline.partition import PartitionInfeasible, partition
     from tidal.pipeline.simulate import simulate
+    from tidal.planner.stage_profile import profile_gpt
 
     try:
         config = preset(args.model)

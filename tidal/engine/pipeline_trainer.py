@@ -133,9 +133,10 @@ def block_ranges(job: JobConfig) -> tuple[tuple[int, int], ...]:
                 f"has {config.num_layers}; use partition = 'balanced'",
             )
         return tuple(even_ranges(config.num_layers, num_stages))
-    from tidal.pipeline.partition import PartitionInfeasible, partition, profile_gpt
+    from tidal.pipeline.partition import PartitionInfeasible, partition
     from tidal.pipeline.schedules import make_schedule
     from tidal.pipeline.simulate import simulate
+    from tidal.planner.stage_profile import profile_gpt
 
     m = pipe.num_microbatches
     steps = 3 if pipe.asynchronous else 1  # enough for an asynchronous schedule's steady state
