@@ -14,6 +14,7 @@ from rich.console import Console
 
 from tidal.bench.pipemare import (
     PipeMareBenchConfig,
+    Section,
     Variant,
     add_arguments,
     build_model,
@@ -29,9 +30,10 @@ from tidal.data import TokenSplits
 from tidal.pipeline.pipemare import lr_scale
 from tidal.pipeline.simulate import simulate
 
+SECTION = Section(optimizer="adamw", microbatches=2, lr=1e-2)  # type: ignore[arg-type]
 TINY = dict(
-    steps=6, stages=4, microbatches=2, num_layers=4, d_model=16, num_heads=2, seq_len=8,
-    batch_size=4, val_batches=2, lrs=(1e-2,), reschedule_fraction=1.0, sync_fraction=0.34,
+    steps=6, stages=4, num_layers=4, d_model=16, num_heads=2, seq_len=8, batch_size=4,
+    val_batches=2, sections=(SECTION,), reschedule_fraction=1.0, sync_fraction=0.34,
 )  # fmt: skip
 
 
@@ -44,10 +46,10 @@ def byte_splits() -> TokenSplits:
 
 def reference_training(config: PipeMareBenchConfig, splits: TokenSplits) -> tuple[list, float]:
     """Plain one-process training of the whole model: per-step losses and final val loss."""
-    lr = config.lrs[0]
+    (section,) = config.sections
     model = build_model(config)
-    optimizer = make_optimizer(model.parameters(), config, lr)
-    schedule = lr_schedule(config, lr)
+    optimizer = make_optimizer(model.parameters(), config, section)
+    schedule = lr_schedule(config, section.lr)
     train, val_batches = samplers(config, splits)
     losses = []
     for step in range(config.steps):
@@ -66,23 +68,23 @@ def reference_training(config: PipeMareBenchConfig, splits: TokenSplits) -> tupl
 def test_sync_equals_plain_training_and_async_tau_equals_simulator() -> None:
     config = PipeMareBenchConfig(**TINY, variants=(Variant.SYNC, Variant.PIPEMAREW))
     splits = byte_splits()
-    sync = run_variant(Variant.SYNC, config, config.lrs[0], splits)
+    sync = run_variant(Variant.SYNC, config, SECTION, splits)
     ref_losses, ref_val = reference_training(config, splits)
     assert sync.losses == pytest.approx(ref_losses, abs=1e-5, rel=0)
     assert sync.val_loss == pytest.approx(ref_val, abs=1e-5, rel=0)
     assert ref_losses[-1] < ref_losses[0]  # the run trains: the comparison is not vacuous
     assert sync.max_tau() == [0, 0, 0, 0]
 
-    warm = run_variant(Variant.PIPEMAREW, config, config.lrs[0], splits)
-    sim = simulate(variant_schedule(Variant.PIPEMAREW, config))
+    warm = run_variant(Variant.PIPEMAREW, config, SECTION, splits)
+    sim = simulate(variant_schedule(Variant.PIPEMAREW, config, SECTION.microbatches))
     assert warm.delays == sim.delays
     assert warm.max_tau() == list(sim.delay)
     assert max(warm.max_tau()) >= 1  # the asynchronous phase does delay the first stage
     # Stage 0's rate: the base one divided by its measured delay, fading out at T1 (flushed
     # steps have tau = 0, so they keep the base rate).
     base, m, t1 = (
-        lr_schedule(config, config.lrs[0]).lr_at,
-        config.microbatches,
+        lr_schedule(config, SECTION.lr).lr_at,
+        SECTION.microbatches,
         config.lr_warmup_steps,
     )
     for k in range(config.steps):
@@ -105,33 +107,44 @@ def test_command_writes_json_curves_and_png(tmp_path, monkeypatch) -> None:
     splits = byte_splits()
     monkeypatch.setattr(bench, "build_token_splits", lambda *a, **k: splits)
     code, text = _run_cli(
-        ["--steps", "5", "--stages", "4", "--layers", "4", "--microbatches", "1",
+        ["--steps", "5", "--stages", "4", "--layers", "4", "--sections", "sgd:1:0.05,adamw:2:1e-2",
          "--d-model", "16", "--heads", "2", "--seq-len", "8", "--batch-size", "4",
-         "--val-batches", "1", "--lr", "1e-2", "--variants", "sync,async",
-         "--results-dir", str(tmp_path)]
+         "--val-batches", "1", "--variants", "sync,async", "--results-dir", str(tmp_path)]
     )  # fmt: skip
     assert code == 0
     (path,) = tmp_path.glob("pipemare-*.json")
     report = json.loads(path.read_text())
     assert report["bench"] == "pipemare" and "git_commit" in report and "torch_version" in report
-    rows = {row["variant"]: row for row in report["rows"]}
-    assert list(rows) == ["sync", "async"]
+    rows = {(row["section"], row["variant"]): row for row in report["rows"]}
+    sections = ["sgd m=1 lr=0.05", "adamw m=2 lr=0.01"]
+    assert list(rows) == [(s, v) for s in sections for v in ("sync", "async")]
     for row in rows.values():
         assert len(row["losses"]) == 5 and len(row["stage0_lrs"]) == 5
         for key in ("final_train_loss", "val_loss", "max_tau", "diverged", "seconds"):
             assert key in row, key
-    assert rows["sync"]["ratio_to_sync"] == 1.0
-    assert rows["async"]["ratio_to_sync"] == pytest.approx(
-        rows["async"]["val_loss"] / rows["sync"]["val_loss"]
-    )
-    sim = simulate(variant_schedule(Variant.ASYNC, PipeMareBenchConfig(**{**TINY, "steps": 5,
-                   "microbatches": 1})))  # fmt: skip
-    assert rows["async"]["max_tau"] == list(sim.delay) == [3, 2, 1, 0]
+    for section, m in zip(sections, (1, 2), strict=True):
+        sync, async_ = rows[section, "sync"], rows[section, "async"]
+        assert sync["microbatches"] == async_["microbatches"] == m
+        assert sync["ratio_to_sync"] == 1.0
+        assert async_["ratio_to_sync"] == pytest.approx(async_["val_loss"] / sync["val_loss"])
+        config = PipeMareBenchConfig(**{**TINY, "steps": 5})
+        sim = simulate(variant_schedule(Variant.ASYNC, config, m))
+        assert async_["max_tau"] == list(sim.delay)
+    # The optimizers differ per section, so do the sync curves (same init, same batches).
+    assert rows[sections[0], "sync"]["losses"][0] == rows[sections[1], "sync"]["losses"][0]
+    assert rows[sections[0], "sync"]["losses"][1:] != rows[sections[1], "sync"]["losses"][1:]
+    assert rows[sections[0], "async"]["max_tau"] == [3, 2, 1, 0]
     png = path.with_suffix(".png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000
-    assert "pipemare" in text and "3 2 1 0" in text
+    assert "pipemare" in text and "3 2 1 0" in text and "adamw m=2 lr=0.01" in text
 
 
 def test_bad_variant_is_refused() -> None:
     with pytest.raises(ConfigError, match="variants"):
         _run_cli(["--variants", "sync,bogus"])
+
+
+@pytest.mark.parametrize("text", ["sgd:1", "sgd:x:0.1", "rmsprop:1:0.1", "sgd:0:0.1", "sgd:1:-1"])
+def test_bad_section_is_refused(text: str) -> None:
+    with pytest.raises(ConfigError, match="sections"):
+        _run_cli(["--sections", text])
