@@ -29,7 +29,6 @@ from __future__ import annotations
 import datetime as dt
 import math
 import os
-import shutil
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -45,7 +44,6 @@ from tidal.distributed import world_size as current_world_size
 from tidal.engine.checkpoint import (
     _prune,
     checkpoint_root,
-    latest_checkpoint,
     swap_into_place,
     write_json_durable,
 )
@@ -60,7 +58,7 @@ from tidal.engine.device import (
 from tidal.engine.job import JobConfig, load_job
 from tidal.engine.metrics import MetricsFile, Throughput, git_commit, write_json_atomic
 from tidal.engine.reference import build_optimizer, lr_schedule
-from tidal.engine.trainer import Callback, LogCallback, check_run_dir
+from tidal.engine.trainer import Callback, LogCallback, TrainerBase
 from tidal.models import build_gpt, num_params, training_flops_per_token
 from tidal.pipeline.eval import evaluate_stages
 from tidal.pipeline.pipemare import AsyncConfig, StageWeights, WeightMode
@@ -163,7 +161,7 @@ def block_ranges(job: JobConfig) -> tuple[tuple[int, int], ...]:
     return tuple(split.block_ranges)
 
 
-class PipelineTrainer:
+class PipelineTrainer(TrainerBase):
     """Train ``job`` as a pipeline of ``job.pipeline.stages`` processes; see [Note: pipeline runs]."""
 
     plan = None  # the progress line asks
@@ -262,7 +260,7 @@ class PipelineTrainer:
             for loss in losses:
                 step += 1
                 last = self._record_step(step, loss, elapsed_s / count, timed, callbacks)
-            self._after_program(step, callbacks)
+            self._after_step(step, callbacks)
         summary = self._summary(last, timed, start_step, time.perf_counter() - start_wall)
         if self.rank == 0:
             write_json_atomic(self.run_dir / "summary.json", summary)
@@ -328,21 +326,6 @@ class PipelineTrainer:
             cb.on_step(record)
         return record
 
-    def _after_program(self, step: int, callbacks: Sequence[Callback]) -> None:
-        training, ckpt = self.job.training, self.job.checkpoint
-        last = step == training.steps
-        if (training.val_every and step % training.val_every == 0) or last:
-            self.last_val_loss = self.evaluate()
-            record = {"kind": "val", "step": step, "val_loss": self.last_val_loss}
-            if self.rank == 0:
-                self.metrics.append(record)
-            for cb in callbacks:
-                cb.on_val(record)
-        if (ckpt.every_steps and step % ckpt.every_steps == 0) or (last and ckpt.at_end):
-            path = self.save_checkpoint(step)
-            for cb in callbacks:
-                cb.on_checkpoint(step, str(path))
-
     def evaluate(self) -> float:
         """Mean loss over the fixed validation batches, through the stages forward only."""
         batches = self._val_sampler.fixed_batches(self.job.training.val_batches)
@@ -358,29 +341,12 @@ class PipelineTrainer:
     def _peak_tflops(self) -> float | None:
         return self.peak.tflops * self.world_size if self.peak else None
 
-    # -- run folder and checkpoints -------------------------------------------------------------
+    # -- checkpoints ---------------------------------------------------------------------------
 
-    def _prepare_run_dir(self, *, resume: bool, overwrite: bool) -> int:
-        check_run_dir(self.run_dir, resume=resume, overwrite=overwrite)
-        if self.rank == 0:
-            if overwrite:
-                for name in ("checkpoints", "metrics.jsonl", "summary.json"):
-                    path = self.run_dir / name
-                    if path.is_dir():
-                        shutil.rmtree(path)
-                    elif path.exists():
-                        path.unlink()
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-            write_json_atomic(self.run_dir / "config.json", to_dict(self.job))
-            if not resume:
-                self.metrics.truncate_after(0)
-        barrier()
-        if not resume:
-            return 0
-        path = latest_checkpoint(self.run_dir)
-        assert path is not None, "check_run_dir found a checkpoint"
+    def load_checkpoint(self, path: Any) -> int:
+        """Restore this rank's stages and the run's counters; returns the checkpoint's step."""
         step = self.runtime.load(path)
-        state = torch.load(path / "train_state.pt", weights_only=False)
+        state = torch.load(Path(path) / "train_state.pt", weights_only=False)
         if state["model_config"] != to_dict(self.model_config):
             raise ConfigError(
                 "model",
@@ -390,12 +356,11 @@ class PipelineTrainer:
         self.tokens_seen = int(state["tokens_seen"])
         self.train_time_s = float(state["train_time_s"])
         self.last_val_loss = state["last_val_loss"]
-        if self.rank == 0:
-            self.metrics.truncate_after(step)
         return step
 
-    def save_checkpoint(self, step: int) -> Path:
+    def save_checkpoint(self) -> Path:
         """Every rank writes its stages into one temporary folder; rank 0 completes it."""
+        step = self.runtime.step
         root = checkpoint_root(self.run_dir)
         root.mkdir(parents=True, exist_ok=True)
         tag = os.environ.get("TORCHELASTIC_RUN_ID", "local")

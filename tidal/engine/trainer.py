@@ -73,7 +73,7 @@ from tidal.models import build_gpt, gpt_init, num_params, training_flops_per_tok
 if TYPE_CHECKING:
     from tidal.planner import Plan
 
-__all__ = ["Callback", "LogCallback", "Trainer", "check_run_dir", "rank_rows"]
+__all__ = ["Callback", "LogCallback", "Trainer", "TrainerBase", "check_run_dir", "rank_rows"]
 
 logger = logging.getLogger(__name__)
 
@@ -138,7 +138,78 @@ def check_run_dir(run_dir: Path, *, resume: bool, overwrite: bool) -> None:
         )
 
 
-class Trainer:
+class TrainerBase:
+    """What a run folder needs from any trainer: validation and checkpoints on their steps,
+    --resume / --overwrite, the peak the MFU divides by. Subclasses provide ``job``, ``rank``,
+    ``run_dir``, ``metrics``, ``peak``, ``last_val_loss``, ``evaluate()``,
+    ``save_checkpoint()`` and ``load_checkpoint(path) -> step``."""
+
+    job: JobConfig
+    rank: int
+    run_dir: Path
+    metrics: MetricsFile
+    peak: PeakFlops | None
+    last_val_loss: float | None
+
+    def evaluate(self) -> float:
+        raise NotImplementedError
+
+    def save_checkpoint(self) -> Path | None:
+        raise NotImplementedError
+
+    def load_checkpoint(self, path: Any) -> int:
+        raise NotImplementedError
+
+    def _after_step(self, step: int, callbacks: Sequence[Callback]) -> None:
+        training, ckpt = self.job.training, self.job.checkpoint
+        last = step == training.steps
+        if (training.val_every and step % training.val_every == 0) or last:
+            self.last_val_loss = self.evaluate()
+            record = {"kind": "val", "step": step, "val_loss": self.last_val_loss}
+            if self.rank == 0:
+                self.metrics.append(record)
+            for cb in callbacks:
+                cb.on_val(record)
+        if (ckpt.every_steps and step % ckpt.every_steps == 0) or (last and ckpt.at_end):
+            path = self.save_checkpoint()
+            for cb in callbacks:
+                cb.on_checkpoint(step, str(path))
+
+    @property
+    def _peak_tflops(self) -> float | None:
+        return self.peak.tflops if self.peak else None
+
+    def _prepare_run_dir(self, *, resume: bool, overwrite: bool) -> int:
+        # Every rank checks, so that a refusal stops all of them rather than stranding peers.
+        check_run_dir(self.run_dir, resume=resume, overwrite=overwrite)
+        if self.rank == 0:
+            self._reset_run_dir(overwrite=overwrite, resume=resume)
+        # The folder exists, and what --overwrite deletes is gone, before any rank reads it.
+        barrier()
+        if not resume:
+            return 0
+        path = latest_checkpoint(self.run_dir)
+        assert path is not None, "check_run_dir found a checkpoint"
+        step = self.load_checkpoint(path)
+        if self.rank == 0:
+            self.metrics.truncate_after(step)
+        return step
+
+    def _reset_run_dir(self, *, overwrite: bool, resume: bool) -> None:
+        if overwrite:
+            for name in ("checkpoints", "metrics.jsonl", "summary.json", "loss.png", "memory.png"):
+                path = self.run_dir / name
+                if path.is_dir():
+                    shutil.rmtree(path)
+                elif path.exists():
+                    path.unlink()
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        write_json_atomic(self.run_dir / "config.json", to_dict(self.job))
+        if not resume:
+            self.metrics.truncate_after(0)
+
+
+class Trainer(TrainerBase):
     """Train the GPT preset of ``job`` on its token source with the engine it names.
 
     Under torchrun every rank builds its own Trainer; see [Note: global batch]. ``plan``: a
@@ -300,25 +371,6 @@ class Trainer:
             "peak_memory_bytes": peak_memory_bytes(self.device),
         }
 
-    def _after_step(self, step: int, callbacks: Sequence[Callback]) -> None:
-        training, ckpt = self.job.training, self.job.checkpoint
-        last = step == training.steps
-        if (training.val_every and step % training.val_every == 0) or last:
-            self.last_val_loss = self.evaluate()
-            record = {"kind": "val", "step": step, "val_loss": self.last_val_loss}
-            if self.rank == 0:
-                self.metrics.append(record)
-            for cb in callbacks:
-                cb.on_val(record)
-        if (ckpt.every_steps and step % ckpt.every_steps == 0) or (last and ckpt.at_end):
-            path = self.save_checkpoint()
-            for cb in callbacks:
-                cb.on_checkpoint(step, str(path))
-
-    @property
-    def _peak_tflops(self) -> float | None:
-        return self.peak.tflops if self.peak else None
-
     @torch.no_grad()
     def evaluate(self) -> float:
         """Mean loss over the fixed validation batches (each rank its rows, then the mean)."""
@@ -335,35 +387,6 @@ class Trainer:
         return all_reduce_mean(total / len(self._val_batches))
 
     # -- run folder and checkpoints -------------------------------------------------------------
-
-    def _prepare_run_dir(self, *, resume: bool, overwrite: bool) -> int:
-        # Every rank checks, so that a refusal stops all of them rather than stranding peers.
-        check_run_dir(self.run_dir, resume=resume, overwrite=overwrite)
-        if self.rank == 0:
-            self._reset_run_dir(overwrite=overwrite, resume=resume)
-        # The folder exists, and what --overwrite deletes is gone, before any rank reads it.
-        barrier()
-        if not resume:
-            return 0
-        path = latest_checkpoint(self.run_dir)
-        assert path is not None, "check_run_dir found a checkpoint"
-        step = self.load_checkpoint(path)
-        if self.rank == 0:
-            self.metrics.truncate_after(step)
-        return step
-
-    def _reset_run_dir(self, *, overwrite: bool, resume: bool) -> None:
-        if overwrite:
-            for name in ("checkpoints", "metrics.jsonl", "summary.json", "loss.png", "memory.png"):
-                path = self.run_dir / name
-                if path.is_dir():
-                    shutil.rmtree(path)
-                elif path.exists():
-                    path.unlink()
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        write_json_atomic(self.run_dir / "config.json", to_dict(self.job))
-        if not resume:
-            self.metrics.truncate_after(0)
 
     def save_checkpoint(self) -> Path | None:
         """Checkpoint the current step. Every rank calls it. The chunk engines write sharded
