@@ -30,7 +30,8 @@ A section is (optimizer, m, peak LR). The defaults are the two most informative 
   blow-up but PipeMare still ends about 5% above sync, and further from it after 600 steps,
   where sync leaves the loss plateau and the delayed variants do not.
 - ``adamw:4:0.001``: m = 4, delays at most 2. Even so AdamW with delayed weights stays on the
-  plateau (about +20%), with or without PipeMare's two techniques. SGD at m = 4 lags less
+  plateau (about +20%), with or without PipeMare's two techniques (PipeMareW, synchronous for
+  its first 10% of steps, +16%). SGD at m = 4 lags less
   (about +5%) but PipeMare does not close that gap either: it fixes early instability, and
   what is left is not early.
 The issue's target (PipeMare within 2% of sync where naive asynchrony lags) was met in no
