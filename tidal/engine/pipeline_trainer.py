@@ -37,7 +37,6 @@ from typing import Any
 import torch
 
 from tidal.config import ConfigError, require, to_dict
-from tidal.data import BatchSampler, build_token_splits
 from tidal.distributed import barrier, init_from_env
 from tidal.distributed import rank as current_rank
 from tidal.distributed import world_size as current_world_size
@@ -58,7 +57,7 @@ from tidal.engine.device import (
 from tidal.engine.job import JobConfig, load_job
 from tidal.engine.metrics import MetricsFile, Throughput, git_commit, write_json_atomic
 from tidal.engine.reference import build_optimizer, lr_schedule
-from tidal.engine.trainer import Callback, LogCallback, TrainerBase
+from tidal.engine.trainer import Callback, LogCallback, TrainerBase, build_samplers
 from tidal.models import build_gpt, num_params, training_flops_per_token
 from tidal.pipeline.eval import evaluate_stages
 from tidal.pipeline.pipemare import AsyncConfig, StageWeights, WeightMode
@@ -198,17 +197,8 @@ class PipelineTrainer(TrainerBase):
         self.runtime = PipelineRuntime(
             config, stages=mine, weights=self.weights, tied=tied, device=self.device
         )
-        splits = build_token_splits(
-            self.job.data, vocab_size=self.model_config.vocab_size, seed=training.seed
-        )
-        seq_len = self.model_config.seq_len
-        self.train_batches = BatchSampler(
-            splits.train, batch_size=training.batch_size, seq_len=seq_len, seed=training.seed
-        )
-        self._val_sampler = BatchSampler(
-            splits.val, batch_size=training.batch_size, seq_len=seq_len, seed=training.seed + 1
-        )
-        self.tokens_per_step = training.batch_size * seq_len
+        self.train_batches, self._val_sampler = build_samplers(self.job)
+        self.tokens_per_step = training.batch_size * self.model_config.seq_len
         self.flops_per_token = training_flops_per_token(self.model_config)
         peak = peak_flops(self.device, training.precision, self.job.metrics.peak_tflops)
         self.peak = peak

@@ -138,6 +138,20 @@ def check_run_dir(run_dir: Path, *, resume: bool, overwrite: bool) -> None:
         )
 
 
+def build_samplers(job: JobConfig) -> tuple[BatchSampler, BatchSampler]:
+    """The run's training and validation batch samplers (global batches, every rank the same)."""
+    training, config = job.training, job.model.resolve()
+    splits = build_token_splits(job.data, vocab_size=config.vocab_size, seed=training.seed)
+    train = BatchSampler(
+        splits.train, batch_size=training.batch_size, seq_len=config.seq_len, seed=training.seed
+    )
+    # Validation draws from its own seed so that it is the same batches at every pass.
+    val = BatchSampler(
+        splits.val, batch_size=training.batch_size, seq_len=config.seq_len, seed=training.seed + 1
+    )
+    return train, val
+
+
 class TrainerBase:
     """What a run folder needs from any trainer: validation and checkpoints on their steps,
     --resume / --overwrite, the peak the MFU divides by. Subclasses provide ``job``, ``rank``,
@@ -241,17 +255,8 @@ class Trainer(TrainerBase):
             model, self.job, init=gpt_init(model, training.seed), plan=self.plan
         )
         self.device = self.engine.device
-        splits = build_token_splits(
-            self.job.data, vocab_size=self.model_config.vocab_size, seed=training.seed
-        )
+        self.train_batches, self._val_sampler = build_samplers(self.job)
         seq_len = self.model_config.seq_len
-        self.train_batches = BatchSampler(
-            splits.train, batch_size=training.batch_size, seq_len=seq_len, seed=training.seed
-        )
-        # Validation draws from its own seed so that it is the same batches at every pass.
-        self._val_sampler = BatchSampler(
-            splits.val, batch_size=training.batch_size, seq_len=seq_len, seed=training.seed + 1
-        )
         self._val_batches: list[tuple[torch.Tensor, torch.Tensor]] | None = None
         self.tokens_per_step = training.batch_size * seq_len * training.grad_accum_steps
         self.flops_per_token = training_flops_per_token(self.model_config)
