@@ -51,6 +51,11 @@ anything else on the machine).
 - ``bubble_fraction`` is the simulator's idle share of the ranks in that step time,
   ``1 - sum over stages of (m (F + B) + U) / (p * predicted_step_s)``: ``(p-1)/(m+p-1)`` plus
   the update and p2p terms for the synchronous schedules, about 0 for PipeMare.
+
+[Note: why one file]
+About a third of this file is the explanation of how each figure is measured and predicted
+(calibration, steady-state step of asynchronous schedules, core-bound bound); the rest is one
+bench's calibrate / run / predict / report pipeline, which reads best in one place.
 """
 
 from __future__ import annotations

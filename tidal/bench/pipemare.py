@@ -36,6 +36,10 @@ A section is (optimizer, m, peak LR). The defaults are the two most informative 
   what is left is not early.
 The issue's target (PipeMare within 2% of sync where naive asynchrony lags) was met in no
 section of the sweep; the JSON says so per row (``within_2pct_of_sync``).
+
+[Note: why one file]
+One bench: its config and sections, the five variants, the run, the table and the plot. The
+sweep findings in its notes are what a reader of the results needs next to the code.
 """
 
 from __future__ import annotations

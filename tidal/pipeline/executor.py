@@ -29,6 +29,12 @@ row the accumulated gradients are the gradients of the whole batch's mean loss, 
 ``B`` computes only the input gradient (``autograd.grad`` keeping the graph) and ``W``
 backpropagates again restricted to the parameters. That costs a second pass over the graph:
 correct zero-bubble semantics, not zero-bubble speed. No generated schedule has ``W`` yet.
+
+[Note: why one file]
+The interpreter (RankExecutor), the per-stage state it drives (StageRunner, Microbatches) and the
+one-process runner share the in-flight bookkeeping that makes local and distributed runs
+bit-identical; splitting them would expose that bookkeeping across modules. The transports
+already live in p2p.py. If this file grows further, run_local and its barrier go first.
 """
 
 from __future__ import annotations
