@@ -170,6 +170,10 @@ ASYNC_CASES = {
         "pipemare",
         AsyncConfig(weights=WeightMode.CURRENT, correction=True, lr_rescheduling=True),
     ),
+    "pipemare+prediction": (
+        "pipemare",
+        AsyncConfig(prediction=True, microbatches_per_update=2, lr_rescheduling=True),
+    ),
     "pipedream": ("pipedream", AsyncConfig(weights=WeightMode.STASH)),
 }
 
@@ -286,7 +290,10 @@ SYNC_CASES = {
     2: [("gpipe", 4, 1), ("1f1b", 4, 1), ("interleaved", 2, 2)],
     4: [("gpipe", 2, 1), ("1f1b", 4, 1), ("interleaved", 4, 2)],  # gpipe with m < p
 }
-ASYNC_RUNS = {2: ["pipemare", "pipemare+correction", "pipedream"], 4: ["pipemare", "pipedream"]}
+ASYNC_RUNS = {
+    2: ["pipemare", "pipemare+correction", "pipedream"],
+    4: ["pipemare", "pipemare+prediction", "pipedream"],
+}
 
 
 def _cases(world: int, group: dist.ProcessGroup, folder: str) -> dict[str, Any]:

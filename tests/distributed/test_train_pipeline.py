@@ -99,3 +99,6 @@ def test_bad_pipeline_input_exits_2_in_one_line(capsys: pytest.CaptureFixture[st
     assert "training.precision" in capsys.readouterr().err
     assert main([*argv, "--set", "pipeline.microbatches=9"]) == 2
     assert "pipeline.microbatches" in capsys.readouterr().err
+    assert main([*argv, "--set", "pipeline.prediction=true"]) == 2  # 1f1b has no delay
+    err = capsys.readouterr().err
+    assert "pipeline.prediction" in err and "pipemare" in err

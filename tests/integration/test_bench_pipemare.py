@@ -93,6 +93,18 @@ def test_sync_equals_plain_training_and_async_tau_equals_simulator() -> None:
     assert any(warm.lrs[0, k] < 0.99 * base(k) for k in range(config.steps))
 
 
+def test_prediction_variant_runs_forwards_on_predicted_weights() -> None:
+    config = PipeMareBenchConfig(**TINY, variants=(Variant.PIPEMARE_LR, Variant.PIPEMARE_LR_PRED))
+    splits = byte_splits()
+    plain = run_variant(Variant.PIPEMARE_LR, config, SECTION, splits)
+    predicted = run_variant(Variant.PIPEMARE_LR_PRED, config, SECTION, splits)
+    assert predicted.delays == plain.delays and predicted.lrs == plain.lrs  # same rule, same tau
+    # Until a stage has updated and measured a delay its forward runs on the live weights ...
+    assert predicted.losses[0] == plain.losses[0]
+    # ... and then on w + tau_hat * delta, which changes the losses the forwards see.
+    assert predicted.losses[2:] != plain.losses[2:]
+
+
 def _run_cli(argv: list[str]) -> tuple[int, str]:
     parser = argparse.ArgumentParser(prog="tidal bench pipemare")
     add_arguments(parser)

@@ -175,6 +175,47 @@ def test_correction_backward_uses_w_minus_tau_delta() -> None:
     assert weights.held_weight_copies() == 1  # the corrected weights were freed
 
 
+def test_prediction_forward_uses_w_plus_tau_hat_delta() -> None:
+    module = _mlp()
+    config = AsyncConfig(prediction=True, correction_decay=0.5, microbatches_per_update=1)
+    weights = StageWeights(module, torch.optim.SGD(module.parameters(), lr=0.1), config)
+    x, dy = torch.randn(3, 4), torch.randn(3, 3)
+    snapshots = [[p.detach().clone() for p in module.parameters()]]
+    with weights.forward(0):  # delta = 0 and no delay measured yet: the live weights
+        y0 = module(x)
+    for k in range(2):
+        _update_with_other_microbatch(weights, module, 10 + k, torch.randn(3, 4), k)
+        snapshots.append([p.detach().clone() for p in module.parameters()])
+    with weights.backward(0):
+        y0.backward(dy)
+    assert weights.delays[0] == 2
+    module.zero_grad(set_to_none=True)
+    gamma = 0.5  # each update applied one tau = 0 microbatch: D ** (1 / max(0, 1))
+    delta = [torch.zeros_like(w) for w in snapshots[0]]
+    for k in range(2):
+        delta = [gamma * d + (1 - gamma) * (b - a) for d, a, b in
+                 zip(delta, snapshots[k], snapshots[k + 1], strict=True)]  # fmt: skip
+    # Microbatch 1 is in microbatch 0's slot one update later (m = 1): tau_hat = 2.
+    assert weights.expected_delay(1) == 2.0
+    predicted = [w + 2 * d for w, d in zip(snapshots[2], delta, strict=True)]
+    with weights.forward(1):
+        y1 = module(x)
+        assert weights.held_weight_copies() == 2  # delta + the transient predicted weights
+    names = [n for n, _ in module.named_parameters()]
+    expected_y = torch.func.functional_call(module, dict(zip(names, predicted, strict=True)), (x,))
+    torch.testing.assert_close(y1, expected_y, atol=1e-6, rtol=0)
+    assert not torch.allclose(y1, module(x), atol=1e-4)  # the live forward differs
+    for p, w in zip(module.parameters(), snapshots[2], strict=True):
+        assert torch.equal(p.detach(), w)  # the live weights are back, bit for bit
+    assert weights.held_weight_copies() == 1  # only delta
+    _update_with_other_microbatch(weights, module, 12, torch.randn(3, 4), 2)
+    with weights.backward(1):  # backward on the live weights, one update after the forward
+        y1.backward(dy)
+    expected = _hand_grads(x, dy, predicted, module[2].weight.detach())
+    for p, e in zip(module.parameters(), expected, strict=True):
+        torch.testing.assert_close(p.grad, e, atol=1e-6, rtol=0)
+
+
 def test_stash_backward_uses_the_forwards_weights() -> None:
     module = _mlp()
     reference = copy.deepcopy(module)
@@ -410,6 +451,10 @@ def test_config_validation() -> None:
         AsyncConfig(lr_warmup_steps=-1)
     with pytest.raises(ConfigError, match="weights"):
         AsyncConfig(weights="sometimes")  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="prediction"):
+        AsyncConfig(prediction=True, correction=True)
+    with pytest.raises(ConfigError, match="prediction"):
+        AsyncConfig(weights=WeightMode.STASH, prediction=True)
 
 
 def test_inplace_change_of_a_saved_activation_still_raises() -> None:

@@ -10,7 +10,9 @@ delays):
 - ``async``: the ``pipemare`` schedule (no flush, no stashing) with nothing else: naive asynchrony;
 - ``pipemare-lr``: the same plus PipeMare's LR rescheduling up to step T1;
 - ``pipemare-lr-dc``: plus discrepancy correction (decay D);
-- ``pipemarew``: the ``pipemarew`` schedule (T2 flushed steps first) plus both techniques.
+- ``pipemarew``: the ``pipemarew`` schedule (T2 flushed steps first) plus both techniques;
+- ``pipemare-lr-pred``: LR rescheduling plus tidal's weight prediction in place of correction
+  (the forward runs on ``w + tau_hat * delta``; [Note: weight prediction] in pipemare.py).
 
 [Note: a fair comparison]
 Every variant of a section starts from the same initial weights (``build_gpt(seed)``), sees the
@@ -103,6 +105,7 @@ class Variant(enum.StrEnum):
     PIPEMARE_LR = "pipemare-lr"
     PIPEMARE_LR_DC = "pipemare-lr-dc"
     PIPEMAREW = "pipemarew"
+    PIPEMARE_LR_PRED = "pipemare-lr-pred"
 
     @property
     def schedule_name(self) -> str:
@@ -117,6 +120,10 @@ class Variant(enum.StrEnum):
     @property
     def correction(self) -> bool:
         return self in (Variant.PIPEMARE_LR_DC, Variant.PIPEMAREW)
+
+    @property
+    def prediction(self) -> bool:
+        return self is Variant.PIPEMARE_LR_PRED
 
 
 class OptimizerName(enum.StrEnum):
@@ -315,13 +322,15 @@ def samplers(
     return train, val.fixed_batches(config.val_batches)
 
 
-def _async_config(variant: Variant, config: PipeMareBenchConfig) -> AsyncConfig:
+def _async_config(variant: Variant, config: PipeMareBenchConfig, section: Section) -> AsyncConfig:
     return AsyncConfig(
         weights=WeightMode.CURRENT,
         lr_rescheduling=variant.lr_rescheduling,
         lr_warmup_steps=config.lr_warmup_steps if variant.lr_rescheduling else 0,
         correction=variant.correction,
         correction_decay=config.correction_decay,
+        prediction=variant.prediction,
+        microbatches_per_update=section.microbatches if variant.prediction else 0,
     )
 
 
@@ -397,7 +406,7 @@ def run_variant(
 ) -> VariantRun:
     """Train ``variant`` from the shared initial model with ``section``'s optimizer, m and LR."""
     stages = split_gpt(build_model(config), even_ranges(config.num_layers, config.stages))
-    async_config = _async_config(variant, config)
+    async_config = _async_config(variant, config, section)
     weights = [
         StageWeights(stage, make_optimizer(stage.parameters(), config, section), async_config)
         for stage in stages
@@ -442,7 +451,7 @@ def _row(run: VariantRun, config: PipeMareBenchConfig) -> dict[str, Any]:
         "microbatches": run.section.microbatches,
         "lr_warmup_steps": config.lr_warmup_steps if v.lr_rescheduling else 0,
         "sync_steps": config.sync_steps if v is Variant.PIPEMAREW else 0,
-        "correction_decay": config.correction_decay if v.correction else None,
+        "correction_decay": config.correction_decay if v.correction or v.prediction else None,
         "final_train_loss": _finite(run.final_train_loss()),
         "val_loss": _finite(run.val_loss),
         "ratio_to_sync": None,

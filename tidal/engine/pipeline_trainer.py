@@ -118,7 +118,7 @@ def block_ranges(job: JobConfig) -> tuple[tuple[int, int], ...]:
 
     The balanced split prices each stage's memory under the run's schedule: the simulator's
     peak in-flight microbatches and live weight versions per stage (1F1B's first stage holds
-    ``p`` microbatches, its last one), plus the correction buffer of PipeMare.
+    ``p`` microbatches, its last one), plus the delta buffer of PipeMare's correction or of weight prediction.
     """
     pipe, config = job.pipeline, job.model.resolve()
     num_stages = pipe.stages * pipe.virtual_stages
@@ -142,7 +142,8 @@ def block_ranges(job: JobConfig) -> tuple[tuple[int, int], ...]:
         steps=steps, sync_steps=min(pipe.sync_steps, steps),
     )  # fmt: skip
     sim = simulate(schedule)
-    extra_versions = [v - 1 + int(pipe.correction) for v in sim.weight_versions]
+    delta_buffer = int(pipe.correction or pipe.prediction)
+    extra_versions = [v - 1 + delta_buffer for v in sim.weight_versions]
     state_per_weight_byte = 4.0 if job.optimizer.name in ("adamw", "adam") else 3.0
     profiles = profile_gpt(config, micro_batch=max(1, job.training.batch_size // m),
                            seq_len=config.seq_len)  # fmt: skip
@@ -216,6 +217,8 @@ class PipelineTrainer(TrainerBase):
             lr_warmup_steps=pipe.lr_warmup_steps,
             correction=pipe.correction,
             correction_decay=pipe.correction_decay,
+            prediction=pipe.prediction,
+            microbatches_per_update=pipe.num_microbatches if pipe.prediction else 0,
         )
         return StageWeights(stage, optimizer, config)
 

@@ -37,7 +37,11 @@ class PipelineConfig:
         lr_warmup_steps: T1 of the rescheduling.
         correction: PipeMare's discrepancy correction: backward weights ``w - tau * delta``,
             ``delta`` an average of recent updates (one weight-sized buffer per stage).
-        correction_decay: ``D`` in ``gamma = D ** (1 / tau)``.
+        correction_decay: ``D`` in ``gamma = D ** (1 / tau)`` (for ``prediction`` too).
+        prediction: weight prediction, tidal's alternative to ``correction``: each forward
+            runs on ``w + tau_hat * delta``, the weights its backward is expected to find
+            ``tau_hat`` updates later (one weight-sized buffer per stage, as with correction).
+            Asynchronous schedules without stashing only; not together with ``correction``.
         sync_steps: ``pipemarew``'s synchronous warm-up steps (T2).
         stage_memory: bytes each stage may hold (weights, gradients, optimizer state, stashed
             versions and the activations of its in-flight microbatches under the schedule);
@@ -53,6 +57,7 @@ class PipelineConfig:
     lr_warmup_steps: int = 100
     correction: bool = False
     correction_decay: float = 0.1
+    prediction: bool = False
     sync_steps: int = 10
     stage_memory: ByteSize | None = None
 
@@ -81,6 +86,19 @@ class PipelineConfig:
             0.0 < self.correction_decay < 1.0,
             "correction_decay",
             f"must be in (0, 1), got {self.correction_decay}",
+        )
+        require(
+            not (self.prediction and self.correction),
+            "prediction",
+            "choose one of prediction (forward on the weights the backward will see) and "
+            "correction (backward on the weights the forward saw); they undo each other",
+        )
+        require(
+            not self.prediction or self.schedule in ("pipemare", "pipemarew"),
+            "prediction",
+            f"weight prediction needs schedule 'pipemare' or 'pipemarew' (got "
+            f"{self.schedule!r}): synchronous schedules have no delay and stashing ones run "
+            "the forward on a stashed version",
         )
         require(self.sync_steps >= 0, "sync_steps", f"must be >= 0, got {self.sync_steps}")
 

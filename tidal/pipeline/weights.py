@@ -86,10 +86,16 @@ class AsyncConfig:
         lr_rescheduling: PipeMare technique 1 (divide the LR by the delay early on).
         lr_warmup_steps: T1, the step from which the base LR is used unchanged; 0 = no effect.
         correction: PipeMare technique 2 (backward on ``w - tau * delta``); ``CURRENT`` only.
-        correction_decay: D in (0, 1); the velocity EMA factor is ``D ** (1 / tau)``.
+        correction_decay: D in (0, 1); the velocity EMA factor is ``D ** (1 / tau)`` (for
+            correction and prediction alike).
+        prediction: weight prediction, tidal's alternative to correction: the forward runs on
+            ``w + tau_hat * delta``, the weights it expects the backward to find
+            ([Note: weight prediction]); ``CURRENT`` only, and not with ``correction``.
         microbatches_per_update: m, for ``TWO_VERSIONS``: a forward of a microbatch with
             ``microbatch % m == 0`` starts a batch on the current version. 0 means the caller
             passes ``forward(mb, version=...)`` (the executor passes the schedule's versions).
+            With ``prediction``, ``tau_hat`` of microbatch ``mb`` is the delay measured for
+            ``mb - m`` (the same slot one update earlier); 0 uses the last update's mean delay.
     """
 
     weights: WeightMode = WeightMode.CURRENT
@@ -97,6 +103,7 @@ class AsyncConfig:
     lr_warmup_steps: int = 0
     correction: bool = False
     correction_decay: float = 0.1
+    prediction: bool = False
     microbatches_per_update: int = 0
 
     def __post_init__(self) -> None:
@@ -123,6 +130,18 @@ class AsyncConfig:
             "correction",
             f"discrepancy correction needs weights='current' (got {self.weights.value!r}): "
             "stashing already gives the backward its forward's weights; drop one of the two",
+        )
+        require(
+            not self.prediction or self.weights is WeightMode.CURRENT,
+            "prediction",
+            f"weight prediction needs weights='current' (got {self.weights.value!r}): the "
+            "forward of a stashing schedule runs on its stashed version",
+        )
+        require(
+            not (self.prediction and self.correction),
+            "prediction",
+            "choose one of prediction (forward on the weights the backward will see) and "
+            "correction (backward on the weights the forward saw): together they undo each other",
         )
         require(
             self.microbatches_per_update >= 0,
@@ -290,12 +309,13 @@ class StageWeights:
         self._pending: list[int] = []  # backward done since the last update
         self._stashes: dict[int, list[torch.Tensor]] = {}  # version -> copies of every param
         self._delta: list[torch.Tensor] | None = None
-        if config.correction:
+        if config.correction or config.prediction:
             self._delta = [
                 torch.zeros_like(p, memory_format=torch.preserve_format) for p in self.params
             ]
         self._active: int | None = None  # microbatch whose backward is running
         self._corrected: dict[int, torch.Tensor] = {}  # param index -> w - tau * delta
+        self._forward_copy: list[torch.Tensor] = []  # w + tau_hat * delta during a forward
         self._warned = False
         self._batch_version = 0  # 2BW: the version the current batch's forwards use
 
@@ -336,6 +356,9 @@ class StageWeights:
         self.version_at_forward[microbatch] = fwd_version
         self._batch_version = fwd_version
         self._release()  # a 2BW batch's first forward frees the previous batch's copy
+        if stash is None and self.config.prediction:
+            stash = self._predicted(microbatch)
+            self._forward_copy = stash or []
         live = None if stash is None else self._swap_in(stash)
         packer = _Packer(self, microbatch, fwd_version)
         try:
@@ -347,6 +370,26 @@ class StageWeights:
         finally:
             if live is not None:
                 self._swap_in(live)
+            self._forward_copy = []
+
+    def expected_delay(self, microbatch: int) -> float:
+        """``tau_hat``: the delay ``microbatch`` will likely have ([Note: weight prediction])."""
+        m = self.config.microbatches_per_update
+        if m:
+            # The same slot of the latest step whose backward has run (up to p are in flight).
+            for earlier in range(microbatch - m, -1, -m):
+                if earlier in self.delays:
+                    return float(self.delays[earlier])
+        return self.last_delay
+
+    def _predicted(self, microbatch: int) -> list[torch.Tensor] | None:
+        tau_hat = self.expected_delay(microbatch)
+        if self._delta is None or tau_hat <= 0:
+            return None
+        return [
+            _clone_like(p).add_(d, alpha=tau_hat)
+            for p, d in zip(self.params, self._delta, strict=True)
+        ]
 
     def _swap_in(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         previous = [p.data for p in self.params]
@@ -410,7 +453,7 @@ class StageWeights:
         if mode is not WeightMode.CURRENT:
             return live if version == self.version else self._stash(version)[index]
         tau = self.version - version
-        if self._delta is None or tau == 0:
+        if self._delta is None or tau == 0 or not self.config.correction:
             return live
         if microbatch == self._active and index in self._corrected:
             return self._corrected[index]
@@ -494,6 +537,7 @@ class StageWeights:
         tensors = [t for stash in self._stashes.values() for t in stash]
         tensors += self._delta or []
         tensors += list(self._corrected.values())
+        tensors += self._forward_copy
         storages = {_storage_ptr(t): t.untyped_storage().nbytes() for t in tensors}
         return sum(storages.values())
 
@@ -519,8 +563,8 @@ class StageWeights:
         delta = state["delta"]
         if (delta is None) != (self._delta is None):
             raise ValueError(
-                "the checkpoint's discrepancy correction setting differs from this stage's "
-                "AsyncConfig.correction; resume with the same setting"
+                "the checkpoint's delta buffer (discrepancy correction or weight prediction) "
+                "does not match this stage's AsyncConfig; resume with the same setting"
             )
         self.version = int(state["version"])
         if delta is not None:
