@@ -175,41 +175,45 @@ def test_correction_backward_uses_w_minus_tau_delta() -> None:
     assert weights.held_weight_copies() == 1  # the corrected weights were freed
 
 
-def test_prediction_forward_uses_w_plus_tau_hat_delta() -> None:
+def test_prediction_forward_runs_on_the_next_update_plus_delta() -> None:
     module = _mlp()
     config = AsyncConfig(prediction=True, correction_decay=0.5, microbatches_per_update=1)
-    weights = StageWeights(module, torch.optim.SGD(module.parameters(), lr=0.1), config)
+    optimizer = torch.optim.SGD(module.parameters(), lr=0.1, momentum=0.9)
+    weights = StageWeights(module, optimizer, config)
     x, dy = torch.randn(3, 4), torch.randn(3, 3)
     snapshots = [[p.detach().clone() for p in module.parameters()]]
-    with weights.forward(0):  # delta = 0 and no delay measured yet: the live weights
+    with weights.forward(0):  # a program's first step: no delay yet, the live weights
         y0 = module(x)
     for k in range(2):
         _update_with_other_microbatch(weights, module, 10 + k, torch.randn(3, 4), k)
         snapshots.append([p.detach().clone() for p in module.parameters()])
     with weights.backward(0):
-        y0.backward(dy)
+        y0.backward(dy)  # its gradient waits in .grad for the next update
     assert weights.delays[0] == 2
-    module.zero_grad(set_to_none=True)
     gamma = 0.5  # each update applied one tau = 0 microbatch: D ** (1 / max(0, 1))
     delta = [torch.zeros_like(w) for w in snapshots[0]]
     for k in range(2):
         delta = [gamma * d + (1 - gamma) * (b - a) for d, a, b in
                  zip(delta, snapshots[k], snapshots[k + 1], strict=True)]  # fmt: skip
-    # Microbatch 1 is in microbatch 0's slot one update later (m = 1): tau_hat = 2.
+    # Microbatch 1 is in microbatch 0's slot one update later (m = 1): tau_hat = 2. The first of
+    # those two updates is the one microbatch 0's gradient is about to make, the second delta.
     assert weights.expected_delay(1) == 2.0
-    predicted = [w + 2 * d for w, d in zip(snapshots[2], delta, strict=True)]
     with weights.forward(1):
         y1 = module(x)
         assert weights.held_weight_copies() == 2  # delta + the transient predicted weights
-    names = [n for n, _ in module.named_parameters()]
-    expected_y = torch.func.functional_call(module, dict(zip(names, predicted, strict=True)), (x,))
-    torch.testing.assert_close(y1, expected_y, atol=1e-6, rtol=0)
-    assert not torch.allclose(y1, module(x), atol=1e-4)  # the live forward differs
     for p, w in zip(module.parameters(), snapshots[2], strict=True):
         assert torch.equal(p.detach(), w)  # the live weights are back, bit for bit
     assert weights.held_weight_copies() == 1  # only delta
-    _update_with_other_microbatch(weights, module, 12, torch.randn(3, 4), 2)
-    with weights.backward(1):  # backward on the live weights, one update after the forward
+    weights.step(lr=0.1, step=2)  # the update the forward anticipated
+    after = [p.detach().clone() for p in module.parameters()]
+    predicted = [w + d for w, d in zip(after, delta, strict=True)]
+    names = [n for n, _ in module.named_parameters()]
+    expected_y = torch.func.functional_call(module, dict(zip(names, predicted, strict=True)), (x,))
+    torch.testing.assert_close(y1, expected_y, atol=1e-6, rtol=0)
+    live_y = torch.func.functional_call(module, dict(zip(names, snapshots[2], strict=True)), (x,))
+    assert not torch.allclose(y1, live_y, atol=1e-4)  # a forward on the live weights differs
+    _update_with_other_microbatch(weights, module, 12, torch.randn(3, 4), 3)
+    with weights.backward(1):  # backward on the live weights, two updates after the forward
         y1.backward(dy)
     expected = _hand_grads(x, dy, predicted, module[2].weight.detach())
     for p, e in zip(module.parameters(), expected, strict=True):

@@ -34,20 +34,22 @@ gradient is just as stale, only consistent); 2BW has tau = 1 from the second bat
 [Note: weight prediction]
 tidal's alternative to discrepancy correction (``AsyncConfig.prediction``), in the spirit of
 SpecTrain's and PipeNAG's look-ahead: instead of pulling the backward's weights back towards
-the forward's, run the forward on the weights the backward will find,
+the forward's, run the forward on the weights the backward will find ``tau_hat`` updates later,
 
-    w_hat = w + tau_hat * delta,
+    w_hat = w + u_next + (tau_hat - 1) * delta,
 
-with ``delta`` the same update EMA as correction's and ``tau_hat`` the delay measured for the
-same slot (``mb - k * m``) of the latest step whose backward has run: delays repeat every m
-microbatches in a steady schedule. The backward then runs on the live weights (``CURRENT``),
-which are ``w_hat`` up to the prediction's error, so the gradient is nearly that of the weights
-it is applied to. Cost: the delta buffer, plus a transient copy of the stage's weights during
-each forward (freed when it ends; ``held_weight_copies`` counts it while it lives).
-Measured (``tidal bench pipemare``, AdamW, m = 4, 8 stages): it cuts the naive-async gap to
-synchronous training by about three quarters where correction changes little; with SGD at
-m = 1 (delays up to 7) it does not beat correction. Not combinable with correction (they undo
-each other) or with stashing schedules (their forward runs on a stashed version).
+``tau_hat`` being the delay measured for the same slot (``mb - k * m``) of the latest step whose
+backward has run (delays repeat every m microbatches in a steady schedule; a program's first
+step has none), ``u_next`` the update the optimizer is about to make, computed by its own rule
+from the part of the step's gradient already in ``.grad`` and its running mean gradient for the
+rest ([Note: optimizer look-ahead] in lookahead.py; ``delta`` instead for optimizers it does not
+know), and ``delta`` the same update EMA as correction's for the updates after it. The backward
+runs on the live weights (``CURRENT``), which are ``w_hat`` up to the prediction's error: if
+the prediction were exact, every stage would compute its gradient on the weights it is applied
+to, as in synchronous training. Cost: the delta buffer, plus a transient copy of the stage's
+weights during each forward (freed when it ends; ``held_weight_copies`` counts it meanwhile).
+Not combinable with correction (they undo each other) or with stashing schedules (their forward
+runs on a stashed version).
 """
 
 from __future__ import annotations

@@ -65,6 +65,7 @@ import torch
 from torch import nn
 
 from tidal.config import require
+from tidal.pipeline.lookahead import next_update
 
 __all__ = ["AsyncConfig", "StageWeights", "WeightMode", "correction_gamma", "lr_scale"]
 
@@ -375,21 +376,36 @@ class StageWeights:
     def expected_delay(self, microbatch: int) -> float:
         """``tau_hat``: the delay ``microbatch`` will likely have ([Note: weight prediction])."""
         m = self.config.microbatches_per_update
-        if m:
-            # The same slot of the latest step whose backward has run (up to p are in flight).
-            for earlier in range(microbatch - m, -1, -m):
-                if earlier in self.delays:
-                    return float(self.delays[earlier])
-        return self.last_delay
+        if not m:
+            return self.last_delay
+        # The same slot of the latest step whose backward has run (up to p are in flight). A
+        # runtime numbers each program's microbatches from 0, so an entry may come from the
+        # previous program: its same slot, which had the same delay.
+        for earlier in range(microbatch - m, -1, -m):
+            if earlier in self.delays:
+                return float(self.delays[earlier])
+        # A program's first step sees no update between its forwards and backwards.
+        return 0.0 if microbatch < m else self.last_delay
 
     def _predicted(self, microbatch: int) -> list[torch.Tensor] | None:
+        # [Note: weight prediction] in pipemare.py: the optimizer's next update, then delta.
         tau_hat = self.expected_delay(microbatch)
         if self._delta is None or tau_hat <= 0:
             return None
-        return [
-            _clone_like(p).add_(d, alpha=tau_hat)
-            for p, d in zip(self.params, self._delta, strict=True)
-        ]
+        m = self.config.microbatches_per_update
+        fraction_done = min(1.0, len(self._pending) / m) if m else 0.0
+        with torch.no_grad():
+            first = next_update(self.optimizer, self.params, fraction_done=fraction_done)
+            later = tau_hat - 1.0 if first is not None else tau_hat
+            predicted = []
+            for index, p in enumerate(self.params):
+                w = _clone_like(p)
+                if first is not None:
+                    w.add_(first[index])
+                if later > 0:
+                    w.add_(self._delta[index], alpha=later)
+                predicted.append(w)
+        return predicted
 
     def _swap_in(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         previous = [p.data for p in self.params]
