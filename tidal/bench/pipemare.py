@@ -564,6 +564,8 @@ def plot(rows: Sequence[dict[str, Any]], path: Path) -> Path:
     fig, axes = plt.subplots(
         1, len(sections), figsize=(6.5 * len(sections), 4.5), squeeze=False, sharey=True
     )
+    smoothed = [_smooth(r["losses"], max(1, r["steps"] // 30)) for r in rows]
+    lowest = min((x for curve in smoothed for x in curve if math.isfinite(x)), default=0.0)
     for ax, section in zip(axes[0], sections, strict=True):
         members = [r for r in rows if r["section"] == section]
         first = members[0]
@@ -572,7 +574,8 @@ def plot(rows: Sequence[dict[str, Any]], path: Path) -> Path:
             label = f"{row['variant']} (val {_fmt(row['val_loss'], '.3f')})"
             ax.plot(_smooth(row["losses"], window), label=label, linewidth=1.4)
         initial = next((x for x in first["losses"] if x is not None), 1.0)
-        ax.set_ylim(top=initial * 1.02)
+        # Shared y axis: every panel's lowest smoothed loss must stay in view.
+        ax.set_ylim(bottom=0.98 * lowest, top=initial * 1.02)
         taus = ",".join(str(t) for t in max((r["max_tau"] for r in members), key=max))
         ax.set_title(f"{section}, p={first['stages']}, max tau {taus}", fontsize=10)
         ax.set_xlabel(f"step (train loss, moving average of {window})")
