@@ -36,6 +36,9 @@ update is legal. Unpacking a token in backward rebuilds the view with ``as_strid
 [Note: backward weights]
 - ``CURRENT``: the live parameter (no copy). With correction: ``w - tau * delta``, built once per
   parameter and backward call and freed when the call ends; tau = 0 uses the live parameter.
+  With prediction the backward uses the live parameter too, and it is the *forward* that runs on
+  other weights: a transient predicted copy swapped into ``.data`` for the forward's duration,
+  like 2BW's stash ([Note: weight prediction] in pipemare.py).
 - ``STASH`` (PipeDream): the forward's version. Forward always runs on the live weights; ``step``
   copies the current weights before updating them in place if an in-flight microbatch (forward
   done, backward not yet finished) used them, and a copy is dropped once no in-flight microbatch
