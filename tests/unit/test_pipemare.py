@@ -490,10 +490,11 @@ def test_state_dict_round_trip() -> None:
     with weights.forward(0):
         module(torch.randn(3, 4))
     _update_with_other_microbatch(weights, module, 1, torch.randn(3, 4), 0)
+    weights.last_delay = 1.5  # what a prediction without a measured slot falls back to
     state = weights.state_dict()
     restored = StageWeights(module, torch.optim.SGD(module.parameters(), lr=0.1), config)
     restored.load_state_dict(state)
-    assert restored.version == 1 and restored.delays == {1: 0}
+    assert restored.version == 1 and restored.delays == {1: 0} and restored.last_delay == 1.5
     assert restored.delay(0) == 1
     for a, b in zip(restored.state_dict()["delta"], state["delta"], strict=True):
         assert torch.equal(a, b) and a.data_ptr() != b.data_ptr()

@@ -575,6 +575,7 @@ class StageWeights:
             "delays": dict(self.delays),
             "pending": list(self._pending),
             "batch_version": self._batch_version,
+            "last_delay": self.last_delay,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -593,3 +594,4 @@ class StageWeights:
         self.delays = {int(k): int(v) for k, v in state["delays"].items()}
         self._pending = [int(mb) for mb in state["pending"]]
         self._batch_version = int(state.get("batch_version", self.version))
+        self.last_delay = float(state.get("last_delay", 0.0))
