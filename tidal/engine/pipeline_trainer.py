@@ -118,7 +118,8 @@ def block_ranges(job: JobConfig) -> tuple[tuple[int, int], ...]:
 
     The balanced split prices each stage's memory under the run's schedule: the simulator's
     peak in-flight microbatches and live weight versions per stage (1F1B's first stage holds
-    ``p`` microbatches, its last one), plus the delta buffer of PipeMare's correction or of weight prediction.
+    ``p`` microbatches, its last one), plus the delta buffer of PipeMare's correction or of
+    weight prediction.
     """
     pipe, config = job.pipeline, job.model.resolve()
     num_stages = pipe.stages * pipe.virtual_stages

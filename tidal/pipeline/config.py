@@ -39,9 +39,10 @@ class PipelineConfig:
             ``delta`` an average of recent updates (one weight-sized buffer per stage).
         correction_decay: ``D`` in ``gamma = D ** (1 / tau)`` (for ``prediction`` too).
         prediction: weight prediction, tidal's alternative to ``correction``: each forward
-            runs on ``w + tau_hat * delta``, the weights its backward is expected to find
-            ``tau_hat`` updates later (one weight-sized buffer per stage, as with correction).
-            Asynchronous schedules without stashing only; not together with ``correction``.
+            runs on the weights its backward is expected to find ``tau_hat`` updates later
+            (the optimizer's next update, then ``delta``; one weight-sized buffer per stage, as
+            with correction). Recommended with AdamW; asynchronous schedules without stashing
+            only; not together with ``correction``.
         sync_steps: ``pipemarew``'s synchronous warm-up steps (T2).
         stage_memory: bytes each stage may hold (weights, gradients, optimizer state, stashed
             versions and the activations of its in-flight microbatches under the schedule);

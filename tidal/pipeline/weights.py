@@ -93,13 +93,14 @@ class AsyncConfig:
         correction_decay: D in (0, 1); the velocity EMA factor is ``D ** (1 / tau)`` (for
             correction and prediction alike).
         prediction: weight prediction, tidal's alternative to correction: the forward runs on
-            ``w + tau_hat * delta``, the weights it expects the backward to find
+            the weights it expects the backward to find, ``w + u_next + (tau_hat - 1) * delta``
             ([Note: weight prediction]); ``CURRENT`` only, and not with ``correction``.
         microbatches_per_update: m, for ``TWO_VERSIONS``: a forward of a microbatch with
             ``microbatch % m == 0`` starts a batch on the current version. 0 means the caller
             passes ``forward(mb, version=...)`` (the executor passes the schedule's versions).
             With ``prediction``, ``tau_hat`` of microbatch ``mb`` is the delay measured for
-            ``mb - m`` (the same slot one update earlier); 0 uses the last update's mean delay.
+            the same slot ``mb - k * m`` of an earlier step, and ``done / m`` the share of the
+            step's gradient known; 0 uses the last update's mean delay and no partial gradient.
     """
 
     weights: WeightMode = WeightMode.CURRENT
@@ -319,7 +320,7 @@ class StageWeights:
             ]
         self._active: int | None = None  # microbatch whose backward is running
         self._corrected: dict[int, torch.Tensor] = {}  # param index -> w - tau * delta
-        self._forward_copy: list[torch.Tensor] = []  # w + tau_hat * delta during a forward
+        self._forward_copy: list[torch.Tensor] = []  # the predicted weights during a forward
         self._warned = False
         self._batch_version = 0  # 2BW: the version the current batch's forwards use
 
