@@ -44,10 +44,11 @@ JOB: dict[str, Any] = {
 
 # Two ranks sum the same terms in another order (each rank's mean over 2 rows, then the mean of
 # the two), a few ulps of fp32 apart. Losses agree to 1e-5 relative. Adam divides by sqrt(v),
-# which magnifies rounding where a gradient is near zero, so parameters are compared to 1e-5
-# absolute as well (0.3% of one step of lr 3e-3; 3e-6 is seen).
+# which magnifies rounding where a gradient is near zero, so parameters are compared to 1e-4
+# absolute as well (3% of one step of lr 3e-3; 3e-6 is seen on one CPU, 2.6e-5 on another, in
+# one element of an embedding row a single token reaches; a wrong update is off by ~lr).
 RTOL = 1e-5
-ATOL = 1e-5
+ATOL = 1e-4
 
 
 def _job(run_dir: Path, **training: Any) -> dict[str, Any]:
