@@ -42,7 +42,7 @@ class OptimizerConfig:
         nesterov: SGD with Nesterov momentum (needs ``momentum > 0`` and ``dampening == 0``).
         dampening: SGD's dampening of the gradient added to the momentum buffer.
         fused: use the optimizer's fused kernel (on CPU and CUDA); ``None`` picks it when
-            available.
+            available, except for SGD with momentum (see :meth:`use_fused`).
     """
 
     name: OptimizerName = "adamw"
@@ -58,6 +58,16 @@ class OptimizerConfig:
     nesterov: bool = False
     dampening: float = 0.0
     fused: bool | None = None
+
+    def use_fused(self, device_type: str) -> bool:
+        """``fused`` resolved for a device: ``None`` picks torch's fused kernel on CPU and CUDA,
+        but not for SGD with momentum, whose fused kernel (torch 2.13) fails when only some
+        parameters have a momentum buffer: one that got no gradient in the first steps (a
+        layer ``layerdrop`` skipped) has none yet. Every engine resolves it here, so their
+        arithmetic stays the same."""
+        if self.fused is not None:
+            return self.fused
+        return device_type in ("cpu", "cuda") and not (self.name == "sgd" and self.momentum > 0)
 
     def __post_init__(self) -> None:
         require(

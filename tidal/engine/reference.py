@@ -46,10 +46,8 @@ def build_optimizer(model: nn.Module, config: OptimizerConfig, lr: float) -> tor
         {"params": decay, "weight_decay": config.weight_decay},
         {"params": no_decay, "weight_decay": 0.0},
     ]
-    fused = config.fused
-    if fused is None:
-        device_type = params[0].device.type if params else "cpu"
-        fused = device_type in ("cpu", "cuda") and all(p.is_floating_point() for p in params)
+    device_type = params[0].device.type if params else "cpu"
+    fused = config.use_fused(device_type) and all(p.is_floating_point() for p in params)
     if config.name == "sgd":
         return torch.optim.SGD(
             groups,
