@@ -123,11 +123,11 @@ def test_losses_weights_and_state_equal_the_reference(key: str) -> None:
 
 
 def _roomy_budget(make: Callable[[], nn.Module], key: str) -> int:
-    """The measured minimum plus every parameter chunk once more: some indices, not all, can
+    """The measured minimum plus every parameter chunk 1.5 times more: some indices, not all, can
     be pinned with their optimizer state, and the others are updated on the host."""
     probe = _chunk(make, key)
     _train(probe, 1)
-    return probe.stats()["min_device_bytes"] + probe.store.model_bytes
+    return probe.stats()["min_device_bytes"] + 3 * probe.store.model_bytes // 2
 
 
 @pytest.mark.parametrize("key", ["adam", "sgd", "sgd-plain"])

@@ -111,8 +111,26 @@ class SometimesReadsTheHead(UntiedHeadReadsTheEmbedding):
         return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 
-@pytest.mark.parametrize("watch", ["auto", "always"])
-def test_a_use_that_appears_later(watch: str) -> None:
+def test_a_use_that_appears_later_is_fetched() -> None:
+    """The head's weight is first read outside its module at the fourth step, with its chunk
+    evicted: the parameter itself asks for its chunk ([Note: parameter uses]), so the step
+    trains exactly like the reference instead of reading an empty chunk."""
+
+    def train(engine, switch_at: int) -> list[float]:
+        losses = []
+        for step, (inputs, targets) in enumerate(_batches()):
+            engine.model.outside = step >= switch_at
+            if step == switch_at and isinstance(engine, ChunkEngine):
+                head, _ = engine.store.slot_of[id(engine.model.head.weight)]
+                assert head not in engine.store.pinned
+                if engine.store.chunks[head].on_device:
+                    engine.store.evict(head)  # where a tight budget may well have put it
+            loss = engine(inputs, targets)
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+        return losses
+
     def engine_for(budget: int | None) -> ChunkEngine:
         torch.manual_seed(0)
         return ChunkEngine(
@@ -120,28 +138,17 @@ def test_a_use_that_appears_later(watch: str) -> None:
             optimizer=_optimizer(),
             training=TrainingConfig(device="cpu"),
             memory=MemoryConfig(device_budget=budget),
-            chunk=ChunkConfig(size=1024, functional_uses=watch, prefetch=False),
+            chunk=ChunkConfig(size=1024, prefetch=False),
         )
 
+    torch.manual_seed(0)
+    reference = ReferenceEngine(
+        SometimesReadsTheHead(), optimizer=_optimizer(), training=TrainingConfig(device="cpu")
+    )
+    want = train(reference, switch_at=3)
     probe = engine_for(None)
     _train(probe)
-    assert probe._watch_uses == (watch == "always")  # no use outside a module so far
     engine = engine_for(probe.stats()["min_device_bytes"])
-    batches = _batches()
-    for inputs, targets in batches[:3]:
-        engine.backward(engine(inputs, targets))
-        engine.step()
-    engine.model.outside = True
-    head, _ = engine.store.slot_of[id(engine.model.head.weight)]
-    assert head not in engine.store.pinned
-    if engine.store.chunks[head].on_device:
-        engine.store.evict(head)  # where a tight budget may well have put it (no prefetch)
-    inputs, targets = batches[3]
-    if watch == "auto":
-        with pytest.raises(RuntimeError, match="chunk.functional_uses = 'always'"):
-            engine(inputs, targets)
-    else:
-        engine.backward(engine(inputs, targets))
-        engine.step()
-        labels = [m.label for m in engine.store.trace.moments]
-        assert "fn:head.weight" in labels
+    assert train(engine, switch_at=3) == want
+    labels = [m.label for m in engine.store.trace.moments]
+    assert "fn:head.weight" in labels and "fwd:head" not in labels

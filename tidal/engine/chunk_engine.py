@@ -7,9 +7,13 @@ Parameters live in chunks that move between the device and the host tier under
 
 [Note: chunk engine iterations]
 A forward starts an iteration of the chunk store (the unit its access trace describes) and the
-backward that follows ends it; a forward without a backward (evaluation) is ended by the next
-forward. So with gradient accumulation each micro-batch is one iteration, and evaluation records
-a trace of its own instead of silently following the training one.
+backward that follows ends it; a forward under ``torch.no_grad()`` ends it at once (no backward
+can follow), and any other forward without a backward is ended by the next forward. So with
+gradient accumulation each micro-batch is one iteration, and evaluation records a trace of its
+own instead of silently following the training one. Everything between the forward and the end
+of the backward belongs to the iteration: a loss term computed from the parameters after the
+forward returned (an L2 penalty) is a moment of it ([Note: parameter uses] in
+tidal/memory/uses.py).
 """
 
 from __future__ import annotations
@@ -31,7 +35,6 @@ from tidal.engine.dist_checkpoint import CheckpointTensors, LoadTensors
 from tidal.engine.loss_scale import LossScale
 from tidal.engine.lr import WarmupCosine
 from tidal.memory.config import ChunkConfig
-from tidal.memory.functional import FunctionalUses
 from tidal.memory.hooks import OUTPUT_ONLY_HOOK_WARNING, install_hooks
 from tidal.memory.layout import ChunkLayout, default_chunk_size, plan_layout, unique_parameters
 from tidal.memory.materialize import ParameterValues, check_buffers, meta_parameters, values_of
@@ -39,9 +42,10 @@ from tidal.memory.optim import ChunkOptimizer, make_master_chunks
 from tidal.memory.optim_rules import make_rule
 from tidal.memory.policy import simulate
 from tidal.memory.relayout import relayout
-from tidal.memory.store import ChunkStore
+from tidal.memory.store import ChunkStore, DeviceBudgetTooSmall
 from tidal.memory.tiers import Tier, make_tiers
 from tidal.memory.trace import AccessTrace, Moment
+from tidal.memory.uses import ParameterUses
 from tidal.sharding.state import model_key, optim_key
 
 __all__ = ["ChunkEngine"]
@@ -78,6 +82,8 @@ class ChunkEngine(AccumulationCounter):
         self._check_minimum_budget()
         self.optimizer = self._make_optimizer(model, optimizer, training, chunk, masters)
         self._hooks = install_hooks(model, self.store, on_grad=self.optimizer.collect)
+        self.uses = self._make_uses()
+        self._hooks += self.uses.adopt(model)
         self.store.on_unpin = self._unplace_optimizer
         self.schedule = WarmupCosine(
             peak_lr=optimizer.lr,
@@ -93,11 +99,6 @@ class ChunkEngine(AccumulationCounter):
         self._in_iteration = False
         self._placed = False
         self._relayout_pending = chunk.relayout  # see _relayout
-        # [Note: functional uses]: watch the first forward; later ones while the trace has uses.
-        self._always_watch_uses = chunk.functional_uses == "always"
-        self._watch_uses = True
-        self.min_device_bytes = 0  # of the last training iteration; see backward()
-        self.peak_non_model_bytes = 0
 
     # -- construction steps (the sharded engine replaces some) ------------------------------------
 
@@ -149,13 +150,43 @@ class ChunkEngine(AccumulationCounter):
             names=names,
             rule=make_rule(optimizer),
             weight_decay=optimizer.weight_decay,
-            fused=optimizer.fused,
+            fused=optimizer.use_fused(self.device.type),
             masters=masters,
             # [Note: gradients in parameter chunks] in tidal/memory/optim.py
             grads_in_params=(
                 chunk.grads_in_params and masters is not None and training.grad_accum_steps == 1
             ),
         )
+
+    def _make_uses(self) -> ParameterUses:
+        """[Note: parameter uses] in tidal/memory/uses.py: the parameter slot is the weights
+        (so in-place ops may run on it) only without fp32 masters."""
+        return ParameterUses(
+            self.store,
+            read=self.read_parameter,
+            write=self.write_parameter,
+            in_place=self.optimizer.masters is None,
+            fetch_between_iterations=True,
+        )
+
+    def read_parameter(self, param: nn.Parameter) -> torch.Tensor:
+        """A copy of ``param``'s weights at full precision (its fp32 master where it has one)."""
+        self.store.wait_for_copies()
+        return self.optimizer.weight(param).detach().to(torch.float32, copy=True)
+
+    def write_parameter(self, param: nn.Parameter, value: torch.Tensor) -> None:
+        """Write ``value`` to wherever ``param``'s weights live: its slot (on either tier) and
+        its fp32 master; both are what the next forward and step read."""
+        if id(param) in self.store.grads_in_slots:  # it would be overwritten: lost without a word
+            raise RuntimeError(
+                f"writing {self.store.names_of([param])[0]} between backward() and step(): the "
+                "gradients live in the parameters' storage (chunk.grads_in_params); call step() "
+                "or zero_grad() first"
+            )
+        index, slot = self.store.slot_of[id(param)]
+        self.store.wait_for_copies()  # no queued copy may land on what is written here
+        self.optimizer.weight(param).copy_(value)
+        self.store.chunks[index].view(slot).copy_(value)
 
     def _check_minimum_budget(self) -> None:
         """Every module's own chunks must fit at once; else fail before training."""
@@ -210,22 +241,19 @@ class ChunkEngine(AccumulationCounter):
                 "between backward and step set chunk.grads_in_params = false"
             )
         if self._in_iteration:
-            self.store.end_iteration()
+            self._end_iteration()
         self.store.begin_iteration()
         self._in_iteration = True
-        watch = FunctionalUses(self.store) if self._watch_uses else contextlib.nullcontext()
         try:
-            with self.store.meter.tracking(), watch:
-                return self.model(*args, **kwargs)
-        except RuntimeError as err:
-            if self._watch_uses or "storage of size 0" not in str(err):
-                raise
-            raise RuntimeError(
-                "a parameter was read while its chunk was off the device, most likely a use "
-                "outside its own module that the first iterations did not make (see [Note: "
-                "functional uses] in tidal/memory/functional.py); set chunk.functional_uses = "
-                "'always'"
-            ) from err
+            with self.store.meter.tracking():
+                output = self.model(*args, **kwargs)
+        except BaseException:
+            self._in_iteration = False
+            self.store.abandon_iteration()  # modules it left never ran their post hooks
+            raise
+        if not torch.is_grad_enabled():  # no backward can follow
+            self._end_iteration()
+        return output
 
     def backward(self, loss: torch.Tensor) -> None:
         scaled = loss / self.grad_accum_steps if self.grad_accum_steps > 1 else loss
@@ -236,15 +264,28 @@ class ChunkEngine(AccumulationCounter):
             scaled.backward()
         self.store.release_all()
         self._after_backward()
-        self.store.end_iteration()
+        self._end_iteration()
+
+    def _end_iteration(self) -> None:
+        """Close the store's iteration. A budget the iteration did not fit in ([Note: the least
+        budget] in tidal/memory/store.py) drops its gradients: no step may use them."""
         self._in_iteration = False
-        # Training iterations' figures, kept apart from evaluation's (no activations saved).
-        assert self.store.trace is not None
-        self.min_device_bytes = self.store.trace.min_device_bytes()
-        self.peak_non_model_bytes = self.store.trace.peak_non_model_bytes
-        self._watch_uses = self._always_watch_uses or any(
-            moment.label.startswith("fn:") for moment in self.store.trace.moments
-        )
+        try:
+            self.store.end_iteration()
+        except DeviceBudgetTooSmall:
+            self.zero_grad()
+            self.micro_step -= self.micro_step % self.grad_accum_steps  # the window restarts
+            raise
+
+    @property
+    def min_device_bytes(self) -> int:
+        """The least device budget every iteration so far ran in ([Note: the least budget])."""
+        return self.store.least_budget_bytes
+
+    @property
+    def peak_non_model_bytes(self) -> int:
+        """The most non-model bytes (activations) any iteration so far held on the device."""
+        return self.store.peak_non_model_bytes
 
     def _before_backward(self) -> None:
         """Nothing here; the sharded engine drops the forward's gathered chunks."""
@@ -311,7 +352,9 @@ class ChunkEngine(AccumulationCounter):
             "unpins": self.store.num_unpins,
             "loss_scale": self.loss_scale.scale if self.loss_scale else None,
             "skipped_steps": self.loss_scale.skipped_steps if self.loss_scale else 0,
+            # [Note: the least budget]: over every iteration so far (the largest chunk before one)
             "min_device_bytes": self.min_device_bytes or self.store.min_device_bytes(),
+            "min_device_bytes_last_trace": self.store.min_device_bytes(),
             "peak_non_model_bytes": self.peak_non_model_bytes,
             "traces_recorded": self.store.num_traces,
             "grads_in_params": self.optimizer.grads_in_params,
@@ -350,14 +393,11 @@ class ChunkEngine(AccumulationCounter):
                 "load_state_dict between backward() and step(): the gradients live in the "
                 "parameters' storage (chunk.grads_in_params); call step() or zero_grad() first"
             )
-        self.store.wait_for_copies()  # no queued copy may land on what is written here
         params = dict(self.model.named_parameters(remove_duplicate=False))
         buffers = dict(_persistent_buffers(self.model))
         for name, value in state["model"].items():
             if name in params:
-                index, slot = self.store.slot_of[id(params[name])]
-                self.optimizer.weight(params[name]).copy_(value)
-                self.store.chunks[index].view(slot).copy_(value)
+                self.write_parameter(params[name], value)
             else:
                 buffers[name].copy_(value)
         self.optimizer.load_state_dict(state["optimizer"])

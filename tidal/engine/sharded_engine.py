@@ -36,6 +36,7 @@ from tidal.memory.materialize import ParameterValues
 from tidal.memory.nvme import NvmeTier
 from tidal.memory.optim_rules import make_rule
 from tidal.memory.tiers import Tier
+from tidal.memory.uses import ParameterUses
 from tidal.sharding.config import ShardingConfig
 from tidal.sharding.disk_checkpoint import DiskLoadPlanner, DiskSavePlanner
 from tidal.sharding.optim import ShardedOptimizer, make_master_shards
@@ -178,11 +179,42 @@ class ShardedEngine(ChunkEngine):
             names={id(p): n for n, p in model.named_parameters()},
             rule=make_rule(optimizer),
             weight_decay=optimizer.weight_decay,
-            fused=optimizer.fused,
+            fused=optimizer.use_fused(self.device.type),
             masters=masters,
             max_pending=self.sharding.max_pending_reductions,
             swapper=self.swapper,
         )
+
+    def _make_uses(self) -> ParameterUses:
+        """[Note: parameter uses] in tidal/memory/uses.py: the gathered copy is never the
+        weights, and a chunk not gathered is not brought in between iterations (a gather needs
+        every rank)."""
+        return ParameterUses(
+            self.store,
+            read=self.read_parameter,
+            write=self.write_parameter,
+            in_place=False,
+            fetch_between_iterations=False,
+        )
+
+    def read_parameter(self, param: nn.Parameter) -> torch.Tensor:
+        """``param``'s full weights, gathered: collective, every rank must call it (as every
+        rank calls ``model.state_dict()``)."""
+        index, slot = self.store.slot_of[id(param)]
+        self.store.wait_for_copies()
+        full = self.optimizer.full_weights(index)
+        return self.store.chunks[index].view_in(full, slot).clone()
+
+    def write_parameter(self, param: nn.Parameter, value: torch.Tensor) -> None:
+        """This rank's piece of ``value`` into its shards (and the gathered copy, if any); every
+        rank writes the same value for the model to stay one."""
+        index, slot = self.store.slot_of[id(param)]
+        self.store.drop_read_ahead()  # stale once the shard changes
+        self.store.wait_for_copies()
+        self.optimizer.write_weights(index, slot, value)
+        chunk = self.store.chunks[index]
+        if chunk.on_device:
+            chunk.view(slot).copy_(value)
 
     # -- the iteration ([Note: sharded iterations]) ----------------------------------------------
 

@@ -22,12 +22,6 @@ class ChunkConfig:
         prefetch: while a moment runs, fetch the next moment's chunks into room the trace says
             is free (on CUDA the copies run on a side stream and overlap the compute; the bytes
             moved are the same as without it).
-        functional_uses: parameters used outside their own module (``F.linear(x,
-            other.weight)``) are fetched by watching every torch call of the forward. ``auto``
-            watches the first iteration and then only while the last training iteration had
-            such a use (watching costs a few percent of a small model's step); ``always``
-            watches every forward, for models whose outside uses appear later (a branch taken
-            only sometimes).
         relayout: re-pack parameters in first-use order after the first iteration (at the first
             optimizer step; see [Note: relayout] in tidal/memory/relayout.py); before there is a
             trace the layout follows construction order.
@@ -40,7 +34,6 @@ class ChunkConfig:
     align: int = 64
     policy: Literal["belady", "lru"] = "belady"
     prefetch: bool = True
-    functional_uses: Literal["auto", "always"] = "auto"
     relayout: bool = True
     grads_in_params: bool = True
 

@@ -96,11 +96,15 @@ def feed_chunks(
 
 
 def repoint(param: nn.Parameter, view: torch.Tensor) -> None:
-    """Make ``param`` a view of ``view``'s storage, keeping the Parameter object."""
+    """Make ``param`` a view of ``view``'s storage, keeping the Parameter object (and its
+    class: a chunked parameter refuses ``.data = ...`` from anyone else)."""
     if param.is_meta:
+        cls = type(param)
         torch.utils.swap_tensors(param, nn.Parameter(view, requires_grad=param.requires_grad))
+        param.__class__ = cls
     else:
-        param.data = view
+        with torch._C.DisableTorchFunctionSubclass():
+            param.data = view
 
 
 def materialize(model: nn.Module, values: ParameterValues, device: torch.device) -> None:

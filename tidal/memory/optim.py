@@ -14,6 +14,16 @@ functional update over the slot views, so its arithmetic is the reference engine
 element. Everything else (gradient collection, clipping, loss-scale unscaling, masters,
 placement, checkpoints) is shared here.
 
+[Note: parameters without a gradient]
+A trainable parameter may get no gradient in a step: a branch the model took on other steps, a
+layer Hugging Face's ``layerdrop`` skipped, a pooler the loss does not read. ``torch.optim``
+leaves such a parameter alone (its ``.grad`` is None): no update, no weight decay, no change to
+its moments or step count, and ``clip_grad_norm_`` leaves it out of the norm. So does the chunk
+optimizer: a step takes only the entries a gradient reached since the last step (any
+micro-batch of the window), and a gradient chunk whose slots got no gradient is never read for
+them. The arithmetic over the others is unchanged, so the result equals ``torch.optim``'s bit
+for bit.
+
 [Note: gradient chunk lifetime]
 Gradients are needed only from the backward that produces them to the step that consumes them, so
 a gradient chunk gets its payload when the first gradient of its index arrives (zeros, then that
@@ -68,7 +78,7 @@ from tidal.memory.optim_rules import STATE_KEYS, OptimizerEntry, UpdateRule, cli
 from tidal.memory.store import ChunkStore
 from tidal.memory.tiers import Tier, TierKind
 
-__all__ = ["ChunkOptimizer", "MissingGradientError", "make_master_chunks"]
+__all__ = ["ChunkOptimizer", "make_master_chunks"]
 
 
 def make_master_chunks(
@@ -111,10 +121,6 @@ def _by_device(tensors: list[torch.Tensor]) -> dict[torch.device, list[torch.Ten
     for tensor in tensors:
         groups.setdefault(tensor.device, []).append(tensor)
     return groups
-
-
-class MissingGradientError(RuntimeError):
-    """A trainable parameter received no gradient in an accumulation window."""
 
 
 class ChunkOptimizer:
@@ -360,17 +366,10 @@ class ChunkOptimizer:
                 chunk.release(discard=True)
         self._fresh = dict.fromkeys(self._fresh, True)
 
-    def _check_coverage(self) -> None:
-        missing = [e.name for e in self._entries if self._fresh[id(e.param)]]
-        if missing:
-            shown = ", ".join(missing[:5]) + (
-                f" and {len(missing) - 5} more" if len(missing) > 5 else ""
-            )
-            raise MissingGradientError(
-                f"no gradient reached {shown} since the last step: the chunk engine needs every "
-                f"trainable parameter to take part in each backward (set requires_grad=False on "
-                f"parameters the model does not use)"
-            )
+    def _with_gradients(self) -> list[int]:
+        """The entries a gradient reached since the last step ([Note: parameters without a
+        gradient]), in entry order."""
+        return [i for i, e in enumerate(self._entries) if not self._fresh[id(e.param)]]
 
     # -- the step --------------------------------------------------------------------------------
 
@@ -381,26 +380,29 @@ class ChunkOptimizer:
         nothing is updated and the gradients are dropped (fp16 overflow; the caller lowers the
         loss scale).
         """
-        self._check_coverage()
         self.store.evict_unpinned()
         self.store.wait_for_copies()  # host-side updates read what the evictions brought
+        present = self._with_gradients()
         if self.grads_in_params:
-            return self._step_in_params(lr=lr, max_grad_norm=max_grad_norm, loss_scale=loss_scale)
-        grads = [self._view(self.grads, e) for e in self._entries]
-        norm = torch.nn.utils.get_total_norm(grads)
+            return self._step_in_params(
+                present, lr=lr, max_grad_norm=max_grad_norm, loss_scale=loss_scale
+            )
+        grads = {i: self._view(self.grads, self._entries[i]) for i in present}
+        norm = torch.nn.utils.get_total_norm(list(grads.values()))
         if not torch.isfinite(norm):
             self.zero_grad()
             return None
         norm, coefficient = clip_coefficient(norm, max_grad_norm, loss_scale)
         if coefficient is not None:
-            for device, group in _by_device(grads).items():
+            for device, group in _by_device(list(grads.values())).items():
                 torch._foreach_mul_(group, coefficient.to(device))
         for decay in (True, False):
             for on_device in (True, False):
                 picked = [
                     i
-                    for i, e in enumerate(self._entries)
-                    if e.decay == decay and (e.chunk in self.on_device) == on_device
+                    for i in present
+                    if self._entries[i].decay == decay
+                    and (self._entries[i].chunk in self.on_device) == on_device
                 ]
                 for group in self._update_groups(picked):
                     self._update(group, lr, decay, [grads[i] for i in group])
@@ -413,20 +415,19 @@ class ChunkOptimizer:
         return float(norm)
 
     def _step_in_params(
-        self, *, lr: float, max_grad_norm: float, loss_scale: float
+        self, present: list[int], *, lr: float, max_grad_norm: float, loss_scale: float
     ) -> float | None:
         """:meth:`step` with the gradients in the parameter chunks, one chunk at a time in fp32;
-        see [Note: gradients in parameter chunks]."""
+        see [Note: gradients in parameter chunks]. Only ``present`` entries' slots hold one."""
         by_chunk: dict[int, list[int]] = {}
-        for i, e in enumerate(self._entries):
-            by_chunk.setdefault(e.chunk, []).append(i)
+        for i in present:
+            by_chunk.setdefault(self._entries[i].chunk, []).append(i)
         with self._fp32_buffers(by_chunk) as fp32_grads:
-            norms: list[torch.Tensor] = [torch.zeros(())] * len(self._entries)
+            norms: dict[int, torch.Tensor] = {}
             for index, picked in by_chunk.items():
                 found = torch._foreach_norm(fp32_grads(index, picked), 2.0)
-                for i, value in zip(picked, found, strict=True):
-                    norms[i] = value
-            norm = _total_norm(norms)
+                norms.update(zip(picked, found, strict=True))
+            norm = _total_norm([norms[i] for i in present])
             if not torch.isfinite(norm):
                 self.zero_grad()  # copies the masters back: the weights are as they were
                 return None

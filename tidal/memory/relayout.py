@@ -9,11 +9,10 @@ that order and moves every chunk kind into it.
 [Note: relayout]
 When: once, at the first optimizer step that has a trace (the engine calls :func:`relayout`
 right before it chooses the pinned chunks), between iterations, with nothing pinned and no slot
-in use. Skipped when the first-use order packs into the layout there already is, when the
-trace cannot be carried over (below), or when the new layout would not fit: a moment of the
-carried-over trace or a module's own chunks over the device budget, or the transient host bytes
-over the host budget; the last two warn, naming why. So a relayout never makes a run that
-worked fail.
+in use. Skipped when the first-use order packs into the layout there already is, or when the
+new layout would not fit: a moment of the carried-over trace or a module's own chunks over the
+device budget, or the transient host bytes over the host budget; both warn, naming why. So a
+relayout never makes a run that worked fail.
 
 Order: the parameters in the order the last completed iteration first accessed them
 (:attr:`ChunkStore.first_use_order`; at a step boundary that is the training iteration just
@@ -29,15 +28,15 @@ and the gradients move as parameter data, the store's ``grads_in_slots`` being b
 chunks, which slots hold data (a lazy SGD buffer never written stays unwritten), the optimizer's
 per-parameter entries in their order (the gradient norm sums in that order, so losses stay
 bit-identical), the step counters, and each new chunk's LRU clock (the latest of the chunks its
-parameters came from). The trace is *translated*, not dropped: its moments are hook moments,
-``fwd:``/``bwd:`` plus a module name, whose chunk set is exactly the chunks of that module's own
-parameters, so each moment's new chunk set is read off the module. The translation first
-re-derives every moment's old chunk set the same way and gives up (no relayout) if one differs,
-so a change to the hooks' labels cannot yield a wrong trace. Keeping the trace keeps Belady
+parameters came from). The trace is *translated*, not dropped: the store keeps, for every
+moment, the parameters held then (:attr:`ChunkStore.trace_params`: a module's own and its
+ancestors', a functional use's, or after a release what is still held), so each moment's new
+chunk set is the new chunks of those parameters, whatever kind of moment it is; the
+translation re-derives each old chunk set the same way and asserts it is the recorded one.
+Keeping the trace keeps Belady
 eviction and pinning at the first step; dropping it would cost an LRU iteration and a deferred
 placement. The stats' traffic counters include the relayout's device-to-host copies; the
-engine's ``min_device_bytes`` stays the figure measured in the old layout until the next
-backward.
+engine's ``min_device_bytes`` keeps the figures measured in the old layout.
 
 Transient memory: kinds are re-laid out one after another (parameters, masters, gradients,
 state), and within a kind the old chunks are read in index order: a new chunk is allocated on
@@ -115,12 +114,7 @@ def plan_relayout(
         return None
     slot_of = _new_slot_of(store, layout)
     chunk_bytes = [spec.capacity * store.chunks[0].dtype.itemsize for spec in layout.chunks]
-    trace = translate_trace(store.trace, model, store.slot_of, slot_of, chunk_bytes)
-    if trace is None:
-        _skipped(
-            "the trace's moments are not the hooks' module moments, so it cannot be carried over"
-        )
-        return None
+    trace = translate_trace(store.trace, store.trace_params, store.slot_of, slot_of, chunk_bytes)
     moves_from: dict[int, list[_Move]] = {}
     for pid, (old_index, old_slot) in store.slot_of.items():
         moves_from.setdefault(old_index, []).append((old_slot, *slot_of[pid]))
@@ -197,19 +191,18 @@ def module_moments(model: nn.Module) -> dict[str, list[int]]:
 
 def translate_trace(
     trace: AccessTrace,
-    model: nn.Module,
+    params: Sequence[frozenset[int]],
     old_slot_of: dict[int, tuple[int, int]],
     new_slot_of: dict[int, tuple[int, int]],
     chunk_bytes: Sequence[int],
-) -> AccessTrace | None:
-    """``trace`` over the new chunk indices; None unless each moment is exactly a module's own
-    parameters, checked by re-deriving its old chunk set (see [Note: relayout])."""
-    by_label = module_moments(model)
+) -> AccessTrace:
+    """``trace`` over the new chunk indices, from the parameters each moment held (see [Note:
+    relayout])."""
+    assert len(params) == len(trace.moments), "a trace without its parameters"
     moments = []
-    for moment in trace.moments:
-        pids = [pid for pid in by_label.get(moment.label, ()) if pid in old_slot_of]
-        if frozenset(old_slot_of[pid][0] for pid in pids) != moment.chunks:
-            return None
+    for moment, pids in zip(trace.moments, params, strict=True):
+        old = frozenset(old_slot_of[pid][0] for pid in pids)
+        assert old == moment.chunks, f"moment {moment.label!r} held {old}, not {moment.chunks}"
         chunks = frozenset(new_slot_of[pid][0] for pid in pids)
         moments.append(Moment(moment.index, chunks, moment.non_model_bytes, moment.label))
     return AccessTrace(moments=tuple(moments), chunk_bytes=tuple(chunk_bytes))

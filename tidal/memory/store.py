@@ -15,18 +15,43 @@ trace exists or once this iteration has left it, the least recently used. The de
 accounting refuses to exceed the budget, so a policy bug fails loudly instead of using memory it
 was not given.
 
-Every iteration's moments are recorded. While they match the stored trace, its next-use figures
-drive eviction; at the first moment that differs (another sequence length, eval instead of
-train, a data-dependent branch) the store falls back to LRU for the rest of that iteration, and
-the newly recorded sequence becomes the trace ([Note: trace validity] in trace.py). A trace
-whose sequence matches but whose non-model figures differ (a longer sequence with the same
-modules) is replaced too, so the room the store leaves for activations is the latest measured.
+Every iteration's moments are recorded. A moment's chunk set is every chunk that must be on
+the device while it lasts: the chunks of the parameters it acquires and of those still held by
+enclosing modules (a module runs inside its ancestors' forward, whose own parameters stay in
+use). A release is a moment too (labelled ``end:`` and the label it closes), holding only what
+is still held after it: the activations made after a module returned (a residual add, the loss)
+do not need that module's chunks, so the trace charges them to the release moment, which is
+what makes :meth:`AccessTrace.min_device_bytes` the least budget the iteration runs in ([Note:
+the least budget]). While the moments match the stored trace, its next-use figures drive
+eviction; at the first moment that differs (another sequence length, eval instead of train, a
+data-dependent branch) the store falls back to LRU for the rest of that iteration, and the
+newly recorded sequence becomes the trace ([Note: trace validity] in trace.py). A trace whose
+sequence matches but whose non-model figures differ (a longer sequence with the same modules)
+is replaced too, so the room the store leaves for activations is the latest measured.
 
 Non-model bytes ([Note: non-model memory] in activations.py) share the budget. At each moment
 the store leaves room for what the trace says the moment will add, and whenever the meter sees
 the non-model bytes grow past the budget it evicts chunks (the same victim rule) before the
-bytes are counted; only when nothing can be evicted does it raise, naming the moment and the
-bytes. So no moment, the first iteration's included, takes the device past its budget.
+bytes are counted. So no moment, the first iteration's included, takes the device past its
+budget.
+
+[Note: the least budget]
+What a run needs is known only once an iteration has run, so a budget that is too small is
+found inside one, when nothing more can be evicted. Raising there would name what that moment
+needs, not the iteration: a user who raised the budget to it would fail a few moments later,
+a few hundred bytes further on. So the store *measures* instead: at the first shortfall of an
+iteration it notes where it happened, lifts the device tier's budget, and lets the iteration
+finish; at its end (after the backward, before any optimizer step) it evicts back under the
+budget, restores it and raises :class:`DeviceBudgetTooSmall` with the least budget the whole
+iteration needs, ``AccessTrace.min_device_bytes`` of the trace just recorded (on a GPU the
+lifted budget stops at what ``"auto"`` would give: past that a shortfall raises where it
+happens, with what that moment needs). A budget of
+that figure runs the iteration: the runtime never keeps on the device more than the chunks a
+moment holds plus the non-model bytes ([Note: placement] in policy.py), and release moments
+charge every non-model byte to a moment holding only what must be held then. The store keeps
+the largest such figure over every iteration it has seen (:attr:`ChunkStore.least_budget_bytes`):
+after a long sequence and a short one it is the long one's. Outside an iteration (pinning, a
+step's buffers) a shortfall raises at once.
 
 [Note: copy streams]
 On CUDA every move runs on one side stream, queued after the work already on the compute stream
@@ -45,8 +70,8 @@ the same code runs with inline copies.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+import contextlib
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 from torch import nn
@@ -56,14 +81,19 @@ from tidal.memory.activations import make_meter
 from tidal.memory.chunk import Chunk, ChunkKind, ChunkState, TensorState
 from tidal.memory.layout import ChunkLayout
 from tidal.memory.materialize import feed_chunks, repoint, values_of
-from tidal.memory.tiers import Tier, TierBudgetError, TierKind
+from tidal.memory.tiers import Tier, TierBudgetError, TierKind, resolve_budget
 from tidal.memory.trace import AccessTrace, TraceRecorder
 
 __all__ = ["ChunkStore", "DeviceBudgetTooSmall"]
 
 
 class DeviceBudgetTooSmall(ValueError):
-    """A moment's chunks cannot all be on the device within its budget."""
+    """A moment's chunks cannot all be on the device within its budget; ``moment_label`` says
+    where it ran short."""
+
+    def __init__(self, moment_label: str, message: str) -> None:
+        super().__init__(message)
+        self.moment_label = moment_label
 
 
 class ChunkStore:
@@ -103,7 +133,17 @@ class ChunkStore:
         # [Note: deferred construction] in materialize.py: the values, if not the model's own.
         self._load_parameters(model, values_of(model) if values is None else values)
         self.trace: AccessTrace | None = None
+        # Per moment of ``trace``: id(param) of every parameter held then (relayout translates
+        # the trace through them).
+        self.trace_params: tuple[frozenset[int], ...] = ()
         self._recorder = TraceRecorder([c.num_bytes for c in self.chunks])
+        self._recorded_params: list[frozenset[int]] = []
+        # [Note: the least budget]: the largest figures over every iteration seen, and the
+        # first shortfall of the iteration running (with the budget it lifted) if any.
+        self.least_budget_bytes = 0
+        self.peak_non_model_bytes = 0
+        self._shortfall: DeviceBudgetTooSmall | None = None
+        self._lifted_budget_bytes: int | None = None
         self._following_trace = False
         self._clock = 0
         self._last_use = [-1] * len(self.chunks)
@@ -121,7 +161,9 @@ class ChunkStore:
         self._moment = -1
         self._label = "before the first moment"
         self._param_storages = _storage_keys(self.chunks, device_tier)
-        # Parameters held since backward unpacked them ([Note: functional uses]).
+        self._held: dict[int, int] = {}  # id(param) -> acquires not yet released
+        self._forward_depth = 0  # the model's own forward is running (hooks.py)
+        # Parameters held since backward unpacked them ([Note: parameter uses] in uses.py).
         self._unpack_held: list[nn.Parameter] = []
         self._unpacking = False
         self.meter = make_meter(
@@ -169,20 +211,49 @@ class ChunkStore:
         return sum(c.num_bytes for c in self.chunks)
 
     def min_device_bytes(self) -> int:
-        """Bytes the largest moment needs: from the trace, else the largest chunk."""
+        """Bytes the largest moment of the last trace needs; the largest chunk before one."""
         if self.trace is not None:
             return self.trace.min_device_bytes()
         return max(c.num_bytes for c in self.chunks)
+
+    def in_use(self, param: nn.Parameter) -> bool:
+        """Whether a moment holds ``param`` now (its module is running)."""
+        return id(param) in self._held
+
+    def on_device(self, param: nn.Parameter) -> bool:
+        return self.chunks[self.slot_of[id(param)][0]].on_device
+
+    @property
+    def model_running(self) -> bool:
+        """An iteration is open, or the model's own forward is running ([Note: parameter
+        uses] in uses.py)."""
+        return self._recorder.recording or self._forward_depth > 0
+
+    def enter_forward(self) -> None:
+        self._forward_depth += 1
+
+    def leave_forward(self) -> None:
+        self._forward_depth = max(0, self._forward_depth - 1)
+
+    def unpinned_chunk_views(self, tensors: Iterable[torch.Tensor]) -> bool:
+        """Whether any of ``tensors`` is a view of a parameter chunk that is not pinned."""
+        for tensor in tensors:
+            index = self._param_storages.get(tensor.untyped_storage()._cdata)
+            if index is not None and index not in self.pinned:
+                return True
+        return False
 
     # -- iterations and moments ------------------------------------------------------------------
 
     def begin_iteration(self) -> None:
         self._recorder.begin_iteration()
+        self._recorded_params = []
         self._first_use_now: dict[int, None] = {}  # id(param), in order of first access
         self._following_trace = self.trace is not None and self.policy == "belady"
 
     def end_iteration(self) -> None:
-        """Keep the iteration just recorded as the trace if it differs from the stored one."""
+        """Keep the iteration just recorded as the trace if it differs from the stored one;
+        raise :class:`DeviceBudgetTooSmall` if it did not fit ([Note: the least budget])."""
         if not self._recorder.recording:
             return
         self._recorder.raise_last(self.meter.take_peak_bytes())
@@ -190,9 +261,31 @@ class ChunkStore:
         self.first_use_order = tuple(self._first_use_now)
         if self.trace is None or _differs(recorded, self.trace):
             self.trace = recorded
+            self.trace_params = tuple(self._recorded_params)
             self.num_traces += 1
         self._following_trace = False
         self._moment, self._label = -1, "between iterations"
+        self.least_budget_bytes = max(self.least_budget_bytes, recorded.min_device_bytes())
+        self.peak_non_model_bytes = max(self.peak_non_model_bytes, recorded.peak_non_model_bytes)
+        if self._shortfall is not None:
+            self._restore_budget(recorded)
+
+    def abandon_iteration(self) -> None:
+        """Drop the iteration being recorded (its forward raised): its partial sequence is no
+        trace, and a budget it lifted comes back."""
+        self.release_all()
+        if self._recorder.recording:
+            self._recorder.finish()
+        self._following_trace = False
+        self._moment, self._label = -1, "between iterations"
+        if self._shortfall is not None:
+            assert self._lifted_budget_bytes is not None
+            self._shortfall = None
+            self.evict_unpinned()
+            self.device_tier.budget_bytes, self._lifted_budget_bytes = (
+                self._lifted_budget_bytes,
+                None,
+            )
 
     def access(self, label: str, params: Iterable[nn.Parameter]) -> None:
         """One moment: bring the params' chunks to the device and mark the params in use."""
@@ -202,18 +295,8 @@ class ChunkStore:
         if not self._unpacking:  # a module moment: the operations that unpacked them are done
             self._release_unpack_held()
         needed = self.chunks_of(params)
-        live_bytes = self.meter.live_bytes()
-        if self._recorder.recording:
-            self._recorder.raise_last(self.meter.take_peak_bytes())
-            moment = self._recorder.record(label, needed, live_bytes).index
-            self._first_use_now.update(dict.fromkeys(map(id, params)))  # seen ones keep their place
-            if self._following_trace and not self._matches_trace(moment, label, needed):
-                self._following_trace = False
-        else:
-            moment = -1
-        self._moment, self._label = moment, label
-        self._non_model_changed(live_bytes)
-        reserve_bytes = self._expected_growth_bytes(moment, live_bytes)
+        moment = self._begin_moment(label, needed | self._held_chunks(), params)
+        reserve_bytes = self._expected_growth_bytes(moment, self.meter.live_bytes())
         for index in sorted(needed):
             chunk_bytes = self.chunks[index].num_bytes
             if not self.chunks[index].on_device:
@@ -229,6 +312,64 @@ class ChunkStore:
         for p in params:
             index, slot = self.slot_of[id(p)]
             self.chunks[index].acquire(slot)
+            self._held[id(p)] = self._held.get(id(p), 0) + 1
+
+    def release(self, params: Iterable[nn.Parameter], *, label: str | None = None) -> None:
+        """Undo an :meth:`access`; with the access's ``label``, the release is a moment of
+        the trace (see the module doc)."""
+        for p in params:
+            if id(p) in self.slot_of:
+                index, slot = self.slot_of[id(p)]
+                self.chunks[index].release_slot(slot)
+                self._held[id(p)] -= 1
+                if not self._held[id(p)]:
+                    del self._held[id(p)]
+        if label is None or not self._recorder.recording:
+            return
+        held = self._held_chunks()
+        moment = self._begin_moment("end:" + label, held, [])
+        reserve_bytes = self._expected_growth_bytes(moment, self.meter.live_bytes())
+        self._make_room(reserve_bytes, held, required_bytes=0)
+        if self.prefetch and self._following_trace:
+            self._prefetch_next(moment, reserve_bytes)
+
+    @contextlib.contextmanager
+    def holding(self, label: str, params: list[nn.Parameter]) -> Iterator[None]:
+        """``params`` on the device and held for the duration: a moment and its release."""
+        self.access(label, params)
+        try:
+            yield
+        finally:
+            self.release(params, label=label)
+
+    def release_all(self) -> None:
+        """Return every slot still in use to HOLD (modules whose post hook did not run)."""
+        self._unpack_held = []
+        self._held.clear()
+        for chunk in self.chunks:
+            for slot in range(len(chunk.spec.slots)):
+                while chunk.slot_state(slot) is TensorState.COMPUTE:
+                    chunk.release_slot(slot)
+
+    def _held_chunks(self) -> frozenset[int]:
+        return frozenset(self.slot_of[pid][0] for pid in self._held)
+
+    def _begin_moment(self, label: str, chunks: frozenset[int], params: list[nn.Parameter]) -> int:
+        """Record a moment holding ``chunks`` (``params`` about to be acquired, and every
+        parameter held now) and make the meter's figure count; the moment's index, or -1
+        outside an iteration."""
+        live_bytes = self.meter.live_bytes()
+        moment = -1
+        if self._recorder.recording:
+            self._recorder.raise_last(self.meter.take_peak_bytes())
+            moment = self._recorder.record(label, chunks, live_bytes).index
+            self._recorded_params.append(frozenset(self._held) | {id(p) for p in params})
+            self._first_use_now.update(dict.fromkeys(map(id, params)))  # seen ones keep their place
+            if self._following_trace and not self._matches_trace(moment, label, chunks):
+                self._following_trace = False
+        self._moment, self._label = moment, label
+        self._non_model_changed(live_bytes)
+        return moment
 
     def _refuse_gradient_slots(self, label: str, params: list[nn.Parameter]) -> None:
         held = [p for p in params if id(p) in self.grads_in_slots]
@@ -244,28 +385,14 @@ class ChunkStore:
                 f"set chunk.grads_in_params = false"
             )
 
-    def _matches_trace(self, moment: int, label: str, needed: frozenset[int]) -> bool:
+    def _matches_trace(self, moment: int, label: str, chunks: frozenset[int]) -> bool:
         # Earlier moments of this iteration already matched, so only the newest is compared:
         # checking the whole prefix each time would cost O(moments^2) per iteration.
         assert self.trace is not None
         if moment >= len(self.trace.moments):
             return False
         stored = self.trace.moments[moment]
-        return stored.label == label and stored.chunks == needed
-
-    def release(self, params: Iterable[nn.Parameter]) -> None:
-        for p in params:
-            if id(p) in self.slot_of:
-                index, slot = self.slot_of[id(p)]
-                self.chunks[index].release_slot(slot)
-
-    def release_all(self) -> None:
-        """Return every slot still in use to HOLD (modules whose post hook did not run)."""
-        self._unpack_held = []
-        for chunk in self.chunks:
-            for slot in range(len(chunk.spec.slots)):
-                while chunk.slot_state(slot) is TensorState.COMPUTE:
-                    chunk.release_slot(slot)
+        return stored.label == label and stored.chunks == chunks
 
     # -- placement -------------------------------------------------------------------------------
 
@@ -284,7 +411,8 @@ class ChunkStore:
                     return
                 if self._unpin():
                     continue
-                raise self._too_small(needed)
+                self._short(needed)
+                return
             self.evict(victim)
 
     def make_device_room(self, num_bytes: int) -> None:
@@ -335,14 +463,16 @@ class ChunkStore:
     def _non_model_changed(self, live_bytes: int) -> None:
         """The meter's figure moved to ``live_bytes``: make room, then count it (see module doc)."""
         tier = self.device_tier
-        if tier.budget_bytes is not None:
-            while tier.allocated_bytes + live_bytes > tier.budget_bytes:
-                victim = self._pick_victim(frozenset(), self._moment)
-                if victim is None:
-                    if self._unpin():
-                        continue
-                    raise self._too_small(frozenset(), non_model_bytes=live_bytes)
-                self.evict(victim)
+        while tier.budget_bytes is not None and (
+            tier.allocated_bytes + live_bytes > tier.budget_bytes
+        ):
+            victim = self._pick_victim(frozenset(), self._moment)
+            if victim is None:
+                if self._unpin():
+                    continue
+                self._short(frozenset(), non_model_bytes=live_bytes)
+                break
+            self.evict(victim)
         tier.set_non_model_bytes(live_bytes)
 
     def _pick_victim(self, needed: frozenset[int], moment: int) -> int | None:
@@ -398,6 +528,49 @@ class ChunkStore:
                                 required_bytes=self.chunks[index].num_bytes)  # fmt: skip
                 self._fetch(index, self.pinned)
 
+    def _short(self, needed: frozenset[int], *, non_model_bytes: int | None = None) -> None:
+        """Nothing more can leave the device: raise outside an iteration, else measure the
+        rest of it over the budget ([Note: the least budget])."""
+        error = self._too_small(needed, non_model_bytes=non_model_bytes)
+        tier = self.device_tier
+        assert tier.budget_bytes is not None
+        ceiling = _measuring_ceiling_bytes(tier)
+        if not self._recorder.recording or (ceiling is not None and tier.budget_bytes >= ceiling):
+            raise error
+        if self._shortfall is None:
+            self._shortfall = error
+            self._lifted_budget_bytes = tier.budget_bytes
+        tier.budget_bytes = ceiling
+
+    def _restore_budget(self, recorded: AccessTrace) -> None:
+        """End a measured iteration: back under the budget, then raise the least budget it
+        needs ([Note: the least budget])."""
+        assert self._shortfall is not None and self._lifted_budget_bytes is not None
+        first, self._shortfall = self._shortfall, None
+        budget_bytes, self._lifted_budget_bytes = self._lifted_budget_bytes, None
+        tier = self.device_tier
+        for chunk in self.chunks:
+            if chunk.on_device and chunk.index not in self.pinned:
+                assert chunk.state is not ChunkState.COMPUTE, f"{chunk!r} in use between iterations"
+                self.evict(chunk.index)
+        if tier.held_bytes > budget_bytes and self._unpin():
+            self.evict_unpinned()
+        tier.budget_bytes = budget_bytes
+        need_bytes = recorded.min_device_bytes()
+        worst = max(recorded.moments, key=lambda m: recorded.moment_device_bytes(m.index))
+        raise DeviceBudgetTooSmall(
+            worst.label,
+            f"memory.device_budget: {budget_bytes:,} bytes ({format_bytes(budget_bytes)}) is "
+            f"too small: this iteration needs at least {need_bytes:,} bytes "
+            f"({format_bytes(need_bytes)}) on the device, at {worst.label} "
+            f"({recorded.bytes_of(worst.chunks):,} of parameter chunks held then and "
+            f"{worst.non_model_bytes:,} of activations and other non-model data). It first ran "
+            f"short at {first.moment_label}; it was finished over the budget to measure this, "
+            f"and the optimizer has not stepped on it. Raise the budget to at least "
+            f"{need_bytes:,} (inputs of other shapes may need more), or lower "
+            f"training.batch_size (activations) or chunk.size",
+        )
+
     def _too_small(
         self, needed: frozenset[int], *, non_model_bytes: int | None = None
     ) -> DeviceBudgetTooSmall:
@@ -414,33 +587,17 @@ class ChunkStore:
         total_bytes = need_bytes + stuck_bytes + other_bytes + live_bytes
         budget = tier.budget_bytes or 0
         return DeviceBudgetTooSmall(
+            self._label,
             f"memory.device_budget: {budget:,} bytes ({format_bytes(budget)}) is too small: "
             f"during or just after {self._label} the device must hold at least "
             f"{total_bytes:,} bytes ({format_bytes(total_bytes)}): {need_bytes:,} of parameter "
             f"chunks this moment needs, {stuck_bytes:,} of chunks in use by enclosing modules "
             f"or pinned, {other_bytes:,} of optimizer state and {live_bytes:,} of activations. "
             f"Raise the budget above that (a step on a larger budget reports the exact minimum "
-            f"as min_device_bytes), or lower training.batch_size (activations) or chunk.size"
+            f"as min_device_bytes), or lower training.batch_size (activations) or chunk.size",
         )
 
-    # -- uses outside the module hooks ([Note: functional uses] in functional.py) ---------------
-
-    def idle_params(self, args: Sequence[Any], kwargs: dict[str, Any]) -> list[nn.Parameter]:
-        """The parameters among a call's arguments (and one level of lists) that no moment
-        holds now."""
-        idle: list[nn.Parameter] = []
-        for value in (*args, *kwargs.values()):
-            values = value if type(value) in (list, tuple) else (value,)
-            for item in values:
-                # A live object's id is unique, so this finds parameters without isinstance
-                # (Parameter's __instancecheck__ is Python code, and this runs for every call).
-                location = self.slot_of.get(id(item))
-                if location is not None:
-                    index, slot = location
-                    in_use = self.chunks[index].slot_state(slot) is TensorState.COMPUTE
-                    if not in_use and all(item is not seen for seen in idle):
-                        idle.append(item)
-        return idle
+    # -- uses outside the module hooks ([Note: parameter uses] in uses.py) ----------------------
 
     def names_of(self, params: Iterable[nn.Parameter]) -> list[str]:
         names = []
@@ -489,11 +646,20 @@ class ChunkStore:
             last_use[index] = max(last_use[index], self._last_use[self.slot_of[pid][0]])
         self.layout, self.chunks, self.slot_of, self._last_use = layout, chunks, slot_of, last_use
         for pid, (index, slot) in slot_of.items():
-            self.params[pid].data = chunks[index].device_view(slot, self.device_tier)
+            repoint(self.params[pid], chunks[index].device_view(slot, self.device_tier))
         self._param_storages = _storage_keys(chunks, self.device_tier)
         self.trace = trace
         self._recorder = TraceRecorder([c.num_bytes for c in chunks])
         self._arrivals.clear()  # events of the old chunks, all waited for by the caller
+
+
+def _measuring_ceiling_bytes(tier: Tier) -> int | None:
+    """How far a measured iteration may go over the budget ([Note: the least budget]): on a
+    CPU the device tier is an accounting, so without limit; on a GPU up to what ``"auto"``
+    would give (its memory less the reserve), so measuring never takes memory the GPU lacks."""
+    if tier.device.type == "cpu":
+        return None
+    return resolve_budget("auto", kind=TierKind.DEVICE, device=tier.device)
 
 
 def _storage_keys(chunks: list[Chunk], device_tier: Tier) -> dict[int, int]:

@@ -14,6 +14,14 @@ which is the order the collectives need ([Note: ranks decide alike] in store.py)
 run in fp32 whatever the parameters' precision: with bf16 parameter chunks each gradient is
 rounded once, as on one process, and the sum over ranks adds no rounding of its own.
 
+A parameter may get no gradient in a backward ([Note: parameters without a gradient] in
+tidal/memory/optim.py). A chunk some of whose parameters got one is reduced when the backward
+ends (:meth:`ShardedGradients.finish_backward`), in chunk order, with zeros in the other slots;
+a chunk none of whose parameters got one is not reduced at all, and the step leaves out every
+parameter without a gradient. Every rank must use the same parameters in a backward (as FSDP
+requires): the ranks then complete, and reduce, the same chunks in the same order; ranks that
+differ issue different collectives.
+
 A chunk index whose parameter shard lives on disk ([Note: nvme placement] in swap.py, level 3)
 keeps its gradient shard there too: the reduced shard is written as soon as it is ready (read
 back and added to when accumulating, the same operations as in memory), and its norm is kept,
@@ -28,7 +36,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from tidal.memory.optim import MissingGradientError
 from tidal.memory.optim_rules import OptimizerEntry
 from tidal.memory.tiers import Tier
 from tidal.sharding.store import ShardedChunkStore
@@ -176,35 +183,26 @@ class ShardedGradients:
         del self._writes[: len(done)]
 
     def finish_backward(self) -> None:
-        """Wait for this backward's reductions; every trainable chunk must have been reduced."""
-        incomplete = [i for i in sorted(self.trainable) if i in self._full or i in self._arrived
-                      and self._arrived[i] < self._params_in[i]]  # fmt: skip
-        if incomplete:
-            self._missing(incomplete)
+        """Reduce the chunks only some of whose parameters got a gradient, then wait for this
+        backward's reductions (see the module doc)."""
+        for index in sorted(self._full):
+            self._reduce(index)
         self._wait_reductions()
         self._finish_writes()
         self._arrived.clear()
 
-    def _missing(self, indices: list[int]) -> None:
-        missing = [e.name for e in self._entries
-                   if e.chunk in indices and id(e.param) not in self._got_grad]  # fmt: skip
-        raise MissingGradientError(
-            f"no gradient reached {', '.join(missing[:5])}"
-            + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
-            + " in this backward: sharded data parallelism reduces a chunk's gradients once all "
-            "of its trainable parameters have one (set requires_grad=False on parameters the "
-            "model does not use)"
-        )
+    def has_gradient(self, param: nn.Parameter) -> bool:
+        """Whether ``param`` got a gradient since the last step (on this rank)."""
+        return id(param) in self._got_grad
+
+    def reduced(self, index: int) -> bool:
+        """Whether chunk ``index`` holds a reduced gradient shard (in memory or on disk)."""
+        return self.shards[index] is not None or index in self._disk_norms
 
     # -- the step --------------------------------------------------------------------------------
 
     def norms(self) -> dict[int, torch.Tensor]:
-        """Each chunk index's gradient norm (in memory or on disk); every index must have a
-        gradient."""
-        absent = [i for i in sorted(self.trainable)
-                  if self.shards[i] is None and i not in self._disk_norms]  # fmt: skip
-        if absent:
-            self._missing(absent)
+        """The gradient norm of each chunk index that has one (in memory or on disk)."""
         indices = [i for i, g in enumerate(self.shards) if g is not None]
         in_memory = [self.shards[i] for i in indices]
         norms = dict(zip(indices, torch._foreach_norm(in_memory, 2.0) if in_memory else [],

@@ -7,7 +7,9 @@ rank. torch's AdamW, Adam and SGD are elementwise, so running the rule over piec
 element exactly the update it gets over whole tensors; what is not elementwise is handled once
 for the whole model: the gradient norm is the square root of the sum over ranks of each rank's
 sum of squares (all-reduced), and the step counters (one per parameter, as torch keeps them)
-advance on every rank, holding a piece or not, so each rank can save them.
+advance on every rank, holding a piece or not, so each rank can save them. A parameter without a
+gradient this step is left alone, on every rank ([Note: parameters without a gradient] in
+tidal/memory/optim.py; [Note: sharded gradients] in grads.py).
 """
 
 from __future__ import annotations
@@ -253,7 +255,9 @@ class ShardedOptimizer:
         self.store.drop_read_ahead()
         self.store.wait_for_copies()
         norms = self.gradients.norms()
-        squares = torch.stack([norms[i].double().cpu() ** 2 for i in sorted(norms)]).sum()
+        squares = torch.zeros((), dtype=torch.float64)  # no gradient at all on this rank
+        if norms:
+            squares = torch.stack([norms[i].double().cpu() ** 2 for i in sorted(norms)]).sum()
         self.comm.all_reduce_sum(squares)
         norm = squares.sqrt().float()
         if not torch.isfinite(norm):
@@ -263,19 +267,21 @@ class ShardedOptimizer:
         if coefficient is not None:
             for grad in self.gradients.in_memory():
                 grad.mul_(coefficient.to(grad.device))
-        in_memory = [p for p in self._pieces if p.chunk not in self.on_disk]
-        self._update_pieces(in_memory, lr)
-        self._copy_masters(self.trainable - self.on_disk)
+        present = {i for i, e in enumerate(self._entries) if self.gradients.has_gradient(e.param)}
+        pieces = [p for p in self._pieces if p.entry in present]
+        reduced = {i for i in self.trainable if self.gradients.reduced(i)}
+        self._update_pieces([p for p in pieces if p.chunk not in self.on_disk], lr)
+        self._copy_masters(reduced - self.on_disk)
         if self.swapper is not None and self.on_disk:
-            numels = {i: self.store.shard_numel(i) for i in self.on_disk & self.trainable}
+            numels = {i: self.store.shard_numel(i) for i in self.on_disk & reduced}
             for index in self.swapper.stream(self._step_lists(), numels):
                 grad = self.grads[index]
                 if coefficient is not None and index in self.gradients.on_disk:
                     assert grad is not None
                     grad.mul_(coefficient.to(grad.device))
-                self._update_pieces([p for p in self._pieces if p.chunk == index], lr)
+                self._update_pieces([p for p in pieces if p.chunk == index], lr)
                 self._copy_masters({index})
-        for i in range(len(self._entries)):
+        for i in present:
             if self.steps and i not in self._piece_of:
                 self.steps[i] += 1
             self._has_state[i] = True
@@ -389,6 +395,11 @@ class ShardedOptimizer:
                     saved = state[self._entries[i].name]
                     for kind, shards in self.states.items():
                         _view(shards, piece).copy_(_flat_piece(saved[STATE_KEYS[kind]], piece))
+
+    def write_weights(self, index: int, slot: int, value: torch.Tensor) -> None:
+        """This rank's piece of a full weight, wherever its shards are (disk included)."""
+        with self.in_memory(index, [*self._optimizer_lists(), self.param_list()], write_back=True):
+            self._load_weights(index, slot, value)
 
     def _load_weights(self, index: int, slot: int, value: torch.Tensor) -> None:
         """This rank's piece of a full weight into its master and parameter shards."""
