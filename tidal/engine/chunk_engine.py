@@ -260,8 +260,14 @@ class ChunkEngine(AccumulationCounter):
         if self.loss_scale is not None:
             scaled = scaled * self.loss_scale.scale
         self._before_backward()
-        with _quiet_output_only_hooks():
-            scaled.backward()
+        try:
+            with _quiet_output_only_hooks():
+                scaled.backward()
+        except BaseException:
+            self._in_iteration = False
+            self.store.abandon_iteration()
+            self._drop_window()
+            raise
         self.store.release_all()
         self._after_backward()
         self._end_iteration()
@@ -273,9 +279,13 @@ class ChunkEngine(AccumulationCounter):
         try:
             self.store.end_iteration()
         except DeviceBudgetTooSmall:
-            self.zero_grad()
-            self.micro_step -= self.micro_step % self.grad_accum_steps  # the window restarts
+            self._drop_window()
             raise
+
+    def _drop_window(self) -> None:
+        """No step may use the gradients of a failed iteration: drop the accumulation window's."""
+        self.zero_grad()
+        self.micro_step -= self.micro_step % self.grad_accum_steps
 
     @property
     def min_device_bytes(self) -> int:

@@ -35,24 +35,6 @@ the non-model bytes grow past the budget it evicts chunks (the same victim rule)
 bytes are counted. So no moment, the first iteration's included, takes the device past its
 budget.
 
-[Note: the least budget]
-What a run needs is known only once an iteration has run, so a budget that is too small is
-found inside one, when nothing more can be evicted. Raising there would name what that moment
-needs, not the iteration: a user who raised the budget to it would fail a few moments later,
-a few hundred bytes further on. So the store *measures* instead: at the first shortfall of an
-iteration it notes where it happened, lifts the device tier's budget, and lets the iteration
-finish; at its end (after the backward, before any optimizer step) it evicts back under the
-budget, restores it and raises :class:`DeviceBudgetTooSmall` with the least budget the whole
-iteration needs, ``AccessTrace.min_device_bytes`` of the trace just recorded (on a GPU the
-lifted budget stops at what ``"auto"`` would give: past that a shortfall raises where it
-happens, with what that moment needs). A budget of
-that figure runs the iteration: the runtime never keeps on the device more than the chunks a
-moment holds plus the non-model bytes ([Note: placement] in policy.py), and release moments
-charge every non-model byte to a moment holding only what must be held then. The store keeps
-the largest such figure over every iteration it has seen (:attr:`ChunkStore.least_budget_bytes`):
-after a long sequence and a short one it is the long one's. Outside an iteration (pinning, a
-step's buffers) a shortfall raises at once.
-
 [Note: copy streams]
 On CUDA every move runs on one side stream, queued after the work already on the compute stream
 (so a chunk leaves only once the kernels that read it are done), and the caching allocator is
@@ -81,19 +63,11 @@ from tidal.memory.activations import make_meter
 from tidal.memory.chunk import Chunk, ChunkKind, ChunkState, TensorState
 from tidal.memory.layout import ChunkLayout
 from tidal.memory.materialize import feed_chunks, repoint, values_of
-from tidal.memory.tiers import Tier, TierBudgetError, TierKind, resolve_budget
+from tidal.memory.shortfall import DeviceBudgetTooSmall, Shortfall
+from tidal.memory.tiers import Tier, TierBudgetError, TierKind
 from tidal.memory.trace import AccessTrace, TraceRecorder
 
 __all__ = ["ChunkStore", "DeviceBudgetTooSmall"]
-
-
-class DeviceBudgetTooSmall(ValueError):
-    """A moment's chunks cannot all be on the device within its budget; ``moment_label`` says
-    where it ran short."""
-
-    def __init__(self, moment_label: str, message: str) -> None:
-        super().__init__(message)
-        self.moment_label = moment_label
 
 
 class ChunkStore:
@@ -138,12 +112,11 @@ class ChunkStore:
         self.trace_params: tuple[frozenset[int], ...] = ()
         self._recorder = TraceRecorder([c.num_bytes for c in self.chunks])
         self._recorded_params: list[frozenset[int]] = []
-        # [Note: the least budget]: the largest figures over every iteration seen, and the
-        # first shortfall of the iteration running (with the budget it lifted) if any.
+        # [Note: the least budget] in shortfall.py: the largest figures over every iteration
+        # seen, and the measuring of an iteration that ran short.
         self.least_budget_bytes = 0
         self.peak_non_model_bytes = 0
-        self._shortfall: DeviceBudgetTooSmall | None = None
-        self._lifted_budget_bytes: int | None = None
+        self._shortfall = Shortfall(device_tier)
         self._following_trace = False
         self._clock = 0
         self._last_use = [-1] * len(self.chunks)
@@ -267,8 +240,9 @@ class ChunkStore:
         self._moment, self._label = -1, "between iterations"
         self.least_budget_bytes = max(self.least_budget_bytes, recorded.min_device_bytes())
         self.peak_non_model_bytes = max(self.peak_non_model_bytes, recorded.peak_non_model_bytes)
-        if self._shortfall is not None:
-            self._restore_budget(recorded)
+        if self._shortfall.measuring:
+            self._evict_all_unpinned()
+            raise self._shortfall.end(recorded)
 
     def abandon_iteration(self) -> None:
         """Drop the iteration being recorded (its forward raised): its partial sequence is no
@@ -278,14 +252,9 @@ class ChunkStore:
             self._recorder.finish()
         self._following_trace = False
         self._moment, self._label = -1, "between iterations"
-        if self._shortfall is not None:
-            assert self._lifted_budget_bytes is not None
-            self._shortfall = None
-            self.evict_unpinned()
-            self.device_tier.budget_bytes, self._lifted_budget_bytes = (
-                self._lifted_budget_bytes,
-                None,
-            )
+        if self._shortfall.measuring:
+            self._evict_all_unpinned()
+            self._shortfall.end(None)
 
     def access(self, label: str, params: Iterable[nn.Parameter]) -> None:
         """One moment: bring the params' chunks to the device and mark the params in use."""
@@ -530,46 +499,18 @@ class ChunkStore:
 
     def _short(self, needed: frozenset[int], *, non_model_bytes: int | None = None) -> None:
         """Nothing more can leave the device: raise outside an iteration, else measure the
-        rest of it over the budget ([Note: the least budget])."""
+        rest of it over the budget ([Note: the least budget] in shortfall.py)."""
         error = self._too_small(needed, non_model_bytes=non_model_bytes)
-        tier = self.device_tier
-        assert tier.budget_bytes is not None
-        ceiling = _measuring_ceiling_bytes(tier)
-        if not self._recorder.recording or (ceiling is not None and tier.budget_bytes >= ceiling):
+        if not self._recorder.recording:
             raise error
-        if self._shortfall is None:
-            self._shortfall = error
-            self._lifted_budget_bytes = tier.budget_bytes
-        tier.budget_bytes = ceiling
+        self._shortfall.begin(error)
 
-    def _restore_budget(self, recorded: AccessTrace) -> None:
-        """End a measured iteration: back under the budget, then raise the least budget it
-        needs ([Note: the least budget])."""
-        assert self._shortfall is not None and self._lifted_budget_bytes is not None
-        first, self._shortfall = self._shortfall, None
-        budget_bytes, self._lifted_budget_bytes = self._lifted_budget_bytes, None
-        tier = self.device_tier
-        for chunk in self.chunks:
-            if chunk.on_device and chunk.index not in self.pinned:
-                assert chunk.state is not ChunkState.COMPUTE, f"{chunk!r} in use between iterations"
-                self.evict(chunk.index)
-        if tier.held_bytes > budget_bytes and self._unpin():
+    def _evict_all_unpinned(self) -> None:
+        """Between iterations, after measuring: back under the budget (pinned chunks too if
+        need be; nothing is in use)."""
+        self.evict_unpinned()
+        if not self._shortfall.fits() and self._unpin():
             self.evict_unpinned()
-        tier.budget_bytes = budget_bytes
-        need_bytes = recorded.min_device_bytes()
-        worst = max(recorded.moments, key=lambda m: recorded.moment_device_bytes(m.index))
-        raise DeviceBudgetTooSmall(
-            worst.label,
-            f"memory.device_budget: {budget_bytes:,} bytes ({format_bytes(budget_bytes)}) is "
-            f"too small: this iteration needs at least {need_bytes:,} bytes "
-            f"({format_bytes(need_bytes)}) on the device, at {worst.label} "
-            f"({recorded.bytes_of(worst.chunks):,} of parameter chunks held then and "
-            f"{worst.non_model_bytes:,} of activations and other non-model data). It first ran "
-            f"short at {first.moment_label}; it was finished over the budget to measure this, "
-            f"and the optimizer has not stepped on it. Raise the budget to at least "
-            f"{need_bytes:,} (inputs of other shapes may need more), or lower "
-            f"training.batch_size (activations) or chunk.size",
-        )
 
     def _too_small(
         self, needed: frozenset[int], *, non_model_bytes: int | None = None
@@ -651,15 +592,6 @@ class ChunkStore:
         self.trace = trace
         self._recorder = TraceRecorder([c.num_bytes for c in chunks])
         self._arrivals.clear()  # events of the old chunks, all waited for by the caller
-
-
-def _measuring_ceiling_bytes(tier: Tier) -> int | None:
-    """How far a measured iteration may go over the budget ([Note: the least budget]): on a
-    CPU the device tier is an accounting, so without limit; on a GPU up to what ``"auto"``
-    would give (its memory less the reserve), so measuring never takes memory the GPU lacks."""
-    if tier.device.type == "cpu":
-        return None
-    return resolve_budget("auto", kind=TierKind.DEVICE, device=tier.device)
 
 
 def _storage_keys(chunks: list[Chunk], device_tier: Tier) -> dict[int, int]:

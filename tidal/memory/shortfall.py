@@ -1,0 +1,101 @@
+"""Measuring an iteration that ran short of the device budget.
+
+[Note: the least budget]
+What a run needs is known only once an iteration has run, so a budget that is too small is
+found inside one, when nothing more can be evicted. Raising there would name what that moment
+needs, not the iteration: a user who raised the budget to it would fail a few moments later,
+a few hundred bytes further on. So the store *measures* instead: at the first shortfall of an
+iteration it notes where it happened, lifts the device tier's budget, and lets the iteration
+finish; at its end (after the backward, before any optimizer step) it evicts back under the
+budget, restores it and raises :class:`DeviceBudgetTooSmall` with the least budget the whole
+iteration needs, ``AccessTrace.min_device_bytes`` of the trace just recorded (on a GPU the
+lifted budget stops at what ``"auto"`` would give: past that a shortfall raises where it
+happens, with what that moment needs). A budget of
+that figure runs the iteration: the runtime never keeps on the device more than the chunks a
+moment holds plus the non-model bytes ([Note: placement] in policy.py), and release moments
+charge every non-model byte to a moment holding only what must be held then. The store keeps
+the largest such figure over every iteration it has seen (:attr:`ChunkStore.least_budget_bytes`):
+after a long sequence and a short one it is the long one's. Outside an iteration (pinning, a
+step's buffers) a shortfall raises at once.
+"""
+
+from __future__ import annotations
+
+from tidal.config import format_bytes
+from tidal.memory.tiers import Tier, TierKind, resolve_budget
+from tidal.memory.trace import AccessTrace
+
+__all__ = ["DeviceBudgetTooSmall", "Shortfall"]
+
+
+class DeviceBudgetTooSmall(ValueError):
+    """The device budget cannot hold what a moment or an iteration needs; ``moment_label``
+    says where."""
+
+    def __init__(self, moment_label: str, message: str) -> None:
+        super().__init__(message)
+        self.moment_label = moment_label
+
+
+class Shortfall:
+    """The device tier's budget while an iteration that ran short is measured: lifted at the
+    first shortfall, restored at the end; see [Note: the least budget]."""
+
+    def __init__(self, tier: Tier) -> None:
+        assert tier.kind is TierKind.DEVICE, tier
+        self.tier = tier
+        self._first: DeviceBudgetTooSmall | None = None
+        self._budget_bytes: int | None = None  # the budget that was lifted
+
+    @property
+    def measuring(self) -> bool:
+        return self._first is not None
+
+    def begin(self, error: DeviceBudgetTooSmall) -> None:
+        """A shortfall inside an iteration: lift the budget to measure the rest of it, or
+        raise ``error`` where the budget cannot go higher (the GPU's own memory)."""
+        ceiling = _ceiling_bytes(self.tier)
+        assert self.tier.budget_bytes is not None
+        if ceiling is not None and self.tier.budget_bytes >= ceiling:
+            raise error  # the iteration is abandoned, which restores a lifted budget
+        if self._first is None:
+            self._first, self._budget_bytes = error, self.tier.budget_bytes
+        self.tier.budget_bytes = ceiling
+
+    def fits(self) -> bool:
+        """Whether what the tier holds now fits the budget that was lifted."""
+        assert self._budget_bytes is not None
+        return self.tier.held_bytes <= self._budget_bytes
+
+    def end(self, recorded: AccessTrace | None) -> DeviceBudgetTooSmall:
+        """Restore the budget (the caller made room first); the error to raise, naming the
+        least budget ``recorded`` needs (None: the iteration was abandoned)."""
+        assert self._first is not None and self._budget_bytes is not None
+        first, budget_bytes = self._first, self._budget_bytes
+        self._first = self._budget_bytes = None
+        self.tier.budget_bytes = budget_bytes
+        if recorded is None or not recorded.moments:
+            return first
+        need_bytes = recorded.min_device_bytes()
+        worst = max(recorded.moments, key=lambda m: recorded.moment_device_bytes(m.index))
+        return DeviceBudgetTooSmall(
+            worst.label,
+            f"memory.device_budget: {budget_bytes:,} bytes ({format_bytes(budget_bytes)}) is "
+            f"too small: this iteration needs at least {need_bytes:,} bytes "
+            f"({format_bytes(need_bytes)}) on the device, at {worst.label} "
+            f"({recorded.bytes_of(worst.chunks):,} of parameter chunks held then and "
+            f"{worst.non_model_bytes:,} of activations and other non-model data). It first ran "
+            f"short at {first.moment_label}; it was finished over the budget to measure this, "
+            f"and the optimizer has not stepped on it. Raise the budget to at least "
+            f"{need_bytes:,} (inputs of other shapes may need more), or lower "
+            f"training.batch_size (activations) or chunk.size",
+        )
+
+
+def _ceiling_bytes(tier: Tier) -> int | None:
+    """How far a measured iteration may go over the budget: on a CPU the device tier is an
+    accounting, so without limit; on a GPU up to what ``"auto"`` gives (its memory less the
+    reserve), so measuring never takes memory the GPU lacks."""
+    if tier.device.type == "cpu":
+        return None
+    return resolve_budget("auto", kind=TierKind.DEVICE, device=tier.device)
