@@ -1,14 +1,18 @@
-"""Parameters that sit out a step under ZeRO-3 on 2 gloo ranks, against one process.
+"""Models tidal did not write under ZeRO-3 on 2 gloo ranks, against one process.
 
-[Note: sharded gradients] in tidal/sharding/grads.py: a chunk only some of whose parameters got
-a gradient is reduced when the backward ends, one none of whose parameters did is not reduced,
-and the step leaves every parameter without a gradient alone, on every rank. Each rank trains on
-its half of the batch; the layerdrop draws are the same on both (the RNG is seeded per step).
-One spawn runs every case.
+Parameters that sit out a step ([Note: sharded gradients] in tidal/sharding/grads.py): a chunk
+only some of whose parameters got a gradient is reduced when the backward ends, one none of
+whose parameters did is not reduced, and the step leaves every parameter without a gradient
+alone, on every rank. Each rank trains on its half of the batch; the layerdrop draws are the
+same on both (the RNG is seeded per step). And a user's own code on the sharded parameters
+([Note: parameter uses] in tidal/memory/uses.py): ``model.state_dict()`` on every rank gathers
+the weights, ``load_state_dict`` writes each rank's shards, a read between iterations of a
+chunk that is not gathered is refused. One spawn runs every case.
 """
 
 from __future__ import annotations
 
+import io
 from typing import Any
 
 import pytest
@@ -19,6 +23,8 @@ from tidal.engine import OptimizerConfig, ReferenceEngine, TrainingConfig
 from tidal.engine.config import MemoryConfig
 from tidal.engine.sharded_engine import ShardedEngine
 from tidal.memory.config import ChunkConfig
+from tidal.memory.uses import ParameterUseError
+from tidal.models import build_gpt, preset
 from tidal.sharding.config import ShardingConfig
 from tidal.testing import run_on_ranks
 from tidal.testing.zoo import run_steps, zoo_model
@@ -73,8 +79,45 @@ def _run(engine: ShardedEngine, name: str) -> list[float]:
     return losses
 
 
+def _users_code() -> dict[str, Any]:
+    """What a user's own code gets from the sharded parameters of a trained tiny GPT."""
+    engine = ShardedEngine(
+        build_gpt(preset("tiny"), seed=0),
+        optimizer=OPTIMIZER,
+        training=TrainingConfig(device="cpu"),
+        memory=MemoryConfig(),
+        chunk=ChunkConfig(size=1024),
+        sharding=ShardingConfig(),
+    )
+    g = torch.Generator().manual_seed(3)
+    for _ in range(2):
+        tokens = torch.randint(0, 256, (2, 17), generator=g)
+        engine.backward(engine(tokens[:, :-1], tokens[:, 1:]))
+        engine.step()
+    saved = io.BytesIO()
+    torch.save(engine.model.state_dict(), saved)  # every rank: the state dict gathers
+    saved.seek(0)
+    fresh = build_gpt(preset("tiny"), seed=5)
+    fresh.load_state_dict(torch.load(saved))
+    weights = engine.model_state_dict()
+    param = engine.model.blocks[0].mlp.fc.weight
+    try:
+        param.sum()  # between iterations, not gathered: would need every rank
+        refused = ""
+    except ParameterUseError as err:
+        refused = str(err)
+    other = build_gpt(preset("tiny"), seed=9).state_dict()
+    engine.model.load_state_dict(other)  # every rank writes its shards
+    return {
+        "reloaded_equal": all(torch.equal(v, weights[k]) for k, v in fresh.state_dict().items()),
+        "refused": refused,
+        "loaded": engine.model_state_dict(),
+        "other": other,
+    }
+
+
 def _all_cases() -> dict[str, Any]:
-    results: dict[str, Any] = {}
+    results: dict[str, Any] = {"users_code": _users_code()}
     for name in NAMES:
         probe = _sharded(name, None)
         _run(probe, name)
@@ -117,3 +160,12 @@ def test_two_ranks_equal_one_process(ranks: list[dict[str, Any]], name: str, bud
             assert torch.equal(got["state"][key], initial[key]), key
         if got["budget"] is not None:
             assert got["peak"] <= got["budget"] and got["evictions"] > 0
+
+
+def test_users_code_on_sharded_parameters(ranks: list[dict[str, Any]]) -> None:
+    for rank in ranks:
+        got = rank["users_code"]
+        assert got["reloaded_equal"]  # torch.save(model.state_dict()) of the gathered weights
+        assert "blocks.0.mlp.fc.weight" in got["refused"] and "every rank" in got["refused"]
+        for name, value in got["other"].items():
+            assert torch.equal(got["loaded"][name], value), name
