@@ -59,10 +59,15 @@ class _Half:
         self.engine.step()
 
 
-def _sharded(name: str, budget: int | None) -> ShardedEngine:
+ADAMW = OptimizerConfig(name="adamw", lr=1e-2, warmup_steps=0, weight_decay=0.1)
+
+
+def _sharded(
+    name: str, budget: int | None, optimizer: OptimizerConfig = OPTIMIZER
+) -> ShardedEngine:
     return ShardedEngine(
         zoo_model(name).build(0),
-        optimizer=OPTIMIZER,
+        optimizer=optimizer,
         training=TrainingConfig(device="cpu", steps=STEPS),
         memory=MemoryConfig(device_budget=budget),
         chunk=ChunkConfig(size=2048),
@@ -118,6 +123,10 @@ def _users_code() -> dict[str, Any]:
 
 def _all_cases() -> dict[str, Any]:
     results: dict[str, Any] = {"users_code": _users_code()}
+    for name in ("opt-layerdrop", "bert-unused-pooler"):  # AdamW's per-parameter step counts
+        engine = _sharded(name, None, ADAMW)
+        _run(engine, name)
+        results[f"{name}/adamw-steps"] = engine.optimizer.step_counts()
     for name in NAMES:
         probe = _sharded(name, None)
         _run(probe, name)
@@ -169,3 +178,23 @@ def test_users_code_on_sharded_parameters(ranks: list[dict[str, Any]]) -> None:
         assert "blocks.0.mlp.fc.weight" in got["refused"] and "every rank" in got["refused"]
         for name, value in got["other"].items():
             assert torch.equal(got["loaded"][name], value), name
+
+
+@pytest.mark.parametrize("name", ["opt-layerdrop", "bert-unused-pooler"])
+def test_adamw_counts_only_the_steps_a_parameter_took(
+    ranks: list[dict[str, Any]], name: str
+) -> None:
+    """torch's AdamW advances a parameter's step count only when it has a gradient; so do the
+    shards on every rank (the values themselves are compared with SGD above: Adam magnifies
+    the rounding of a gradient that is zero in theory, such as an attention key bias's)."""
+    family = zoo_model(name)
+    reference = ReferenceEngine(
+        family.build(0), optimizer=ADAMW, training=TrainingConfig(device="cpu", steps=STEPS)
+    )
+    run_steps(reference, family, STEPS)
+    params = dict(reference.model.named_parameters())
+    want = {n: float(reference.optimizer.state[p]["step"]) if reference.optimizer.state.get(p)
+            else 0.0 for n, p in params.items()}  # fmt: skip
+    assert min(want.values()) < STEPS  # some parameter sat out a step
+    for rank in ranks:
+        assert rank[f"{name}/adamw-steps"] == want
