@@ -26,6 +26,22 @@ and another unit reads it, ``internal`` otherwise. The cost model shards a saved
 unit's input layout, everything else as the unit's own work; selective recomputation drops the
 internal tensors of attention cores.
 
+[Note: structure facts]
+Besides costs, a unit records what ``apply`` needs to wire a plan onto the model, all of it seen
+in the trace rather than known per architecture: ``inputs``, which of the caller's positional
+tensors it reads (token ids, targets); ``head_dim`` of an attention core; ``split_widths``, the
+widths in which it splits a tensor it was handed along the last dim (an attention core taking a
+fused ``[q; k; v]`` apart); and ``dropout``, that it called dropout. ``measure(...,
+dropout_units=True)`` records every dropout as a unit even at ``p = 0``, where it does no work:
+the units a model has whatever its dropout, which a plan made at another dropout is checked
+against (tidal/planner/wiring.py).
+
+[Note: branches on values]
+Meta tensors have shapes but no values, so code that branches on one cannot run. The one such
+branch in the decoders measured here is Hugging Face's check, in training without a cache, that
+every row holds a single sequence (not packed ones): a boolean read as ``True``, which is what
+a batch of whole sequences gives. Reading any other value fails, as it would without this.
+
 [Note: kernels as on the accelerator]
 A meta trace follows the CPU dispatcher, which runs attention with dropout as unfused math in
 fp32 and dropout as a float mask. A GPU runs fused attention (saving q, k, v, the output and a
@@ -84,6 +100,11 @@ class Unit:
     weight_transposed: bool = False  # HF Conv1D keeps [in, out]
     heads: int | None = None
     kv_heads: int | None = None
+    # [Note: structure facts]
+    head_dim: int | None = None
+    inputs: tuple[int, ...] = ()  # the caller's positional tensors it reads
+    split_widths: tuple[int, ...] = ()  # its first last-dim split of a tensor it was handed
+    dropout: bool = False
 
     @property
     def param_bytes(self) -> int:
@@ -194,7 +215,7 @@ class _FusedAttention(torch.autograd.Function):
 
 
 @contextlib.contextmanager
-def _accelerator_kernels(tracer: _Tracer) -> Iterator[None]:
+def _accelerator_kernels(tracer: _Tracer, dropout_units: bool) -> Iterator[None]:
     original_sdpa, original_dropout = F.scaled_dot_product_attention, F.dropout
 
     def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *args: Any, **kwargs: Any):
@@ -205,9 +226,11 @@ def _accelerator_kernels(tracer: _Tracer) -> Iterator[None]:
         return _FusedAttention.apply(q, k, v)
 
     def dropout(x: torch.Tensor, p: float = 0.5, training: bool = True, inplace: bool = False):
-        if not training or p == 0.0:
+        if not training or (p == 0.0 and not dropout_units):
             return x
-        return torch.ops.aten.native_dropout(x, p, True)[0]
+        tracer.current_unit().dropout = True
+        # at p = 0 native_dropout hands back its input, which would leave no unit in between
+        return torch.ops.aten.native_dropout(x, p or 0.5, True)[0]
 
     F.scaled_dot_product_attention, F.dropout = sdpa, dropout
     try:
@@ -229,9 +252,12 @@ class _Frame:
 
 
 class _Tracer(TorchDispatchMode):
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, args: tuple[Any, ...]) -> None:
         super().__init__()
         self.model = model
+        self.input_index = {  # storage -> position among the caller's arguments
+            _storage_key(a): i for i, a in reversed(list(enumerate(args))) if _is_tensor(a)
+        }
         self.stack: list[_Frame] = []
         self.units: dict[str, Unit] = {}
         self.producer: dict[int, str] = {}  # storage -> unit that produced it
@@ -288,13 +314,19 @@ class _Tracer(TorchDispatchMode):
     def note_attention(self, q: torch.Tensor, k: torch.Tensor) -> None:
         unit = self.current_unit()
         unit.kind = "attention"
-        unit.heads, unit.kv_heads = int(q.shape[1]), int(k.shape[1])
+        unit.heads, unit.kv_heads, unit.head_dim = (
+            int(q.shape[1]),
+            int(k.shape[1]),
+            int(q.shape[-1]),
+        )
         B, H, T, K = q.shape
         unit.flops += 4.0 * B * H * T * k.shape[2] * K
 
     # ops -------------------------------------------------------------------------------------
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
         kwargs = kwargs or {}
+        if func is torch.ops.aten._local_scalar_dense.default and args[0].dtype is torch.bool:
+            return True  # [Note: branches on values]
         out = func(*args, **kwargs)
         unit = self.current_unit()
         inputs = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
@@ -307,10 +339,13 @@ class _Tracer(TorchDispatchMode):
         is_view = bool(outputs) and all(
             _storage_key(o) in {_storage_key(i) for i in inputs} for o in outputs
         )
+        self._note_split(unit, func, args, outputs)
         for t in inputs:
             key = _storage_key(t)
             if key in self.param_storages:
                 continue
+            if key in self.input_index and self.input_index[key] not in unit.inputs:
+                unit.inputs = tuple(sorted((*unit.inputs, self.input_index[key])))
             if not is_view:
                 unit.io_bytes += _nbytes(t)
             src = self.producer.get(key)
@@ -327,6 +362,17 @@ class _Tracer(TorchDispatchMode):
             unit.io_bytes += _nbytes(t)
             unit.out_bytes = max(unit.out_bytes, float(_nbytes(t)))
         return out
+
+    def _note_split(self, unit: Unit, func: Any, args: tuple, outputs: list[torch.Tensor]) -> None:
+        """Record the widths of the unit's first split of a handed-over tensor along its last dim
+        ([Note: structure facts])."""
+        splits = (torch.ops.aten.split.Tensor, torch.ops.aten.split_with_sizes.default)
+        if unit.split_widths or func not in splits or not outputs:
+            return
+        x, dim = args[0], args[2] if len(args) > 2 else 0
+        handed = self.producer.get(_storage_key(x)) not in (None, unit.name)
+        if handed and dim % x.ndim == x.ndim - 1:
+            unit.split_widths = tuple(int(o.shape[-1]) for o in outputs)
 
     def pack(self, t: torch.Tensor) -> torch.Tensor:
         key = _storage_key(t)
@@ -355,6 +401,10 @@ class _Tracer(TorchDispatchMode):
         return list(self.units.values()), edges
 
 
+def _is_tensor(x: Any) -> bool:
+    return isinstance(x, torch.Tensor)
+
+
 def _install_hooks(model: nn.Module, tracer: _Tracer) -> list[Any]:
     handles = []
     for fqn, module in model.named_modules():
@@ -371,12 +421,17 @@ def measure(
     *,
     name: str = "model",
     accelerator_kernels: bool = True,
+    dropout_units: bool = False,
 ) -> ModelGraph:
     """Trace ``model(*inputs)`` (on the meta device) into a clustered :class:`ModelGraph`.
 
     ``inputs`` are meta tensors (or a function returning them); their dim 0 is the micro-batch
     and dim 1 the sequence. The model is run in training mode; nothing is allocated.
+    ``dropout_units``: record dropouts at ``p = 0`` too ([Note: structure facts]); it needs
+    ``accelerator_kernels``.
     """
+    if dropout_units and not accelerator_kernels:
+        raise ValueError("dropout_units records dropout through the accelerator's stand-ins")
     args = inputs() if callable(inputs) else inputs
     tensors = [a for a in args if isinstance(a, torch.Tensor)]
     if any(t.device.type != "meta" for t in tensors) or any(
@@ -386,9 +441,13 @@ def measure(
             "measure traces on the meta device: build the model with device='meta' "
             "(or `with torch.device('meta'):`) and pass meta tensors as inputs"
         )
-    tracer = _Tracer(model)
+    tracer = _Tracer(model, args)
     handles = _install_hooks(model, tracer)
-    kernels = _accelerator_kernels(tracer) if accelerator_kernels else contextlib.nullcontext()
+    kernels = (
+        _accelerator_kernels(tracer, dropout_units)
+        if accelerator_kernels
+        else contextlib.nullcontext()
+    )
     was_training = model.training
     model.train()
     try:

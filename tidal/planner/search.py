@@ -25,8 +25,8 @@ from tidal.planner.cluster import ClusterSpec, Mesh
 from tidal.planner.cost_model import Assignment, Costed, evaluate
 from tidal.planner.ilp import Problem, Solution, build_problem
 from tidal.planner.measure import ModelGraph
-from tidal.planner.plan import Plan, UnitChoice
-from tidal.planner.strategies import TrainingSpec, candidates, valid_tensor_sizes
+from tidal.planner.plan import Plan, Recompute, UnitChoice
+from tidal.planner.strategies import TrainingSpec, unit_options, valid_tensor_sizes
 
 __all__ = ["Infeasible", "PlannerConfig", "PlanResult", "make_plan", "to_plan"]
 
@@ -45,6 +45,9 @@ class PlannerConfig:
     pareto: tuple[float, ...] = PARETO_EPS  # eps values of the memory-time frontier; () skips
     baselines: tuple[str, ...] = tuple(BASELINES)  # names in baselines.BASELINES
     solver_time_limit_s: float = 60.0
+    # blocks' recomputation modes to choose from; a model whose attention core cannot be
+    # recomputed alone (a Hugging Face one) leaves out selective
+    recompute: tuple[Recompute, ...] = tuple(Recompute)
 
     def __post_init__(self) -> None:
         require(
@@ -59,6 +62,11 @@ class PlannerConfig:
             require(
                 self.global_batch >= 1, "global_batch", f"must be >= 1, got {self.global_batch}"
             )
+        require(
+            bool(self.recompute) and all(isinstance(m, Recompute) for m in self.recompute),
+            "recompute",
+            f"must be some of {', '.join(Recompute)}, got {self.recompute!r}",
+        )
 
 
 class Infeasible(ValueError):
@@ -151,9 +159,12 @@ def meshes_for(graph: ModelGraph, cluster: ClusterSpec, config: PlannerConfig) -
     return meshes
 
 
-def _problem(graph: ModelGraph, mesh: Mesh, cluster: ClusterSpec, spec: TrainingSpec) -> Problem:
-    options = {u.name: candidates(u, mesh, cluster, spec) for u in graph.units}
-    return build_problem(graph, mesh, options, cluster, spec)
+def _problem(
+    graph: ModelGraph, mesh: Mesh, cluster: ClusterSpec, spec: TrainingSpec, config: PlannerConfig
+) -> Problem:
+    options = unit_options(graph, mesh, cluster, spec)
+    modes = dict.fromkeys(graph.blocks, config.recompute)
+    return build_problem(graph, mesh, options, cluster, spec, recompute_modes=modes)
 
 
 def make_plan(graph: ModelGraph, cluster: ClusterSpec, config: PlannerConfig) -> PlanResult:
@@ -163,7 +174,7 @@ def make_plan(graph: ModelGraph, cluster: ClusterSpec, config: PlannerConfig) ->
     results = []
     for mesh in meshes_for(graph, cluster, config):
         spec = _spec(graph, mesh, config, cluster.devices)
-        problem = _problem(graph, mesh, cluster, spec)
+        problem = _problem(graph, mesh, cluster, spec, config)
         fastest = problem.solve(
             objective="time",
             memory_limit=limit,

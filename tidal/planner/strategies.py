@@ -35,12 +35,20 @@ from dataclasses import dataclass, field
 
 from tidal.config.configurable import require
 from tidal.planner.cluster import Axis, ClusterSpec, Collective, Mesh, collective_s
-from tidal.planner.measure import Unit
+from tidal.planner.measure import ModelGraph, Unit
 from tidal.planner.plan import Layout, MemoryBreakdown, StrategyName
+from tidal.planner.wiring import whole_input_units
 
 PLANNED_ZERO_LEVELS = (0, 1, 2, 3)
 
-__all__ = ["PLANNED_ZERO_LEVELS", "Candidate", "TrainingSpec", "candidates", "valid_tensor_sizes"]
+__all__ = [
+    "PLANNED_ZERO_LEVELS",
+    "Candidate",
+    "TrainingSpec",
+    "candidates",
+    "unit_options",
+    "valid_tensor_sizes",
+]
 
 S = StrategyName
 
@@ -181,6 +189,21 @@ def candidates(
     own_params = any(p.tied_to is None for p in unit.params)
     zeros = zero_levels if own_params and mesh.dp > 1 else (0,)
     return [_cost(unit, shape, z, mesh, cluster, spec) for shape in shapes for z in zeros]
+
+
+def unit_options(
+    graph: ModelGraph, mesh: Mesh, cluster: ClusterSpec, spec: TrainingSpec
+) -> dict[str, list[Candidate]]:
+    """Every unit's candidates, less the input layouts its model cannot give it: units that
+    must take whole activations ([Note: positions count whole sequences] in wiring.py)."""
+    whole = whole_input_units(graph)
+    options = {}
+    for unit in graph.units:
+        found = candidates(unit, mesh, cluster, spec)
+        if unit.name in whole:
+            found = [c for c in found if c.in_layout is Layout.R]
+        options[unit.name] = found
+    return options
 
 
 def _cost(
