@@ -135,6 +135,10 @@ CASES: dict[str, Plan] = {
     "gather before colwise": make_plan(GATHER_BEFORE_COLWISE),
     "sequence everywhere": make_plan(SEQUENCE_EVERYWHERE),
     "replicated attention": make_plan(REPLICATED_ATTENTION),
+    # the first block is handed R and entered in S(seq): recomputation must not convert twice
+    "replicated attention, full recompute": make_plan(
+        REPLICATED_ATTENTION, recompute=Recompute.FULL
+    ),
     "zero-3": make_plan({}, dp=2, tp=1, zero=3),
     # units of a block at different levels get FSDP groups of their own; ZeRO-0 is all-reduced
     "mixed zero, full recompute": make_plan(

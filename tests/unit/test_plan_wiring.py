@@ -77,7 +77,9 @@ def test_the_gpts_derived_wiring_is_the_old_table(num_layers: int) -> None:
         block = wiring.blocks["blocks.*"]
         assert block.heads == ("blocks.*.ln_1", "blocks.*[0]") and block.entry == "blocks.*[0]"
         assert block.feeders == ("drop",) and block.last == ("blocks.*[1]",)
-    assert wiring.whole_in == {} and wiring.whole_out == {}  # positions come first
+    # the attention core reads its fused projection's shape, which is never sequence-split
+    assert set(wiring.hand_whole) == {"blocks.*.attn.qkv"}
+    assert wiring.whole_in == {} and wiring.sequence_whole == {}
     assert wiring.inputs == {"tok_embed": (0,), "[2]": (1,)}  # ids, and the loss's targets
 
 
@@ -113,7 +115,14 @@ def test_llama_wiring_from_its_graph() -> None:
         "model[0]",
         "model.rotary_emb",
     }
-    assert set(wiring.whole_out) == {"model.embed_tokens"} and wiring.whole_in == {}
+    # model's code counts positions from the embedding, the attention's code reshapes q, k, v
+    # by its input's shape, the causal LM's code slices the final norm's output
+    layer = "model.layers.*."
+    assert set(wiring.hand_whole) == {
+        "model.embed_tokens", layer + "input_layernorm", "model.norm",
+        *(f"{layer}self_attn.{p}_proj" for p in "qkv"),
+    }  # fmt: skip
+    assert wiring.whole_in == {} and wiring.sequence_whole == {}
     block = wiring.blocks["model.layers.*"]
     assert block.entry == "model.layers.*[0]" and block.feeders == ("model.embed_tokens",)
     assert wiring.units["model.layers.*.mlp.act_fn"].role == "elementwise"
@@ -127,9 +136,13 @@ def test_gpt2_wiring_from_its_graph() -> None:
     assert {c_attn, "transformer.h.*.mlp.c_fc"} <= wiring.transposed  # Conv1D: [in, out]
     assert wiring.ties == {"lm_head": "transformer.wte"}
     assert wiring.units["transformer.h.*.attn.resid_dropout"].role == "dropout"
-    # the ids' view reads the caller's tensor; the add after the positions reads the embedding
-    assert set(wiring.whole_in) == {"transformer[0]", "transformer[2]"}
-    assert set(wiring.whole_out) == {"transformer.wte"}
+    # the ids' view reads the caller's tensor; the model's code counts positions from the
+    # embedding, and reshapes the final norm's output with the caller's sequence length
+    assert set(wiring.whole_in) == {"transformer[0]"}
+    assert set(wiring.sequence_whole) == {"transformer[0]", "transformer[2]"}
+    assert set(wiring.hand_whole) == {
+        "transformer.wte", "transformer.drop", "transformer.ln_f", c_attn
+    }  # fmt: skip
 
 
 # -- plans apply refuses --------------------------------------------------------------------------
@@ -206,8 +219,8 @@ def test_a_fused_projection_of_unknown_layout_is_refused_naming_it() -> None:
         ),
         (
             "gpt2", {"transformer[2]": (S.SEQUENCE, SEQ, SEQ)}, {},
-            r"unit 'transformer\[2\]' takes S\(seq\), but it must take whole \(R\) activations: "
-            r"it reads 'transformer.wte', which is whole: 'transformer\[1\]' computes positions",
+            r"unit 'transformer\[2\]' is sequence S\(seq\)->S\(seq\), but its sequence must stay "
+            r"whole: it reads 'transformer.wte', which is handed on whole: 'transformer''s code",
         ),
         (
             "gpt2", {"transformer.h.*.attn[0]": (S.HEADS, HID, HID)}, {},

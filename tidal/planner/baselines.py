@@ -25,7 +25,7 @@ from tidal.planner.ilp import Solution, build_problem
 from tidal.planner.measure import ModelGraph, Unit
 from tidal.planner.plan import Layout, Recompute, StrategyName
 from tidal.planner.strategies import Candidate, TrainingSpec, unit_options
-from tidal.planner.wiring import whole_input_units
+from tidal.planner.wiring import input_layouts
 
 __all__ = ["Baseline", "BASELINES", "baseline", "megatron_tp"]
 
@@ -117,12 +117,12 @@ def _solve_family(
     recompute: Recompute,
 ) -> Baseline:
     options, every = {}, unit_options(graph, mesh, cluster, spec)
-    whole = whole_input_units(graph)
+    whole = input_layouts(graph)
     for unit in graph.units:
         opts = every[unit.name]
         level = [c for c in opts if c.zero == min(zero, max(o.zero for o in opts))]
         kept = [c for c in level if rule(unit, c, graph)]
-        # a unit that must take whole activations does so under any system's rule
+        # a unit that must keep the sequence whole does so under any system's rule
         options[unit.name] = level if unit.name in whole and not kept else kept
     modes = dict.fromkeys(graph.blocks, (recompute,))
     problem = build_problem(graph, mesh, options, cluster, spec, recompute_modes=modes)

@@ -294,12 +294,20 @@ def _check_heads_feed(wiring: ModelWiring, core: str, units: dict[str, UnitChoic
 
 
 def _check_whole(wiring: ModelWiring, units: dict[str, UnitChoice]) -> None:
+    """[Note: code counts whole sequences] in tidal/planner/wiring.py."""
     for name, why in wiring.whole_in.items():
         if units[name].in_layout is not R:
             raise ValueError(
                 f"unit {name!r} takes {units[name].in_layout}, but it must take whole (R) "
-                f"activations: {why} ([Note: positions count whole sequences] in "
-                f"tidal/planner/wiring.py); make the plan with this version's `tidal plan`"
+                f"activations: {why}; make the plan with this version's `tidal plan`"
+            )
+    for name, why in wiring.sequence_whole.items():
+        if SEQ in (units[name].in_layout, units[name].out_layout):
+            raise ValueError(
+                f"unit {name!r} is {units[name].strategy} {units[name].in_layout}->"
+                f"{units[name].out_layout}, but its sequence must stay whole: {why} ([Note: code "
+                f"counts whole sequences] in tidal/planner/wiring.py); make the plan with this "
+                f"version's `tidal plan`"
             )
 
 
@@ -358,16 +366,22 @@ def _own_wire(
         return R
     if spec.segment is not None:
         return unit.out_layout
+    wire = _module_wire(name, wiring, units, edges, entry, feeders)
+    # [Note: code counts whole sequences]: code reads its shape; consumers convert from R
+    return R if wire is SEQ and name in wiring.hand_whole else wire
+
+
+def _module_wire(
+    name: str,
+    wiring: ModelWiring,
+    units: dict[str, UnitChoice],
+    edges: set[tuple[str, str]],
+    entry: dict[str, Layout],
+    feeders: dict[str, set[str]],
+) -> Layout:
+    unit = units[name]
     consumers = [units[d] for s, d in edges if s == name]
     fixed = {c.in_layout for c in consumers if wiring.units[c.name].segment is not None}
-    if name in wiring.whole_out:
-        if fixed - {R}:
-            raise ValueError(
-                f"{name!r} must hand its output on whole: {wiring.whole_out[name]} ([Note: "
-                f"positions count whole sequences] in tidal/planner/wiring.py), but code "
-                f"after it takes {_join(fixed)}; make that code take R"
-            )
-        return R
     if not fixed and unit.out_layout is P:
         fixed = {c.in_layout for c in consumers}
     if not consumers:

@@ -31,7 +31,11 @@ Besides costs, a unit records what ``apply`` needs to wire a plan onto the model
 in the trace rather than known per architecture: ``inputs``, which of the caller's positional
 tensors it reads (token ids, targets); ``head_dim`` of an attention core; ``split_widths``, the
 widths in which it splits a tensor it was handed along the last dim (an attention core taking a
-fused ``[q; k; v]`` apart); and ``dropout``, that it called dropout. ``measure(...,
+fused ``[q; k; v]`` apart); and ``dropout``, that it called dropout. The graph records which
+units' outputs each module's own code reads the shape of or reshapes (``shape_reads``: a
+torch-function mode sees ``x.shape`` and ``x.size()``, which no kernel does, and the views of
+units dropped as dead views are reshapes), leaf modules left out: they run on what their hooks
+give them. ``measure(...,
 dropout_units=True)`` records every dropout as a unit even at ``p = 0``, where it does no work:
 the units a model has whatever its dropout, which a plan made at another dropout is checked
 against (tidal/planner/wiring.py).
@@ -61,6 +65,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry
@@ -146,6 +151,8 @@ class ModelGraph:
     micro_batch: int
     seq_len: int
     blocks: dict[str, int] = field(default_factory=dict)  # cluster prefix ("blocks.*") -> count
+    # module -> units whose outputs its own code reads the shape of ([Note: structure facts])
+    shape_reads: dict[str, tuple[str, ...]] = field(default_factory=dict)
 
     def unit(self, name: str) -> Unit:
         for unit in self.units:
@@ -266,6 +273,7 @@ class _Tracer(TorchDispatchMode):
         self.saved: dict[int, tuple[str, int]] = {}  # storage -> (first saver, bytes)
         self.shared: set[tuple[str, int]] = set()  # (unit, storage) saved again by a later unit
         self.keep_alive: list[torch.Tensor] = []
+        self.shape_reads: dict[str, set[str]] = {}
         self.param_storages = {_storage_key(p) for p in model.parameters()}
         self.modules = dict(model.named_modules())
 
@@ -310,6 +318,12 @@ class _Tracer(TorchDispatchMode):
             if kind == "embedding" and isinstance(weight, torch.Tensor):
                 unit.out_features = int(weight.shape[0])  # rows: the vocabulary
         return unit
+
+    def note_shape_read(self, t: torch.Tensor) -> None:
+        frame = self.stack[-1] if self.stack else None
+        src = self.producer.get(_storage_key(t))
+        if frame is not None and not frame.leaf and src is not None:
+            self.shape_reads.setdefault(frame.fqn, set()).add(src)
 
     def note_attention(self, q: torch.Tensor, k: torch.Tensor) -> None:
         unit = self.current_unit()
@@ -405,6 +419,23 @@ def _is_tensor(x: Any) -> bool:
     return isinstance(x, torch.Tensor)
 
 
+_SHAPE_DESCRIPTOR = torch._C.TensorBase.__dict__["shape"]  # x.shape calls its __get__
+
+
+class _ShapeReads(TorchFunctionMode):
+    """Tells the tracer whose shape Python code reads ([Note: structure facts])."""
+
+    def __init__(self, tracer: _Tracer) -> None:
+        super().__init__()
+        self.tracer = tracer
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        getter = getattr(func, "__self__", None) is _SHAPE_DESCRIPTOR
+        if (getter or func is torch.Tensor.size) and args and _is_tensor(args[0]):
+            self.tracer.note_shape_read(args[0])
+        return func(*args, **(kwargs or {}))
+
+
 def _install_hooks(model: nn.Module, tracer: _Tracer) -> list[Any]:
     handles = []
     for fqn, module in model.named_modules():
@@ -451,36 +482,44 @@ def measure(
     was_training = model.training
     model.train()
     try:
-        with kernels, torch.autograd.graph.saved_tensors_hooks(tracer.pack, lambda t: t), tracer:
+        saved = torch.autograd.graph.saved_tensors_hooks(tracer.pack, lambda t: t)
+        with kernels, saved, tracer, _ShapeReads(tracer):
             model(*args)
     finally:
         model.train(was_training)
         for handle in handles:
             handle.remove()
-    units, edges = _drop_dead_views(*tracer.finish())
+    units, edges = tracer.finish()
+    for view in _dead_views(units, edges):  # its module's code reshapes what it viewed
+        viewed = {e.src for e in edges if e.dst == view.name}
+        tracer.shape_reads.setdefault(view.module, set()).update(viewed)
+    dead = {u.name for u in _dead_views(units, edges)}
+    units = [u for u in units if u.name not in dead]
+    edges = [e for e in edges if e.src not in dead and e.dst not in dead]
     _resolve_ties(model, units)
     batch, seq = (int(tensors[0].shape[0]), int(tensors[0].shape[1])) if tensors else (1, 1)
-    graph = ModelGraph(name=name, units=units, edges=edges, micro_batch=batch, seq_len=seq)
+    kept = {u.name for u in units}
+    reads = {m: tuple(sorted(v & kept)) for m, v in tracer.shape_reads.items() if v & kept}
+    graph = ModelGraph(
+        name=name, units=units, edges=edges, micro_batch=batch, seq_len=seq, shape_reads=reads
+    )
     return cluster_blocks(graph)
 
 
-def _drop_dead_views(units: list[Unit], edges: list[Edge]) -> tuple[list[Unit], list[Edge]]:
+def _dead_views(units: list[Unit], edges: list[Edge]) -> list[Unit]:
     """Units that only make views nobody reads through them (a reshape of q whose storage its
-    consumers reach straight from the projection) decide nothing: drop them and their edges."""
+    consumers reach straight from the projection) decide nothing: they are dropped, and their
+    edges with them."""
     sources = {e.src for e in edges}
-    dead = {
-        u.name
+    return [
+        u
         for u in units
         if u.kind == "elementwise"
         and u.name not in sources
         and not u.params
         and u.flops == 0
         and u.saved_bytes == 0
-    }
-    return (
-        [u for u in units if u.name not in dead],
-        [e for e in edges if e.src not in dead and e.dst not in dead],
-    )
+    ]
 
 
 def _resolve_ties(model: nn.Module, units: list[Unit]) -> None:
@@ -547,6 +586,10 @@ def cluster_blocks(graph: ModelGraph) -> ModelGraph:
             merged.nbytes = max(merged.nbytes, e.nbytes)
         else:
             edges[(src, dst)] = Edge(src=src, dst=dst, nbytes=e.nbytes, count=e.count)
+    reads: dict[str, set[str]] = {}
+    for module, producers in graph.shape_reads.items():
+        found = reads.setdefault(_star_module(module, blocks), set())
+        found.update(renames.get(p, p) for p in producers)
     return ModelGraph(
         name=graph.name,
         units=list(units.values()),
@@ -554,7 +597,18 @@ def cluster_blocks(graph: ModelGraph) -> ModelGraph:
         micro_batch=graph.micro_batch,
         seq_len=graph.seq_len,
         blocks=blocks,
+        shape_reads={m: tuple(sorted(v)) for m, v in reads.items()},
     )
+
+
+def _star_module(module: str, blocks: dict[str, int]) -> str:
+    """A module path with its block index starred (``blocks.0.attn`` -> ``blocks.*.attn``)."""
+    for prefix in blocks:
+        head = prefix.removesuffix(".*")
+        match = re.match(rf"^{re.escape(head)}\.\d+(\..*)?$", module)
+        if match:
+            return prefix + (match.group(1) or "")
+    return module
 
 
 def _star_path(path: str, blocks: dict[str, int]) -> str:

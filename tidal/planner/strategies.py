@@ -37,7 +37,7 @@ from tidal.config.configurable import require
 from tidal.planner.cluster import Axis, ClusterSpec, Collective, Mesh, collective_s
 from tidal.planner.measure import ModelGraph, Unit
 from tidal.planner.plan import Layout, MemoryBreakdown, StrategyName
-from tidal.planner.wiring import whole_input_units
+from tidal.planner.wiring import input_layouts
 
 PLANNED_ZERO_LEVELS = (0, 1, 2, 3)
 
@@ -195,13 +195,13 @@ def unit_options(
     graph: ModelGraph, mesh: Mesh, cluster: ClusterSpec, spec: TrainingSpec
 ) -> dict[str, list[Candidate]]:
     """Every unit's candidates, less the input layouts its model cannot give it: units that
-    must take whole activations ([Note: positions count whole sequences] in wiring.py)."""
-    whole = whole_input_units(graph)
+    must keep the sequence whole ([Note: code counts whole sequences] in wiring.py)."""
+    allowed = input_layouts(graph)
     options = {}
     for unit in graph.units:
         found = candidates(unit, mesh, cluster, spec)
-        if unit.name in whole:
-            found = [c for c in found if c.in_layout is Layout.R]
+        if unit.name in allowed:
+            found = [c for c in found if c.in_layout in allowed[unit.name]]
         options[unit.name] = found
     return options
 

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed._composable import checkpoint
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import loss_parallel
@@ -170,7 +171,13 @@ def _enter_block(
     block: nn.Module,
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
-) -> tuple[tuple[Any, ...], dict[str, Any]]:
+) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+    """Convert a block's input to the layout it is entered in. A fully recomputed block's
+    checkpoint (whose pre-hook runs after this one) keeps the converted input and replays the
+    forward on it, this hook included: converting it again would split it twice."""
+    state = checkpoint.state(block)
+    if state is not None and not state.enable_hook:  # the checkpoint is recomputing
+        return None
     if args:
         return (_relayout(args[0], mesh, given, entry), *args[1:]), kwargs
     key = next(iter(inspect.signature(block.forward).parameters))

@@ -23,17 +23,24 @@ tied, and which units must see whole activations. :func:`structure_graph` traces
 - A repeated block's heads are its units reading the block's input (from before the block, or
   from the previous repetition); the one that is code in the block's forward (the residual add)
   fixes the layout the block's input is converted to on entry.
-- [Note: positions count whole sequences] says which units must take or hand whole tensors.
+- [Note: code counts whole sequences] says which units must keep the sequence whole.
 
-[Note: positions count whole sequences]
-Code that computes positions (``arange(x.shape[1])`` in tidal's GPT, GPT-2, LLaMA) counts the
-tokens of whatever tensor it looks at, and the trace cannot tell which: it reads shapes, not
-values. So within the module whose code computes them, every unit that ran before hands its
-output on whole (``R``), and that module's own code after them reading those outputs takes
-them whole; the caller's tensors come whole too, so code reading them takes them whole (the
-loss's targets excepted: they are split with its logits). Converting to what the blocks want
-happens at each block's entry. In tidal's GPT positions come first, so nothing changes there;
-in GPT-2 and LLaMA the embedding's output reaches the first block whole.
+[Note: code counts whole sequences]
+Python code in a module's forward sees the tensors its children hand back, and when it reads
+their shape (``arange(x.shape[1])`` for positions, LLaMA's ``q.view(*x.shape[:-1], -1, K)``
+with ``x`` the attention's input) or reshapes them with sizes of its own (GPT-2's final
+``view(output_shape)``), it counts the sequence they carry. Sequence-split, a rank's share
+would be counted as the whole, silently wrong. The trace records those reads and reshapes
+(``shape_reads``, [Note: structure facts] in measure.py), and from them: a module whose output
+such code uses never hands it on split along the sequence (``R`` instead of ``S(seq)``: its
+consumers convert, a block at its entry); code itself (a segment) that such code uses, or that
+reads such a module's output, keeps the sequence whole too (the planner offers it nothing
+else); and code reading the caller's tensors takes them whole, as they come (a loss's targets
+excepted: they are split with its logits). Attention cores and positions work on whole
+sequences anyway. tidal's GPT reads only its fused projection's shape, which is never split
+along the sequence, so nothing changes there; in LLaMA the embedding, each input norm, the
+projections and the final norm hand on whole sequences, and in GPT-2 the embeddings, the
+dropout after them and the final norm.
 """
 
 from __future__ import annotations
@@ -47,6 +54,7 @@ import torch
 from torch import nn
 
 from tidal.planner.measure import ModelGraph, Unit, measure
+from tidal.planner.plan import Layout
 
 __all__ = [
     "BlockSpec",
@@ -55,9 +63,9 @@ __all__ = [
     "UnitSpec",
     "derive_wiring",
     "example_inputs",
+    "input_layouts",
     "meta_twin",
     "structure_graph",
-    "whole_input_units",
 ]
 
 _TYPED_ROLES = ("embedding", "norm", "linear", "attention", "loss")
@@ -112,8 +120,10 @@ class ModelWiring:
     attention: dict[str, tuple[int, int, int]]  # unit -> (heads, kv heads, head dim)
     features: dict[str, tuple[int | None, int | None]]  # linear -> (in, out)
     inputs: dict[str, tuple[int, ...]]  # units reading the caller's positional tensors
-    whole_in: dict[str, str]  # unit -> why it takes whole activations
-    whole_out: dict[str, str]  # unit -> why it hands its output on whole
+    # [Note: code counts whole sequences], each unit with the reason
+    whole_in: dict[str, str]  # code taking R only: it reads the caller's tensors
+    sequence_whole: dict[str, str]  # code whose input and output are never S(seq)
+    hand_whole: dict[str, str]  # modules never handing S(seq) on
     hidden_size: int
 
     def module_path(self, name: str, index: int) -> str:
@@ -181,12 +191,13 @@ def derive_wiring(graph: ModelGraph) -> ModelWiring:
     edges = tuple((e.src, e.dst, e.count) for e in graph.edges)
     positions = _positions(graph)
     block_of = {u.name: b for u in graph.units if (b := graph.block_of(u)) is not None}
-    whole_in, whole_out = _whole(graph, positions)
+    blocks = {p: _block(graph, p, n, positions) for p, n in graph.blocks.items()}
+    whole_in, sequence_whole, hand_whole = _whole(graph, positions, blocks)
     return ModelWiring(
         units={n: _spec(u, n in positions) for n, u in units.items()},
         edges=edges,
         counts={n: u.count for n, u in units.items()},
-        blocks={p: _block(graph, p, n, positions) for p, n in graph.blocks.items()},
+        blocks=blocks,
         block_of=block_of,
         owns_params=frozenset(n for n, u in units.items() if u.params),
         transposed=frozenset(n for n, u in units.items() if u.weight_transposed),
@@ -200,15 +211,20 @@ def derive_wiring(graph: ModelGraph) -> ModelWiring:
         features={n: (u.in_features, u.out_features) for n, u in units.items()},
         inputs={n: u.inputs for n, u in units.items() if u.inputs},
         whole_in=whole_in,
-        whole_out=whole_out,
+        sequence_whole=sequence_whole,
+        hand_whole=hand_whole,
         hidden_size=_hidden_size(graph),
     )
 
 
-def whole_input_units(graph: ModelGraph) -> dict[str, str]:
-    """Units that must take whole (``R``) activations, and why ([Note: positions count whole
-    sequences]); the planner offers them no other input layout."""
-    return _whole(graph, _positions(graph))[0]
+def input_layouts(graph: ModelGraph) -> dict[str, tuple[Layout, ...]]:
+    """The input layouts units of ``graph`` may take, for those that cannot take them all
+    ([Note: code counts whole sequences]); the planner offers them no other."""
+    positions = _positions(graph)
+    blocks = {p: _block(graph, p, n, positions) for p, n in graph.blocks.items()}
+    whole_in, sequence_whole, _ = _whole(graph, positions, blocks)
+    allowed = dict.fromkeys(sequence_whole, (Layout.R, Layout.HID))
+    return allowed | dict.fromkeys(whole_in, (Layout.R,))
 
 
 def _spec(unit: Unit, is_positions: bool) -> UnitSpec:
@@ -240,41 +256,41 @@ def _positions(graph: ModelGraph) -> set[str]:
     return {u.name for u in graph.units if not u.params and u.name not in tokens}
 
 
-def _scope(unit: Unit) -> str:
-    """The module whose code runs ``unit``: a segment's own module, a module's parent."""
-    return unit.module if unit.segment is not None else unit.module.rpartition(".")[0]
-
-
-def _inside(unit: Unit, module: str) -> bool:
-    return module == "" or unit.module == module or unit.module.startswith(module + ".")
-
-
-def _whole(graph: ModelGraph, positions: set[str]) -> tuple[dict[str, str], dict[str, str]]:
-    """(units taking whole inputs, units handing whole outputs), each with the reason."""
+def _whole(
+    graph: ModelGraph, positions: set[str], blocks: dict[str, BlockSpec]
+) -> tuple[dict[str, str], dict[str, str], dict[str, str]]:
+    """(code taking R only, code keeping the sequence whole, modules never handing S(seq)), each
+    unit with the reason: [Note: code counts whole sequences]."""
+    units = {u.name: u for u in graph.units}
     whole_in = {
         u.name: "it reads the caller's tensors, which come whole"
         for u in graph.units
         if u.inputs and u.segment is not None and u.kind != "loss"
     }
-    whole_out: dict[str, str] = {}
-    order = {u.name: i for i, u in enumerate(graph.units)}
-    for p in (u for u in graph.units if u.name in positions):
-        scope = _scope(p)
-        early = [
-            u
-            for u in graph.units[: order[p.name]]
-            if u.name not in positions and _inside(u, scope) and graph.block_of(u) is None
-        ]
-        why = f"{p.name!r} computes positions in {scope or 'the model'!r}'s code after it"
-        for u in early:
-            (whole_in if u.segment is not None else whole_out).setdefault(u.name, why)
-        names = {u.name for u in early}
-        for e in graph.edges:
-            dst = graph.unit(e.dst)
-            late = order[e.dst] > order[p.name] and dst.segment is not None
-            if e.src in names and late and dst.module == scope:
-                whole_in.setdefault(e.dst, f"it reads {e.src!r}, which is whole: {why}")
-    return whole_in, whole_out
+    counted: dict[str, str] = {}
+    for module, producers in graph.shape_reads.items():
+        for name in producers:
+            if name not in positions and units[name].kind != "attention":
+                why = f"{module or 'the model'!r}'s code counts the sequence it carries"
+                counted.setdefault(name, why)
+    hand_whole = {n: why for n, why in counted.items() if units[n].segment is None}
+    sequence_whole = {n: why for n, why in counted.items() if units[n].segment is not None}
+    for e in graph.edges:
+        dst = units[e.dst]
+        code = dst.segment is not None and dst.kind != "attention"
+        if e.src in hand_whole and code and not _enters(blocks, graph, e.src, e.dst):
+            why = f"it reads {e.src!r}, which is handed on whole: {hand_whole[e.src]}"
+            sequence_whole.setdefault(e.dst, why)
+    return whole_in, sequence_whole, hand_whole
+
+
+def _enters(blocks: dict[str, BlockSpec], graph: ModelGraph, src: str, dst: str) -> bool:
+    """Whether ``src -> dst`` hands a block its input, which the block converts on entry."""
+    block = graph.block_of(graph.unit(dst))
+    if block is None or dst not in blocks[block].heads:
+        return False
+    order = blocks[block].units
+    return src not in order or order.index(src) >= order.index(dst)
 
 
 def _block(graph: ModelGraph, prefix: str, count: int, positions: set[str]) -> BlockSpec:
