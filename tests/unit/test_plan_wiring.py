@@ -76,7 +76,6 @@ def test_the_gpts_derived_wiring_is_the_old_table(num_layers: int) -> None:
     if num_layers > 1:
         block = wiring.blocks["blocks.*"]
         assert block.heads == ("blocks.*.ln_1", "blocks.*[0]") and block.entry == "blocks.*[0]"
-        assert block.feeders == ("drop",) and block.last == ("blocks.*[1]",)
     # the attention core reads its fused projection's shape, which is never sequence-split
     assert set(wiring.hand_whole) == {"blocks.*.attn.qkv"}
     assert wiring.whole_in == {} and wiring.sequence_whole == {}
@@ -124,7 +123,8 @@ def test_llama_wiring_from_its_graph() -> None:
     }  # fmt: skip
     assert wiring.whole_in == {} and wiring.sequence_whole == {}
     block = wiring.blocks["model.layers.*"]
-    assert block.entry == "model.layers.*[0]" and block.feeders == ("model.embed_tokens",)
+    assert block.entry == "model.layers.*[0]"  # the rotary tables are not the block's input
+    assert block.heads == ("model.layers.*.input_layernorm", "model.layers.*[0]")
     assert wiring.units["model.layers.*.mlp.act_fn"].role == "elementwise"
     assert not wiring.ties and not wiring.transposed
 

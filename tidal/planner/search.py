@@ -26,7 +26,12 @@ from tidal.planner.cost_model import Assignment, Costed, evaluate
 from tidal.planner.ilp import Problem, Solution, build_problem
 from tidal.planner.measure import ModelGraph
 from tidal.planner.plan import Plan, Recompute, UnitChoice
-from tidal.planner.strategies import TrainingSpec, unit_options, valid_tensor_sizes
+from tidal.planner.strategies import (
+    TrainingSpec,
+    indivisible,
+    unit_options,
+    valid_tensor_sizes,
+)
 
 __all__ = ["Infeasible", "PlannerConfig", "PlanResult", "make_plan", "to_plan"]
 
@@ -139,11 +144,13 @@ def meshes_for(graph: ModelGraph, cluster: ClusterSpec, config: PlannerConfig) -
     valid = valid_tensor_sizes(graph.units, cluster.devices, cluster.devices_per_node)
     if config.tp is not None:
         if config.tp not in valid:
+            blocker = indivisible(graph.units, config.tp)
+            why = f": {blocker}" if blocker else ""
             raise ConfigError(
                 "tp",
                 f"{config.tp} does not split this model on {cluster.devices} devices "
                 f"(it must divide the devices and every attention unit's heads and feature "
-                f"size, and fit in a node of {cluster.devices_per_node}); choose one of "
+                f"size, and fit in a node of {cluster.devices_per_node}){why}; choose one of "
                 f"{', '.join(map(str, valid))}",
             )
         valid = [config.tp]

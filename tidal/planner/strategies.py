@@ -46,6 +46,7 @@ __all__ = [
     "Candidate",
     "TrainingSpec",
     "candidates",
+    "indivisible",
     "unit_options",
     "valid_tensor_sizes",
 ]
@@ -150,6 +151,17 @@ def valid_tensor_sizes(units: list[Unit], devices: int, devices_per_node: int) -
         if all(_divides(u, t) for u in units):
             sizes.append(t)
     return sizes
+
+
+def indivisible(units: list[Unit], t: int) -> str | None:
+    """What keeps a tensor axis of ``t`` from splitting ``units``, in words; None if nothing."""
+    for unit in units:
+        if _divides(unit, t):
+            continue
+        if unit.kind == "attention":
+            return f"{unit.name!r} has {unit.heads} heads and {unit.kv_heads} key/value heads"
+        return f"{unit.name!r} has {unit.in_features} inputs and {unit.out_features} outputs"
+    return None
 
 
 def _divides(unit: Unit, t: int) -> bool:

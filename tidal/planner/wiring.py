@@ -100,8 +100,6 @@ class BlockSpec:
     units: tuple[str, ...]
     heads: tuple[str, ...]
     entry: str | None
-    feeders: tuple[str, ...]  # units before the block handing the first one its input
-    last: tuple[str, ...]  # units handing the next repetition its input
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)
@@ -145,14 +143,15 @@ class ModelWiring:
 # tracing a model for its structure
 
 
-def meta_twin(model: nn.Module) -> nn.Module:
-    """A copy of ``model`` whose parameters and buffers are meta tensors of the same shapes
-    (shared ones shared alike), made without copying any data."""
+def meta_twin(model: nn.Module, *, buffers: bool = False) -> nn.Module:
+    """A copy of ``model`` whose parameters are meta tensors of the same shapes (shared ones
+    shared alike), made without copying their data; its buffers are meta too, or copies with
+    ``buffers=True`` (rotary tables a model to be materialized needs)."""
     memo: dict[int, object] = {}
     for param in model.parameters():
         twin = torch.empty_like(param, device="meta")
         memo[id(param)] = nn.Parameter(twin, requires_grad=param.requires_grad)
-    for buffer in model.buffers():
+    for buffer in model.buffers() if not buffers else ():
         memo[id(buffer)] = torch.empty_like(buffer, device="meta")
     return copy.deepcopy(model, memo)
 
@@ -307,8 +306,6 @@ def _block(graph: ModelGraph, prefix: str, count: int, positions: set[str]) -> B
         units=tuple(members),
         heads=tuple(heads),
         entry=entries[0] if entries else None,
-        feeders=tuple(sorted({e.src for e in into})),
-        last=tuple(sorted({e.src for e in back})),
     )
 
 
