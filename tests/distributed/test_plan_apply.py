@@ -20,8 +20,9 @@ from torch.distributed.tensor.debug import CommDebugMode
 from tidal.models import build_gpt, preset
 from tidal.planner import ClusterSpec, PlannerConfig, measure_gpt
 from tidal.planner import make_plan as make_tidal_plan
-from tidal.planner.apply import GPT_UNITS, apply, check_plan, full_state_dict, gpt_edges, make_mesh
+from tidal.planner.apply import apply, check_plan, full_state_dict, make_mesh
 from tidal.planner.plan import Layout, MemoryBreakdown, Plan, Recompute, StrategyName, UnitChoice
+from tidal.planner.wiring import derive_wiring, structure_graph
 from tidal.testing import run_on_ranks
 
 S = StrategyName
@@ -30,6 +31,10 @@ WORLD = 2
 STEPS = 3
 TOL = 1e-5  # the bound on losses and parameters
 TINY = preset("tiny")  # dropout 0.0: runs are deterministic, so they can match exactly
+# The GPT's units and edges as apply derives them (test_plan_wiring.py checks them against the
+# table they were once written in).
+WIRING = derive_wiring(structure_graph(build_gpt(TINY, device="meta"), seq_len=TINY.seq_len))
+GPT_UNITS = WIRING.units
 
 Choices = dict[str, tuple[StrategyName, Layout, Layout]]
 
@@ -118,7 +123,7 @@ def make_plan(
         recompute={"blocks.*": recompute},
         memory=MemoryBreakdown(),
         step_time_s=0.0,
-        edges=gpt_edges(TINY.num_layers),
+        edges=list(WIRING.edges),
     )
 
 
@@ -130,6 +135,10 @@ CASES: dict[str, Plan] = {
     "gather before colwise": make_plan(GATHER_BEFORE_COLWISE),
     "sequence everywhere": make_plan(SEQUENCE_EVERYWHERE),
     "replicated attention": make_plan(REPLICATED_ATTENTION),
+    # the first block is handed R and entered in S(seq): recomputation must not convert twice
+    "replicated attention, full recompute": make_plan(
+        REPLICATED_ATTENTION, recompute=Recompute.FULL
+    ),
     "zero-3": make_plan({}, dp=2, tp=1, zero=3),
     # units of a block at different levels get FSDP groups of their own; ZeRO-0 is all-reduced
     "mixed zero, full recompute": make_plan(
@@ -274,7 +283,7 @@ def test_units_and_edges_are_the_planners() -> None:
     assert {(u.name, u.module, u.segment, u.kind) for u in graph.units} == {
         (name, s.module, s.segment, s.kind) for name, s in GPT_UNITS.items()
     }
-    assert {(e.src, e.dst, e.count) for e in graph.edges} == set(gpt_edges(TINY.num_layers))
+    assert {(e.src, e.dst, e.count) for e in graph.edges} == set(WIRING.edges)
 
 
 def test_a_detour_into_a_block_warns() -> None:

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import warnings
+
+import pytest
 
 from tidal.cli.main import main
 from tidal.planner import Plan
@@ -53,3 +56,61 @@ def test_bench_plan_writes_results(tmp_path, capsys) -> None:
     assert row["model"] == "demo" and row["devices"] == 8
     assert set(row["baselines"]) == {"megatron", "megatron_sp", "zero3"}
     assert f"results: {path}" in capsys.readouterr().out
+
+
+def _hf_configs(root) -> dict[str, object]:
+    transformers = pytest.importorskip("transformers")
+    transformers.LlamaConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+    ).save_pretrained(root / "llama")  # fmt: skip
+    transformers.GPT2Config(
+        vocab_size=256, n_embd=64, n_layer=2, n_head=4, n_positions=64
+    ).save_pretrained(root / "gpt2")
+    transformers.BertConfig(vocab_size=256, hidden_size=64, num_hidden_layers=1).save_pretrained(
+        root / "bert"
+    )
+    return {"llama": root / "llama", "gpt2": root / "gpt2" / "config.json", "bert": root / "bert"}
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_plan_takes_a_hugging_face_config(tmp_path, capsys, family: str) -> None:
+    """A folder holding config.json, or the file: measured, planned, and a plan apply takes."""
+    from tidal.models.hf import HFModelConfig, build_hf
+    from tidal.planner.check import check_plan
+
+    path = _hf_configs(tmp_path)[family]
+    out = tmp_path / "plan.json"
+    args = ["plan", "--model", str(path), "--devices", "4", "--eps", "1000", "--seq-len", "32"]
+    assert main([*args, "--pareto", "", "--baselines", "megatron_sp", "--json", str(out)]) == 0
+    plan = Plan.load(out)
+    assert plan.dp * plan.tp == 4 and plan.seq_len == 32
+    assert set(plan.recompute.values()) <= {"none", "full"}  # HF cores do not recompute alone
+    heads = {"llama": "model.layers.*.self_attn[2]", "gpt2": "transformer.h.*.attn[0]"}[family]
+    assert plan.unit(heads).count == 2
+    model = build_hf(HFModelConfig.load(path, seq_len=32, key="--model"))
+    with warnings.catch_warnings():  # a detour into the first block is allowed, and said
+        warnings.simplefilter("ignore", UserWarning)
+        check_plan(model, plan)  # the planner's HF plans are ones apply can carry out
+    report = json.loads(out.read_text())
+    assert report["baselines"]["megatron_sp"]["peak_memory_bytes"] > 0
+    assert heads in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("model", "extra", "fragment"),
+    [
+        ("missing", [], "--model: no Hugging Face config at "),
+        ("bert", [], "is a 'bert' model; tidal plans and trains Hugging Face 'llama' and 'gpt2'"),
+        ("llama", ["--tp", "4"], "has 4 heads and 2 key/value heads; choose one of 1, 2"),
+        ("llama", ["--seq-len", "65"], "--seq-len: 65 is longer than the 64 positions"),
+    ],
+)
+def test_plan_bad_hugging_face_input_is_one_line_and_exit_2(
+    tmp_path, capsys, model: str, extra: list[str], fragment: str
+) -> None:
+    paths = _hf_configs(tmp_path)
+    path = paths.get(model, tmp_path / "nothing" / "config.json")
+    assert main(["plan", "--model", str(path), "--devices", "4", *extra]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("tidal: error: ") and fragment in lines[0]

@@ -94,7 +94,11 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
         "fastest (or the fastest that fits), and compare with Megatron-LM and ZeRO in the same "
         "cost model.",
     )
-    plan.add_argument("--model", required=True, help="a GPT preset (see `tidal models`)")
+    plan.add_argument(
+        "--model", required=True, metavar="PRESET_OR_CONFIG",
+        help="a GPT preset (see `tidal models`), or a Hugging Face config.json (or a folder "
+        "holding one) of a LLaMA or GPT-2 decoder, built offline on the meta device",
+    )  # fmt: skip
     plan.add_argument("--devices", type=int, required=True, metavar="N")
     plan.add_argument("--devices-per-node", type=int, default=8, metavar="N")
     plan.add_argument(
@@ -114,8 +118,14 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
         "--global-batch", type=int, default=None, metavar="SEQUENCES",
         help="sequences per step (default: one micro-batch per device)",
     )  # fmt: skip
-    plan.add_argument("--seq-len", type=int, default=None, help="default: the preset's")
-    plan.add_argument("--dropout", type=float, default=0.1, help="dropout the model trains with")
+    plan.add_argument(
+        "--seq-len", type=int, default=None,
+        help="default: the preset's, or a Hugging Face model's positions",
+    )  # fmt: skip
+    plan.add_argument(
+        "--dropout", type=float, default=0.1,
+        help="dropout a preset trains with (a Hugging Face model has its config's)",
+    )  # fmt: skip
     plan.add_argument("--tp", type=int, default=None, help="force the tensor-parallel size")
     plan.add_argument(
         "--pareto", default="0,0.02,0.05,0.1,0.2,0.5,1", metavar="EPS,EPS",

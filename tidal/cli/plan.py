@@ -12,7 +12,7 @@ from rich.table import Table
 
 from tidal.config.configurable import ConfigError, format_bytes, parse_bytes
 
-__all__ = ["run_plan"]
+__all__ = ["is_hf_config", "run_plan"]
 
 
 def _gib(num_bytes: float | None) -> str:
@@ -32,10 +32,25 @@ def _cluster(args: argparse.Namespace):
     return ClusterSpec(devices=args.devices, devices_per_node=args.devices_per_node, **values)
 
 
+def is_hf_config(model: str) -> bool:
+    """Whether ``--model`` names a Hugging Face config (a path) rather than a preset."""
+    return model.endswith(".json") or "/" in model or Path(model).exists()
+
+
 def _graph(args: argparse.Namespace):
-    from tidal.models import preset
+    """The measured graph of ``--model``, and whether its attention core can be recomputed
+    alone (tidal's GPT's can; a Hugging Face model's is code inside its attention forward)."""
+    if is_hf_config(args.model):
+        return _hf_graph(args), False
+    from tidal.models import PRESETS, preset
     from tidal.planner import measure_gpt
 
+    if args.model not in PRESETS:
+        raise ConfigError(
+            "--model",
+            f"unknown preset {args.model!r}; choose one of: {', '.join(PRESETS)}, or give the "
+            f"path of a Hugging Face config.json",
+        )
     config = preset(args.model)
     overrides = {"dropout": args.dropout}
     if args.seq_len is not None:
@@ -43,11 +58,28 @@ def _graph(args: argparse.Namespace):
     config = dataclasses.replace(config, **overrides)
     graph = measure_gpt(config, micro_batch=args.micro_batch)
     graph.name = args.model
-    return graph
+    return graph, True
+
+
+def _hf_graph(args: argparse.Namespace):
+    """A Hugging Face decoder built from its config on the meta device, in bf16, measured at
+    ``--seq-len`` tokens (default: its positions) with its own dropout."""
+    import torch
+
+    from tidal.models.hf import HFModelConfig, build_hf
+    from tidal.planner import measure
+    from tidal.planner.wiring import example_inputs
+
+    config = HFModelConfig.load(
+        args.model, seq_len=args.seq_len, key="--model", seq_len_key="--seq-len"
+    )
+    model = build_hf(config).to(torch.bfloat16)
+    inputs = example_inputs(model, micro_batch=args.micro_batch, seq_len=config.seq_len)
+    return measure(model, inputs, name=Path(config.path).parent.name or config.path)
 
 
 def run_plan(args: argparse.Namespace, console: Console) -> int:
-    from tidal.planner import PlannerConfig, make_plan
+    from tidal.planner import PlannerConfig, Recompute, make_plan
     from tidal.planner.report import plan_report
 
     cluster = _cluster(args)
@@ -57,6 +89,8 @@ def run_plan(args: argparse.Namespace, console: Console) -> int:
         raise ConfigError(
             "--pareto", f"expected numbers such as 0,0.1, got {args.pareto!r}"
         ) from None
+    graph, selective = _graph(args)
+    modes = tuple(Recompute) if selective else (Recompute.NONE, Recompute.FULL)
     config = PlannerConfig(
         objective=args.objective,
         eps=args.eps,
@@ -64,8 +98,8 @@ def run_plan(args: argparse.Namespace, console: Console) -> int:
         tp=args.tp,
         pareto=pareto,
         baselines=tuple(x.strip() for x in args.baselines.split(",") if x.strip()),
+        recompute=modes,
     )
-    graph = _graph(args)
     result = make_plan(graph, cluster, config)
     report = plan_report(result, cluster)
     console.print(units_table(report))

@@ -52,8 +52,9 @@ class RichProgress(Callback):
         engine = f"plan dp {plan.dp} x tp {plan.tp}" if plan is not None else f"{job.engine} engine"
         if job.pipeline.stages > 1:
             engine = f"pipeline of {job.pipeline.stages} stages, {job.pipeline.schedule}"
+        model = job.model.hf_config or job.model.preset
         self.console.print(
-            f"[bold]{job.name}[/]: {verb}; {job.model.preset} with {trainer.num_params:,} "
+            f"[bold]{job.name}[/]: {verb}; {model} with {trainer.num_params:,} "
             f"params on {trainer.device} ({job.training.precision}, {engine}); "
             f"{trainer.tokens_per_step:,} tokens/step; peak {peak_text}; run dir {trainer.run_dir}",
             soft_wrap=True,

@@ -40,7 +40,12 @@ def build_engine(
 
         refuse_chunk_engine(job)
         return PlanEngine(
-            model, plan=plan, optimizer=job.optimizer, training=job.training, init=init
+            model,
+            plan=plan,
+            optimizer=job.optimizer,
+            training=job.training,
+            init=init,
+            seq_len=job.model.resolve().seq_len,
         )
     if job.engine == "chunk":
         parts = dict(

@@ -129,7 +129,15 @@ def run_model_config(run_dir: str | Path) -> GPTConfig:
         job = json.loads(path.read_text())
     except json.JSONDecodeError as err:
         raise ConfigError("run_dir", f"{path} is not valid JSON: {err}") from None
-    return from_dict(ModelConfig, job.get("model"), path="model").resolve()
+    model = from_dict(ModelConfig, job.get("model"), path="model")
+    if model.hf_config is not None:
+        raise ConfigError(
+            "run_dir",
+            f"{run_dir} trained a Hugging Face model ({model.hf_config}); export writes tidal's "
+            f"GPT. Its checkpoints' model.pt holds the Hugging Face parameter names: load it "
+            f"with transformers' AutoModelForCausalLM.from_config(...).load_state_dict",
+        )
+    return model.resolve()
 
 
 def select_checkpoint(run_dir: str | Path, step: int | None = None) -> tuple[int, Path]:

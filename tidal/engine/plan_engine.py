@@ -1,4 +1,4 @@
-"""The plan engine: train tidal's GPT as a planner's plan says (``tidal train --plan PATH``).
+"""The plan engine: train a model as a planner's plan says (``tidal train --plan PATH``).
 
 ``tidal plan --json PATH`` writes a :class:`~tidal.planner.Plan`; this engine realises it with
 ``tidal.planner.apply`` (DTensor on the ``tp`` mesh axis, FSDP2 on ``dp``) and trains it with
@@ -42,9 +42,11 @@ from tidal.engine.config import OptimizerConfig, TrainingConfig
 from tidal.engine.device import resolve_device
 from tidal.engine.reference import ReferenceEngine, build_optimizer, lr_schedule
 from tidal.memory.materialize import ParameterValues, materialize
-from tidal.models import build_gpt
+from tidal.models import build_model
 from tidal.planner import Plan, apply, full_state_dict, make_mesh, set_accumulating
 from tidal.planner.apply import check_plan
+from tidal.planner.measure import ModelGraph
+from tidal.planner.wiring import meta_twin, structure_graph
 
 if TYPE_CHECKING:
     from tidal.engine.job import JobConfig
@@ -55,7 +57,7 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-_MAKE_PLAN = "`tidal plan --model PRESET --devices N --json PATH`"
+_MAKE_PLAN = "`tidal plan --model PRESET_OR_CONFIG --devices N --json PATH`"
 
 
 def load_plan(path: str | Path) -> Plan:
@@ -72,9 +74,17 @@ def load_plan(path: str | Path) -> Plan:
         ) from None
 
 
-def check_plan_fits(plan: Plan, model: nn.Module, *, world_size: int) -> None:
-    """Raise a ConfigError naming ``--plan`` and the fix unless ``plan`` can train ``model`` (a
-    GPT, on the meta device or not) on ``world_size`` ranks."""
+def check_plan_fits(
+    plan: Plan,
+    model: nn.Module,
+    *,
+    world_size: int,
+    seq_len: int,
+    graph: ModelGraph | None = None,
+) -> None:
+    """Raise a ConfigError naming ``--plan`` and the fix unless ``plan`` can train ``model`` (on
+    the meta device or not) on ``world_size`` ranks with ``seq_len``-token sequences; ``graph``:
+    the model's structure graph, traced here when not given."""
     devices = plan.dp * plan.tp
     if devices == 1:
         raise ConfigError(
@@ -92,17 +102,18 @@ def check_plan_fits(plan: Plan, model: nn.Module, *, world_size: int) -> None:
             f"the plan is for {devices} devices (dp {plan.dp} x tp {plan.tp}) but {ranks} "
             f"running; run with --nproc {devices}{other}",
         )
-    config = model.config
+    graph = graph or structure_graph(model, seq_len=seq_len)
     blocks = {u.count for u in plan.units if "*" in u.name}
-    if plan.seq_len != config.seq_len or blocks - {config.num_layers}:
+    ours = set(graph.blocks.values())
+    if plan.seq_len != seq_len or blocks != ours:
         raise ConfigError(
             "--plan",
             f"the plan was made for another model ({plan.model!r}: {_join(blocks)} blocks, "
-            f"{plan.seq_len}-token sequences); this run's has {config.num_layers} blocks and "
-            f"{config.seq_len}-token sequences: make the plan for it with {_MAKE_PLAN}",
+            f"{plan.seq_len}-token sequences); this run's has {_join(ours)} blocks and "
+            f"{seq_len}-token sequences: make the plan for it with {_MAKE_PLAN}",
         )
     try:
-        check_plan(model, plan)
+        check_plan(model, plan, graph=graph)
     except ValueError as err:
         raise ConfigError("--plan", str(err)) from None
 
@@ -111,7 +122,9 @@ def check_plan_job(plan: Plan, job: JobConfig, *, world_size: int) -> None:
     """All that ``tidal train --plan`` checks of the job and the world before training, for a
     launcher to report once rather than once per rank."""
     refuse_chunk_engine(job)
-    check_plan_fits(plan, build_gpt(job.model.resolve(), device="meta"), world_size=world_size)
+    config = job.model.resolve()
+    model = build_model(config, device="meta")
+    check_plan_fits(plan, model, world_size=world_size, seq_len=config.seq_len)
     plan_rows(job.training.batch_size, plan, rank=0)
 
 
@@ -126,7 +139,7 @@ def refuse_chunk_engine(job: JobConfig) -> None:
 
 
 def _join(items: set[int]) -> str:
-    return "/".join(str(n) for n in sorted(items))
+    return "/".join(str(n) for n in sorted(items)) or "no"
 
 
 def plan_rows(batch_size: int, plan: Plan, *, rank: int) -> slice:
@@ -212,9 +225,10 @@ def _difference(saved: dict[str, Any], ours: dict[str, Any]) -> str:
 
 
 class PlanEngine(ReferenceEngine):
-    """Train a GPT as ``plan`` says on its ``dp x tp`` ranks. The training calls, learning
-    rate and figures are the reference engine's; building, backward (no all-reduce: FSDP and
-    apply's hooks average), clipping, byte counts and state are its own."""
+    """Train a model (tidal's GPT, a Hugging Face decoder) as ``plan`` says on its ``dp x tp``
+    ranks. The training calls, learning rate and figures are the reference engine's; building,
+    backward (no all-reduce: FSDP and apply's hooks average), clipping, byte counts and state
+    are its own. ``seq_len``: the run's (default: the plan's)."""
 
     def __init__(
         self,
@@ -224,12 +238,17 @@ class PlanEngine(ReferenceEngine):
         optimizer: OptimizerConfig,
         training: TrainingConfig,
         init: ParameterValues | None = None,
+        seq_len: int | None = None,
     ) -> None:
         # Not ReferenceEngine.__init__: the model is built by the plan, not moved whole.
         self.device = resolve_device(training.device)
         # Read once: the group is set up before any engine is built.
         self.world_size, self.rank = world_size(), rank()
-        check_plan_fits(plan, model, world_size=self.world_size)
+        seq_len = plan.seq_len if seq_len is None else seq_len
+        # The model's structure, and a meta copy to lay checkpoints out with (_load_model).
+        self._graph = structure_graph(model, seq_len=seq_len)
+        self._blueprint = meta_twin(model, buffers=True)
+        check_plan_fits(plan, model, world_size=self.world_size, seq_len=seq_len, graph=self._graph)
         self.precision = training.precision
         if self.precision == "fp16":
             raise ConfigError(
@@ -241,7 +260,7 @@ class PlanEngine(ReferenceEngine):
             materialize(model, init, self.device)
         self.plan = plan
         self.mesh = make_mesh(plan, self.device.type)
-        self.model = apply(model.to(self.device), plan, self.mesh)
+        self.model = apply(model.to(self.device), plan, self.mesh, graph=self._graph)
         self.grad_accum_steps = training.grad_accum_steps
         self.grad_clip_norm = training.grad_clip_norm
         self.schedule = lr_schedule(optimizer, training)
@@ -341,11 +360,11 @@ class PlanEngine(ReferenceEngine):
         """Whole single-device values into this rank's shares. They go through ``apply`` on a
         fresh model, so they land in the plan's layout (fused qkv rows reordered, shards cut)
         by the code that laid out the model being trained."""
-        fresh = build_gpt(self.model.config, device="meta")
+        fresh = meta_twin(self._blueprint, buffers=True)
         materialize(fresh, lambda: values.items(), self.device)
         with warnings.catch_warnings():  # apply warned of any detour when the engine was built
             warnings.simplefilter("ignore")
-            apply(fresh, self.plan, self.mesh)
+            apply(fresh, self.plan, self.mesh, graph=self._graph)
         own = dict(self.model.named_parameters())
         with torch.no_grad():
             for name, value in fresh.named_parameters():

@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.nn.functional as F
 
 from tidal.config import ConfigError, to_dict
 from tidal.data import Batch, BatchSampler, build_token_splits
@@ -68,7 +69,7 @@ from tidal.engine.metrics import (
     read_metrics,
     write_json_atomic,
 )
-from tidal.models import build_gpt, gpt_init, num_params, training_flops_per_token
+from tidal.models import build_model, computes_loss, model_flops_per_token, model_init, num_params
 
 if TYPE_CHECKING:
     from tidal.planner import Plan
@@ -224,7 +225,8 @@ class TrainerBase:
 
 
 class Trainer(TrainerBase):
-    """Train the GPT preset of ``job`` on its token source with the engine it names.
+    """Train the model of ``job`` (a GPT preset, or a Hugging Face config) on its token source
+    with the engine it names.
 
     Under torchrun every rank builds its own Trainer; see [Note: global batch]. ``plan``: a
     plan of ``tidal plan`` (or the path of its JSON file) to train with, on its ``dp x tp``
@@ -250,16 +252,16 @@ class Trainer(TrainerBase):
         torch.manual_seed(training.seed)
         # Built on the meta device and streamed into the engine, so no rank ever holds the whole
         # model ([Note: deferred construction] in tidal/memory/materialize.py).
-        model = build_gpt(self.model_config, device="meta")
-        self.engine = build_engine(
-            model, self.job, init=gpt_init(model, training.seed), plan=self.plan
-        )
+        model = build_model(self.model_config, device="meta")
+        self.flops_per_token = model_flops_per_token(self.model_config, model)
+        self._computes_loss = computes_loss(self.model_config)
+        init = model_init(model, self.model_config, training.seed)
+        self.engine = build_engine(model, self.job, init=init, plan=self.plan)
         self.device = self.engine.device
         self.train_batches, self._val_sampler = build_samplers(self.job)
         seq_len = self.model_config.seq_len
         self._val_batches: list[tuple[torch.Tensor, torch.Tensor]] | None = None
         self.tokens_per_step = training.batch_size * seq_len * training.grad_accum_steps
-        self.flops_per_token = training_flops_per_token(self.model_config)
         self.num_params = num_params(self.engine.model)
         self.peak = _all_ranks_peak(
             peak_flops(self.device, training.precision, self.job.metrics.peak_tflops),
@@ -338,7 +340,7 @@ class Trainer(TrainerBase):
         loss_sum = torch.zeros((), device=self.device)
         for _ in range(self.job.training.grad_accum_steps):
             inputs, targets = self._local(self.train_batches.next_batch())
-            loss = self.engine(inputs.to(self.device), targets.to(self.device))
+            loss = self._loss(inputs.to(self.device), targets.to(self.device))
             self.engine.backward(loss)
             loss_sum += loss.detach().float()
             self.engine.step()
@@ -352,6 +354,14 @@ class Trainer(TrainerBase):
                 f"training.precision='bf16' instead of fp16"
             )
         return loss_value, step_s
+
+    def _loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The mean next-token cross-entropy: tidal's GPT takes it itself; a Hugging Face model
+        gives logits, and it is taken here the same way (fp32, over every token)."""
+        if self._computes_loss:
+            return self.engine(inputs, targets)
+        logits = self.engine(inputs).logits
+        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
 
     def _local(self, batch: Batch) -> Batch:
         """This rank's rows of a global batch; see [Note: global batch]."""
@@ -387,7 +397,7 @@ class Trainer(TrainerBase):
         total = 0.0
         for batch in self._val_batches:
             inputs, targets = self._local(batch)
-            total += float(self.engine(inputs.to(self.device), targets.to(self.device)))
+            total += float(self._loss(inputs.to(self.device), targets.to(self.device)))
         model.train(was_training)
         return all_reduce_mean(total / len(self._val_batches))
 
@@ -509,7 +519,8 @@ class Trainer(TrainerBase):
         peak_memory = peak_memory_bytes(self.device)
         return {
             "name": self.job.name,
-            "preset": self.job.model.preset,
+            "preset": self.job.model.preset if self.job.model.hf_config is None else None,
+            "hf_config": self.job.model.hf_config,
             "num_params": self.num_params,
             "steps": self.engine.global_step,
             "steps_this_run": self.engine.global_step - start_step,

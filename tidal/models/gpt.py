@@ -22,6 +22,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from tidal.config.configurable import ConfigError, require
+from tidal.models.hf import HFModelConfig
 
 __all__ = [
     "GPT",
@@ -114,7 +115,9 @@ def preset(name: str) -> GPTConfig:
 
 @dataclass(kw_only=True, slots=True)
 class ModelConfig:
-    """The ``[model]`` section of a recipe: a preset name plus optional overrides of its fields."""
+    """The ``[model]`` section of a recipe: a preset name plus optional overrides of its fields,
+    or ``hf_config``, the path of a Hugging Face ``config.json`` (or of a folder holding one;
+    relative to the working directory) with ``seq_len`` the length to train on."""
 
     preset: str = "tiny"
     vocab_size: int | None = None
@@ -125,18 +128,46 @@ class ModelConfig:
     d_ff: int | None = None
     tie_embeddings: bool | None = None
     dropout: float | None = None
+    hf_config: str | None = None
 
     def __post_init__(self) -> None:
         preset(self.preset)
+        if self.hf_config is not None:
+            for name in _GPT_ONLY:
+                require(
+                    getattr(self, name) is None,
+                    name,
+                    f"shapes tidal's GPT presets; a Hugging Face model (hf_config) takes its "
+                    f"shape from {self.hf_config}: drop model.{name}",
+                )
+            require(
+                self.seq_len is not None,
+                "seq_len",
+                "a Hugging Face model (hf_config) needs the sequence length to train on: set "
+                "model.seq_len",
+            )
         self.resolve()  # an invalid combination raises GPTConfig's ConfigError, keyed by field
 
-    def resolve(self) -> GPTConfig:
+    def resolve(self) -> GPTConfig | HFModelConfig:
+        if self.hf_config is not None:
+            return HFModelConfig.load(self.hf_config, seq_len=self.seq_len, key="hf_config")
         overrides = {
             f.name: getattr(self, f.name)
             for f in dataclasses.fields(self)
-            if f.name != "preset" and getattr(self, f.name) is not None
+            if f.name not in ("preset", "hf_config") and getattr(self, f.name) is not None
         }
         return dataclasses.replace(preset(self.preset), **overrides)
+
+
+_GPT_ONLY = (
+    "vocab_size",
+    "num_layers",
+    "num_heads",
+    "d_model",
+    "d_ff",
+    "tie_embeddings",
+    "dropout",
+)
 
 
 # ---------------------------------------------------------------------------------------------

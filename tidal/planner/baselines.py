@@ -24,7 +24,8 @@ from tidal.planner.cost_model import Costed, evaluate
 from tidal.planner.ilp import Solution, build_problem
 from tidal.planner.measure import ModelGraph, Unit
 from tidal.planner.plan import Layout, Recompute, StrategyName
-from tidal.planner.strategies import Candidate, TrainingSpec, candidates
+from tidal.planner.strategies import Candidate, TrainingSpec, unit_options
+from tidal.planner.wiring import input_layouts
 
 __all__ = ["Baseline", "BASELINES", "baseline", "megatron_tp"]
 
@@ -115,15 +116,14 @@ def _solve_family(
     zero: int,
     recompute: Recompute,
 ) -> Baseline:
-    options = {}
+    options, every = {}, unit_options(graph, mesh, cluster, spec)
+    whole = input_layouts(graph)
     for unit in graph.units:
-        opts = candidates(unit, mesh, cluster, spec)
-        kept = [
-            c
-            for c in opts
-            if rule(unit, c, graph) and c.zero == min(zero, max(o.zero for o in opts))
-        ]
-        options[unit.name] = kept
+        opts = every[unit.name]
+        level = [c for c in opts if c.zero == min(zero, max(o.zero for o in opts))]
+        kept = [c for c in level if rule(unit, c, graph)]
+        # a unit that must keep the sequence whole does so under any system's rule
+        options[unit.name] = level if unit.name in whole and not kept else kept
     modes = dict.fromkeys(graph.blocks, (recompute,))
     problem = build_problem(graph, mesh, options, cluster, spec, recompute_modes=modes)
     solution = problem.solve(objective="time")

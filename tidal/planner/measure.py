@@ -26,6 +26,26 @@ and another unit reads it, ``internal`` otherwise. The cost model shards a saved
 unit's input layout, everything else as the unit's own work; selective recomputation drops the
 internal tensors of attention cores.
 
+[Note: structure facts]
+Besides costs, a unit records what ``apply`` needs to wire a plan onto the model, all of it seen
+in the trace rather than known per architecture: ``inputs``, which of the caller's positional
+tensors it reads (token ids, targets); ``head_dim`` of an attention core; ``split_widths``, the
+widths in which it splits a tensor it was handed along the last dim (an attention core taking a
+fused ``[q; k; v]`` apart); and ``dropout``, that it called dropout. The graph records which
+units' outputs each module's own code reads the shape of or reshapes (``shape_reads``: a
+torch-function mode sees ``x.shape`` and ``x.size()``, which no kernel does, and the views of
+units dropped as dead views are reshapes), leaf modules left out: they run on what their hooks
+give them. ``measure(...,
+dropout_units=True)`` records every dropout as a unit even at ``p = 0``, where it does no work:
+the units a model has whatever its dropout, which a plan made at another dropout is checked
+against (tidal/planner/wiring.py).
+
+[Note: branches on values]
+Meta tensors have shapes but no values, so code that branches on one cannot run. The one such
+branch in the decoders measured here is Hugging Face's check, in training without a cache, that
+every row holds a single sequence (not packed ones): a boolean read as ``True``, which is what
+a batch of whole sequences gives. Reading any other value fails, as it would without this.
+
 [Note: kernels as on the accelerator]
 A meta trace follows the CPU dispatcher, which runs attention with dropout as unfused math in
 fp32 and dropout as a float mask. A GPU runs fused attention (saving q, k, v, the output and a
@@ -37,122 +57,21 @@ save exactly what those kernels save, so the bytes are the ones a training run w
 from __future__ import annotations
 
 import contextlib
-import re
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry
 
+from tidal.planner.graph import Edge, ModelGraph, ParamInfo, Unit, cluster_blocks
+
 __all__ = ["Edge", "ModelGraph", "ParamInfo", "Unit", "measure", "measure_gpt"]
-
-
-@dataclass(kw_only=True, slots=True)
-class ParamInfo:
-    """A parameter a unit owns. ``tied_to`` names the unit that counts a shared tensor."""
-
-    name: str
-    shape: tuple[int, ...]
-    nbytes: int
-    tied_to: str | None = None
-
-
-@dataclass(kw_only=True, slots=True)
-class Unit:
-    """One decision unit (per occurrence; ``count`` occurrences after clustering)."""
-
-    name: str
-    module: str
-    segment: int | None
-    kind: str  # linear, embedding, norm, elementwise, attention, loss
-    count: int = 1
-    params: list[ParamInfo] = field(default_factory=list)
-    flops: float = 0.0  # forward
-    io_bytes: float = 0.0  # bytes read and written by its ops, forward
-    saved_input_bytes: float = 0.0
-    saved_output_bytes: float = 0.0
-    saved_internal_bytes: float = 0.0
-    out_bytes: float = 0.0  # its largest output activation
-    shared_saved_bytes: float = 0.0  # saved here too, but counted by an earlier unit
-    in_features: int | None = None
-    out_features: int | None = None
-    weight_transposed: bool = False  # HF Conv1D keeps [in, out]
-    heads: int | None = None
-    kv_heads: int | None = None
-
-    @property
-    def param_bytes(self) -> int:
-        return sum(p.nbytes for p in self.params if p.tied_to is None)
-
-    @property
-    def num_params(self) -> int:
-        return sum(_numel(p.shape) for p in self.params if p.tied_to is None)
-
-    @property
-    def saved_bytes(self) -> float:
-        return self.saved_input_bytes + self.saved_output_bytes + self.saved_internal_bytes
-
-    def signature(self) -> tuple[Any, ...]:
-        shapes = tuple((p.shape, p.tied_to is None) for p in self.params)
-        # Shared inputs (a model's rotary cos/sin, saved by every layer) are counted by the first
-        # layer that saves them; comparing with them included keeps the layers identical.
-        saved = self.saved_bytes + self.shared_saved_bytes
-        return (self.kind, self.segment, shapes, self.flops, saved, self.out_bytes)
-
-
-@dataclass(kw_only=True, slots=True)
-class Edge:
-    """Activations flowing from ``src`` to ``dst``: the largest tensor's bytes, ``count`` times."""
-
-    src: str
-    dst: str
-    nbytes: float
-    count: int = 1
-
-
-@dataclass(kw_only=True, slots=True)
-class ModelGraph:
-    """Decision units in execution order, the edges between them, and the repeated blocks."""
-
-    name: str
-    units: list[Unit]
-    edges: list[Edge]
-    micro_batch: int
-    seq_len: int
-    blocks: dict[str, int] = field(default_factory=dict)  # cluster prefix ("blocks.*") -> count
-
-    def unit(self, name: str) -> Unit:
-        for unit in self.units:
-            if unit.name == name:
-                return unit
-        raise KeyError(f"no unit {name!r}")
-
-    def block_of(self, unit: Unit) -> str | None:
-        """The repeated-block prefix a unit belongs to, if any."""
-        for prefix in self.blocks:
-            if unit.module == prefix or unit.module.startswith(prefix + "."):
-                return prefix
-        return None
-
-    @property
-    def num_params(self) -> int:
-        return sum(u.num_params * u.count for u in self.units)
-
-    @property
-    def flops(self) -> float:
-        return sum(u.flops * u.count for u in self.units)
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -194,7 +113,7 @@ class _FusedAttention(torch.autograd.Function):
 
 
 @contextlib.contextmanager
-def _accelerator_kernels(tracer: _Tracer) -> Iterator[None]:
+def _accelerator_kernels(tracer: _Tracer, dropout_units: bool) -> Iterator[None]:
     original_sdpa, original_dropout = F.scaled_dot_product_attention, F.dropout
 
     def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *args: Any, **kwargs: Any):
@@ -205,9 +124,11 @@ def _accelerator_kernels(tracer: _Tracer) -> Iterator[None]:
         return _FusedAttention.apply(q, k, v)
 
     def dropout(x: torch.Tensor, p: float = 0.5, training: bool = True, inplace: bool = False):
-        if not training or p == 0.0:
+        if not training or (p == 0.0 and not dropout_units):
             return x
-        return torch.ops.aten.native_dropout(x, p, True)[0]
+        tracer.current_unit().dropout = True
+        # at p = 0 native_dropout hands back its input, which would leave no unit in between
+        return torch.ops.aten.native_dropout(x, p or 0.5, True)[0]
 
     F.scaled_dot_product_attention, F.dropout = sdpa, dropout
     try:
@@ -229,9 +150,12 @@ class _Frame:
 
 
 class _Tracer(TorchDispatchMode):
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, args: tuple[Any, ...]) -> None:
         super().__init__()
         self.model = model
+        self.input_index = {  # storage -> position among the caller's arguments
+            _storage_key(a): i for i, a in reversed(list(enumerate(args))) if _is_tensor(a)
+        }
         self.stack: list[_Frame] = []
         self.units: dict[str, Unit] = {}
         self.producer: dict[int, str] = {}  # storage -> unit that produced it
@@ -240,6 +164,7 @@ class _Tracer(TorchDispatchMode):
         self.saved: dict[int, tuple[str, int]] = {}  # storage -> (first saver, bytes)
         self.shared: set[tuple[str, int]] = set()  # (unit, storage) saved again by a later unit
         self.keep_alive: list[torch.Tensor] = []
+        self.shape_reads: dict[str, set[str]] = {}
         self.param_storages = {_storage_key(p) for p in model.parameters()}
         self.modules = dict(model.named_modules())
 
@@ -285,16 +210,28 @@ class _Tracer(TorchDispatchMode):
                 unit.out_features = int(weight.shape[0])  # rows: the vocabulary
         return unit
 
+    def note_shape_read(self, t: torch.Tensor) -> None:
+        frame = self.stack[-1] if self.stack else None
+        src = self.producer.get(_storage_key(t))
+        if frame is not None and not frame.leaf and src is not None:
+            self.shape_reads.setdefault(frame.fqn, set()).add(src)
+
     def note_attention(self, q: torch.Tensor, k: torch.Tensor) -> None:
         unit = self.current_unit()
         unit.kind = "attention"
-        unit.heads, unit.kv_heads = int(q.shape[1]), int(k.shape[1])
+        unit.heads, unit.kv_heads, unit.head_dim = (
+            int(q.shape[1]),
+            int(k.shape[1]),
+            int(q.shape[-1]),
+        )
         B, H, T, K = q.shape
         unit.flops += 4.0 * B * H * T * k.shape[2] * K
 
     # ops -------------------------------------------------------------------------------------
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
         kwargs = kwargs or {}
+        if func is torch.ops.aten._local_scalar_dense.default and args[0].dtype is torch.bool:
+            return True  # [Note: branches on values]
         out = func(*args, **kwargs)
         unit = self.current_unit()
         inputs = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
@@ -307,10 +244,13 @@ class _Tracer(TorchDispatchMode):
         is_view = bool(outputs) and all(
             _storage_key(o) in {_storage_key(i) for i in inputs} for o in outputs
         )
+        self._note_split(unit, func, args, outputs)
         for t in inputs:
             key = _storage_key(t)
             if key in self.param_storages:
                 continue
+            if key in self.input_index and self.input_index[key] not in unit.inputs:
+                unit.inputs = tuple(sorted((*unit.inputs, self.input_index[key])))
             if not is_view:
                 unit.io_bytes += _nbytes(t)
             src = self.producer.get(key)
@@ -327,6 +267,17 @@ class _Tracer(TorchDispatchMode):
             unit.io_bytes += _nbytes(t)
             unit.out_bytes = max(unit.out_bytes, float(_nbytes(t)))
         return out
+
+    def _note_split(self, unit: Unit, func: Any, args: tuple, outputs: list[torch.Tensor]) -> None:
+        """Record the widths of the unit's first split of a handed-over tensor along its last dim
+        ([Note: structure facts])."""
+        splits = (torch.ops.aten.split.Tensor, torch.ops.aten.split_with_sizes.default)
+        if unit.split_widths or func not in splits or not outputs:
+            return
+        x, dim = args[0], args[2] if len(args) > 2 else 0
+        handed = self.producer.get(_storage_key(x)) not in (None, unit.name)
+        if handed and dim % x.ndim == x.ndim - 1:
+            unit.split_widths = tuple(int(o.shape[-1]) for o in outputs)
 
     def pack(self, t: torch.Tensor) -> torch.Tensor:
         key = _storage_key(t)
@@ -355,6 +306,27 @@ class _Tracer(TorchDispatchMode):
         return list(self.units.values()), edges
 
 
+def _is_tensor(x: Any) -> bool:
+    return isinstance(x, torch.Tensor)
+
+
+_SHAPE_DESCRIPTOR = torch._C.TensorBase.__dict__["shape"]  # x.shape calls its __get__
+
+
+class _ShapeReads(TorchFunctionMode):
+    """Tells the tracer whose shape Python code reads ([Note: structure facts])."""
+
+    def __init__(self, tracer: _Tracer) -> None:
+        super().__init__()
+        self.tracer = tracer
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        getter = getattr(func, "__self__", None) is _SHAPE_DESCRIPTOR
+        if (getter or func is torch.Tensor.size) and args and _is_tensor(args[0]):
+            self.tracer.note_shape_read(args[0])
+        return func(*args, **(kwargs or {}))
+
+
 def _install_hooks(model: nn.Module, tracer: _Tracer) -> list[Any]:
     handles = []
     for fqn, module in model.named_modules():
@@ -371,12 +343,17 @@ def measure(
     *,
     name: str = "model",
     accelerator_kernels: bool = True,
+    dropout_units: bool = False,
 ) -> ModelGraph:
     """Trace ``model(*inputs)`` (on the meta device) into a clustered :class:`ModelGraph`.
 
     ``inputs`` are meta tensors (or a function returning them); their dim 0 is the micro-batch
     and dim 1 the sequence. The model is run in training mode; nothing is allocated.
+    ``dropout_units``: record dropouts at ``p = 0`` too ([Note: structure facts]); it needs
+    ``accelerator_kernels``.
     """
+    if dropout_units and not accelerator_kernels:
+        raise ValueError("dropout_units records dropout through the accelerator's stand-ins")
     args = inputs() if callable(inputs) else inputs
     tensors = [a for a in args if isinstance(a, torch.Tensor)]
     if any(t.device.type != "meta" for t in tensors) or any(
@@ -386,42 +363,54 @@ def measure(
             "measure traces on the meta device: build the model with device='meta' "
             "(or `with torch.device('meta'):`) and pass meta tensors as inputs"
         )
-    tracer = _Tracer(model)
+    tracer = _Tracer(model, args)
     handles = _install_hooks(model, tracer)
-    kernels = _accelerator_kernels(tracer) if accelerator_kernels else contextlib.nullcontext()
+    kernels = (
+        _accelerator_kernels(tracer, dropout_units)
+        if accelerator_kernels
+        else contextlib.nullcontext()
+    )
     was_training = model.training
     model.train()
     try:
-        with kernels, torch.autograd.graph.saved_tensors_hooks(tracer.pack, lambda t: t), tracer:
+        saved = torch.autograd.graph.saved_tensors_hooks(tracer.pack, lambda t: t)
+        with kernels, saved, tracer, _ShapeReads(tracer):
             model(*args)
     finally:
         model.train(was_training)
         for handle in handles:
             handle.remove()
-    units, edges = _drop_dead_views(*tracer.finish())
+    units, edges = tracer.finish()
+    for view in _dead_views(units, edges):  # its module's code reshapes what it viewed
+        viewed = {e.src for e in edges if e.dst == view.name}
+        tracer.shape_reads.setdefault(view.module, set()).update(viewed)
+    dead = {u.name for u in _dead_views(units, edges)}
+    units = [u for u in units if u.name not in dead]
+    edges = [e for e in edges if e.src not in dead and e.dst not in dead]
     _resolve_ties(model, units)
     batch, seq = (int(tensors[0].shape[0]), int(tensors[0].shape[1])) if tensors else (1, 1)
-    graph = ModelGraph(name=name, units=units, edges=edges, micro_batch=batch, seq_len=seq)
+    kept = {u.name for u in units}
+    reads = {m: tuple(sorted(v & kept)) for m, v in tracer.shape_reads.items() if v & kept}
+    graph = ModelGraph(
+        name=name, units=units, edges=edges, micro_batch=batch, seq_len=seq, shape_reads=reads
+    )
     return cluster_blocks(graph)
 
 
-def _drop_dead_views(units: list[Unit], edges: list[Edge]) -> tuple[list[Unit], list[Edge]]:
+def _dead_views(units: list[Unit], edges: list[Edge]) -> list[Unit]:
     """Units that only make views nobody reads through them (a reshape of q whose storage its
-    consumers reach straight from the projection) decide nothing: drop them and their edges."""
+    consumers reach straight from the projection) decide nothing: they are dropped, and their
+    edges with them."""
     sources = {e.src for e in edges}
-    dead = {
-        u.name
+    return [
+        u
         for u in units
         if u.kind == "elementwise"
         and u.name not in sources
         and not u.params
         and u.flops == 0
         and u.saved_bytes == 0
-    }
-    return (
-        [u for u in units if u.name not in dead],
-        [e for e in edges if e.src not in dead and e.dst not in dead],
-    )
+    ]
 
 
 def _resolve_ties(model: nn.Module, units: list[Unit]) -> None:
@@ -434,77 +423,6 @@ def _resolve_ties(model: nn.Module, units: list[Unit]) -> None:
                 p.tied_to = owners[key]
             else:
                 owners.setdefault(key, unit.name)
-
-
-# ---------------------------------------------------------------------------------------------
-# clustering identical blocks
-
-_INDEXED = re.compile(r"^(.*?)\.(\d+)(\.|\[|$)")
-
-
-def _block_key(module: str) -> tuple[str, int] | None:
-    match = _INDEXED.match(module)
-    return (match.group(1), int(match.group(2))) if match else None
-
-
-def cluster_blocks(graph: ModelGraph) -> ModelGraph:
-    """Fold units of identical repeated blocks (``blocks.0`` ... ``blocks.N``) into one each."""
-    groups: dict[str, dict[int, list[Unit]]] = {}
-    for unit in graph.units:
-        key = _block_key(unit.module)
-        if key is not None:
-            groups.setdefault(key[0], {}).setdefault(key[1], []).append(unit)
-    renames: dict[str, str] = {}
-    blocks: dict[str, int] = {}
-    for prefix, members in groups.items():
-        signatures = {
-            i: tuple((u.name.removeprefix(f"{prefix}.{i}"), u.signature()) for u in us)
-            for i, us in members.items()
-        }
-        if len(members) < 2 or len(set(signatures.values())) != 1:
-            continue
-        blocks[f"{prefix}.*"] = len(members)
-        for i, us in members.items():
-            for u in us:
-                renames[u.name] = f"{prefix}.*" + u.name.removeprefix(f"{prefix}.{i}")
-    units: dict[str, Unit] = {}
-    for unit in graph.units:
-        new = renames.get(unit.name, unit.name)
-        if new in units:
-            units[new].count += 1
-            continue
-        unit.name = new
-        unit.module = new if unit.segment is None else new[: new.rindex("[")]
-        for p in unit.params:
-            p.name = _star_path(p.name, blocks)
-            p.tied_to = renames.get(p.tied_to, p.tied_to) if p.tied_to else None
-        units[new] = unit
-    edges: dict[tuple[str, str], Edge] = {}
-    for e in graph.edges:
-        src, dst = renames.get(e.src, e.src), renames.get(e.dst, e.dst)
-        if (src, dst) in edges:
-            merged = edges[(src, dst)]
-            merged.count += e.count
-            merged.nbytes = max(merged.nbytes, e.nbytes)
-        else:
-            edges[(src, dst)] = Edge(src=src, dst=dst, nbytes=e.nbytes, count=e.count)
-    return ModelGraph(
-        name=graph.name,
-        units=list(units.values()),
-        edges=list(edges.values()),
-        micro_batch=graph.micro_batch,
-        seq_len=graph.seq_len,
-        blocks=blocks,
-    )
-
-
-def _star_path(path: str, blocks: dict[str, int]) -> str:
-    for prefix in blocks:
-        head = prefix.removesuffix(".*")
-        match = re.match(rf"^{re.escape(head)}\.\d+(\..*)$", path)
-        if match:
-            return prefix + match.group(1)
-    return path
 
 
 def measure_gpt(config: Any, *, micro_batch: int = 1, dtype: torch.dtype = torch.bfloat16):

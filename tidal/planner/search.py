@@ -25,8 +25,13 @@ from tidal.planner.cluster import ClusterSpec, Mesh
 from tidal.planner.cost_model import Assignment, Costed, evaluate
 from tidal.planner.ilp import Problem, Solution, build_problem
 from tidal.planner.measure import ModelGraph
-from tidal.planner.plan import Plan, UnitChoice
-from tidal.planner.strategies import TrainingSpec, candidates, valid_tensor_sizes
+from tidal.planner.plan import Plan, Recompute, UnitChoice
+from tidal.planner.strategies import (
+    TrainingSpec,
+    indivisible,
+    unit_options,
+    valid_tensor_sizes,
+)
 
 __all__ = ["Infeasible", "PlannerConfig", "PlanResult", "make_plan", "to_plan"]
 
@@ -45,6 +50,9 @@ class PlannerConfig:
     pareto: tuple[float, ...] = PARETO_EPS  # eps values of the memory-time frontier; () skips
     baselines: tuple[str, ...] = tuple(BASELINES)  # names in baselines.BASELINES
     solver_time_limit_s: float = 60.0
+    # blocks' recomputation modes to choose from; a model whose attention core cannot be
+    # recomputed alone (a Hugging Face one) leaves out selective
+    recompute: tuple[Recompute, ...] = tuple(Recompute)
 
     def __post_init__(self) -> None:
         require(
@@ -59,6 +67,11 @@ class PlannerConfig:
             require(
                 self.global_batch >= 1, "global_batch", f"must be >= 1, got {self.global_batch}"
             )
+        require(
+            bool(self.recompute) and all(isinstance(m, Recompute) for m in self.recompute),
+            "recompute",
+            f"must be some of {', '.join(Recompute)}, got {self.recompute!r}",
+        )
 
 
 class Infeasible(ValueError):
@@ -131,11 +144,13 @@ def meshes_for(graph: ModelGraph, cluster: ClusterSpec, config: PlannerConfig) -
     valid = valid_tensor_sizes(graph.units, cluster.devices, cluster.devices_per_node)
     if config.tp is not None:
         if config.tp not in valid:
+            blocker = indivisible(graph.units, config.tp)
+            why = f": {blocker}" if blocker else ""
             raise ConfigError(
                 "tp",
                 f"{config.tp} does not split this model on {cluster.devices} devices "
                 f"(it must divide the devices and every attention unit's heads and feature "
-                f"size, and fit in a node of {cluster.devices_per_node}); choose one of "
+                f"size, and fit in a node of {cluster.devices_per_node}){why}; choose one of "
                 f"{', '.join(map(str, valid))}",
             )
         valid = [config.tp]
@@ -151,9 +166,12 @@ def meshes_for(graph: ModelGraph, cluster: ClusterSpec, config: PlannerConfig) -
     return meshes
 
 
-def _problem(graph: ModelGraph, mesh: Mesh, cluster: ClusterSpec, spec: TrainingSpec) -> Problem:
-    options = {u.name: candidates(u, mesh, cluster, spec) for u in graph.units}
-    return build_problem(graph, mesh, options, cluster, spec)
+def _problem(
+    graph: ModelGraph, mesh: Mesh, cluster: ClusterSpec, spec: TrainingSpec, config: PlannerConfig
+) -> Problem:
+    options = unit_options(graph, mesh, cluster, spec)
+    modes = dict.fromkeys(graph.blocks, config.recompute)
+    return build_problem(graph, mesh, options, cluster, spec, recompute_modes=modes)
 
 
 def make_plan(graph: ModelGraph, cluster: ClusterSpec, config: PlannerConfig) -> PlanResult:
@@ -163,7 +181,7 @@ def make_plan(graph: ModelGraph, cluster: ClusterSpec, config: PlannerConfig) ->
     results = []
     for mesh in meshes_for(graph, cluster, config):
         spec = _spec(graph, mesh, config, cluster.devices)
-        problem = _problem(graph, mesh, cluster, spec)
+        problem = _problem(graph, mesh, cluster, spec, config)
         fastest = problem.solve(
             objective="time",
             memory_limit=limit,

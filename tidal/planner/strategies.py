@@ -35,12 +35,21 @@ from dataclasses import dataclass, field
 
 from tidal.config.configurable import require
 from tidal.planner.cluster import Axis, ClusterSpec, Collective, Mesh, collective_s
-from tidal.planner.measure import Unit
+from tidal.planner.measure import ModelGraph, Unit
 from tidal.planner.plan import Layout, MemoryBreakdown, StrategyName
+from tidal.planner.wiring import input_layouts
 
 PLANNED_ZERO_LEVELS = (0, 1, 2, 3)
 
-__all__ = ["PLANNED_ZERO_LEVELS", "Candidate", "TrainingSpec", "candidates", "valid_tensor_sizes"]
+__all__ = [
+    "PLANNED_ZERO_LEVELS",
+    "Candidate",
+    "TrainingSpec",
+    "candidates",
+    "indivisible",
+    "unit_options",
+    "valid_tensor_sizes",
+]
 
 S = StrategyName
 
@@ -144,6 +153,17 @@ def valid_tensor_sizes(units: list[Unit], devices: int, devices_per_node: int) -
     return sizes
 
 
+def indivisible(units: list[Unit], t: int) -> str | None:
+    """What keeps a tensor axis of ``t`` from splitting ``units``, in words; None if nothing."""
+    for unit in units:
+        if _divides(unit, t):
+            continue
+        if unit.kind == "attention":
+            return f"{unit.name!r} has {unit.heads} heads and {unit.kv_heads} key/value heads"
+        return f"{unit.name!r} has {unit.in_features} inputs and {unit.out_features} outputs"
+    return None
+
+
 def _divides(unit: Unit, t: int) -> bool:
     if unit.kind == "attention":
         return all(h % t == 0 for h in (unit.heads or 1, unit.kv_heads or 1))
@@ -181,6 +201,21 @@ def candidates(
     own_params = any(p.tied_to is None for p in unit.params)
     zeros = zero_levels if own_params and mesh.dp > 1 else (0,)
     return [_cost(unit, shape, z, mesh, cluster, spec) for shape in shapes for z in zeros]
+
+
+def unit_options(
+    graph: ModelGraph, mesh: Mesh, cluster: ClusterSpec, spec: TrainingSpec
+) -> dict[str, list[Candidate]]:
+    """Every unit's candidates, less the input layouts its model cannot give it: units that
+    must keep the sequence whole ([Note: code counts whole sequences] in wiring.py)."""
+    allowed = input_layouts(graph)
+    options = {}
+    for unit in graph.units:
+        found = candidates(unit, mesh, cluster, spec)
+        if unit.name in allowed:
+            found = [c for c in found if c.in_layout in allowed[unit.name]]
+        options[unit.name] = found
+    return options
 
 
 def _cost(

@@ -1,0 +1,422 @@
+"""A plan on a model: whether ``apply`` can carry it out, and the layouts activations travel in.
+
+:func:`check_plan` and :func:`wire_plan` are what ``apply`` (apply.py) relies on: every unit
+known, every strategy one the unit can carry out, sizes that split, paired choices made alike
+(fused projections and heads, tied weights, a vocabulary-parallel loss) and each activation's
+*wire* layout between modules ([Note: plan realisation] in apply.py). The model's side comes
+from its measured graph (:func:`~tidal.planner.wiring.derive_wiring`), so the same rules hold
+for tidal's GPT and for Hugging Face decoders.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+from torch import nn
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.placement_types import Placement
+
+from tidal.planner.measure import ModelGraph
+from tidal.planner.plan import Layout, Plan, Recompute, StrategyName, UnitChoice
+from tidal.planner.wiring import ModelWiring, derive_wiring, structure_graph
+
+__all__ = ["PlanWiring", "check_plan", "model_name", "param_placement", "wire_plan"]
+
+S = StrategyName
+R, SEQ, HID, P = Layout.R, Layout.SEQ, Layout.HID, Layout.P
+
+# (strategy, in_layout, out_layout) each role can carry out; positions take any.
+_TOKENWISE = {(S.REPLICATE, R, R), (S.SEQUENCE, SEQ, SEQ)}
+_SHAPES: dict[str, set[tuple[StrategyName, Layout, Layout]]] = {
+    "linear": _TOKENWISE | {(S.COLWISE, R, HID), (S.COLWISE, SEQ, HID), (S.ROWWISE, HID, P)},
+    "embedding": _TOKENWISE | {(S.VOCAB, R, P)},
+    "norm": _TOKENWISE,
+    "elementwise": _TOKENWISE | {(S.HIDDEN, HID, HID)},
+    "attention": {(S.REPLICATE, R, R), (S.HEADS, HID, HID)},
+}
+_SHAPES["dropout"] = _SHAPES["loss"] = _SHAPES["elementwise"]
+
+
+@dataclass(kw_only=True, frozen=True, slots=True)
+class PlanWiring:
+    """Each planned unit's choice, the wire layout it gets and the one it gives."""
+
+    model: ModelWiring
+    units: dict[str, UnitChoice]
+    wire_in: dict[str, Layout]
+    wire_out: dict[str, Layout]
+    block_in: dict[str, tuple[Layout, Layout]]  # what the first repetition is handed, the others
+    block_entry: dict[str, Layout]  # what a block's pre-hook converts its input to
+
+
+def model_name(model: nn.Module) -> str:
+    name = type(model).__name__
+    return f"tidal's {name}" if type(model).__module__.startswith("tidal.") else name
+
+
+def check_plan(model: nn.Module, plan: Plan, *, graph: ModelGraph | None = None) -> None:
+    """Raise ``ValueError`` naming the problem and its fix unless ``apply`` can realise ``plan``
+    on ``model``; ``graph``: the model's :func:`~tidal.planner.wiring.structure_graph`, traced
+    here when not given."""
+    wire_plan(model, plan, graph=graph)
+
+
+def wire_plan(model: nn.Module, plan: Plan, *, graph: ModelGraph | None = None) -> PlanWiring:
+    """The checked plan with its wire layouts ([Note: plan realisation] in apply.py)."""
+    graph = graph or structure_graph(model, seq_len=plan.seq_len)
+    wiring = derive_wiring(graph)
+    units = _check_units(wiring, plan, model_name(model))
+    for name, unit in units.items():
+        role, shape = wiring.units[name].role, (unit.strategy, unit.in_layout, unit.out_layout)
+        if role != "positions" and shape not in _SHAPES[role]:
+            can = _join(f"{s} {i}->{o}" for s, i, o in _SHAPES[role])
+            raise ValueError(
+                f"unit {name!r} is {unit.strategy} {unit.in_layout}->{unit.out_layout}, which a "
+                f"{role} cannot do with DTensor; it can do: {can}"
+            )
+    _check_sizes(wiring, plan, units)
+    _check_pairs(wiring, units)
+    _check_whole(wiring, units)
+    _check_recompute(wiring, plan, model)
+    return _wire(wiring, plan, units)
+
+
+def _wire(wiring: ModelWiring, plan: Plan, units: dict[str, UnitChoice]) -> PlanWiring:
+    edges = _contract(wiring, units)
+    entry = {p: _entry_layout(wiring, p, units) for p in wiring.blocks}
+    # A block's input enters its forward, whose pre-hook converts it once for all its heads.
+    into = {(s, d) for s, d in edges if _enters_block(wiring, s, d)}
+    edges -= into
+    feeders = {p: {s for s, d in into if wiring.block_of[d] == p} for p in wiring.blocks}
+    wire_out = {name: _own_wire(name, wiring, units, edges, entry, feeders) for name in units}
+    block_in = {p: _block_in(wiring, p, feeders[p], wire_out, entry[p]) for p in wiring.blocks}
+    positions = {n for n in units if wiring.units[n].role == "positions"}
+    for src, dst in sorted(edges):
+        spec = wiring.units[dst]
+        if spec.segment is None or spec.role in ("positions", "attention") and src in positions:
+            continue
+        if wire_out[src] != units[dst].in_layout:
+            raise ValueError(
+                f"unit {dst!r} takes {units[dst].in_layout} but {src!r} gives {wire_out[src]}; "
+                f"{dst!r} is code in a forward, which cannot convert: make {src!r} give "
+                f"{units[dst].in_layout}"
+            )
+    if plan.tp > 1:
+        for prefix in wiring.blocks:
+            _warn_detour(wiring, prefix, units, entry[prefix], block_in[prefix])
+    wire_in = {n: _wire_in(n, wiring, units, edges, wire_out, entry) for n in units}
+    return PlanWiring(
+        model=wiring,
+        units=units,
+        wire_in=wire_in,
+        wire_out=wire_out,
+        block_in=block_in,
+        block_entry=entry,
+    )
+
+
+def _enters_block(wiring: ModelWiring, src: str, dst: str) -> bool:
+    """Whether ``src -> dst`` hands a block its input: from before it, or from the previous
+    repetition (a later unit of the block, in the plan's edges where dropouts may be gone)."""
+    block = wiring.block_of.get(dst)
+    if block is None or dst not in wiring.blocks[block].heads:
+        return False
+    if wiring.block_of.get(src) != block:
+        return wiring.units[src].role != "positions"
+    order = wiring.blocks[block].units
+    return order.index(src) >= order.index(dst)
+
+
+def _entry_layout(wiring: ModelWiring, prefix: str, units: dict[str, UnitChoice]) -> Layout:
+    """The layout a block's input is converted to on entry: its entry code's, else its first
+    head's."""
+    spec = wiring.blocks[prefix]
+    return units[spec.entry or spec.heads[0]].in_layout
+
+
+def _block_in(
+    wiring: ModelWiring,
+    prefix: str,
+    feeders: set[str],
+    wire_out: dict[str, Layout],
+    entry: Layout,
+) -> tuple[Layout, Layout]:
+    """What the first repetition of a block is handed, and what the later ones are."""
+    first = {wire_out[f] for f in feeders if wiring.block_of.get(f) != prefix}
+    later = {wire_out[f] for f in feeders if wiring.block_of.get(f) == prefix}
+    if len(first) > 1 or len(later) > 1:
+        raise ValueError(
+            f"the units handing {prefix!r} its input give different layouts "
+            f"({_join(first | later)}): make them give one"
+        )
+    return first.pop() if first else R, later.pop() if later else entry  # the caller's: whole
+
+
+def _warn_detour(
+    wiring: ModelWiring,
+    prefix: str,
+    units: dict[str, UnitChoice],
+    entry: Layout,
+    block_in: tuple[Layout, Layout],
+) -> None:
+    spec = wiring.blocks[prefix]
+    for head in (h for h in spec.heads if h != spec.entry and spec.entry is not None):
+        takes = units[head].in_layout
+        short = head.removeprefix(prefix + ".")
+        for which, given in zip(("the first block", "later blocks"), block_in, strict=True):
+            if given != entry and takes != entry:
+                message = f"in {which}, {head} takes {takes} but the block's input ({given}) "
+                message += f"must become {entry} for the add {spec.entry} first: {short} then "
+                warnings.warn(
+                    f"{message}converts {entry} -> {takes}, a cost the plan does not count",
+                    stacklevel=5,
+                )
+
+
+def _check_units(wiring: ModelWiring, plan: Plan, name: str) -> dict[str, UnitChoice]:
+    units = {u.name: u for u in plan.units}
+    unknown = [n for n in units if n not in wiring.units]
+    if unknown:
+        raise ValueError(
+            f"the plan has units {name} does not have ({_join(map(repr, unknown))}): it was "
+            f"made for another model; make it again with `tidal plan` for this one"
+        )
+    missing = [n for n, s in wiring.units.items() if n not in units and s.role != "dropout"]
+    if missing:
+        raise ValueError(f"the plan has no choice for units {_join(map(repr, missing))}")
+    for unit_name, unit in units.items():
+        spec = wiring.units[unit_name]
+        if (unit.module, unit.segment) != (spec.module, spec.segment):  # another version's?
+            raise ValueError(
+                f"unit {unit_name!r} is {spec.module!r} segment {spec.segment} in {name}"
+            )
+        if unit.count != wiring.counts[unit_name]:
+            raise ValueError(
+                f"unit {unit_name!r} occurs {wiring.counts[unit_name]} times in {name} but "
+                f"{unit.count} in the plan: make the plan for this model with `tidal plan`"
+            )
+        if unit.zero not in (0, 1, 2, 3):
+            raise ValueError(f"unit {unit_name!r} has ZeRO level {unit.zero}; levels are 0 to 3")
+    if set(plan.recompute) - set(wiring.blocks):
+        raise ValueError(
+            f"recompute names {_join(plan.recompute)}; only {_join(map(repr, wiring.blocks))} can be"
+        )
+    return units
+
+
+def _is_logits(wiring: ModelWiring, name: str) -> bool:
+    """A linear whose output is the model's (or its loss's): a vocabulary, which may split
+    unevenly."""
+    consumers = wiring.consumers(name)
+    return all(wiring.units[c].role == "loss" for c in consumers)
+
+
+def _check_sizes(wiring: ModelWiring, plan: Plan, units: dict[str, UnitChoice]) -> None:
+    t = plan.tp
+    fix = f"make the plan for a tensor axis whose size divides it, or replicate on {t}"
+    for name, unit in units.items():
+        sizes: list[tuple[int, str]] = []
+        if unit.strategy is S.HEADS:
+            heads, kv_heads, _ = wiring.attention[name]
+            sizes = [(heads, "heads"), (kv_heads, "key/value heads")]
+        elif unit.strategy is S.ROWWISE:
+            sizes = [(wiring.features[name][0] or 1, "inputs")]
+        elif unit.strategy is S.COLWISE and not _is_logits(wiring, name):
+            sizes = [(wiring.features[name][1] or 1, "outputs")]
+        for size, what in sizes:
+            if size % t:
+                raise ValueError(
+                    f"unit {name!r} is {unit.strategy} on a tensor axis of {t} ranks, but its "
+                    f"{size} {what} are not divisible by {t}: {fix}"
+                )
+    splits = ((HID, wiring.hidden_size, "the hidden size"), (SEQ, plan.seq_len, "seq_len"))
+    for layout, size, what in splits:
+        if size % t and any(layout in (u.in_layout, u.out_layout) for u in units.values()):
+            raise ValueError(f"{layout} activations need {what} ({size}) divisible by {t}: {fix}")
+
+
+def _check_pairs(wiring: ModelWiring, units: dict[str, UnitChoice]) -> None:
+    """Choices that only work together: projections and heads, tied weights, vocabulary loss."""
+    for name, core in units.items():
+        if wiring.units[name].role == "attention" and core.strategy is S.HEADS:
+            _check_heads_feed(wiring, name, units)
+    for name, projection in wiring.projections.items():
+        proj, core = units[name], units[projection.attention]
+        fused = projection.parts is not None and len(projection.parts) > 1
+        if fused and (proj.strategy is S.COLWISE) != (core.strategy is S.HEADS):
+            raise ValueError(
+                f"{name} is {proj.strategy} and {projection.attention} is {core.strategy}: the "
+                f"fused qkv splits only by heads, so make both colwise/heads or neither ([Note: "
+                f"fused qkv under tensor parallelism] in tidal/planner/apply.py)"
+            )
+    for name, owner in wiring.ties.items():
+        mine, theirs = units[name], units[owner]
+        if param_placement(wiring, name, mine.strategy) != param_placement(
+            wiring, owner, theirs.strategy
+        ):
+            raise ValueError(
+                f"{owner} ({theirs.strategy}) and {name} ({mine.strategy}) share one weight but "
+                f"split it differently: pair vocab with colwise, or replicate and sequence with "
+                f"either"
+            )
+    for name, loss in units.items():
+        if wiring.units[name].role != "loss" or loss.in_layout is not HID:
+            continue
+        for src in wiring.producers(name):
+            if wiring.units[src].role == "linear" and units[src].strategy not in (
+                S.COLWISE,
+                S.ROWWISE,
+            ):
+                raise ValueError(
+                    f"the loss {name} takes S(hid) (vocabulary-parallel) logits, which {src} "
+                    f"({units[src].strategy}) does not make: make {src} colwise"
+                )
+
+
+def _check_heads_feed(wiring: ModelWiring, core: str, units: dict[str, UnitChoice]) -> None:
+    for src in wiring.producers(core):
+        spec = wiring.units[src]
+        if spec.role == "positions":
+            continue  # rotary tables and the like: per position, whole for every head
+        projection = wiring.projections.get(src)
+        if projection is None:
+            why = f"it is a {spec.role}, not a linear projecting q, k or v"
+        elif projection.parts is None:
+            why = projection.why
+        else:
+            continue
+        raise ValueError(
+            f"unit {core!r} is heads, but apply cannot split what {src!r} feeds it by heads: "
+            f"{why}; make {core!r} replicate"
+        )
+
+
+def _check_whole(wiring: ModelWiring, units: dict[str, UnitChoice]) -> None:
+    """[Note: code counts whole sequences] in tidal/planner/wiring.py."""
+    for name, why in wiring.whole_in.items():
+        if units[name].in_layout is not R:
+            raise ValueError(
+                f"unit {name!r} takes {units[name].in_layout}, but it must take whole (R) "
+                f"activations: {why}; make the plan with this version's `tidal plan`"
+            )
+    for name, why in wiring.sequence_whole.items():
+        if SEQ in (units[name].in_layout, units[name].out_layout):
+            raise ValueError(
+                f"unit {name!r} is {units[name].strategy} {units[name].in_layout}->"
+                f"{units[name].out_layout}, but its sequence must stay whole: {why} ([Note: code "
+                f"counts whole sequences] in tidal/planner/wiring.py); make the plan with this "
+                f"version's `tidal plan`"
+            )
+
+
+def _check_recompute(wiring: ModelWiring, plan: Plan, model: nn.Module) -> None:
+    for prefix, mode in plan.recompute.items():
+        if Recompute(mode) is not Recompute.SELECTIVE:
+            continue
+        for name in (n for n in wiring.blocks[prefix].units if n in wiring.attention):
+            module = model.get_submodule(wiring.module_path(name, 0))
+            if not hasattr(module, "recompute_core"):
+                raise ValueError(
+                    f"the plan recomputes {prefix!r} selectively, but its attention core "
+                    f"{name!r} is code inside {type(module).__name__}.forward, which apply "
+                    f"cannot recompute on its own (only tidal's GPT attention can); make the "
+                    f"plan with full or no recomputation (`tidal plan` does for such models)"
+                )
+
+
+def param_placement(
+    wiring: ModelWiring, name: str, strategy: StrategyName, param: str = "weight"
+) -> Placement:
+    """The tensor-axis placement of parameter ``param`` of unit ``name`` under ``strategy``:
+    a column (row) parallel linear splits its outputs (inputs), which are a Conv1D weight's
+    columns (rows); a vocabulary-parallel embedding its rows; biases follow the outputs."""
+    role = wiring.units[name].role
+    if (role, strategy) == ("embedding", S.VOCAB):
+        return Shard(0)
+    if role != "linear" or strategy not in (S.COLWISE, S.ROWWISE):
+        return Replicate()
+    if param != "weight":
+        return Shard(0) if strategy is S.COLWISE else Replicate()
+    outputs_dim = 1 if name in wiring.transposed else 0
+    return Shard(outputs_dim if strategy is S.COLWISE else 1 - outputs_dim)
+
+
+def _contract(wiring: ModelWiring, units: dict[str, UnitChoice]) -> set[tuple[str, str]]:
+    """The edges between planned units, bridging the dropout units the plan leaves out."""
+    pairs = {(src, dst) for src, dst, _ in wiring.edges}
+    for gone in [n for n in wiring.units if n not in units]:
+        into, out = [s for s, d in pairs if d == gone], [d for s, d in pairs if s == gone]
+        pairs = {(s, d) for s, d in pairs if gone not in (s, d)}
+        pairs |= {(s, d) for s in into for d in out}
+    return pairs
+
+
+def _own_wire(
+    name: str,
+    wiring: ModelWiring,
+    units: dict[str, UnitChoice],
+    edges: set[tuple[str, str]],
+    entry: dict[str, Layout],
+    feeders: dict[str, set[str]],
+) -> Layout:
+    unit, spec = units[name], wiring.units[name]
+    if spec.role == "positions":
+        return R
+    if spec.segment is not None:
+        return unit.out_layout
+    wire = _module_wire(name, wiring, units, edges, entry, feeders)
+    # [Note: code counts whole sequences]: code reads its shape; consumers convert from R
+    return R if wire is SEQ and name in wiring.hand_whole else wire
+
+
+def _module_wire(
+    name: str,
+    wiring: ModelWiring,
+    units: dict[str, UnitChoice],
+    edges: set[tuple[str, str]],
+    entry: dict[str, Layout],
+    feeders: dict[str, set[str]],
+) -> Layout:
+    unit = units[name]
+    consumers = [units[d] for s, d in edges if s == name]
+    fixed = {c.in_layout for c in consumers if wiring.units[c.name].segment is not None}
+    if not fixed and unit.out_layout is P:
+        fixed = {c.in_layout for c in consumers}
+    if not consumers:
+        feeds = [p for p, fed in feeders.items() if name in fed]
+        if not feeds:
+            return R  # the model's output: whole, for the caller
+        if unit.out_layout is P:
+            return entry[feeds[0]]
+    if len(fixed) > 1 or P in fixed:
+        raise ValueError(
+            f"{name!r} feeds units taking {_join(fixed)}, not one of R, S(seq), S(hid)"
+        )
+    return fixed.pop() if fixed else unit.out_layout
+
+
+def _wire_in(
+    name: str,
+    wiring: ModelWiring,
+    units: dict[str, UnitChoice],
+    edges: set[tuple[str, str]],
+    wire_out: dict[str, Layout],
+    entry: dict[str, Layout],
+) -> Layout:
+    """What a module unit is handed: whole caller's tensors, a block's converted input, or its
+    producer's wire layout."""
+    block = wiring.block_of.get(name)
+    if block is not None and name in wiring.blocks[block].heads:
+        return entry[block]
+    given = {wire_out[s] for s, d in edges if d == name}
+    if name in wiring.inputs or not given:
+        return R
+    if len(given) > 1 and wiring.units[name].segment is None:
+        raise ValueError(f"{name!r} is handed {_join(given)} by its producers: make them agree")
+    return given.pop()
+
+
+def _join(items: Any) -> str:
+    return ", ".join(sorted(str(i) for i in items))
