@@ -38,17 +38,16 @@ JOB: dict[str, Any] = {
         "val_every": 2,
         "val_batches": 1,
     },
-    "optimizer": {"lr": 3e-3, "warmup_steps": 2},
+    # eps 1e-6: AdamW divides by sqrt(v) + eps, and with the default 1e-8 a gradient that is
+    # near zero and differs by rounding between two ranks and one process moves by up to lr.
+    "optimizer": {"lr": 3e-3, "warmup_steps": 2, "eps": 1e-6},
     "metrics": {"peak_tflops": 1.0},
 }
 
 # Two ranks sum the same terms in another order (each rank's mean over 2 rows, then the mean of
-# the two), a few ulps of fp32 apart. Losses agree to 1e-5 relative. Adam divides by sqrt(v),
-# which magnifies rounding where a gradient is near zero, so parameters are compared to 1e-4
-# absolute as well (3% of one step of lr 3e-3; 3e-6 is seen on one CPU, 2.6e-5 on another, in
-# one element of an embedding row a single token reaches; a wrong update is off by ~lr).
+# the two), a few ulps of fp32 apart. Losses agree to 1e-5 relative, parameters to 1e-5.
 RTOL = 1e-5
-ATOL = 1e-4
+ATOL = 1e-5
 
 
 def _job(run_dir: Path, **training: Any) -> dict[str, Any]:
