@@ -297,7 +297,7 @@ def test_gradient_chunks_live_from_backward_to_step() -> None:
 
 
 def test_pinning_respects_the_budget_and_does_not_add_traffic() -> None:
-    from tidal.engine.chunk_engine import _streaming_bytes, choose_pinned
+    from tidal.memory.pinning import _streaming_bytes, choose_pinned
 
     probe = _chunk(_tiny, size=TINY_CHUNK)
     _, activation_bytes = _probe(_tiny, _batches(1), size=TINY_CHUNK)

@@ -297,3 +297,86 @@ def test_attribute_reads_are_not_uses() -> None:
     assert engine.layout != before  # relayout ran: embed first, head last
     first = engine.layout.chunks[0].slots[0].names[0]
     assert first == "embed.weight", first
+
+
+class _ConvertsItsRouter(nn.Module):
+    """Like Hugging Face Switch Transformers' router: ``module.to(dtype)`` in the forward, with
+    the dtype the module already has, which torch carries out as ``p.data = p``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(64, 32)
+        self.router = nn.Linear(32, 64)
+
+    def forward(self, ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        self.router = self.router.to(torch.float32)
+        logits = self.router(self.embed(ids))
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def test_converting_a_module_to_its_own_dtype_is_a_no_op() -> None:
+    def train(engine) -> list[float]:
+        g = torch.Generator().manual_seed(0)
+        losses = []
+        for _ in range(3):
+            tokens = torch.randint(0, 64, (2, 9), generator=g)
+            loss = engine(tokens[:, :-1], tokens[:, 1:])
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+        return losses
+
+    optimizer = OptimizerConfig(lr=1e-2, warmup_steps=0)
+    torch.manual_seed(0)
+    want = train(ReferenceEngine(_ConvertsItsRouter(), optimizer=optimizer,
+                                 training=TrainingConfig(device="cpu")))  # fmt: skip
+    torch.manual_seed(0)
+    engine = ChunkEngine(
+        _ConvertsItsRouter(),
+        optimizer=optimizer,
+        training=TrainingConfig(device="cpu"),
+        memory=MemoryConfig(),
+        chunk=ChunkConfig(size=1024),
+    )
+    assert train(engine) == want
+    with torch.no_grad(), pytest.raises(ParameterUseError, match="cut it from its chunk"):
+        engine.model.router.weight.data = torch.zeros(64, 32)  # another tensor: refused
+
+
+class _SmallCNN(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+        self.norm = nn.BatchNorm2d(8)
+        self.head = nn.Linear(8, 10)
+
+    def forward(self, images: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        h = F.relu(self.norm(self.conv(images))).mean(dim=(2, 3))
+        return F.cross_entropy(self.head(h), labels)
+
+
+def test_floating_inputs_are_cast_to_bf16() -> None:
+    """A CNN's fp32 images meet bf16 weights: the engine casts floating inputs to the
+    parameters' dtype (integer labels stay), as FSDP's mixed precision does."""
+    g = torch.Generator().manual_seed(0)
+    images, labels = torch.randn(4, 3, 8, 8, generator=g), torch.randint(0, 10, (4,), generator=g)
+    optimizer = OptimizerConfig(lr=1e-2, warmup_steps=0)
+    torch.manual_seed(0)
+    reference = ReferenceEngine(
+        _SmallCNN(), optimizer=optimizer, training=TrainingConfig(device="cpu", precision="bf16")
+    )
+    torch.manual_seed(0)
+    engine = ChunkEngine(
+        _SmallCNN(),
+        optimizer=optimizer,
+        training=TrainingConfig(device="cpu", precision="bf16"),
+        memory=MemoryConfig(),
+        chunk=ChunkConfig(size=256),
+    )
+    for _ in range(3):
+        want, got = reference(images, labels), engine(images, labels)
+        assert got.dtype == torch.bfloat16 and got.item() == pytest.approx(want.item(), rel=2e-2)
+        for e, loss in ((reference, want), (engine, got)):
+            e.backward(loss)
+            e.step()
+    assert not torch.equal(engine.model.norm.running_mean, torch.zeros(8))  # BatchNorm ran

@@ -21,7 +21,7 @@ of its own (spawned), so its peak resident set (``ru_maxrss``) is that case's al
 [Note: like-for-like traffic]
 The device budget holds more than streaming parameter chunks: after the first iteration the
 engine pins a set P of chunk indices whose parameter, gradient and moment chunks stay on the
-device ([Note: optimizer placement] in chunk_engine.py); they never move. Every other parameter
+device ([Note: optimizer placement] in memory/pinning.py); they never move. Every other parameter
 chunk is fetched when a moment needs it, and all of them are back on the host before the
 optimizer step, which updates them there (the optimizer's step calls ``evict_unpinned``): each
 optimizer step starts from an empty device as far as streaming chunks go. Their gradients are

@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_map_only
 
 from tidal.config import ConfigError, format_bytes
 from tidal.engine.accumulation import AccumulationCounter
@@ -40,11 +41,10 @@ from tidal.memory.layout import ChunkLayout, default_chunk_size, plan_layout, un
 from tidal.memory.materialize import ParameterValues, check_buffers, meta_parameters, values_of
 from tidal.memory.optim import ChunkOptimizer, make_master_chunks
 from tidal.memory.optim_rules import make_rule
-from tidal.memory.policy import simulate
+from tidal.memory.pinning import choose_pinned
 from tidal.memory.relayout import relayout
 from tidal.memory.store import ChunkStore, DeviceBudgetTooSmall
 from tidal.memory.tiers import Tier, make_tiers
-from tidal.memory.trace import AccessTrace, Moment
 from tidal.memory.uses import ParameterUses
 from tidal.sharding.state import model_key, optim_key
 
@@ -68,7 +68,7 @@ class ChunkEngine(AccumulationCounter):
         self.precision = training.precision
         self.model = model
         self._init = _check_init(model, init)
-        _move_buffers(model, self.device)
+        _move_buffers(model, self.device, _PARAM_DTYPES[training.precision])
         self.device_tier, self.host_tier = self._make_tiers(memory)
         self.layout = self._plan_layout(model, chunk)
         # bf16/fp16: the model computes in that precision from parameter chunks of it; the optimizer
@@ -217,7 +217,8 @@ class ChunkEngine(AccumulationCounter):
         self._placed = False
 
     def _place_optimizer(self) -> None:
-        """Pin the chunks whose optimizer state fits the margin; see [Note: optimizer placement]."""
+        """Pin the chunks whose optimizer state fits the margin; see [Note: optimizer placement]
+        in tidal/memory/pinning.py."""
         pinned = choose_pinned(self.store, self.optimizer, self.device_tier.budget_bytes)
         if pinned is None:
             return  # no trace yet: decide at the next step
@@ -242,6 +243,7 @@ class ChunkEngine(AccumulationCounter):
             )
         if self._in_iteration:
             self._end_iteration()
+        args, kwargs = self._cast_inputs(args, kwargs)
         self.store.begin_iteration()
         self._in_iteration = True
         try:
@@ -254,6 +256,22 @@ class ChunkEngine(AccumulationCounter):
         if not torch.is_grad_enabled():  # no backward can follow
             self._end_iteration()
         return output
+
+    def _cast_inputs(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """Floating-point inputs in the parameters' dtype under bf16/fp16 (as FSDP's mixed
+        precision casts forward inputs): the model computes in that precision from chunks of
+        it, and a CNN's images or a model's float features would meet weights of another
+        dtype. Token ids and other integer tensors are left as they are."""
+        dtype = _PARAM_DTYPES[self.precision]
+        if dtype == torch.float32:
+            return args, kwargs
+
+        def cast(tensor: torch.Tensor) -> torch.Tensor:
+            return tensor.to(dtype) if tensor.is_floating_point() else tensor
+
+        return tree_map_only(torch.Tensor, cast, (args, kwargs))
 
     def backward(self, loss: torch.Tensor) -> None:
         scaled = loss / self.grad_accum_steps if self.grad_accum_steps > 1 else loss
@@ -483,71 +501,6 @@ def _state_key(engine: ChunkEngine, name: str) -> str:
 _PARAM_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-# [Note: optimizer placement]
-# A chunk index whose parameter, gradient, optimizer-state (and master) chunks all stay on the
-# device never moves: its update runs there and costs no traffic. Pinning is not free, though:
-# the pinned bytes (with AdamW, the parameter chunk included: four times the parameter chunk in
-# fp32, nine in bf16, seven with gradients in the parameter chunks; fewer with SGD) leave less
-# room for the chunks that stream, which may then be fetched more often. So pinned indices P are
-# chosen once, from the first iteration's trace, greedily in order of how often the trace uses
-# a chunk, and an index joins P only if
-#
-#   1. it fits: bytes(gradients, moments, masters of P) + max over moments m of
-#      (bytes(P + chunks of m) + non-model bytes of m) <= device budget, and with gradients in
-#      the parameter chunks (no gradient chunks) the step's transient fp32 buffer of one chunk
-#      fits beside P's chunks: bytes(P) + its state + the buffer <= device budget, and
-#   2. it pays: the per-step traffic of the other chunks, replayed by policy.simulate (Belady,
-#      starting from an empty device as after each step), does not grow. Every chunk fetched in
-#      a step goes back to the host before the next one, so traffic is twice the fetched bytes.
-#
-# An unlimited budget pins everything: the engine then moves nothing, like plain PyTorch. When a
-# later iteration needs more room than the choice left (a longer sequence's activations), the
-# store gives up every pinned chunk rather than fail (their state goes to the host), and the
-# next step chooses again from that iteration's trace.
-
-
-def choose_pinned(
-    store: ChunkStore, optimizer: ChunkOptimizer, budget_bytes: int | None
-) -> frozenset[int] | None:
-    """The chunk indices to keep on the device for good; None before there is a trace."""
-    everything = frozenset(range(len(store.chunks)))
-    if budget_bytes is None:
-        return everything
-    trace = store.trace
-    if trace is None:
-        return None
-    state_bytes = [optimizer.state_bytes_of(i) for i in everything]
-    pinned: frozenset[int] = frozenset()
-    cost = _streaming_bytes(trace, pinned, budget_bytes)
-    for index in sorted(everything, key=lambda i: (-len(trace.uses(i)), i)):
-        candidate = pinned | {index}
-        room = budget_bytes - sum(state_bytes[i] for i in candidate)
-        peak = max(trace.bytes_of(candidate | m.chunks) + m.non_model_bytes for m in trace.moments)
-        at_step = trace.bytes_of(candidate) + optimizer.step_buffer_bytes(candidate)
-        if max(peak, at_step) > room:
-            continue
-        candidate_cost = _streaming_bytes(trace, candidate, room)
-        if candidate_cost <= cost:
-            pinned, cost = candidate, candidate_cost
-    return pinned
-
-
-def _streaming_bytes(trace: AccessTrace, pinned: frozenset[int], room_bytes: int) -> int:
-    """Bytes moved per step by the chunks outside ``pinned`` (see [Note: optimizer placement])."""
-    streamed = AccessTrace(
-        moments=tuple(
-            Moment(index=m.index, chunks=m.chunks - pinned, non_model_bytes=m.non_model_bytes,
-                   label=m.label)
-            for m in trace.moments
-        ),
-        chunk_bytes=trace.chunk_bytes,
-    )  # fmt: skip
-    budget = room_bytes - trace.bytes_of(pinned)
-    result = simulate(streamed, device_budget_bytes=budget, policy="belady", prefetch_depth=0,
-                      iterations=1)  # fmt: skip
-    return 2 * result.total_fetched_bytes
-
-
 def _largest_module_bytes(model: nn.Module, store: ChunkStore) -> tuple[int, str]:
     """The bytes of chunks the hungriest module needs at once, and its name.
 
@@ -589,11 +542,17 @@ def _check_init(model: nn.Module, init: ParameterValues | None) -> ParameterValu
     return init
 
 
-def _move_buffers(model: nn.Module, device: torch.device) -> None:
+def _move_buffers(model: nn.Module, device: torch.device, param_dtype: torch.dtype) -> None:
+    """Buffers to the device; a norm layer's floating statistics (BatchNorm's running mean and
+    variance) in the parameters' dtype, which its kernel needs them in (as ``model.to(dtype)``
+    would make them). Other buffers keep their dtype (rotary frequencies stay fp32)."""
     for module in model.modules():
+        is_norm = isinstance(module, nn.modules.batchnorm._NormBase)
         for name, buffer in module._buffers.items():
-            if buffer is not None:
-                module._buffers[name] = buffer.to(device)
+            if buffer is None:
+                continue
+            dtype = param_dtype if is_norm and buffer.is_floating_point() else buffer.dtype
+            module._buffers[name] = buffer.to(device, dtype)
 
 
 def _persistent_buffers(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:

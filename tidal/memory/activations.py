@@ -23,7 +23,7 @@ reports the live figure to the device tier's non-model gauge, so the tier's peak
 check cover activations.
 
 Both meters also see the *model* tensors autograd saves (parameters, or views of them): those are
-handed back through ``on_model_unpack(storage key)`` when backward unpacks them, which is how a
+handed back through ``on_model_unpack(storage key, tensor)`` when backward unpacks them, which is how a
 parameter used outside its own module gets its chunk back on the device in time ([Note:
 functional uses] in functional.py).
 """
@@ -71,7 +71,7 @@ class _ModelTensorHooks:
     def __init__(
         self,
         is_model_storage: Callable[[int], bool],
-        on_model_unpack: Callable[[int], None] | None,
+        on_model_unpack: Callable[[int, torch.Tensor], None] | None,
     ) -> None:
         self._is_model_storage = is_model_storage
         self._on_model_unpack = on_model_unpack
@@ -82,7 +82,7 @@ class _ModelTensorHooks:
     def _unpack(self, saved: torch.Tensor | _Saved | _SavedModel) -> torch.Tensor:
         if isinstance(saved, _SavedModel):
             assert self._on_model_unpack is not None
-            self._on_model_unpack(saved.key)
+            self._on_model_unpack(saved.key, saved.tensor)
         return saved if isinstance(saved, torch.Tensor) else saved.tensor
 
     def _pack(self, tensor: torch.Tensor) -> torch.Tensor | _SavedModel:
@@ -117,8 +117,8 @@ class SavedTensorMeter(_ModelTensorHooks):
         self,
         *,
         is_model_storage: Callable[[int], bool],
-        on_change: Callable[[int], None] | None = None,
-        on_model_unpack: Callable[[int], None] | None = None,
+        on_change: Callable[[int, torch.Tensor], None] | None = None,
+        on_model_unpack: Callable[[int, torch.Tensor], None] | None = None,
     ) -> None:
         super().__init__(is_model_storage, on_model_unpack)
         self._on_change = on_change
@@ -178,7 +178,7 @@ class AllocatorMeter(_ModelTensorHooks):
         device_tier: Tier,
         *,
         is_model_storage: Callable[[int], bool],
-        on_model_unpack: Callable[[int], None] | None = None,
+        on_model_unpack: Callable[[int, torch.Tensor], None] | None = None,
     ) -> None:
         super().__init__(is_model_storage, on_model_unpack)
         self._device = device
@@ -207,7 +207,7 @@ def make_meter(
     *,
     is_model_storage: Callable[[int], bool],
     on_change: Callable[[int], None],
-    on_model_unpack: Callable[[int], None] | None = None,
+    on_model_unpack: Callable[[int, torch.Tensor], None] | None = None,
 ) -> NonModelMeter:
     """The meter for ``device``: the allocator's figures on CUDA, saved tensors elsewhere."""
     if device.type == "cuda":

@@ -201,7 +201,7 @@ class ChunkOptimizer:
 
     def place_on_host(self) -> None:
         """Undo :meth:`place_on_device` for every index: gradients and state go to the host
-        (the store gave up its pinned chunks; see [Note: optimizer placement])."""
+        (the store gave up its pinned chunks; see [Note: optimizer placement] in pinning.py)."""
         host_tier = self.store.host_tier
         for index in sorted(self.on_device):
             for chunk in self.chunks_at(index):

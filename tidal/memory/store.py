@@ -547,19 +547,35 @@ class ChunkStore:
             names.append(self.layout.chunks[index].slots[slot].names[0])
         return names
 
-    def _model_unpacked(self, key: int) -> None:
-        """Backward unpacked a saved tensor of chunk ``_param_storages[key]``: unless a moment
-        holds the chunk, access its parameters and hold them until the next module moment."""
+    def _model_unpacked(self, key: int, tensor: torch.Tensor) -> None:
+        """Backward unpacked ``tensor``, a view of chunk ``_param_storages[key]``: unless a
+        moment holds them, access the parameters it covers and hold them until the next module
+        moment. Only those: with gradients in the parameter chunks another slot of the chunk
+        may already hold its gradient, which is no use of it."""
         index = self._param_storages[key]
-        if self.chunks[index].state is ChunkState.COMPUTE:
+        params = [self.params[pid] for pid in self._slots_under(index, tensor)]
+        idle = [p for p in params if id(p) not in self._held]
+        if not idle:
             return
-        params = [self.params[pid] for pid, (i, _) in self.slot_of.items() if i == index]
         self._unpacking = True
         try:
-            self.access("unpack:" + ",".join(self.names_of(params)), params)
+            self.access("unpack:" + ",".join(self.names_of(idle)), idle)
         finally:
             self._unpacking = False
-        self._unpack_held += params
+        self._unpack_held += idle
+
+    def _slots_under(self, index: int, tensor: torch.Tensor) -> list[int]:
+        """id(param) of the slots of chunk ``index`` that ``tensor`` (a view of it) reaches."""
+        in_chunk = [(pid, slot) for pid, (i, slot) in self.slot_of.items() if i == index]
+        if tensor.numel() == 0 or tensor.dtype != self.chunks[index].dtype:
+            return [pid for pid, _ in in_chunk]  # reaches nothing, or cannot tell: all of them
+        first = tensor.storage_offset()
+        last = first + sum(
+            (n - 1) * abs(s) for n, s in zip(tensor.shape, tensor.stride(), strict=True)
+        )
+        slots = self.layout.chunks[index].slots
+        return [pid for pid, slot in in_chunk
+                if slots[slot].offset <= last and first < slots[slot].offset + slots[slot].numel]  # fmt: skip
 
     def _release_unpack_held(self) -> None:
         held, self._unpack_held = self._unpack_held, []

@@ -289,6 +289,8 @@ class ParameterUses:
         param: nn.Parameter,
     ) -> Any:
         name = getattr(func, "__name__", "")
+        if name == "__set__" and len(args) >= 2 and _same_view(args[1], param):
+            return None  # ``module.to(dtype)`` with the dtype it has: ``p.data = p``, a no-op
         if name == "copy_" and len(args) >= 2 and isinstance(args[1], torch.Tensor):
             with torch.no_grad():
                 self.write(param, args[1])
@@ -344,6 +346,22 @@ def _written(
     if writes_first and args and any(args[0] is p for p in params):
         return args[0]
     return None
+
+
+def _same_view(value: Any, param: nn.Parameter) -> bool:
+    """Whether ``value`` is ``param``'s own data: the same storage, offset, shape and strides."""
+    if value is param:
+        return True
+    if not isinstance(value, torch.Tensor):
+        return False
+    with DisableTorchFunctionSubclass():
+        return (
+            value.untyped_storage()._cdata == param.untyped_storage()._cdata
+            and value.storage_offset() == param.storage_offset()
+            and value.shape == param.shape
+            and value.stride() == param.stride()
+            and value.dtype == param.dtype
+        )
 
 
 def _tensors(result: Any) -> Iterator[torch.Tensor]:
