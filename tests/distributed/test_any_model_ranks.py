@@ -26,6 +26,7 @@ from tidal.memory.config import ChunkConfig
 from tidal.memory.uses import ParameterUseError
 from tidal.models import build_gpt, preset
 from tidal.sharding.config import ShardingConfig
+from tidal.sharding.store import RanksDiverged
 from tidal.testing import run_on_ranks
 from tidal.testing.zoo import run_steps, zoo_model
 
@@ -121,8 +122,38 @@ def _users_code() -> dict[str, Any]:
     }
 
 
+class _ExpertPerRank(torch.nn.Module):
+    """Two experts of one shape; each rank routes to its own (what a mixture of experts does
+    when its tokens choose differently), so the ranks run different modules."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = torch.nn.Embedding(64, 32)
+        self.experts = torch.nn.ModuleList(torch.nn.Linear(32, 32) for _ in range(2))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.experts[dist.get_rank() % 2](self.embed(ids)).square().mean()
+
+
+def _diverging_ranks() -> str:
+    engine = ShardedEngine(
+        _ExpertPerRank(),
+        optimizer=OPTIMIZER,
+        training=TrainingConfig(device="cpu"),
+        memory=MemoryConfig(),
+        chunk=ChunkConfig(size=1024),  # each expert in a chunk of its own, of one size
+        sharding=ShardingConfig(),
+    )
+    try:
+        engine.backward(engine(torch.randint(0, 64, (2, 8))))
+    except RanksDiverged as err:
+        return str(err)
+    return ""
+
+
 def _all_cases() -> dict[str, Any]:
-    results: dict[str, Any] = {"users_code": _users_code()}
+    results: dict[str, Any] = {"users_code": _users_code(), "diverged": _diverging_ranks()}
     for name in ("opt-layerdrop", "bert-unused-pooler"):  # AdamW's per-parameter step counts
         engine = _sharded(name, None, ADAMW)
         _run(engine, name)
@@ -198,3 +229,13 @@ def test_adamw_counts_only_the_steps_a_parameter_took(
     assert min(want.values()) < STEPS  # some parameter sat out a step
     for rank in ranks:
         assert rank[f"{name}/adamw-steps"] == want
+
+
+def test_ranks_that_run_different_modules_stop_with_an_error(
+    ranks: list[dict[str, Any]],
+) -> None:
+    """Not a hang, and not one expert's shards mixed with the other's: every rank raises."""
+    for rank in ranks:
+        message = rank["diverged"]
+        assert "experts.0.weight" in message and "experts.1.weight" in message, message
+        assert "same modules" in message

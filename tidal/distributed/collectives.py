@@ -26,6 +26,16 @@ _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
+def _cpu_group(group: Any) -> Any:
+    """``group`` if it runs on the CPU (gloo), else a gloo group of the same ranks; every rank
+    of the default group must build its collectives at the same point (a new group is a
+    collective)."""
+    if dist.get_backend(group) == "gloo":
+        return group
+    ranks = None if group is None else dist.get_process_group_ranks(group)
+    return dist.new_group(ranks=ranks, backend="gloo")
+
+
 class Collectives:
     """The collectives of one process group, counting bytes ([Note: collective byte counts])."""
 
@@ -36,6 +46,8 @@ class Collectives:
         self.local = group is None and not (dist.is_available() and dist.is_initialized())
         self.rank = 0 if self.local else dist.get_rank(group)
         self.world_size = 1 if self.local else dist.get_world_size(group)
+        # Small checks go through a CPU group: they never wait for the device's queue.
+        self._cpu_group = None if self.local else _cpu_group(group)
         self.bytes_all_gathered = 0
         self.bytes_reduce_scattered = 0
         self.bytes_all_reduced = 0
@@ -72,6 +84,14 @@ class Collectives:
         if self.local:
             return
         dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group)
+
+    def min_max(self, value: int) -> tuple[int, int]:
+        """The least and the largest ``value`` over the ranks (collective)."""
+        if self.local:
+            return value, value
+        both = torch.tensor([value, -value], dtype=torch.int64)
+        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self._cpu_group)
+        return -int(both[1]), int(both[0])
 
     def stats(self) -> dict[str, int]:
         return {

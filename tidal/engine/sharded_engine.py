@@ -147,6 +147,7 @@ class ShardedEngine(ChunkEngine):
             model,
             comm=self.comm,
             reader=reader,
+            check_gathers=self.sharding.check_gathers,
             layout=self.layout,
             device_tier=self.device_tier,
             host_tier=self.host_tier,

@@ -23,10 +23,16 @@ class ShardingConfig:
             while the activations are at their peak).
         max_pending_reductions: gradient reduce-scatters in flight at once during the backward;
             each holds a chunk's fp32 gradient on the device until it completes.
+        check_gathers: before each gather, check that every rank gathers the same chunk (a
+            two-number all-reduce on a CPU group, [Note: ranks decide alike] in store.py), so
+            ranks that run different modules (a mixture of experts that skips an expert no
+            token chose) stop with an error naming both chunks instead of hanging or mixing
+            shards; ``false`` saves that round trip once a model is known to run alike.
     """
 
     reshard_after_forward: bool = True
     max_pending_reductions: int = 2
+    check_gathers: bool = True
 
     def __post_init__(self) -> None:
         require(

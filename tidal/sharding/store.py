@@ -35,8 +35,12 @@ A collective needs every rank, so every rank must gather the same chunks in the 
 Placement decisions are a deterministic function of the model, the config (budgets are the
 same on every rank: the engine takes the smallest), the trace and the measured activation bytes,
 which are the same on every rank when each rank's micro-batch has the same shape (the trainer
-gives every rank an equal slice of the global batch). Ranks that differ in any of these would
-gather different chunks and stall, which the process group's timeout turns into an error.
+gives every rank an equal slice of the global batch). The model must also run the same modules
+on every rank, as under FSDP: a mixture of experts whose experts run only when a token chose
+them does not, and ranks that gather different chunks would wait on each other for ever or,
+with chunks of one size, mix one chunk's shards with another's. So each gather first checks that
+every rank gathers the same chunk (``sharding.check_gathers``, a two-number all-reduce on a CPU
+group), and ranks that differ all raise :class:`RanksDiverged`, naming both chunks.
 """
 
 from __future__ import annotations
@@ -55,10 +59,14 @@ from tidal.memory.store import ChunkStore
 from tidal.memory.tiers import Tier, TierBudgetError
 from tidal.sharding.swap import PARAM, ShardList, ShardReader
 
-__all__ = ["ShardedChunkStore", "copy_into_shard"]
+__all__ = ["RanksDiverged", "ShardedChunkStore", "copy_into_shard"]
 
 # How far ahead of the current moment the trace is searched for shards to read from disk.
 READ_AHEAD_MOMENTS = 32
+
+
+class RanksDiverged(RuntimeError):
+    """Ranks were about to gather different chunks ([Note: ranks decide alike])."""
 
 
 class ShardedChunkStore(ChunkStore):
@@ -66,10 +74,11 @@ class ShardedChunkStore(ChunkStore):
 
     def __init__(
         self, model: nn.Module, *, comm: Collectives, reader: ShardReader | None = None,
-        **kwargs: Any,
+        check_gathers: bool = True, **kwargs: Any,
     ) -> None:  # fmt: skip
         self.comm = comm
         self.reader = reader
+        self.check_gathers = check_gathers
         # Per chunk index: this rank's shard (a tier allocation; None while on disk) and the
         # tier it is on when in memory.
         self.shards: list[torch.Tensor | None] = []
@@ -145,6 +154,8 @@ class ShardedChunkStore(ChunkStore):
     # -- moves: gather and drop ------------------------------------------------------------------
 
     def _fetch(self, index: int, needed: frozenset[int]) -> None:
+        if self.check_gathers:
+            self._check_same_chunk(index)
         chunk = self.chunks[index]
         try:
             chunk.allocate(self.device_tier)
@@ -168,6 +179,27 @@ class ShardedChunkStore(ChunkStore):
         chunk.mark_filled()
         self.device_tier.record_move(in_bytes=chunk.num_bytes)
         self.num_fetches += 1
+
+    def _check_same_chunk(self, index: int) -> None:
+        """Every rank is about to gather chunk ``index``, or all raise ([Note: ranks decide
+        alike])."""
+        least, most = self.comm.min_max(index)
+        if least == most:
+            return
+        other = most if least == index else least
+
+        def names(i: int) -> str:
+            slots = self.layout.chunks[i].slots
+            return ", ".join(s.names[0] for s in slots[:3]) + (" ..." if len(slots) > 3 else "")
+
+        raise RanksDiverged(
+            f"rank {self.comm.rank} was about to gather chunk {index} ({names(index)}) during "
+            f"{self._label} while another rank gathers chunk {other} ({names(other)}): the ranks "
+            f"ran different modules. ZeRO-3 gathers every chunk on every rank at once, so each "
+            f"rank must run the same modules in the same order, as FSDP requires (a mixture of "
+            f"experts that calls only the experts its tokens chose does not: call every expert "
+            f"on every rank, with no tokens if none chose it, or train on one process)"
+        )
 
     def _prefetch_next(self, moment: int, reserve_bytes: int) -> None:
         super()._prefetch_next(moment, reserve_bytes)
