@@ -1,6 +1,6 @@
 """The special cases: a branch taken on alternate steps, frozen parts, parameters used outside
-their module, activation checkpointing, and a recurrent layer (torch's LSTM keeps its own list
-of its parameters)."""
+their module, activation checkpointing, a mixture of experts whose idle experts sit out, and a
+recurrent layer (torch's LSTM keeps its own list of its parameters)."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tidal.testing.zoo.base import VOCAB, LossOf, ZooModel, lm_batch
+from tidal.testing.zoo.base import VOCAB, LossOf, ZooModel, lm_batch, tokens
 
-__all__ = ["SPECIAL_FAMILIES", "AlternatingBranch", "LstmLM", "OutsideUses"]
+__all__ = ["SPECIAL_FAMILIES", "AlternatingBranch", "LstmLM", "OutsideUses", "TopOneMoE"]
 
 WIDTH = 32
 
@@ -99,6 +99,47 @@ def _llama_checkpointing(seed: int) -> nn.Module:
     return LossOf(model)
 
 
+class TopOneMoE(nn.Module):
+    """An embedding, a router and expert MLPs that are modules of their own, top 1: each token
+    goes to its router's best expert, scaled by that expert's probability, and an expert that no
+    token chose is not called, so its parameters sit out the step. (Hugging Face's Mixtral and
+    Qwen2-MoE keep their experts in 3-D parameters, which every step trains; its Switch
+    Transformers and NLLB-MoE have expert modules but move their router with ``.to()`` in the
+    forward.)"""
+
+    def __init__(self, vocab: int = VOCAB, width: int = 16, num_experts: int = 16) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, width)
+        self.router = nn.Linear(width, num_experts, bias=False)
+        self.experts = nn.ModuleList(
+            nn.Sequential(nn.Linear(width, 2 * width), nn.GELU(), nn.Linear(2 * width, width))
+            for _ in range(num_experts)
+        )
+        self.head = nn.Linear(width, vocab)
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        h = self.embed(input_ids)
+        tokens = h.flatten(0, 1)
+        weight, choice = self.router(tokens).softmax(dim=-1).max(dim=-1)
+        mixed = torch.zeros_like(tokens)
+        for expert in choice.unique().tolist():
+            rows = (choice == expert).nonzero().squeeze(1)
+            out = self.experts[expert](tokens[rows]) * weight[rows, None]
+            mixed = mixed.index_add(0, rows, out.to(mixed.dtype))  # autocast: out is bf16
+        return _next_token_loss(self.head(h + mixed.view_as(h)), labels)
+
+
+def _moe(seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    return TopOneMoE()
+
+
+def _moe_batch(step: int) -> dict[str, torch.Tensor]:
+    """16 tokens for 16 experts: about a third of the experts get none in a step."""
+    ids = tokens(step, seq_len=4)
+    return {"input_ids": ids, "labels": ids}
+
+
 class LstmLM(nn.Module):
     """An embedding, a two-layer ``nn.LSTM`` and a linear head. The LSTM calls its kernel with
     ``self._flat_weights``, a list of its parameters it keeps beside the module's own."""
@@ -136,6 +177,9 @@ SPECIAL_FAMILIES = (
     ZooModel(name="llama-checkpointing", kind="special", build=_llama_checkpointing,
              batch=lm_batch, needs=("transformers",),
              notes="activation checkpointing (non-reentrant): layers run again in the backward"),
+    ZooModel(name="moe-top1", kind="mixture-of-experts", build=_moe, batch=_moe_batch,
+             notes="written here: 16 expert modules, top 1; an expert no token chose is not "
+             "called, so its parameters sit out"),
     ZooModel(name="lstm", kind="special", build=_lstm, batch=lm_batch,
              notes="nn.LSTM: the cuDNN-style flat weight list beside its parameters"),
 )  # fmt: skip
