@@ -30,7 +30,7 @@ from rich.text import Text
 
 from tidal.bench.compat_cases import MODES, Case, Mode, ranks_modes, run_case
 from tidal.bench.isolated import run_isolated
-from tidal.config import format_bytes, require
+from tidal.config import ConfigError, format_bytes, require
 from tidal.testing.zoo import ZOO, ZooModel, find_family
 
 __all__ = ["CompatSettings", "add_arguments", "bench_compat", "run", "table"]
@@ -73,7 +73,7 @@ def bench_compat(
 ) -> list[dict[str, Any]]:
     """Every family's rows, family by family; ``on_family`` sees each family's rows as they
     come (the CLI prints progress with it)."""
-    families = {spec: find_family(spec) for spec in settings.families}  # bad names fail first
+    families = {spec: _find(spec) for spec in settings.families}  # bad names fail first
     rows: list[dict[str, Any]] = []
     for spec, family in families.items():
         done = _family_rows(settings, spec, family)
@@ -81,6 +81,13 @@ def bench_compat(
             on_family(done)
         rows += done
     return rows
+
+
+def _find(spec: str) -> ZooModel:
+    try:
+        return find_family(spec)
+    except (ValueError, ImportError, AttributeError) as err:
+        raise ConfigError("--families", str(err)) from None
 
 
 def _family_rows(settings: CompatSettings, spec: str, family: ZooModel) -> list[dict[str, Any]]:
@@ -94,7 +101,8 @@ def _family_rows(settings: CompatSettings, spec: str, family: ZooModel) -> list[
              ranks_timeout_s=settings.ranks_timeout_s)
         for mode in modes
     ]  # fmt: skip
-    results = run_isolated(run_case, cases, timeout_s=settings.case_timeout_s)
+    results = run_isolated(run_case, cases, timeout_s=settings.case_timeout_s,
+                           preload=("tidal.bench.compat_cases",))  # fmt: skip
     shared = {"steps": settings.steps, "chunk_elements": settings.chunk_elements}
     return [_row(family, mode, shared | r) for mode, r in zip(modes, results, strict=True)]
 
@@ -139,7 +147,7 @@ def table(rows: Sequence[dict[str, Any]]) -> tuple[tuple[str, ...], list[list[st
         cells.append([
             r["family"], r["mode"], shown,
             r["result"], _number(r.get("max_rel_loss_diff"), ".1e"),
-            _number(r.get("tolerance"), ".0e"),
+            _number(r.get("tolerance"), ".1e"),
             "-" if r.get("peak_device_bytes") is None else format_bytes(r["peak_device_bytes"]),
             _number(r.get("evictions"), "d"), _number(r.get("wall_s"), ".2f"),
             _number(r.get("reference_wall_s"), ".2f"),
@@ -193,7 +201,7 @@ def run(args: argparse.Namespace, console: Console) -> int:
     from tidal.bench.results import write_results
 
     if args.markdown:
-        console.print(markdown(load_results(Path(args.markdown))), markup=False, soft_wrap=True)
+        print(markdown(load_results(Path(args.markdown))), end="")  # as is: it goes into docs
         return 0
     settings = settings_from_args(args)
 
@@ -210,9 +218,9 @@ def run(args: argparse.Namespace, console: Console) -> int:
                  title_justify="left")  # fmt: skip
     for i, header in enumerate(headers):
         if header == "result":  # the whole error is in the JSON
-            view.add_column(header, no_wrap=True, overflow="ellipsis", max_width=60)
+            view.add_column(header, no_wrap=True, overflow="ellipsis", max_width=36)
         else:
-            view.add_column(header, justify="left" if i < 2 else "right")
+            view.add_column(header, justify="left" if i < 2 else "right", no_wrap=i < 2)
     for line in cells:
         view.add_row(*(Text(cell) for cell in line))  # an error's text is not markup
     console.print(view)

@@ -21,7 +21,9 @@ global RNG reseeded per micro-batch, so layerdrop and dropout draw alike in both
   its spacing, 2^-7 of it at most. The bound is ``max(4 * own, BF16_FLOOR)``: ``own`` is how
   far the reference's bf16 losses are from its fp32 ones (the bound of
   tests/unit/test_chunk_engine.py), ``BF16_FLOOR`` that spacing. Placement is held to more:
-  ``same_as_unlimited`` must hold in bf16 too.
+  ``same_as_unlimited`` must hold in bf16 too. And ``first_loss_as_plain`` says whether the
+  first loss equals, bit for bit, plain PyTorch's on the model cast to bf16 (the same
+  arithmetic, before any update), which tells a difference of precision policy from an error.
 - accumulation: two micro-batches per optimizer step in both engines.
 - ranks: the sharded engine on ``ranks`` gloo processes, each on its share of the batch rows,
   with SGD and momentum (Adam divides by the root of the second moment, so a gradient that is
@@ -55,7 +57,7 @@ from tidal.engine import OptimizerConfig, ReferenceEngine, TrainingConfig
 from tidal.engine.chunk_engine import ChunkEngine
 from tidal.engine.config import MemoryConfig
 from tidal.memory.config import ChunkConfig
-from tidal.testing.zoo import ZooModel, find_family, run_steps
+from tidal.testing.zoo import ZooModel, find_family, run_steps, seed_step
 
 __all__ = [
     "BF16_FLOOR",
@@ -143,12 +145,47 @@ _RUNS: dict[tuple[Any, ...], Any] = {}
 
 
 def cached(key: tuple[Any, ...], make: Callable[[], Any]) -> Any:
+    """``make()`` once per worker. A failure is kept and raised again: a run that failed (a
+    multi-process one that hung until its timeout) is not run again for the next mode."""
     if key not in _RUNS:
-        _RUNS[key] = make()
-    return _RUNS[key]
+        try:
+            _RUNS[key] = make()
+        except Exception as err:
+            _RUNS[key] = err
+    value = _RUNS[key]
+    if isinstance(value, Exception):
+        raise value
+    return value
 
 
 def _single_process(case: Case, family: ZooModel) -> dict[str, Any]:
+    plain = {} if case.mode.precision == "fp32" else _plain_first_loss(family, case.mode.precision)
+    try:
+        row = _compared(case, family)
+    except Exception as err:
+        return error_result(err) | plain
+    if "plain_first_loss" in plain:
+        plain["first_loss_as_plain"] = row["losses"][0] == plain["plain_first_loss"]
+    return row | plain
+
+
+def _plain_first_loss(family: ZooModel, precision: str) -> dict[str, Any]:
+    """The first step's loss of plain PyTorch on the model cast to ``precision``
+    (``model.to(torch.bfloat16)``): what the chunk engine computes from its low-precision
+    parameter chunks, where the reference engine's autocast computes otherwise."""
+    model = family.build(0).to(_DTYPES[precision])
+    seed_step(0)
+    try:
+        with torch.no_grad():
+            return {"plain_first_loss": model(**family.batch(0)).item()}
+    except Exception as err:
+        return {"plain_error": error_result(err)["error"]}
+
+
+_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def _compared(case: Case, family: ZooModel) -> dict[str, Any]:
     mode = case.mode
     want = _reference(case, family, mode.precision, mode.grad_accum_steps)
     unlimited = cached(("chunk", case.family, mode.precision, mode.grad_accum_steps, None),

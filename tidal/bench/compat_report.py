@@ -94,4 +94,31 @@ def markdown(data: dict[str, Any]) -> str:
         f"{'/'.join(map(str, sorted(chunk)))} elements."
     )
     tail = [f"[{i}] {_escape(note)}" for i, note in enumerate(notes, start=1)]
-    return "\n".join([head, "", *lines, "", *(f"{line}  " for line in tail)]).rstrip() + "\n"
+    bf16 = _low_precision_summary(rows)
+    parts = [head, "", *lines, "", *(f"{line}  " for line in tail), *(["", bf16] if bf16 else [])]
+    return "\n".join(parts).rstrip() + "\n"
+
+
+def _low_precision_summary(rows: list[dict[str, Any]]) -> str | None:
+    """Which bf16 runs began where plain PyTorch on the model cast to bf16 begins."""
+    low = [r for r in rows if r["precision"] != "fp32" and r["ranks"] == 1]
+    if not low:
+        return None
+    same = [r["family"] for r in low if r.get("first_loss_as_plain") is True]
+    differ = [r["family"] for r in low if r.get("first_loss_as_plain") is False]
+    fails = [f"`{r['family']}` ({_escape(r['plain_error'])})" for r in low if "plain_error" in r]
+    unknown = [
+        r["family"] for r in low if "first_loss_as_plain" not in r and "plain_error" not in r
+    ]
+    text = (
+        f"First {low[0]['precision']} loss equal, bit for bit, to plain PyTorch's on the model cast "
+        f"to {low[0]['precision']} (`model.to(dtype)`, before any update): {len(same)} of "
+        f"{len(low)} families"
+    )
+    if differ:
+        text += f"; different: {', '.join(f'`{name}`' for name in differ)}"
+    if fails:
+        text += f"; plain PyTorch fails too: {'; '.join(fails)}"
+    if unknown:
+        text += f"; not compared (no first loss): {', '.join(f'`{n}`' for n in unknown)}"
+    return text + "."

@@ -11,6 +11,10 @@ still run. One worker serves many cases, so what they share (a family's referenc
 computed once per worker; a case must not rely on that, since after a crash it runs in a new
 one. An exception inside a case is the case function's to report; the worker reports one that
 escapes as an error too, with its type, first line and traceback.
+
+Workers start from a fork server that has imported ``preload`` (torch and tidal take seconds to
+import; a fork of a process that imported them but ran nothing is safe), or are spawned where
+there is no fork server.
 """
 
 from __future__ import annotations
@@ -73,11 +77,19 @@ def _stop(process: BaseProcess) -> None:
     process.join(timeout=10)
 
 
+def _context(preload: Sequence[str]) -> Any:
+    if "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
+    context = mp.get_context("forkserver")
+    context.set_forkserver_preload(list(preload))  # once the server runs, later lists are moot
+    return context
+
+
 def _one_worker(
-    fn: Callable[[Any], Result], cases: Sequence[Any], timeout_s: float
+    fn: Callable[[Any], Result], cases: Sequence[Any], timeout_s: float, preload: Sequence[str]
 ) -> tuple[list[Result], str | None]:
     """Results of the leading cases one worker finished, and why it stopped early (or None)."""
-    context = mp.get_context("spawn")
+    context = _context(preload)
     receive, send = context.Pipe(duplex=False)
     process = context.Process(target=_worker, args=(fn, cases, send), name="tidal-case")
     process.start()
@@ -102,17 +114,22 @@ def _one_worker(
 
 
 def run_isolated(
-    fn: Callable[[Case], Result], cases: Sequence[Case], *, timeout_s: float
+    fn: Callable[[Case], Result],
+    cases: Sequence[Case],
+    *,
+    timeout_s: float,
+    preload: Sequence[str] = (),
 ) -> list[Result]:
     """``fn(case)`` for each case, in worker processes; see [Note: isolated cases].
 
-    ``fn`` must be importable (defined at module level) and the cases picklable. Returns one
-    result per case, in order; a case whose worker died or that ran past ``timeout_s`` has
+    ``fn`` must be importable (defined at module level) and the cases picklable; ``preload``
+    names modules the fork server imports once (``fn``'s own, say). Returns one result per
+    case, in order; a case whose worker died or that ran past ``timeout_s`` has
     ``{"error": ...}``.
     """
     results: list[Result] = []
     while len(results) < len(cases):
-        done, stopped = _one_worker(fn, cases[len(results) :], timeout_s)
+        done, stopped = _one_worker(fn, cases[len(results) :], timeout_s, preload)
         results += done
         if stopped is not None and len(results) < len(cases):
             results.append({"error": stopped})
