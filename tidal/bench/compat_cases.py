@@ -22,8 +22,9 @@ global RNG reseeded per micro-batch, so layerdrop and dropout draw alike in both
   far the reference's bf16 losses are from its fp32 ones (the bound of
   tests/unit/test_chunk_engine.py), ``BF16_FLOOR`` that spacing. Placement is held to more:
   ``same_as_unlimited`` must hold in bf16 too. And ``first_loss_as_plain`` says whether the
-  first loss equals, bit for bit, plain PyTorch's on the model cast to bf16 (the same
-  arithmetic, before any update), which tells a difference of precision policy from an error.
+  first loss equals, bit for bit, plain PyTorch's on the model with its parameters cast to bf16
+  (the same arithmetic, before any update), which tells a difference of precision policy from
+  an error.
 - accumulation: two micro-batches per optimizer step in both engines.
 - ranks: the sharded engine on ``ranks`` gloo processes, each on its share of the batch rows,
   with SGD and momentum (Adam divides by the root of the second moment, so a gradient that is
@@ -170,10 +171,14 @@ def _single_process(case: Case, family: ZooModel) -> dict[str, Any]:
 
 
 def _plain_first_loss(family: ZooModel, precision: str) -> dict[str, Any]:
-    """The first step's loss of plain PyTorch on the model cast to ``precision``
-    (``model.to(torch.bfloat16)``): what the chunk engine computes from its low-precision
-    parameter chunks, where the reference engine's autocast computes otherwise."""
-    model = family.build(0).to(_DTYPES[precision])
+    """The first step's loss of plain PyTorch on the model with its parameters cast to
+    ``precision``: what the chunk engine computes from its low-precision parameter chunks,
+    where the reference engine's autocast computes otherwise. Buffers keep their dtype, as in
+    the chunk engine (``model.to(torch.bfloat16)`` would round rotary frequencies too)."""
+    model = family.build(0)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.data = param.data.to(_DTYPES[precision])
     seed_step(0)
     try:
         with torch.no_grad():

@@ -111,9 +111,9 @@ def _low_precision_summary(rows: list[dict[str, Any]]) -> str | None:
         r["family"] for r in low if "first_loss_as_plain" not in r and "plain_error" not in r
     ]
     text = (
-        f"First {low[0]['precision']} loss equal, bit for bit, to plain PyTorch's on the model cast "
-        f"to {low[0]['precision']} (`model.to(dtype)`, before any update): {len(same)} of "
-        f"{len(low)} families"
+        f"First {low[0]['precision']} loss equal, bit for bit, to plain PyTorch's on the model "
+        f"with its parameters cast to {low[0]['precision']} (buffers as they are, as in the "
+        f"chunk engine; before any update): {len(same)} of {len(low)} families"
     )
     if differ:
         text += f"; different: {', '.join(f'`{name}`' for name in differ)}"

@@ -94,8 +94,13 @@ def _llama_frozen(seed: int) -> nn.Module:
 
 def _llama_checkpointing(seed: int) -> nn.Module:
     model = _llama(seed)
-    # Non-reentrant: each decoder layer's forward runs again inside the backward.
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    # Non-reentrant: each decoder layer's forward runs again inside the backward. transformers 5
+    # renamed the call (the old name warns, and goes in 6).
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
     return LossOf(model)
 
 
