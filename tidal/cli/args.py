@@ -287,7 +287,7 @@ def _add_bench_compat(benches: argparse._SubParsersAction) -> None:
         "with no budget, and fp32, bf16 and gradient accumulation 2 at the least budget an "
         "unlimited run measured; with --ranks N also the sharded engine on N gloo ranks. Each "
         "family runs in a worker process, so an exception or a signal is a row, not the end "
-        "of the run (about 6 min on 2 CPU cores for all families and modes). Writes "
+        "of the run (every family: about 1 min on 2 CPU cores, 6 min with --ranks 2). Writes "
         "benchmarks/results/compat-*.json; --markdown renders one as the docs table.",
     )
     add_arguments(compat)
