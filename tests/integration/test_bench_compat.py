@@ -1,6 +1,7 @@
 """``tidal bench compat``: rows for a family that matches, one that raises, one that kills its
 process with a signal and one whose package is missing, in one run through the CLI's entry
-point; the markdown table rendered from that run's JSON."""
+point; the markdown table rendered from that run's JSON; the docs' table is the rendering of the
+result file they name."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import contextlib
 import io
 import json
 import os
+import re
 import signal
 from pathlib import Path
 from typing import Any
@@ -132,3 +134,12 @@ def test_bad_settings_are_refused_before_running() -> None:
     with pytest.raises(ConfigError, match="--ranks"):
         CompatSettings(ranks=1)
     assert main(["bench", "compat", "--families", "no-such-family"]) == 2
+
+
+def test_docs_table_is_the_committed_results() -> None:
+    """docs/chunk-engine.md shows the table rendered from the result file it names."""
+    docs = (Path(__file__).resolve().parents[2] / "docs" / "chunk-engine.md").read_text()
+    found = re.search(r"--markdown\s+(benchmarks/results/compat-[\w.-]+\.json)", docs)
+    assert found is not None
+    path = Path(__file__).resolve().parents[2] / found.group(1)
+    assert markdown(load_results(path)) in docs
