@@ -176,6 +176,7 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     _add_bench_plan(benches)
     _add_bench_pipemare(benches)
     _add_bench_pipeline(benches)
+    _add_bench_compat(benches)
 
 
 def _add_bench_offload(benches: argparse._SubParsersAction) -> None:
@@ -282,6 +283,24 @@ def _add_bench_pipeline(benches: argparse._SubParsersAction) -> None:
         "measured one. Writes benchmarks/results/pipeline-*.json.",
     )
     add_arguments(pipeline)
+
+
+def _add_bench_compat(benches: argparse._SubParsersAction) -> None:
+    from tidal.bench.compat import add_arguments
+
+    compat = benches.add_parser(
+        "compat",
+        help="the chunk engine on models tidal did not write (the zoo), against plain PyTorch",
+        description="For each zoo family (Hugging Face decoders, encoders, encoder-decoders, "
+        "ViT, a CNN with BatchNorm, mixtures of experts, frozen parts, outside uses, ...) train "
+        "--steps steps with the chunk engine and the reference engine on the same seeds: fp32 "
+        "with no budget, and fp32, bf16 and gradient accumulation 2 at the least budget an "
+        "unlimited run measured; with --ranks N also the sharded engine on N gloo ranks. Each "
+        "family runs in a worker process, so an exception or a signal is a row, not the end "
+        "of the run (every family: about 1 min on 2 CPU cores, 6 min with --ranks 2). Writes "
+        "benchmarks/results/compat-*.json; --markdown renders one as the docs table.",
+    )
+    add_arguments(compat)
 
 
 def _add_bench_dp(benches: argparse._SubParsersAction) -> None:

@@ -194,6 +194,10 @@ def _bench(args: argparse.Namespace, console: Console) -> int:
         from tidal.bench.pipemare import run as run_pipemare
 
         return run_pipemare(args, console)
+    if args.bench == "compat":
+        from tidal.bench.compat import run as run_compat
+
+        return run_compat(args, console)
     from tidal.bench import bench_train, write_results
     from tidal.config import format_bytes
 

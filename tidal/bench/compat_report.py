@@ -1,0 +1,124 @@
+"""The compatibility table of docs/chunk-engine.md, rendered from a ``compat-*.json`` file
+(``tidal bench compat --markdown FILE``), so that every figure in it comes from that file."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+__all__ = ["COLUMNS", "load_results", "markdown"]
+
+# (column, mode) in table order; rank modes are found by prefix, whatever N the run used.
+COLUMNS = (
+    ("fp32 unlimited", "fp32-unlimited"),
+    ("fp32 tight", "fp32-tight"),
+    ("bf16 tight", "bf16-tight"),
+    ("accumulation 2, tight", "accum2-tight"),
+    ("ranks, unlimited", "-unlimited"),
+    ("ranks, tight", "-tight"),
+)
+
+
+def load_results(path: Path) -> dict[str, Any]:
+    data = json.loads(path.read_text())
+    if data.get("bench") != "compat":
+        raise ValueError(f"{path} is a {data.get('bench')!r} result, not a compat one")
+    return data
+
+
+def _rank_mode(row: dict[str, Any], suffix: str) -> bool:
+    return row["ranks"] > 1 and row["mode"].endswith(suffix)
+
+
+def _find(rows: list[dict[str, Any]], mode: str) -> dict[str, Any] | None:
+    for row in rows:
+        if row["mode"] == mode or (mode.startswith("-") and _rank_mode(row, mode)):
+            return row
+    return None
+
+
+def _diff(value: float) -> str:
+    return "0" if value == 0 else f"{value:.1e}"
+
+
+def _cell(row: dict[str, Any] | None, notes: list[str]) -> str:
+    if row is None:
+        return "-"
+    result = row["result"]
+    if result.startswith("error") or result == "skipped":
+        reason = row.get("reason") or result.removeprefix("error: ")
+        if reason not in notes:  # one footnote per distinct cause
+            notes.append(reason)
+        word = "**error**" if result.startswith("error") else "skipped"
+        return f"{word} [{notes.index(reason) + 1}]"
+    word = "match" if result == "match" else f"**{result}**"
+    diff = row["max_rel_loss_diff"]
+    text = f"{word} {'-' if diff is None else _diff(diff)}"
+    if row["precision"] != "fp32":
+        text += f" {'≤' if result == 'match' else '>'} {row['tolerance']:.1e}"
+    if row.get("budget_bytes") is not None:
+        text += f" @ {row['budget_bytes'] / 1024:.0f}KiB"
+    if row.get("same_as_unlimited") is False:
+        text += " †"
+    return text
+
+
+def _escape(text: str) -> str:
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
+def markdown(data: dict[str, Any]) -> str:
+    """The table (one line per family, in the file's order), its provenance and footnotes."""
+    rows: list[dict[str, Any]] = data["rows"]
+    families: dict[str, list[dict[str, Any]]] = {}
+    for row in rows:
+        families.setdefault(row["family"], []).append(row)
+    ranks = max((r["ranks"] for r in rows), default=1)
+    headers = ["family", "kind", "what it exercises"] + [
+        name.replace("ranks", f"{ranks} ranks") for name, _ in COLUMNS
+    ]
+    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    notes: list[str] = []
+    for name, group in families.items():
+        first = group[0]
+        cells = [f"`{name}`", first["kind"], _escape(first["notes"])]
+        cells += [_cell(_find(group, mode), notes) for _, mode in COLUMNS]
+        lines.append("| " + " | ".join(cells) + " |")
+    steps = {r.get("steps") for r in rows} - {None}
+    chunk = {r.get("chunk_elements") for r in rows} - {None}
+    head = (
+        f"`{data['command']}` at commit `{(data['git_commit'] or 'unknown')[:12]}`, torch "
+        f"{data['torch_version']}, {data['device']}, {data['created_at']}; "
+        f"{'/'.join(map(str, sorted(steps)))} steps, chunks of "
+        f"{'/'.join(map(str, sorted(chunk)))} elements."
+    )
+    tail = [f"[{i}] {_escape(note)}" for i, note in enumerate(notes, start=1)]
+    bf16 = _low_precision_summary(rows)
+    parts = [head, "", *lines, "", *(f"{line}  " for line in tail), *(["", bf16] if bf16 else [])]
+    return "\n".join(parts).rstrip() + "\n"
+
+
+def _low_precision_summary(rows: list[dict[str, Any]]) -> str | None:
+    """Which bf16 runs began where plain PyTorch on the model cast to bf16 begins."""
+    low = [r for r in rows if r["precision"] != "fp32" and r["ranks"] == 1]
+    if not low:
+        return None
+    same = [r["family"] for r in low if r.get("first_loss_as_plain") is True]
+    differ = [r["family"] for r in low if r.get("first_loss_as_plain") is False]
+    fails = [f"`{r['family']}` ({_escape(r['plain_error'])})" for r in low if "plain_error" in r]
+    unknown = [
+        r["family"] for r in low if "first_loss_as_plain" not in r and "plain_error" not in r
+    ]
+    text = (
+        f"First {low[0]['precision']} loss equal, bit for bit, to plain PyTorch's on the model "
+        f"with its parameters cast to {low[0]['precision']} (buffers as they are, as in the "
+        f"chunk engine; before any update): {len(same)} of {len(low)} families"
+    )
+    if differ:
+        text += f"; different: {', '.join(f'`{name}`' for name in differ)}"
+    if fails:
+        text += f"; plain PyTorch fails too: {'; '.join(fails)}"
+    if unknown:
+        text += f"; not compared (no first loss): {', '.join(f'`{n}`' for n in unknown)}"
+    return text + "."
