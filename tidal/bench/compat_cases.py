@@ -13,18 +13,18 @@ global RNG reseeded per micro-batch, so layerdrop and dropout draw alike in both
   the least budget] in tidal/memory/store.py), so chunks are evicted and fetched throughout.
   ``same_as_unlimited`` records whether its losses equal the unlimited run's bit for bit
   (placement must never change the arithmetic).
-- bf16: the chunk engine keeps bf16 weights (fp32 masters) and computes in bf16 from them,
-  where the reference computes under bf16 autocast from fp32 weights and keeps norms, softmax
-  and the loss in fp32. So the two differ by the rounding of the weights and of every
-  activation as well as by autocast's own deviation, and a model that computes its loss from
-  the bf16 logits (T5, a custom head) gets a loss that is itself a bf16 number, known only to
-  its spacing, 2^-7 of it at most. The bound is ``max(4 * own, BF16_FLOOR)``: ``own`` is how
+- bf16: both engines compute under bf16 autocast (norms, softmax and the loss in fp32), the
+  chunk engine from bf16 weights (fp32 masters), the reference from fp32 weights that
+  autocast rounds to bf16 where it computes in bf16. So the two differ by the rounding of the
+  weights where autocast keeps fp32, and a model that computes its loss from bf16 logits gets
+  a loss known only to bf16's spacing, 2^-7 of it at most. The bound is
+  ``max(4 * own, BF16_FLOOR)``: ``own`` is how
   far the reference's bf16 losses are from its fp32 ones (the bound of
   tests/unit/test_chunk_engine.py), ``BF16_FLOOR`` that spacing. Placement is held to more:
   ``same_as_unlimited`` must hold in bf16 too. And ``first_loss_as_plain`` says whether the
-  first loss equals, bit for bit, plain PyTorch's on the model with its parameters cast to bf16
-  (the same arithmetic, before any update), which tells a difference of precision policy from
-  an error.
+  first loss equals, bit for bit, plain PyTorch's on the model with its parameters (and norm
+  statistics) cast to bf16 under autocast (the same arithmetic, before any update), which
+  tells a difference of precision policy from an error.
 - accumulation: two micro-batches per optimizer step in both engines.
 - ranks: the sharded engine on ``ranks`` gloo processes, each on its share of the batch rows,
   with SGD and momentum (Adam divides by the root of the second moment, so a gradient that is
@@ -172,16 +172,22 @@ def _single_process(case: Case, family: ZooModel) -> dict[str, Any]:
 
 def _plain_first_loss(family: ZooModel, precision: str) -> dict[str, Any]:
     """The first step's loss of plain PyTorch on the model with its parameters cast to
-    ``precision``: what the chunk engine computes from its low-precision parameter chunks,
-    where the reference engine's autocast computes otherwise. Buffers keep their dtype, as in
-    the chunk engine (``model.to(torch.bfloat16)`` would round rotary frequencies too)."""
+    ``precision``, under autocast: what the chunk engine computes from its low-precision
+    parameter chunks. Of the buffers only norm layers' statistics are cast, as in the chunk
+    engine (``model.to(torch.bfloat16)`` would round rotary frequencies too)."""
     model = family.build(0)
+    dtype = _DTYPES[precision]
     with torch.no_grad():
         for param in model.parameters():
-            param.data = param.data.to(_DTYPES[precision])
+            param.data = param.data.to(dtype)
+        for module in model.modules():
+            if isinstance(module, torch.nn.modules.batchnorm._NormBase):
+                for name, buffer in module._buffers.items():
+                    if buffer is not None and buffer.is_floating_point():
+                        module._buffers[name] = buffer.to(dtype)
     seed_step(0)
     try:
-        with torch.no_grad():
+        with torch.no_grad(), torch.autocast("cpu", dtype=dtype):
             return {"plain_first_loss": model(**family.batch(0)).item()}
     except Exception as err:
         return {"plain_error": error_result(err)["error"]}

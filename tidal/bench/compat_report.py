@@ -112,8 +112,8 @@ def _low_precision_summary(rows: list[dict[str, Any]]) -> str | None:
     ]
     text = (
         f"First {low[0]['precision']} loss equal, bit for bit, to plain PyTorch's on the model "
-        f"with its parameters cast to {low[0]['precision']} (buffers as they are, as in the "
-        f"chunk engine; before any update): {len(same)} of {len(low)} families"
+        f"with its parameters and norm statistics cast to {low[0]['precision']}, under autocast "
+        f"(as in the chunk engine; before any update): {len(same)} of {len(low)} families"
     )
     if differ:
         text += f"; different: {', '.join(f'`{name}`' for name in differ)}"

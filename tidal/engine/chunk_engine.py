@@ -26,7 +26,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_map_only
 
 from tidal.config import ConfigError, format_bytes
 from tidal.engine.accumulation import AccumulationCounter
@@ -71,9 +70,10 @@ class ChunkEngine(AccumulationCounter):
         _move_buffers(model, self.device, _PARAM_DTYPES[training.precision])
         self.device_tier, self.host_tier = self._make_tiers(memory)
         self.layout = self._plan_layout(model, chunk)
-        # bf16/fp16: the model computes in that precision from parameter chunks of it; the optimizer
-        # updates fp32 master chunks, taken from the full-precision weights before the store
-        # converts them. fp16 also scales the loss (LossScale) so small gradients survive.
+        # bf16/fp16: the model computes from parameter chunks of that dtype, under autocast (see
+        # _autocast); the optimizer updates fp32 master chunks, taken from the full-precision
+        # weights before the store converts them. fp16 also scales the loss (LossScale) so small
+        # gradients survive.
         param_dtype = _PARAM_DTYPES[training.precision]
         self.loss_scale = LossScale() if training.precision == "fp16" else None
         masters = self._make_masters(model, param_dtype)
@@ -243,11 +243,10 @@ class ChunkEngine(AccumulationCounter):
             )
         if self._in_iteration:
             self._end_iteration()
-        args, kwargs = self._cast_inputs(args, kwargs)
         self.store.begin_iteration()
         self._in_iteration = True
         try:
-            with self.store.meter.tracking():
+            with self.store.meter.tracking(), self._autocast():
                 output = self.model(*args, **kwargs)
         except BaseException:
             self._in_iteration = False
@@ -257,21 +256,14 @@ class ChunkEngine(AccumulationCounter):
             self._end_iteration()
         return output
 
-    def _cast_inputs(
-        self, args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        """Floating-point inputs in the parameters' dtype under bf16/fp16 (as FSDP's mixed
-        precision casts forward inputs): the model computes in that precision from chunks of
-        it, and a CNN's images or a model's float features would meet weights of another
-        dtype. Token ids and other integer tensors are left as they are."""
+    def _autocast(self) -> contextlib.AbstractContextManager[Any]:
+        """bf16/fp16: the parameters are in that dtype already; autocast runs the ops it keeps
+        in fp32 (norms, softmax, losses) in fp32 as the reference engine does, and casts
+        floating inputs (a CNN's images) where they meet the weights."""
         dtype = _PARAM_DTYPES[self.precision]
         if dtype == torch.float32:
-            return args, kwargs
-
-        def cast(tensor: torch.Tensor) -> torch.Tensor:
-            return tensor.to(dtype) if tensor.is_floating_point() else tensor
-
-        return tree_map_only(torch.Tensor, cast, (args, kwargs))
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=self.device.type, dtype=dtype)
 
     def backward(self, loss: torch.Tensor) -> None:
         scaled = loss / self.grad_accum_steps if self.grad_accum_steps > 1 else loss
