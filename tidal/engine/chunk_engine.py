@@ -99,6 +99,7 @@ class ChunkEngine(AccumulationCounter):
         self._in_iteration = False
         self._placed = False
         self._relayout_pending = chunk.relayout  # see _relayout
+        self.store.keep_trace_params = chunk.relayout
 
     # -- construction steps (the sharded engine replaces some) ------------------------------------
 
@@ -205,7 +206,9 @@ class ChunkEngine(AccumulationCounter):
         if not self._relayout_pending or self.store.trace is None or self._in_iteration:
             return
         self._relayout_pending = False
-        if relayout(self.model, self.store, self.optimizer) is None:
+        done = relayout(self.model, self.store, self.optimizer)
+        self.store.keep_trace_params = False  # relayout's translation was their only reader
+        if done is None:
             return
         self.layout = self.store.layout
         self.min_budget_bytes, self._largest_module = _largest_module_bytes(self.model, self.store)

@@ -13,10 +13,12 @@ works as well.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
 from torch import nn
+from torch._C import DisableTorchFunctionSubclass
 from torch.utils.hooks import RemovableHandle
 
 from tidal.memory.store import ChunkStore
@@ -79,11 +81,19 @@ def install_hooks(
         if own:
             handles += _hook_module(module, name or "<root>", own, store)
     seen: set[int] = set()
+    collect = StoreHook(functools.partial(_plainly, on_grad))
     for param in model.parameters():
         if param.requires_grad and id(param) not in seen:
             seen.add(id(param))
-            handles.append(param.register_post_accumulate_grad_hook(on_grad))
+            handles.append(param.register_post_accumulate_grad_hook(collect))
     return handles
+
+
+def _plainly(on_grad: Callable[[nn.Parameter], None], param: nn.Parameter) -> None:
+    # The collector reads and sets .grad and .dtype several times per parameter: as plain
+    # tensor attribute reads, not calls through ChunkParameter.__torch_function__ (uses.py).
+    with DisableTorchFunctionSubclass():
+        on_grad(param)
 
 
 def _hook_module(

@@ -108,8 +108,10 @@ class ChunkStore:
         self._load_parameters(model, values_of(model) if values is None else values)
         self.trace: AccessTrace | None = None
         # Per moment of ``trace``: id(param) of every parameter held then (relayout translates
-        # the trace through them).
+        # the trace through them); recorded only while ``keep_trace_params`` (the engine turns
+        # it off once relayout is behind it).
         self.trace_params: tuple[frozenset[int], ...] = ()
+        self.keep_trace_params = True
         self._recorder = TraceRecorder([c.num_bytes for c in self.chunks])
         self._recorded_params: list[frozenset[int]] = []
         # [Note: the least budget] in shortfall.py: the largest figures over every iteration
@@ -134,6 +136,7 @@ class ChunkStore:
         self._moment = -1
         self._label = "before the first moment"
         self._param_storages = _storage_keys(self.chunks, device_tier)
+        self._pids_in = _pids_by_chunk(self.slot_of, len(self.chunks))
         self._held: dict[int, int] = {}  # id(param) -> acquires not yet released
         self._forward_depth = 0  # the model's own forward is running (hooks.py)
         # Parameters held since backward unpacked them ([Note: parameter uses] in uses.py).
@@ -234,7 +237,7 @@ class ChunkStore:
         self.first_use_order = tuple(self._first_use_now)
         if self.trace is None or _differs(recorded, self.trace):
             self.trace = recorded
-            self.trace_params = tuple(self._recorded_params)
+            self.trace_params = tuple(self._recorded_params) if self.keep_trace_params else ()
             self.num_traces += 1
         self._following_trace = False
         self._moment, self._label = -1, "between iterations"
@@ -332,7 +335,8 @@ class ChunkStore:
         if self._recorder.recording:
             self._recorder.raise_last(self.meter.take_peak_bytes())
             moment = self._recorder.record(label, chunks, live_bytes).index
-            self._recorded_params.append(frozenset(self._held) | {id(p) for p in params})
+            if self.keep_trace_params:
+                self._recorded_params.append(frozenset(self._held) | {id(p) for p in params})
             self._first_use_now.update(dict.fromkeys(map(id, params)))  # seen ones keep their place
             if self._following_trace and not self._matches_trace(moment, label, chunks):
                 self._following_trace = False
@@ -553,8 +557,10 @@ class ChunkStore:
         moment. Only those: with gradients in the parameter chunks another slot of the chunk
         may already hold its gradient, which is no use of it."""
         index = self._param_storages[key]
-        params = [self.params[pid] for pid in self._slots_under(index, tensor)]
-        idle = [p for p in params if id(p) not in self._held]
+        if all(pid in self._held for pid, _ in self._pids_in[index]):
+            return  # the usual case: the module whose backward this is holds them
+        under = self._slots_under(index, tensor)
+        idle = [self.params[pid] for pid in under if pid not in self._held]
         if not idle:
             return
         self._unpacking = True
@@ -566,13 +572,13 @@ class ChunkStore:
 
     def _slots_under(self, index: int, tensor: torch.Tensor) -> list[int]:
         """id(param) of the slots of chunk ``index`` that ``tensor`` (a view of it) reaches."""
-        in_chunk = [(pid, slot) for pid, (i, slot) in self.slot_of.items() if i == index]
-        if tensor.numel() == 0 or tensor.dtype != self.chunks[index].dtype:
-            return [pid for pid, _ in in_chunk]  # reaches nothing, or cannot tell: all of them
-        first = tensor.storage_offset()
-        last = first + sum(
-            (n - 1) * abs(s) for n, s in zip(tensor.shape, tensor.stride(), strict=True)
-        )
+        in_chunk = self._pids_in[index]
+        with torch._C.DisableTorchFunctionSubclass():  # plain metadata reads of a parameter
+            if tensor.numel() == 0 or tensor.dtype != self.chunks[index].dtype:
+                return [pid for pid, _ in in_chunk]  # reaches nothing, or cannot tell: all
+            first = tensor.storage_offset()
+            sizes = zip(tensor.shape, tensor.stride(), strict=True)
+            last = first + sum((n - 1) * abs(s) for n, s in sizes)
         slots = self.layout.chunks[index].slots
         return [pid for pid, slot in in_chunk
                 if slots[slot].offset <= last and first < slots[slot].offset + slots[slot].numel]  # fmt: skip
@@ -605,9 +611,20 @@ class ChunkStore:
         for pid, (index, slot) in slot_of.items():
             repoint(self.params[pid], chunks[index].device_view(slot, self.device_tier))
         self._param_storages = _storage_keys(chunks, self.device_tier)
+        self._pids_in = _pids_by_chunk(slot_of, len(chunks))
         self.trace = trace
         self._recorder = TraceRecorder([c.num_bytes for c in chunks])
         self._arrivals.clear()  # events of the old chunks, all waited for by the caller
+
+
+def _pids_by_chunk(
+    slot_of: dict[int, tuple[int, int]], num_chunks: int
+) -> list[list[tuple[int, int]]]:
+    """Per chunk index, (id(param), slot) of its parameters."""
+    pids: list[list[tuple[int, int]]] = [[] for _ in range(num_chunks)]
+    for pid, (index, slot) in slot_of.items():
+        pids[index].append((pid, slot))
+    return pids
 
 
 def _storage_keys(chunks: list[Chunk], device_tier: Tier) -> dict[int, int]:

@@ -132,8 +132,10 @@ class ChunkParameter(nn.Parameter):
         if func in _METADATA:
             return _plain(func, args, kwargs)
         call: Call = functools.partial(_plain, func)
-        owners = {t._uses for t in types if issubclass(t, ChunkParameter)}
-        for uses in owners:  # parameters of several engines in one call: each makes its own
+        owners = [t._uses for t in types if issubclass(t, ChunkParameter)]
+        if len(owners) == 1:
+            return owners[0].run(call, func, args, kwargs)
+        for uses in set(owners):  # parameters of several engines in one call: each makes its own
             call = functools.partial(uses.run, call, func)
         return call(args, kwargs)
 
