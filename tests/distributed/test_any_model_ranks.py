@@ -123,22 +123,24 @@ def _users_code() -> dict[str, Any]:
 
 
 class _ExpertPerRank(torch.nn.Module):
-    """Two experts of one shape; each rank routes to its own (what a mixture of experts does
-    when its tokens choose differently), so the ranks run different modules."""
+    """Two experts; each rank routes to its own (what a mixture of experts does when its tokens
+    choose differently), so the ranks run different modules. Unchecked, experts of one shape
+    mix their shards silently and experts of two shapes abort gloo (SIGABRT)."""
 
-    def __init__(self) -> None:
+    def __init__(self, same_shape: bool) -> None:
         super().__init__()
         torch.manual_seed(0)
         self.embed = torch.nn.Embedding(64, 32)
-        self.experts = torch.nn.ModuleList(torch.nn.Linear(32, 32) for _ in range(2))
+        wide = torch.nn.Linear(32, 32) if same_shape else torch.nn.Linear(32, 96)
+        self.experts = torch.nn.ModuleList([torch.nn.Linear(32, 32), wide])
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return self.experts[dist.get_rank() % 2](self.embed(ids)).square().mean()
 
 
-def _diverging_ranks() -> str:
+def _diverging_ranks(same_shape: bool) -> str:
     engine = ShardedEngine(
-        _ExpertPerRank(),
+        _ExpertPerRank(same_shape),
         optimizer=OPTIMIZER,
         training=TrainingConfig(device="cpu"),
         memory=MemoryConfig(),
@@ -153,7 +155,10 @@ def _diverging_ranks() -> str:
 
 
 def _all_cases() -> dict[str, Any]:
-    results: dict[str, Any] = {"users_code": _users_code(), "diverged": _diverging_ranks()}
+    results: dict[str, Any] = {
+        "users_code": _users_code(),
+        "diverged": [_diverging_ranks(same_shape) for same_shape in (True, False)],
+    }
     for name in ("opt-layerdrop", "bert-unused-pooler"):  # AdamW's per-parameter step counts
         engine = _sharded(name, None, ADAMW)
         _run(engine, name)
@@ -236,6 +241,6 @@ def test_ranks_that_run_different_modules_stop_with_an_error(
 ) -> None:
     """Not a hang, and not one expert's shards mixed with the other's: every rank raises."""
     for rank in ranks:
-        message = rank["diverged"]
-        assert "experts.0.weight" in message and "experts.1.weight" in message, message
-        assert "same modules" in message
+        for message in rank["diverged"]:
+            assert "experts.0.weight" in message and "experts.1.weight" in message, message
+            assert "same modules" in message
