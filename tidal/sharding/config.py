@@ -27,8 +27,9 @@ class ShardingConfig:
             two-number all-reduce on a CPU group, [Note: ranks decide alike] in store.py), so
             ranks that run different modules (a mixture of experts that skips an expert no
             token chose) stop with an error naming both chunks instead of hanging or mixing
-            shards; ``false`` saves that round trip (about 1 ms a gather between 2 processes
-            on a 2-core CPU machine) once a model is known to run alike.
+            shards; ``false`` saves that round trip once a model is known to run alike (it
+            cost 6-10% of the demo's step on 2 ranks of a 2-core CPU machine, ``tidal bench
+            dp --section perf``).
     """
 
     reshard_after_forward: bool = True
