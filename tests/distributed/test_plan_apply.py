@@ -21,9 +21,10 @@ from tidal.models import build_gpt, preset
 from tidal.planner import ClusterSpec, PlannerConfig, measure_gpt
 from tidal.planner import make_plan as make_tidal_plan
 from tidal.planner.apply import apply, check_plan, full_state_dict, make_mesh
-from tidal.planner.plan import Layout, MemoryBreakdown, Plan, Recompute, StrategyName, UnitChoice
+from tidal.planner.plan import Layout, Plan, Recompute, StrategyName
 from tidal.planner.wiring import derive_wiring, structure_graph
 from tidal.testing import run_on_ranks
+from tidal.testing.plans import Choices, hand_plan
 
 S = StrategyName
 R, SEQ, HID, P = Layout.R, Layout.SEQ, Layout.HID, Layout.P
@@ -36,7 +37,6 @@ TINY = preset("tiny")  # dropout 0.0: runs are deterministic, so they can match 
 WIRING = derive_wiring(structure_graph(build_gpt(TINY, device="meta"), seq_len=TINY.seq_len))
 GPT_UNITS = WIRING.units
 
-Choices = dict[str, tuple[StrategyName, Layout, Layout]]
 
 # Megatron's tensor parallelism: column- then row-parallel pairs, everything else replicated.
 MEGATRON: Choices = {
@@ -81,27 +81,6 @@ REPLICATED_ATTENTION: Choices = {
 }
 
 
-def plan_units(
-    choices: Choices, *, num_layers: int, zero: int = 0, zeros: dict[str, int] | None = None
-) -> list[UnitChoice]:
-    """A choice for every GPT unit: ``choices``, else replicated; ZeRO ``zeros`` else ``zero``."""
-    return [
-        UnitChoice(
-            name=name,
-            module=spec.module,
-            segment=spec.segment,
-            kind=spec.kind,
-            strategy=strategy,
-            in_layout=in_layout,
-            out_layout=out_layout,
-            zero=(zeros or {}).get(name, zero),
-            count=num_layers if "*" in name else 1,
-        )
-        for name, spec in GPT_UNITS.items()
-        for strategy, in_layout, out_layout in [choices.get(name, (S.REPLICATE, R, R))]
-    ]
-
-
 def make_plan(
     choices: Choices,
     *,
@@ -111,20 +90,10 @@ def make_plan(
     zeros: dict[str, int] | None = None,
     recompute: Recompute = Recompute.NONE,
 ) -> Plan:
-    return Plan(
-        model="tiny",
-        devices=dp * tp,
-        dp=dp,
-        tp=tp,
-        micro_batch=4 // dp,
-        seq_len=TINY.seq_len,
-        num_microbatches=1,
-        units=plan_units(choices, num_layers=TINY.num_layers, zero=zero, zeros=zeros),
-        recompute={"blocks.*": recompute},
-        memory=MemoryBreakdown(),
-        step_time_s=0.0,
-        edges=list(WIRING.edges),
-    )
+    return hand_plan(
+        WIRING, choices, model="tiny", dp=dp, tp=tp, micro_batch=4 // dp, seq_len=TINY.seq_len,
+        zero=zero, zeros=zeros, recompute={"blocks.*": recompute}, edges=list(WIRING.edges),
+    )  # fmt: skip
 
 
 CASES: dict[str, Plan] = {

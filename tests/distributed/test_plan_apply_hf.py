@@ -23,9 +23,10 @@ import torch.nn.functional as F
 from tidal.models.hf import HFModelConfig, build_hf
 from tidal.planner import ClusterSpec, PlannerConfig, Recompute, make_plan, measure
 from tidal.planner.apply import apply, full_state_dict, make_mesh
-from tidal.planner.plan import Layout, MemoryBreakdown, Plan, StrategyName, UnitChoice
+from tidal.planner.plan import Layout, Plan, StrategyName
 from tidal.planner.wiring import derive_wiring, example_inputs, structure_graph
 from tidal.testing import run_on_ranks
+from tidal.testing.plans import Choices, hand_plan
 
 transformers = pytest.importorskip("transformers")
 
@@ -48,7 +49,6 @@ CONFIGS = {
     ),
 }  # fmt: skip
 
-Choices = dict[str, tuple[StrategyName, Layout, Layout]]
 _LAYER = "model.layers.*"
 LLAMA_MEGATRON: Choices = {
     "model.embed_tokens": (S.VOCAB, R, P),
@@ -113,28 +113,10 @@ def _model_config(path: Path) -> HFModelConfig:
 
 
 def _hand_made(path: Path, choices: Choices) -> Plan:
-    meta = build_hf(_model_config(path))
-    wiring = derive_wiring(structure_graph(meta, seq_len=SEQ_LEN))
-    units = [
-        UnitChoice(
-            name=name,
-            module=spec.module,
-            segment=spec.segment,
-            kind=spec.kind,
-            strategy=s,
-            in_layout=i,
-            out_layout=o,
-            zero=0,
-            count=wiring.counts[name],
-        )  # fmt: skip
-        for name, spec in wiring.units.items()
-        for s, i, o in [choices.get(name, (S.REPLICATE, R, R))]
-    ]
-    return Plan(
-        model=path.parent.name, devices=WORLD, dp=1, tp=WORLD, micro_batch=BATCH,
-        seq_len=SEQ_LEN, num_microbatches=1, units=units, recompute={},
-        memory=MemoryBreakdown(), step_time_s=0.0,
-    )  # fmt: skip
+    wiring = derive_wiring(structure_graph(build_hf(_model_config(path)), seq_len=SEQ_LEN))
+    return hand_plan(
+        wiring, choices, model=path.parent.name, tp=WORLD, micro_batch=BATCH, seq_len=SEQ_LEN
+    )
 
 
 def _planned(path: Path, *, tp: int) -> Plan:

@@ -11,8 +11,9 @@ from torch import nn
 
 from tidal.models import build_gpt, preset
 from tidal.planner.check import check_plan
-from tidal.planner.plan import Layout, MemoryBreakdown, Plan, Recompute, StrategyName, UnitChoice
+from tidal.planner.plan import Layout, Plan, Recompute, StrategyName
 from tidal.planner.wiring import UnitSpec, derive_wiring, structure_graph
+from tidal.testing.plans import Choices, hand_plan
 
 S = StrategyName
 R, SEQ, HID, P = Layout.R, Layout.SEQ, Layout.HID, Layout.P
@@ -148,28 +149,9 @@ def test_gpt2_wiring_from_its_graph() -> None:
 # -- plans apply refuses --------------------------------------------------------------------------
 
 
-def _plan(model: nn.Module, choices: dict[str, tuple], *, tp: int = 2, **fields: object) -> Plan:
+def _plan(model: nn.Module, choices: Choices, *, tp: int = 2, **fields: object) -> Plan:
     wiring = derive_wiring(structure_graph(model, seq_len=16))
-    units = [
-        UnitChoice(
-            name=name,
-            module=spec.module,
-            segment=spec.segment,
-            kind=spec.kind,
-            strategy=s,
-            in_layout=i,
-            out_layout=o,
-            zero=0,
-            count=wiring.counts[name],
-        )  # fmt: skip
-        for name, spec in wiring.units.items()
-        for s, i, o in [choices.get(name, (S.REPLICATE, R, R))]
-    ]
-    return Plan(
-        model="m", devices=tp, dp=1, tp=tp, micro_batch=1, seq_len=16, num_microbatches=1,
-        units=units, recompute=fields.get("recompute", {}), memory=MemoryBreakdown(),
-        step_time_s=0.0,
-    )  # fmt: skip
+    return hand_plan(wiring, choices, model="m", tp=tp, seq_len=16, **fields)
 
 
 class _HeadInterleaved(nn.Module):
