@@ -170,3 +170,18 @@ def test_regrow_respects_the_budget() -> None:
     device.free(blocker)
     chunk.move_to(device)
     assert torch.all(chunk.view(0) == 2.0) and device.held_bytes == chunk.num_bytes
+
+
+def test_slots_reached_by_views_of_the_device_buffer() -> None:
+    """Backward's unpack fetches only the slots a saved view reaches (store._model_unpacked)."""
+    chunk = _chunk()
+    device, _ = _tiers()
+    chunk.allocate(device)
+    slots = chunk.spec.slots  # embedding [10, 4], linear weight [3, 4] and bias [3], head [10, 3]
+    weight = chunk.view(1)
+    assert chunk.slots_reached(weight) == {1}
+    assert chunk.slots_reached(weight.t()) == {1}  # a transposed view reaches the same range
+    assert chunk.slots_reached(chunk.view(3)[2:4]) == {3}
+    across = chunk.payload.narrow(0, slots[1].offset, slots[2].offset - slots[1].offset + 1)
+    assert chunk.slots_reached(across) == {1, 2}
+    assert chunk.slots_reached(weight.to(torch.bfloat16)) == {0, 1, 2, 3}  # cannot tell: all

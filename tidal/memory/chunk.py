@@ -250,6 +250,18 @@ class Chunk:
         info = self.spec.slots[slot]
         return buffer.narrow(0, info.offset, info.numel).view(info.shape)
 
+    def slots_reached(self, tensor: torch.Tensor) -> set[int]:
+        """The slots a view of the device buffer (``tensor``) reaches; every slot when it is
+        empty or of another dtype (nothing to tell them apart by)."""
+        with torch._C.DisableTorchFunctionSubclass():  # plain metadata reads of a parameter
+            if tensor.numel() == 0 or tensor.dtype != self.dtype:
+                return set(range(len(self.spec.slots)))
+            first = tensor.storage_offset()
+            sizes = zip(tensor.shape, tensor.stride(), strict=True)
+            last = first + sum((n - 1) * abs(s) for n, s in sizes)
+        return {i for i, info in enumerate(self.spec.slots)
+                if info.offset <= last and first < info.offset + info.numel}  # fmt: skip
+
     def write(self, slot: int, value: torch.Tensor) -> None:
         """Copy ``value`` into the slot; a FREE slot becomes HOLD."""
         assert self._states[slot] is not TensorState.COMPUTE, "write to a slot in use"

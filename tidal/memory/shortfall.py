@@ -25,7 +25,7 @@ from tidal.config import format_bytes
 from tidal.memory.tiers import Tier, TierKind, resolve_budget
 from tidal.memory.trace import AccessTrace
 
-__all__ = ["DeviceBudgetTooSmall", "Shortfall"]
+__all__ = ["DeviceBudgetTooSmall", "Shortfall", "moment_too_small"]
 
 
 class DeviceBudgetTooSmall(ValueError):
@@ -35,6 +35,30 @@ class DeviceBudgetTooSmall(ValueError):
     def __init__(self, moment_label: str, message: str) -> None:
         super().__init__(message)
         self.moment_label = moment_label
+
+
+def moment_too_small(
+    label: str,
+    *,
+    budget_bytes: int,
+    need_bytes: int,
+    stuck_bytes: int,
+    other_bytes: int,
+    live_bytes: int,
+) -> DeviceBudgetTooSmall:
+    """What a moment cannot fit, by kind: the chunks it needs, those enclosing modules hold or
+    pinned, optimizer state and the like, and the non-model bytes."""
+    total_bytes = need_bytes + stuck_bytes + other_bytes + live_bytes
+    return DeviceBudgetTooSmall(
+        label,
+        f"memory.device_budget: {budget_bytes:,} bytes ({format_bytes(budget_bytes)}) is too "
+        f"small: during or just after {label} the device must hold at least {total_bytes:,} "
+        f"bytes ({format_bytes(total_bytes)}): {need_bytes:,} of parameter chunks this moment "
+        f"needs, {stuck_bytes:,} of chunks in use by enclosing modules or pinned, "
+        f"{other_bytes:,} of optimizer state and {live_bytes:,} of activations. Raise the "
+        f"budget above that (a step on a larger budget reports the exact minimum as "
+        f"min_device_bytes), or lower training.batch_size (activations) or chunk.size",
+    )
 
 
 class Shortfall:

@@ -58,12 +58,11 @@ from collections.abc import Callable, Iterable, Iterator
 import torch
 from torch import nn
 
-from tidal.config import format_bytes
 from tidal.memory.activations import make_meter
 from tidal.memory.chunk import Chunk, ChunkKind, ChunkState, TensorState
 from tidal.memory.layout import ChunkLayout
 from tidal.memory.materialize import feed_chunks, repoint, values_of
-from tidal.memory.shortfall import DeviceBudgetTooSmall, Shortfall
+from tidal.memory.shortfall import DeviceBudgetTooSmall, Shortfall, moment_too_small
 from tidal.memory.tiers import Tier, TierBudgetError, TierKind
 from tidal.memory.trace import AccessTrace, TraceRecorder
 
@@ -235,7 +234,7 @@ class ChunkStore:
         self._recorder.raise_last(self.meter.take_peak_bytes())
         recorded = self._recorder.finish()
         self.first_use_order = tuple(self._first_use_now)
-        if self.trace is None or _differs(recorded, self.trace):
+        if self.trace is None or recorded.differs_from(self.trace):
             self.trace = recorded
             self.trace_params = tuple(self._recorded_params) if self.keep_trace_params else ()
             self.num_traces += 1
@@ -520,26 +519,15 @@ class ChunkStore:
         self, needed: frozenset[int], *, non_model_bytes: int | None = None
     ) -> DeviceBudgetTooSmall:
         tier = self.device_tier
-        need_bytes = sum(self.chunks[i].num_bytes for i in needed)
-        stuck_bytes = sum(
-            c.num_bytes
-            for c in self.chunks
-            if c.on_device and c.index not in needed
-            and (c.state is ChunkState.COMPUTE or c.index in self.pinned)
-        )  # fmt: skip
-        other_bytes = tier.allocated_bytes - sum(c.num_bytes for c in self.chunks if c.on_device)
-        live_bytes = tier.non_model_bytes if non_model_bytes is None else non_model_bytes
-        total_bytes = need_bytes + stuck_bytes + other_bytes + live_bytes
-        budget = tier.budget_bytes or 0
-        return DeviceBudgetTooSmall(
+        stuck = [c for c in self.chunks if c.on_device and c.index not in needed
+                 and (c.state is ChunkState.COMPUTE or c.index in self.pinned)]  # fmt: skip
+        return moment_too_small(
             self._label,
-            f"memory.device_budget: {budget:,} bytes ({format_bytes(budget)}) is too small: "
-            f"during or just after {self._label} the device must hold at least "
-            f"{total_bytes:,} bytes ({format_bytes(total_bytes)}): {need_bytes:,} of parameter "
-            f"chunks this moment needs, {stuck_bytes:,} of chunks in use by enclosing modules "
-            f"or pinned, {other_bytes:,} of optimizer state and {live_bytes:,} of activations. "
-            f"Raise the budget above that (a step on a larger budget reports the exact minimum "
-            f"as min_device_bytes), or lower training.batch_size (activations) or chunk.size",
+            budget_bytes=tier.budget_bytes or 0,
+            need_bytes=sum(self.chunks[i].num_bytes for i in needed),
+            stuck_bytes=sum(c.num_bytes for c in stuck),
+            other_bytes=tier.allocated_bytes - sum(c.num_bytes for c in self.chunks if c.on_device),
+            live_bytes=tier.non_model_bytes if non_model_bytes is None else non_model_bytes,
         )
 
     # -- uses outside the module hooks ([Note: parameter uses] in uses.py) ----------------------
@@ -559,7 +547,8 @@ class ChunkStore:
         index = self._param_storages[key]
         if all(pid in self._held for pid, _ in self._pids_in[index]):
             return  # the usual case: the module whose backward this is holds them
-        under = self._slots_under(index, tensor)
+        reached = self.chunks[index].slots_reached(tensor)
+        under = [pid for pid, slot in self._pids_in[index] if slot in reached]
         idle = [self.params[pid] for pid in under if pid not in self._held]
         if not idle:
             return
@@ -569,19 +558,6 @@ class ChunkStore:
         finally:
             self._unpacking = False
         self._unpack_held += idle
-
-    def _slots_under(self, index: int, tensor: torch.Tensor) -> list[int]:
-        """id(param) of the slots of chunk ``index`` that ``tensor`` (a view of it) reaches."""
-        in_chunk = self._pids_in[index]
-        with torch._C.DisableTorchFunctionSubclass():  # plain metadata reads of a parameter
-            if tensor.numel() == 0 or tensor.dtype != self.chunks[index].dtype:
-                return [pid for pid, _ in in_chunk]  # reaches nothing, or cannot tell: all
-            first = tensor.storage_offset()
-            sizes = zip(tensor.shape, tensor.stride(), strict=True)
-            last = first + sum((n - 1) * abs(s) for n, s in sizes)
-        slots = self.layout.chunks[index].slots
-        return [pid for pid, slot in in_chunk
-                if slots[slot].offset <= last and first < slots[slot].offset + slots[slot].numel]  # fmt: skip
 
     def _release_unpack_held(self) -> None:
         held, self._unpack_held = self._unpack_held, []
@@ -630,11 +606,3 @@ def _pids_by_chunk(
 def _storage_keys(chunks: list[Chunk], device_tier: Tier) -> dict[int, int]:
     """Storage key (``untyped_storage()._cdata``, stable across resizes) -> chunk index."""
     return {c.device_handle(device_tier).untyped_storage()._cdata: c.index for c in chunks}
-
-
-def _differs(recorded: AccessTrace, stored: AccessTrace) -> bool:
-    """Another sequence, or other non-model figures: see the module doc."""
-    if recorded.signature() != stored.signature():
-        return True
-    pairs = zip(recorded.moments, stored.moments, strict=True)  # same signature: same length
-    return any(a.non_model_bytes != b.non_model_bytes for a, b in pairs)

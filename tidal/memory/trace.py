@@ -91,6 +91,14 @@ class AccessTrace:
         sequence = [[moment.label, sorted(moment.chunks)] for moment in self.moments]
         return hashlib.sha256(json.dumps(sequence).encode()).hexdigest()
 
+    def differs_from(self, other: AccessTrace) -> bool:
+        """Another sequence, or the same one with other non-model figures (a longer input
+        through the same modules): a store adopts such a trace ([Note: chunk store])."""
+        if self.signature() != other.signature():
+            return True
+        pairs = zip(self.moments, other.moments, strict=True)  # same signature: same length
+        return any(a.non_model_bytes != b.non_model_bytes for a, b in pairs)
+
     @cached_property
     def _uses(self) -> tuple[tuple[int, ...], ...]:
         uses: list[list[int]] = [[] for _ in self.chunk_bytes]
