@@ -18,6 +18,7 @@ from tidal.bench.pipeline import (
     config_from_args,
     predict,
     run,
+    steady_step_s,
 )
 from tidal.config import ConfigError
 from tidal.pipeline.simulate import StageCosts
@@ -70,7 +71,17 @@ def test_tiny_run_writes_json_and_png(tmp_path) -> None:
     by_name = {r["schedule"]: r for r in data["rows"]}
     assert len(by_name["gpipe"]["step_times_s"]) == 2  # one per timed step
     assert len(by_name["pipemare"]["one_step_programs_s"]) == 1
+    for r in by_name["pipemare"]["rounds"]:
+        if not r["steady_state_resolved"]:
+            assert r["measured_step_s"] == pytest.approx(r["program_s"] / 2)
     assert "pipemare" in out.getvalue() and str(path) in out.getvalue()
+
+
+def test_steady_step_never_reports_a_negative_time() -> None:
+    assert steady_step_s(5.0, 2.0, steps=4) == (1.0, True)  # (5 - 2) / 3
+    # Noise in the one-step program larger than the steps' difference: the upper bound instead.
+    assert steady_step_s(0.010, 0.013, steps=2) == (0.005, False)
+    assert steady_step_s(0.010, 0.010, steps=2) == (0.005, False)
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])

@@ -48,6 +48,9 @@ anything else on the machine).
   slows a round down, and taking turns keeps a burst of it from landing on one schedule only.
   PipeMare's figure is a difference of two timings, so a burst during its ``T(1)`` would lower
   it instead; ``program_s / k`` (fill and drain included) in the JSON bounds it from above.
+  A round whose difference comes out at or below zero (a tiny model, few steps, a burst during
+  ``T(1)``) has no steady-state figure: it reports that bound, ``program_s / k``, as its step
+  time and ``steady_state_resolved: false``, never a negative or zero step time.
 - ``bubble_fraction`` is the simulator's idle share of the ranks in that step time,
   ``1 - sum over stages of (m (F + B) + U) / (p * predicted_step_s)``: ``(p-1)/(m+p-1)`` plus
   the update and p2p terms for the synchronous schedules, about 0 for PipeMare.
@@ -381,6 +384,15 @@ def _warm_runtime(config: PipelineBenchConfig, schedule: str, rank: int) -> Pipe
     return runtime
 
 
+def steady_step_s(program_s: float, one_step_s: float, steps: int) -> tuple[float, bool]:
+    """A no-flush schedule's step time from a ``steps``-step and a 1-step program, and whether
+    the difference resolved it (else the upper bound ``program_s / steps``); see [Note: rounds]."""
+    difference_s = (program_s - one_step_s) / (steps - 1)
+    if difference_s > 0:
+        return difference_s, True
+    return program_s / steps, False
+
+
 def _measure(config: PipelineBenchConfig, runtime: PipelineRuntime) -> dict[str, Any]:
     """One round; see [Note: step time]. CPU and run-queue wait are per step, summed over ranks."""
     batch = _batch_fn(config)
@@ -401,8 +413,10 @@ def _measure(config: PipelineBenchConfig, runtime: PipelineRuntime) -> dict[str,
     (many,) = _over_ranks([_timed(lambda: runtime.train(config.steps, batch, _lr))])
     one = [statistics.median(column) for column in zip(*ones, strict=True)]
     wall, cpu, wait = ((m - o) / (config.steps - 1) for m, o in zip(many, one, strict=True))
+    step_s, resolved = steady_step_s(many[0], one[0], config.steps)
     return {
-        "measured_step_s": wall,
+        "measured_step_s": step_s,
+        "steady_state_resolved": resolved,
         "one_step_programs_s": [t[0] for t in ones],
         "program_s": many[0],
         "cpu_s_per_step": cpu,
