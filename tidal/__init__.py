@@ -18,10 +18,10 @@ from typing import Any
 from torch import nn
 
 from tidal.config import ConfigError
-from tidal.engine import JobConfig, ReferenceEngine, Trainer, load_job
-from tidal.engine.build import Engine, build_engine
-from tidal.engine.chunk_engine import ChunkEngine
 from tidal.memory.materialize import ParameterValues
+from tidal.parallel.chunk_engine import ChunkEngine
+from tidal.train import JobConfig, ReferenceEngine, Trainer, load_job
+from tidal.train.build import Engine, build_engine
 
 __version__ = "0.1.0"
 

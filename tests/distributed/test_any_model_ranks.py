@@ -19,16 +19,16 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tidal.engine import OptimizerConfig, ReferenceEngine, TrainingConfig
-from tidal.engine.config import MemoryConfig
-from tidal.engine.sharded_engine import ShardedEngine
 from tidal.memory.config import ChunkConfig
 from tidal.memory.uses import ParameterUseError
 from tidal.models import build_gpt, preset
+from tidal.parallel.config import MemoryConfig
+from tidal.parallel.sharded_engine import ShardedEngine
 from tidal.sharding.config import ShardingConfig
 from tidal.sharding.store import RanksDiverged
 from tidal.testing import run_on_ranks
 from tidal.testing.zoo import run_steps, zoo_model
+from tidal.train import OptimizerConfig, ReferenceEngine, TrainingConfig
 
 pytest.importorskip("transformers")
 

@@ -17,12 +17,12 @@ from typing import Any
 import pytest
 import torch
 
-from tidal.engine import Trainer
-from tidal.engine.checkpoint import latest_checkpoint, list_checkpoints, load_model_state
-from tidal.engine.dist_checkpoint import CheckpointWriteError
-from tidal.engine.export import export_run, load_export
-from tidal.engine.metrics import read_metrics
 from tidal.testing import run_on_ranks
+from tidal.train import Trainer
+from tidal.train.checkpoint import latest_checkpoint, list_checkpoints, load_model_state
+from tidal.train.dist_checkpoint import CheckpointWriteError
+from tidal.train.export import export_run, load_export
+from tidal.train.metrics import read_metrics
 
 STEPS, HALF = 8, 4
 RTOL = 1e-5
@@ -140,7 +140,7 @@ def test_a_full_disk_keeps_the_previous_checkpoint(
     def full_disk(*_args: Any, **_kwargs: Any) -> int:
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr("tidal.engine.dist_checkpoint._write_tensor_file", full_disk)
+    monkeypatch.setattr("tidal.train.dist_checkpoint._write_tensor_file", full_disk)
     with pytest.raises(
         CheckpointWriteError, match=r"No space left on device.*step_00000004 is intact"
     ):

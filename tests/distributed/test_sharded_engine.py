@@ -16,14 +16,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from tidal.engine import OptimizerConfig, ReferenceEngine, TrainingConfig
-from tidal.engine.chunk_engine import ChunkEngine
-from tidal.engine.config import MemoryConfig
-from tidal.engine.sharded_engine import ShardedEngine
 from tidal.memory.config import ChunkConfig
 from tidal.models import build_gpt, gpt_init, preset
+from tidal.parallel.chunk_engine import ChunkEngine
+from tidal.parallel.config import MemoryConfig
+from tidal.parallel.sharded_engine import ShardedEngine
 from tidal.sharding.config import ShardingConfig
 from tidal.testing import run_on_ranks
+from tidal.train import OptimizerConfig, ReferenceEngine, TrainingConfig
 
 WORLD = 2
 STEPS = 10

@@ -15,9 +15,9 @@ from typing import Any
 import pytest
 
 from tidal.cli.main import main
-from tidal.engine import Trainer
-from tidal.engine.metrics import read_metrics
 from tidal.testing import run_on_ranks
+from tidal.train import Trainer
+from tidal.train.metrics import read_metrics
 
 STEPS = 4
 TOL = 1e-5
@@ -57,9 +57,9 @@ def _losses(run_dir: Path) -> tuple[list[float], list[float]]:
 def _worker(root: str, reference: tuple[list[float], list[float]]) -> None:
     import torch.distributed as dist
 
-    from tidal.engine.pipeline_trainer import PipelineTrainer
     from tidal.pipeline.schedules import make_schedule
     from tidal.pipeline.simulate import simulate
+    from tidal.train.pipeline_trainer import PipelineTrainer
 
     root_path = Path(root)
     PipelineTrainer(_job(root_path / "sync", schedule="1f1b")).fit()

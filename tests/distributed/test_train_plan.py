@@ -24,12 +24,12 @@ import torch
 
 from tidal.cli.main import main
 from tidal.config import ConfigError
-from tidal.engine import Trainer
-from tidal.engine.checkpoint import latest_checkpoint, load_model_state
-from tidal.engine.metrics import read_metrics
 from tidal.models import closed_form_num_params, preset
 from tidal.planner import ClusterSpec, Plan, PlannerConfig, StrategyName, make_plan, measure_gpt
 from tidal.testing import run_on_ranks
+from tidal.train import Trainer
+from tidal.train.checkpoint import latest_checkpoint, load_model_state
+from tidal.train.metrics import read_metrics
 
 REPO = Path(__file__).resolve().parents[2]
 WORLD = 2
@@ -149,7 +149,7 @@ def test_a_plan_trains_as_one_process_does(runs: dict[str, Any], case: str) -> N
     assert state.keys() == want_state.keys()
     for name, value in want_state.items():
         torch.testing.assert_close(state[name], value, atol=TOL, rtol=0, msg=name)
-    if case in RESUMED:  # bit for bit: [Note: exact resume] in tidal/engine/trainer.py
+    if case in RESUMED:  # bit for bit: [Note: exact resume] in tidal/train/trainer.py
         resumed = _records(root / case / "resumed", "train", "loss")
         assert resumed == _records(whole, "train", "loss")
     summary = json.loads((whole / "summary.json").read_text())

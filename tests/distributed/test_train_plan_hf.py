@@ -19,9 +19,9 @@ import pytest
 import torch
 
 from tidal.cli.main import main
-from tidal.engine.checkpoint import latest_checkpoint, load_model_state
-from tidal.engine.metrics import read_metrics
 from tidal.planner import Plan, StrategyName
+from tidal.train.checkpoint import latest_checkpoint, load_model_state
+from tidal.train.metrics import read_metrics
 
 transformers = pytest.importorskip("transformers")
 

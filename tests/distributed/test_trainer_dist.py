@@ -1,6 +1,6 @@
 """The Trainer on two gloo ranks against one process: same losses, same parameters, one writer.
 
-See [Note: global batch] in tidal/engine/trainer.py: the global batch does not depend on the
+See [Note: global batch] in tidal/train/trainer.py: the global batch does not depend on the
 world size, so two ranks must reproduce the one-process run up to the order of summation.
 """
 
@@ -13,12 +13,12 @@ from typing import Any
 import pytest
 import torch
 
-import tidal.engine.trainer as trainer_module
+import tidal.train.trainer as trainer_module
 from tidal.config import ConfigError
-from tidal.engine import Trainer
-from tidal.engine.checkpoint import list_checkpoints
-from tidal.engine.metrics import read_metrics
 from tidal.testing import run_on_ranks
+from tidal.train import Trainer
+from tidal.train.checkpoint import list_checkpoints
+from tidal.train.metrics import read_metrics
 
 WORLD = 2
 STEPS = 4

@@ -7,11 +7,11 @@ import gc
 import pytest
 import torch
 
-from tidal.engine import OptimizerConfig, ReferenceEngine, TrainingConfig
-from tidal.engine.chunk_engine import ChunkEngine
-from tidal.engine.config import MemoryConfig
 from tidal.memory.config import ChunkConfig
 from tidal.models import build_gpt, preset
+from tidal.parallel.chunk_engine import ChunkEngine
+from tidal.parallel.config import MemoryConfig
+from tidal.train import OptimizerConfig, ReferenceEngine, TrainingConfig
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from tidal.engine import OptimizerConfig, ReferenceEngine, TrainingConfig
 from tidal.models import build_gpt, preset
+from tidal.train import OptimizerConfig, ReferenceEngine, TrainingConfig
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

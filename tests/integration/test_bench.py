@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tidal.bench import bench_train, write_results
+from benchmarks import bench_train, write_results
 from tidal.config import ConfigError
 
 

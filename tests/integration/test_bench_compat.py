@@ -18,8 +18,8 @@ import pytest
 import torch
 from torch import nn
 
-from tidal.bench.compat import CompatSettings
-from tidal.bench.compat_report import load_results, markdown
+from benchmarks.compat import CompatSettings
+from benchmarks.compat_report import load_results, markdown
 from tidal.cli.main import main
 from tidal.config import ConfigError
 from tidal.testing.zoo import ZooModel

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from tidal.bench import dp
-from tidal.bench.dp import search_largest
-from tidal.bench.dp_systems import Case, tidal_budget_overrides
+from benchmarks import dp
+from benchmarks.dp import search_largest
+from benchmarks.dp_systems import Case, tidal_budget_overrides
 from tidal.testing import RankFailure, RankOutcome
 
 REPO = Path(__file__).resolve().parents[2]
@@ -107,7 +107,7 @@ def test_a_failure_after_every_rank_reported_keeps_the_figures(
 
 
 def test_nvme_rows_judge_the_budget_and_rate_the_disk() -> None:
-    from tidal.bench.dp_nvme import nvme_figures, nvme_table
+    from benchmarks.dp_nvme import nvme_figures, nvme_table
 
     def rank(peak: int, moved: int) -> dict:
         disk = {"timed_bytes_to_nvme": moved // 2, "timed_bytes_from_nvme": moved // 2,

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from tidal.bench import baselines
-from tidal.bench.baselines import DEEPSPEED, PYTORCH, deepspeed_missing_reason
-from tidal.bench.offload import (
+from benchmarks import baselines
+from benchmarks.baselines import DEEPSPEED, PYTORCH, deepspeed_missing_reason
+from benchmarks.offload import (
     TRAFFIC_FRACTIONS,
     OffloadSettings,
     in_own_process,

@@ -11,7 +11,7 @@ import json
 import pytest
 from rich.console import Console
 
-from tidal.bench.pipeline import (
+from benchmarks.pipeline import (
     DEFAULT_SCHEDULES,
     PipelineBenchConfig,
     add_arguments,

@@ -12,7 +12,7 @@ import pytest
 import torch
 from rich.console import Console
 
-from tidal.bench.pipemare import (
+from benchmarks.pipemare import (
     PipeMareBenchConfig,
     Section,
     Variant,
@@ -114,7 +114,7 @@ def _run_cli(argv: list[str]) -> tuple[int, str]:
 
 
 def test_command_writes_json_curves_and_png(tmp_path, monkeypatch) -> None:
-    import tidal.bench.pipemare as bench
+    import benchmarks.pipemare as bench
 
     splits = byte_splits()
     monkeypatch.setattr(bench, "build_token_splits", lambda *a, **k: splits)

@@ -10,14 +10,14 @@ from pathlib import Path
 import pytest
 import torch
 
-import tidal.engine.export as export_module
+import tidal.train.export as export_module
 from tidal.cli.main import main
 from tidal.config import ConfigError
-from tidal.engine import Trainer
-from tidal.engine.checkpoint import list_checkpoints, load_model_state
-from tidal.engine.export import check_export, export_info, export_run, to_hf_gpt2
-from tidal.engine.safetensors import read_safetensors, read_safetensors_metadata, write_safetensors
 from tidal.models import GPT, GPTConfig, build_gpt
+from tidal.train import Trainer
+from tidal.train.checkpoint import list_checkpoints, load_model_state
+from tidal.train.export import check_export, export_info, export_run, to_hf_gpt2
+from tidal.train.safetensors import read_safetensors, read_safetensors_metadata, write_safetensors
 
 REPO = Path(__file__).resolve().parents[2]
 

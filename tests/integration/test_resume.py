@@ -14,11 +14,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from tidal.engine import Trainer
-from tidal.engine.checkpoint import list_checkpoints, load_checkpoint
-from tidal.engine.dist_checkpoint import read_tensors
-from tidal.engine.metrics import read_metrics
 from tidal.testing.trees import assert_equal_tree
+from tidal.train import Trainer
+from tidal.train.checkpoint import list_checkpoints, load_checkpoint
+from tidal.train.dist_checkpoint import read_tensors
+from tidal.train.metrics import read_metrics
 
 # Dropout on, so that restoring torch's RNG state is part of what is tested; accumulation on, so
 # that the micro-batch counter is too.
@@ -126,7 +126,7 @@ _KILLED_WRITER = textwrap.dedent(
     """
     import importlib, sys, time
     from pathlib import Path
-    from tidal.engine import Trainer
+    from tidal.train import Trainer
 
     run_dir, marker = Path(sys.argv[1]), Path(sys.argv[2])
     ckpt = importlib.import_module(sys.argv[3])  # the module whose file writes are torn
@@ -154,8 +154,8 @@ _KILLED_WRITER = textwrap.dedent(
 # (module whose writes are torn, which call, overrides): the reference engine's model.pt of the
 # second checkpoint; the chunk engine's train_state.pt, after every rank wrote its DCP shards.
 KILLED = {
-    "reference": ("tidal.engine.checkpoint", 3, ()),
-    "chunk": ("tidal.engine.dist_checkpoint", 2, ENGINES["chunk"]),
+    "reference": ("tidal.train.checkpoint", 3, ()),
+    "chunk": ("tidal.train.dist_checkpoint", 2, ENGINES["chunk"]),
 }
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tidal.engine.checkpoint import (
+from tidal.train.checkpoint import (
     latest_checkpoint,
     list_checkpoints,
     load_checkpoint,

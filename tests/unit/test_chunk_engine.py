@@ -16,11 +16,11 @@ from torch import nn
 
 import tidal
 from tidal.config import ConfigError
-from tidal.engine import OptimizerConfig, ReferenceEngine, TrainingConfig
-from tidal.engine.chunk_engine import ChunkEngine
-from tidal.engine.config import MemoryConfig
 from tidal.memory.config import ChunkConfig
 from tidal.models import build_gpt, preset
+from tidal.parallel.chunk_engine import ChunkEngine
+from tidal.parallel.config import MemoryConfig
+from tidal.train import OptimizerConfig, ReferenceEngine, TrainingConfig
 
 TINY = preset("tiny")
 STEPS = 20
@@ -355,7 +355,7 @@ def test_bf16_parameters_with_fp32_masters() -> None:
 
 
 def test_loss_scale_policy() -> None:
-    from tidal.engine.loss_scale import LossScale
+    from tidal.parallel.loss_scale import LossScale
 
     scale = LossScale(scale=8.0, growth_interval=3)
     scale = scale.after_step(overflow=False).after_step(overflow=False)
@@ -367,7 +367,7 @@ def test_loss_scale_policy() -> None:
 
 
 def test_fp16_with_dynamic_loss_scaling() -> None:
-    from tidal.engine.loss_scale import LossScale
+    from tidal.parallel.loss_scale import LossScale
 
     fp32, _ = _reference(_tiny, _learnable(STEPS))
     bf16, _ = _reference(_tiny, _learnable(STEPS), precision="bf16")
@@ -435,7 +435,7 @@ def test_prefetch_moves_the_same_bytes_earlier() -> None:
 
 
 def test_static_minimum_counts_the_chunks_of_enclosing_modules() -> None:
-    from tidal.engine.chunk_engine import _largest_module_bytes
+    from tidal.parallel.chunk_engine import _largest_module_bytes
 
     class Outer(nn.Module):  # owns a parameter and runs an inner module inside its forward
         def __init__(self) -> None:

@@ -16,16 +16,16 @@ import torch
 from torch import nn
 
 from tidal.config import ConfigError
-from tidal.engine import OptimizerConfig, ReferenceEngine, Trainer, TrainingConfig
-from tidal.engine.checkpoint import list_checkpoints, load_checkpoint
-from tidal.engine.chunk_engine import ChunkEngine
-from tidal.engine.config import MemoryConfig
-from tidal.engine.dist_checkpoint import read_tensors
-from tidal.engine.metrics import read_metrics
 from tidal.memory.chunk import ChunkKind
 from tidal.memory.config import ChunkConfig
 from tidal.models import build_gpt, preset
+from tidal.parallel.chunk_engine import ChunkEngine
+from tidal.parallel.config import MemoryConfig
 from tidal.testing.trees import assert_equal_tree
+from tidal.train import OptimizerConfig, ReferenceEngine, Trainer, TrainingConfig
+from tidal.train.checkpoint import list_checkpoints, load_checkpoint
+from tidal.train.dist_checkpoint import read_tensors
+from tidal.train.metrics import read_metrics
 
 TINY = preset("tiny")
 STEPS = 20

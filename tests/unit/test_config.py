@@ -9,7 +9,7 @@ from typing import Literal
 import pytest
 
 from tidal.config import ByteSize, ConfigError, apply_overrides, from_dict, parse_bytes, to_dict
-from tidal.engine import JobConfig, list_recipes, load_job
+from tidal.train import JobConfig, list_recipes, load_job
 
 
 @dataclass(kw_only=True, slots=True)

@@ -17,13 +17,13 @@ import pytest
 import torch
 from torch import nn
 
-from tidal.engine import OptimizerConfig, TrainingConfig
-from tidal.engine.chunk_engine import ChunkEngine
-from tidal.engine.config import MemoryConfig
-from tidal.engine.loss_scale import LossScale
 from tidal.memory.chunk import Chunk, ChunkKind
 from tidal.memory.config import ChunkConfig
 from tidal.models import build_gpt, preset
+from tidal.parallel.chunk_engine import ChunkEngine
+from tidal.parallel.config import MemoryConfig
+from tidal.parallel.loss_scale import LossScale
+from tidal.train import OptimizerConfig, TrainingConfig
 
 STEPS = 8
 CHUNK = 128  # elements: 23 chunks for the tiny preset, the embedding an oversize one

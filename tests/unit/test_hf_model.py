@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from tidal.config import ConfigError
-from tidal.engine.job import load_job
 from tidal.memory.materialize import materialize
 from tidal.models import ModelConfig, build_model, model_init
 from tidal.models.hf import HFModelConfig
+from tidal.train.job import load_job
 
 transformers = pytest.importorskip("transformers")
 
@@ -74,7 +74,7 @@ def test_another_family_is_refused_naming_the_ones_supported(tmp_path: Path) -> 
 
 
 def test_export_refuses_a_hugging_face_run(tmp_path: Path, llama: Path) -> None:
-    from tidal.engine.export import run_model_config
+    from tidal.train.export import run_model_config
 
     (tmp_path / "config.json").write_text(f'{{"model": {{"hf_config": "{llama}", "seq_len": 32}}}}')
     with pytest.raises(ConfigError, match="trained a Hugging Face model"):

@@ -13,7 +13,7 @@ _BLOCK_OPTIONAL = textwrap.dedent(
     # None in sys.modules reads as "not installed" to both import and importlib's find_spec.
     for name in ("rich", "matplotlib", "transformers", "pytest", "hypothesis"):
         sys.modules[name] = None
-    import tidal, tidal.engine, tidal.models, tidal.data, tidal.testing, tidal.bench
+    import tidal, tidal.train, tidal.models, tidal.data, tidal.testing, benchmarks
     from tidal.models import build_gpt, preset
     engine = tidal.initialize(build_gpt(preset("tiny")), {"training": {"device": "cpu"}})
     assert engine.stats()["global_step"] == 0

@@ -12,12 +12,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tidal.engine import OptimizerConfig, TrainingConfig
-from tidal.engine.chunk_engine import ChunkEngine
-from tidal.engine.config import MemoryConfig
 from tidal.memory.config import ChunkConfig
 from tidal.memory.store import DeviceBudgetTooSmall
 from tidal.models import build_gpt, preset
+from tidal.parallel.chunk_engine import ChunkEngine
+from tidal.parallel.config import MemoryConfig
+from tidal.train import OptimizerConfig, TrainingConfig
 
 TINY = preset("tiny")
 

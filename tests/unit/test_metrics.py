@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from tidal.engine import device as device_mod
-from tidal.engine.metrics import MetricsFile, Throughput, format_step_line, read_metrics
-from tidal.engine.report import summary_rows, write_plots
+from tidal.distributed import device as device_mod
+from tidal.train.metrics import MetricsFile, Throughput, format_step_line, read_metrics
+from tidal.train.report import summary_rows, write_plots
 
 
 def test_throughput_figures() -> None:

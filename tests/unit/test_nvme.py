@@ -192,8 +192,8 @@ def test_reader_reads_ahead_within_its_depth_and_on_demand_beyond(tmp_path: Path
 def test_one_process_with_a_disk_tier_matches_the_reference(tmp_path: Path) -> None:
     """``memory.nvme_dir`` on one process runs the sharded engine with one shard per chunk."""
     import tidal
-    from tidal.engine.sharded_engine import ShardedEngine
     from tidal.models import build_gpt, preset
+    from tidal.parallel.sharded_engine import ShardedEngine
 
     def job(**memory: object) -> dict:
         return {"engine": "chunk", "chunk": {"size": 128}, "memory": memory,

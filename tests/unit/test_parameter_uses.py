@@ -21,12 +21,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tidal.engine import OptimizerConfig, ReferenceEngine, TrainingConfig
-from tidal.engine.chunk_engine import ChunkEngine
-from tidal.engine.config import MemoryConfig
 from tidal.memory.config import ChunkConfig
 from tidal.memory.uses import ChunkParameter, ParameterUseError
 from tidal.models import build_gpt, preset
+from tidal.parallel.chunk_engine import ChunkEngine
+from tidal.parallel.config import MemoryConfig
+from tidal.train import OptimizerConfig, ReferenceEngine, TrainingConfig
 
 TINY = preset("tiny")
 

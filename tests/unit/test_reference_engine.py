@@ -9,9 +9,9 @@ import torch
 
 import tidal
 from tidal.config import ConfigError
-from tidal.engine import OptimizerConfig, ReferenceEngine, TrainingConfig
-from tidal.engine.lr import WarmupCosine
 from tidal.models import build_gpt, preset
+from tidal.parallel.lr import WarmupCosine
+from tidal.train import OptimizerConfig, ReferenceEngine, TrainingConfig
 
 TINY = preset("tiny")
 

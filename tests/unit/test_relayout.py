@@ -15,12 +15,12 @@ import pytest
 import torch
 from torch import nn
 
-from tidal.engine import OptimizerConfig, ReferenceEngine, TrainingConfig
-from tidal.engine.chunk_engine import ChunkEngine
-from tidal.engine.config import MemoryConfig
 from tidal.memory.config import ChunkConfig
 from tidal.memory.relayout import plan_relayout
 from tidal.models import build_gpt, preset
+from tidal.parallel.chunk_engine import ChunkEngine
+from tidal.parallel.config import MemoryConfig
+from tidal.train import OptimizerConfig, ReferenceEngine, TrainingConfig
 
 STEPS = 12
 CHUNK = 384  # elements: a layer's weight and bias share a chunk, the next layer opens another

@@ -13,11 +13,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tidal.engine import OptimizerConfig, ReferenceEngine, TrainingConfig
-from tidal.engine.chunk_engine import ChunkEngine
-from tidal.engine.config import MemoryConfig
 from tidal.memory.config import ChunkConfig
+from tidal.parallel.chunk_engine import ChunkEngine
+from tidal.parallel.config import MemoryConfig
 from tidal.testing.zoo import run_steps, zoo_model
+from tidal.train import OptimizerConfig, ReferenceEngine, TrainingConfig
 
 STEPS = 6
 OPTIMIZERS = {

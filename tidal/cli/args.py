@@ -258,7 +258,7 @@ def _add_bench_plan(benches: argparse._SubParsersAction) -> None:
 
 
 def _add_bench_pipemare(benches: argparse._SubParsersAction) -> None:
-    from tidal.bench.pipemare import add_arguments
+    from benchmarks.pipemare import add_arguments
 
     pipemare = benches.add_parser(
         "pipemare",
@@ -272,7 +272,7 @@ def _add_bench_pipemare(benches: argparse._SubParsersAction) -> None:
 
 
 def _add_bench_pipeline(benches: argparse._SubParsersAction) -> None:
-    from tidal.bench.pipeline import add_arguments
+    from benchmarks.pipeline import add_arguments
 
     pipeline = benches.add_parser(
         "pipeline",
@@ -286,7 +286,7 @@ def _add_bench_pipeline(benches: argparse._SubParsersAction) -> None:
 
 
 def _add_bench_compat(benches: argparse._SubParsersAction) -> None:
-    from tidal.bench.compat import add_arguments
+    from benchmarks.compat import add_arguments
 
     compat = benches.add_parser(
         "compat",

@@ -36,9 +36,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     from tidal.config import ConfigError
     from tidal.distributed.watchdog import EXIT_CODE as RANK_DIED_EXIT_CODE
     from tidal.distributed.watchdog import RankDiedError
-    from tidal.engine.dist_checkpoint import CheckpointWriteError
     from tidal.memory.store import DeviceBudgetTooSmall
     from tidal.planner.search import Infeasible
+    from tidal.train.dist_checkpoint import CheckpointWriteError
 
     try:
         if args.command == "train":
@@ -100,17 +100,17 @@ def _train(args: argparse.Namespace, console: Console, argv: list[str]) -> int:
     import os
 
     from tidal.cli.progress import RichProgress
-    from tidal.engine import Trainer, load_job
+    from tidal.train import Trainer, load_job
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    from tidal.engine.job import find_recipe
+    from tidal.train.job import find_recipe
 
     job = load_job(find_recipe(args.recipe), args.overrides)
     if job.pipeline.stages > 1 or args.pipeline_stages is not None:
         if job.pipeline.stages > 1 and int(os.environ.get("WORLD_SIZE", "1")) == 1:
             args.nproc = job.pipeline.stages  # a recipe's [pipeline] stages: one rank each
             return _launch(args, argv)
-        from tidal.engine.pipeline_trainer import PipelineTrainer
+        from tidal.train.pipeline_trainer import PipelineTrainer
 
         trainer = PipelineTrainer(job)
     else:
@@ -131,8 +131,8 @@ def _launch(args: argparse.Namespace, argv: list[str]) -> int:
 
     from tidal.config import ConfigError
     from tidal.distributed.launch import launch_train
-    from tidal.engine.job import find_recipe, load_job
-    from tidal.engine.trainer import check_run_dir, rank_rows
+    from tidal.train.job import find_recipe, load_job
+    from tidal.train.trainer import check_run_dir, rank_rows
 
     if args.nproc < 1:
         raise ConfigError("--nproc", f"must be >= 1 (processes to train on), got {args.nproc}")
@@ -145,11 +145,11 @@ def _launch(args: argparse.Namespace, argv: list[str]) -> int:
     # An error found here is one line, rather than one per rank above torchrun's report.
     job = load_job(find_recipe(args.recipe), args.overrides)
     if args.plan is not None:
-        from tidal.engine.plan_engine import check_plan_job, load_plan
+        from tidal.parallel.plan_engine import check_plan_job, load_plan
 
         check_plan_job(load_plan(args.plan), job, world_size=args.nproc)
     elif job.pipeline.stages > 1 or args.pipeline_stages is not None:
-        from tidal.engine.pipeline_trainer import check_pipeline_job
+        from tidal.train.pipeline_trainer import check_pipeline_job
 
         check_pipeline_job(job, world_size=args.nproc)
     else:
@@ -159,7 +159,7 @@ def _launch(args: argparse.Namespace, argv: list[str]) -> int:
 
 
 def _write_plots(run_dir: object, console: Console) -> None:
-    from tidal.engine.report import write_plots
+    from tidal.train.report import write_plots
 
     try:
         paths = write_plots(run_dir)  # type: ignore[arg-type]
@@ -171,7 +171,7 @@ def _write_plots(run_dir: object, console: Console) -> None:
 
 def _report(run_dir: str, console: Console) -> int:
     from tidal.cli.progress import summary_table
-    from tidal.engine.report import load_summary
+    from tidal.train.report import load_summary
 
     summary = load_summary(run_dir)
     _write_plots(run_dir, console)
@@ -187,18 +187,18 @@ def _bench(args: argparse.Namespace, console: Console) -> int:
     if args.bench == "plan":
         return _bench_plan(args, console)
     if args.bench == "pipeline":
-        from tidal.bench.pipeline import run as run_pipeline
+        from benchmarks.pipeline import run as run_pipeline
 
         return run_pipeline(args, console)
     if args.bench == "pipemare":
-        from tidal.bench.pipemare import run as run_pipemare
+        from benchmarks.pipemare import run as run_pipemare
 
         return run_pipemare(args, console)
     if args.bench == "compat":
-        from tidal.bench.compat import run as run_compat
+        from benchmarks.compat import run as run_compat
 
         return run_compat(args, console)
-    from tidal.bench import bench_train, write_results
+    from benchmarks import bench_train, write_results
     from tidal.config import format_bytes
 
     rows = bench_train(
@@ -233,8 +233,8 @@ def _bench(args: argparse.Namespace, console: Console) -> int:
 def _bench_offload(args: argparse.Namespace, console: Console) -> int:
     from pathlib import Path
 
-    from tidal.bench import write_results
-    from tidal.bench.offload import SECTIONS, OffloadSettings, bench_offload, table
+    from benchmarks import write_results
+    from benchmarks.offload import SECTIONS, OffloadSettings, bench_offload, table
     from tidal.config import parse_bytes
 
     settings = OffloadSettings(
@@ -268,8 +268,8 @@ def _bench_offload(args: argparse.Namespace, console: Console) -> int:
 def _bench_plan(args: argparse.Namespace, console: Console) -> int:
     from pathlib import Path
 
-    from tidal.bench import write_results
-    from tidal.bench.plan import COLUMNS, bench_plan, rows_table
+    from benchmarks import write_results
+    from benchmarks.plan import COLUMNS, bench_plan, rows_table
     from tidal.config import parse_bytes
 
     rows = bench_plan(
@@ -294,7 +294,7 @@ def _bench_plan(args: argparse.Namespace, console: Console) -> int:
 def _bench_dp(args: argparse.Namespace, console: Console) -> int:
     from pathlib import Path
 
-    from tidal.bench.dp import (
+    from benchmarks.dp import (
         SECTIONS,
         TEARDOWN_FOOTNOTE,
         DpSettings,
@@ -303,7 +303,7 @@ def _bench_dp(args: argparse.Namespace, console: Console) -> int:
         table,
         write_dp_results,
     )
-    from tidal.bench.dp_systems import DP_SYSTEMS
+    from benchmarks.dp_systems import DP_SYSTEMS
     from tidal.config import ConfigError, parse_bytes
 
     def names(text: str) -> tuple[str, ...]:
@@ -376,7 +376,7 @@ def _models(console: Console) -> int:
 
 def _export(args: argparse.Namespace, console: Console) -> int:
     from tidal.config import format_bytes
-    from tidal.engine.export import ExportCheckError, check_export, export_info, export_run
+    from tidal.train.export import ExportCheckError, check_export, export_info, export_run
 
     out = export_run(args.run_dir, step=args.step, out=args.out)
     info = export_info(out)

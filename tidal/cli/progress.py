@@ -15,9 +15,9 @@ from rich.progress import (
 )
 from rich.table import Table
 
-from tidal.engine import Callback, Trainer
-from tidal.engine.metrics import format_step_line
-from tidal.engine.report import summary_rows
+from tidal.train import Callback, Trainer
+from tidal.train.metrics import format_step_line
+from tidal.train.report import summary_rows
 
 __all__ = ["RichProgress", "summary_table"]
 

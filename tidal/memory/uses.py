@@ -27,7 +27,7 @@ torch call that receives it (methods, functions, property reads) through
 - *between iterations* (after a backward, around a step: a user's logging, EMA or checkpoint
   code) the call gets its chunks too, then runs; only a result that *aliases* a chunk
   (``detach()``, ``.data``, a view) is refused unless the chunk is pinned ([Note: optimizer
-  placement] in tidal/engine/chunk_engine.py): the chunk moves, and a view of it would read
+  placement] in tidal/parallel/chunk_engine.py): the chunk moves, and a view of it would read
   freed memory later. The error says how to take a copy. Under ZeRO-3 a chunk not gathered now
   is refused too: a gather needs every rank, and code between iterations may run on one.
 - *writes*: ``p.copy_(value)`` (what ``model.load_state_dict`` does) writes through, to

@@ -46,7 +46,7 @@ class ZooModel:
     sits_out: tuple[str, ...] = field(default=())
     never_trained: tuple[str, ...] = field(default=())
     # The forward keeps state across calls (a call counter), so a reference must call it once
-    # per step ([Note: the data-parallel reference] in tidal/bench/compat_cases.py).
+    # per step ([Note: the data-parallel reference] in benchmarks/compat_cases.py).
     one_call_per_step: bool = False
 
 

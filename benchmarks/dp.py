@@ -2,7 +2,7 @@
 
 Every configuration (system, N ranks) runs in N fresh processes (:func:`tidal.testing.run_on_ranks`,
 gloo on the CPU, ``cores // N`` threads per rank), so a rank's peak resident set is that
-configuration's alone; the systems and what they share are in :mod:`tidal.bench.dp_systems`.
+configuration's alone; the systems and what they share are in :mod:`benchmarks.dp_systems`.
 Three sections, each a list of rows tagged ``"section"``:
 
 - ``perf``: per system and N, the median step time after ``warmup_steps``, global tokens/s, the
@@ -17,7 +17,7 @@ Three sections, each a list of rows tagged ``"section"``:
   search is coarse on purpose (:func:`search_largest`): double the depth from a guess until a
   probe does not fit, then bisect a few times.
 - ``nvme``: tidal alone, a model whose AdamW data is larger than its ranks' host budgets, built
-  deferred and trained through the NVMe tier (:mod:`tidal.bench.dp_nvme`).
+  deferred and trained through the NVMe tier (:mod:`benchmarks.dp_nvme`).
 """
 
 from __future__ import annotations
@@ -32,19 +32,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tidal.bench.dp_systems import (
+from benchmarks.dp_systems import (
     DP_SYSTEMS,
     TIDAL,
     Case,
     missing_reason,
     run_case,
 )
-from tidal.bench.results import write_results
+from benchmarks.results import write_results
 from tidal.config import format_bytes, require
-from tidal.engine.job import JobConfig, find_recipe, load_job
-from tidal.engine.trainer import rank_rows
 from tidal.models import closed_form_num_params
 from tidal.testing import RankFailure, run_on_ranks
+from tidal.train.job import JobConfig, find_recipe, load_job
+from tidal.train.trainer import rank_rows
 
 __all__ = [
     "SECTIONS",
@@ -130,7 +130,7 @@ class DpSettings:
 
 def bench_dp(settings: DpSettings) -> list[dict[str, Any]]:
     """Every selected section's rows, in the order of :data:`SECTIONS`."""
-    from tidal.bench.dp_nvme import nvme_rows  # it builds on this module
+    from benchmarks.dp_nvme import nvme_rows  # it builds on this module
 
     _check(settings)
     sections: dict[str, Callable[[DpSettings], list[dict[str, Any]]]] = {
@@ -461,7 +461,7 @@ def _sizes(values: Sequence[int] | None) -> str:
 
 def table(section: str, rows: Sequence[dict[str, Any]]) -> tuple[list[str], list[list[str]]]:
     """Headers and cells of one section's table (the CLI draws it)."""
-    from tidal.bench.dp_nvme import nvme_table
+    from benchmarks.dp_nvme import nvme_table
 
     rows = [r for r in rows if r["section"] == section]
     return {"perf": _perf_table, "scale": _scale_table, "nvme": nvme_table}[section](rows)

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from tidal.engine.metrics import git_commit
+from tidal.train.metrics import git_commit
 
 __all__ = ["environment", "results_dir", "write_results"]
 

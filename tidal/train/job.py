@@ -15,17 +15,12 @@ from typing import Any, Literal
 
 from tidal.config import ConfigError, apply_overrides, from_dict, load_toml, require, to_dict
 from tidal.data import DataConfig
-from tidal.engine.config import (
-    CheckpointConfig,
-    MemoryConfig,
-    MetricsConfig,
-    OptimizerConfig,
-    TrainingConfig,
-)
 from tidal.memory.config import ChunkConfig
 from tidal.models import ModelConfig
+from tidal.parallel.config import MemoryConfig, OptimizerConfig, TrainingConfig
 from tidal.pipeline.config import PipelineConfig
 from tidal.sharding.config import ShardingConfig
+from tidal.train.config import CheckpointConfig, MetricsConfig
 
 __all__ = ["JobConfig", "find_recipe", "list_recipes", "load_job"]
 

@@ -28,12 +28,7 @@ import torch
 from torch import nn
 
 from tidal.config import ConfigError, format_bytes
-from tidal.engine.accumulation import AccumulationCounter
-from tidal.engine.config import MemoryConfig, OptimizerConfig, TrainingConfig
-from tidal.engine.device import memory_bytes, peak_memory_bytes, resolve_device
-from tidal.engine.dist_checkpoint import CheckpointTensors, LoadTensors
-from tidal.engine.loss_scale import LossScale
-from tidal.engine.lr import WarmupCosine
+from tidal.distributed.device import memory_bytes, peak_memory_bytes, resolve_device
 from tidal.memory.config import ChunkConfig
 from tidal.memory.hooks import OUTPUT_ONLY_HOOK_WARNING, install_hooks
 from tidal.memory.layout import ChunkLayout, default_chunk_size, plan_layout, unique_parameters
@@ -45,6 +40,11 @@ from tidal.memory.relayout import relayout
 from tidal.memory.store import ChunkStore, DeviceBudgetTooSmall
 from tidal.memory.tiers import Tier, make_tiers
 from tidal.memory.uses import ParameterUses
+from tidal.parallel.accumulation import AccumulationCounter
+from tidal.parallel.config import MemoryConfig, OptimizerConfig, TrainingConfig
+from tidal.parallel.loss_scale import LossScale
+from tidal.parallel.lr import WarmupCosine
+from tidal.parallel.protocol import CheckpointTensors, LoadTensors
 from tidal.sharding.state import model_key, optim_key
 
 __all__ = ["ChunkEngine"]

@@ -655,7 +655,7 @@ def config_from_args(args: argparse.Namespace) -> PipelineBenchConfig:
 
 def run(args: argparse.Namespace, console: Console) -> int:
     """``tidal bench pipeline``: measure, print the tables, write the JSON (and the PNG)."""
-    from tidal.bench.results import write_results
+    from benchmarks.results import write_results
 
     config = config_from_args(args)
     console.print(

@@ -59,8 +59,8 @@ from rich.table import Table
 
 from tidal.config import ConfigError, require
 from tidal.data import BatchSampler, DataConfig, TokenSplits, build_token_splits
-from tidal.engine.lr import WarmupCosine
 from tidal.models.gpt import GPT, GPTConfig, build_gpt
+from tidal.parallel.lr import WarmupCosine
 from tidal.pipeline.executor import run_local
 from tidal.pipeline.ir import Schedule
 from tidal.pipeline.pipemare import AsyncConfig, StageWeights, WeightMode
@@ -677,7 +677,7 @@ def config_from_args(args: argparse.Namespace) -> PipeMareBenchConfig:
 
 def run(args: argparse.Namespace, console: Console) -> int:
     """``tidal bench pipemare``: train, print the table, write the JSON and the PNG plot."""
-    from tidal.bench.results import write_results
+    from benchmarks.results import write_results
 
     config = config_from_args(args)
     rows = bench_pipemare(config, console=console)

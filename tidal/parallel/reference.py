@@ -26,12 +26,12 @@ from torch import nn
 
 from tidal.config import ConfigError, format_bytes
 from tidal.distributed import rank, world_size
-from tidal.engine.accumulation import AccumulationCounter
-from tidal.engine.config import MemoryConfig, OptimizerConfig, TrainingConfig
-from tidal.engine.device import memory_bytes, peak_memory_bytes, resolve_device
-from tidal.engine.lr import WarmupCosine
+from tidal.distributed.device import memory_bytes, peak_memory_bytes, resolve_device
 from tidal.memory.materialize import ParameterValues, materialize
 from tidal.memory.tiers import TierKind, resolve_budget
+from tidal.parallel.accumulation import AccumulationCounter
+from tidal.parallel.config import MemoryConfig, OptimizerConfig, TrainingConfig
+from tidal.parallel.lr import WarmupCosine
 
 __all__ = ["ReferenceEngine", "build_optimizer"]
 

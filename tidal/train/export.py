@@ -11,11 +11,11 @@
     hf/config.json        the same weights as a Hugging Face ``GPT2LMHeadModel``
     hf/model.safetensors  (``transformers.GPT2LMHeadModel.from_pretrained(".../hf")``)
 
-The checkpoint is read through :func:`tidal.engine.checkpoint.load_model_state`, so an export is
+The checkpoint is read through :func:`tidal.train.checkpoint.load_model_state`, so an export is
 the same whichever engine and world size wrote it. The folder appears whole or not at all: it is
 written into a hidden temporary sibling and renamed into place, as checkpoints are ([Note: atomic
 checkpoints] in checkpoint.py). Safetensors are written by tidal's own small writer
-(:mod:`tidal.engine.safetensors`), so exporting needs neither ``safetensors`` nor
+(:mod:`tidal.train.safetensors`), so exporting needs neither ``safetensors`` nor
 ``transformers``; only :func:`check_export`'s Hugging Face comparison imports transformers.
 
 [Note: GPT-2 name map]
@@ -45,15 +45,15 @@ from typing import Any
 import torch
 
 from tidal.config import ConfigError, from_dict, to_dict
-from tidal.engine.checkpoint import (
+from tidal.models import GPT, GPTConfig, ModelConfig, build_gpt, num_params
+from tidal.train.checkpoint import (
     checkpoint_root,
     fsync_dir,
     list_checkpoints,
     load_model_state,
     write_json_durable,
 )
-from tidal.engine.safetensors import read_safetensors, write_safetensors
-from tidal.models import GPT, GPTConfig, ModelConfig, build_gpt, num_params
+from tidal.train.safetensors import read_safetensors, write_safetensors
 
 __all__ = [
     "ExportCheckError",

@@ -173,7 +173,7 @@ def load_checkpoint(
         )
     meta = json.loads(meta_path.read_text())
     if meta.get("format_version") == 2:  # sharded: the engine reads its tensors itself
-        from tidal.engine.dist_checkpoint import load_sharded_checkpoint
+        from tidal.train.dist_checkpoint import load_sharded_checkpoint
 
         train_state, load = load_sharded_checkpoint(path, meta)
         return {"step": int(meta["step"]), "train_state": train_state, "meta": meta,
@@ -197,7 +197,7 @@ def load_model_state(path: str | Path) -> dict[str, torch.Tensor]:
     weights under each of their names) from a checkpoint folder of any engine and world size."""
     meta = json.loads((Path(path) / "meta.json").read_text())
     if meta.get("format_version") == 2:
-        from tidal.engine.dist_checkpoint import read_model_state
+        from tidal.train.dist_checkpoint import read_model_state
 
         return read_model_state(path, meta)
     return load_checkpoint(path)["model"]

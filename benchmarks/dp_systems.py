@@ -2,14 +2,14 @@
 
 Every rank of every system builds the same GPT (:func:`tidal.models.build_gpt`, same seed, in
 full on the CPU), draws the same global batches from the job's :class:`BatchSampler` and trains on
-its rows ``[r * B / N, (r + 1) * B / N)`` ([Note: global batch] in tidal/engine/trainer.py), with
+its rows ``[r * B / N, (r + 1) * B / N)`` ([Note: global batch] in tidal/train/trainer.py), with
 the same AdamW hyper-parameters, schedule and clipping, through one calling convention
 (``loss = engine(x, y)``, ``engine.backward(loss)``, ``engine.step()`` after every micro-batch):
 
-- ``tidal``: :func:`tidal.engine.build.build_engine` with ``engine="chunk"``: the chunk engine on
+- ``tidal``: :func:`tidal.train.build.build_engine` with ``engine="chunk"``: the chunk engine on
   one rank, the sharded engine (ZeRO-3 over sharded chunks) on several;
 - ``deepspeed-zero3-offload``: DeepSpeed ZeRO-3, parameters and optimizer state offloaded to the
-  CPU, DeepSpeedCPUAdam (:func:`tidal.bench.baselines.build_deepspeed`);
+  CPU, DeepSpeedCPUAdam (:func:`benchmarks.baselines.build_deepspeed`);
 - ``fsdp2-cpu-offload``: ``fully_shard`` per block and on the root with ``CPUOffloadPolicy``,
   ``torch.optim.AdamW`` over the sharded (DTensor) parameters (:class:`Fsdp2Engine`).
 
@@ -38,16 +38,16 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from tidal.bench.baselines import DEEPSPEED, build_deepspeed, deepspeed_missing_reason
+from benchmarks.baselines import DEEPSPEED, build_deepspeed, deepspeed_missing_reason
 from tidal.data import BatchSampler, build_token_splits
 from tidal.distributed import all_reduce_mean
-from tidal.engine.accumulation import AccumulationCounter
-from tidal.engine.build import build_engine
-from tidal.engine.job import JobConfig, find_recipe, load_job
-from tidal.engine.lr import WarmupCosine
-from tidal.engine.reference import build_optimizer
-from tidal.engine.trainer import rank_rows
 from tidal.models import build_gpt, gpt_init, num_params
+from tidal.parallel.accumulation import AccumulationCounter
+from tidal.parallel.lr import WarmupCosine
+from tidal.parallel.reference import build_optimizer
+from tidal.train.build import build_engine
+from tidal.train.job import JobConfig, find_recipe, load_job
+from tidal.train.trainer import rank_rows
 
 __all__ = [
     "DEEPSPEED",
@@ -122,7 +122,7 @@ def rss_figures() -> dict[str, int]:
 class Fsdp2Engine(AccumulationCounter):
     """FSDP2 with CPU offload behind the reference engine's calling convention.
 
-    Mirrors :class:`tidal.engine.reference.ReferenceEngine`: the loss is divided by the
+    Mirrors :class:`tidal.parallel.reference.ReferenceEngine`: the loss is divided by the
     accumulation steps, and on the boundary the (already averaged, sharded) gradients are
     clipped, AdamW steps and the schedule sets the next learning rate.
     """

@@ -46,11 +46,7 @@ from tidal.data import Batch, BatchSampler, build_token_splits
 from tidal.distributed import all_reduce_mean, barrier, gather_ints, init_from_env
 from tidal.distributed import rank as current_rank
 from tidal.distributed import world_size as current_world_size
-from tidal.distributed.faults import maybe_inject
-from tidal.engine.build import build_engine
-from tidal.engine.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint
-from tidal.engine.checkpoint import save_checkpoint as write_checkpoint
-from tidal.engine.device import (
+from tidal.distributed.device import (
     PeakFlops,
     device_description,
     memory_bytes,
@@ -59,9 +55,14 @@ from tidal.engine.device import (
     reset_peak_memory,
     resolve_device,
 )
-from tidal.engine.dist_checkpoint import save_sharded_checkpoint
-from tidal.engine.job import JobConfig, load_job
-from tidal.engine.metrics import (
+from tidal.distributed.faults import maybe_inject
+from tidal.models import build_model, computes_loss, model_flops_per_token, model_init, num_params
+from tidal.train.build import build_engine
+from tidal.train.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint
+from tidal.train.checkpoint import save_checkpoint as write_checkpoint
+from tidal.train.dist_checkpoint import save_sharded_checkpoint
+from tidal.train.job import JobConfig, load_job
+from tidal.train.metrics import (
     MetricsFile,
     Throughput,
     format_step_line,
@@ -69,7 +70,6 @@ from tidal.engine.metrics import (
     read_metrics,
     write_json_atomic,
 )
-from tidal.models import build_model, computes_loss, model_flops_per_token, model_init, num_params
 
 if TYPE_CHECKING:
     from tidal.planner import Plan
@@ -230,7 +230,7 @@ class Trainer(TrainerBase):
 
     Under torchrun every rank builds its own Trainer; see [Note: global batch]. ``plan``: a
     plan of ``tidal plan`` (or the path of its JSON file) to train with, on its ``dp x tp``
-    ranks ([Note: plan runs] in tidal/engine/plan_engine.py).
+    ranks ([Note: plan runs] in tidal/parallel/plan_engine.py).
     """
 
     def __init__(
@@ -276,7 +276,7 @@ class Trainer(TrainerBase):
         batch_size = self.job.training.batch_size
         if self.plan is None:
             return rank_rows(batch_size, rank=self.rank, world_size=self.world_size)
-        from tidal.engine.plan_engine import plan_rows
+        from tidal.parallel.plan_engine import plan_rows
 
         return plan_rows(batch_size, self.plan, rank=self.rank)
 
@@ -291,7 +291,7 @@ class Trainer(TrainerBase):
     ) -> dict[str, Any]:
         """Train up to ``training.steps``; return the summary (also written to summary.json).
 
-        Without ``callbacks`` the progress line goes to ``logging`` (``tidal.engine.trainer``).
+        Without ``callbacks`` the progress line goes to ``logging`` (``tidal.train.trainer``).
         Ranks other than 0 call no callbacks (see [Note: global batch]).
         """
         if self.rank != 0:
@@ -550,7 +550,7 @@ class Trainer(TrainerBase):
 
 
 def _load_plan(path: str | Path) -> Plan:
-    from tidal.engine.plan_engine import load_plan
+    from tidal.parallel.plan_engine import load_plan
 
     return load_plan(path)
 

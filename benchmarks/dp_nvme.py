@@ -10,7 +10,7 @@ tier, which gets ``NVME_DEVICE_FRACTION`` of the budget: at the recipe's narrow 
 parameters take hundreds of blocks, whose activations alone outgrow any such share. The model is built
 on the meta device and streamed into the shards ([Note: deferred construction] in
 tidal/memory/materialize.py); tidal's tiers get the budget less ``NVME_UNCOUNTED_FRACTION``
-as in the scale section (:func:`tidal.bench.dp_systems.tidal_budget_overrides`), with
+as in the scale section (:func:`benchmarks.dp_systems.tidal_budget_overrides`), with
 ``memory.nvme_dir`` under the system's temporary folder, so that what does not fit goes to disk ([Note: nvme placement] in
 tidal/sharding/swap.py). A row records the model's size, every rank's peak RSS against the
 budget, the median step and tokens/s, and per rank what crossed the disk in the timed steps and
@@ -25,7 +25,7 @@ import tempfile
 from collections.abc import Sequence
 from typing import Any
 
-from tidal.bench.dp import (
+from benchmarks.dp import (
     MODEL_DATA_BYTES_PER_PARAM,
     DpSettings,
     num_params_at_depth,
@@ -35,7 +35,7 @@ from tidal.bench.dp import (
     scale_overrides,
     teardown_figures,
 )
-from tidal.bench.dp_systems import TIDAL, Case
+from benchmarks.dp_systems import TIDAL, Case
 from tidal.config import format_bytes
 
 __all__ = ["NVME_STEPS", "nvme_rows", "nvme_table"]
@@ -103,7 +103,7 @@ def _nvme_row(settings: DpSettings, budget_bytes: int) -> dict[str, Any]:
 
 
 def nvme_figures(ranks: Sequence[dict[str, Any]], budget_bytes: int) -> dict[str, Any]:
-    """A row's figures from every rank's (see :func:`tidal.bench.dp_systems.run_case`)."""
+    """A row's figures from every rank's (see :func:`benchmarks.dp_systems.run_case`)."""
 
     first = ranks[0]
     median_s = first["median_step_s"]

@@ -1,6 +1,6 @@
 """The rank cases of ``tidal bench compat``: a zoo family under the sharded engine on gloo ranks,
 each on its share of the batch rows, against one process ([Note: compat modes] and [Note: the
-data-parallel reference] in tidal/bench/compat_cases.py)."""
+data-parallel reference] in benchmarks/compat_cases.py)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from tidal.bench.compat_cases import (
+from benchmarks.compat_cases import (
     FP32_RTOL,
     SGD,
     Case,
@@ -21,13 +21,13 @@ from tidal.bench.compat_cases import (
     quiet_transformers,
     training,
 )
-from tidal.engine import ReferenceEngine, TrainingConfig
-from tidal.engine.config import MemoryConfig
-from tidal.engine.sharded_engine import ShardedEngine
 from tidal.memory.config import ChunkConfig
+from tidal.parallel.config import MemoryConfig
+from tidal.parallel.sharded_engine import ShardedEngine
 from tidal.sharding.config import ShardingConfig
 from tidal.testing import RankFailure, run_on_ranks
 from tidal.testing.zoo import Batch, ZooModel, find_family, run_steps, seed_step
+from tidal.train import ReferenceEngine, TrainingConfig
 
 __all__ = ["RanksFailed", "ranks_case"]
 

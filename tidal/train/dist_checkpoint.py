@@ -22,14 +22,14 @@ from __future__ import annotations
 import os
 import shutil
 import warnings
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from tidal.engine.checkpoint import (
+from tidal.parallel.protocol import LoadTensors
+from tidal.train.checkpoint import (
     _prune,
     _remove_stale_temporaries,
     _write_tensor_file,
@@ -42,9 +42,7 @@ from tidal.engine.checkpoint import (
 
 __all__ = [
     "FORMAT_VERSION",
-    "CheckpointTensors",
     "CheckpointWriteError",
-    "LoadTensors",
     "load_sharded_checkpoint",
     "read_model_state",
     "read_tensors",
@@ -56,26 +54,6 @@ FORMAT_VERSION = 2
 
 class CheckpointWriteError(OSError):
     """A checkpoint could not be written; the earlier ones are intact."""
-
-
-@dataclass(frozen=True, slots=True)
-class CheckpointTensors:
-    """What an engine gives a sharded checkpoint: the DCP tensors, the small rest of its state
-    (in ``train_state.pt``), what ``meta.json`` records (every key's numel, each state-dict
-    name's key and shape) and, when some tensors are not in memory, the DCP save planner that
-    reads them."""
-
-    tensors: dict[str, Any]
-    extras: dict[str, Any]
-    meta: dict[str, Any]
-    planner: Any = None
-
-
-class LoadTensors(Protocol):
-    """Loads a checkpoint's DCP tensors into ``targets`` in place (through ``planner``, a DCP
-    load planner, when given)."""
-
-    def __call__(self, targets: dict[str, Any], *, planner: Any = None) -> None: ...
 
 
 def _distributed() -> bool:

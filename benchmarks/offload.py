@@ -5,7 +5,7 @@ of its own (spawned), so its peak resident set (``ru_maxrss``) is that case's al
 
 - ``overhead``: median steady-state step time (after ``warmup_steps``) of plain PyTorch, the chunk
   engine with an unlimited device budget, and DeepSpeed ZeRO-3 with CPU offload, on one recipe,
-  same data and seed (see :mod:`tidal.bench.baselines`).
+  same data and seed (see :mod:`benchmarks.baselines`).
 - ``traffic``: the chunk engine at device budgets of 25/50/75% of its parameter-chunk bytes
   (plus the peak non-model bytes a first step without a budget measured, since activations
   share the device budget), measured bytes per step against the offline optimum on the
@@ -58,7 +58,7 @@ from typing import Any
 
 import torch
 
-from tidal.bench.baselines import (
+from benchmarks.baselines import (
     DEEPSPEED,
     PYTORCH,
     SYSTEMS,
@@ -68,13 +68,13 @@ from tidal.bench.baselines import (
     train_steps,
 )
 from tidal.config import ConfigError, format_bytes, require
-from tidal.engine.device import peak_memory_bytes
-from tidal.engine.job import JobConfig, find_recipe, load_job
+from tidal.distributed.device import peak_memory_bytes
 from tidal.memory.policy import optimal_traffic, static_offload_traffic, traffic_lower_bound
 from tidal.memory.store import DeviceBudgetTooSmall
 from tidal.memory.tiers import TierBudgetError
 from tidal.memory.trace import AccessTrace, Moment
 from tidal.models import closed_form_num_params
+from tidal.train.job import JobConfig, find_recipe, load_job
 
 __all__ = [
     "SECTIONS",

@@ -7,14 +7,14 @@ from typing import TYPE_CHECKING
 import torch.distributed as dist
 from torch import nn
 
-from tidal.engine.chunk_engine import ChunkEngine
-from tidal.engine.job import JobConfig
-from tidal.engine.reference import ReferenceEngine
-from tidal.engine.sharded_engine import ShardedEngine
 from tidal.memory.materialize import ParameterValues
+from tidal.parallel.chunk_engine import ChunkEngine
+from tidal.parallel.reference import ReferenceEngine
+from tidal.parallel.sharded_engine import ShardedEngine
+from tidal.train.job import JobConfig
 
 if TYPE_CHECKING:
-    from tidal.engine.plan_engine import PlanEngine
+    from tidal.parallel.plan_engine import PlanEngine
     from tidal.planner import Plan
 
 __all__ = ["Engine", "build_engine"]
@@ -36,7 +36,7 @@ def build_engine(
     meta device ([Note: deferred construction] in tidal/memory/materialize.py)."""
     if plan is not None:
         # Imported here: the planner's runtime (DTensor, FSDP2) is only needed for plan runs.
-        from tidal.engine.plan_engine import PlanEngine, refuse_chunk_engine
+        from tidal.parallel.plan_engine import PlanEngine, refuse_chunk_engine
 
         refuse_chunk_engine(job)
         return PlanEngine(

@@ -27,9 +27,6 @@ import torch.distributed as dist
 from torch import nn
 
 from tidal.distributed.collectives import Collectives
-from tidal.engine.chunk_engine import ChunkEngine, _largest_module_bytes, _persistent_buffers
-from tidal.engine.config import MemoryConfig, OptimizerConfig, TrainingConfig
-from tidal.engine.dist_checkpoint import CheckpointTensors, LoadTensors
 from tidal.memory.config import ChunkConfig
 from tidal.memory.layout import ChunkLayout, default_chunk_size, plan_layout, unique_parameters
 from tidal.memory.materialize import ParameterValues
@@ -37,6 +34,9 @@ from tidal.memory.nvme import NvmeTier
 from tidal.memory.optim_rules import make_rule
 from tidal.memory.tiers import Tier
 from tidal.memory.uses import ParameterUses
+from tidal.parallel.chunk_engine import ChunkEngine, _largest_module_bytes, _persistent_buffers
+from tidal.parallel.config import MemoryConfig, OptimizerConfig, TrainingConfig
+from tidal.parallel.protocol import CheckpointTensors, LoadTensors
 from tidal.sharding.config import ShardingConfig
 from tidal.sharding.disk_checkpoint import DiskLoadPlanner, DiskSavePlanner
 from tidal.sharding.optim import ShardedOptimizer, make_master_shards

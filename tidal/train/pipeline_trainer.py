@@ -3,7 +3,7 @@
 :class:`PipelineTrainer` builds the recipe's GPT, cuts it into stages (balanced by profiled time
 or evenly), keeps this rank's stages and trains them with
 :class:`~tidal.pipeline.runtime.PipelineRuntime` under the recipe's ``[pipeline]`` schedule. It
-writes the same run folder as :class:`~tidal.engine.trainer.Trainer`: ``metrics.jsonl`` (loss,
+writes the same run folder as :class:`~tidal.train.trainer.Trainer`: ``metrics.jsonl`` (loss,
 tokens/s, TFLOP/s, memory), validation losses, ``summary.json`` and checkpoints that resume.
 
 [Note: pipeline runs]
@@ -40,13 +40,7 @@ from tidal.config import ConfigError, require, to_dict
 from tidal.distributed import barrier, init_from_env
 from tidal.distributed import rank as current_rank
 from tidal.distributed import world_size as current_world_size
-from tidal.engine.checkpoint import (
-    _prune,
-    checkpoint_root,
-    swap_into_place,
-    write_json_durable,
-)
-from tidal.engine.device import (
+from tidal.distributed.device import (
     device_description,
     memory_bytes,
     peak_flops,
@@ -54,15 +48,21 @@ from tidal.engine.device import (
     reset_peak_memory,
     resolve_device,
 )
-from tidal.engine.job import JobConfig, load_job
-from tidal.engine.metrics import MetricsFile, Throughput, git_commit, write_json_atomic
-from tidal.engine.reference import build_optimizer, lr_schedule
-from tidal.engine.trainer import Callback, LogCallback, TrainerBase, build_samplers
 from tidal.models import build_gpt, num_params, training_flops_per_token
+from tidal.parallel.reference import build_optimizer, lr_schedule
 from tidal.pipeline.eval import evaluate_stages
 from tidal.pipeline.pipemare import AsyncConfig, StageWeights, WeightMode
 from tidal.pipeline.runtime import PipelineRuntime, RuntimeConfig
 from tidal.pipeline.split import even_ranges, split_gpt, tied_parameters
+from tidal.train.checkpoint import (
+    _prune,
+    checkpoint_root,
+    swap_into_place,
+    write_json_durable,
+)
+from tidal.train.job import JobConfig, load_job
+from tidal.train.metrics import MetricsFile, Throughput, git_commit, write_json_atomic
+from tidal.train.trainer import Callback, LogCallback, TrainerBase, build_samplers
 
 __all__ = ["PipelineTrainer", "check_pipeline_job"]
 

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from tidal.config import format_bytes
-from tidal.engine.metrics import read_metrics
+from tidal.train.metrics import read_metrics
 
 __all__ = ["load_summary", "summary_rows", "write_plots"]
 

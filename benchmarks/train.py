@@ -16,9 +16,9 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from tidal.engine import Trainer, load_job
-from tidal.engine.job import find_recipe
-from tidal.engine.metrics import read_metrics
+from tidal.train import Trainer, load_job
+from tidal.train.job import find_recipe
+from tidal.train.metrics import read_metrics
 
 __all__ = ["bench_train"]
 

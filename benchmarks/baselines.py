@@ -28,11 +28,11 @@ import torch
 from torch import nn
 
 from tidal.data import BatchSampler, build_token_splits
-from tidal.engine.build import build_engine
-from tidal.engine.device import resolve_device
-from tidal.engine.job import JobConfig
-from tidal.engine.lr import WarmupCosine
+from tidal.distributed.device import resolve_device
 from tidal.models import build_gpt
+from tidal.parallel.lr import WarmupCosine
+from tidal.train.build import build_engine
+from tidal.train.job import JobConfig
 
 __all__ = [
     "DEEPSPEED",
@@ -107,7 +107,7 @@ def build_run(system: str, job: JobConfig) -> Run:
 
 
 def _with_engine(job: JobConfig, engine: str) -> JobConfig:
-    from tidal.engine.job import load_job
+    from tidal.train.job import load_job
 
     return job if job.engine == engine else load_job(job, [f"engine={engine}"])
 

@@ -5,13 +5,13 @@
     tidal bench compat --markdown benchmarks/results/compat-*.json   # the docs table
 
 For each family of :data:`tidal.testing.zoo.ZOO` (or ``module:ATTR`` naming a ``ZooModel`` of
-your own) and each mode ([Note: compat modes] in tidal/bench/compat_cases.py: fp32 unlimited,
+your own) and each mode ([Note: compat modes] in benchmarks/compat_cases.py: fp32 unlimited,
 fp32 / bf16 / accumulation 2 at the least budget, and with ``--ranks N`` the sharded engine on N
 gloo ranks), train ``steps`` steps with the chunk engine and with the reference engine on the
 same seeds and batches, and write one row: budget, result (``match``, ``mismatch``, ``error:
 <type>: <first line>``, ``skipped`` where an optional package is missing), the largest loss
 difference, peak device bytes, evictions, wall seconds. Each family runs in a worker process of
-its own ([Note: isolated cases] in tidal/bench/isolated.py), so an exception or a signal in one
+its own ([Note: isolated cases] in benchmarks/isolated.py), so an exception or a signal in one
 case is that case's row and the run goes on.
 """
 
@@ -28,8 +28,8 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from tidal.bench.compat_cases import MODES, Case, Mode, ranks_modes, run_case
-from tidal.bench.isolated import run_isolated
+from benchmarks.compat_cases import MODES, Case, Mode, ranks_modes, run_case
+from benchmarks.isolated import run_isolated
 from tidal.config import ConfigError, format_bytes, require
 from tidal.testing.zoo import ZOO, ZooModel, find_family
 
@@ -102,7 +102,7 @@ def _family_rows(settings: CompatSettings, spec: str, family: ZooModel) -> list[
         for mode in modes
     ]  # fmt: skip
     results = run_isolated(run_case, cases, timeout_s=settings.case_timeout_s,
-                           preload=("tidal.bench.compat_cases",))  # fmt: skip
+                           preload=("benchmarks.compat_cases",))  # fmt: skip
     shared = {"steps": settings.steps, "chunk_elements": settings.chunk_elements}
     return [_row(family, mode, shared | r) for mode, r in zip(modes, results, strict=True)]
 
@@ -197,8 +197,8 @@ def settings_from_args(args: argparse.Namespace) -> CompatSettings:
 
 def run(args: argparse.Namespace, console: Console) -> int:
     """``tidal bench compat``: run, print the table, write the JSON (or render one)."""
-    from tidal.bench.compat_report import load_results, markdown
-    from tidal.bench.results import write_results
+    from benchmarks.compat_report import load_results, markdown
+    from benchmarks.results import write_results
 
     if args.markdown:
         print(markdown(load_results(Path(args.markdown))), end="")  # as is: it goes into docs

@@ -38,18 +38,18 @@ from torch.distributed.tensor import DTensor
 
 from tidal.config import ConfigError
 from tidal.distributed import rank, world_size
-from tidal.engine.config import OptimizerConfig, TrainingConfig
-from tidal.engine.device import resolve_device
-from tidal.engine.reference import ReferenceEngine, build_optimizer, lr_schedule
+from tidal.distributed.device import resolve_device
 from tidal.memory.materialize import ParameterValues, materialize
 from tidal.models import build_model
+from tidal.parallel.config import OptimizerConfig, TrainingConfig
+from tidal.parallel.reference import ReferenceEngine, build_optimizer, lr_schedule
 from tidal.planner import Plan, apply, full_state_dict, make_mesh, set_accumulating
 from tidal.planner.apply import check_plan
 from tidal.planner.measure import ModelGraph
 from tidal.planner.wiring import meta_twin, structure_graph
 
 if TYPE_CHECKING:
-    from tidal.engine.job import JobConfig
+    from tidal.train.job import JobConfig
 
 __all__ = [
     "PlanEngine", "check_plan_fits", "check_plan_job", "load_plan", "plan_rows", "refuse_chunk_engine"

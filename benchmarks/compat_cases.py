@@ -1,5 +1,5 @@
 """What one case of ``tidal bench compat`` runs, inside its worker process (see
-:mod:`tidal.bench.isolated`): a zoo family in one mode, with the chunk engine and with the
+:mod:`benchmarks.isolated`): a zoo family in one mode, with the chunk engine and with the
 reference engine on the same seeds and batches, judged on the losses.
 
 [Note: compat modes]
@@ -53,12 +53,12 @@ from typing import Any
 
 import torch
 
-from tidal.bench.isolated import error_result
-from tidal.engine import OptimizerConfig, ReferenceEngine, TrainingConfig
-from tidal.engine.chunk_engine import ChunkEngine
-from tidal.engine.config import MemoryConfig
+from benchmarks.isolated import error_result
 from tidal.memory.config import ChunkConfig
+from tidal.parallel.chunk_engine import ChunkEngine
+from tidal.parallel.config import MemoryConfig
 from tidal.testing.zoo import ZooModel, find_family, run_steps, seed_step
+from tidal.train import OptimizerConfig, ReferenceEngine, TrainingConfig
 
 __all__ = [
     "BF16_FLOOR",
@@ -128,12 +128,12 @@ class Run:
 
 def run_case(case: Case) -> dict[str, Any]:
     """The figures of one case; an exception becomes ``{"error": ...}`` (the worker's
-    process dying is :func:`tidal.bench.isolated.run_isolated`'s to report)."""
+    process dying is :func:`benchmarks.isolated.run_isolated`'s to report)."""
     quiet_transformers()
     try:
         family = find_family(case.family)
         if case.mode.ranks > 1:
-            from tidal.bench.compat_ranks import ranks_case
+            from benchmarks.compat_ranks import ranks_case
 
             return ranks_case(case, family)
         return _single_process(case, family)

@@ -1,0 +1,45 @@
+"""Configs owned by the training loop: checkpoints and metrics."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tidal.config import require
+
+__all__ = ["CheckpointConfig", "MetricsConfig"]
+
+
+@dataclass(kw_only=True, slots=True)
+class CheckpointConfig:
+    """Checkpoints under ``<run_dir>/checkpoints/step_NNNNNNNN``.
+
+    Attributes:
+        every_steps: steps between checkpoints; 0 saves only at the end.
+        keep: how many of the newest checkpoints to keep on disk (older ones are deleted).
+        at_end: save when the run reaches ``training.steps``.
+    """
+
+    every_steps: int = 0
+    keep: int = 2
+    at_end: bool = True
+
+    def __post_init__(self) -> None:
+        require(self.every_steps >= 0, "every_steps", f"must be >= 0, got {self.every_steps}")
+        require(self.keep >= 1, "keep", f"must be >= 1, got {self.keep}")
+
+
+@dataclass(kw_only=True, slots=True)
+class MetricsConfig:
+    """How throughput is judged.
+
+    Attributes:
+        peak_tflops: the device's peak dense TFLOP/s for MFU. ``None``: a table of known GPUs
+            (bf16 dense), and on a CPU an upper bound from its vector ISA, clock and threads
+            (the summary says which was used).
+    """
+
+    peak_tflops: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.peak_tflops is not None:
+            require(self.peak_tflops > 0, "peak_tflops", f"must be > 0, got {self.peak_tflops}")
