@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import signal
+import sys
 
 import pytest
 import torch
@@ -14,6 +16,7 @@ from tidal.distributed import (
     barrier,
     gather_ints,
     init_from_env,
+    install_watchdog,
     is_main,
     rank,
     world_size,
@@ -84,7 +87,13 @@ def test_two_ranks_reduce_and_gather() -> None:
     ]
 
 
-def _init_from_torchrun_variables() -> tuple[bool, str, int]:
+def _tidal_hooks() -> tuple[object, str]:
+    # The SIGINT handler, and the module of sys.excepthook's function: init_process_group wraps
+    # sys.excepthook in torch's own, which is torch's business, not tidal's.
+    return signal.getsignal(signal.SIGINT), getattr(sys.excepthook, "__module__", "")
+
+
+def _init_from_torchrun_variables(opt_in: bool) -> tuple[bool, str, int, bool]:
     # Tear down the harness's group, then build one from the variables, as under torchrun (gloo
     # for a CPU device). A new port: a fast rank could otherwise reach the old store before a
     # slow one has closed it.
@@ -92,10 +101,28 @@ def _init_from_torchrun_variables() -> tuple[bool, str, int]:
     dist.broadcast_object_list(port, src=0)
     dist.destroy_process_group()
     os.environ["MASTER_PORT"] = str(port[0])
+    before = _tidal_hooks()
+    if opt_in:
+        assert install_watchdog() is True
     distributed = init_from_env(device=CPU, timeout_s=30)
-    return distributed, dist.get_backend(), gather_ints(rank())[1]
+    hooks_kept = _tidal_hooks() == before
+    return distributed, dist.get_backend(), gather_ints(rank())[1], hooks_kept
 
 
-def test_init_from_env_builds_a_gloo_group_from_the_variables() -> None:
-    results = run_on_ranks(_init_from_torchrun_variables, world_size=2, timeout_s=60)
-    assert results == [(True, "gloo", 1), (True, "gloo", 1)]
+@pytest.mark.parametrize("opt_in", [False, True], ids=["library", "program-opted-in"])
+def test_init_from_env_builds_a_gloo_group_from_the_variables(opt_in: bool) -> None:
+    # [Note: watchdog opt-in]: the library takes no process hook; install_watchdog() makes
+    # init_from_env start the watchdog, which takes SIGINT and sys.excepthook.
+    results = run_on_ranks(
+        _init_from_torchrun_variables, world_size=2, args=(opt_in,), timeout_s=60
+    )
+    hooks_kept = not opt_in
+    assert results == [(True, "gloo", 1, hooks_kept), (True, "gloo", 1, hooks_kept)]
+
+
+def test_install_watchdog_reads_its_settings_at_once() -> None:
+    # A bad value fails in the CLI before any group exists; 0 turns the watchdog off.
+    with pytest.raises(ConfigError, match="TIDAL_HEARTBEAT_S: must be a number of seconds"):
+        install_watchdog({"TIDAL_HEARTBEAT_S": "fast"})
+    assert install_watchdog({"TIDAL_DEAD_AFTER_S": "0"}) is False
+    assert not dist.is_initialized()

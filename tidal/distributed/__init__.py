@@ -1,11 +1,12 @@
 """Process groups and rank helpers (env.py); ``tidal train --nproc N`` (launch.py); a heartbeat
-that stops the job when a rank dies (watchdog.py)."""
+that stops the job when a rank dies (watchdog.py), which only a program starts (install_watchdog)."""
 
 from tidal.distributed.env import (
     all_reduce_mean,
     barrier,
     gather_ints,
     init_from_env,
+    install_watchdog,
     is_main,
     rank,
     shutdown,
@@ -26,6 +27,7 @@ __all__ = [
     "barrier",
     "gather_ints",
     "init_from_env",
+    "install_watchdog",
     "is_main",
     "rank",
     "shutdown",

@@ -4,26 +4,43 @@
 who it is through ``WORLD_SIZE``, ``RANK``, ``LOCAL_RANK``, ``MASTER_ADDR`` and ``MASTER_PORT``.
 :func:`init_from_env` turns that into the default process group. Every helper here also works
 without a group, as the one process of a world of one, so single-process code needs no branches.
-A group made here gets a :class:`~tidal.distributed.watchdog.RankWatchdog` until :func:`shutdown`,
-so a rank that dies stops the others instead of hanging them ([Note: dead ranks] in watchdog.py).
+A program that opted in with :func:`install_watchdog` (``tidal train`` does) gets a
+:class:`~tidal.distributed.watchdog.RankWatchdog` on the group made here until :func:`shutdown`, so a
+rank that dies stops the others instead of hanging them ([Note: dead ranks] in watchdog.py).
+
+[Note: watchdog opt-in]
+The watchdog takes process-wide hooks: a SIGINT handler, ``sys.excepthook`` and an ``atexit``
+handler. Those belong to the program, not to a library it imports, and a program may have its
+own (an elastic agent, a notebook, a job runner), so the library never starts a watchdog by
+itself: ``tidal.initialize`` and a ``Trainer`` used from Python leave every process hook as it
+was. ``tidal train`` is a program, so it opts in with :func:`install_watchdog` before it builds
+its trainer; the group :func:`init_from_env` then makes gets a watchdog. A Python program that
+wants one does the same, or wraps its work in ``start_watchdog()``.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 from tidal.config import ConfigError
-from tidal.distributed.watchdog import RankWatchdog, config_from_env, start_watchdog
+from tidal.distributed.watchdog import (
+    RankWatchdog,
+    WatchdogConfig,
+    config_from_env,
+    start_watchdog,
+)
 
 __all__ = [
     "all_reduce_mean",
     "barrier",
     "gather_ints",
     "init_from_env",
+    "install_watchdog",
     "is_main",
     "rank",
     "shutdown",
@@ -34,6 +51,26 @@ _TORCHRUN_VARS = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_POR
 
 # The watchdog of the group init_from_env made, stopped by shutdown(); None otherwise.
 _watchdog: RankWatchdog | None = None
+# What install_watchdog() asked for; None: no watchdog ([Note: watchdog opt-in]).
+_watchdog_config: WatchdogConfig | None = None
+
+
+def install_watchdog(environ: Mapping[str, str] | None = None) -> bool:
+    """Opt this process in to a watchdog on its process group; return whether one will run.
+
+    For programs only ([Note: watchdog opt-in]): ``tidal train`` calls it before building its
+    trainer. The settings come from ``TIDAL_HEARTBEAT_S`` and ``TIDAL_DEAD_AFTER_S`` (read now,
+    so a bad value fails before any group exists; ``TIDAL_DEAD_AFTER_S=0`` turns it off). The
+    group :func:`init_from_env` makes next gets the watchdog, and so does one that already
+    exists with more than one rank.
+    """
+    global _watchdog, _watchdog_config
+    _watchdog_config = config_from_env(environ)
+    if _watchdog_config is None:
+        return False
+    if _watchdog is None and _initialized() and dist.get_world_size() > 1:
+        _watchdog = start_watchdog(_watchdog_config)
+    return True
 
 
 def _initialized() -> bool:
@@ -47,8 +84,8 @@ def init_from_env(*, device: torch.device, timeout_s: float = 600.0) -> bool:
     Without the variables, or with ``WORLD_SIZE=1``, nothing is set up and the answer is False.
     ``device`` picks the backend: NCCL for CUDA, whose rank then uses ``cuda:LOCAL_RANK``, gloo
     otherwise. ``timeout_s`` bounds every collective, so a lost peer fails a rank, not hangs it;
-    the watchdog started with the group (``TIDAL_HEARTBEAT_S``, ``TIDAL_DEAD_AFTER_S``; 0 turns
-    it off) stops the job much sooner when a rank dies, naming it.
+    in a program that called :func:`install_watchdog`, the watchdog started with the group stops
+    the job much sooner when a rank dies, naming it.
     """
     global _watchdog
     if _initialized():
@@ -73,11 +110,10 @@ def init_from_env(*, device: torch.device, timeout_s: float = 600.0) -> bool:
                 f"'cuda' or 'auto' (each rank takes cuda:LOCAL_RANK)",
             )
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    watchdog_config = config_from_env()  # read first: a bad value fails before any group
     backend = "nccl" if device.type == "cuda" else "gloo"
     dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
-    if watchdog_config is not None:
-        _watchdog = start_watchdog(watchdog_config)
+    if _watchdog_config is not None:
+        _watchdog = start_watchdog(_watchdog_config)
     return dist.get_world_size() > 1
 
 

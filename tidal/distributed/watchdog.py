@@ -51,6 +51,10 @@ orphaned by an agent that was killed are left to their collectives. The watchdog
 rank the same bounded, named failure on its own, and its exit code tells a supervisor which
 ranks stopped because of a peer rather than failing themselves.
 
+Only a program starts a watchdog, since its hooks are process-wide: ``tidal train`` opts in with
+``install_watchdog()``, a library user with :func:`start_watchdog` ([Note: watchdog opt-in] in
+env.py).
+
 Limits: a peer whose process lives but whose main thread hangs (a deadlock, mismatched
 collectives) still heart-beats; that is the collective timeout's job. A watchdog must be started
 on every rank (one that never starts looks dead), once per store: marks are never cleared.
@@ -200,7 +204,7 @@ def _store_lost_message(host: int | None, silence_s: float, rank: int, exc: Exce
 def _own_copy(store: dist.Store, timeout_s: float) -> dist.Store:
     # A clone has its own connection, so the heartbeat never queues behind the main thread's
     # store traffic, and its own timeout, so a silent store host is noticed like a silent peer.
-    copy = store.clone()
+    copy = store.clone()  # type: ignore[attr-defined]  # in torch's C++ Store, not its stubs
     copy.set_timeout(timedelta(seconds=timeout_s))
     return copy
 
