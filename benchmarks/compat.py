@@ -28,7 +28,8 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from benchmarks.compat_cases import MODES, Case, Mode, ranks_modes, run_case
+from benchmarks.compat_cases import MODES, Case, Mode, ranks_modes
+from benchmarks.compat_run import run_case
 from benchmarks.isolated import run_isolated
 from tidal.config import ConfigError, format_bytes, require
 from tidal.testing.zoo import ZOO, ZooModel, find_family
@@ -102,7 +103,7 @@ def _family_rows(settings: CompatSettings, spec: str, family: ZooModel) -> list[
         for mode in modes
     ]  # fmt: skip
     results = run_isolated(run_case, cases, timeout_s=settings.case_timeout_s,
-                           preload=("benchmarks.compat_cases",))  # fmt: skip
+                           preload=("benchmarks.compat_run",))  # fmt: skip
     shared = {"steps": settings.steps, "chunk_elements": settings.chunk_elements}
     return [_row(family, mode, shared | r) for mode, r in zip(modes, results, strict=True)]
 

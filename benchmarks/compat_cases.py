@@ -57,7 +57,7 @@ from benchmarks.isolated import error_result
 from tidal.memory.config import ChunkConfig
 from tidal.parallel.chunk_engine import ChunkEngine
 from tidal.parallel.config import MemoryConfig
-from tidal.testing.zoo import ZooModel, find_family, run_steps, seed_step
+from tidal.testing.zoo import ZooModel, run_steps, seed_step
 from tidal.train import OptimizerConfig, ReferenceEngine, TrainingConfig
 
 __all__ = [
@@ -70,7 +70,7 @@ __all__ = [
     "judge",
     "quiet_transformers",
     "ranks_modes",
-    "run_case",
+    "single_process_case",
     "training",
 ]
 
@@ -126,21 +126,6 @@ class Run:
     sat_out: int = 0  # trainable parameters without a gradient after some backward
 
 
-def run_case(case: Case) -> dict[str, Any]:
-    """The figures of one case; an exception becomes ``{"error": ...}`` (the worker's
-    process dying is :func:`benchmarks.isolated.run_isolated`'s to report)."""
-    quiet_transformers()
-    try:
-        family = find_family(case.family)
-        if case.mode.ranks > 1:
-            from benchmarks.compat_ranks import ranks_case
-
-            return ranks_case(case, family)
-        return _single_process(case, family)
-    except Exception as err:
-        return error_result(err)
-
-
 # Runs a worker has made, shared by its cases; see [Note: isolated cases].
 _RUNS: dict[tuple[Any, ...], Any] = {}
 
@@ -159,7 +144,7 @@ def cached(key: tuple[Any, ...], make: Callable[[], Any]) -> Any:
     return value
 
 
-def _single_process(case: Case, family: ZooModel) -> dict[str, Any]:
+def single_process_case(case: Case, family: ZooModel) -> dict[str, Any]:
     plain = {} if case.mode.precision == "fp32" else _plain_first_loss(family, case.mode.precision)
     try:
         row = _compared(case, family)

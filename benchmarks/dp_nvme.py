@@ -25,7 +25,7 @@ import tempfile
 from collections.abc import Sequence
 from typing import Any
 
-from benchmarks.dp import (
+from benchmarks.dp_runs import (
     MODEL_DATA_BYTES_PER_PARAM,
     DpSettings,
     num_params_at_depth,

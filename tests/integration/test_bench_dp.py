@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import dp
+from benchmarks import dp_runs
 from benchmarks.dp import search_largest
 from benchmarks.dp_systems import Case, tidal_budget_overrides
 from tidal.testing import RankFailure, RankOutcome
@@ -96,13 +96,13 @@ def test_a_failure_after_every_rank_reported_keeps_the_figures(
         outcome = RankOutcome(1, "signal", -6, "killed by signal SIGABRT")
         raise RankFailure([outcome], world_size)
 
-    monkeypatch.setattr(dp, "run_on_ranks", fake_run_on_ranks)
+    monkeypatch.setattr(dp_runs, "run_on_ranks", fake_run_on_ranks)
     case = Case(system="tidal", recipe="tiny", overrides=(), steps=2, warmup_steps=1)
-    ranks = dp.run_configuration(case, 2, 10.0)
+    ranks = dp_runs.run_configuration(case, 2, 10.0)
     assert [r["rank"] for r in ranks] == [0, 1]
     assert all("SIGABRT" in r["teardown_error"] for r in ranks)
     # A rank that never wrote its figures did not finish: the configuration failed.
-    error = dp.run_configuration(dataclasses.replace(case, recipe="crash"), 2, 10.0)
+    error = dp_runs.run_configuration(dataclasses.replace(case, recipe="crash"), 2, 10.0)
     assert error == "1 of 2 ranks failed: rank 1: killed by signal SIGABRT"
 
 
