@@ -12,7 +12,7 @@ install: $(STAMP)
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[dev]' 2>&1 | grep -v "^WARNING: Location" || true
-	$(BIN)/python -c "import tidal, torch, matplotlib, transformers, pytest, ruff"
+	$(BIN)/python -c "import tidal, torch, matplotlib, transformers, pytest, ruff, mypy"
 	touch $(STAMP)
 
 run: $(STAMP)
@@ -22,15 +22,17 @@ run: $(STAMP)
 test: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	$(BIN)/mypy
 	$(BIN)/python -m pytest -q
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	$(BIN)/mypy
 
 format: $(STAMP)
 	$(BIN)/ruff check --fix .
 	$(BIN)/ruff format .
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache .ruff_cache
+	rm -rf $(VENV) runs .pytest_cache .ruff_cache .mypy_cache

@@ -195,7 +195,7 @@ def _coerce(value: Any, tp: Any, dotted: str) -> Any:
         return value
     if origin in (tuple, list):
         return _coerce_sequence(value, tp, dotted)
-    if dataclasses.is_dataclass(tp):
+    if isinstance(tp, type) and dataclasses.is_dataclass(tp):
         if not isinstance(value, Mapping):
             raise ConfigError(dotted, f"expected a table of settings, got {value!r}")
         return from_dict(tp, value, path=dotted)

@@ -117,7 +117,7 @@ class SavedTensorMeter(_ModelTensorHooks):
         self,
         *,
         is_model_storage: Callable[[int], bool],
-        on_change: Callable[[int, torch.Tensor], None] | None = None,
+        on_change: Callable[[int], None] | None = None,
         on_model_unpack: Callable[[int, torch.Tensor], None] | None = None,
     ) -> None:
         super().__init__(is_model_storage, on_model_unpack)

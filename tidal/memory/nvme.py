@@ -130,7 +130,10 @@ class NvmeTier:
 
 
 def _bytes_of(tensor: torch.Tensor) -> memoryview:
-    return memoryview(tensor.view(torch.uint8).numpy()) if tensor.nbytes else memoryview(b"")
+    if not tensor.nbytes:
+        return memoryview(b"")
+    # An ndarray is a buffer; numpy's stubs declare __buffer__ for Python >= 3.12 only.
+    return memoryview(tensor.view(torch.uint8).numpy())  # type: ignore[arg-type]
 
 
 def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:

@@ -404,13 +404,14 @@ class ChunkOptimizer:
                     if self._entries[i].decay == decay
                     and (self._entries[i].chunk in self.on_device) == on_device
                 ]
-                for group in self._update_groups(picked):
-                    self._update(group, lr, decay, [grads[i] for i in group])
+                for indices in self._update_groups(picked):
+                    self._update(indices, lr, decay, [grads[i] for i in indices])
         if self.masters is not None:
             for index in self.trainable:
-                master = self.masters[index]
-                assert master is not None
-                self.store.chunks[index].payload.copy_(master.payload)
+                master, param = self.masters[index], self.store.chunks[index]
+                assert master is not None and master.payload is not None
+                assert param.payload is not None, f"{param!r} is resident during the step"
+                param.payload.copy_(master.payload)
         self.zero_grad()
         return float(norm)
 

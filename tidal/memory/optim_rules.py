@@ -226,7 +226,7 @@ def clip_coefficient(
     """The unscaled norm, and what to multiply the gradients by (None: nothing)."""
     if loss_scale != 1.0:
         norm = norm / loss_scale
-    coefficient = None
+    coefficient: torch.Tensor | float | None = None
     if max_grad_norm > 0:
         # The reference's clip_grad_norm_ formula, so clipped gradients agree bit for bit.
         coefficient = torch.clamp(max_grad_norm / (norm + 1e-6), max=1.0)

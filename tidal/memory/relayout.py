@@ -231,7 +231,9 @@ def _kinds(
 ) -> dict[ChunkKind, tuple[_Chunks, list[Chunk | None]]]:
     """Per kind, in the order they are re-laid out: (old chunks, new empty chunks)."""
     everything = frozenset(range(layout.num_chunks))
-    pairs = {ChunkKind.PARAM: (store.chunks, _mirror(store.chunks, layout, everything))}
+    pairs: dict[ChunkKind, tuple[_Chunks, list[Chunk | None]]] = {
+        ChunkKind.PARAM: (store.chunks, _mirror(store.chunks, layout, everything))
+    }
     if optimizer.masters is not None:
         pairs[ChunkKind.MASTER] = (optimizer.masters, _mirror(optimizer.masters, layout, trainable))
     pairs[ChunkKind.GRAD] = (optimizer.grads, _mirror(optimizer.grads, layout, trainable))

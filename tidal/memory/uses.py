@@ -74,6 +74,10 @@ def _getters(*names: str) -> set[Any]:
     return {getattr(torch.Tensor, name).__get__ for name in names}
 
 
+def _setters(*names: str) -> set[Any]:
+    return {getattr(torch.Tensor, name).__set__ for name in names}
+
+
 # Calls that read or set metadata only: they never touch a chunk's data.
 _METADATA = frozenset(
     _getters(
@@ -81,7 +85,7 @@ _METADATA = frozenset(
         "is_leaf", "grad", "grad_fn", "layout", "is_sparse", "is_quantized", "is_nested",
         "itemsize", "nbytes", "_version", "output_nr", "is_mkldnn", "_base",
     )
-    | {torch.Tensor.grad.__set__, torch.Tensor.requires_grad.__set__}
+    | _setters("grad", "requires_grad")
     | {
         torch.Tensor.size, torch.Tensor.dim, torch.Tensor.numel, torch.Tensor.nelement,
         torch.Tensor.ndimension, torch.Tensor.element_size, torch.Tensor.stride,

@@ -258,8 +258,8 @@ class StageRunner:
         del self._in_flight[mb]
         if not want_input:
             return None
-        dx = state.input.grad
-        return torch.zeros_like(state.input) if dx is None else dx
+        grad_in = state.input.grad
+        return torch.zeros_like(state.input) if grad_in is None else grad_in
 
     def weight_grad(self, mb: int) -> None:
         """Run a split W: the parameter gradients of ``mb`` (see [Note: backward and ...])."""

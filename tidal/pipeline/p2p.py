@@ -38,6 +38,7 @@ __all__ = [
     "P2PTransport",
     "PipelineDeadlock",
     "Transport",
+    "isend",
 ]
 
 
@@ -123,6 +124,15 @@ _DTYPES = (
 )
 
 
+def isend(
+    tensor: torch.Tensor, dst: int, group: dist.ProcessGroup | None, *, tag: int = 0
+) -> dist.Work:
+    """``dist.isend`` from a rank of ``group``, whose send always has a handle to wait on."""
+    work = dist.isend(tensor, dst=dst, group=group, tag=tag)
+    assert work is not None, "isend returns None only on a rank outside the group"
+    return work
+
+
 class P2PTransport:
     """Messages between ranks of a schedule over ``torch.distributed``.
 
@@ -177,8 +187,8 @@ class P2PTransport:
         header[1] = payload.dim()
         header[2 : 2 + payload.dim()] = torch.tensor(payload.shape, dtype=torch.int64)
         dst = self._global(self.schedule.rank_of(key.dst_stage))
-        work_h = dist.isend(header, dst=dst, group=self.group)
-        work_p = dist.isend(payload, dst=dst, group=self.group)
+        work_h = isend(header, dst, self.group)
+        work_p = isend(payload, dst, self.group)
         self._pending += [(work_h, header, header), (work_p, payload, header)]
         self.bytes_sent += payload.numel() * payload.element_size()
         self._pending = [item for item in self._pending if not item[0].is_completed()]

@@ -230,8 +230,8 @@ def _least_memory_split(
                 rest, t_s, mem = best[s + 1][b], c.time(a, b), c.memory(s, a, b)
                 if rest is None or t_s > cap_s or mem > c.limits[s]:
                     continue
-                key = (mem + rest[0], t_s * t_s + rest[1])
-                if best[s][a] is None or key < best[s][a]:
+                key, here = (mem + rest[0], t_s * t_s + rest[1]), best[s][a]
+                if here is None or key < here:
                     best[s][a], choice[s][a] = key, b
     assert best[0][0] is not None, "the bottleneck came from a feasible split"
     ranges, a = [], 0

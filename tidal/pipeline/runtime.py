@@ -44,7 +44,7 @@ from tidal.pipeline.executor import (
     scale_grads,
 )
 from tidal.pipeline.ir import Schedule, with_communication
-from tidal.pipeline.p2p import P2PTransport
+from tidal.pipeline.p2p import P2PTransport, isend
 from tidal.pipeline.schedules import SCHEDULE_NAMES, make_schedule
 
 __all__ = ["P2PTransport", "PipelineRuntime", "RuntimeConfig"]
@@ -230,9 +230,11 @@ class PipelineRuntime:
         mine = [(s, n) for s, n in pair if s in self.modules]
         if not mine:
             return
-        grads = {(s, n): dict(self.modules[s].named_parameters())[n].grad for s, n in mine}
-        for key, g in grads.items():
-            assert g is not None, f"tied parameter {key} has no gradient"
+        grads: dict[tuple[int, str], torch.Tensor] = {}
+        for s, n in mine:
+            grad = dict(self.modules[s].named_parameters())[n].grad
+            assert grad is not None, f"tied parameter {(s, n)} has no gradient"
+            grads[s, n] = grad
         if len(mine) == 2:
             total = grads[sa, na] + grads[sb, nb]
         else:
@@ -241,7 +243,7 @@ class PipelineRuntime:
             peer = self._global(peer_stage % self.num_ranks)
             g = grads[own]
             other = torch.empty_like(g)
-            work = dist.isend(g.contiguous(), dst=peer, group=self.group, tag=_TIED_TAG)
+            work = isend(g.contiguous(), peer, self.group, tag=_TIED_TAG)
             dist.recv(other, src=peer, group=self.group, tag=_TIED_TAG)
             work.wait()
             total = g + other if own[0] == sa else other + g

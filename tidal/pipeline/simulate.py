@@ -293,22 +293,23 @@ def _peak_activations(program: list[Action]) -> int:
 
 def _weight_versions(program: list[Action]) -> int:
     """Most versions live at once: the newest plus any older one a pending B or W will use."""
-    if any(a.version is None for a in program):
+    versions = [a.version for a in program if a.version is not None]
+    if len(versions) < len(program):
         return 1
     uses: dict[int, list[int]] = defaultdict(list)  # microbatch -> versions of its B / W
-    for a in program:
+    for a, version in zip(program, versions, strict=True):
         if a.kind in (Kind.BACKWARD, Kind.WEIGHT_GRAD):
-            uses[a.microbatch].append(a.version)
-    current = min((a.version for a in program), default=0)
+            uses[a.microbatch].append(version)
+    current = min(versions, default=0)
     pending: dict[int, list[int]] = {}
     peak = 1
-    for a in program:
+    for a, version in zip(program, versions, strict=True):
         if a.kind is Kind.FORWARD:
             pending[a.microbatch] = list(uses[a.microbatch])
         elif a.kind in (Kind.BACKWARD, Kind.WEIGHT_GRAD):
-            pending[a.microbatch].remove(a.version)
+            pending[a.microbatch].remove(version)
         elif a.kind is Kind.UPDATE:
-            current = a.version
+            current = version
         live = {current} | {v for vs in pending.values() for v in vs if v <= current}
         peak = max(peak, len(live))
     return peak

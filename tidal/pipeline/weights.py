@@ -203,8 +203,9 @@ class _Saved:
 
 def _extent(t: torch.Tensor) -> tuple[int, int]:
     """First and one-past-last storage element a strided tensor can address."""
-    last = t.storage_offset() + sum((n - 1) * s for n, s in zip(t.size(), t.stride(), strict=True))
-    return t.storage_offset(), last + 1
+    first = int(t.storage_offset())  # a real tensor's, never symbolic
+    last = first + sum((n - 1) * s for n, s in zip(t.size(), t.stride(), strict=True))
+    return first, int(last) + 1
 
 
 def _storage_ptr(t: torch.Tensor) -> int:

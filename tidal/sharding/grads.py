@@ -204,7 +204,7 @@ class ShardedGradients:
     def norms(self) -> dict[int, torch.Tensor]:
         """The gradient norm of each chunk index that has one (in memory or on disk)."""
         indices = [i for i, g in enumerate(self.shards) if g is not None]
-        in_memory = [self.shards[i] for i in indices]
+        in_memory = [g for g in self.shards if g is not None]
         norms = dict(zip(indices, torch._foreach_norm(in_memory, 2.0) if in_memory else [],
                          strict=True))  # fmt: skip
         return {**norms, **self._disk_norms}

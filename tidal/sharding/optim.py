@@ -275,10 +275,10 @@ class ShardedOptimizer:
         if self.swapper is not None and self.on_disk:
             numels = {i: self.store.shard_numel(i) for i in self.on_disk & reduced}
             for index in self.swapper.stream(self._step_lists(), numels):
-                grad = self.grads[index]
+                shard_grad = self.grads[index]
                 if coefficient is not None and index in self.gradients.on_disk:
-                    assert grad is not None
-                    grad.mul_(coefficient.to(grad.device))
+                    assert shard_grad is not None
+                    shard_grad.mul_(coefficient.to(shard_grad.device))
                 self._update_pieces([p for p in pieces if p.chunk == index], lr)
                 self._copy_masters({index})
         for i in present:

@@ -49,7 +49,8 @@ _MAX_HEADER_BYTES = 100_000_000
 def _raw_bytes(tensor: torch.Tensor) -> memoryview:
     """The tensor's bytes in row-major order, without a copy when it is already contiguous."""
     flat = tensor.detach().to("cpu").contiguous().reshape(-1)
-    return memoryview(flat.view(torch.uint8).numpy())
+    # An ndarray is a buffer; numpy's stubs declare __buffer__ for Python >= 3.12 only.
+    return memoryview(flat.view(torch.uint8).numpy())  # type: ignore[arg-type]
 
 
 def write_safetensors(

@@ -4,11 +4,16 @@ recurrent layer (torch's LSTM keeps its own list of its parameters)."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from tidal.testing.zoo.base import VOCAB, LossOf, ZooModel, lm_batch, tokens
+
+if TYPE_CHECKING:  # transformers is optional: the annotation only
+    from transformers import LlamaForCausalLM
 
 __all__ = ["SPECIAL_FAMILIES", "AlternatingBranch", "LstmLM", "OutsideUses", "TopOneMoE"]
 
@@ -64,7 +69,9 @@ class OutsideUses(nn.Module):
         h = self.embed(input_ids)
         h = h + self.body(h) * self.gain.weight
         logits = F.linear(h, self.embed.weight) * h.shape[-1] ** -0.5
-        penalty = 1e-3 * self.body[0].weight.pow(2).sum()
+        first = self.body[0]
+        assert isinstance(first, nn.Linear)
+        penalty = 1e-3 * first.weight.pow(2).sum()
         return _next_token_loss(logits, labels) + penalty
 
 
@@ -73,7 +80,7 @@ def _outside_uses(seed: int) -> nn.Module:
     return OutsideUses()
 
 
-def _llama(seed: int, **extra: int) -> nn.Module:
+def _llama(seed: int, **extra: Any) -> LlamaForCausalLM:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
@@ -97,8 +104,9 @@ def _llama_checkpointing(seed: int) -> nn.Module:
     # Non-reentrant: each decoder layer's forward runs again inside the backward. transformers 5
     # renamed the call (the old name warns, and goes in 6).
     kwargs = {"use_reentrant": False}
-    if hasattr(model, "activation_checkpointing_enable"):
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    enable = getattr(model, "activation_checkpointing_enable", None)
+    if enable is not None:
+        enable(activation_checkpointing_kwargs=kwargs)
     else:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
     return LossOf(model)

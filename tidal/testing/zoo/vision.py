@@ -15,7 +15,8 @@ __all__ = ["VISION_FAMILIES", "BatchNormCNN"]
 def _vit(seed: int) -> nn.Module:
     from transformers import ViTConfig, ViTForImageClassification
 
-    config = ViTConfig(
+    # num_labels: see [Note: config keyword arguments] in hf.py.
+    config = ViTConfig(  # type: ignore[call-arg]
         image_size=IMAGE_SIZE, patch_size=4, num_channels=3, hidden_size=32,
         num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
         num_labels=NUM_CLASSES, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
