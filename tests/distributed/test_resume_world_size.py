@@ -97,6 +97,7 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return run_dir
 
 
+@pytest.mark.slow
 def test_two_ranks_then_one(tmp_path: Path, reference: Path) -> None:
     job = _job(tmp_path)
     run_on_ranks(_fit, world_size=2, args=(job, HALF, False), timeout_s=180)
@@ -107,6 +108,7 @@ def test_two_ranks_then_one(tmp_path: Path, reference: Path) -> None:
     _assert_continues(tmp_path, reference)
 
 
+@pytest.mark.slow
 def test_one_rank_then_two_under_a_budget(tmp_path: Path, reference: Path) -> None:
     # The resumed part also runs under a device budget that forces gathers to be evicted.
     job = _job(tmp_path)
@@ -116,6 +118,7 @@ def test_one_rank_then_two_under_a_budget(tmp_path: Path, reference: Path) -> No
     _assert_continues(tmp_path, reference)
 
 
+@pytest.mark.slow
 def test_two_ranks_on_disk_then_one_on_disk(tmp_path: Path, reference: Path) -> None:
     """Host memory for little more than staging on both sides: most shards live on the NVMe
     tier, and the checkpoint reads and writes their pieces there ([Note: checkpoint pieces on

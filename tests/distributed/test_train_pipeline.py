@@ -82,6 +82,7 @@ def _worker(root: str, reference: tuple[list[float], list[float]]) -> None:
     assert expected[0] >= 1  # the first stage really trained on stale weights
 
 
+@pytest.mark.slow
 def test_pipeline_trainer_equals_reference_and_resumes(tmp_path: Path) -> None:
     Trainer(_job(tmp_path / "reference")).fit()
     reference = _losses(tmp_path / "reference")

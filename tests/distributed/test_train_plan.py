@@ -189,6 +189,7 @@ def _plan_file(path: Path, *, model: str = "tiny", devices: int = WORLD) -> Path
     return path
 
 
+@pytest.mark.slow
 def test_tidal_train_plan_nproc_2_end_to_end(tmp_path: Path) -> None:
     plan = _plan_file(tmp_path / "p.json")
     run_dir = tmp_path / "run"

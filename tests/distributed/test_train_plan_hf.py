@@ -66,6 +66,7 @@ def _records(run_dir: Path, kind: str, key: str) -> list[tuple[int, float]]:
     return [(r["step"], r[key]) for r in read_metrics(run_dir) if r["kind"] == kind]
 
 
+@pytest.mark.slow
 def test_hf_llama_trains_under_tidal_train_plan_as_one_process(tmp_path: Path) -> None:
     transformers.LlamaConfig(
         vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,

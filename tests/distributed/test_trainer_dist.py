@@ -95,6 +95,7 @@ def _assert_close_losses(got: list[tuple[int, float]], want: list[tuple[int, flo
         assert a == pytest.approx(b, rel=RTOL), step
 
 
+@pytest.mark.slow
 def test_two_ranks_match_one_process(tmp_path: Path) -> None:
     ranks = run_on_ranks(
         _train_and_record_writes, world_size=WORLD, args=(_job(tmp_path / "dist"),), timeout_s=90
@@ -148,6 +149,7 @@ def _resume_on_one_process(job: dict[str, Any]) -> None:
     Trainer(job).fit()
 
 
+@pytest.mark.slow
 def test_a_run_saved_on_two_ranks_resumes_on_one(tmp_path: Path) -> None:
     half = _job(tmp_path / "split", steps=STEPS // 2)
     half["optimizer"]["decay_steps"] = STEPS

@@ -11,6 +11,7 @@ from benchmarks import bench_train, write_results
 from tidal.config import ConfigError
 
 
+@pytest.mark.slow
 def test_bench_rows_and_results_file(tmp_path: Path) -> None:
     rows = bench_train(
         ["tiny"],

@@ -75,6 +75,7 @@ def _rows(path: Path) -> dict[tuple[str, str], dict[str, Any]]:
     return {(r["family"], r["mode"]): r for r in json.loads(path.read_text())["rows"]}
 
 
+@pytest.mark.slow
 def test_rows_of_a_match_an_exception_a_signal_and_a_missing_package(run: tuple[Path, str]):
     path, stdout = run
     data = json.loads(path.read_text())
@@ -107,6 +108,7 @@ def test_rows_of_a_match_an_exception_a_signal_and_a_missing_package(run: tuple[
     assert "alternating-branch" in stdout and "results:" in stdout
 
 
+@pytest.mark.slow
 def test_markdown_has_one_line_per_family(run: tuple[Path, str], capsys) -> None:
     path, _ = run
     text = markdown(load_results(path))

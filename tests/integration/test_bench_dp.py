@@ -20,6 +20,7 @@ from tidal.testing import RankFailure, RankOutcome
 REPO = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow
 def test_perf_section_through_the_cli(tmp_path: Path) -> None:
     result = subprocess.run(
         [sys.executable, "-m", "tidal", "bench", "dp", "--recipe", "tiny",

@@ -24,6 +24,7 @@ from benchmarks.offload import (
 REPO = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow
 def test_traffic_section_through_the_cli(tmp_path: Path) -> None:
     # 16384-element chunks: the tiny model in 13 equal chunks, so optimal_traffic is exact.
     result = subprocess.run(
@@ -63,6 +64,7 @@ def test_traffic_section_through_the_cli(tmp_path: Path) -> None:
     assert moved == sorted(moved, reverse=True)  # more room never moves more
 
 
+@pytest.mark.slow
 def test_scale_search_finds_the_edge() -> None:
     settings = OffloadSettings(
         sections=("scale",),

@@ -44,6 +44,7 @@ def parse(flags: list[str]) -> argparse.Namespace:
     return parser.parse_args(flags)
 
 
+@pytest.mark.slow
 def test_tiny_run_writes_json_and_png(tmp_path) -> None:
     out = io.StringIO()
     code = run(parse([*TINY_FLAGS, "--results-dir", str(tmp_path)]), Console(file=out, width=200))

@@ -113,6 +113,7 @@ def _run_cli(argv: list[str]) -> tuple[int, str]:
     return code, console.export_text()
 
 
+@pytest.mark.slow
 def test_command_writes_json_curves_and_png(tmp_path, monkeypatch) -> None:
     import benchmarks.pipemare as bench
 

@@ -49,6 +49,7 @@ def test_unknown_recipe_lists_the_known_ones() -> None:
     assert "unknown recipe 'no-such-recipe'" in result.stderr and "demo" in result.stderr
 
 
+@pytest.mark.slow
 def test_train_report_resume_cycle(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     args = [
@@ -106,6 +107,7 @@ def test_report_of_a_missing_run_is_one_line(tmp_path: Path) -> None:
     assert "summary.json does not exist" in result.stderr and "Traceback" not in result.stderr
 
 
+@pytest.mark.slow
 def test_demo_recipe_runs(tmp_path: Path) -> None:
     # The main job's recipe, cut to a few steps: it must build, train and checkpoint.
     result = tidal(

@@ -31,6 +31,7 @@ TINY_RUN = [
 BOUND_S = 60.0
 
 
+@pytest.mark.slow
 def test_a_killed_rank_ends_the_job_and_is_named(tmp_path: Path) -> None:
     env = {
         **os.environ,

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tidal.distributed.launch import torchrun_command
 
 REPO = Path(__file__).resolve().parents[2]
@@ -36,6 +38,7 @@ def tidal(*args: str, timeout_s: float = 180) -> subprocess.CompletedProcess[str
     )
 
 
+@pytest.mark.slow
 def test_nproc_2_trains_on_two_ranks_and_writes_one_summary(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     result = tidal("train", "--nproc", "2", *TINY_RUN, "--set", f"run_dir={run_dir}")

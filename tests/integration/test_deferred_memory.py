@@ -63,6 +63,7 @@ def _build(mode: str, nvme_dir: Path) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux procfs")
 def test_a_deferred_model_never_sits_whole_in_memory(tmp_path: Path) -> None:
     whole = _build("whole", tmp_path)

@@ -93,6 +93,7 @@ ENGINES = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("engine", ENGINES)
 def test_twenty_steps_equal_ten_plus_resume_plus_ten(tmp_path: Path, engine: str) -> None:
     extra = ENGINES[engine]
@@ -159,6 +160,7 @@ KILLED = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("engine", KILLED)
 def test_sigkill_while_writing_a_checkpoint_keeps_the_previous_one(
     tmp_path: Path, engine: str
