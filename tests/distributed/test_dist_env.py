@@ -126,3 +126,13 @@ def test_install_watchdog_reads_its_settings_at_once() -> None:
         install_watchdog({"TIDAL_HEARTBEAT_S": "fast"})
     assert install_watchdog({"TIDAL_DEAD_AFTER_S": "0"}) is False
     assert not dist.is_initialized()
+
+
+def _opt_in_on_an_existing_group() -> bool:
+    before = _tidal_hooks()
+    assert install_watchdog({"TIDAL_HEARTBEAT_S": "0.1", "TIDAL_DEAD_AFTER_S": "1.5"}) is True
+    return _tidal_hooks() != before
+
+
+def test_install_watchdog_on_an_existing_group_starts_it_at_once() -> None:
+    assert run_on_ranks(_opt_in_on_an_existing_group, world_size=2, timeout_s=60) == [True, True]
