@@ -2,7 +2,6 @@
 Hugging Face decoders from a config.json (transformers imported only when one is built), each
 behind a :class:`ModelSpec` (spec.py), through which the layers below ``train/`` receive them."""
 
-from tidal.models.build import build_model, computes_loss, model_flops_per_token, model_init
 from tidal.models.gpt import (
     GPT,
     PRESETS,
@@ -43,12 +42,8 @@ __all__ = [
     "ModelConfig",
     "ModelSpec",
     "build_gpt",
-    "build_model",
-    "computes_loss",
     "gpt_init",
     "measure_gpt",
-    "model_flops_per_token",
-    "model_init",
     "closed_form_num_params",
     "num_params",
     "preset",

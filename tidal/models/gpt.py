@@ -199,7 +199,8 @@ class CausalSelfAttention(nn.Module):
         self.proj = nn.Linear(d, d, bias=config.bias)
         self.resid_drop = nn.Dropout(config.dropout)
         # Recompute the attention core in backward instead of keeping its activations
-        # (Megatron's selective recomputation); set by tidal.planner.apply.
+        # (Megatron's selective recomputation); set by tidal.planner.apply ([Note: selective
+        # recomputation contract] in tidal/planner/check.py).
         self.recompute_core = False
 
     def forward(self, x_BTD: torch.Tensor) -> torch.Tensor:
