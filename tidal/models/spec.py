@@ -140,7 +140,9 @@ class ModelSpec(Protocol):
 # parts shared by both families
 
 
-def _split(spec: ModelSpec, model: nn.Module, ranges: Sequence[tuple[int, int]]):
+def _split(
+    spec: ModelSpec, model: nn.Module, ranges: Sequence[tuple[int, int]]
+) -> list[PipelineStage]:
     return split_parts(model, spec.stage_parts(model), ranges)
 
 
@@ -180,7 +182,9 @@ class GPTSpec:
     def stage_parts(self, model: nn.Module) -> StageParts:
         return gpt_stage_parts(model)
 
-    def split(self, model: nn.Module, block_ranges: Sequence[tuple[int, int]]):
+    def split(
+        self, model: nn.Module, block_ranges: Sequence[tuple[int, int]]
+    ) -> list[PipelineStage]:
         return _split(self, model, block_ranges)
 
     def profile(self, model: nn.Module, **kwargs: Any) -> list[LayerProfile]:
@@ -227,7 +231,9 @@ class HFSpec:
     def stage_parts(self, model: nn.Module) -> StageParts:
         return hf_stage_parts(model)
 
-    def split(self, model: nn.Module, block_ranges: Sequence[tuple[int, int]]):
+    def split(
+        self, model: nn.Module, block_ranges: Sequence[tuple[int, int]]
+    ) -> list[PipelineStage]:
         return _split(self, model, block_ranges)
 
     def profile(self, model: nn.Module, **kwargs: Any) -> list[LayerProfile]:

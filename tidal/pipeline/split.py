@@ -17,15 +17,15 @@ model's activation dtype), forward as the activation and backward as its gradien
 has to, because everything else a block needs is a function of the sequence length alone and
 each stage recomputes it: positions are ``arange(T)``, a LLaMA stage runs its own copy of
 ``rotary_emb`` on them (a few ``T x head_dim`` tensors, cheaper to recompute than to send),
-and causality needs no mask (sdpa with ``attention_mask=None`` is causal): a stage computes
-them with ``StageParts.block_inputs``. Token ids enter at the
+and causality needs no mask (sdpa with ``attention_mask=None`` is causal); a stage computes
+what its blocks take besides the stream with ``StageParts.block_inputs``. Token ids enter at the
 first stage and targets at the last one; they come from the data loader, not from a neighbour.
 One tensor per boundary keeps the runtime's point-to-point protocol a fixed-shape send/receive
 pair per microbatch and direction.
 
 [Note: loss convention]
 The last stage returns ``F.cross_entropy(logits.float(), targets)`` averaged over the
-microbatch's tokens: the fp32 mean next-token cross-entropy of ``GPT.forward``. ``targets_BT``
+microbatch's tokens: the fp32 mean next-token cross-entropy that tidal's GPT's forward takes. ``targets_BT``
 are already shifted (``targets[:, t]`` is the token after position ``t``), for Hugging Face
 models too: HF's ``model(input_ids, labels=labels)`` shifts inside, and equals this stage's loss
 with ``targets = cat(labels[:, 1:], -100)`` (``-100`` is ignored by both).
