@@ -79,13 +79,13 @@ from rich.console import Console
 from rich.table import Table
 
 from tidal.config import ConfigError, require
-from tidal.models.gpt import GPTConfig, build_gpt
+from tidal.models.gpt import GPTConfig, build_gpt, split_gpt
 from tidal.pipeline.executor import StageRunner
 from tidal.pipeline.pipemare import AsyncConfig, StageWeights, WeightMode
 from tidal.pipeline.runtime import PipelineRuntime, RuntimeConfig
 from tidal.pipeline.schedules import SCHEDULE_NAMES
 from tidal.pipeline.simulate import StageCosts, simulate
-from tidal.pipeline.split import PipelineStage, even_ranges, split_gpt
+from tidal.pipeline.split import PipelineStage, even_ranges
 from tidal.testing import run_on_ranks
 
 __all__ = [

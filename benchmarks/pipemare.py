@@ -59,13 +59,13 @@ from rich.table import Table
 
 from tidal.config import ConfigError, require
 from tidal.data import BatchSampler, DataConfig, TokenSplits, build_token_splits
-from tidal.models.gpt import GPT, GPTConfig, build_gpt
+from tidal.models.gpt import GPT, GPTConfig, build_gpt, split_gpt
 from tidal.parallel.lr import WarmupCosine
 from tidal.pipeline.executor import run_local
 from tidal.pipeline.ir import Schedule
 from tidal.pipeline.pipemare import AsyncConfig, StageWeights, WeightMode
 from tidal.pipeline.schedules import make_schedule
-from tidal.pipeline.split import PipelineStage, even_ranges, split_gpt
+from tidal.pipeline.split import PipelineStage, even_ranges
 
 __all__ = [
     "DEFAULT_LR",

@@ -14,7 +14,8 @@ import dataclasses
 import time
 from typing import Any
 
-from tidal.planner import ClusterSpec, Infeasible, PlannerConfig, make_plan, measure_gpt
+from tidal.models.gpt import measure_gpt
+from tidal.planner import ClusterSpec, Infeasible, PlannerConfig, make_plan
 from tidal.planner.report import plan_report
 
 __all__ = ["MODELS", "DEVICES", "bench_plan", "rows_table"]

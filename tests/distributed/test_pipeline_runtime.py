@@ -20,13 +20,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from tidal.models import build_gpt
-from tidal.models.gpt import GPTConfig
+from tidal.models.gpt import GPTConfig, split_gpt
 from tidal.pipeline.executor import run_local
 from tidal.pipeline.pipemare import AsyncConfig, StageWeights, WeightMode
 from tidal.pipeline.runtime import PipelineRuntime, RuntimeConfig
 from tidal.pipeline.schedules import make_schedule
 from tidal.pipeline.simulate import simulate
-from tidal.pipeline.split import even_ranges, split_gpt, tied_parameters
+from tidal.pipeline.split import even_ranges, tied_parameters
 from tidal.testing import run_on_ranks
 
 LR = 0.5

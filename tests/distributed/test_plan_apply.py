@@ -18,7 +18,8 @@ import torch.distributed as dist
 from torch.distributed.tensor.debug import CommDebugMode
 
 from tidal.models import build_gpt, preset
-from tidal.planner import ClusterSpec, PlannerConfig, measure_gpt
+from tidal.models.gpt import measure_gpt
+from tidal.planner import ClusterSpec, PlannerConfig
 from tidal.planner import make_plan as make_tidal_plan
 from tidal.planner.apply import apply, check_plan, full_state_dict, make_mesh
 from tidal.planner.plan import Layout, Plan, Recompute, StrategyName

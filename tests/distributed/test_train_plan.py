@@ -25,7 +25,8 @@ import torch
 from tidal.cli.main import main
 from tidal.config import ConfigError
 from tidal.models import closed_form_num_params, preset
-from tidal.planner import ClusterSpec, Plan, PlannerConfig, StrategyName, make_plan, measure_gpt
+from tidal.models.gpt import measure_gpt
+from tidal.planner import ClusterSpec, Plan, PlannerConfig, StrategyName, make_plan
 from tidal.testing import run_on_ranks
 from tidal.train import Trainer
 from tidal.train.checkpoint import latest_checkpoint, load_model_state

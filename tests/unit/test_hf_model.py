@@ -9,7 +9,7 @@ import torch
 
 from tidal.config import ConfigError
 from tidal.memory.materialize import materialize
-from tidal.models import ModelConfig, build_model, model_init
+from tidal.models import ModelConfig, spec_for
 from tidal.models.hf import HFModelConfig
 from tidal.train.job import load_job
 
@@ -33,19 +33,20 @@ def _state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 def test_one_seed_gives_one_model_built_whole_or_streamed(llama: Path) -> None:
     config = ModelConfig(hf_config=str(llama), seq_len=32).resolve()
     assert isinstance(config, HFModelConfig) and (config.num_heads, config.num_kv_heads) == (4, 2)
-    whole = _state(build_model(config, device="cpu", seed=3))
-    again = _state(build_model(config, device="cpu", seed=3))
-    other = _state(build_model(config, device="cpu", seed=4))
+    spec = spec_for(config)
+    whole = _state(spec.build(device="cpu", seed=3))
+    again = _state(spec.build(device="cpu", seed=3))
+    other = _state(spec.build(device="cpu", seed=4))
     assert all(torch.equal(whole[k], again[k]) for k in whole)
     assert not torch.equal(whole["lm_head.weight"], other["lm_head.weight"])
-    meta = build_model(config)  # parameters on the meta device, rotary tables computed
+    meta = spec.build()  # parameters on the meta device, rotary tables computed
     assert all(p.is_meta for p in meta.parameters())
     assert not any(b.is_meta for b in meta.buffers())
-    materialize(meta, model_init(meta, config, 3), torch.device("cpu"))
+    materialize(meta, spec.init(meta, 3), torch.device("cpu"))
     streamed = _state(meta)
     assert all(torch.equal(whole[k], streamed[k]) for k in whole)
     ids = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
-    built = build_model(config, device="cpu", seed=3)
+    built = spec.build(device="cpu", seed=3)
     torch.testing.assert_close(meta(ids).logits, built(ids).logits, atol=0, rtol=0)
 
 

@@ -14,7 +14,7 @@ import torch
 
 from tidal.config import ConfigError
 from tidal.models import build_gpt
-from tidal.models.gpt import GPTConfig
+from tidal.models.gpt import GPTConfig, split_gpt
 from tidal.pipeline.executor import (
     LocalTransport,
     MessageKey,
@@ -26,7 +26,7 @@ from tidal.pipeline.ir import Action, Kind, Schedule, parse_program
 from tidal.pipeline.pipemare import AsyncConfig, StageWeights, WeightMode
 from tidal.pipeline.schedules import make_schedule
 from tidal.pipeline.simulate import simulate
-from tidal.pipeline.split import even_ranges, split_gpt, tied_parameters
+from tidal.pipeline.split import even_ranges, tied_parameters
 
 ATOL = 1e-6
 LR = 0.5

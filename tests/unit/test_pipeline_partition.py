@@ -10,15 +10,15 @@ import pytest
 import torch
 
 from tidal.config import ConfigError, format_bytes
-from tidal.models.gpt import GPTConfig, build_gpt, num_params, preset
+from tidal.models import profile_decoder, split_model
+from tidal.models.gpt import GPTConfig, build_gpt, num_params, preset, profile_gpt
 from tidal.pipeline.partition import (
     LayerProfile,
     PartitionInfeasible,
     partition,
     stage_memory_bytes,
 )
-from tidal.pipeline.split import split_model, validate_block_ranges
-from tidal.planner.stage_profile import profile_gpt, profile_model
+from tidal.pipeline.split import validate_block_ranges
 
 
 def _profile(name: str, forward_s: float, param_bytes: int, activation_bytes: int) -> LayerProfile:
@@ -194,12 +194,12 @@ def test_gpt_preset_profile_has_embed_blocks_head_with_positive_costs() -> None:
     assert doubled[1].forward_s > profiles[1].forward_s
 
 
-def test_profile_model_of_a_gpt_matches_profile_gpt_and_measures_on_request() -> None:
+def test_profile_decoder_of_a_gpt_matches_profile_gpt_and_measures_on_request() -> None:
     config = GPTConfig(vocab_size=32, seq_len=8, num_layers=3, num_heads=2, d_model=16)
     model = build_gpt(config)
-    analytic = profile_model(model, micro_batch=2, seq_len=8)
+    analytic = profile_decoder(model, micro_batch=2, seq_len=8)
     assert analytic == profile_gpt(config, micro_batch=2, seq_len=8)
-    measured = profile_model(model, micro_batch=2, seq_len=8, measure=True, repeats=1)
+    measured = profile_decoder(model, micro_batch=2, seq_len=8, measure=True, repeats=1)
     assert [p.name for p in measured] == [p.name for p in analytic]
     assert all(p.forward_s > 0 and p.backward_s > 0 for p in measured)
     assert [(p.param_bytes, p.activation_bytes) for p in measured] == [
@@ -223,7 +223,7 @@ def test_hf_profiles_partition_into_ranges_split_model_accepts(kind: str) -> Non
             bos_token_id=0, eos_token_id=1, attn_implementation="sdpa",
         )  # fmt: skip
         model = transformers.GPT2LMHeadModel(config)
-    profiles = profile_model(model, micro_batch=2, seq_len=8)
+    profiles = profile_decoder(model, micro_batch=2, seq_len=8)
     assert [p.name for p in profiles] == ["embed", "blocks.0", "blocks.1", "blocks.2", "head"]
     assert all(p.forward_s > 0 and p.activation_bytes > 0 for p in profiles)
     weights = sum(p.numel() * p.element_size() for p in model.parameters())

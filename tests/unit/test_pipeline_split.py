@@ -7,12 +7,11 @@ import torch
 from torch import nn
 
 from tidal.config import ConfigError
-from tidal.models.gpt import GPTConfig, build_gpt
+from tidal.models import split_model
+from tidal.models.gpt import GPTConfig, build_gpt, split_gpt
 from tidal.pipeline.split import (
     PipelineStage,
     even_ranges,
-    split_gpt,
-    split_model,
     tied_parameters,
     validate_block_ranges,
 )

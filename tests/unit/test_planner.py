@@ -12,11 +12,12 @@ import torch
 
 from tidal.config import ConfigError
 from tidal.models import PRESETS, GPTConfig
+from tidal.models.gpt import measure_gpt
 from tidal.planner import ClusterSpec, Infeasible, Mesh, Plan, PlannerConfig, make_plan
 from tidal.planner.baselines import baseline
 from tidal.planner.cost_model import Assignment, evaluate
 from tidal.planner.ilp import MIP_REL_GAP, build_problem
-from tidal.planner.measure import Edge, ModelGraph, ParamInfo, Unit, measure_gpt
+from tidal.planner.measure import Edge, ModelGraph, ParamInfo, Unit
 from tidal.planner.plan import Recompute
 from tidal.planner.strategies import TrainingSpec, candidates
 

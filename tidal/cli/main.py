@@ -145,9 +145,11 @@ def _launch(args: argparse.Namespace, argv: list[str]) -> int:
     # An error found here is one line, rather than one per rank above torchrun's report.
     job = load_job(find_recipe(args.recipe), args.overrides)
     if args.plan is not None:
+        from tidal.models import spec_for
         from tidal.parallel.plan_engine import check_plan_job, load_plan
 
-        check_plan_job(load_plan(args.plan), job, world_size=args.nproc)
+        model = spec_for(job.model).build(device="meta")
+        check_plan_job(load_plan(args.plan), job, model=model, world_size=args.nproc)
     elif job.pipeline.stages > 1 or args.pipeline_stages is not None:
         from tidal.train.pipeline_trainer import check_pipeline_job
 

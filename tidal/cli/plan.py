@@ -42,8 +42,7 @@ def _graph(args: argparse.Namespace):
     alone (tidal's GPT's can; a Hugging Face model's is code inside its attention forward)."""
     if is_hf_config(args.model):
         return _hf_graph(args), False
-    from tidal.models import PRESETS, preset
-    from tidal.planner import measure_gpt
+    from tidal.models import PRESETS, GPTSpec, preset
 
     if args.model not in PRESETS:
         raise ConfigError(
@@ -56,7 +55,7 @@ def _graph(args: argparse.Namespace):
     if args.seq_len is not None:
         overrides["seq_len"] = args.seq_len
     config = dataclasses.replace(config, **overrides)
-    graph = measure_gpt(config, micro_batch=args.micro_batch)
+    graph = GPTSpec(config=config).graph(micro_batch=args.micro_batch)
     graph.name = args.model
     return graph, True
 
@@ -64,18 +63,12 @@ def _graph(args: argparse.Namespace):
 def _hf_graph(args: argparse.Namespace):
     """A Hugging Face decoder built from its config on the meta device, in bf16, measured at
     ``--seq-len`` tokens (default: its positions) with its own dropout."""
-    import torch
-
-    from tidal.models.hf import HFModelConfig, build_hf
-    from tidal.planner import measure
-    from tidal.planner.wiring import example_inputs
+    from tidal.models import HFModelConfig, HFSpec
 
     config = HFModelConfig.load(
         args.model, seq_len=args.seq_len, key="--model", seq_len_key="--seq-len"
     )
-    model = build_hf(config).to(torch.bfloat16)
-    inputs = example_inputs(model, micro_batch=args.micro_batch, seq_len=config.seq_len)
-    return measure(model, inputs, name=Path(config.path).parent.name or config.path)
+    return HFSpec(config=config).graph(micro_batch=args.micro_batch)
 
 
 def run_plan(args: argparse.Namespace, console: Console) -> int:

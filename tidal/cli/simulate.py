@@ -134,10 +134,9 @@ def _model_costs(args: argparse.Namespace, schedule, costs):
     """The balanced split of ``--model`` under ``schedule``, and its per-stage costs."""
     import dataclasses
 
-    from tidal.models import preset
+    from tidal.models import preset, profile_gpt
     from tidal.pipeline.partition import PartitionInfeasible, partition
     from tidal.pipeline.simulate import simulate
-    from tidal.planner.stage_profile import profile_gpt
 
     try:
         config = preset(args.model)

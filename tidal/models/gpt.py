@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -23,6 +23,16 @@ from torch.utils.checkpoint import checkpoint
 
 from tidal.config.configurable import ConfigError, require
 from tidal.models.hf import HFModelConfig
+from tidal.pipeline.partition import LayerProfile
+from tidal.pipeline.split import (
+    NormHead,
+    PipelineStage,
+    StageParts,
+    TokenAndPositionEmbed,
+    split_parts,
+)
+from tidal.planner.measure import ModelGraph, measure
+from tidal.planner.stage_profile import profile_model
 
 __all__ = [
     "GPT",
@@ -32,8 +42,12 @@ __all__ = [
     "ModelConfig",
     "build_gpt",
     "closed_form_num_params",
+    "gpt_stage_parts",
+    "measure_gpt",
     "num_params",
     "preset",
+    "profile_gpt",
+    "split_gpt",
     "training_flops_per_token",
 ]
 
@@ -185,7 +199,8 @@ class CausalSelfAttention(nn.Module):
         self.proj = nn.Linear(d, d, bias=config.bias)
         self.resid_drop = nn.Dropout(config.dropout)
         # Recompute the attention core in backward instead of keeping its activations
-        # (Megatron's selective recomputation); set by tidal.planner.apply.
+        # (Megatron's selective recomputation); set by tidal.planner.apply ([Note: selective
+        # recomputation contract] in tidal/planner/check.py).
         self.recompute_core = False
 
     def forward(self, x_BTD: torch.Tensor) -> torch.Tensor:
@@ -338,6 +353,55 @@ def build_gpt(config: GPTConfig, *, device: str | torch.device = "cpu", seed: in
     model.tie_weights()
     model.init_weights(seed)
     return model
+
+
+def gpt_stage_parts(model: GPT) -> StageParts:
+    """Where a :class:`GPT` keeps what pipeline stages hold (tidal/pipeline/split.py)."""
+    return StageParts(
+        embed=TokenAndPositionEmbed(model.tok_embed, model.pos_embed, model.drop),
+        blocks=model.blocks,
+        head=NormHead(model.ln_f, model.lm_head),
+        container="blocks",
+    )
+
+
+def split_gpt(model: GPT, block_ranges: Sequence[tuple[int, int]]) -> list[PipelineStage]:
+    """Stages of a :class:`GPT`; ``block_ranges[s] = (start, end)`` are stage ``s``'s blocks."""
+    return split_parts(model, gpt_stage_parts(model), block_ranges)
+
+
+def measure_gpt(
+    config: GPTConfig, *, micro_batch: int = 1, dtype: torch.dtype = torch.bfloat16
+) -> ModelGraph:
+    """The planner's :class:`ModelGraph` of ``GPT(config)`` at ``micro_batch`` sequences of
+    ``config.seq_len`` tokens, with ``dtype`` weights and activations (traced on the meta
+    device: nothing is allocated)."""
+    model = build_gpt(config, device="meta").to(dtype)
+    shape = (micro_batch, config.seq_len)
+    idx = torch.empty(shape, dtype=torch.long, device="meta")
+    return measure(model, (idx, torch.empty(shape, dtype=torch.long, device="meta")))
+
+
+def profile_gpt(
+    config: GPTConfig,
+    *,
+    micro_batch: int,
+    seq_len: int,
+    dtype: torch.dtype = torch.float32,
+    **rates: float,
+) -> list[LayerProfile]:
+    """Analytic profiles ``embed, blocks.0, ..., head`` of ``GPT(config)`` for one microbatch of
+    ``micro_batch`` sequences of ``seq_len`` tokens, traced on the meta device (nothing is
+    allocated); ``rates``: ``flops_per_s`` and ``memory_bytes_per_s`` of
+    :func:`tidal.planner.stage_profile.profile_model`."""
+    require(
+        1 <= seq_len <= config.seq_len,
+        "seq_len",
+        f"must be in [1, {config.seq_len}] (the model's positions), got {seq_len}",
+    )
+    model = build_gpt(config, device="meta").to(dtype)
+    parts = gpt_stage_parts(model)
+    return profile_model(model, parts=parts, micro_batch=micro_batch, seq_len=seq_len, **rates)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -19,6 +19,7 @@ built (:func:`build_hf`), on the CPU.
 
 from __future__ import annotations
 
+import enum
 import functools
 import json
 from collections.abc import Callable, Iterator
@@ -30,11 +31,15 @@ import torch
 from torch import nn
 
 from tidal.config.configurable import ConfigError, require
+from tidal.pipeline.split import NormHead, StageParts, TokenAndPositionEmbed, TokenEmbed
 
 __all__ = [
     "SUPPORTED_MODEL_TYPES",
+    "HFFamily",
     "HFModelConfig",
     "build_hf",
+    "hf_family",
+    "hf_stage_parts",
     "hf_config_path",
     "hf_flops_per_token",
     "hf_init",
@@ -212,3 +217,89 @@ def hf_flops_per_token(config: HFModelConfig, model: nn.Module) -> float:
     }
     attention = 12 * config.num_layers * config.seq_len * config.hidden_size
     return float(6 * sum(linear.values()) + attention)
+
+
+# ---------------------------------------------------------------------------------------------
+# pipeline stages
+
+SPLITTABLE = (
+    "tidal GPT, Hugging Face LlamaForCausalLM (model_type 'llama') and GPT2LMHeadModel "
+    "(model_type 'gpt2'), the latter two with attn_implementation='sdpa'"
+)
+
+
+class HFFamily(enum.StrEnum):
+    """Hugging Face layouts tidal cuts into stages, recognised by ``config.model_type`` and
+    their submodules (transformers itself is not imported)."""
+
+    LLAMA = "hf-llama"
+    GPT2 = "hf-gpt2"
+
+
+def hf_family(model: nn.Module) -> HFFamily:
+    """Which layout ``model`` has; :class:`ConfigError` naming the supported kinds if none."""
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    family: HFFamily | None = None
+    if model_type == "llama" and all(
+        hasattr(getattr(model, "model", None), a)
+        for a in ("embed_tokens", "layers", "norm", "rotary_emb")
+    ):
+        family = HFFamily.LLAMA
+    elif model_type == "gpt2" and hasattr(model, "transformer"):
+        family = HFFamily.GPT2
+        require(
+            not getattr(model.config, "add_cross_attention", False),
+            "model",
+            "GPT-2 with cross-attention cannot be split; use a decoder-only GPT2LMHeadModel",
+        )
+    if family is None or not hasattr(model, "lm_head"):
+        raise ConfigError(
+            "model", f"cannot split a {type(model).__name__}: supported are {SPLITTABLE}"
+        )
+    impl = getattr(model.config, "_attn_implementation", None)
+    require(
+        impl == "sdpa",
+        "model",
+        f"{type(model).__name__} uses attn_implementation={impl!r}; stages rely on sdpa's causal "
+        "attention without a mask: load it with attn_implementation='sdpa' "
+        "(or call model.set_attn_implementation('sdpa'))",
+    )
+    return family
+
+
+class _RotaryInputs(nn.Module):
+    """What every LLaMA block takes besides the stream: positions ``arange(T)``, the rotary
+    tables of them, and no mask (sdpa is then causal; [Note: stage boundaries] in
+    tidal/pipeline/split.py)."""
+
+    def __init__(self, rotary: nn.Module) -> None:
+        super().__init__()
+        self.rotary = rotary
+
+    def forward(self, x_BTD: torch.Tensor) -> dict[str, Any]:
+        position_ids = torch.arange(x_BTD.shape[1], device=x_BTD.device).unsqueeze(0)
+        return {
+            "attention_mask": None,
+            "position_ids": position_ids,
+            "position_embeddings": self.rotary(x_BTD, position_ids=position_ids),
+        }
+
+
+def hf_stage_parts(model: nn.Module) -> StageParts:
+    """The embedding, blocks and head of a Hugging Face LLaMA or GPT-2 decoder."""
+    if hf_family(model) is HFFamily.LLAMA:
+        inner = model.model
+        return StageParts(
+            embed=TokenEmbed(inner.embed_tokens),
+            blocks=inner.layers,
+            head=NormHead(inner.norm, model.lm_head),
+            block_inputs=_RotaryInputs(inner.rotary_emb),
+            container="model.layers",
+        )
+    inner = model.transformer
+    return StageParts(
+        embed=TokenAndPositionEmbed(inner.wte, inner.wpe, inner.drop),
+        blocks=inner.h,
+        head=NormHead(inner.ln_f, model.lm_head),
+        container="transformer.h",
+    )

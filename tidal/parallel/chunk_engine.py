@@ -530,8 +530,8 @@ def _check_init(model: nn.Module, init: ParameterValues | None) -> ParameterValu
     if meta and init is None:
         raise ValueError(
             f"{len(meta)} parameters are on the meta device ({', '.join(meta[:3])}): pass their "
-            f"values as init= (tidal.initialize(model, config, init=...); for tidal's GPT "
-            f"presets: tidal.models.gpt_init(model, seed)), or build the model on the CPU"
+            f"values as init= (tidal.initialize(model, config, init=...); for a model of the "
+            f"models package: spec_for(config).init(model, seed)), or build the model on the CPU"
         )
     check_buffers(model)
     return init

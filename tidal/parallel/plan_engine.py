@@ -40,7 +40,6 @@ from tidal.config import ConfigError
 from tidal.distributed import rank, world_size
 from tidal.distributed.device import resolve_device
 from tidal.memory.materialize import ParameterValues, materialize
-from tidal.models import build_model
 from tidal.parallel.config import OptimizerConfig, TrainingConfig
 from tidal.parallel.reference import ReferenceEngine, build_optimizer, lr_schedule
 from tidal.planner import Plan, apply, full_state_dict, make_mesh, set_accumulating
@@ -118,13 +117,12 @@ def check_plan_fits(
         raise ConfigError("--plan", str(err)) from None
 
 
-def check_plan_job(plan: Plan, job: JobConfig, *, world_size: int) -> None:
+def check_plan_job(plan: Plan, job: JobConfig, *, model: nn.Module, world_size: int) -> None:
     """All that ``tidal train --plan`` checks of the job and the world before training, for a
-    launcher to report once rather than once per rank."""
+    launcher to report once rather than once per rank; ``model``: the job's, on the meta
+    device (its spec builds it: this layer builds no model)."""
     refuse_chunk_engine(job)
-    config = job.model.resolve()
-    model = build_model(config, device="meta")
-    check_plan_fits(plan, model, world_size=world_size, seq_len=config.seq_len)
+    check_plan_fits(plan, model, world_size=world_size, seq_len=job.model.resolve().seq_len)
     plan_rows(job.training.batch_size, plan, rank=0)
 
 

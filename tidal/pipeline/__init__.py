@@ -14,7 +14,13 @@ from tidal.pipeline.pipemare import AsyncConfig, StageWeights, WeightMode
 from tidal.pipeline.runtime import PipelineRuntime, RuntimeConfig
 from tidal.pipeline.schedules import SCHEDULE_NAMES, make_schedule
 from tidal.pipeline.simulate import Deadlock, Simulation, StageCosts, simulate
-from tidal.pipeline.split import PipelineStage, even_ranges, split_model, tied_parameters
+from tidal.pipeline.split import (
+    PipelineStage,
+    StageParts,
+    even_ranges,
+    split_parts,
+    tied_parameters,
+)
 
 __all__ = [
     "SCHEDULE_NAMES",
@@ -29,6 +35,7 @@ __all__ = [
     "Schedule",
     "Simulation",
     "StageCosts",
+    "StageParts",
     "StageWeights",
     "UpdateRules",
     "WeightMode",
@@ -38,6 +45,6 @@ __all__ = [
     "parse_program",
     "run_local",
     "simulate",
-    "split_model",
+    "split_parts",
     "tied_parameters",
 ]

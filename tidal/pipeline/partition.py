@@ -2,10 +2,11 @@
 every stage within its memory.
 
 A model is a list of :class:`LayerProfile` units, ``embed, blocks.0, ..., blocks.{L-1}, head``
-(what :func:`tidal.planner.stage_profile.profile_gpt` and ``profile_model`` give: profiling
-traces the model with the planner's meta-device measurement, a layer above this one); :func:`partition` cuts it into
-``num_stages`` contiguous non-empty runs and returns the :class:`Partition`, whose
-``block_ranges`` :func:`tidal.pipeline.split.split_model` takes.
+(what :func:`tidal.planner.stage_profile.profile_model` gives, and a model spec's ``profile``:
+profiling traces the model with the planner's meta-device measurement, a layer above this one);
+:func:`partition` cuts it into ``num_stages`` contiguous non-empty runs and returns the
+:class:`Partition`, whose ``block_ranges`` :func:`tidal.pipeline.split.split_parts` (a model
+spec's ``split``) takes.
 
 [Note: stage memory]
 Stage ``s`` holding units with weight bytes ``W`` and per-microbatch activation bytes ``A`` needs
@@ -74,7 +75,7 @@ class LayerProfile:
 class Partition:
     """A contiguous split of the profile list into stages, and what each stage costs."""
 
-    block_ranges: tuple[tuple[int, int], ...]  # what split_model takes
+    block_ranges: tuple[tuple[int, int], ...]  # what split_parts takes
     unit_ranges: tuple[tuple[int, int], ...]  # over the profile list
     stage_time_s: tuple[float, ...]  # forward + backward of one microbatch
     stage_memory_bytes: tuple[int, ...]  # see [Note: stage memory]

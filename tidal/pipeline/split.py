@@ -1,15 +1,15 @@
 """Split a decoder-only language model into pipeline stage modules.
 
-``split_model(model, block_ranges)`` cuts a model into ``len(block_ranges)`` :class:`PipelineStage`
-modules. Stage ``s`` holds the transformer blocks ``block_ranges[s] = (start, end)``; the first
-stage also holds the embeddings, the last the final norm, the LM head and the loss. Composing the
-stages (each one's output into the next one's input) computes what the whole model computes.
+``split_parts(model, parts, block_ranges)`` cuts a model into ``len(block_ranges)``
+:class:`PipelineStage` modules. Stage ``s`` holds the transformer blocks ``block_ranges[s] =
+(start, end)``; the first stage also holds the embeddings, the last the final norm, the LM head
+and the loss. Composing the stages (each one's output into the next one's input) computes what
+the whole model computes.
 
-Supported models: tidal's :class:`~tidal.models.GPT`, Hugging Face ``LlamaForCausalLM``
-(``model.embed_tokens``, ``.layers``, ``.norm``, ``.rotary_emb``, ``lm_head``) and
-``GPT2LMHeadModel`` (``transformer.wte/wpe/drop/h/ln_f``, ``lm_head``), the latter two with sdpa
-attention. transformers itself is never imported here: models are recognised by their
-``config.model_type`` and layout.
+This layer knows no model: ``parts`` (:class:`StageParts`) says where a decoder keeps its
+embedding, its blocks and its head, and what else its blocks take. A model's ``ModelSpec`` (a
+layer above) gives them: ``spec.split(model, block_ranges)`` is ``split_parts`` over the parts
+of tidal's GPT or of a Hugging Face LLaMA / GPT-2.
 
 [Note: stage boundaries]
 Exactly one tensor crosses a boundary: the residual stream ``x_BTD`` (``[B, T, D]``, the
@@ -17,14 +17,15 @@ model's activation dtype), forward as the activation and backward as its gradien
 has to, because everything else a block needs is a function of the sequence length alone and
 each stage recomputes it: positions are ``arange(T)``, a LLaMA stage runs its own copy of
 ``rotary_emb`` on them (a few ``T x head_dim`` tensors, cheaper to recompute than to send),
-and causality needs no mask (sdpa with ``attention_mask=None`` is causal). Token ids enter at the
+and causality needs no mask (sdpa with ``attention_mask=None`` is causal); a stage computes
+what its blocks take besides the stream with ``StageParts.block_inputs``. Token ids enter at the
 first stage and targets at the last one; they come from the data loader, not from a neighbour.
 One tensor per boundary keeps the runtime's point-to-point protocol a fixed-shape send/receive
 pair per microbatch and direction.
 
 [Note: loss convention]
 The last stage returns ``F.cross_entropy(logits.float(), targets)`` averaged over the
-microbatch's tokens: the fp32 mean next-token cross-entropy of ``GPT.forward``. ``targets_BT``
+microbatch's tokens: the fp32 mean next-token cross-entropy that tidal's GPT's forward takes. ``targets_BT``
 are already shifted (``targets[:, t]`` is the token after position ``t``), for Hugging Face
 models too: HF's ``model(input_ids, labels=labels)`` shifts inside, and equals this stage's loss
 with ``targets = cat(labels[:, 1:], -100)`` (``-100`` is ignored by both).
@@ -43,48 +44,47 @@ the tie is kept: a single parameter.
 from __future__ import annotations
 
 import copy
-import enum
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tidal.config import ConfigError, require
-from tidal.models.gpt import GPT
+from tidal.config import require
 
 __all__ = [
-    "DecoderFamily",
+    "NormHead",
     "PipelineStage",
-    "block_container",
-    "decoder_family",
+    "StageParts",
+    "TokenAndPositionEmbed",
+    "TokenEmbed",
     "even_ranges",
-    "num_blocks",
-    "split_gpt",
-    "split_model",
+    "split_parts",
     "tied_parameters",
     "validate_block_ranges",
 ]
 
-SUPPORTED = (
-    "tidal GPT, Hugging Face LlamaForCausalLM (model_type 'llama') and GPT2LMHeadModel "
-    "(model_type 'gpt2'), the latter two with attn_implementation='sdpa'"
-)
 
+@dataclass(kw_only=True, frozen=True)
+class StageParts:
+    """Where a decoder keeps what its stages hold: modules of the model itself (the wrappers
+    below hold the model's own submodules), so parameter names map back by identity."""
 
-class DecoderFamily(enum.StrEnum):
-    """Model layouts :func:`split_model` knows how to cut."""
-
-    TIDAL_GPT = "tidal-gpt"
-    HF_LLAMA = "hf-llama"
-    HF_GPT2 = "hf-gpt2"
+    embed: nn.Module  # token ids [B, T] -> the residual stream [B, T, D]
+    blocks: nn.ModuleList  # the model's transformer blocks, in order
+    head: nn.Module  # [B, T, D] -> logits [B, T, V]
+    # [B, T, D] -> the keyword arguments every block takes besides the stream (LLaMA's positions
+    # and rotary tables); None: blocks take the stream alone. [Note: stage boundaries]
+    block_inputs: nn.Module | None = None
+    container: str  # the dotted path of ``blocks`` in the model (profiles name units by it)
 
 
 # ---------------------------------------------------------------------------------------------
 # the first and last stage's extra parts
 
 
-class _TokenAndPositionEmbed(nn.Module):
+class TokenAndPositionEmbed(nn.Module):
     """Token plus learned position embeddings, then dropout (tidal GPT and GPT-2)."""
 
     def __init__(self, tok: nn.Embedding, pos: nn.Embedding, drop: nn.Module) -> None:
@@ -102,7 +102,7 @@ class _TokenAndPositionEmbed(nn.Module):
         return self.drop(self.tok(idx_BT) + self.pos(pos_T))
 
 
-class _TokenEmbed(nn.Module):
+class TokenEmbed(nn.Module):
     """Token embeddings alone (LLaMA: positions enter through rotary embeddings)."""
 
     def __init__(self, tok: nn.Embedding) -> None:
@@ -113,7 +113,7 @@ class _TokenEmbed(nn.Module):
         return self.tok(idx_BT)
 
 
-class _NormHead(nn.Module):
+class NormHead(nn.Module):
     """Final norm, then the LM head: hidden states to logits."""
 
     def __init__(self, norm: nn.Module, lm_head: nn.Module) -> None:
@@ -142,11 +142,10 @@ class PipelineStage(nn.Module):
         *,
         stage_index: int,
         num_stages: int,
-        family: DecoderFamily,
         embed: nn.Module | None,
         layers: Sequence[nn.Module],
         head: nn.Module | None,
-        rotary: nn.Module | None = None,
+        block_inputs: nn.Module | None = None,
         first_block: int = 0,
     ) -> None:
         super().__init__()
@@ -154,12 +153,11 @@ class PipelineStage(nn.Module):
         self.num_stages = num_stages
         self.is_first = stage_index == 0
         self.is_last = stage_index == num_stages - 1
-        self.family = family
         self.first_block = first_block  # the model's index of layers[0]
         self.embed = embed
         self.layers = nn.ModuleList(layers)
         self.head = head
-        self.rotary = rotary  # LLaMA only: each stage recomputes the rotary tables it needs
+        self.block_inputs = block_inputs  # each stage recomputes what its blocks take
         self.source_names: dict[str, str] = {}
 
     @property
@@ -168,7 +166,9 @@ class PipelineStage(nn.Module):
 
     def forward(self, x: torch.Tensor, targets_BT: torch.Tensor | None = None) -> torch.Tensor:
         x_BTD = self.embed(x) if self.embed is not None else x
-        x_BTD = self._run_layers(x_BTD)
+        kwargs = self.block_inputs(x_BTD) if self.block_inputs is not None else {}
+        for layer in self.layers:
+            x_BTD = layer(x_BTD, **kwargs)
         if self.head is None:
             return x_BTD
         if targets_BT is None:
@@ -178,23 +178,6 @@ class PipelineStage(nn.Module):
         logits_BTV = self.head(x_BTD)
         # fp32 softmax, as GPT.forward: see [Note: loss convention].
         return F.cross_entropy(logits_BTV.float().flatten(0, 1), targets_BT.flatten())
-
-    def _run_layers(self, x_BTD: torch.Tensor) -> torch.Tensor:
-        if self.rotary is None:
-            for layer in self.layers:
-                x_BTD = layer(x_BTD)
-            return x_BTD
-        position_ids = torch.arange(x_BTD.shape[1], device=x_BTD.device).unsqueeze(0)
-        position_embeddings = self.rotary(x_BTD, position_ids=position_ids)
-        for layer in self.layers:
-            # attention_mask=None: sdpa is causal then (see [Note: stage boundaries]).
-            x_BTD = layer(
-                x_BTD,
-                attention_mask=None,
-                position_ids=position_ids,
-                position_embeddings=position_embeddings,
-            )
-        return x_BTD
 
 
 # ---------------------------------------------------------------------------------------------
@@ -250,96 +233,27 @@ def even_ranges(num_blocks: int, num_stages: int) -> list[tuple[int, int]]:
 
 
 # ---------------------------------------------------------------------------------------------
-# model families
+# splitting
 
 
-def _attn_implementation(model: nn.Module) -> str | None:
-    config = getattr(model, "config", None)
-    return getattr(config, "_attn_implementation", None)
-
-
-def decoder_family(model: nn.Module) -> DecoderFamily:
-    """Which layout ``model`` has; :class:`ConfigError` naming the supported kinds if none."""
-    if isinstance(model, GPT):
-        return DecoderFamily.TIDAL_GPT
-    model_type = getattr(getattr(model, "config", None), "model_type", None)
-    family: DecoderFamily | None = None
-    if model_type == "llama" and all(
-        hasattr(getattr(model, "model", None), a)
-        for a in ("embed_tokens", "layers", "norm", "rotary_emb")
-    ):
-        family = DecoderFamily.HF_LLAMA
-    elif model_type == "gpt2" and hasattr(model, "transformer"):
-        family = DecoderFamily.HF_GPT2
-        require(
-            not getattr(model.config, "add_cross_attention", False),
-            "model",
-            "GPT-2 with cross-attention cannot be split; use a decoder-only GPT2LMHeadModel",
-        )
-    if family is None or not hasattr(model, "lm_head"):
-        raise ConfigError(
-            "model", f"cannot split a {type(model).__name__}: supported are {SUPPORTED}"
-        )
-    impl = _attn_implementation(model)
-    require(
-        impl == "sdpa",
-        "model",
-        f"{type(model).__name__} uses attn_implementation={impl!r}; stages rely on sdpa's causal "
-        "attention without a mask: load it with attn_implementation='sdpa' "
-        "(or call model.set_attn_implementation('sdpa'))",
-    )
-    return family
-
-
-def block_container(model: nn.Module) -> str:
-    """The dotted path of ``model``'s list of transformer blocks."""
-    return {
-        DecoderFamily.TIDAL_GPT: "blocks",
-        DecoderFamily.HF_LLAMA: "model.layers",
-        DecoderFamily.HF_GPT2: "transformer.h",
-    }[decoder_family(model)]
-
-
-def num_blocks(model: nn.Module) -> int:
-    """How many transformer blocks ``model`` has."""
-    return len(model.get_submodule(block_container(model)))
-
-
-def _parts(
-    model: nn.Module, family: DecoderFamily
-) -> tuple[nn.Module, nn.ModuleList, nn.Module, nn.Module | None]:
-    """(embed, blocks, head, rotary) wrappers around the model's own submodules."""
-    if family is DecoderFamily.TIDAL_GPT:
-        embed = _TokenAndPositionEmbed(model.tok_embed, model.pos_embed, model.drop)
-        return embed, model.blocks, _NormHead(model.ln_f, model.lm_head), None
-    if family is DecoderFamily.HF_LLAMA:
-        inner = model.model
-        head = _NormHead(inner.norm, model.lm_head)
-        return _TokenEmbed(inner.embed_tokens), inner.layers, head, inner.rotary_emb
-    inner = model.transformer
-    embed = _TokenAndPositionEmbed(inner.wte, inner.wpe, inner.drop)
-    return embed, inner.h, _NormHead(inner.ln_f, model.lm_head), None
-
-
-def _split(
-    model: nn.Module, family: DecoderFamily, block_ranges: Sequence[tuple[int, int]]
+def split_parts(
+    model: nn.Module, parts: StageParts, block_ranges: Sequence[tuple[int, int]]
 ) -> list[PipelineStage]:
-    embed, blocks, head, rotary = _parts(model, family)
-    validate_block_ranges(block_ranges, len(blocks))
+    """Stages of ``model`` whose parts are ``parts``; ``block_ranges[s] = (start, end)`` are
+    stage ``s``'s blocks (see the module docstring)."""
+    validate_block_ranges(block_ranges, len(parts.blocks))
     model_names = {id(p): name for name, p in model.named_parameters()}
     num_stages = len(block_ranges)
     stages = []
     for s, (start, end) in enumerate(block_ranges):
-        is_last = s == num_stages - 1
         # Built around the model's own modules first, so names map back by identity...
         shell = PipelineStage(
             stage_index=s,
             num_stages=num_stages,
-            family=family,
-            embed=embed if s == 0 else None,
-            layers=list(blocks[start:end]),
-            head=head if is_last else None,
-            rotary=rotary if end > start else None,
+            embed=parts.embed if s == 0 else None,
+            layers=list(parts.blocks[start:end]),
+            head=parts.head if s == num_stages - 1 else None,
+            block_inputs=parts.block_inputs if end > start else None,
             first_block=start,
         )
         shell.source_names = {
@@ -349,16 +263,6 @@ def _split(
         # in-stage one (see [Note: tied embeddings across stages]).
         stages.append(copy.deepcopy(shell))
     return stages
-
-
-def split_gpt(model: GPT, block_ranges: Sequence[tuple[int, int]]) -> list[PipelineStage]:
-    """Stages of a tidal :class:`GPT`; ``block_ranges[s] = (start, end)`` are stage ``s``'s blocks."""
-    return _split(model, DecoderFamily.TIDAL_GPT, block_ranges)
-
-
-def split_model(model: nn.Module, block_ranges: Sequence[tuple[int, int]]) -> list[PipelineStage]:
-    """Stages of a tidal GPT or a Hugging Face LLaMA / GPT-2 decoder (see the module docstring)."""
-    return _split(model, decoder_family(model), block_ranges)
 
 
 def tied_parameters(

@@ -9,7 +9,7 @@ here is pure except ``apply`` (apply.py), which realises a plan on a model with 
 
 from tidal.planner.apply import apply, full_state_dict, make_mesh, set_accumulating
 from tidal.planner.cluster import CLUSTER_PRESETS, ClusterSpec, Mesh
-from tidal.planner.measure import ModelGraph, Unit, measure, measure_gpt
+from tidal.planner.measure import ModelGraph, Unit, measure
 from tidal.planner.plan import Layout, Plan, Recompute, StrategyName, UnitChoice
 from tidal.planner.search import Infeasible, PlannerConfig, PlanResult, make_plan
 
@@ -32,6 +32,5 @@ __all__ = [
     "make_mesh",
     "make_plan",
     "measure",
-    "measure_gpt",
     "set_accumulating",
 ]

@@ -63,7 +63,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
-from tidal.planner.check import PlanWiring, check_plan, wire_plan
+from tidal.planner.check import RECOMPUTE_CORE, PlanWiring, check_plan, wire_plan
 from tidal.planner.measure import ModelGraph
 from tidal.planner.plan import Plan, Recompute
 from tidal.planner.tensor_axis import REORDERED, parallelize_tensor_axis
@@ -115,7 +115,7 @@ def apply(
 
 def _recompute(model: nn.Module, wiring: PlanWiring, modes: dict[str, Recompute]) -> None:
     """Full: each block checkpointed whole; selective: attention cores that can recompute
-    alone (tidal's GPT's; check_plan refuses the others)."""
+    alone ([Note: selective recomputation contract] in check.py; check_plan refuses others)."""
     for prefix, mode in modes.items():
         block = wiring.model.blocks[prefix]
         cores = [n for n in block.units if n in wiring.model.attention]
@@ -124,8 +124,8 @@ def _recompute(model: nn.Module, wiring: PlanWiring, modes: dict[str, Recompute]
                 checkpoint(model.get_submodule(prefix.replace("*", str(i))))  # keeps names
             for core in cores:
                 module = model.get_submodule(wiring.model.module_path(core, i))
-                if hasattr(module, "recompute_core"):
-                    module.recompute_core = mode is Recompute.SELECTIVE
+                if hasattr(module, RECOMPUTE_CORE):
+                    setattr(module, RECOMPUTE_CORE, mode is Recompute.SELECTIVE)
 
 
 def full_state_dict(model: nn.Module, plan: Plan) -> dict[str, torch.Tensor]:

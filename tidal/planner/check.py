@@ -51,6 +51,16 @@ class PlanWiring:
     block_entry: dict[str, Layout]  # what a block's pre-hook converts its input to
 
 
+# [Note: selective recomputation contract]
+# The planner recomputes an attention core alone (Megatron's selective recomputation) only in a
+# module that offers it: one with a boolean attribute named RECOMPUTE_CORE, which ``apply`` sets
+# and the module's forward reads (wrapping its core in a checkpoint when true). The planner knows
+# no model class; a model opts in by this attribute (tidal's GPT attention does). A core that is
+# code inside another forward (Hugging Face's) cannot be cut out, so plans recompute such blocks
+# fully or not at all.
+RECOMPUTE_CORE = "recompute_core"
+
+
 def model_name(model: nn.Module) -> str:
     name = type(model).__name__
     return f"tidal's {name}" if type(model).__module__.startswith("tidal.") else name
@@ -317,12 +327,14 @@ def _check_recompute(wiring: ModelWiring, plan: Plan, model: nn.Module) -> None:
             continue
         for name in (n for n in wiring.blocks[prefix].units if n in wiring.attention):
             module = model.get_submodule(wiring.module_path(name, 0))
-            if not hasattr(module, "recompute_core"):
+            if not hasattr(module, RECOMPUTE_CORE):
                 raise ValueError(
                     f"the plan recomputes {prefix!r} selectively, but its attention core "
                     f"{name!r} is code inside {type(module).__name__}.forward, which apply "
-                    f"cannot recompute on its own (only tidal's GPT attention can); make the "
-                    f"plan with full or no recomputation (`tidal plan` does for such models)"
+                    f"cannot recompute on its own (only a module with a {RECOMPUTE_CORE!r} "
+                    f"attribute can, as tidal's GPT attention: [Note: selective recomputation "
+                    f"contract] in check.py); make the plan with full or no recomputation "
+                    f"(`tidal plan` does for such models)"
                 )
 
 

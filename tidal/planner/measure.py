@@ -71,7 +71,7 @@ from torch.utils.flop_counter import flop_registry
 
 from tidal.planner.graph import Edge, ModelGraph, ParamInfo, Unit, cluster_blocks
 
-__all__ = ["Edge", "ModelGraph", "ParamInfo", "Unit", "measure", "measure_gpt"]
+__all__ = ["Edge", "ModelGraph", "ParamInfo", "Unit", "measure"]
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -423,14 +423,3 @@ def _resolve_ties(model: nn.Module, units: list[Unit]) -> None:
                 p.tied_to = owners[key]
             else:
                 owners.setdefault(key, unit.name)
-
-
-def measure_gpt(config: Any, *, micro_batch: int = 1, dtype: torch.dtype = torch.bfloat16):
-    """The :class:`ModelGraph` of ``tidal.models.GPT(config)`` at ``micro_batch`` sequences of
-    ``config.seq_len`` tokens, with ``dtype`` weights and activations."""
-    from tidal.models import build_gpt
-
-    model = build_gpt(config, device="meta").to(dtype)
-    shape = (micro_batch, config.seq_len)
-    idx = torch.empty(shape, dtype=torch.long, device="meta")
-    return measure(model, (idx, torch.empty(shape, dtype=torch.long, device="meta")))

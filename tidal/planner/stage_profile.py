@@ -5,11 +5,15 @@ FLOPs, bytes moved and saved activations per unit, nothing allocated) at H100-li
 rates; measured ones time each unit as a one-unit stage on the model's device. They live in the
 planner because the pipeline layer sits below it: :mod:`tidal.pipeline.partition` takes plain
 :class:`~tidal.pipeline.partition.LayerProfile` values and never traces anything itself.
+
+The planner builds and recognises no model: :func:`profile_model` takes a built one and its
+:class:`~tidal.pipeline.split.StageParts` (what a model's ``ModelSpec`` gives), and traces a meta
+twin of it; a model that returns logits rather than its loss is traced with a cross-entropy
+added after it, so every profile's ``head`` holds a loss.
 """
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import math
 import re
@@ -18,23 +22,18 @@ import time
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from tidal.config import require
-from tidal.models.gpt import GPTConfig, build_gpt
 from tidal.pipeline.partition import LayerProfile
-from tidal.pipeline.split import (
-    DecoderFamily,
-    block_container,
-    decoder_family,
-    num_blocks,
-    split_model,
-)
+from tidal.pipeline.split import StageParts, split_parts
 from tidal.planner.cluster import ClusterSpec
 from tidal.planner.measure import ModelGraph
 from tidal.planner.measure import measure as trace_model
+from tidal.planner.wiring import meta_twin, takes_targets
 
-__all__ = ["DEFAULT_FLOPS_PER_S", "DEFAULT_MEMORY_BYTES_PER_S", "profile_gpt", "profile_model"]
+__all__ = ["DEFAULT_FLOPS_PER_S", "DEFAULT_MEMORY_BYTES_PER_S", "profile_model"]
 
 _H100 = ClusterSpec(devices=1)
 # Achieved, not peak: the planner's H100 defaults times its compute efficiency.
@@ -112,61 +111,32 @@ def _graph_profiles(
     ]
 
 
-def profile_gpt(
-    config: GPTConfig,
-    *,
-    micro_batch: int,
-    seq_len: int,
-    flops_per_s: float = DEFAULT_FLOPS_PER_S,
-    memory_bytes_per_s: float = DEFAULT_MEMORY_BYTES_PER_S,
-    dtype: torch.dtype = torch.float32,
-) -> list[LayerProfile]:
-    """Analytic profiles ``embed, blocks.0, ..., head`` of ``GPT(config)`` for one microbatch of
-    ``micro_batch`` sequences of ``seq_len`` tokens, traced on the meta device (nothing is
-    allocated) by :func:`tidal.planner.measure.measure`."""
-    require(micro_batch >= 1, "micro_batch", f"must be >= 1, got {micro_batch}")
-    require(
-        1 <= seq_len <= config.seq_len,
-        "seq_len",
-        f"must be in [1, {config.seq_len}] (the model's positions), got {seq_len}",
-    )
-    _require_rates(flops_per_s, memory_bytes_per_s)
-    model = build_gpt(config, device="meta").to(dtype)
-    idx = torch.empty((micro_batch, seq_len), dtype=torch.long, device="meta")
-    graph = trace_model(model, (idx, idx), name="gpt")
-    return _graph_profiles(
-        graph,
-        "blocks",
-        config.num_layers,
-        flops_per_s=flops_per_s,
-        memory_bytes_per_s=memory_bytes_per_s,
-    )
-
-
 def _require_rates(flops_per_s: float, memory_bytes_per_s: float) -> None:
     require(flops_per_s > 0, "flops_per_s", f"must be > 0, got {flops_per_s}")
     require(memory_bytes_per_s > 0, "memory_bytes_per_s", f"must be > 0, got {memory_bytes_per_s}")
 
 
-class _CausalLMLoss(nn.Module):
-    """A Hugging Face causal LM as ``(ids, labels) -> loss``, the call the tracer makes."""
+class _LogitsLoss(nn.Module):
+    """A model returning logits (a Hugging Face causal LM: ``.logits``) as ``(ids, targets) ->
+    loss``, the call the tracer makes: the fp32 mean cross-entropy of
+    [Note: loss convention] in tidal/pipeline/split.py."""
 
     def __init__(self, inner: nn.Module) -> None:
         super().__init__()
         self.inner = inner
 
-    def forward(self, idx_BT: torch.Tensor, labels_BT: torch.Tensor) -> torch.Tensor:
-        return self.inner(input_ids=idx_BT, labels=labels_BT).loss
+    def forward(self, idx_BT: torch.Tensor, targets_BT: torch.Tensor) -> torch.Tensor:
+        out = self.inner(idx_BT)
+        logits_BTV = getattr(out, "logits", out)
+        return F.cross_entropy(logits_BTV.float().flatten(0, 1), targets_BT.flatten())
 
 
-def _meta_twin(model: nn.Module, family: DecoderFamily) -> nn.Module:
-    """The same architecture on the meta device, in the model's dtype, allocating nothing."""
-    dtype = next(model.parameters()).dtype
-    if family is DecoderFamily.TIDAL_GPT:
-        return build_gpt(model.config, device="meta").to(dtype)
-    with torch.device("meta"):
-        twin = type(model)(copy.deepcopy(model.config))
-    return _CausalLMLoss(twin.to(dtype))
+def _traced(model: nn.Module, container: str) -> tuple[nn.Module, str]:
+    """A meta twin of ``model`` that returns its loss, and where its blocks are in it."""
+    twin = meta_twin(model)
+    if takes_targets(twin):
+        return twin, container
+    return _LogitsLoss(twin), f"inner.{container}"
 
 
 def _sync(device: torch.device) -> None:
@@ -174,17 +144,22 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def _token_ids(parts: StageParts, shape: tuple[int, int], device: torch.device) -> torch.Tensor:
+    """Random ids below the vocabulary of the embedding's first (token) table."""
+    table = next(m for m in parts.embed.modules() if isinstance(m, nn.Embedding))
+    generator = torch.Generator().manual_seed(0)
+    return torch.randint(0, table.num_embeddings, shape, generator=generator).to(device)
+
+
 def _measured_times(
-    model: nn.Module, *, micro_batch: int, seq_len: int, repeats: int
+    model: nn.Module, parts: StageParts, *, micro_batch: int, seq_len: int, repeats: int
 ) -> list[tuple[float, float]]:
     """Median forward and backward seconds of each unit, run as a one-unit stage on the model's
     device (one warm-up, then ``repeats`` timed runs). Copies the model once."""
-    num = num_blocks(model)
-    units = split_model(model, [(0, 0), *((i, i + 1) for i in range(num)), (num, num)])
+    num = len(parts.blocks)
+    units = split_parts(model, parts, [(0, 0), *((i, i + 1) for i in range(num)), (num, num)])
     device = next(model.parameters()).device
-    generator = torch.Generator().manual_seed(0)
-    shape = (micro_batch, seq_len)
-    idx_BT = torch.randint(0, model.config.vocab_size, shape, generator=generator).to(device)
+    idx_BT = _token_ids(parts, (micro_batch, seq_len), device)
     inputs = [idx_BT]
     with torch.no_grad():
         for stage in units[:-1]:
@@ -210,6 +185,7 @@ def _measured_times(
 def profile_model(
     model: nn.Module,
     *,
+    parts: StageParts,
     micro_batch: int,
     seq_len: int,
     measure: bool = False,
@@ -217,39 +193,31 @@ def profile_model(
     memory_bytes_per_s: float = DEFAULT_MEMORY_BYTES_PER_S,
     repeats: int = 3,
 ) -> list[LayerProfile]:
-    """Profiles ``embed, blocks.0, ..., head`` of a tidal GPT or Hugging Face LLaMA / GPT-2.
+    """Profiles ``embed, blocks.0, ..., head`` of ``model``, whose stage parts are ``parts``,
+    for one microbatch of ``micro_batch`` sequences of ``seq_len`` tokens.
 
-    Bytes (weights, activations) always come from a meta-device trace of the same architecture
-    in the model's dtype; times too, unless ``measure=True``: then each unit's forward and
-    backward are timed on the model's own device (slow on CPU: meant for small models there).
+    Bytes (weights, activations) always come from a meta-device trace of a twin of ``model`` in
+    its dtype (on any device; nothing is allocated); times too, unless ``measure=True``: then
+    each unit's forward and backward are timed on the model's own device (slow on CPU: meant for
+    small models there).
     """
-    family = decoder_family(model)
     require(micro_batch >= 1, "micro_batch", f"must be >= 1, got {micro_batch}")
     require(seq_len >= 1, "seq_len", f"must be >= 1, got {seq_len}")
     require(repeats >= 1, "repeats", f"must be >= 1, got {repeats}")
     _require_rates(flops_per_s, memory_bytes_per_s)
-    if family is DecoderFamily.TIDAL_GPT:
-        require(
-            seq_len <= model.config.seq_len,
-            "seq_len",
-            f"must be <= {model.config.seq_len} (the model's positions), got {seq_len}",
-        )
-    twin = _meta_twin(model, family)
-    container = block_container(model)
-    if family is not DecoderFamily.TIDAL_GPT:
-        container = f"inner.{container}"
+    twin, container = _traced(model, parts.container)
     idx = torch.empty((micro_batch, seq_len), dtype=torch.long, device="meta")
     graph = trace_model(twin, (idx, idx), name=type(model).__name__)
     profiles = _graph_profiles(
         graph,
         container,
-        num_blocks(model),
+        len(parts.blocks),
         flops_per_s=flops_per_s,
         memory_bytes_per_s=memory_bytes_per_s,
     )
     if not measure:
         return profiles
-    times = _measured_times(model, micro_batch=micro_batch, seq_len=seq_len, repeats=repeats)
+    times = _measured_times(model, parts, micro_batch=micro_batch, seq_len=seq_len, repeats=repeats)
     return [
         dataclasses.replace(p, forward_s=f, backward_s=b)
         for p, (f, b) in zip(profiles, times, strict=True)

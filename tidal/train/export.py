@@ -45,7 +45,7 @@ from typing import Any
 import torch
 
 from tidal.config import ConfigError, from_dict, to_dict
-from tidal.models import GPT, GPTConfig, ModelConfig, build_gpt, num_params
+from tidal.models import GPT, GPTConfig, ModelConfig, spec_for
 from tidal.train.checkpoint import (
     checkpoint_root,
     fsync_dir,
@@ -164,7 +164,7 @@ def select_checkpoint(run_dir: str | Path, step: int | None = None) -> tuple[int
 
 def tied_groups(config: GPTConfig) -> list[list[str]]:
     """Names that share one tensor in ``GPT(config)``, e.g. ``[["tok_embed.weight", "lm_head.weight"]]``."""
-    model = build_gpt(config, device="meta")
+    model = spec_for(config).build(device="meta")
     names: dict[int, list[str]] = {}
     for name, param in model.named_parameters(remove_duplicate=False):
         names.setdefault(id(param), []).append(name)
@@ -173,7 +173,7 @@ def tied_groups(config: GPTConfig) -> list[list[str]]:
 
 def _checked_state(state: dict[str, torch.Tensor], config: GPTConfig, source: Path) -> dict:
     """``state`` in ``GPT(config).state_dict()`` order, after checking names, shapes and ties."""
-    expected = build_gpt(config, device="meta").state_dict()
+    expected = spec_for(config).build(device="meta").state_dict()
     missing = sorted(expected.keys() - state.keys())
     unexpected = sorted(state.keys() - expected.keys())
     wrong = [n for n in expected if n in state and state[n].shape != expected[n].shape]
@@ -200,7 +200,8 @@ def hf_unsupported_reason(config: GPTConfig) -> str | None:
     for field in dataclasses.fields(config):
         if field.name not in _HF_EXPRESSIBLE and getattr(config, field.name) != field.default:
             return f"GPT-2 has no equivalent of {field.name}={getattr(config, field.name)!r}"
-    unmapped = [n for n in build_gpt(config, device="meta").state_dict() if _hf_name(n) is None]
+    state = spec_for(config).build(device="meta").state_dict()
+    unmapped = [n for n in state if _hf_name(n) is None]
     if unmapped:
         return f"GPT-2 has no place for {', '.join(unmapped)}"
     return None
@@ -313,7 +314,10 @@ def export_run(
     step, source = select_checkpoint(run_dir, step)
     out = Path(out) if out is not None else _default_out(run_dir, step)
     _check_out(out)
-    state = _checked_state(load_model_state(source), config, source)
+    spec = spec_for(config)
+    model = spec.build(device="meta")
+    checked = _checked_state(load_model_state(source), config, source)
+    state = spec.export_adapter(model).to_export(checked)
     hf_skipped = hf_unsupported_reason(config)
     if hf_skipped is not None:
         log.warning("no Hugging Face export (hf/): %s", hf_skipped)
@@ -323,7 +327,7 @@ def export_run(
         "step": step,
         "source_checkpoint": str(source.resolve()),
         "tied": tied_groups(config),
-        "num_params": num_params(build_gpt(config, device="meta")),
+        "num_params": spec.num_params(model),
         "hf_skipped": hf_skipped,
     }
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -353,8 +357,10 @@ def export_info(out: str | Path) -> dict[str, Any]:
 def load_export(out: str | Path) -> GPT:
     """The exported model as a tidal GPT (strict load), in eval mode."""
     config = GPTConfig(**export_info(out)["model"])
-    model = build_gpt(config)
-    model.load_state_dict(read_safetensors(Path(out) / _MODEL_FILE), strict=True)
+    spec = spec_for(config)
+    model = spec.build(device="cpu")
+    state = spec.export_adapter(model).from_export(read_safetensors(Path(out) / _MODEL_FILE))
+    model.load_state_dict(state, strict=True)
     return model.eval()
 
 

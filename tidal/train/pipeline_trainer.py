@@ -48,12 +48,12 @@ from tidal.distributed.device import (
     reset_peak_memory,
     resolve_device,
 )
-from tidal.models import build_gpt, num_params, training_flops_per_token
+from tidal.models import spec_for
 from tidal.parallel.reference import build_optimizer, lr_schedule
 from tidal.pipeline.eval import evaluate_stages
 from tidal.pipeline.pipemare import AsyncConfig, StageWeights, WeightMode
 from tidal.pipeline.runtime import PipelineRuntime, RuntimeConfig
-from tidal.pipeline.split import even_ranges, split_gpt, tied_parameters
+from tidal.pipeline.split import even_ranges, tied_parameters
 from tidal.train.checkpoint import (
     _prune,
     checkpoint_root,
@@ -134,7 +134,6 @@ def block_ranges(job: JobConfig) -> tuple[tuple[int, int], ...]:
     from tidal.pipeline.partition import PartitionInfeasible, partition
     from tidal.pipeline.schedules import make_schedule
     from tidal.pipeline.simulate import simulate
-    from tidal.planner.stage_profile import profile_gpt
 
     m = pipe.num_microbatches
     steps = 3 if pipe.asynchronous else 1  # enough for an asynchronous schedule's steady state
@@ -146,8 +145,9 @@ def block_ranges(job: JobConfig) -> tuple[tuple[int, int], ...]:
     delta_buffer = int(pipe.correction or pipe.prediction)
     extra_versions = [v - 1 + delta_buffer for v in sim.weight_versions]
     state_per_weight_byte = 4.0 if job.optimizer.name in ("adamw", "adam") else 3.0
-    profiles = profile_gpt(config, micro_batch=max(1, job.training.batch_size // m),
-                           seq_len=config.seq_len)  # fmt: skip
+    spec = spec_for(config)
+    rows = max(1, job.training.batch_size // m)
+    profiles = spec.profile(spec.build(device="meta"), micro_batch=rows, seq_len=config.seq_len)
     try:
         split = partition(
             profiles,
@@ -177,8 +177,10 @@ class PipelineTrainer(TrainerBase):
         self.rank, self.world_size = current_rank(), current_world_size()
         check_pipeline_job(self.job, world_size=self.world_size)
         torch.manual_seed(training.seed)
-        model = build_gpt(self.model_config, device=self.device, seed=training.seed)
-        self.num_params = num_params(model)
+        self.spec = spec_for(self.model_config)
+        model = self.spec.build(device=self.device, seed=training.seed)
+        self.num_params = self.spec.num_params(model)
+        self.flops_per_token = self.spec.flops_per_token(model)
         self.ranges = block_ranges(self.job)
         config = RuntimeConfig(
             schedule=pipe.schedule,
@@ -188,7 +190,7 @@ class PipelineTrainer(TrainerBase):
             max_grad_norm=training.grad_clip_norm or None,
             partition=self.ranges,
         )
-        stages = split_gpt(model, self.ranges)
+        stages = self.spec.split(model, self.ranges)
         tied = tied_parameters(stages)
         del model
         self.stage_ids = list(range(self.rank, len(stages), self.world_size))
@@ -201,7 +203,6 @@ class PipelineTrainer(TrainerBase):
         )
         self.train_batches, self._val_sampler = build_samplers(self.job)
         self.tokens_per_step = training.batch_size * self.model_config.seq_len
-        self.flops_per_token = training_flops_per_token(self.model_config)
         peak = peak_flops(self.device, training.precision, self.job.metrics.peak_tflops)
         self.peak = peak
         self.metrics = MetricsFile(self.run_dir / "metrics.jsonl")

@@ -56,7 +56,7 @@ from tidal.distributed.device import (
     resolve_device,
 )
 from tidal.distributed.faults import maybe_inject
-from tidal.models import build_model, computes_loss, model_flops_per_token, model_init, num_params
+from tidal.models import spec_for
 from tidal.train.build import build_engine
 from tidal.train.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint
 from tidal.train.checkpoint import save_checkpoint as write_checkpoint
@@ -252,17 +252,18 @@ class Trainer(TrainerBase):
         torch.manual_seed(training.seed)
         # Built on the meta device and streamed into the engine, so no rank ever holds the whole
         # model ([Note: deferred construction] in tidal/memory/materialize.py).
-        model = build_model(self.model_config, device="meta")
-        self.flops_per_token = model_flops_per_token(self.model_config, model)
-        self._computes_loss = computes_loss(self.model_config)
-        init = model_init(model, self.model_config, training.seed)
+        self.spec = spec_for(self.model_config)
+        model = self.spec.build(device="meta")
+        self.flops_per_token = self.spec.flops_per_token(model)
+        self._computes_loss = self.spec.computes_loss
+        init = self.spec.init(model, training.seed)
         self.engine = build_engine(model, self.job, init=init, plan=self.plan)
         self.device = self.engine.device
         self.train_batches, self._val_sampler = build_samplers(self.job)
         seq_len = self.model_config.seq_len
         self._val_batches: list[tuple[torch.Tensor, torch.Tensor]] | None = None
         self.tokens_per_step = training.batch_size * seq_len * training.grad_accum_steps
-        self.num_params = num_params(self.engine.model)
+        self.num_params = self.spec.num_params(self.engine.model)
         self.peak = _all_ranks_peak(
             peak_flops(self.device, training.precision, self.job.metrics.peak_tflops),
             self.world_size,
