@@ -1,4 +1,4 @@
-"""``tidal train --pipeline-stages``: the PipelineTrainer against one process, resume, bad input.
+"""``tidal train --pipeline-stages``: the Trainer's pipeline against one process, resume, bad input.
 
 A synchronous pipeline (1F1B, 2 stages on 2 gloo ranks) of the tiny GPT must log the reference
 engine's losses and validation losses (global clipping and the tied embedding included), and a
@@ -56,24 +56,22 @@ def _losses(run_dir: Path) -> tuple[list[float], list[float]]:
 
 def _worker(root: str, reference: tuple[list[float], list[float]]) -> None:
     import torch.distributed as dist
-
     from tidal.pipeline.schedules import make_schedule
     from tidal.pipeline.simulate import simulate
-    from tidal.train.pipeline_trainer import PipelineTrainer
 
     root_path = Path(root)
-    PipelineTrainer(_job(root_path / "sync", schedule="1f1b")).fit()
+    Trainer(_job(root_path / "sync", schedule="1f1b")).fit()
     train, val = _losses(root_path / "sync")
     assert train == pytest.approx(reference[0], abs=TOL), (train, reference[0])
     assert val == pytest.approx(reference[1], abs=TOL), (val, reference[1])
 
-    PipelineTrainer(_job(root_path / "resumed", schedule="1f1b", steps=2)).fit()
-    PipelineTrainer(_job(root_path / "resumed", schedule="1f1b")).fit(resume=True)
+    Trainer(_job(root_path / "resumed", schedule="1f1b", steps=2)).fit()
+    Trainer(_job(root_path / "resumed", schedule="1f1b")).fit(resume=True)
     assert _losses(root_path / "resumed") == (train, val)
 
     job = _job(root_path / "async", schedule="pipemare")
     job["model"]["tie_embeddings"] = False
-    summary = PipelineTrainer(job).fit()
+    summary = Trainer(job).fit()
     assert summary["final_loss"] is not None and summary["final_loss"] < train[0]
     expected = simulate(make_schedule("pipemare", stages=2, microbatches=2, steps=2)).delay
     measured = summary["pipeline"]["max_delay_per_stage"]
