@@ -56,6 +56,7 @@ def _losses(run_dir: Path) -> tuple[list[float], list[float]]:
 
 def _worker(root: str, reference: tuple[list[float], list[float]]) -> None:
     import torch.distributed as dist
+
     from tidal.pipeline.schedules import make_schedule
     from tidal.pipeline.simulate import simulate
 
