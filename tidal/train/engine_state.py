@@ -127,8 +127,9 @@ class WholeTensors:
         else:
             names = _index_names(self.engine.model, self.engine.optimizer)
         tensors, steps = _flat_optimizer_state(saved, names)
-        extras = {**state, "optimizer_steps": steps,
-                  "param_groups": optimizer["param_groups"]}  # fmt: skip
+        extras = {**state, "optimizer_steps": steps}
+        if self.planned:  # by name: the plan engine's loading needs them
+            extras["param_groups"] = optimizer["param_groups"]
         return CheckpointTensors(
             tensors={**_model_tensors(model_state, meta), **tensors}, extras=extras, meta=meta
         )
@@ -142,8 +143,10 @@ class WholeTensors:
         shapes = meta["model_shapes"]
         model = {n: targets[k].view(shapes[n]) for n, k in meta["model_keys"].items()}
         by_name = _optimizer_state(targets, extras["optimizer_steps"], shapes)
-        groups = extras["param_groups"]
-        if not self.planned:  # the torch optimizer's own state dict: by index
+        if self.planned:
+            groups = extras["param_groups"]
+        else:  # the torch optimizer's own state dict: by index; the groups are this engine's
+            groups = engine.optimizer.state_dict()["param_groups"]
             index_of = {n: i for i, n in _index_names(engine.model, engine.optimizer).items()}
             by_name = {index_of[n]: v for n, v in by_name.items()}  # type: ignore[misc]
         rest = {k: v for k, v in extras.items() if k not in ("optimizer_steps", "param_groups")}
@@ -157,7 +160,8 @@ class WholeTensors:
 # ``tidal export`` and every engine read it as any other. A weight two stages hold (a tied
 # embedding) is written by both, equal, and DCP keeps one. What only a stage has, its weight
 # versions and measured delays (PipeMare), is one opaque tensor per stage,
-# ``pipeline/stage-<s>``. Resuming needs the same schedule and split (recorded in meta.json).
+# ``pipeline/stage-<s>``. Resuming needs the same schedule and split (the engine's extras
+# record them).
 
 
 class PipelineStages:

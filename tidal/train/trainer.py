@@ -63,8 +63,8 @@ from tidal.train.checkpoint import (
     latest_checkpoint,
     list_checkpoints,
     load_checkpoint,
-    save_checkpoint,
 )
+from tidal.train.checkpoint import save_checkpoint as write_checkpoint
 from tidal.train.engine_part import EnginePart, TrainingPart
 from tidal.train.job import JobConfig, load_job
 from tidal.train.metrics import (
@@ -395,7 +395,7 @@ class Trainer:
         pieces ([Note: atomic checkpoints] in checkpoint.py). Returns the folder."""
         state = self.part.checkpointable.checkpoint_state()
         state = replace(state, meta={**state.meta, "world_size": self.world_size})
-        return save_checkpoint(
+        return write_checkpoint(
             self.run_dir,
             self.part.global_step,
             state=state,
