@@ -3,7 +3,8 @@
 A synchronous pipeline (1F1B, 2 stages on 2 gloo ranks) of the tiny GPT must log the reference
 engine's losses and validation losses (global clipping and the tied embedding included), and a
 run stopped at a checkpoint and resumed must continue exactly as the unbroken run. An
-asynchronous PipeMare run records its measured delays, which must be the simulator's.
+asynchronous PipeMare run records its measured delays, which must be the simulator's, and
+resumes exactly too.
 """
 
 from __future__ import annotations
@@ -70,9 +71,15 @@ def _worker(root: str, reference: tuple[list[float], list[float]]) -> None:
     Trainer(_job(root_path / "resumed", schedule="1f1b")).fit(resume=True)
     assert _losses(root_path / "resumed") == (train, val)
 
-    job = _job(root_path / "async", schedule="pipemare")
+    # PipeMare with its discrepancy correction: the delta buffer is part of what resumes.
+    job = _job(root_path / "async", schedule="pipemare", correction=True)
     job["model"]["tie_embeddings"] = False
     summary = Trainer(job).fit()
+    split = _job(root_path / "async-resumed", steps=2, schedule="pipemare", correction=True)
+    split["model"]["tie_embeddings"] = False
+    Trainer(split).fit()
+    Trainer({**split, "training": {**split["training"], "steps": STEPS}}).fit(resume=True)
+    assert _losses(root_path / "async-resumed") == _losses(root_path / "async")
     assert summary["final_loss"] is not None and summary["final_loss"] < train[0]
     expected = simulate(make_schedule("pipemare", stages=2, microbatches=2, steps=2)).delay
     measured = summary["pipeline"]["max_delay_per_stage"]

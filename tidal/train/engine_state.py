@@ -191,6 +191,19 @@ class PipelineStages:
         extras = {"global_step": self.runtime.step, "split": self.split}
         return CheckpointTensors(tensors=tensors, extras=extras, meta=dict(self.layout))
 
+    def _targets(self, meta: dict[str, Any]) -> dict[str, torch.Tensor]:
+        """This rank's stages' keys: parameters, their optimizer state, each stage's own."""
+        numels = meta["numels"]
+        names = {source for _, _, _, sources in self._stages() for source in sources.values()}
+        keys = [k for k in numels if k.startswith("optim/")
+                and k[len("optim/") :].rsplit("/", 1)[0] in names]  # fmt: skip
+        keys += [f"model/{name}" for name in names]
+        targets = {key: torch.empty(numels[key]) for key in keys}
+        for s in self.runtime.modules:
+            key = f"pipeline/stage-{s}"
+            targets[key] = torch.empty(numels[key], dtype=torch.uint8)
+        return targets
+
     def restore_checkpoint(
         self, load: LoadTensors, extras: dict[str, Any], meta: dict[str, Any]
     ) -> None:
@@ -201,15 +214,10 @@ class PipelineStages:
                 f"{self.split}; resume with the same [pipeline] settings (or export it with "
                 f"`tidal export RUN_DIR`)",
             )
+        targets = self._targets(meta)
+        load(targets)  # one collective read for all this rank's stages
         for s, module, weights, source in self._stages():
-            stage_key = f"pipeline/stage-{s}"
-            keys = [f"model/{source[n]}" for n, _ in module.named_parameters()]
-            keys += [k for k in meta["numels"] if k.startswith("optim/")
-                     and k[len("optim/"):].rsplit("/", 1)[0] in source.values()]  # fmt: skip
-            targets = {k: torch.empty(meta["numels"][k]) for k in keys}
-            targets[stage_key] = torch.empty(meta["numels"][stage_key], dtype=torch.uint8)
-            load(targets)
-            own = _from_bytes(targets[stage_key])
+            own = _from_bytes(targets[f"pipeline/stage-{s}"])
             with torch.no_grad():
                 for name, param in module.named_parameters():
                     param.copy_(targets[f"model/{source[name]}"].view(param.shape))
