@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 
 from tidal.cli.main import main
+from tidal.config import ConfigError
 from tidal.testing import run_on_ranks
 from tidal.train import Trainer
 from tidal.train.metrics import read_metrics
@@ -108,3 +109,14 @@ def test_bad_pipeline_input_exits_2_in_one_line(capsys: pytest.CaptureFixture[st
     assert main([*argv, "--set", "pipeline.prediction=true"]) == 2  # 1f1b has no delay
     err = capsys.readouterr().err
     assert "pipeline.prediction" in err and "pipemare" in err
+
+
+def test_a_plan_and_a_pipeline_are_refused_together(tmp_path: Path) -> None:
+    from tidal.models import preset
+    from tidal.planner import ClusterSpec, PlannerConfig, make_plan, measure_gpt
+
+    graph = measure_gpt(preset("tiny"), micro_batch=1)
+    config = PlannerConfig(tp=1, pareto=(), baselines=())
+    plan = make_plan(graph, ClusterSpec(devices=2), config).plan
+    with pytest.raises(ConfigError, match="--plan: a pipeline run places its stages itself"):
+        Trainer(_job(tmp_path / "both", schedule="1f1b"), plan=plan)

@@ -188,6 +188,10 @@ class Trainer:
         self.rank, self.world_size = current_rank(), current_world_size()
         torch.manual_seed(training.seed)
         if self.job.pipeline.stages > 1 if pipeline is None else pipeline:
+            if self.plan is not None:
+                raise ConfigError(
+                    "--plan", "a pipeline run places its stages itself; drop --plan or the pipeline"
+                )
             self.part: TrainingPart = self._pipeline_part()
         else:
             self.part = self._engine_part()
