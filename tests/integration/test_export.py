@@ -346,6 +346,21 @@ def test_cli_errors_are_one_line_and_exit_2(
         assert "(available: 1, 2)" in err[0]
 
 
+def test_cli_export_of_an_old_format_names_it_in_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A run of an older tidal (format 1: torch.save files, a pipeline's stage files)."""
+    (tmp_path / "config.json").write_text(json.dumps({"model": {"preset": "tiny"}}))
+    folder = tmp_path / "checkpoints" / "step_00000002"
+    folder.mkdir(parents=True)
+    (folder / "stage-0.pt").write_bytes(b"old")
+    (folder / "meta.json").write_text(json.dumps({"format_version": 1, "step": 2}))
+    assert main(["export", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("tidal: error: checkpoint: "), err
+    assert "format 1" in err[0] and "the tidal that wrote it" in err[0]
+
+
 def test_cli_no_checkpoint_in_a_subprocess(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text(json.dumps({"model": {"preset": "tiny"}}))
     result = subprocess.run(

@@ -51,6 +51,7 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
+from tidal.config import ConfigError
 from tidal.parallel.protocol import CheckpointTensors, LoadTensors
 
 __all__ = [
@@ -357,10 +358,11 @@ def _read_meta(path: Path) -> dict[str, Any]:
     meta = json.loads(meta_path.read_text())
     version = meta.get("format_version")
     if version not in _READABLE:
-        raise ValueError(
+        raise ConfigError(
+            "checkpoint",
             f"{path} is a checkpoint of format {version} (torch.save files of an older tidal); "
             f"this tidal reads formats {', '.join(map(str, _READABLE))} (DCP). Export or "
-            f"resume it with the tidal that wrote it, or start the run again"
+            f"resume it with the tidal that wrote it, or start the run again",
         )
     return meta
 

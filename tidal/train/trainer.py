@@ -1,8 +1,9 @@
 """The training loop: a JobConfig in, a trained model, metrics, checkpoints and a summary out.
 
-The Trainer composes the parts (model preset, token source, engine) and owns only the loop, the
-run folder and resumption. Presentation is left to callbacks: the CLI adds a rich progress bar,
-library users get log lines.
+The Trainer composes the parts (model preset, token source, and what trains: an engine or a
+pipeline, behind one small interface in engine_part.py) and owns only the loop, the run folder,
+checkpoints in the one format (checkpoint.py), resumption and the summary. Presentation is left
+to callbacks: the CLI adds a rich progress bar, library users get log lines.
 
 [Note: exact resume]
 A resumed run must continue bit for bit where the saved one stopped. Everything that decides the
