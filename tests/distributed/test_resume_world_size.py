@@ -19,8 +19,12 @@ import torch
 
 from tidal.testing import run_on_ranks
 from tidal.train import Trainer
-from tidal.train.checkpoint import latest_checkpoint, list_checkpoints, load_model_state
-from tidal.train.dist_checkpoint import CheckpointWriteError
+from tidal.train.checkpoint import (
+    CheckpointWriteError,
+    latest_checkpoint,
+    list_checkpoints,
+    load_model_state,
+)
 from tidal.train.export import export_run, load_export
 from tidal.train.metrics import read_metrics
 
@@ -143,7 +147,7 @@ def test_a_full_disk_keeps_the_previous_checkpoint(
     def full_disk(*_args: Any, **_kwargs: Any) -> int:
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr("tidal.train.dist_checkpoint._write_tensor_file", full_disk)
+    monkeypatch.setattr("tidal.train.checkpoint.write_tensor_file", full_disk)
     with pytest.raises(
         CheckpointWriteError, match=r"No space left on device.*step_00000004 is intact"
     ):

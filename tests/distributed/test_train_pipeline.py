@@ -1,9 +1,10 @@
-"""``tidal train --pipeline-stages``: the PipelineTrainer against one process, resume, bad input.
+"""``tidal train --pipeline-stages``: the Trainer's pipeline against one process, resume, bad input.
 
 A synchronous pipeline (1F1B, 2 stages on 2 gloo ranks) of the tiny GPT must log the reference
 engine's losses and validation losses (global clipping and the tied embedding included), and a
 run stopped at a checkpoint and resumed must continue exactly as the unbroken run. An
-asynchronous PipeMare run records its measured delays, which must be the simulator's.
+asynchronous PipeMare run records its measured delays, which must be the simulator's, and
+resumes exactly too.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Any
 import pytest
 
 from tidal.cli.main import main
+from tidal.config import ConfigError
 from tidal.testing import run_on_ranks
 from tidal.train import Trainer
 from tidal.train.metrics import read_metrics
@@ -59,21 +61,26 @@ def _worker(root: str, reference: tuple[list[float], list[float]]) -> None:
 
     from tidal.pipeline.schedules import make_schedule
     from tidal.pipeline.simulate import simulate
-    from tidal.train.pipeline_trainer import PipelineTrainer
 
     root_path = Path(root)
-    PipelineTrainer(_job(root_path / "sync", schedule="1f1b")).fit()
+    Trainer(_job(root_path / "sync", schedule="1f1b")).fit()
     train, val = _losses(root_path / "sync")
     assert train == pytest.approx(reference[0], abs=TOL), (train, reference[0])
     assert val == pytest.approx(reference[1], abs=TOL), (val, reference[1])
 
-    PipelineTrainer(_job(root_path / "resumed", schedule="1f1b", steps=2)).fit()
-    PipelineTrainer(_job(root_path / "resumed", schedule="1f1b")).fit(resume=True)
+    Trainer(_job(root_path / "resumed", schedule="1f1b", steps=2)).fit()
+    Trainer(_job(root_path / "resumed", schedule="1f1b")).fit(resume=True)
     assert _losses(root_path / "resumed") == (train, val)
 
-    job = _job(root_path / "async", schedule="pipemare")
+    # PipeMare with its discrepancy correction: the delta buffer is part of what resumes.
+    job = _job(root_path / "async", schedule="pipemare", correction=True)
     job["model"]["tie_embeddings"] = False
-    summary = PipelineTrainer(job).fit()
+    summary = Trainer(job).fit()
+    split = _job(root_path / "async-resumed", steps=2, schedule="pipemare", correction=True)
+    split["model"]["tie_embeddings"] = False
+    Trainer(split).fit()
+    Trainer({**split, "training": {**split["training"], "steps": STEPS}}).fit(resume=True)
+    assert _losses(root_path / "async-resumed") == _losses(root_path / "async")
     assert summary["final_loss"] is not None and summary["final_loss"] < train[0]
     expected = simulate(make_schedule("pipemare", stages=2, microbatches=2, steps=2)).delay
     measured = summary["pipeline"]["max_delay_per_stage"]
@@ -103,3 +110,14 @@ def test_bad_pipeline_input_exits_2_in_one_line(capsys: pytest.CaptureFixture[st
     assert main([*argv, "--set", "pipeline.prediction=true"]) == 2  # 1f1b has no delay
     err = capsys.readouterr().err
     assert "pipeline.prediction" in err and "pipemare" in err
+
+
+def test_a_plan_and_a_pipeline_are_refused_together(tmp_path: Path) -> None:
+    from tidal.models import preset
+    from tidal.planner import ClusterSpec, PlannerConfig, make_plan, measure_gpt
+
+    graph = measure_gpt(preset("tiny"), micro_batch=1)
+    config = PlannerConfig(tp=1, pareto=(), baselines=())
+    plan = make_plan(graph, ClusterSpec(devices=2), config).plan
+    with pytest.raises(ConfigError, match="--plan: a pipeline run places its stages itself"):
+        Trainer(_job(tmp_path / "both", schedule="1f1b"), plan=plan)

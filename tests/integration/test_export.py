@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -14,6 +15,7 @@ import tidal.train.export as export_module
 from tidal.cli.main import main
 from tidal.config import ConfigError
 from tidal.models import GPT, GPTConfig, build_gpt
+from tidal.testing import run_on_ranks
 from tidal.train import Trainer
 from tidal.train.checkpoint import list_checkpoints, load_model_state
 from tidal.train.export import check_export, export_info, export_run, to_hf_gpt2
@@ -38,12 +40,23 @@ RUNS = {
 }
 
 
+def _engine_weights(engine: Any) -> dict[str, torch.Tensor]:
+    """The model's weights as the engine holds them after training (a collective on a
+    sharded or plan engine: every rank calls it)."""
+    return {
+        name: value.detach().float().cpu() for name, value in engine.state_dict()["model"].items()
+    }
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """One tiny two-step run per case, checkpoints at steps 1 and 2."""
+    """One tiny two-step run per case, checkpoints at steps 1 and 2; beside each run folder,
+    the weights its engine held at the end."""
     root = tmp_path_factory.mktemp("export-runs")
     for name, extra in RUNS.items():
-        Trainer("tiny", [*COMMON, f"run_dir={root / name}", *extra]).fit()
+        trainer = Trainer("tiny", [*COMMON, f"run_dir={root / name}", *extra])
+        trainer.fit()
+        torch.save(_engine_weights(trainer.engine), root / f"{name}.trained.pt")
     return {name: root / name for name in RUNS}
 
 
@@ -156,6 +169,69 @@ def test_export_round_trips_to_pytorch_and_hugging_face(runs: dict[str, Path], c
     assert any("equal to" in line for line in lines) and any(
         "GPT2LMHeadModel" in line for line in lines
     )
+    _assert_exports_the_trained_weights(out, torch.load(run_dir.parent / f"{case}.trained.pt"))
+
+
+def _assert_exports_the_trained_weights(out: Path, trained: dict[str, torch.Tensor]) -> None:
+    """Every exported tensor is the engine's own after training, bit for bit; a name the engine
+    does not list is a tied one, equal to the weight it is tied to."""
+    exported = read_safetensors(out / "model.safetensors")
+    aliases = {name: group[0] for group in export_info(out)["tied"] for name in group[1:]}
+    assert set(trained) <= set(exported) and set(exported) - set(trained) <= set(aliases)
+    for name, tensor in exported.items():
+        want = trained[name] if name in trained else trained[aliases[name]]
+        assert torch.equal(tensor, want.reshape(tensor.shape)), name
+
+
+# ---------------------------------------------------------------------------------------------
+# every engine on several ranks: one spawn of 2 ranks trains them all
+
+
+def _plan_for_two_ranks() -> Any:
+    from tidal.models import preset
+    from tidal.planner import ClusterSpec, PlannerConfig, make_plan, measure_gpt
+
+    graph = measure_gpt(preset("tiny"), micro_batch=1)
+    # tp 2: the fused qkv's rows are reordered in the plan's layout; the export must not be.
+    config = PlannerConfig(tp=2, eps=10.0, pareto=(), baselines=())
+    return make_plan(graph, ClusterSpec(devices=2), config).plan
+
+
+MULTI_RANK = {
+    "chunk-2-ranks": ("engine=chunk", "chunk.size=128"),
+    "plan": (),
+    "pipeline": ("pipeline.stages=2", "pipeline.microbatches=2"),
+}
+
+
+def _train_on_each_rank(root: str, plan: Any) -> dict[str, dict[str, torch.Tensor]]:
+    weights = {}
+    for name, extra in MULTI_RANK.items():
+        overrides = [*COMMON, f"run_dir={Path(root) / name}", *extra]
+        trainer = Trainer("tiny", overrides, plan=plan if name == "plan" else None)
+        trainer.fit()
+        if name == "pipeline":  # the runtime: this rank's stages, under the model's names
+            weights[name] = {
+                module.source_names[n]: p.detach().clone()
+                for module in trainer.engine.modules.values()
+                for n, p in module.named_parameters()
+            }
+        else:
+            weights[name] = _engine_weights(trainer.engine)
+    return weights
+
+
+def test_every_multi_rank_engine_exports_its_trained_weights(tmp_path: Path) -> None:
+    """ZeRO-3 chunks, a tensor-parallel plan and a two-stage pipeline all write the one
+    checkpoint format: `tidal export` gives the model each trained, whatever the layout."""
+    ranks = run_on_ranks(_train_on_each_rank, world_size=2, args=(str(tmp_path), _plan_for_two_ranks()),
+                         timeout_s=300)  # fmt: skip
+    for name in MULTI_RANK:
+        run_dir = tmp_path / name
+        trained = {**ranks[1][name], **ranks[0][name]}  # a pipeline's stages: one per rank
+        out = export_run(run_dir, out=tmp_path / f"{name}-export")
+        _assert_exports_the_trained_weights(out, trained)
+        assert any("equal to" in line for line in check_export(out)), name
 
 
 def test_export_of_an_earlier_step_into_an_empty_folder(
@@ -268,6 +344,21 @@ def test_cli_errors_are_one_line_and_exit_2(
     assert len(err) == 1 and err[0].startswith("tidal: error: ") and fragment in err[0], err
     if "--step" in args:
         assert "(available: 1, 2)" in err[0]
+
+
+def test_cli_export_of_an_old_format_names_it_in_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A run of an older tidal (format 1: torch.save files, a pipeline's stage files)."""
+    (tmp_path / "config.json").write_text(json.dumps({"model": {"preset": "tiny"}}))
+    folder = tmp_path / "checkpoints" / "step_00000002"
+    folder.mkdir(parents=True)
+    (folder / "stage-0.pt").write_bytes(b"old")
+    (folder / "meta.json").write_text(json.dumps({"format_version": 1, "step": 2}))
+    assert main(["export", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("tidal: error: checkpoint: "), err
+    assert "format 1" in err[0] and "the tidal that wrote it" in err[0]
 
 
 def test_cli_no_checkpoint_in_a_subprocess(tmp_path: Path) -> None:

@@ -16,8 +16,7 @@ import torch
 
 from tidal.testing.trees import assert_equal_tree
 from tidal.train import Trainer
-from tidal.train.checkpoint import list_checkpoints, load_checkpoint
-from tidal.train.dist_checkpoint import read_tensors
+from tidal.train.checkpoint import list_checkpoints, load_checkpoint, read_tensors
 from tidal.train.metrics import read_metrics
 
 # Dropout on, so that restoring torch's RNG state is part of what is tested; accumulation on, so
@@ -47,18 +46,14 @@ def _records(run_dir: Path, kind: str, *fields: str) -> list[tuple]:
 def _assert_same_state(a: Path, b: Path) -> None:
     ckpt_a = load_checkpoint(list_checkpoints(a)[-1][1])
     ckpt_b = load_checkpoint(list_checkpoints(b)[-1][1])
-    assert ckpt_a["step"] == ckpt_b["step"]
-    assert_equal_tree(ckpt_a["train_state"]["engine"], ckpt_b["train_state"]["engine"])
-    if "meta" in ckpt_a:  # sharded format: every model and optimizer tensor by key
-        tensors_a = read_tensors(list_checkpoints(a)[-1][1], ckpt_a["meta"])
-        tensors_b = read_tensors(list_checkpoints(b)[-1][1], ckpt_b["meta"])
-        assert tensors_a.keys() == tensors_b.keys() and tensors_a
-        for key, tensor in tensors_a.items():
-            assert torch.equal(tensor, tensors_b[key]), key
-        return
-    assert ckpt_a["model"].keys() == ckpt_b["model"].keys()
-    for name, tensor in ckpt_a["model"].items():
-        assert torch.equal(tensor, ckpt_b["model"][name]), name
+    assert ckpt_a.step == ckpt_b.step
+    assert_equal_tree(ckpt_a.train_state["engine"], ckpt_b.train_state["engine"])
+    # Every engine writes the one format: every model and optimizer tensor by key.
+    tensors_a, tensors_b = read_tensors(ckpt_a.path), read_tensors(ckpt_b.path)
+    assert tensors_a.keys() == tensors_b.keys() and tensors_a
+    assert any(key.startswith("optim/") for key in tensors_a)
+    for key, tensor in tensors_a.items():
+        assert torch.equal(tensor, tensors_b[key]), key
 
 
 ENGINES = {
@@ -132,7 +127,7 @@ _KILLED_WRITER = textwrap.dedent(
     run_dir, marker = Path(sys.argv[1]), Path(sys.argv[2])
     ckpt = importlib.import_module(sys.argv[3])  # the module whose file writes are torn
     torn_call = int(sys.argv[4])
-    real_write = ckpt._write_tensor_file
+    real_write = ckpt.write_tensor_file
     calls = []
 
     def write_then_hang(obj, path):
@@ -145,18 +140,18 @@ _KILLED_WRITER = textwrap.dedent(
             time.sleep(600)
         return size
 
-    ckpt._write_tensor_file = write_then_hang
+    ckpt.write_tensor_file = write_then_hang
     overrides = sys.argv[5:] + [f"run_dir={run_dir}"]
     Trainer("tiny", overrides).fit()
     """
 )
 
 
-# (module whose writes are torn, which call, overrides): the reference engine's model.pt of the
-# second checkpoint; the chunk engine's train_state.pt, after every rank wrote its DCP shards.
+# (module whose writes are torn, which call, overrides): every engine's train_state.pt of the
+# second checkpoint, after every rank wrote its DCP pieces.
 KILLED = {
-    "reference": ("tidal.train.checkpoint", 3, ()),
-    "chunk": ("tidal.train.dist_checkpoint", 2, ENGINES["chunk"]),
+    "reference": ("tidal.train.checkpoint", 2, ()),
+    "chunk": ("tidal.train.checkpoint", 2, ENGINES["chunk"]),
 }
 
 
@@ -201,7 +196,7 @@ def test_sigkill_while_writing_a_checkpoint_keeps_the_previous_one(
     leftovers = [p.name for p in (run_dir / "checkpoints").iterdir()]
     assert any(name.startswith(".tmp-step_00000010") for name in leftovers), leftovers
     assert [step for step, _ in list_checkpoints(run_dir)] == [5]
-    assert load_checkpoint(list_checkpoints(run_dir)[-1][1])["step"] == 5
+    assert load_checkpoint(list_checkpoints(run_dir)[-1][1]).step == 5
 
     # Resuming from it gives exactly the run that was never killed, and cleans the torn folder.
     _run(run_dir, 10, resume=True, extra=("checkpoint.every_steps=5", *extra))

@@ -23,8 +23,7 @@ from tidal.parallel.chunk_engine import ChunkEngine
 from tidal.parallel.config import MemoryConfig
 from tidal.testing.trees import assert_equal_tree
 from tidal.train import OptimizerConfig, ReferenceEngine, Trainer, TrainingConfig
-from tidal.train.checkpoint import list_checkpoints, load_checkpoint
-from tidal.train.dist_checkpoint import read_tensors
+from tidal.train.checkpoint import Checkpoint, list_checkpoints, load_checkpoint, read_tensors
 from tidal.train.metrics import read_metrics
 
 TINY = preset("tiny")
@@ -321,7 +320,7 @@ def _train_records(run_dir: Path) -> list[tuple]:
     ]
 
 
-def _final_state(run_dir: Path) -> dict[str, Any]:
+def _final_state(run_dir: Path) -> Checkpoint:
     return load_checkpoint(list_checkpoints(run_dir)[-1][1])
 
 
@@ -339,16 +338,12 @@ def test_six_steps_equal_three_plus_resume_plus_three(
     assert _train_records(tmp_path / "split") == records  # floats compared with ==
     assert split["final_loss"] == whole["final_loss"] and split["resumed_from_step"] == 3
     a, b = _final_state(tmp_path / "whole"), _final_state(tmp_path / "split")
-    assert_equal_tree(a["train_state"]["engine"], b["train_state"]["engine"])
-    if "meta" in a:  # the chunk engine's sharded format: every tensor by key
-        tensors_a = read_tensors(list_checkpoints(tmp_path / "whole")[-1][1], a["meta"])
-        tensors_b = read_tensors(list_checkpoints(tmp_path / "split")[-1][1], b["meta"])
-        assert_equal_tree(tensors_a, tensors_b)
-        has_state = any(key.startswith("optim/") for key in tensors_a)
-        assert has_state == (optimizer != "sgd-plain")
-        return
-    for name, tensor in a["model"].items():
-        assert torch.equal(tensor, b["model"][name]), name
+    assert_equal_tree(a.train_state["engine"], b.train_state["engine"])
+    # Every engine writes the one format: every model and optimizer tensor by key.
+    tensors_a, tensors_b = read_tensors(a.path), read_tensors(b.path)
+    assert_equal_tree(tensors_a, tensors_b)
+    has_state = any(key.startswith("optim/") for key in tensors_a)
+    assert has_state == (optimizer != "sgd-plain")
 
 
 # ---------------------------------------------------------------------------------------------

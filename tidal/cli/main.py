@@ -38,7 +38,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from tidal.distributed.watchdog import RankDiedError
     from tidal.memory.store import DeviceBudgetTooSmall
     from tidal.planner.search import Infeasible
-    from tidal.train.dist_checkpoint import CheckpointWriteError
+    from tidal.train.checkpoint import CheckpointWriteError
 
     try:
         if args.command == "train":
@@ -106,15 +106,11 @@ def _train(args: argparse.Namespace, console: Console, argv: list[str]) -> int:
     from tidal.train.job import find_recipe
 
     job = load_job(find_recipe(args.recipe), args.overrides)
-    if job.pipeline.stages > 1 or args.pipeline_stages is not None:
-        if job.pipeline.stages > 1 and int(os.environ.get("WORLD_SIZE", "1")) == 1:
-            args.nproc = job.pipeline.stages  # a recipe's [pipeline] stages: one rank each
-            return _launch(args, argv)
-        from tidal.train.pipeline_trainer import PipelineTrainer
-
-        trainer = PipelineTrainer(job)
-    else:
-        trainer = Trainer(job, plan=args.plan)
+    pipeline = job.pipeline.stages > 1 or args.pipeline_stages is not None
+    if job.pipeline.stages > 1 and int(os.environ.get("WORLD_SIZE", "1")) == 1:
+        args.nproc = job.pipeline.stages  # a recipe's [pipeline] stages: one rank each
+        return _launch(args, argv)
+    trainer = Trainer(job, plan=args.plan, pipeline=pipeline)
     trainer.fit(resume=args.resume, overwrite=args.overwrite, callbacks=[RichProgress(console)])
     if trainer.distributed:
         from tidal.distributed import shutdown
@@ -151,7 +147,7 @@ def _launch(args: argparse.Namespace, argv: list[str]) -> int:
         model = spec_for(job.model).build(device="meta")
         check_plan_job(load_plan(args.plan), job, model=model, world_size=args.nproc)
     elif job.pipeline.stages > 1 or args.pipeline_stages is not None:
-        from tidal.train.pipeline_trainer import check_pipeline_job
+        from tidal.train.pipeline_part import check_pipeline_job
 
         check_pipeline_job(job, world_size=args.nproc)
     else:

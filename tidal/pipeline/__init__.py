@@ -4,7 +4,7 @@ Map (docs/pipeline.md): ``ir`` (actions and programs) -> ``schedules`` (generato
 ``simulate`` (discrete-event timing) ; ``split`` and ``partition`` (stages of a model) ->
 ``weights``/``pipemare`` (per-stage versions, delays, redirection) -> ``executor`` (one interpreter;
 ``run_local``: every stage in one process) -> ``runtime`` (one process per rank over
-``torch.distributed``). ``tidal.train.pipeline_trainer`` trains a recipe with it.
+``torch.distributed``). ``tidal.train.pipeline_part`` trains a recipe with it (through the one Trainer).
 """
 
 from tidal.pipeline.config import PipelineConfig

@@ -134,8 +134,9 @@ def run_model_config(run_dir: str | Path) -> GPTConfig:
         raise ConfigError(
             "run_dir",
             f"{run_dir} trained a Hugging Face model ({model.hf_config}); export writes tidal's "
-            f"GPT. Its checkpoints' model.pt holds the Hugging Face parameter names: load it "
-            f"with transformers' AutoModelForCausalLM.from_config(...).load_state_dict",
+            f"GPT. Its checkpoints hold the Hugging Face parameter names: read them with "
+            f"tidal.train.checkpoint.load_model_state and load them with transformers' "
+            f"AutoModelForCausalLM.from_config(...).load_state_dict",
         )
     return model.resolve()
 

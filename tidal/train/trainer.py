@@ -1,8 +1,9 @@
 """The training loop: a JobConfig in, a trained model, metrics, checkpoints and a summary out.
 
-The Trainer composes the parts (model preset, token source, engine) and owns only the loop, the
-run folder and resumption. Presentation is left to callbacks: the CLI adds a rich progress bar,
-library users get log lines.
+The Trainer composes the parts (model preset, token source, and what trains: an engine or a
+pipeline, behind one small interface in engine_part.py) and owns only the loop, the run folder,
+checkpoints in the one format (checkpoint.py), resumption and the summary. Presentation is left
+to callbacks: the CLI adds a rich progress bar, library users get log lines.
 
 [Note: exact resume]
 A resumed run must continue bit for bit where the saved one stopped. Everything that decides the
@@ -35,15 +36,15 @@ import math
 import shutil
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.nn.functional as F
 
 from tidal.config import ConfigError, to_dict
 from tidal.data import Batch, BatchSampler, build_token_splits
-from tidal.distributed import all_reduce_mean, barrier, gather_ints, init_from_env
+from tidal.distributed import barrier, gather_ints, init_from_env
 from tidal.distributed import rank as current_rank
 from tidal.distributed import world_size as current_world_size
 from tidal.distributed.device import (
@@ -58,9 +59,14 @@ from tidal.distributed.device import (
 from tidal.distributed.faults import maybe_inject
 from tidal.models import spec_for
 from tidal.train.build import build_engine
-from tidal.train.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint
+from tidal.train.checkpoint import (
+    IDENTITY,
+    latest_checkpoint,
+    list_checkpoints,
+    load_checkpoint,
+)
 from tidal.train.checkpoint import save_checkpoint as write_checkpoint
-from tidal.train.dist_checkpoint import save_sharded_checkpoint
+from tidal.train.engine_part import EnginePart, TrainingPart
 from tidal.train.job import JobConfig, load_job
 from tidal.train.metrics import (
     MetricsFile,
@@ -74,7 +80,7 @@ from tidal.train.metrics import (
 if TYPE_CHECKING:
     from tidal.planner import Plan
 
-__all__ = ["Callback", "LogCallback", "Trainer", "TrainerBase", "check_run_dir", "rank_rows"]
+__all__ = ["Callback", "LogCallback", "Trainer", "check_run_dir", "rank_rows"]
 
 logger = logging.getLogger(__name__)
 
@@ -153,84 +159,16 @@ def build_samplers(job: JobConfig) -> tuple[BatchSampler, BatchSampler]:
     return train, val
 
 
-class TrainerBase:
-    """What a run folder needs from any trainer: validation and checkpoints on their steps,
-    --resume / --overwrite, the peak the MFU divides by. Subclasses provide ``job``, ``rank``,
-    ``run_dir``, ``metrics``, ``peak``, ``last_val_loss``, ``evaluate()``,
-    ``save_checkpoint()`` and ``load_checkpoint(path) -> step``."""
-
-    job: JobConfig
-    rank: int
-    run_dir: Path
-    metrics: MetricsFile
-    peak: PeakFlops | None
-    last_val_loss: float | None
-
-    def evaluate(self) -> float:
-        raise NotImplementedError
-
-    def save_checkpoint(self) -> Path | None:
-        raise NotImplementedError
-
-    def load_checkpoint(self, path: Any) -> int:
-        raise NotImplementedError
-
-    def _after_step(self, step: int, callbacks: Sequence[Callback]) -> None:
-        training, ckpt = self.job.training, self.job.checkpoint
-        last = step == training.steps
-        if (training.val_every and step % training.val_every == 0) or last:
-            self.last_val_loss = self.evaluate()
-            record = {"kind": "val", "step": step, "val_loss": self.last_val_loss}
-            if self.rank == 0:
-                self.metrics.append(record)
-            for cb in callbacks:
-                cb.on_val(record)
-        if (ckpt.every_steps and step % ckpt.every_steps == 0) or (last and ckpt.at_end):
-            path = self.save_checkpoint()
-            for cb in callbacks:
-                cb.on_checkpoint(step, str(path))
-
-    @property
-    def _peak_tflops(self) -> float | None:
-        return self.peak.tflops if self.peak else None
-
-    def _prepare_run_dir(self, *, resume: bool, overwrite: bool) -> int:
-        # Every rank checks, so that a refusal stops all of them rather than stranding peers.
-        check_run_dir(self.run_dir, resume=resume, overwrite=overwrite)
-        if self.rank == 0:
-            self._reset_run_dir(overwrite=overwrite, resume=resume)
-        # The folder exists, and what --overwrite deletes is gone, before any rank reads it.
-        barrier()
-        if not resume:
-            return 0
-        path = latest_checkpoint(self.run_dir)
-        assert path is not None, "check_run_dir found a checkpoint"
-        step = self.load_checkpoint(path)
-        if self.rank == 0:
-            self.metrics.truncate_after(step)
-        return step
-
-    def _reset_run_dir(self, *, overwrite: bool, resume: bool) -> None:
-        if overwrite:
-            for name in ("checkpoints", "metrics.jsonl", "summary.json", "loss.png", "memory.png"):
-                path = self.run_dir / name
-                if path.is_dir():
-                    shutil.rmtree(path)
-                elif path.exists():
-                    path.unlink()
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        write_json_atomic(self.run_dir / "config.json", to_dict(self.job))
-        if not resume:
-            self.metrics.truncate_after(0)
-
-
-class Trainer(TrainerBase):
+class Trainer:
     """Train the model of ``job`` (a GPT preset, or a Hugging Face config) on its token source
-    with the engine it names.
+    with the engine it names, or as the pipeline its ``[pipeline]`` section describes.
 
     Under torchrun every rank builds its own Trainer; see [Note: global batch]. ``plan``: a
     plan of ``tidal plan`` (or the path of its JSON file) to train with, on its ``dp x tp``
-    ranks ([Note: plan runs] in tidal/parallel/plan_engine.py).
+    ranks ([Note: plan runs] in tidal/parallel/plan_engine.py). ``pipeline``: train as a
+    pipeline, one rank per stage ([Note: pipeline runs] in pipeline_part.py); by default when
+    ``pipeline.stages > 1``. The loop, the run folder, checkpoints and the summary are the same
+    for both; what trains is the ``part`` (engine_part.py).
     """
 
     def __init__(
@@ -239,6 +177,7 @@ class Trainer(TrainerBase):
         overrides: Sequence[str] = (),
         *,
         plan: Plan | str | Path | None = None,
+        pipeline: bool | None = None,
     ) -> None:
         self.job = load_job(job, overrides)
         self.plan = _load_plan(plan) if isinstance(plan, str | Path) else plan
@@ -248,22 +187,22 @@ class Trainer(TrainerBase):
         # Before the engine: a sharded engine reads the process group when it is built.
         self.distributed = init_from_env(device=resolve_device(training.device))
         self.rank, self.world_size = current_rank(), current_world_size()
-        self._rows = self._rank_rows()
         torch.manual_seed(training.seed)
-        # Built on the meta device and streamed into the engine, so no rank ever holds the whole
-        # model ([Note: deferred construction] in tidal/memory/materialize.py).
-        self.spec = spec_for(self.model_config)
-        model = self.spec.build(device="meta")
-        self.flops_per_token = self.spec.flops_per_token(model)
-        self._computes_loss = self.spec.computes_loss
-        init = self.spec.init(model, training.seed)
-        self.engine = build_engine(model, self.job, init=init, plan=self.plan)
-        self.device = self.engine.device
+        if self.job.pipeline.stages > 1 if pipeline is None else pipeline:
+            if self.plan is not None:
+                raise ConfigError(
+                    "--plan", "a pipeline run places its stages itself; drop --plan or the pipeline"
+                )
+            self.part: TrainingPart = self._pipeline_part()
+        else:
+            self.part = self._engine_part()
+        self.engine = self.part.engine
+        self.device = self.part.device
+        self.adapter = IDENTITY  # tidal's GPT and Hugging Face models keep their names
         self.train_batches, self._val_sampler = build_samplers(self.job)
         seq_len = self.model_config.seq_len
-        self._val_batches: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+        self._val_batches: list[Batch] | None = None
         self.tokens_per_step = training.batch_size * seq_len * training.grad_accum_steps
-        self.num_params = self.spec.num_params(self.engine.model)
         self.peak = _all_ranks_peak(
             peak_flops(self.device, training.precision, self.job.metrics.peak_tflops),
             self.world_size,
@@ -272,6 +211,33 @@ class Trainer(TrainerBase):
         self.tokens_seen = 0
         self.train_time_s = 0.0
         self.last_val_loss: float | None = None
+
+    def _engine_part(self) -> EnginePart:
+        training = self.job.training
+        # Built on the meta device and streamed into the engine, so no rank ever holds the whole
+        # model ([Note: deferred construction] in tidal/memory/materialize.py).
+        spec = spec_for(self.model_config)
+        model = spec.build(device="meta")
+        self.flops_per_token = spec.flops_per_token(model)
+        init = spec.init(model, training.seed)
+        engine = build_engine(model, self.job, init=init, plan=self.plan)
+        self.num_params = spec.num_params(engine.model)
+        return EnginePart(
+            engine,
+            rows=self._rank_rows(),
+            world_size=self.world_size,
+            grad_accum_steps=training.grad_accum_steps,
+            computes_loss=spec.computes_loss,
+            planned=self.plan is not None,
+        )
+
+    def _pipeline_part(self) -> TrainingPart:
+        from tidal.train.pipeline_part import PipelinePart
+
+        part = PipelinePart(self.job, device=resolve_device(self.job.training.device),
+                            world_size=self.world_size)  # fmt: skip
+        self.num_params, self.flops_per_token = part.num_params, part.flops_per_token
+        return part
 
     def _rank_rows(self) -> slice:
         batch_size = self.job.training.batch_size
@@ -308,26 +274,16 @@ class Trainer(TrainerBase):
         for cb in callbacks:
             cb.on_start(self, start_step=start_step)
         reset_peak_memory(self.device)
-        steps = self.job.training.steps
         window = Throughput(flops_per_token=self.flops_per_token, peak_tflops=self._peak_tflops)
         timed = Throughput(flops_per_token=self.flops_per_token, peak_tflops=self._peak_tflops)
         last_record: dict[str, Any] | None = None
-        for step in range(start_step + 1, steps + 1):
-            maybe_inject(step)  # TIDAL_FAULT_INJECT, a testing aid (tidal/distributed/faults.py)
-            loss, step_s = self._train_step()
-            self.tokens_seen += self.tokens_per_step
-            self.train_time_s += step_s
-            window.add(self.tokens_per_step, step_s)
-            # The first step of a process pays for warm-up (allocations, kernel selection).
-            if step > start_step + 1 or steps == start_step + 1:
-                timed.add(self.tokens_per_step, step_s)
-            last_record = self._step_record(step, loss, step_s, window)
-            if step % self.job.training.log_every == 0:
-                window.reset()
-            if self.rank == 0:
-                self.metrics.append(last_record)
-            for cb in callbacks:
-                cb.on_step(last_record)
+        step = start_step
+        while step < self.job.training.steps:
+            for loss, step_s in self._train_steps(step):
+                step += 1
+                last_record = self._record_step(step, loss, step_s, window, timed, start_step)
+                for cb in callbacks:
+                    cb.on_step(last_record)
             self._after_step(step, callbacks)
         summary = self._summary(last_record, timed, start_step, time.perf_counter() - start_wall)
         if self.rank == 0:
@@ -336,102 +292,126 @@ class Trainer(TrainerBase):
             cb.on_end(summary)
         return summary
 
-    def _train_step(self) -> tuple[float, float]:
+    def _train_steps(self, step: int) -> list[tuple[float, float]]:
+        """(loss, seconds) of each step the part's next call trains: one step for an engine,
+        an asynchronous pipeline's program (its time shared evenly between its steps)."""
+        num_steps = self.part.next_steps(step)
+        maybe_inject(step + 1)  # TIDAL_FAULT_INJECT, a testing aid (tidal/distributed/faults.py)
         start = time.perf_counter()
-        loss_sum = torch.zeros((), device=self.device)
-        for _ in range(self.job.training.grad_accum_steps):
-            inputs, targets = self._local(self.train_batches.next_batch())
-            loss = self._loss(inputs.to(self.device), targets.to(self.device))
-            self.engine.backward(loss)
-            loss_sum += loss.detach().float()
-            self.engine.step()
-        loss_value = float(loss_sum) / self.job.training.grad_accum_steps  # syncs the device
-        loss_value = all_reduce_mean(loss_value)
-        step_s = time.perf_counter() - start
-        if not math.isfinite(loss_value):
-            raise FloatingPointError(
-                f"loss is {loss_value} at step {self.engine.global_step}; the last checkpoint is "
-                f"intact. Lower optimizer.lr, raise optimizer.warmup_steps or use "
-                f"training.precision='bf16' instead of fp16"
-            )
-        return loss_value, step_s
+        losses = self.part.train(num_steps, self.train_batches)
+        step_s = (time.perf_counter() - start) / num_steps
+        for offset, loss in enumerate(losses, start=step + 1):
+            if not math.isfinite(loss):
+                raise FloatingPointError(
+                    f"loss is {loss} at step {offset}; the last checkpoint is intact. "
+                    f"{self.part.nan_advice}"
+                )
+        return [(loss, step_s) for loss in losses]
 
-    def _loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """The mean next-token cross-entropy: tidal's GPT takes it itself; a Hugging Face model
-        gives logits, and it is taken here the same way (fp32, over every token)."""
-        if self._computes_loss:
-            return self.engine(inputs, targets)
-        logits = self.engine(inputs).logits
-        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
-
-    def _local(self, batch: Batch) -> Batch:
-        """This rank's rows of a global batch; see [Note: global batch]."""
-        if self.world_size == 1:
-            return batch
-        inputs, targets = batch
-        return inputs[self._rows], targets[self._rows]
-
-    def _step_record(
-        self, step: int, loss: float, step_s: float, window: Throughput
+    def _record_step(
+        self,
+        step: int,
+        loss: float,
+        step_s: float,
+        window: Throughput,
+        timed: Throughput,
+        start_step: int,
     ) -> dict[str, Any]:
-        return {
+        self.tokens_seen += self.tokens_per_step
+        self.train_time_s += step_s
+        window.add(self.tokens_per_step, step_s)
+        # The first step of a process pays for warm-up (allocations, kernel selection).
+        if step > start_step + 1 or self.job.training.steps == start_step + 1:
+            timed.add(self.tokens_per_step, step_s)
+        record = {
             "kind": "train",
             "step": step,
             "loss": loss,
-            "grad_norm": self.engine.last_grad_norm,
-            "lr": self.engine.lr,
+            **self.part.step_figures(step),
             "tokens": self.tokens_seen,
             "step_s": step_s,
             **window.figures(),
             "memory_bytes": memory_bytes(self.device),
             "peak_memory_bytes": peak_memory_bytes(self.device),
         }
+        if step % self.job.training.log_every == 0:
+            window.reset()
+        if self.rank == 0:
+            self.metrics.append(record)
+        return record
 
-    @torch.no_grad()
     def evaluate(self) -> float:
-        """Mean loss over the fixed validation batches (each rank its rows, then the mean)."""
+        """Mean loss over the fixed validation batches (each rank its part, then the mean)."""
         if self._val_batches is None:
             self._val_batches = self._val_sampler.fixed_batches(self.job.training.val_batches)
-        model = self.engine.model
-        was_training = model.training
-        model.eval()
-        total = 0.0
-        for batch in self._val_batches:
-            inputs, targets = self._local(batch)
-            total += float(self._loss(inputs.to(self.device), targets.to(self.device)))
-        model.train(was_training)
-        return all_reduce_mean(total / len(self._val_batches))
+        return self.part.evaluate(self._val_batches)
+
+    def _after_step(self, step: int, callbacks: Sequence[Callback]) -> None:
+        training, ckpt = self.job.training, self.job.checkpoint
+        last = step == training.steps
+        if (training.val_every and step % training.val_every == 0) or last:
+            self.last_val_loss = self.evaluate()
+            record = {"kind": "val", "step": step, "val_loss": self.last_val_loss}
+            if self.rank == 0:
+                self.metrics.append(record)
+            for cb in callbacks:
+                cb.on_val(record)
+        if (ckpt.every_steps and step % ckpt.every_steps == 0) or (last and ckpt.at_end):
+            path = self.save_checkpoint()
+            for cb in callbacks:
+                cb.on_checkpoint(step, str(path))
+
+    @property
+    def _peak_tflops(self) -> float | None:
+        return self.peak.tflops if self.peak else None
 
     # -- run folder and checkpoints -------------------------------------------------------------
 
-    def save_checkpoint(self) -> Path | None:
-        """Checkpoint the current step. Every rank calls it. The chunk engines write sharded
-        checkpoints from every rank ([Note: atomic sharded checkpoints] in
-        dist_checkpoint.py); the reference engine's replicas are written by rank 0, and so are a
-        plan run's whole tensors, which every rank helps gather. Returns the folder (None on
-        ranks other than 0 for those two)."""
-        if hasattr(self.engine, "checkpoint_state"):
-            state = self.engine.checkpoint_state()
-            return save_sharded_checkpoint(
-                self.run_dir,
-                self.engine.global_step,
-                tensors=state.tensors,
-                train_state=self._train_state(state.extras),
-                meta={**state.meta, "world_size": self.world_size},
-                keep=self.job.checkpoint.keep,
-                planner=state.planner,
-            )
-        path = None
-        engine_state = self.engine.state_dict() if self.plan is not None else None  # gathers
+    def _prepare_run_dir(self, *, resume: bool, overwrite: bool) -> int:
+        # Every rank checks, so that a refusal stops all of them rather than stranding peers.
+        check_run_dir(self.run_dir, resume=resume, overwrite=overwrite)
         if self.rank == 0:
-            path = self._write_checkpoint(engine_state or self.engine.state_dict())
-        # No rank moves on (to exit, or to a resume that reads it) before the folder is complete.
+            self._reset_run_dir(overwrite=overwrite, resume=resume)
+        # The folder exists, and what --overwrite deletes is gone, before any rank reads it.
         barrier()
-        return path
+        if not resume:
+            return 0
+        path = latest_checkpoint(self.run_dir)
+        assert path is not None, "check_run_dir found a checkpoint"
+        step = self.load_checkpoint(path)
+        if self.rank == 0:
+            self.metrics.truncate_after(step)
+        return step
 
-    def _train_state(self, engine_state: dict[str, Any]) -> dict[str, Any]:
+    def _reset_run_dir(self, *, overwrite: bool, resume: bool) -> None:
+        if overwrite:
+            for name in ("checkpoints", "metrics.jsonl", "summary.json", "loss.png", "memory.png"):
+                path = self.run_dir / name
+                if path.is_dir():
+                    shutil.rmtree(path)
+                elif path.exists():
+                    path.unlink()
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        write_json_atomic(self.run_dir / "config.json", to_dict(self.job))
+        if not resume:
+            self.metrics.truncate_after(0)
+
+    def save_checkpoint(self) -> Path:
+        """Checkpoint the current step in the one format; every rank calls it and writes its
+        pieces ([Note: atomic checkpoints] in checkpoint.py). Returns the folder."""
+        state = self.part.checkpointable.checkpoint_state()
+        state = replace(state, meta={**state.meta, "world_size": self.world_size})
+        return write_checkpoint(
+            self.run_dir,
+            self.part.global_step,
+            state=state,
+            train_state=self._train_state(),
+            keep=self.job.checkpoint.keep,
+            adapter=self.adapter,
+        )
+
+    def _train_state(self) -> dict[str, Any]:
         return {
-            "engine": engine_state,
             "data": self.train_batches.state_dict(),
             "rng": self._rng_state(),
             "tokens_seen": self.tokens_seen,
@@ -440,22 +420,12 @@ class Trainer(TrainerBase):
             "model_config": to_dict(self.model_config),
         }
 
-    def _write_checkpoint(self, engine_state: dict[str, Any]) -> Path:
-        model_state = engine_state.pop("model")
-        return write_checkpoint(
-            self.run_dir,
-            self.engine.global_step,
-            model_state=model_state,
-            train_state=self._train_state(engine_state),
-            keep=self.job.checkpoint.keep,
-        )
-
     def load_checkpoint(self, path: Any) -> int:
         """Restore everything [Note: exact resume] lists; returns the checkpoint's step.
 
-        Every rank calls it and reads the same files."""
-        checkpoint = load_checkpoint(path)
-        state = checkpoint["train_state"]
+        Every rank calls it and reads its pieces, whatever engine and world size wrote them."""
+        checkpoint = load_checkpoint(path, adapter=self.adapter)
+        state = checkpoint.train_state
         saved_model = state["model_config"]
         if saved_model != to_dict(self.model_config):
             changed = sorted(
@@ -466,30 +436,21 @@ class Trainer(TrainerBase):
                 f"the checkpoint in {path} was trained with other model settings ({', '.join(changed)});"
                 f" resume with the run's original [model] section",
             )
-        if "load_tensors" in checkpoint:  # sharded (format 2): any engine of chunks, any world size
-            if not hasattr(self.engine, "restore_checkpoint"):
-                raise ConfigError(
-                    "engine",
-                    f"{path} is a sharded checkpoint of the chunk engine; resume it with "
-                    f"engine = 'chunk' (or export it with `tidal export {self.run_dir}`)",
-                )
-            self.engine.restore_checkpoint(
-                checkpoint["load_tensors"], state["engine"], checkpoint["meta"]
+        if "plan" in state["engine"] and self.plan is None:
+            raise ConfigError(
+                "--plan",
+                f"the checkpoint in {path} was trained with a plan; resume with --plan and the "
+                f"same plan file (or export it with `tidal export {self.run_dir}`)",
             )
-        else:
-            if "plan" in state["engine"] and self.plan is None:
-                raise ConfigError(
-                    "--plan",
-                    f"the checkpoint in {path} was trained with a plan; resume with --plan and "
-                    f"the same plan file (or export it with `tidal export {self.run_dir}`)",
-                )
-            self.engine.load_state_dict({"model": checkpoint["model"], **state["engine"]})
+        self.part.checkpointable.restore_checkpoint(
+            checkpoint.load_tensors, state["engine"], checkpoint.meta
+        )
         self.train_batches.load_state_dict(state["data"])
         self._set_rng_state(state["rng"])
         self.tokens_seen = int(state["tokens_seen"])
         self.train_time_s = float(state["train_time_s"])
         self.last_val_loss = state["last_val_loss"]
-        return checkpoint["step"]
+        return checkpoint.step
 
     def _rng_state(self) -> dict[str, Any]:
         state: dict[str, Any] = {"torch": torch.get_rng_state()}
@@ -523,8 +484,8 @@ class Trainer(TrainerBase):
             "preset": self.job.model.preset if self.job.model.hf_config is None else None,
             "hf_config": self.job.model.hf_config,
             "num_params": self.num_params,
-            "steps": self.engine.global_step,
-            "steps_this_run": self.engine.global_step - start_step,
+            "steps": self.part.global_step,
+            "steps_this_run": self.part.global_step - start_step,
             "resumed_from_step": start_step or None,
             "tokens": self.tokens_seen,
             "final_loss": last["loss"] if last else self._last_logged_loss(),
@@ -537,8 +498,7 @@ class Trainer(TrainerBase):
             "flops_per_token": self.flops_per_token,
             "peak_memory_bytes": peak_memory,
             "peak_memory_bytes_per_rank": _gather_per_rank(peak_memory, self.world_size),
-            "model_data_bytes": self.engine.model_data_bytes(),
-            **_engine_figures(self.engine.stats()),
+            **self.part.summary_figures(),
             "wall_s": wall_s,
             "train_s": self.train_time_s,
             "device": device_description(self.device),
@@ -567,34 +527,3 @@ def _gather_per_rank(figures: dict[str, int], world_size: int) -> list[dict[str,
     """Every rank's ``figures`` (same keys on each), indexed by rank; a collective."""
     columns = {key: gather_ints(value) for key, value in figures.items()}
     return [{key: columns[key][r] for key in figures} for r in range(world_size)]
-
-
-_CHUNK_FIGURES = (
-    "bytes_to_device",
-    "bytes_to_host",
-    "evictions",
-    "device_budget",
-    "peak_device_bytes",
-    "peak_non_model_bytes",
-    "min_device_bytes",
-    "chunk_size",
-    "num_chunks",
-    "host_budget",
-    "peak_host_bytes",
-    # sharded runs (rank 0's figures)
-    "bytes_all_gathered",
-    "bytes_reduce_scattered",
-    # the NVMe tier
-    "bytes_to_nvme",
-    "bytes_from_nvme",
-    "peak_nvme_bytes",
-    "chunks_on_nvme",
-    "param_shards_on_nvme",
-)
-
-
-def _engine_figures(stats: dict[str, Any]) -> dict[str, Any]:
-    """The engine's name, a plan run's mesh and, for the chunk engines, their traffic and
-    residency figures."""
-    keys = ("mesh", *_CHUNK_FIGURES)
-    return {"engine": stats["engine"], **{k: stats[k] for k in keys if k in stats}}

@@ -1,0 +1,135 @@
+"""An engine (reference, chunk, sharded, plan) behind the Trainer's loop.
+
+The Trainer runs one loop for every way of training; what differs is a *part*: how a step is
+taken, how validation runs, what a record and the summary add. :class:`EnginePart` is the part
+of the engines with the calling convention ``loss = engine(x, y); engine.backward(loss);
+engine.step()``; :class:`~tidal.train.pipeline_part.PipelinePart` that of a pipeline.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import torch
+import torch.nn.functional as F
+
+from tidal.data import Batch, BatchSampler
+from tidal.distributed import all_reduce_mean
+from tidal.train.engine_state import Checkpointable, checkpointable
+
+__all__ = ["EnginePart", "TrainingPart"]
+
+
+class TrainingPart(Protocol):
+    """What the Trainer's loop needs from the thing that trains."""
+
+    engine: Any
+    device: torch.device
+    checkpointable: Checkpointable
+    nan_advice: str  # what to change when the loss is not finite
+
+    @property
+    def global_step(self) -> int: ...
+    def next_steps(self, step: int) -> int: ...
+    def train(self, num_steps: int, sampler: BatchSampler) -> list[float]: ...
+    def evaluate(self, batches: list[Batch]) -> float: ...
+    def step_figures(self, step: int) -> dict[str, Any]: ...
+    def summary_figures(self) -> dict[str, Any]: ...
+
+
+class EnginePart:
+    """Each rank trains its ``rows`` of every global batch ([Note: global batch] in
+    trainer.py), ``grad_accum_steps`` micro-batches a step; losses are means over the ranks."""
+
+    nan_advice = (
+        "Lower optimizer.lr, raise optimizer.warmup_steps or use training.precision='bf16' "
+        "instead of fp16"
+    )
+
+    def __init__(
+        self,
+        engine: Any,
+        *,
+        rows: slice,
+        world_size: int,
+        grad_accum_steps: int,
+        computes_loss: bool,
+        planned: bool,
+    ) -> None:
+        self.engine = engine
+        self.device = engine.device
+        self.checkpointable = checkpointable(engine, planned=planned)
+        self._rows, self._world_size = rows, world_size
+        self._grad_accum_steps = grad_accum_steps
+        self._computes_loss = computes_loss
+
+    @property
+    def global_step(self) -> int:
+        return self.engine.global_step
+
+    def next_steps(self, step: int) -> int:
+        return 1
+
+    def train(self, num_steps: int, sampler: BatchSampler) -> list[float]:
+        return [self._train_step(sampler) for _ in range(num_steps)]
+
+    def _train_step(self, sampler: BatchSampler) -> float:
+        loss_sum = torch.zeros((), device=self.device)
+        for _ in range(self._grad_accum_steps):
+            inputs, targets = self._local(sampler.next_batch())
+            loss = self._loss(inputs.to(self.device), targets.to(self.device))
+            self.engine.backward(loss)
+            loss_sum += loss.detach().float()
+            self.engine.step()
+        return all_reduce_mean(float(loss_sum) / self._grad_accum_steps)  # syncs the device
+
+    def _loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The mean next-token cross-entropy: tidal's GPT takes it itself; a Hugging Face model
+        gives logits, and it is taken here the same way (fp32, over every token)."""
+        if self._computes_loss:
+            return self.engine(inputs, targets)
+        logits = self.engine(inputs).logits
+        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+
+    def _local(self, batch: Batch) -> Batch:
+        """This rank's rows of a global batch."""
+        if self._world_size == 1:
+            return batch
+        inputs, targets = batch
+        return inputs[self._rows], targets[self._rows]
+
+    @torch.no_grad()
+    def evaluate(self, batches: list[Batch]) -> float:
+        """Mean loss over ``batches`` (each rank its rows, then the mean over ranks)."""
+        model = self.engine.model
+        was_training = model.training
+        model.eval()
+        total = 0.0
+        for batch in batches:
+            inputs, targets = self._local(batch)
+            total += float(self._loss(inputs.to(self.device), targets.to(self.device)))
+        model.train(was_training)
+        return all_reduce_mean(total / len(batches))
+
+    def step_figures(self, step: int) -> dict[str, Any]:
+        return {"grad_norm": self.engine.last_grad_norm, "lr": self.engine.lr}
+
+    def summary_figures(self) -> dict[str, Any]:
+        """The engine's name, a plan run's mesh, model-data bytes and, for the chunk engines,
+        their traffic and residency figures."""
+        stats = self.engine.stats()
+        keys = ("mesh", *_CHUNK_FIGURES)
+        return {
+            "model_data_bytes": self.engine.model_data_bytes(),
+            "engine": stats["engine"],
+            **{k: stats[k] for k in keys if k in stats},
+        }
+
+
+# The chunk engines' traffic and residency figures (the sharded ones: rank 0's), the NVMe tier's.
+_CHUNK_FIGURES = (
+    "bytes_to_device", "bytes_to_host", "evictions", "device_budget", "peak_device_bytes",
+    "peak_non_model_bytes", "min_device_bytes", "chunk_size", "num_chunks", "host_budget",
+    "peak_host_bytes", "bytes_all_gathered", "bytes_reduce_scattered", "bytes_to_nvme",
+    "bytes_from_nvme", "peak_nvme_bytes", "chunks_on_nvme", "param_shards_on_nvme",
+)  # fmt: skip

@@ -1,0 +1,258 @@
+"""Training a recipe as a pipeline: one process per stage (``tidal train --pipeline-stages P``).
+
+:class:`PipelinePart` builds the recipe's GPT, cuts it into stages (balanced by profiled time
+or evenly), keeps this rank's stages and trains them with
+:class:`~tidal.pipeline.runtime.PipelineRuntime` under the recipe's ``[pipeline]`` schedule.
+The one :class:`~tidal.train.trainer.Trainer` runs it as it runs an engine, so a pipeline run
+writes the same run folder: ``metrics.jsonl``, validation losses, ``summary.json`` and
+checkpoints that resume.
+
+[Note: pipeline runs]
+- Each rank draws the same global batches (the sampler is deterministic); only the first and last
+  stages read them. ``training.batch_size`` rows are split into ``pipeline.microbatches``.
+- Synchronous schedules run one flushed step at a time: the result equals one-process training
+  (global-norm clipping included). Asynchronous ones run one program from a checkpoint to the
+  next (``checkpoint.every_steps``; the whole run without checkpoints): a checkpoint is a flush
+  point, so the progress line of such a run arrives in bursts, one per program.
+- Checkpoints are the one format, the whole model under its own names ([Note: pipeline
+  checkpoints] in engine_state.py): each rank writes its stages' tensors.
+- Validation runs the stages forward only, microbatch by microbatch, over the same
+  point-to-point protocol as training.
+- Every rank builds the whole model (with the deterministic init) and keeps its stages: simple
+  and equal to the reference bit for bit, but a model that does not fit one host's memory
+  would need a meta-device build per stage (not done yet).
+- fp32 only: under autocast a stage saves dtype copies of its weights that the saved-tensor
+  redirection of asynchronous schedules cannot reach ([Note: saved-tensor redirection]).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from tidal.config import ConfigError, require
+from tidal.data import BatchSampler
+from tidal.distributed import rank as current_rank
+from tidal.models import spec_for
+from tidal.parallel.reference import build_optimizer, lr_schedule
+from tidal.pipeline.eval import evaluate_stages
+from tidal.pipeline.pipemare import AsyncConfig, StageWeights, WeightMode
+from tidal.pipeline.runtime import PipelineRuntime, RuntimeConfig
+from tidal.pipeline.split import even_ranges, tied_parameters
+from tidal.train.engine_state import PipelineStages, model_layout
+from tidal.train.job import JobConfig
+
+__all__ = ["PipelinePart", "block_ranges", "check_pipeline_job"]
+
+_WEIGHTS = {"pipedream": WeightMode.STASH, "2bw": WeightMode.TWO_VERSIONS}
+
+
+def check_pipeline_job(job: JobConfig, *, world_size: int) -> None:
+    """What a pipeline run can refuse before any process starts (one line each)."""
+    pipe, training = job.pipeline, job.training
+    require(
+        world_size == pipe.stages,
+        "pipeline.stages",
+        f"a pipeline of {pipe.stages} stages runs one process per stage, got {world_size} "
+        f"processes; use --nproc {pipe.stages} (tidal train --pipeline-stages sets both)",
+    )
+    m = pipe.num_microbatches
+    require(
+        m <= training.batch_size,
+        "pipeline.microbatches",
+        f"{m} microbatches need at least {m} rows, training.batch_size is "
+        f"{training.batch_size}; lower pipeline.microbatches or raise the batch",
+    )
+    require(
+        training.precision == "fp32",
+        "training.precision",
+        "pipeline runs are fp32 for now (autocast copies defeat the saved-tensor redirection "
+        "of asynchronous schedules); set training.precision = 'fp32'",
+    )
+    require(
+        training.grad_accum_steps == 1,
+        "training.grad_accum_steps",
+        "a pipeline accumulates its microbatches; raise pipeline.microbatches (and "
+        "training.batch_size) instead",
+    )
+    num_stages = pipe.stages * pipe.virtual_stages
+    num_layers = job.model.resolve().num_layers
+    require(
+        num_stages <= num_layers + 2,
+        "pipeline.stages",
+        f"{num_stages} stages for {num_layers} blocks (plus the embedding and the head); use "
+        f"at most {num_layers + 2}",
+    )
+    require(
+        not (pipe.asynchronous and job.model.resolve().tie_embeddings and pipe.stages > 1),
+        "model.tie_embeddings",
+        f"{pipe.schedule} is asynchronous: the first and last stages' copies of the tied "
+        "embedding would update at different times; set model.tie_embeddings=false",
+    )
+
+
+def block_ranges(job: JobConfig) -> tuple[tuple[int, int], ...]:
+    """The stages' blocks: balanced by the DP partitioner over profiled time, or even.
+
+    The balanced split prices each stage's memory under the run's schedule: the simulator's
+    peak in-flight microbatches and live weight versions per stage (1F1B's first stage holds
+    ``p`` microbatches, its last one), plus the delta buffer of PipeMare's correction or of
+    weight prediction.
+    """
+    pipe, config = job.pipeline, job.model.resolve()
+    num_stages = pipe.stages * pipe.virtual_stages
+    if pipe.partition == "even" or num_stages == 1:
+        if num_stages > config.num_layers:
+            raise ConfigError(
+                "pipeline.partition",
+                f"an even split gives every one of {num_stages} stages a block, but the model "
+                f"has {config.num_layers}; use partition = 'balanced'",
+            )
+        return tuple(even_ranges(config.num_layers, num_stages))
+    from tidal.pipeline.partition import PartitionInfeasible, partition
+    from tidal.pipeline.schedules import make_schedule
+    from tidal.pipeline.simulate import simulate
+
+    m = pipe.num_microbatches
+    steps = 3 if pipe.asynchronous else 1  # enough for an asynchronous schedule's steady state
+    schedule = make_schedule(
+        pipe.schedule, stages=pipe.stages, microbatches=m, virtual=pipe.virtual_stages,
+        steps=steps, sync_steps=min(pipe.sync_steps, steps),
+    )  # fmt: skip
+    sim = simulate(schedule)
+    delta_buffer = int(pipe.correction or pipe.prediction)
+    extra_versions = [v - 1 + delta_buffer for v in sim.weight_versions]
+    state_per_weight_byte = 4.0 if job.optimizer.name in ("adamw", "adam") else 3.0
+    spec = spec_for(config)
+    rows = max(1, job.training.batch_size // m)
+    profiles = spec.profile(spec.build(device="meta"), micro_batch=rows, seq_len=config.seq_len)
+    try:
+        split = partition(
+            profiles,
+            num_stages,
+            memory_limit_bytes=pipe.stage_memory,
+            in_flight=sim.peak_activations,
+            state_bytes_per_param_byte=state_per_weight_byte,
+            weight_versions=extra_versions,
+        )
+    except PartitionInfeasible as err:
+        raise ConfigError("pipeline.stage_memory", str(err)) from None
+    return tuple(split.block_ranges)
+
+
+class PipelinePart:
+    """The pipeline behind the Trainer's loop: this rank's stages of ``job``'s GPT under its
+    ``[pipeline]`` schedule; see [Note: pipeline runs]. ``engine`` is the
+    :class:`~tidal.pipeline.runtime.PipelineRuntime`."""
+
+    nan_advice = (
+        "Lower optimizer.lr or, for asynchronous schedules, use pipemare with "
+        "pipeline.correction = true or a longer pipeline.lr_warmup_steps"
+    )
+
+    def __init__(self, job: JobConfig, *, device: torch.device, world_size: int) -> None:
+        self.job = job
+        training, pipe = job.training, job.pipeline
+        config = job.model.resolve()
+        self.device = device
+        check_pipeline_job(job, world_size=world_size)
+        spec = spec_for(config)
+        model = spec.build(device=device, seed=training.seed)
+        self.num_params = spec.num_params(model)
+        self.flops_per_token = spec.flops_per_token(model)
+        layout = model_layout(model, {n: t.shape for n, t in model.state_dict().items()})
+        self.ranges = block_ranges(job)
+        stages = spec.split(model, self.ranges)
+        tied = tied_parameters(stages)
+        del model
+        rank = current_rank()
+        self.stage_ids = list(range(rank, len(stages), world_size))
+        mine = [stages[s] for s in self.stage_ids]
+        del stages
+        self.lr = lr_schedule(job.optimizer, training)
+        runtime_config = RuntimeConfig(
+            schedule=pipe.schedule,
+            microbatches=pipe.num_microbatches,
+            virtual_stages=pipe.virtual_stages,
+            sync_steps=pipe.sync_steps,
+            max_grad_norm=training.grad_clip_norm or None,
+            partition=self.ranges,
+        )
+        weights = [self._stage_weights(stage) for stage in mine]
+        self.engine = PipelineRuntime(
+            runtime_config, stages=mine, weights=weights, tied=tied, device=device
+        )
+        split = {"schedule": pipe.schedule, "block_ranges": [list(r) for r in self.ranges]}
+        self.checkpointable = PipelineStages(self.engine, layout, split)
+
+    def _stage_weights(self, stage: torch.nn.Module) -> StageWeights:
+        pipe = self.job.pipeline
+        optimizer = build_optimizer(stage, self.job.optimizer, self.lr.lr_at(1))
+        config = AsyncConfig(
+            weights=_WEIGHTS.get(pipe.schedule, WeightMode.CURRENT),
+            lr_rescheduling=pipe.reschedules_lr,
+            lr_warmup_steps=pipe.lr_warmup_steps,
+            correction=pipe.correction,
+            correction_decay=pipe.correction_decay,
+            prediction=pipe.prediction,
+            microbatches_per_update=pipe.num_microbatches if pipe.prediction else 0,
+        )
+        return StageWeights(stage, optimizer, config)
+
+    @property
+    def global_step(self) -> int:
+        return self.engine.step
+
+    def next_steps(self, step: int) -> int:
+        """Steps the next :meth:`train` runs: 1 when synchronous; an asynchronous program runs
+        to the next checkpoint or validation (a flush point)."""
+        training, ckpt = self.job.training, self.job.checkpoint
+        stop = training.steps
+        if not self.job.pipeline.asynchronous:
+            return 1
+        for every in (ckpt.every_steps, training.val_every):
+            if every:
+                stop = min(stop, (step // every + 1) * every)
+        return stop - step
+
+    def train(self, num_steps: int, sampler: BatchSampler) -> list[float]:
+        """``num_steps`` steps; every rank gets each step's loss. Step ``s`` (from 0) trains on
+        batch ``s`` with the reference engine's rate for it."""
+
+        def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+            inputs, targets = sampler.batch(step)
+            return inputs.to(self.device), targets.to(self.device)
+
+        return self.engine.train(num_steps, batch, self.lr.lr_at)
+
+    def evaluate(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
+        """Mean loss over ``batches``, through the stages forward only."""
+        modules = dict(zip(self.stage_ids, self.engine.modules.values(), strict=True))
+        return evaluate_stages(
+            modules,
+            num_ranks=self.engine.num_ranks,
+            batches=[(x.to(self.device), y.to(self.device)) for x, y in batches],
+            device=self.device,
+        )
+
+    def step_figures(self, step: int) -> dict[str, Any]:
+        delays = [tau for (s, _), tau in self.engine.delays.items() if s in self.stage_ids]
+        # The next step's rate, as the reference engine logs it.
+        return {"grad_norm": None, "lr": self.lr.lr_at(step), "max_delay": max(delays, default=0)}
+
+    def summary_figures(self) -> dict[str, Any]:
+        pipe = self.job.pipeline
+        max_delays: dict[int, int] = {}
+        for (s, _), tau in self.engine.delays.items():
+            max_delays[s] = max(max_delays.get(s, 0), tau)
+        return {
+            "pipeline": {
+                "schedule": pipe.schedule,
+                "stages": pipe.stages,
+                "microbatches": pipe.num_microbatches,
+                "block_ranges": [list(r) for r in self.ranges],
+                "max_delay_per_stage": max_delays,
+            },
+            "engine": f"pipeline {pipe.schedule} x{pipe.stages}",
+        }
