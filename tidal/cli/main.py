@@ -100,9 +100,11 @@ def _train(args: argparse.Namespace, console: Console, argv: list[str]) -> int:
     import os
 
     from tidal.cli.progress import RichProgress
+    from tidal.distributed import install_watchdog
     from tidal.train import Trainer, load_job
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    install_watchdog()  # [Note: watchdog opt-in] in tidal/distributed/env.py
     from tidal.train.job import find_recipe
 
     job = load_job(find_recipe(args.recipe), args.overrides)
