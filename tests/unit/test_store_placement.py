@@ -133,3 +133,24 @@ def test_pinned_chunks_are_never_victims() -> None:
     moves = plan_moment(trace, 2, frozenset({0, 1}), device_budget_bytes=8, policy="belady",
                         prefetch_depth=0, pinned=frozenset({1}))  # fmt: skip
     assert moves == [Move(0, "evict"), Move(2, "fetch")]
+
+
+def test_pinning_is_a_pure_choice_from_figures() -> None:
+    from tidal.memory.pinning import pinned_indices
+    from tidal.memory.trace import Moment
+
+    uses = [{0}, {1}, {0, 2}, {0}]
+    trace = AccessTrace(
+        moments=tuple(Moment(i, frozenset(c), 2, f"m{i}") for i, c in enumerate(uses)),
+        chunk_bytes=(4, 4, 4),
+    )
+
+    def choose(budget_bytes: int) -> frozenset[int]:
+        return pinned_indices(trace, state_bytes=[12, 12, 12], step_buffer_bytes=lambda _: 4,
+                              budget_bytes=budget_bytes)  # fmt: skip
+
+    assert choose(100) == {0, 1, 2}  # room for every chunk and its state
+    # Room for the busiest chunk (0, used three times) and its state beside any moment's
+    # chunks, not for a second one.
+    assert choose(2 + 8 + 4 + 12) == {0}
+    assert choose(2 + 8) == frozenset()  # no room for any state

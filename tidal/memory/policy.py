@@ -321,8 +321,9 @@ def plan_moment(
     held_bytes = trace.bytes_of(step.resident) + moment.non_model_bytes
     if held_bytes > device_budget_bytes:
         raise ValueError(
-            f"static_resident or pinned chunks do not fit: moment {moment_index} {moment.label!r} would hold "
-            f"{_mib(held_bytes)} on a device budget of {_mib(device_budget_bytes)}"
+            f"static_resident or pinned chunks do not fit: moment {moment_index} "
+            f"{moment.label!r} would hold {_mib(held_bytes)} on a device budget of "
+            f"{_mib(device_budget_bytes)}"
         )
     prefetch = _prefetch(
         trace, moment_index, step.resident, device_budget_bytes, rule, prefetch_depth

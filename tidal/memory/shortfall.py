@@ -23,7 +23,10 @@ stepping while another raised would wait for it for ever.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from tidal.config import format_bytes
+from tidal.memory.chunk import Chunk
 from tidal.memory.tiers import Tier, TierKind, resolve_budget
 from tidal.memory.trace import AccessTrace
 
@@ -41,15 +44,21 @@ class DeviceBudgetTooSmall(ValueError):
 
 def moment_too_small(
     label: str,
+    tier: Tier,
     *,
-    budget_bytes: int,
-    need_bytes: int,
-    stuck_bytes: int,
-    other_bytes: int,
-    live_bytes: int,
+    chunks: Sequence[Chunk],
+    needed: frozenset[int],
+    stuck: Sequence[Chunk],
+    non_model_bytes: int | None,
 ) -> DeviceBudgetTooSmall:
-    """What a moment cannot fit, by kind: the chunks it needs, those enclosing modules hold or
-    pinned, optimizer state and the like, and the non-model bytes."""
+    """What a moment cannot fit, by kind: the ``needed`` chunks, those enclosing modules hold
+    or pinned (``stuck``), optimizer state and the like, and the non-model bytes (the tier's
+    gauge unless given)."""
+    budget_bytes = tier.budget_bytes or 0
+    need_bytes = sum(chunks[i].num_bytes for i in needed)
+    stuck_bytes = sum(c.num_bytes for c in stuck)
+    other_bytes = tier.allocated_bytes - sum(c.num_bytes for c in chunks if c.on_device)
+    live_bytes = tier.non_model_bytes if non_model_bytes is None else non_model_bytes
     total_bytes = need_bytes + stuck_bytes + other_bytes + live_bytes
     return DeviceBudgetTooSmall(
         label,

@@ -442,18 +442,15 @@ class ChunkStore:
         if self.move_log is not None:
             self.move_log.append((self._moment, Move(index, kind)))
 
-    def _agree(self, moment: int) -> int:
+    def _agree(self, moment: int) -> int | None:
         """Make the residency the same on every rank (evict what another rank evicted) and
         return the budget to prefetch in, the least over ranks ([Note: ranks decide alike] in
-        tidal/sharding/store.py); one process agrees with itself. Only inside an iteration,
-        whose moments every rank records alike."""
+        tidal/sharding/store.py). Only inside an iteration, whose moments every rank records
+        alike; None with one rank (it agrees with itself)."""
+        if moment < 0 or not self.transport.has_peers:
+            return None
         resident = frozenset(c.index for c in self.chunks if c.on_device)
-        planned_bytes = 0
-        if self._following_trace and self.trace is not None and moment >= 0:
-            planned_bytes = self.trace.moments[moment].non_model_bytes
-        budget_bytes = self._chunk_budget_bytes(resident, planned_non_model_bytes=planned_bytes)
-        if moment < 0:
-            return budget_bytes
+        budget_bytes = self._prefetch_budget_bytes(moment, resident)
         everywhere, budget_bytes = self.transport.agree_moment(
             self._recorder.moments[moment], resident, budget_bytes
         )
@@ -461,11 +458,18 @@ class ChunkStore:
             self.evict(index)
         return budget_bytes
 
-    def _prefetch_next(self, moment: int, budget_bytes: int) -> None:
+    def _prefetch_budget_bytes(self, moment: int, resident: frozenset[int]) -> int:
+        planned_bytes = 0
+        if self._following_trace and self.trace is not None and moment >= 0:
+            planned_bytes = self.trace.moments[moment].non_model_bytes
+        return self._chunk_budget_bytes(resident, planned_non_model_bytes=planned_bytes)
+
+    def _prefetch_next(self, moment: int, budget_bytes: int | None) -> None:
         """Fetch what the policy chooses for the next moments into room that is free now (see
         [Note: copy streams]); only while following the trace, and never past its last moment:
         the step after it evicts every unpinned chunk. ``budget_bytes`` is the device budget
-        as the policy sees it (:meth:`_chunk_budget_bytes`), agreed over ranks."""
+        as the policy sees it (:meth:`_chunk_budget_bytes`) agreed over ranks, None to read
+        this process's own."""
         if not (self.prefetch and self._following_trace) or moment < 0:
             return
         trace = self.trace
@@ -475,6 +479,8 @@ class ChunkStore:
         if depth <= 0:
             return
         resident = frozenset(c.index for c in self.chunks if c.on_device)
+        if budget_bytes is None:
+            budget_bytes = self._prefetch_budget_bytes(moment, resident)
         chosen = choose_prefetch(
             trace,
             moment,
@@ -579,17 +585,12 @@ class ChunkStore:
     def _too_small(
         self, needed: frozenset[int], *, non_model_bytes: int | None = None
     ) -> DeviceBudgetTooSmall:
-        tier = self.device_tier
         stuck = [c for c in self.chunks if c.on_device and c.index not in needed
                  and (c.state is ChunkState.COMPUTE or c.index in self.pinned)]  # fmt: skip
         return moment_too_small(
-            self._label,
-            budget_bytes=tier.budget_bytes or 0,
-            need_bytes=sum(self.chunks[i].num_bytes for i in needed),
-            stuck_bytes=sum(c.num_bytes for c in stuck),
-            other_bytes=tier.allocated_bytes - sum(c.num_bytes for c in self.chunks if c.on_device),
-            live_bytes=tier.non_model_bytes if non_model_bytes is None else non_model_bytes,
-        )
+            self._label, self.device_tier, chunks=self.chunks, needed=needed, stuck=stuck,
+            non_model_bytes=non_model_bytes,
+        )  # fmt: skip
 
     # -- uses outside the module hooks ([Note: parameter uses] in uses.py) ----------------------
 

@@ -42,6 +42,8 @@ class ChunkTransport(Protocol):
 
     #: Whether the store may swap its chunks for a new layout ([Note: relayout] in relayout.py).
     supports_relayout: bool
+    #: Whether other ranks move the same chunks, so placement must be agreed with them.
+    has_peers: bool
 
     def attach(self, store: ChunkStore) -> None:
         """Serve ``store`` (called once, from its constructor, before :meth:`load`)."""
@@ -98,6 +100,7 @@ class LocalTransport:
     """Whole chunks copied between the host and the device tier of one process."""
 
     supports_relayout = True
+    has_peers = False
 
     def __init__(self) -> None:
         self._store: ChunkStore | None = None

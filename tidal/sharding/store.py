@@ -47,16 +47,16 @@ same figures:
   short of its budget; if one did, all raise). Every rank then keeps the same trace, so pinning
   and the least budget are the same too, and plans made from it leave room for the rank with
   the most activations;
-- at every moment of an iteration (:meth:`ShardedTransport.agree_moment`, one all-reduce MAX of
-  a few numbers and a flag per chunk, on the CPU group): what stays per rank is the meter's
-  reaction to activations growing past the budget inside a moment, which evicts on the rank
-  that grew (the warm-up iteration has no trace to leave room by, and a longer sequence can
-  outgrow the trace), and the room a rank's other allocations leave. So after its evictions
-  each rank also evicts every chunk another rank evicted (a dropped copy costs nothing but
-  its re-gather), and prefetches into the least room of any rank. The fetches that follow are
-  then the same on every rank. The same all-reduce compares the moments themselves, so ranks
-  that run different modules all raise :class:`RanksDiverged` at the first moment that differs,
-  before any gather.
+- at every moment of an iteration, with more than one rank
+  (:meth:`ShardedTransport.agree_moment`, one all-reduce MAX of a few numbers and a flag per
+  chunk, on the CPU group): what stays per rank is the meter's reaction to activations growing
+  past the budget inside a moment, which evicts on the rank that grew (the warm-up iteration
+  has no trace to leave room by, and a longer sequence can outgrow the trace), and the room a
+  rank's other allocations leave. So after its evictions each rank also evicts every chunk
+  another rank evicted (a dropped copy costs nothing but its re-gather), and prefetches into
+  the least room of any rank. The fetches that follow are then the same on every rank. The
+  same all-reduce compares the moments themselves, so ranks that run different modules all
+  raise :class:`RanksDiverged` at the first moment that differs, before any gather.
 
 The model must run the same modules on every rank, as under FSDP: a mixture of experts whose
 experts run only when a token chose them does not, and ranks that gather different chunks would
@@ -117,6 +117,10 @@ class ShardedTransport:
     def store(self) -> ChunkStore:
         assert self._store is not None, "transport used before attach()"
         return self._store
+
+    @property
+    def has_peers(self) -> bool:
+        return self.comm.world_size > 1
 
     def attach(self, store: ChunkStore) -> None:
         assert self._store is None, "a transport serves one store"
