@@ -92,7 +92,8 @@ READ_AHEAD_MOMENTS = 32
 
 
 class RanksDiverged(RuntimeError):
-    """Ranks were about to gather different chunks ([Note: ranks decide alike])."""
+    """Ranks reached different moments or were about to gather different chunks, or recorded
+    different iterations ([Note: ranks decide alike])."""
 
 
 class ShardedTransport:
@@ -276,14 +277,18 @@ class ShardedTransport:
         differs, the least budget, and which chunks some rank does not hold."""
         num_chunks = len(self.store.chunks)
         key = _moment_key(moment)
-        named = max(moment.chunks, default=-1)
+        # The moment's lowest and highest chunk: where the moments differ, one of them does.
+        low, high = min(moment.chunks, default=-1), max(moment.chunks, default=-1)
         dropped = [0 if i in resident else 1 for i in range(num_chunks)]
-        agreed = self.comm.max_each([key, -key, named, -named, -budget_bytes, *dropped])
+        agreed = self.comm.max_each([key, -key, low, -low, high, -high, -budget_bytes, *dropped])
         if agreed[0] != -agreed[1]:
-            other = agreed[2] if named != agreed[2] else -agreed[3]
-            raise self._diverged(named, other, doing=f"reach moment {moment.index} {moment.label}")
-        dropped_anywhere = {i for i, flag in enumerate(agreed[5:]) if flag}
-        return resident - dropped_anywhere, -agreed[4]
+            mine, most, least = (low, agreed[2], -agreed[3])
+            if most == least:
+                mine, most, least = (high, agreed[4], -agreed[5])
+            other = most if mine == least else least
+            raise self._diverged(mine, other, doing=f"reach moment {moment.index} {moment.label}")
+        dropped_anywhere = {i for i, flag in enumerate(agreed[7:]) if flag}
+        return resident - dropped_anywhere, -agreed[6]
 
     def agree_trace(self, trace: AccessTrace, *, ran_short: bool) -> tuple[AccessTrace, bool]:
         """Two all-reduces (MAX): the sequence's length and signature with whether any rank ran
