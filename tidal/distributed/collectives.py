@@ -93,6 +93,15 @@ class Collectives:
         dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self._cpu_group)
         return -int(both[1]), int(both[0])
 
+    def max_each(self, values: list[int]) -> list[int]:
+        """The largest of each of ``values`` over the ranks (collective; every rank passes the
+        same number of values). The least is ``-max(-value)``: one call can carry both."""
+        if self.local:
+            return list(values)
+        both = torch.tensor(values, dtype=torch.int64)
+        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self._cpu_group)
+        return [int(v) for v in both]
+
     def stats(self) -> dict[str, int]:
         return {
             "bytes_all_gathered": self.bytes_all_gathered,

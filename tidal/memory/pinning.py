@@ -25,6 +25,7 @@ next step chooses again from that iteration's trace.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from tidal.memory.policy import simulate
@@ -34,27 +35,43 @@ if TYPE_CHECKING:
     from tidal.memory.optim import ChunkOptimizer
     from tidal.memory.store import ChunkStore
 
-__all__ = ["choose_pinned"]
+__all__ = ["choose_pinned", "pinned_indices"]
 
 
 def choose_pinned(
     store: ChunkStore, optimizer: ChunkOptimizer, budget_bytes: int | None
 ) -> frozenset[int] | None:
     """The chunk indices to keep on the device for good; None before there is a trace."""
-    everything = frozenset(range(len(store.chunks)))
+    num_chunks = len(store.chunks)
     if budget_bytes is None:
-        return everything
-    trace = store.trace
-    if trace is None:
+        return frozenset(range(num_chunks))
+    if store.trace is None:
         return None
-    state_bytes = [optimizer.state_bytes_of(i) for i in everything]
+    return pinned_indices(
+        store.trace,
+        state_bytes=[optimizer.state_bytes_of(i) for i in range(num_chunks)],
+        step_buffer_bytes=optimizer.step_buffer_bytes,
+        budget_bytes=budget_bytes,
+    )
+
+
+def pinned_indices(
+    trace: AccessTrace,
+    *,
+    state_bytes: Sequence[int],
+    step_buffer_bytes: Callable[[frozenset[int]], int],
+    budget_bytes: int,
+) -> frozenset[int]:
+    """The pure choice of [Note: optimizer placement] from figures: ``state_bytes[i]`` is what
+    chunk index ``i`` brings besides its parameter chunk, ``step_buffer_bytes(P)`` the step's
+    transient buffer beside the pinned set ``P``."""
     pinned: frozenset[int] = frozenset()
     cost = _streaming_bytes(trace, pinned, budget_bytes)
-    for index in sorted(everything, key=lambda i: (-len(trace.uses(i)), i)):
+    for index in sorted(range(trace.num_chunks), key=lambda i: (-len(trace.uses(i)), i)):
         candidate = pinned | {index}
         room = budget_bytes - sum(state_bytes[i] for i in candidate)
         peak = max(trace.bytes_of(candidate | m.chunks) + m.non_model_bytes for m in trace.moments)
-        at_step = trace.bytes_of(candidate) + optimizer.step_buffer_bytes(candidate)
+        at_step = trace.bytes_of(candidate) + step_buffer_bytes(candidate)
         if max(peak, at_step) > room:
             continue
         candidate_cost = _streaming_bytes(trace, candidate, room)

@@ -30,13 +30,25 @@ earlier, whatever the policy and however non-model bytes vary between moments: t
 traffic is prefetches for moments the run never reaches. A weaker rule that lets a prefetch evict a
 chunk used later than the prefetched one can add traffic when a later moment has more room than
 this one (the evicted chunk would have stayed), or when a chunk used in between needs the room.
+
+[Note: one placement]
+The runtime (:class:`tidal.memory.store.ChunkStore`) makes no placement decision of its own: it
+asks :func:`choose_victims` which chunks to evict and :func:`choose_prefetch` which to fetch
+ahead, and :func:`plan_moment` (so :func:`simulate`, the benches and the pinning choice) is built
+on the same two functions, so a replay of the trace predicts the runtime move for move (tested).
+Before a trace exists (the warm-up iteration), or once an iteration has left its trace, there are
+no next uses to read: victims are then the least recently used (``last_use``), lowest index on
+ties, whatever the policy, and nothing is prefetched. What the runtime adds is only what a pure
+function cannot know: which chunks are on the device, which an enclosing module holds, and the
+room left after the device's other allocations (gradient and state chunks, a step's buffers),
+which it passes in as the budget.
 """
 
 from __future__ import annotations
 
 import math
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Literal
 
@@ -48,6 +60,8 @@ __all__ = [
     "Policy",
     "Residency",
     "SimulationResult",
+    "choose_prefetch",
+    "choose_victims",
     "optimal_traffic",
     "plan_moment",
     "resident_chunks",
@@ -81,6 +95,7 @@ class _Rule:
     policy: Policy
     recency: Mapping[int, int]
     static_resident: frozenset[int]
+    pinned: frozenset[int] = frozenset()  # never victims
 
     def used(self, chunks: frozenset[int], clock: int) -> _Rule:
         if self.policy != "lru":
@@ -97,14 +112,58 @@ class _Step:
 
 def _victim_order(trace: AccessTrace, index: int, candidates: set[int], rule: _Rule) -> list[int]:
     if rule.policy == "lru":
-        return sorted(candidates, key=lambda c: (rule.recency.get(c, -1), c))
+        return _least_recent_first(candidates, rule.recency)
+    return _furthest_first(candidates, trace, index)
 
-    def furthest_first(chunk: int) -> tuple[float, int, int]:
+
+def _least_recent_first(candidates: Iterable[int], recency: Mapping[int, int]) -> list[int]:
+    return sorted(candidates, key=lambda c: (recency.get(c, -1), c))
+
+
+def _furthest_first(candidates: Iterable[int], trace: AccessTrace, index: int) -> list[int]:
+    def key(chunk: int) -> tuple[float, int, int]:
         next_index = trace.next_use(chunk, index)
         distance = math.inf if next_index is None else next_index - index
         return (-distance, -trace.chunk_bytes[chunk], chunk)
 
-    return sorted(candidates, key=furthest_first)
+    return sorted(candidates, key=key)
+
+
+def _take_until(order: Iterable[int], excess_bytes: int, chunk_bytes: Sequence[int]) -> list[int]:
+    """The shortest prefix of ``order`` whose bytes cover ``excess_bytes`` (all of it if none)."""
+    taken = []
+    for chunk in order if excess_bytes > 0 else ():
+        if excess_bytes <= 0:
+            break
+        taken.append(chunk)
+        excess_bytes -= chunk_bytes[chunk]
+    return taken
+
+
+def choose_victims(
+    candidates: Iterable[int],
+    excess_bytes: int,
+    *,
+    chunk_bytes: Sequence[int],
+    policy: Policy,
+    trace: AccessTrace | None = None,
+    moment_index: int = -1,
+    last_use: Mapping[int, int] | None = None,
+) -> tuple[int, ...]:
+    """The chunks to evict, in order, to free ``excess_bytes`` ([Note: one placement]).
+
+    ``belady`` with a ``trace`` and a ``moment_index`` in it evicts the chunk used furthest
+    ahead first (never-used chunks first, then bigger chunks, then the lower index); ``lru``, or
+    any policy without a trace to follow, the least recently used by ``last_use`` (lowest index
+    on ties). Returns every candidate, in that order, when they cannot free that much.
+    """
+    if policy not in ("belady", "lru"):
+        raise ValueError(f"choose_victims takes policy 'belady' or 'lru', got {policy!r}")
+    if policy == "belady" and trace is not None and 0 <= moment_index < len(trace):
+        order = _furthest_first(candidates, trace, moment_index)
+    else:
+        order = _least_recent_first(candidates, last_use or {})
+    return tuple(_take_until(order, excess_bytes, chunk_bytes))
 
 
 def _demand_step(
@@ -113,18 +172,14 @@ def _demand_step(
     """Fetch the moment's chunks and evict by the rule until the chunks fit (if they can)."""
     moment = trace.moments[index]
     held = set(resident | moment.chunks)
-    candidates = held - moment.chunks
+    candidates = held - moment.chunks - rule.pinned
     if rule.policy == "static":
         evict = sorted(candidates - rule.static_resident)
     else:
         excess_bytes = trace.bytes_of(held) - (budget_bytes - moment.non_model_bytes)
-        evict = []
         # Ordering victims is the expensive part and most moments evict nothing.
-        for chunk in _victim_order(trace, index, candidates, rule) if excess_bytes > 0 else ():
-            if excess_bytes <= 0:
-                break
-            evict.append(chunk)
-            excess_bytes -= trace.chunk_bytes[chunk]
+        order = _victim_order(trace, index, candidates, rule) if excess_bytes > 0 else ()
+        evict = _take_until(order, excess_bytes, trace.chunk_bytes)
     return _Step(moment.chunks - resident, tuple(evict), frozenset(held.difference(evict)))
 
 
@@ -179,6 +234,29 @@ def _prefetch(
     return chosen
 
 
+def choose_prefetch(
+    trace: AccessTrace,
+    moment_index: int,
+    resident: frozenset[int],
+    *,
+    device_budget_bytes: int,
+    policy: Policy,
+    prefetch_depth: int = 1,
+    last_use: Mapping[int, int] | None = None,
+    pinned: frozenset[int] = frozenset(),
+) -> list[int]:
+    """The chunks of the next ``prefetch_depth`` moments to fetch during moment
+    ``moment_index``, once ``resident`` (its own chunks included) is on the device, in order of
+    need ([Note: prefetch never changes demand]). The moments wrap around into the next
+    iteration; a runtime that ends its iteration passes a depth that stops at the last moment."""
+    if prefetch_depth <= 0:
+        return []
+    rule = _make_rule(policy, last_use, None, pinned)
+    return _prefetch(
+        trace, moment_index, frozenset(resident), device_budget_bytes, rule, prefetch_depth
+    )
+
+
 def _mib(num_bytes: int) -> str:
     return f"{num_bytes} bytes ({num_bytes / _MIB:.2f} MiB)"
 
@@ -197,7 +275,10 @@ def _check_moment_fits(trace: AccessTrace, index: int, budget_bytes: int) -> Non
 
 
 def _make_rule(
-    policy: Policy, last_use: Mapping[int, int] | None, static_resident: frozenset[int] | None
+    policy: Policy,
+    last_use: Mapping[int, int] | None,
+    static_resident: frozenset[int] | None,
+    pinned: frozenset[int] = frozenset(),
 ) -> _Rule:
     if policy not in _POLICIES:
         raise ValueError(f"policy must be one of {_POLICIES}, got {policy!r}")
@@ -205,7 +286,7 @@ def _make_rule(
         # An empty mapping is a valid "nothing used yet"; a missing one would silently order
         # victims by chunk id, PatrickStar's warm-up behaviour with all keys 0.
         raise ValueError("policy 'lru' needs last_use (chunk -> index of its last use)")
-    return _Rule(policy, dict(last_use or {}), frozenset(static_resident or ()))
+    return _Rule(policy, dict(last_use or {}), frozenset(static_resident or ()), frozenset(pinned))
 
 
 def plan_moment(
@@ -218,28 +299,31 @@ def plan_moment(
     prefetch_depth: int = 1,
     last_use: Mapping[int, int] | None = None,
     static_resident: frozenset[int] | None = None,
+    pinned: frozenset[int] = frozenset(),
 ) -> list[Move]:
     """The moves to make before moment ``moment_index`` runs (see [Note: placement]).
 
     Evictions follow ``policy``: ``belady`` evicts the chunk whose next use is furthest away
     (never-used chunks first, then bigger chunks on ties), ``lru`` the least recently used by
     ``last_use`` (any clock that grows, such as ``iteration * len(trace) + index``), ``static``
-    every chunk not in ``static_resident`` as soon as a moment does not need it. Raises
-    ``ValueError`` when the moment cannot fit the budget even alone.
+    every chunk not in ``static_resident`` as soon as a moment does not need it. ``pinned``
+    chunks are never evicted (the store's chunks kept on the device with their optimizer
+    state). Raises ``ValueError`` when the moment cannot fit the budget even alone.
     """
     if not 0 <= moment_index < len(trace):
         raise ValueError(f"moment_index must be in [0, {len(trace)}), got {moment_index}")
     if prefetch_depth < 0:
         raise ValueError(f"prefetch_depth must be >= 0, got {prefetch_depth}")
-    rule = _make_rule(policy, last_use, static_resident)
+    rule = _make_rule(policy, last_use, static_resident, pinned)
     _check_moment_fits(trace, moment_index, device_budget_bytes)
     step = _demand_step(trace, moment_index, frozenset(resident), device_budget_bytes, rule)
     moment = trace.moments[moment_index]
     held_bytes = trace.bytes_of(step.resident) + moment.non_model_bytes
     if held_bytes > device_budget_bytes:
         raise ValueError(
-            f"static_resident chunks do not fit: moment {moment_index} {moment.label!r} would hold "
-            f"{_mib(held_bytes)} on a device budget of {_mib(device_budget_bytes)}"
+            f"static_resident or pinned chunks do not fit: moment {moment_index} "
+            f"{moment.label!r} would hold {_mib(held_bytes)} on a device budget of "
+            f"{_mib(device_budget_bytes)}"
         )
     prefetch = _prefetch(
         trace, moment_index, step.resident, device_budget_bytes, rule, prefetch_depth
@@ -290,6 +374,7 @@ def simulate(
     iterations: int = 2,
     initially_resident: frozenset[int] = frozenset(),
     static_resident: frozenset[int] | None = None,
+    pinned: frozenset[int] = frozenset(),
 ) -> SimulationResult:
     """Replay ``iterations`` iterations of ``trace`` under ``plan_moment``, checking the budget.
 
@@ -312,6 +397,7 @@ def simulate(
                 prefetch_depth=prefetch_depth,
                 last_use=last_use,
                 static_resident=static_resident,
+                pinned=pinned,
             )
             for move in moves:
                 size = trace.chunk_bytes[move.chunk]

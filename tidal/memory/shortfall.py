@@ -16,16 +16,21 @@ moment holds plus the non-model bytes ([Note: placement] in policy.py), and rele
 charge every non-model byte to a moment holding only what must be held then. The store keeps
 the largest such figure over every iteration it has seen (:attr:`ChunkStore.least_budget_bytes`):
 after a long sequence and a short one it is the long one's. Outside an iteration (pinning, a
-step's buffers) a shortfall raises at once.
+step's buffers) a shortfall raises at once. Under ZeRO-3 the ranks agree whether any of them
+ran short ([Note: ranks decide alike] in tidal/sharding/store.py), and all raise: one rank
+stepping while another raised would wait for it for ever.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from tidal.config import format_bytes
+from tidal.memory.chunk import Chunk
 from tidal.memory.tiers import Tier, TierKind, resolve_budget
 from tidal.memory.trace import AccessTrace
 
-__all__ = ["DeviceBudgetTooSmall", "Shortfall", "moment_too_small"]
+__all__ = ["DeviceBudgetTooSmall", "Shortfall", "another_rank_short", "moment_too_small"]
 
 
 class DeviceBudgetTooSmall(ValueError):
@@ -39,15 +44,21 @@ class DeviceBudgetTooSmall(ValueError):
 
 def moment_too_small(
     label: str,
+    tier: Tier,
     *,
-    budget_bytes: int,
-    need_bytes: int,
-    stuck_bytes: int,
-    other_bytes: int,
-    live_bytes: int,
+    chunks: Sequence[Chunk],
+    needed: frozenset[int],
+    stuck: Sequence[Chunk],
+    non_model_bytes: int | None,
 ) -> DeviceBudgetTooSmall:
-    """What a moment cannot fit, by kind: the chunks it needs, those enclosing modules hold or
-    pinned, optimizer state and the like, and the non-model bytes."""
+    """What a moment cannot fit, by kind: the ``needed`` chunks, those enclosing modules hold
+    or pinned (``stuck``), optimizer state and the like, and the non-model bytes (the tier's
+    gauge unless given)."""
+    budget_bytes = tier.budget_bytes or 0
+    need_bytes = sum(chunks[i].num_bytes for i in needed)
+    stuck_bytes = sum(c.num_bytes for c in stuck)
+    other_bytes = tier.allocated_bytes - sum(c.num_bytes for c in chunks if c.on_device)
+    live_bytes = tier.non_model_bytes if non_model_bytes is None else non_model_bytes
     total_bytes = need_bytes + stuck_bytes + other_bytes + live_bytes
     return DeviceBudgetTooSmall(
         label,
@@ -114,6 +125,23 @@ class Shortfall:
             f"{need_bytes:,} (inputs of other shapes may need more), or lower "
             f"training.batch_size (activations) or chunk.size",
         )
+
+
+def another_rank_short(recorded: AccessTrace, tier: Tier) -> DeviceBudgetTooSmall:
+    """What a rank that fit raises when another ran short: the least budget of ``recorded``,
+    the iteration with every rank's non-model figures (see [Note: the least budget])."""
+    need_bytes = recorded.min_device_bytes()
+    budget_bytes = tier.budget_bytes or 0
+    worst = max(recorded.moments, key=lambda m: recorded.moment_device_bytes(m.index))
+    return DeviceBudgetTooSmall(
+        worst.label,
+        f"memory.device_budget: {budget_bytes:,} bytes ({format_bytes(budget_bytes)}) is too "
+        f"small on another rank: with the largest activations of any rank this iteration needs "
+        f"at least {need_bytes:,} bytes ({format_bytes(need_bytes)}) on the device, at "
+        f"{worst.label}, and every rank must place chunks alike under ZeRO-3. The optimizer has "
+        f"not stepped on it. Raise the budget to at least {need_bytes:,}, or lower "
+        f"training.batch_size (activations) or chunk.size",
+    )
 
 
 def _ceiling_bytes(tier: Tier) -> int | None:

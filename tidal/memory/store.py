@@ -9,11 +9,14 @@ or backward) and :meth:`ChunkStore.release` after.
 
 ``access`` is where placement happens. Each call is one *moment*: the chunks a module needs. The
 store fetches missing chunks and, when the device tier would go over its budget, evicts chunks
-that are neither needed now nor in use (COMPUTE: an enclosing module still running), choosing
-the one whose next use is furthest away in the trace of the last iteration (Belady) or, before a
-trace exists or once this iteration has left it, the least recently used. The device tier's own
-accounting refuses to exceed the budget, so a policy bug fails loudly instead of using memory it
-was not given.
+that are neither needed now nor in use (COMPUTE: an enclosing module still running). Which ones,
+and which chunks to fetch ahead, the store does not decide: it asks the policy
+(:func:`tidal.memory.policy.choose_victims` and :func:`~tidal.memory.policy.choose_prefetch`,
+[Note: one placement] in policy.py), which evicts the chunk whose next use is furthest away in
+the trace of the last iteration (Belady) or, before a trace exists or once this iteration has
+left it, the least recently used, and executes the moves it returns, evictions first, through
+its transport ([Note: transports] in transport.py). The device tier's own accounting refuses to
+exceed the budget, so a policy bug fails loudly instead of using memory it was not given.
 
 Every iteration's moments are recorded. A moment's chunk set is every chunk that must be on
 the device while it lasts: the chunks of the parameters it acquires and of those still held by
@@ -53,6 +56,7 @@ the same code runs with inline copies.
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections.abc import Callable, Iterable, Iterator
 
 import torch
@@ -61,10 +65,17 @@ from torch import nn
 from tidal.memory.activations import make_meter
 from tidal.memory.chunk import Chunk, ChunkKind, ChunkState, TensorState
 from tidal.memory.layout import ChunkLayout
-from tidal.memory.materialize import feed_chunks, repoint, values_of
-from tidal.memory.shortfall import DeviceBudgetTooSmall, Shortfall, moment_too_small
+from tidal.memory.materialize import repoint, values_of
+from tidal.memory.policy import Move, MoveKind, choose_prefetch, choose_victims
+from tidal.memory.shortfall import (
+    DeviceBudgetTooSmall,
+    Shortfall,
+    another_rank_short,
+    moment_too_small,
+)
 from tidal.memory.tiers import Tier, TierBudgetError, TierKind
 from tidal.memory.trace import AccessTrace, TraceRecorder
+from tidal.memory.transport import ChunkTransport, LocalTransport
 
 __all__ = ["ChunkStore", "DeviceBudgetTooSmall"]
 
@@ -87,16 +98,19 @@ class ChunkStore:
         policy: str = "belady",
         prefetch: bool = True,
         values: Iterable[tuple[str, torch.Tensor]] | None = None,
+        transport: ChunkTransport | None = None,
     ) -> None:
         assert device_tier.kind is TierKind.DEVICE and host_tier.kind is TierKind.HOST
         assert policy in ("belady", "lru"), policy
         self.policy = policy
         self.prefetch = prefetch
+        self.prefetch_depth = 1  # moments ahead ([Note: prefetch never changes demand])
         self.num_prefetches = 0
-        # [Note: copy streams]: CUDA moves run here; a fetched chunk's event guards its first use.
-        on_cuda = device_tier.device.type == "cuda"
-        self._copy_stream = torch.cuda.Stream(device_tier.device) if on_cuda else None
-        self._arrivals: dict[int, torch.cuda.Event] = {}
+        # Every move executed, with the index of the moment it was made for (-1 outside an
+        # iteration), while this is a list: tests compare it with a replay of the trace.
+        self.move_log: list[tuple[int, Move]] | None = None
+        # [Note: transports] in transport.py: what a fetch and an eviction are.
+        self.transport: ChunkTransport = LocalTransport() if transport is None else transport
         self.layout = layout
         self.device_tier = device_tier
         self.host_tier = host_tier
@@ -104,7 +118,10 @@ class ChunkStore:
         self.slot_of: dict[int, tuple[int, int]] = {}  # id(param) -> (chunk index, slot)
         self.params: dict[int, nn.Parameter] = {}  # id(param) -> param
         # [Note: deferred construction] in materialize.py: the values, if not the model's own.
-        self._load_parameters(model, values_of(model) if values is None else values)
+        self._register_slots(model)
+        self.transport.attach(self)
+        self.transport.load(values_of(model) if values is None else values)
+        self._repoint()
         self.trace: AccessTrace | None = None
         # Per moment of ``trace``: id(param) of every parameter held then (relayout translates
         # the trace through them); recorded only while ``keep_trace_params`` (the engine turns
@@ -149,19 +166,6 @@ class ChunkStore:
             on_model_unpack=self._model_unpacked,
         )
 
-    def _load_parameters(
-        self, model: nn.Module, values: Iterable[tuple[str, torch.Tensor]]
-    ) -> None:
-        self._register_slots(model)
-        for chunk in self.chunks:
-            chunk.allocate(self.host_tier)
-
-        def write(index: int, slot: int, value: torch.Tensor) -> None:
-            self.chunks[index].write(slot, value.to(self.chunks[index].dtype))
-
-        feed_chunks(self.layout, values, write=write)
-        self._repoint()
-
     def _register_slots(self, model: nn.Module) -> None:
         params = dict(model.named_parameters(remove_duplicate=False))
         for spec in self.layout.chunks:
@@ -183,7 +187,13 @@ class ChunkStore:
 
     @property
     def model_bytes(self) -> int:
-        return sum(c.num_bytes for c in self.chunks)
+        """Bytes of parameters this process keeps (a rank's shards under ZeRO-3)."""
+        return self.transport.kept_bytes()
+
+    @property
+    def moment_label(self) -> str:
+        """The label of the moment being placed (for error messages)."""
+        return self._label
 
     def min_device_bytes(self) -> int:
         """Bytes the largest moment of the last trace needs; the largest chunk before one."""
@@ -232,7 +242,10 @@ class ChunkStore:
         if not self._recorder.recording:
             return
         self._recorder.raise_last(self.meter.take_peak_bytes())
-        recorded = self._recorder.finish()
+        # [Note: ranks decide alike] in tidal/sharding/store.py: every rank keeps one trace.
+        recorded, ran_short = self.transport.agree_trace(
+            self._recorder.finish(), ran_short=self._shortfall.measuring
+        )
         self.first_use_order = tuple(self._first_use_now)
         if self.trace is None or recorded.differs_from(self.trace):
             self.trace = recorded
@@ -245,6 +258,8 @@ class ChunkStore:
         if self._shortfall.measuring:
             self._evict_all_unpinned()
             raise self._shortfall.end(recorded)
+        if ran_short:
+            raise another_rank_short(recorded, self.device_tier)
 
     def abandon_iteration(self) -> None:
         """Drop the iteration being recorded (its forward raised): its partial sequence is no
@@ -268,15 +283,15 @@ class ChunkStore:
         needed = self.chunks_of(params)
         moment = self._begin_moment(label, needed | self._held_chunks(), params)
         reserve_bytes = self._expected_growth_bytes(moment, self.meter.live_bytes())
-        for index in sorted(needed):
-            chunk_bytes = self.chunks[index].num_bytes
-            if not self.chunks[index].on_device:
-                self._make_room(chunk_bytes + reserve_bytes, needed, required_bytes=chunk_bytes)
-                self._fetch(index, needed)
-        self._make_room(reserve_bytes, needed, required_bytes=0)
-        self._await_arrival(needed)
-        if self.prefetch and self._following_trace:
-            self._prefetch_next(moment, reserve_bytes)
+        # Evictions first, then fetches, then prefetches ([Note: placement] in policy.py).
+        missing = [i for i in needed if not self.chunks[i].on_device]
+        missing_bytes = sum(self.chunks[i].num_bytes for i in missing)
+        self._make_room(missing_bytes + reserve_bytes, needed, required_bytes=missing_bytes)
+        prefetch_budget_bytes = self._agree(moment)
+        for index in sorted(i for i in needed if not self.chunks[i].on_device):
+            self._fetch(index, needed, kind="fetch")
+        self.transport.await_arrival(needed)
+        self._prefetch_next(moment, prefetch_budget_bytes)
         self._clock += 1
         for index in needed:
             self._last_use[index] = self._clock
@@ -301,8 +316,7 @@ class ChunkStore:
         moment = self._begin_moment("end:" + label, held, [])
         reserve_bytes = self._expected_growth_bytes(moment, self.meter.live_bytes())
         self._make_room(reserve_bytes, held, required_bytes=0)
-        if self.prefetch and self._following_trace:
-            self._prefetch_next(moment, reserve_bytes)
+        self._prefetch_next(moment, self._agree(moment))
 
     @contextlib.contextmanager
     def holding(self, label: str, params: list[nn.Parameter]) -> Iterator[None]:
@@ -375,79 +389,27 @@ class ChunkStore:
         return max(0, self.trace.moments[moment].non_model_bytes - live_bytes)
 
     def _make_room(self, want_bytes: int, needed: frozenset[int], *, required_bytes: int) -> None:
-        """Evict until ``want_bytes`` fit; fewer is fine once ``required_bytes`` fit."""
-        while not self.device_tier.can_fit(want_bytes):
-            victim = self._pick_victim(needed, self._moment)
-            if victim is None:
-                if self.device_tier.can_fit(required_bytes):
-                    return
-                if self._unpin():
-                    continue
-                self._short(needed)
+        """Evict the policy's victims until ``want_bytes`` fit; fewer is fine once
+        ``required_bytes`` fit."""
+        tier = self.device_tier
+        while not tier.can_fit(want_bytes):
+            assert tier.budget_bytes is not None
+            self._evict_victims(needed, tier.held_bytes + want_bytes - tier.budget_bytes)
+            if tier.can_fit(want_bytes) or tier.can_fit(required_bytes):
                 return
-            self.evict(victim)
+            if self._unpin():
+                continue
+            self._short(needed)
+            return
 
     def make_device_room(self, num_bytes: int) -> None:
         """Evict unpinned chunks not in use until ``num_bytes`` more fit on the device."""
         self._make_room(num_bytes, frozenset(), required_bytes=num_bytes)
 
-    def _fetch(self, index: int, needed: frozenset[int]) -> None:
-        try:
-            self.chunks[index].move_to(self.device_tier, stream=self._copy_stream)
-        except TierBudgetError as err:  # only if the accounting and can_fit disagree
-            raise self._too_small(needed) from err
-        self.num_fetches += 1
-        if self._copy_stream is not None:
-            self._arrivals[index] = self._copy_stream.record_event()
-
-    def _await_arrival(self, indices: Iterable[int]) -> None:
-        """Make the compute stream wait for the copies that bring ``indices`` in."""
-        for index in indices:
-            event = self._arrivals.pop(index, None)
-            if event is not None:
-                torch.cuda.current_stream(self.device_tier.device).wait_event(event)
-
-    def _prefetch_next(self, moment: int, reserve_bytes: int) -> None:
-        """Fetch the next moment's chunks into room that is free now; see [Note: copy streams]."""
-        assert self.trace is not None
-        if moment + 1 >= len(self.trace.moments):
-            return
-        for index in sorted(self.trace.moments[moment + 1].chunks):
-            chunk = self.chunks[index]
-            if not chunk.on_device and self.device_tier.can_fit(chunk.num_bytes + reserve_bytes):
-                self._fetch(index, frozenset())
-                self.num_prefetches += 1
-
-    def ready_for_write(self, index: int) -> None:
-        """Order a write into chunk ``index``'s payload after the moves queued for it ([Note:
-        copy streams]): on the device after its arrival, on the host after every queued copy
-        (an eviction's may still be landing there)."""
-        if self.chunks[index].on_device:
-            self._await_arrival([index])
-        else:
-            self.wait_for_copies()
-
-    def wait_for_copies(self) -> None:
-        """Block until every queued move has landed: before the host reads a payload."""
-        if self._copy_stream is not None:
-            self._copy_stream.synchronize()
-
-    def _non_model_changed(self, live_bytes: int) -> None:
-        """The meter's figure moved to ``live_bytes``: make room, then count it (see module doc)."""
-        tier = self.device_tier
-        while tier.budget_bytes is not None and (
-            tier.allocated_bytes + live_bytes > tier.budget_bytes
-        ):
-            victim = self._pick_victim(frozenset(), self._moment)
-            if victim is None:
-                if self._unpin():
-                    continue
-                self._short(frozenset(), non_model_bytes=live_bytes)
-                break
-            self.evict(victim)
-        tier.set_non_model_bytes(live_bytes)
-
-    def _pick_victim(self, needed: frozenset[int], moment: int) -> int | None:
+    def _evict_victims(self, needed: frozenset[int], excess_bytes: int) -> None:
+        """Evict what the policy chooses to free ``excess_bytes`` ([Note: one placement] in
+        policy.py): every chunk on the device that is not needed, in use or pinned is a
+        candidate."""
         candidates = [
             c.index
             for c in self.chunks
@@ -456,22 +418,127 @@ class ChunkStore:
             and c.index not in self.pinned
             and c.state is not ChunkState.COMPUTE
         ]
-        if not candidates:
+        victims = choose_victims(
+            candidates,
+            excess_bytes,
+            chunk_bytes=[c.num_bytes for c in self.chunks],
+            policy=self.policy,  # type: ignore[arg-type]
+            trace=self.trace if self._following_trace else None,
+            moment_index=self._moment,
+            last_use=dict(enumerate(self._last_use)),
+        )
+        for index in victims:
+            self.evict(index)
+
+    def _fetch(self, index: int, needed: frozenset[int], *, kind: MoveKind) -> None:
+        try:
+            self.transport.fetch(index)
+        except TierBudgetError as err:  # only if the accounting and can_fit disagree
+            raise self._too_small(needed) from err
+        self.num_fetches += 1
+        self._log(index, kind)
+
+    def _log(self, index: int, kind: MoveKind) -> None:
+        if self.move_log is not None:
+            self.move_log.append((self._moment, Move(index, kind)))
+
+    def _agree(self, moment: int) -> int | None:
+        """Make the residency the same on every rank (evict what another rank evicted) and
+        return the budget to prefetch in, the least over ranks ([Note: ranks decide alike] in
+        tidal/sharding/store.py). Only inside an iteration, whose moments every rank records
+        alike; None with one rank (it agrees with itself)."""
+        if moment < 0 or not self.transport.has_peers:
             return None
+        resident = frozenset(c.index for c in self.chunks if c.on_device)
+        budget_bytes = self._prefetch_budget_bytes(moment, resident)
+        everywhere, budget_bytes = self.transport.agree_moment(
+            self._recorder.moments[moment], resident, budget_bytes
+        )
+        for index in sorted(resident - everywhere):
+            self.evict(index)
+        return budget_bytes
+
+    def _prefetch_budget_bytes(self, moment: int, resident: frozenset[int]) -> int:
+        planned_bytes = 0
         if self._following_trace and self.trace is not None and moment >= 0:
-            trace = self.trace
+            planned_bytes = self.trace.moments[moment].non_model_bytes
+        return self._chunk_budget_bytes(resident, planned_non_model_bytes=planned_bytes)
 
-            def next_use(index: int) -> float:
-                found = trace.next_use(index, moment)
-                return float("inf") if found is None else float(found)
+    def _prefetch_next(self, moment: int, budget_bytes: int | None) -> None:
+        """Fetch what the policy chooses for the next moments into room that is free now (see
+        [Note: copy streams]); only while following the trace, and never past its last moment:
+        the step after it evicts every unpinned chunk. ``budget_bytes`` is the device budget
+        as the policy sees it (:meth:`_chunk_budget_bytes`) agreed over ranks, None to read
+        this process's own."""
+        if not (self.prefetch and self._following_trace) or moment < 0:
+            return
+        trace = self.trace
+        assert trace is not None
+        self.transport.read_ahead(moment)
+        depth = min(self.prefetch_depth, len(trace) - 1 - moment)
+        if depth <= 0:
+            return
+        resident = frozenset(c.index for c in self.chunks if c.on_device)
+        if budget_bytes is None:
+            budget_bytes = self._prefetch_budget_bytes(moment, resident)
+        chosen = choose_prefetch(
+            trace,
+            moment,
+            resident,
+            device_budget_bytes=budget_bytes,
+            policy=self.policy,  # type: ignore[arg-type]
+            prefetch_depth=depth,
+            pinned=self.pinned,
+        )
+        for index in chosen:
+            self._fetch(index, frozenset(), kind="prefetch")
+            self.num_prefetches += 1
 
-            return max(candidates, key=lambda i: (next_use(i), -i))
-        return min(candidates, key=lambda i: (self._last_use[i], i))
+    def _chunk_budget_bytes(self, resident: frozenset[int], *, planned_non_model_bytes: int) -> int:
+        """The device budget as the policy sees it ([Note: placement] in policy.py), which
+        plans with the trace's non-model figure ``planned_non_model_bytes``: the tier's budget
+        less what it holds besides chunks and non-model bytes (gradient and state chunks, a
+        step's buffers) and less the non-model bytes live now beyond the plan; unlimited as the
+        largest int."""
+        tier = self.device_tier
+        if tier.budget_bytes is None:
+            return sys.maxsize
+        live_bytes = tier.non_model_bytes
+        other_bytes = tier.held_bytes - live_bytes - sum(self.chunks[i].num_bytes for i in resident)
+        return tier.budget_bytes - other_bytes - max(0, live_bytes - planned_non_model_bytes)
+
+    def ready_for_write(self, index: int) -> None:
+        """Order a write into chunk ``index``'s payload after the moves queued for it ([Note:
+        copy streams]): on the device after its arrival, on the host after every queued copy
+        (an eviction's may still be landing there)."""
+        if self.chunks[index].on_device:
+            self.transport.await_arrival([index])
+        else:
+            self.wait_for_copies()
+
+    def wait_for_copies(self) -> None:
+        """Block until every queued move has landed: before the host reads a payload."""
+        self.transport.wait_for_copies()
+
+    def _non_model_changed(self, live_bytes: int) -> None:
+        """The meter's figure moved to ``live_bytes``: make room, then count it (see module doc)."""
+        tier = self.device_tier
+        while tier.budget_bytes is not None and (
+            tier.allocated_bytes + live_bytes > tier.budget_bytes
+        ):
+            self._evict_victims(frozenset(), tier.allocated_bytes + live_bytes - tier.budget_bytes)
+            if tier.allocated_bytes + live_bytes <= tier.budget_bytes:
+                break
+            if self._unpin():
+                continue
+            self._short(frozenset(), non_model_bytes=live_bytes)
+            break
+        tier.set_non_model_bytes(live_bytes)
 
     def evict(self, index: int) -> None:
-        self._arrivals.pop(index, None)  # the copy out is queued after the copy in
-        self.chunks[index].move_to(self.host_tier, stream=self._copy_stream)
+        self.transport.evict(index)
         self.num_evictions += 1
+        self._log(index, "evict")
 
     def evict_unpinned(self) -> None:
         for chunk in self.chunks:
@@ -498,7 +565,7 @@ class ChunkStore:
             if not self.chunks[index].on_device:
                 self._make_room(self.chunks[index].num_bytes, self.pinned,
                                 required_bytes=self.chunks[index].num_bytes)  # fmt: skip
-                self._fetch(index, self.pinned)
+                self._fetch(index, self.pinned, kind="fetch")
 
     def _short(self, needed: frozenset[int], *, non_model_bytes: int | None = None) -> None:
         """Nothing more can leave the device: raise outside an iteration, else measure the
@@ -518,17 +585,12 @@ class ChunkStore:
     def _too_small(
         self, needed: frozenset[int], *, non_model_bytes: int | None = None
     ) -> DeviceBudgetTooSmall:
-        tier = self.device_tier
         stuck = [c for c in self.chunks if c.on_device and c.index not in needed
                  and (c.state is ChunkState.COMPUTE or c.index in self.pinned)]  # fmt: skip
         return moment_too_small(
-            self._label,
-            budget_bytes=tier.budget_bytes or 0,
-            need_bytes=sum(self.chunks[i].num_bytes for i in needed),
-            stuck_bytes=sum(c.num_bytes for c in stuck),
-            other_bytes=tier.allocated_bytes - sum(c.num_bytes for c in self.chunks if c.on_device),
-            live_bytes=tier.non_model_bytes if non_model_bytes is None else non_model_bytes,
-        )
+            self._label, self.device_tier, chunks=self.chunks, needed=needed, stuck=stuck,
+            non_model_bytes=non_model_bytes,
+        )  # fmt: skip
 
     # -- uses outside the module hooks ([Note: parameter uses] in uses.py) ----------------------
 
@@ -580,6 +642,7 @@ class ChunkStore:
         """Switch to ``chunks`` laid out as ``layout``, already holding every parameter's data;
         ``slot_of`` and ``trace`` are the old ones over the new chunk indices."""
         assert not self.pinned and not self._recorder.recording, "relayout inside an iteration"
+        assert self.transport.supports_relayout, "relayout with a transport that cannot"
         last_use = [-1] * len(chunks)  # a new chunk was last used when its latest source was
         for pid, (index, _) in slot_of.items():
             last_use[index] = max(last_use[index], self._last_use[self.slot_of[pid][0]])
@@ -590,7 +653,7 @@ class ChunkStore:
         self._pids_in = _pids_by_chunk(slot_of, len(chunks))
         self.trace = trace
         self._recorder = TraceRecorder([c.num_bytes for c in chunks])
-        self._arrivals.clear()  # events of the old chunks, all waited for by the caller
+        self.transport.forget_arrivals()  # events of the old chunks, waited for by the caller
 
 
 def _pids_by_chunk(
