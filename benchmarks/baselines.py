@@ -76,7 +76,7 @@ def deepspeed_missing_reason() -> str | None:
 def build_run(system: str, job: JobConfig) -> Run:
     """The model, batches and engine of ``system`` for ``job`` (its engine setting is ignored)."""
     training = job.training
-    model_config = job.model.resolve()
+    model_config = job.model.resolve_gpt()
     torch.manual_seed(training.seed)
     model = build_gpt(model_config, device="cpu", seed=training.seed)
     num_params = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())

@@ -85,8 +85,8 @@ def markdown(data: dict[str, Any]) -> str:
         cells = [f"`{name}`", first["kind"], _escape(first["notes"])]
         cells += [_cell(_find(group, mode), notes) for _, mode in COLUMNS]
         lines.append("| " + " | ".join(cells) + " |")
-    steps = {r.get("steps") for r in rows} - {None}
-    chunk = {r.get("chunk_elements") for r in rows} - {None}
+    steps = {int(r["steps"]) for r in rows if r.get("steps") is not None}
+    chunk = {int(r["chunk_elements"]) for r in rows if r.get("chunk_elements") is not None}
     head = (
         f"`{data['command']}` at commit `{(data['git_commit'] or 'unknown')[:12]}`, torch "
         f"{data['torch_version']}, {data['device']}, {data['created_at']}; "

@@ -252,7 +252,7 @@ def _scale_row(settings: DpSettings, system: str, budget_bytes: int) -> dict[str
     nproc = settings.scale_nproc
     overrides = scale_overrides(settings)
     base = recipe_job(settings.recipe, overrides)
-    model = base.model.resolve()
+    model = base.model.resolve_gpt()
     row: dict[str, Any] = {
         "system": system, "nproc": nproc, "recipe": settings.recipe,
         "host_budget_bytes_per_rank": budget_bytes, "d_model": model.d_model,

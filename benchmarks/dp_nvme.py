@@ -77,7 +77,7 @@ def _nvme_row(settings: DpSettings, budget_bytes: int) -> dict[str, Any]:
     num_params = num_params_at_depth(base, depth)
     row: dict[str, Any] = {
         "system": TIDAL, "nproc": nproc, "recipe": settings.recipe,
-        "host_budget_bytes_per_rank": budget_bytes, "d_model": base.model.resolve().d_model,
+        "host_budget_bytes_per_rank": budget_bytes, "d_model": base.model.resolve_gpt().d_model,
         "num_layers": depth, "num_params": num_params,
         "model_data_bytes": MODEL_DATA_BYTES_PER_PARAM * num_params,
     }  # fmt: skip

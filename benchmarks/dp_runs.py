@@ -165,4 +165,4 @@ def scale_overrides(settings: DpSettings) -> tuple[str, ...]:
 
 
 def num_params_at_depth(base: JobConfig, depth: int) -> int:
-    return closed_form_num_params(dataclasses.replace(base.model.resolve(), num_layers=depth))
+    return closed_form_num_params(dataclasses.replace(base.model.resolve_gpt(), num_layers=depth))

@@ -201,7 +201,7 @@ def tidal_budget_overrides(
 def _model_and_engine(case: Case, job: JobConfig, world_size: int) -> tuple[nn.Module, Any]:
     """The GPT, built whole on the CPU (or for a deferred tidal case on the meta device), in
     ``case.system``'s engine."""
-    config, seed = job.model.resolve(), job.training.seed
+    config, seed = job.model.resolve_gpt(), job.training.seed
     if case.deferred:
         assert case.system == TIDAL, "only tidal streams a meta model's values"
         model = build_gpt(config, device="meta")
@@ -246,7 +246,7 @@ def run_case(case: Case) -> dict[str, Any]:
         job = load_job(job, budgets)
     training = job.training
     rows = rank_rows(training.batch_size, rank=rank, world_size=world_size)
-    model_config = job.model.resolve()
+    model_config = job.model.resolve_gpt()
     torch.manual_seed(training.seed)
     model, engine = _model_and_engine(case, job, world_size)
     count = num_params(model)

@@ -413,8 +413,8 @@ def scale_search(settings: OffloadSettings) -> dict[str, Any]:
     best = tries[low] if tries[low].get("fits") else None
     row: dict[str, Any] = {
         "recipe": settings.recipe,
-        "d_model": base.model.resolve().d_model,
-        "seq_len": base.model.resolve().seq_len,
+        "d_model": base.model.resolve_gpt().d_model,
+        "seq_len": base.model.resolve_gpt().seq_len,
         "device_budget_bytes": device,
         "host_budget_bytes": host,
         "model_data_bytes_per_param": per_param,
@@ -446,14 +446,14 @@ def _depth_job(base: JobConfig, depth: int) -> JobConfig:
 def _first_depth_over(base: JobConfig, max_params: int) -> int:
     """The fewest blocks whose parameter count exceeds ``max_params``: that cannot fit."""
     depth = 1
-    while closed_form_num_params(_depth_job(base, depth).model.resolve()) <= max_params:
+    while closed_form_num_params(_depth_job(base, depth).model.resolve_gpt()) <= max_params:
         depth += 1
     return depth
 
 
 def _scale_try(recipe: str, overrides: tuple[str, ...], depth: int) -> dict[str, Any]:
     job = _depth_job(_job(recipe, overrides), depth)
-    num_params = closed_form_num_params(job.model.resolve())
+    num_params = closed_form_num_params(job.model.resolve_gpt())
     steps_done = 0
     try:
         run = build_run(TIDAL_CHUNK, job)

@@ -6,6 +6,7 @@ import argparse
 import dataclasses
 import json
 from pathlib import Path
+from typing import Any
 
 from rich.console import Console
 from rich.table import Table
@@ -26,7 +27,7 @@ def _cluster(args: argparse.Namespace):
         raise ConfigError(
             "cluster", f"unknown {args.cluster!r}; choose {', '.join(CLUSTER_PRESETS)}"
         )
-    values = dict(CLUSTER_PRESETS[args.cluster])
+    values: dict[str, Any] = dict(CLUSTER_PRESETS[args.cluster])
     if args.device_memory is not None:
         values["device_memory_bytes"] = parse_bytes(args.device_memory)
     return ClusterSpec(devices=args.devices, devices_per_node=args.devices_per_node, **values)

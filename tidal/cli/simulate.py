@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 from rich.console import Console
 from rich.table import Table
@@ -69,7 +71,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--programs", action="store_true", help="print each rank's program")
 
 
-def _per_stage(text: str, flag: str, parse) -> float | tuple:
+T = TypeVar("T")
+
+
+def _per_stage(text: str, flag: str, parse: Callable[[str], T]) -> T | tuple[T, ...]:
     try:
         values = tuple(parse(x) for x in text.split(",") if x.strip())
     except ValueError:

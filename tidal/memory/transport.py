@@ -40,10 +40,15 @@ __all__ = ["ChunkTransport", "LocalTransport"]
 class ChunkTransport(Protocol):
     """What a move of a chunk store is; see [Note: transports]."""
 
-    #: Whether the store may swap its chunks for a new layout ([Note: relayout] in relayout.py).
-    supports_relayout: bool
-    #: Whether other ranks move the same chunks, so placement must be agreed with them.
-    has_peers: bool
+    @property
+    def supports_relayout(self) -> bool:
+        """Whether the store may swap its chunks for a new layout ([Note: relayout])."""
+        ...
+
+    @property
+    def has_peers(self) -> bool:
+        """Whether other ranks move the same chunks, so placement must be agreed with them."""
+        ...
 
     def attach(self, store: ChunkStore) -> None:
         """Serve ``store`` (called once, from its constructor, before :meth:`load`)."""

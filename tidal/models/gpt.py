@@ -32,7 +32,11 @@ from tidal.pipeline.split import (
     split_parts,
 )
 from tidal.planner.measure import ModelGraph, measure
-from tidal.planner.stage_profile import profile_model
+from tidal.planner.stage_profile import (
+    DEFAULT_FLOPS_PER_S,
+    DEFAULT_MEMORY_BYTES_PER_S,
+    profile_model,
+)
 
 __all__ = [
     "GPT",
@@ -171,6 +175,15 @@ class ModelConfig:
             if f.name not in ("preset", "hf_config") and getattr(self, f.name) is not None
         }
         return dataclasses.replace(preset(self.preset), **overrides)
+
+    def resolve_gpt(self) -> GPTConfig:
+        """:meth:`resolve` for what only tidal's GPT supports; a clear error for the others."""
+        config = self.resolve()
+        if not isinstance(config, GPTConfig):
+            raise ConfigError(
+                "model.hf_config", "this needs one of tidal's GPT presets; drop model.hf_config"
+            )
+        return config
 
 
 _GPT_ONLY = (
@@ -388,11 +401,12 @@ def profile_gpt(
     micro_batch: int,
     seq_len: int,
     dtype: torch.dtype = torch.float32,
-    **rates: float,
+    flops_per_s: float = DEFAULT_FLOPS_PER_S,
+    memory_bytes_per_s: float = DEFAULT_MEMORY_BYTES_PER_S,
 ) -> list[LayerProfile]:
     """Analytic profiles ``embed, blocks.0, ..., head`` of ``GPT(config)`` for one microbatch of
     ``micro_batch`` sequences of ``seq_len`` tokens, traced on the meta device (nothing is
-    allocated); ``rates``: ``flops_per_s`` and ``memory_bytes_per_s`` of
+    allocated); ``flops_per_s`` and ``memory_bytes_per_s``: the rates of
     :func:`tidal.planner.stage_profile.profile_model`."""
     require(
         1 <= seq_len <= config.seq_len,
@@ -401,7 +415,8 @@ def profile_gpt(
     )
     model = build_gpt(config, device="meta").to(dtype)
     parts = gpt_stage_parts(model)
-    return profile_model(model, parts=parts, micro_batch=micro_batch, seq_len=seq_len, **rates)
+    return profile_model(model, parts=parts, micro_batch=micro_batch, seq_len=seq_len,
+                         flops_per_s=flops_per_s, memory_bytes_per_s=memory_bytes_per_s)  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------

@@ -287,19 +287,20 @@ class _RotaryInputs(nn.Module):
 
 def hf_stage_parts(model: nn.Module) -> StageParts:
     """The embedding, blocks and head of a Hugging Face LLaMA or GPT-2 decoder."""
+    decoder: Any = model  # Hugging Face submodules are attributes nn.Module's stubs cannot name
     if hf_family(model) is HFFamily.LLAMA:
-        inner = model.model
+        inner = decoder.model
         return StageParts(
             embed=TokenEmbed(inner.embed_tokens),
             blocks=inner.layers,
-            head=NormHead(inner.norm, model.lm_head),
+            head=NormHead(inner.norm, decoder.lm_head),
             block_inputs=_RotaryInputs(inner.rotary_emb),
             container="model.layers",
         )
-    inner = model.transformer
+    inner = decoder.transformer
     return StageParts(
         embed=TokenAndPositionEmbed(inner.wte, inner.wpe, inner.drop),
         blocks=inner.h,
-        head=NormHead(inner.ln_f, model.lm_head),
+        head=NormHead(inner.ln_f, decoder.lm_head),
         container="transformer.h",
     )

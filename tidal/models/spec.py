@@ -177,10 +177,10 @@ class GPTSpec:
         return build_gpt(self.config, device=device, seed=seed)
 
     def init(self, model: nn.Module, seed: int) -> ParameterValues:
-        return gpt_init(model, seed)
+        return gpt_init(_gpt(model), seed)
 
     def stage_parts(self, model: nn.Module) -> StageParts:
-        return gpt_stage_parts(model)
+        return gpt_stage_parts(_gpt(model))
 
     def split(
         self, model: nn.Module, block_ranges: Sequence[tuple[int, int]]
@@ -303,3 +303,9 @@ def profile_decoder(model: nn.Module, **kwargs: Any) -> list[LayerProfile]:
     """Layer profiles of a tidal GPT or a Hugging Face LLaMA / GPT-2, however it was built;
     ``kwargs``: those of :func:`tidal.planner.stage_profile.profile_model` but ``parts``."""
     return profile_model(model, parts=stage_parts(model), **kwargs)
+
+
+def _gpt(model: nn.Module) -> GPT:
+    if not isinstance(model, GPT):
+        raise TypeError(f"GPTSpec works on tidal's GPT, got {type(model).__name__}")
+    return model

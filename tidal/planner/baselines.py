@@ -124,10 +124,11 @@ def _solve_family(
         kept = [c for c in level if rule(unit, c, graph)]
         # a unit that must keep the sequence whole does so under any system's rule
         options[unit.name] = level if unit.name in whole and not kept else kept
-    modes = dict.fromkeys(graph.blocks, (recompute,))
+    modes: dict[str, tuple[Recompute, ...]] = dict.fromkeys(graph.blocks, (recompute,))
     problem = build_problem(graph, mesh, options, cluster, spec, recompute_modes=modes)
     solution = problem.solve(objective="time")
-    costed = evaluate(graph, solution.assignment, cluster, spec) if solution.feasible else None
+    assignment = solution.assignment if solution.feasible else None
+    costed = evaluate(graph, assignment, cluster, spec) if assignment is not None else None
     return Baseline(name=name, mesh=mesh, solution=solution, costed=costed)
 
 

@@ -127,7 +127,7 @@ def evaluate(
         for name in ("params", "grads", "optimizer", "activations", "redundant"):
             setattr(total, name, getattr(total, name) + unit.count * getattr(mine, name))
         transients.append(cand.memory.transient)
-        if mode is Recompute.FULL:
+        if block is not None and mode is Recompute.FULL:
             recomputed[block] = recomputed.get(block, 0.0) + cand.memory.activations
         elif mode is Recompute.SELECTIVE and unit.kind == "attention":
             transients.append(cand.memory.activations - cand.selective_activations)

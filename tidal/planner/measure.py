@@ -130,7 +130,8 @@ def _accelerator_kernels(tracer: _Tracer, dropout_units: bool) -> Iterator[None]
         # at p = 0 native_dropout hands back its input, which would leave no unit in between
         return torch.ops.aten.native_dropout(x, p or 0.5, True)[0]
 
-    F.scaled_dot_product_attention, F.dropout = sdpa, dropout
+    # a tracing stand-in: its first parameter's name differs from F.dropout's ``input``
+    F.scaled_dot_product_attention, F.dropout = sdpa, dropout  # type: ignore[assignment]
     try:
         yield
     finally:

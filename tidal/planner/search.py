@@ -125,7 +125,14 @@ class PlanResult:
         return 1.0 - mine / other if math.isfinite(other) else float("nan")
 
 
-def _spec(
+def _spec(graph: ModelGraph, mesh: Mesh, config: PlannerConfig, devices: int) -> TrainingSpec:
+    """The training figures on ``mesh``, which :func:`meshes_for` kept: its batch splits."""
+    spec = _spec_if_split(graph, mesh, config, devices)
+    assert spec is not None, f"{mesh} does not split the global batch: meshes_for drops it"
+    return spec
+
+
+def _spec_if_split(
     graph: ModelGraph, mesh: Mesh, config: PlannerConfig, devices: int
 ) -> TrainingSpec | None:
     global_batch = config.global_batch or devices * graph.micro_batch
@@ -155,7 +162,7 @@ def meshes_for(graph: ModelGraph, cluster: ClusterSpec, config: PlannerConfig) -
             )
         valid = [config.tp]
     meshes = [Mesh(dp=cluster.devices // t, tp=t) for t in valid]
-    meshes = [mesh for mesh in meshes if _spec(graph, mesh, config, cluster.devices)]
+    meshes = [mesh for mesh in meshes if _spec_if_split(graph, mesh, config, cluster.devices)]
     if not meshes:
         raise ConfigError(
             "global_batch",
@@ -195,9 +202,11 @@ def make_plan(graph: ModelGraph, cluster: ClusterSpec, config: PlannerConfig) ->
     fastest_s = min(r.fastest.step_time_s for r in feasible)
     best = _best(feasible, config, limit, fastest_s, config.eps)
     solve_s = time.perf_counter() - started
-    spec = _spec(graph, best.assignment.mesh, config, cluster.devices)
-    costed = evaluate(graph, best.assignment, cluster, spec)
-    plan = to_plan(graph, best.assignment, costed, spec)
+    assignment = best.assignment
+    assert assignment is not None, "_best chooses among feasible solutions only"
+    spec = _spec(graph, assignment.mesh, config, cluster.devices)
+    costed = evaluate(graph, assignment, cluster, spec)
+    plan = to_plan(graph, assignment, costed, spec)
     result = PlanResult(
         plan=plan,
         solution=best,
@@ -270,6 +279,7 @@ def _pareto(
     for eps in config.pareto:
         sweep = dataclasses.replace(config, objective="memory")
         best = _best(feasible, sweep, limit, fastest_s, eps)
+        assert best.assignment is not None, "_best chooses among feasible solutions only"
         mesh = best.assignment.mesh
         frontier.append(
             {

@@ -302,13 +302,13 @@ class _ModelOutputs:
                 f"the plan splits sequences over {self.mesh.size()} ranks, which "
                 f"{ids.shape[1]} tokens do not divide"
             )
-        args, kwargs = list(args), dict(kwargs)
+        inputs, kwargs = list(args), dict(kwargs)
         for i in self.split_inputs:
-            if i < len(args):
-                args[i] = _relayout(args[i], self.mesh, R, SEQ, indices=True)
+            if i < len(inputs):
+                inputs[i] = _relayout(inputs[i], self.mesh, R, SEQ, indices=True)
             elif kwargs.get(names[i]) is not None:
                 kwargs[names[i]] = _relayout(kwargs[names[i]], self.mesh, R, SEQ, indices=True)
-        return tuple(args), kwargs
+        return tuple(inputs), kwargs
 
     def _enter(self, *_: Any) -> None:
         if self._context is None:  # else left on by a forward that raised

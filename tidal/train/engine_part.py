@@ -25,9 +25,10 @@ class TrainingPart(Protocol):
 
     engine: Any
     device: torch.device
-    checkpointable: Checkpointable
     nan_advice: str  # what to change when the loss is not finite
 
+    @property
+    def checkpointable(self) -> Checkpointable: ...
     @property
     def global_step(self) -> int: ...
     def next_steps(self, step: int) -> int: ...

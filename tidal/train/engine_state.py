@@ -91,7 +91,7 @@ def _index_names(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[int
 
 def _model_tensors(model_state: dict[str, torch.Tensor], meta: dict[str, Any]) -> dict:
     """Each key of ``meta["model_keys"]`` once, flat (tied names share one key)."""
-    tensors = {}
+    tensors: dict[str, torch.Tensor] = {}
     for name, key in meta["model_keys"].items():
         tensors.setdefault(key, model_state[name].detach().reshape(-1))
     return tensors

@@ -138,7 +138,9 @@ def run_model_config(run_dir: str | Path) -> GPTConfig:
             f"tidal.train.checkpoint.load_model_state and load them with transformers' "
             f"AutoModelForCausalLM.from_config(...).load_state_dict",
         )
-    return model.resolve()
+    config = model.resolve()
+    assert isinstance(config, GPTConfig), "a model config without hf_config resolves to a GPT's"
+    return config
 
 
 def select_checkpoint(run_dir: str | Path, step: int | None = None) -> tuple[int, Path]:
@@ -362,6 +364,7 @@ def load_export(out: str | Path) -> GPT:
     model = spec.build(device="cpu")
     state = spec.export_adapter(model).from_export(read_safetensors(Path(out) / _MODEL_FILE))
     model.load_state_dict(state, strict=True)
+    assert isinstance(model, GPT), "the spec of a GPTConfig builds tidal's GPT"
     return model.eval()
 
 

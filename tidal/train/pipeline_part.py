@@ -34,7 +34,7 @@ import torch
 from tidal.config import ConfigError, require
 from tidal.data import BatchSampler
 from tidal.distributed import rank as current_rank
-from tidal.models import spec_for
+from tidal.models import GPTConfig, spec_for
 from tidal.parallel.reference import build_optimizer, lr_schedule
 from tidal.pipeline.eval import evaluate_stages
 from tidal.pipeline.pipemare import AsyncConfig, StageWeights, WeightMode
@@ -51,6 +51,11 @@ _WEIGHTS = {"pipedream": WeightMode.STASH, "2bw": WeightMode.TWO_VERSIONS}
 def check_pipeline_job(job: JobConfig, *, world_size: int) -> None:
     """What a pipeline run can refuse before any process starts (one line each)."""
     pipe, training = job.pipeline, job.training
+    config = job.model.resolve()
+    if not isinstance(config, GPTConfig):
+        raise ConfigError(
+            "model.hf_config", "pipelines train tidal's GPT presets; drop the pipeline settings"
+        )
     require(
         world_size == pipe.stages,
         "pipeline.stages",
@@ -77,7 +82,7 @@ def check_pipeline_job(job: JobConfig, *, world_size: int) -> None:
         "training.batch_size) instead",
     )
     num_stages = pipe.stages * pipe.virtual_stages
-    num_layers = job.model.resolve().num_layers
+    num_layers = config.num_layers
     require(
         num_stages <= num_layers + 2,
         "pipeline.stages",
@@ -85,7 +90,7 @@ def check_pipeline_job(job: JobConfig, *, world_size: int) -> None:
         f"at most {num_layers + 2}",
     )
     require(
-        not (pipe.asynchronous and job.model.resolve().tie_embeddings and pipe.stages > 1),
+        not (pipe.asynchronous and config.tie_embeddings and pipe.stages > 1),
         "model.tie_embeddings",
         f"{pipe.schedule} is asynchronous: the first and last stages' copies of the tied "
         "embedding would update at different times; set model.tie_embeddings=false",
