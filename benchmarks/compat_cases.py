@@ -20,7 +20,7 @@ global RNG reseeded per micro-batch, so layerdrop and dropout draw alike in both
   a loss known only to bf16's spacing, 2^-7 of it at most. The bound is
   ``max(4 * own, BF16_FLOOR)``: ``own`` is how
   far the reference's bf16 losses are from its fp32 ones (the bound of
-  tests/unit/test_chunk_engine.py), ``BF16_FLOOR`` that spacing. Placement is held to more:
+  tests/unit/parallel/test_chunk_engine.py), ``BF16_FLOOR`` that spacing. Placement is held to more:
   ``same_as_unlimited`` must hold in bf16 too. And ``first_loss_as_plain`` says whether the
   first loss equals, bit for bit, plain PyTorch's on the model with its parameters (and norm
   statistics) cast to bf16 under autocast (the same arithmetic, before any update), which

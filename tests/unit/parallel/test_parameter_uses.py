@@ -59,7 +59,7 @@ _OP_FAMILIES = textwrap.dedent(
     """
     import io, json, sys, torch
     sys.path.insert(0, {tests!r})
-    from unit.test_parameter_uses import _batches, _engine, _minimum
+    from test_parameter_uses import _batches, _engine, _minimum
 
     precision = sys.argv[1]
     engine = _engine(budget=_minimum(precision), precision=precision)
@@ -109,7 +109,7 @@ _OP_FAMILIES = textwrap.dedent(
 def test_every_op_family_on_an_evicted_parameter_is_safe(tmp_path, precision: str) -> None:
     """Reads give the weights, aliasing views and unsafe writes raise one clear error: never a
     signal, never garbage."""
-    tests = str(__import__("pathlib").Path(__file__).resolve().parents[1])
+    tests = str(__import__("pathlib").Path(__file__).resolve().parent)
     script = _OP_FAMILIES.format(tests=tests)
     done = subprocess.run(
         [sys.executable, "-c", script, precision], capture_output=True, text=True, timeout=300
