@@ -1,12 +1,5 @@
-"""The verbs that change a model in place and return the engine that trains it.
-
-    offload(model, ...)       parameters into chunks under the tiers' budgets, on this process
-    shard(model, ...)         the same, each chunk sharded over the ranks (ZeRO-3); no process
-                              group is a mesh of one
-    apply_plan(model, plan)   a planner's plan: DTensor on ``tp``, FSDP2 on ``dp``
-
-``tidal/train/build.py`` chooses among them from the job's config alone.
-"""
+"""The verbs that change a model in place and return the engine that trains it; build_engine
+(tidal/train/build.py) chooses among them from the job's config alone."""
 
 from __future__ import annotations
 
@@ -30,54 +23,33 @@ if TYPE_CHECKING:
 __all__ = ["apply_plan", "offload", "shard"]
 
 
-def offload(
-    model: nn.Module,
-    *,
-    optimizer: OptimizerConfig,
-    training: TrainingConfig,
-    memory: MemoryConfig,
-    chunk: ChunkConfig,
-    init: ParameterValues | None = None,
-) -> ChunkEngine:
+def offload(model: nn.Module, *, optimizer: OptimizerConfig, training: TrainingConfig,
+            memory: MemoryConfig, chunk: ChunkConfig, init: ParameterValues | None = None,
+            ) -> ChunkEngine:  # fmt: skip
     """Move ``model``'s parameters into chunks that travel between the device and the host
-    under ``memory``'s budgets (its parameters become views of the chunks; its modules get the
+    under ``memory``'s budgets (each parameter becomes a slot of a chunk; the modules get the
     store's hooks); returns the chunk engine that trains it on this process."""
     return ChunkEngine(model, optimizer=optimizer, training=training, memory=memory, chunk=chunk,
                        init=init, parts=LocalParts())  # fmt: skip
 
 
-def shard(
-    model: nn.Module,
-    *,
-    optimizer: OptimizerConfig,
-    training: TrainingConfig,
-    memory: MemoryConfig,
-    chunk: ChunkConfig,
-    sharding: ShardingConfig,
-    group: Any = None,
-    init: ParameterValues | None = None,
-) -> ChunkEngine:
-    """:func:`offload`, with every chunk and its optimizer state sharded over ``group``'s ranks
-    (default: the default process group; none initialised: a mesh of one, as the NVMe tier
+def shard(model: nn.Module, *, optimizer: OptimizerConfig, training: TrainingConfig,
+          memory: MemoryConfig, chunk: ChunkConfig, sharding: ShardingConfig, group: Any = None,
+          init: ParameterValues | None = None) -> ChunkEngine:  # fmt: skip
+    """:func:`offload`, each chunk and its optimizer state sharded over ``group``'s ranks
+    (default: the default process group; none initialised: a mesh of one, which the NVMe tier
     uses on one process). ``chunk.relayout`` and ``chunk.grads_in_params`` do not apply."""
     parts = ShardedParts(Collectives(group), sharding=sharding, memory=memory, optimizer=optimizer)
     return ChunkEngine(model, optimizer=optimizer, training=training, memory=memory, chunk=chunk,
                        init=init, parts=parts)  # fmt: skip
 
 
-def apply_plan(
-    model: nn.Module,
-    plan: Plan,
-    *,
-    optimizer: OptimizerConfig,
-    training: TrainingConfig,
-    init: ParameterValues | None = None,
-    seq_len: int | None = None,
-) -> PlanEngine:
-    """Shard ``model`` as ``plan`` says on its ``dp x tp`` ranks ([Note: plan runs] in
-    plan_engine.py); returns the plan engine that trains it."""
-    # Imported here: the planner's runtime (DTensor, FSDP2) is only needed for plan runs.
-    from tidal.parallel.plan_engine import PlanEngine
+def apply_plan(model: nn.Module, plan: Plan, *, optimizer: OptimizerConfig,
+               training: TrainingConfig, init: ParameterValues | None = None,
+               seq_len: int | None = None) -> PlanEngine:  # fmt: skip
+    """Shard ``model`` as ``plan`` says (DTensor on ``tp``, FSDP2 on ``dp``: [Note: plan runs]
+    in plan_engine.py); returns the plan engine that trains it."""
+    from tidal.parallel.plan_engine import PlanEngine  # DTensor and FSDP2: for plan runs only
 
     return PlanEngine(model, plan=plan, optimizer=optimizer, training=training, init=init,
                       seq_len=seq_len)  # fmt: skip
