@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import warnings
 from collections.abc import Iterable, Iterator
 from typing import Any, Protocol
@@ -44,7 +45,7 @@ from tidal.config import ConfigError, format_bytes
 from tidal.distributed.device import memory_bytes, peak_memory_bytes, resolve_device
 from tidal.memory.config import ChunkConfig
 from tidal.memory.hooks import OUTPUT_ONLY_HOOK_WARNING, install_hooks
-from tidal.memory.layout import ChunkLayout
+from tidal.memory.layout import ChunkLayout, default_chunk_size, plan_layout, unique_parameters
 from tidal.memory.materialize import ParameterValues, check_buffers, meta_parameters, values_of
 from tidal.memory.store import DeviceBudgetTooSmall
 from tidal.memory.tiers import Tier, make_tiers
@@ -66,15 +67,14 @@ class ChunkParts(Protocol):
 
     rank: int
     world_size: int
+    gathers: bool  # whether a chunk on the device is a gathered copy of shards
 
     def agree_budgets(self, device_tier: Tier, host_tier: Tier) -> None: ...
-    def plan_layout(self, model: nn.Module, chunk: ChunkConfig) -> ChunkLayout: ...
     def make_masters(self, engine: ChunkEngine, param_dtype: torch.dtype) -> Any: ...
     def make_store(self, engine: ChunkEngine, dtype: torch.dtype, chunk: ChunkConfig) -> Any: ...
     def minimum_budget(self, engine: ChunkEngine) -> tuple[int, str]: ...
     def make_optimizer(self, engine: ChunkEngine, optimizer: OptimizerConfig,
                        training: TrainingConfig, chunk: ChunkConfig, masters: Any) -> Any: ...  # fmt: skip
-    def make_uses(self, engine: ChunkEngine) -> ParameterUses: ...
     def read_parameter(self, engine: ChunkEngine, param: nn.Parameter) -> torch.Tensor: ...
     def write_parameter(self, engine: ChunkEngine, param: nn.Parameter, value: torch.Tensor) -> None: ...  # fmt: skip
     def before_backward(self, engine: ChunkEngine) -> None: ...
@@ -118,14 +118,20 @@ class ChunkEngine(AccumulationCounter):
             device=self.device, device_budget=memory.device_budget, host_budget=memory.host_budget
         )
         self.parts.agree_budgets(self.device_tier, self.host_tier)
-        self.layout = self.parts.plan_layout(model, chunk)
+        self.layout = _layout(model, chunk, self.parts.world_size)
         masters = self.parts.make_masters(self, param_dtype)
         self.store = self.parts.make_store(self, param_dtype, chunk)
         self.min_budget_bytes, self.largest_module = self.parts.minimum_budget(self)
         self.check_minimum_budget()
         self.optimizer = self.parts.make_optimizer(self, optimizer, training, chunk, masters)
         self._hooks = install_hooks(model, self.store, on_grad=self.optimizer.collect)
-        self.uses = self.parts.make_uses(self)
+        # [Note: parameter uses] in tidal/memory/uses.py: the parameter slot is the weights (so
+        # in-place ops may run on it) only without fp32 masters and gathers; a chunk is brought in
+        # between iterations only where no gather (which needs every rank) is involved.
+        gathers = self.parts.gathers
+        self.uses = ParameterUses(self.store, read=self.read_parameter, write=self.write_parameter,
+                                  in_place=not gathers and self.optimizer.masters is None,
+                                  fetch_between_iterations=not gathers)  # fmt: skip
         self._hooks += self.uses.adopt(model)
         self.schedule = lr_schedule(optimizer, training)
         self.grad_accum_steps = training.grad_accum_steps
@@ -366,6 +372,16 @@ class ChunkEngine(AccumulationCounter):
 
 
 _PARAM_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def _layout(model: nn.Module, chunk: ChunkConfig, world_size: int) -> ChunkLayout:
+    """Capacities are multiples of the alignment, so an alignment that is a multiple of the
+    world size makes every chunk split into equal shards."""
+    align = math.lcm(chunk.align, world_size)
+    params = unique_parameters(model)
+    size = chunk.size or default_chunk_size(params, align=align).chunk_size
+    size = -(-size // align) * align if world_size > 1 else size
+    return plan_layout(params, chunk_size=size, align=align)
 
 
 def _check_init(model: nn.Module, init: ParameterValues | None) -> ParameterValues | None:

@@ -11,14 +11,12 @@ import torch
 from torch import nn
 
 from tidal.memory.config import ChunkConfig
-from tidal.memory.layout import ChunkLayout, default_chunk_size, plan_layout, unique_parameters
 from tidal.memory.optim import ChunkOptimizer, make_master_chunks
 from tidal.memory.optim_rules import make_rule
 from tidal.memory.pinning import choose_pinned
 from tidal.memory.relayout import relayout
 from tidal.memory.store import ChunkStore
 from tidal.memory.tiers import Tier
-from tidal.memory.uses import ParameterUses
 from tidal.parallel.config import OptimizerConfig, TrainingConfig
 from tidal.parallel.protocol import CheckpointTensors, LoadTensors, Phase
 from tidal.sharding.state import model_key, optim_key
@@ -34,6 +32,7 @@ class LocalParts:
 
     rank = 0
     world_size = 1
+    gathers = False
 
     def __init__(self) -> None:
         self._placed = False  # whether the optimizer's state is placed by the pinned chunks
@@ -41,11 +40,6 @@ class LocalParts:
 
     def agree_budgets(self, device_tier: Tier, host_tier: Tier) -> None:
         """One process agrees with itself."""
-
-    def plan_layout(self, model: nn.Module, chunk: ChunkConfig) -> ChunkLayout:
-        params = unique_parameters(model)
-        size = chunk.size or default_chunk_size(params, align=chunk.align).chunk_size
-        return plan_layout(params, chunk_size=size, align=chunk.align)
 
     def make_masters(self, engine: ChunkEngine, param_dtype: torch.dtype) -> Any:
         if param_dtype == torch.float32:
@@ -78,13 +72,6 @@ class LocalParts:
         )
         engine.store.on_unpin = lambda: self._unplace_optimizer(made)
         return made
-
-    def make_uses(self, engine: ChunkEngine) -> ParameterUses:
-        """[Note: parameter uses] in tidal/memory/uses.py: the parameter slot is the weights
-        (so in-place ops may run on it) only without fp32 masters."""
-        return ParameterUses(engine.store, read=engine.read_parameter,
-                             write=engine.write_parameter, in_place=engine.optimizer.masters is None,
-                             fetch_between_iterations=True)  # fmt: skip
 
     def read_parameter(self, engine: ChunkEngine, param: nn.Parameter) -> torch.Tensor:
         """``param``'s weights at full precision (its fp32 master where it has one)."""

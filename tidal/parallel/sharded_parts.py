@@ -20,7 +20,6 @@ counts] in tidal/distributed/collectives.py); a budget that forces evictions add
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -29,11 +28,9 @@ from torch import nn
 
 from tidal.distributed.collectives import Collectives
 from tidal.memory.config import ChunkConfig
-from tidal.memory.layout import ChunkLayout, default_chunk_size, plan_layout, unique_parameters
 from tidal.memory.nvme import NvmeTier
 from tidal.memory.optim_rules import make_rule
 from tidal.memory.tiers import Tier
-from tidal.memory.uses import ParameterUses
 from tidal.parallel.config import MemoryConfig, OptimizerConfig, TrainingConfig
 from tidal.parallel.local_parts import checkpoint_meta, largest_module_bytes, persistent_buffers
 from tidal.parallel.protocol import CheckpointTensors, LoadTensors
@@ -53,6 +50,8 @@ __all__ = ["ShardedParts"]
 class ShardedParts:
     """Chunks and optimizer state sharded over ``comm``'s ranks: the chunk engine's ``parts``
     (the ``ChunkParts`` protocol)."""
+
+    gathers = True
 
     def __init__(self, comm: Collectives, *, sharding: ShardingConfig, memory: MemoryConfig,
                  optimizer: OptimizerConfig) -> None:  # fmt: skip
@@ -79,14 +78,6 @@ class ShardedParts:
                 smallest = torch.tensor([tier.budget_bytes], dtype=torch.int64)
                 dist.all_reduce(smallest, op=dist.ReduceOp.MIN, group=self.comm.group)
                 tier.budget_bytes = int(smallest.item())
-
-    def plan_layout(self, model: nn.Module, chunk: ChunkConfig) -> ChunkLayout:
-        # Capacities are multiples of the alignment, so an alignment that is a multiple of the
-        # world size makes every chunk split into equal shards.
-        align = math.lcm(chunk.align, self.world_size)
-        params = unique_parameters(model)
-        size = chunk.size or default_chunk_size(params, align=align).chunk_size
-        return plan_layout(params, chunk_size=-(-size // align) * align, align=align)
 
     def make_masters(self, engine: ChunkEngine, param_dtype: torch.dtype) -> Any:
         self.swapper = self._plan_disk(engine, param_dtype)
@@ -151,14 +142,6 @@ class ShardedParts:
             max_pending=self.sharding.max_pending_reductions,
             swapper=self.swapper,
         )
-
-    def make_uses(self, engine: ChunkEngine) -> ParameterUses:
-        """[Note: parameter uses] in tidal/memory/uses.py: the gathered copy is never the
-        weights, and a chunk not gathered is not brought in between iterations (a gather needs
-        every rank)."""
-        return ParameterUses(engine.store, read=engine.read_parameter,
-                             write=engine.write_parameter, in_place=False,
-                             fetch_between_iterations=False)  # fmt: skip
 
     def read_parameter(self, engine: ChunkEngine, param: nn.Parameter) -> torch.Tensor:
         """``param``'s full weights, gathered: collective, every rank must call it (as every
