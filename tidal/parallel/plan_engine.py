@@ -298,10 +298,8 @@ class PlanEngine(AccumulationCounter):
             )  # fmt: skip
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if torch.is_grad_enabled():
-            self.phases.forward()
         with autocast(self.precision, self.device):
-            return self.model(*args, **kwargs)
+            return self.phases.track(lambda: self.model(*args, **kwargs))
 
     def backward(self, loss: torch.Tensor) -> None:
         """See [Note: accumulation boundary]; the gradients are averaged over ``dp`` by FSDP and

@@ -23,6 +23,7 @@ that says what to do, and :class:`Phases` asserts the table on every change.
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
@@ -74,6 +75,19 @@ class Phases:
     def forward_ended(self) -> None:
         """The open forward ended without a backward."""
         self._set(self._left)
+
+    def track(self, forward: Callable[[], Any]) -> Any:
+        """Run ``forward`` in the FORWARD phase; one that raises, or runs under no_grad (no
+        backward can follow), returns to the phase it left."""
+        self.forward()
+        try:
+            output = forward()
+        except BaseException:
+            self.forward_ended()
+            raise
+        if not torch.is_grad_enabled():
+            self.forward_ended()
+        return output
 
     def backward(self, *, grads_in_params: bool = False) -> None:
         self._set(Phase.GRADS_IN_PARAMS if grads_in_params else Phase.ACCUMULATED)
