@@ -56,20 +56,13 @@ class ShardedParts:
     def __init__(self, comm: Collectives, *, sharding: ShardingConfig, memory: MemoryConfig,
                  optimizer: OptimizerConfig) -> None:  # fmt: skip
         self.comm = comm
+        self.rank, self.world_size = comm.rank, comm.world_size
         self.sharding = sharding
         self.memory = memory
         self.optimizer_config = optimizer
         self.nvme: NvmeTier | None = None
         self.swapper: StateSwapper | None = None  # which shards live on disk; see _plan_disk
         self._placed = False  # whether before_step placed the shards
-
-    @property
-    def rank(self) -> int:
-        return self.comm.rank
-
-    @property
-    def world_size(self) -> int:
-        return self.comm.world_size
 
     def agree_budgets(self, device_tier: Tier, host_tier: Tier) -> None:
         """[Note: ranks decide alike] in tidal/sharding/store.py: one budget for every rank."""

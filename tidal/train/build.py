@@ -3,7 +3,7 @@ tidal/parallel/verbs.py, chosen from the job's config alone."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 from torch import nn
@@ -42,7 +42,7 @@ def build_engine(
     if job.engine == "reference":
         return ReferenceEngine(model, optimizer=job.optimizer, training=job.training,
                                memory=job.memory, init=init)  # fmt: skip
-    parts = dict(optimizer=job.optimizer, training=job.training, memory=job.memory,
+    parts: dict[str, Any] = dict(optimizer=job.optimizer, training=job.training, memory=job.memory,
                  chunk=job.chunk, init=init)  # fmt: skip
     several = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
     # The NVMe tier is the sharded optimizer's: one process with a disk is a mesh of one.
