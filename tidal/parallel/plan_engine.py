@@ -38,7 +38,7 @@ from torch.distributed.tensor import DTensor
 
 from tidal.config import ConfigError
 from tidal.distributed import rank, world_size
-from tidal.distributed.device import memory_bytes, peak_memory_bytes, resolve_device
+from tidal.distributed.device import resolve_device
 from tidal.memory.materialize import ParameterValues, materialize
 from tidal.models import build_model
 from tidal.parallel.accumulation import AccumulationCounter
@@ -51,6 +51,7 @@ from tidal.parallel.reference import (
     model_data_bytes,
     set_lr,
     step_optimizer,
+    torch_engine_stats,
 )
 from tidal.planner import Plan, apply, full_state_dict, make_mesh, set_accumulating
 from tidal.planner.apply import check_plan
@@ -339,18 +340,8 @@ class PlanEngine(AccumulationCounter):
     def stats(self) -> dict[str, Any]:
         """The reference engine's figures, with this rank's shares of the model data."""
         return {
-            "engine": "plan",
+            **torch_engine_stats(self, "plan"),
             "mesh": f"dp {self.plan.dp} x tp {self.plan.tp}",
-            "device": str(self.device),
-            "world_size": self.world_size,
-            "rank": self.rank,
-            "precision": self.precision,
-            "global_step": self.global_step,
-            "lr": self.lr,
-            "grad_norm": self.last_grad_norm,
-            "model_data_bytes": self.model_data_bytes(),
-            "memory_bytes": memory_bytes(self.device),
-            "peak_memory_bytes": peak_memory_bytes(self.device),
         }
 
     def model_data_bytes(self) -> dict[str, int]:

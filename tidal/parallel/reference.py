@@ -37,7 +37,7 @@ from tidal.parallel.protocol import Phase, Phases
 
 __all__ = [
     "ReferenceEngine", "autocast", "build_optimizer", "lr_schedule", "model_data_bytes", "set_lr",
-    "step_optimizer",
+    "step_optimizer", "torch_engine_stats",
 ]  # fmt: skip
 
 
@@ -113,6 +113,23 @@ def model_data_bytes(
         "params": total(params),
         "grads": total(p.grad for p in params),
         "optimizer_state": total(t for s in optimizer.state.values() for t in s.values()),
+    }
+
+
+def torch_engine_stats(engine: Any, name: str) -> dict[str, Any]:
+    """The figures of an engine over a torch optimizer (the reference and plan engines)."""
+    return {
+        "engine": name,
+        "device": str(engine.device),
+        "world_size": engine.world_size,
+        "rank": engine.rank,
+        "precision": engine.precision,
+        "global_step": engine.global_step,
+        "lr": engine.lr,
+        "grad_norm": engine.last_grad_norm,
+        "model_data_bytes": engine.model_data_bytes(),
+        "memory_bytes": memory_bytes(engine.device),
+        "peak_memory_bytes": peak_memory_bytes(engine.device),
     }
 
 
@@ -246,19 +263,7 @@ class ReferenceEngine(AccumulationCounter):
 
     def stats(self) -> dict[str, Any]:
         """Figures of the engine now: step, learning rate, model-data bytes, memory per tier."""
-        return {
-            "engine": "reference",
-            "device": str(self.device),
-            "world_size": self.world_size,
-            "rank": self.rank,
-            "precision": self.precision,
-            "global_step": self.global_step,
-            "lr": self.lr,
-            "grad_norm": self.last_grad_norm,
-            "model_data_bytes": self.model_data_bytes(),
-            "memory_bytes": memory_bytes(self.device),
-            "peak_memory_bytes": peak_memory_bytes(self.device),
-        }
+        return torch_engine_stats(self, "reference")
 
     def model_data_bytes(self) -> dict[str, int]:
         """Bytes of parameters, gradients and optimizer state, each counted once."""
