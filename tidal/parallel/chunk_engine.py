@@ -318,7 +318,7 @@ class ChunkEngine(AccumulationCounter):
             "min_device_bytes_last_trace": self.store.min_device_bytes(),
             "peak_non_model_bytes": self.peak_non_model_bytes,
             "traces_recorded": self.store.num_traces,
-            "grads_in_params": getattr(self.optimizer, "grads_in_params", False),
+            "grads_in_params": self.optimizer.grads_in_params,
             "model_data_bytes": self.model_data_bytes(),
             "memory_bytes": memory_bytes(self.device),
             "peak_memory_bytes": peak_memory_bytes(self.device),
