@@ -22,8 +22,9 @@ from benchmarks.compat_cases import (
     training,
 )
 from tidal.memory.config import ChunkConfig
+from tidal.parallel.chunk_engine import ChunkEngine
 from tidal.parallel.config import MemoryConfig
-from tidal.parallel.sharded_engine import ShardedEngine
+from tidal.parallel.verbs import shard
 from tidal.sharding.config import ShardingConfig
 from tidal.testing import RankFailure, run_on_ranks
 from tidal.testing.zoo import Batch, ZooModel, find_family, run_steps, seed_step
@@ -117,7 +118,7 @@ def _first_failure(failure: RankFailure) -> str:
 class _Share:
     """An engine that gives the sharded one this rank's rows of each batch."""
 
-    def __init__(self, engine: ShardedEngine) -> None:
+    def __init__(self, engine: ChunkEngine) -> None:
         self.engine = engine
 
     def __call__(self, **batch: torch.Tensor) -> torch.Tensor:
@@ -134,7 +135,7 @@ def _rank_run(spec: str, steps: int, chunk_elements: int, budget: int | None) ->
     """One rank's run (called by run_on_ranks): the mean loss over the ranks per step."""
     quiet_transformers()
     family = find_family(spec)
-    engine = ShardedEngine(
+    engine = shard(
         family.build(0),
         optimizer=SGD,
         training=TrainingConfig(device="cpu", steps=steps),

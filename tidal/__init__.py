@@ -20,8 +20,10 @@ from torch import nn
 from tidal.config import ConfigError
 from tidal.memory.materialize import ParameterValues
 from tidal.parallel.chunk_engine import ChunkEngine
+from tidal.parallel.protocol import Engine, Phase, TrainingEngine
+from tidal.parallel.verbs import apply_plan, offload, shard
 from tidal.train import JobConfig, ReferenceEngine, Trainer, load_job
-from tidal.train.build import Engine, build_engine
+from tidal.train.build import build_engine
 
 __version__ = "0.1.0"
 
@@ -32,10 +34,15 @@ __all__ = [
     "Config",
     "ConfigError",
     "Engine",
+    "Phase",
     "ReferenceEngine",
     "Trainer",
+    "TrainingEngine",
     "__version__",
+    "apply_plan",
     "initialize",
+    "offload",
+    "shard",
 ]
 
 
@@ -44,7 +51,7 @@ def initialize(
     config: JobConfig | Mapping[str, Any] | str | Path | None = None,
     *,
     init: ParameterValues | None = None,
-) -> Engine:
+) -> TrainingEngine:
     """Wrap ``model`` in the engine its config names (``engine = "reference" | "chunk"``).
 
     The reference engine moves the model to the training device; the chunk engine moves its

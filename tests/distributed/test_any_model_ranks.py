@@ -22,8 +22,9 @@ import torch.distributed as dist
 from tidal.memory.config import ChunkConfig
 from tidal.memory.uses import ParameterUseError
 from tidal.models import build_gpt, preset
+from tidal.parallel.chunk_engine import ChunkEngine
 from tidal.parallel.config import MemoryConfig
-from tidal.parallel.sharded_engine import ShardedEngine
+from tidal.parallel.verbs import shard
 from tidal.sharding.config import ShardingConfig
 from tidal.sharding.store import RanksDiverged
 from tidal.testing import run_on_ranks
@@ -46,7 +47,7 @@ NAMES = ("alternating-branch", "opt-layerdrop", "bert-unused-pooler")
 class _Half:
     """An engine that gives the wrapped one this rank's half of each batch's rows."""
 
-    def __init__(self, engine: ShardedEngine) -> None:
+    def __init__(self, engine: ChunkEngine) -> None:
         self.engine = engine
 
     def __call__(self, **batch: torch.Tensor) -> torch.Tensor:
@@ -63,10 +64,8 @@ class _Half:
 ADAMW = OptimizerConfig(name="adamw", lr=1e-2, warmup_steps=0, weight_decay=0.1)
 
 
-def _sharded(
-    name: str, budget: int | None, optimizer: OptimizerConfig = OPTIMIZER
-) -> ShardedEngine:
-    return ShardedEngine(
+def _sharded(name: str, budget: int | None, optimizer: OptimizerConfig = OPTIMIZER) -> ChunkEngine:
+    return shard(
         zoo_model(name).build(0),
         optimizer=optimizer,
         training=TrainingConfig(device="cpu", steps=STEPS),
@@ -76,7 +75,7 @@ def _sharded(
     )
 
 
-def _run(engine: ShardedEngine, name: str) -> list[float]:
+def _run(engine: ChunkEngine, name: str) -> list[float]:
     losses = []
     for loss in run_steps(_Half(engine), zoo_model(name), STEPS):
         total = torch.tensor(loss)
@@ -87,7 +86,7 @@ def _run(engine: ShardedEngine, name: str) -> list[float]:
 
 def _users_code() -> dict[str, Any]:
     """What a user's own code gets from the sharded parameters of a trained tiny GPT."""
-    engine = ShardedEngine(
+    engine = shard(
         build_gpt(preset("tiny"), seed=0),
         optimizer=OPTIMIZER,
         training=TrainingConfig(device="cpu"),
@@ -139,7 +138,7 @@ class _ExpertPerRank(torch.nn.Module):
 
 
 def _diverging_ranks(same_shape: bool) -> str:
-    engine = ShardedEngine(
+    engine = shard(
         _ExpertPerRank(same_shape),
         optimizer=OPTIMIZER,
         training=TrainingConfig(device="cpu"),

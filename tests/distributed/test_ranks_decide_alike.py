@@ -21,7 +21,7 @@ from tidal.memory.config import ChunkConfig
 from tidal.models import build_gpt, preset
 from tidal.parallel.chunk_engine import ChunkEngine
 from tidal.parallel.config import MemoryConfig
-from tidal.parallel.sharded_engine import ShardedEngine
+from tidal.parallel.verbs import shard
 from tidal.sharding.config import ShardingConfig
 from tidal.testing import run_on_ranks
 from tidal.train import OptimizerConfig, TrainingConfig
@@ -29,8 +29,8 @@ from tidal.train import OptimizerConfig, TrainingConfig
 STEPS = 3
 
 
-def _engine(budget: int | None) -> ShardedEngine:
-    return ShardedEngine(
+def _engine(budget: int | None) -> ChunkEngine:
+    return shard(
         build_gpt(preset("tiny"), seed=0),
         optimizer=OptimizerConfig(lr=1e-3, warmup_steps=0),
         training=TrainingConfig(device="cpu"),
@@ -46,7 +46,7 @@ def _batch() -> tuple[torch.Tensor, torch.Tensor]:
     return tokens[:, :-1], tokens[:, 1:]
 
 
-def _step(engine: ShardedEngine | ChunkEngine) -> None:
+def _step(engine: ChunkEngine) -> None:
     engine.backward(engine(*_batch()))
     engine.step()
 

@@ -20,7 +20,7 @@ from tidal.memory.config import ChunkConfig
 from tidal.models import build_gpt, gpt_init, preset
 from tidal.parallel.chunk_engine import ChunkEngine
 from tidal.parallel.config import MemoryConfig
-from tidal.parallel.sharded_engine import ShardedEngine
+from tidal.parallel.verbs import shard
 from tidal.sharding.config import ShardingConfig
 from tidal.testing import run_on_ranks
 from tidal.train import OptimizerConfig, ReferenceEngine, TrainingConfig
@@ -65,7 +65,7 @@ def _sharded_run(case: dict[str, Any], budget: int | None) -> dict[str, Any]:
         init = gpt_init(model, seed=0)
     else:
         model = _model(case.get("frozen", False))
-    engine = ShardedEngine(
+    engine = shard(
         model,
         init=init,
         optimizer=_optimizer(**case.get("optimizer", {})),
@@ -97,7 +97,7 @@ def _sharded_run(case: dict[str, Any], budget: int | None) -> dict[str, Any]:
     stats["min_device_bytes"] = min_bytes
     capacity = [(c.spec.capacity, c.num_bytes, c.index in engine.optimizer.trainable)
                 for c in engine.store.chunks]  # fmt: skip
-    plan = engine.swapper.plan if engine.swapper is not None else None
+    plan = engine.parts.swapper.plan if engine.parts.swapper is not None else None
     return {
         "plan": (sorted(plan.state), sorted(plan.params)) if plan is not None else None,
         "losses": losses,

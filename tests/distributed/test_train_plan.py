@@ -26,6 +26,7 @@ from tidal.cli.main import main
 from tidal.config import ConfigError
 from tidal.models import closed_form_num_params, preset
 from tidal.models.gpt import measure_gpt
+from tidal.parallel.protocol import Phase, TrainingEngine
 from tidal.planner import ClusterSpec, Plan, PlannerConfig, StrategyName, make_plan
 from tidal.testing import run_on_ranks
 from tidal.train import Trainer
@@ -105,7 +106,9 @@ def _train_cases(cases: dict[str, Plan], root: Path) -> dict[str, Any]:
         if name in RESUMED:  # the same run stopped after step 2, then resumed by a new Trainer
             Trainer(_job(root / name / "resumed", steps=2), plan=plan).fit()
             Trainer(_job(root / name / "resumed"), plan=plan).fit(resume=True)
-        results[name] = {"stats": trainer.engine.stats()}
+        engine = trainer.engine
+        results[name] = {"stats": engine.stats(), "phase": engine.phase,
+                         "protocol": isinstance(engine, TrainingEngine)}  # fmt: skip
     results["refusals"] = _refusals(root / "dp2-mixed-zero" / "resumed", cases["dp2"])
     return results
 
@@ -156,6 +159,8 @@ def test_a_plan_trains_as_one_process_does(runs: dict[str, Any], case: str) -> N
     summary = json.loads((whole / "summary.json").read_text())
     plan = runs["cases"][case]
     assert summary["engine"] == "plan" and summary["mesh"] == f"dp {plan.dp} x tp {plan.tp}"
+    for rank in runs["ranks"]:  # the trainer's last call was a step, or an evaluation after it
+        assert rank[case]["protocol"] and rank[case]["phase"] is Phase.IDLE
 
 
 def test_a_plan_run_resumes_with_its_own_plan_only(runs: dict[str, Any]) -> None:

@@ -67,10 +67,6 @@ KNOWN_VIOLATIONS: frozenset[str] = frozenset(
         # Issue 16, engines chosen from the config alone (engines): plan_engine reads the
         # JobConfig and builds models itself.
         "layer tidal.parallel.plan_engine -> tidal.train.job",
-        # Issue 16, engines as composed verbs (engines): the sharded engine borrows the chunk
-        # engine's helpers.
-        "private tidal.parallel.sharded_engine -> tidal.parallel.chunk_engine._largest_module_bytes",
-        "private tidal.parallel.sharded_engine -> tidal.parallel.chunk_engine._persistent_buffers",
     }
 )
 

@@ -5,6 +5,11 @@ Parameters live in chunks that move between the device and the host tier under
 
     loss = engine(inputs, targets); engine.backward(loss); engine.step()
 
+One class trains on one process and, sharded (ZeRO-3), on many: what differs comes from its
+parts, chosen once (:class:`~tidal.parallel.local_parts.LocalParts`,
+:class:`~tidal.parallel.sharded_parts.ShardedParts`; the verbs ``offload`` and ``shard`` in
+verbs.py pick them), never from a subclass.
+
 [Note: chunk engine iterations]
 A forward starts an iteration of the chunk store (the unit its access trace describes) and the
 backward that follows ends it; a forward under ``torch.no_grad()`` ends it at once (no backward
@@ -13,16 +18,25 @@ gradient accumulation each micro-batch is one iteration, and evaluation records 
 own instead of silently following the training one. Everything between the forward and the end
 of the backward belongs to the iteration: a loss term computed from the parameters after the
 forward returned (an L2 penalty) is a moment of it ([Note: parameter uses] in
-tidal/memory/uses.py).
+tidal/memory/uses.py). The open iteration is the FORWARD phase ([Note: engine phases] in
+protocol.py).
+
+[Note: chunk engine construction]
+The steps run in this order, each needing the ones before: tiers (whose budgets the ranks
+agree on), the layout (aligned so chunks split into equal shards), the fp32 masters and the
+store (each a pass over the parameters' values, the masters first: they are taken at full
+precision before the store converts them), the minimum budget check, the optimizer over the
+store, then the hooks and parameter uses, which call the optimizer and the store.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import warnings
 from collections.abc import Iterable, Iterator
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -33,25 +47,50 @@ from tidal.memory.config import ChunkConfig
 from tidal.memory.hooks import OUTPUT_ONLY_HOOK_WARNING, install_hooks
 from tidal.memory.layout import ChunkLayout, default_chunk_size, plan_layout, unique_parameters
 from tidal.memory.materialize import ParameterValues, check_buffers, meta_parameters, values_of
-from tidal.memory.optim import ChunkOptimizer, make_master_chunks
-from tidal.memory.optim_rules import make_rule
-from tidal.memory.pinning import choose_pinned
-from tidal.memory.relayout import relayout
-from tidal.memory.store import ChunkStore, DeviceBudgetTooSmall
+from tidal.memory.store import DeviceBudgetTooSmall
 from tidal.memory.tiers import Tier, make_tiers
 from tidal.memory.uses import ParameterUses
 from tidal.parallel.accumulation import AccumulationCounter
 from tidal.parallel.config import MemoryConfig, OptimizerConfig, TrainingConfig
+from tidal.parallel.local_parts import LocalParts
 from tidal.parallel.loss_scale import LossScale
-from tidal.parallel.lr import WarmupCosine
-from tidal.parallel.protocol import CheckpointTensors, LoadTensors
-from tidal.sharding.state import model_key, optim_key
+from tidal.parallel.lr import lr_schedule
+from tidal.parallel.protocol import CheckpointTensors, LoadTensors, Phase, Phases
+from tidal.parallel.reference import autocast
 
-__all__ = ["ChunkEngine"]
+__all__ = ["ChunkEngine", "ChunkParts"]
+
+
+class ChunkParts(Protocol):
+    """What differs between the chunk engine on one process and sharded over ranks; see
+    [Note: chunk engine construction] for when the ``make_`` steps run."""
+
+    rank: int
+    world_size: int
+    gathers: bool  # whether a chunk on the device is a gathered copy of shards
+
+    def agree_budgets(self, device_tier: Tier, host_tier: Tier) -> None: ...
+    def make_masters(self, engine: ChunkEngine, param_dtype: torch.dtype) -> Any: ...
+    def make_store(self, engine: ChunkEngine, dtype: torch.dtype, chunk: ChunkConfig) -> Any: ...
+    def minimum_budget(self, engine: ChunkEngine) -> tuple[int, str]: ...
+    def make_optimizer(self, engine: ChunkEngine, optimizer: OptimizerConfig,
+                       training: TrainingConfig, chunk: ChunkConfig, masters: Any) -> Any: ...  # fmt: skip
+    def read_parameter(self, engine: ChunkEngine, param: nn.Parameter) -> torch.Tensor: ...
+    def write_parameter(self, engine: ChunkEngine, param: nn.Parameter, value: torch.Tensor) -> None: ...  # fmt: skip
+    def before_backward(self, engine: ChunkEngine) -> None: ...
+    def after_backward(self, engine: ChunkEngine) -> None: ...
+    def before_step(self, engine: ChunkEngine) -> None: ...
+    def stats(self, engine: ChunkEngine, stats: dict[str, Any]) -> dict[str, Any]: ...
+    def model_state_dict(self, engine: ChunkEngine) -> dict[str, torch.Tensor]: ...
+    def load_state_dict(self, engine: ChunkEngine, state: dict[str, Any]) -> None: ...
+    def checkpoint_state(self, engine: ChunkEngine) -> CheckpointTensors: ...
+    def restore_checkpoint(self, engine: ChunkEngine, load: LoadTensors, extras: dict[str, Any],
+                           meta: dict[str, Any]) -> None: ...  # fmt: skip
 
 
 class ChunkEngine(AccumulationCounter):
-    """Train ``model`` with its parameters in chunks under a device byte budget."""
+    """Train ``model`` with its parameters in chunks under a device byte budget; ``parts``
+    (default: one process) say where the chunks live ([Note: chunk engine construction])."""
 
     def __init__(
         self,
@@ -62,178 +101,86 @@ class ChunkEngine(AccumulationCounter):
         memory: MemoryConfig,
         chunk: ChunkConfig,
         init: ParameterValues | None = None,
+        parts: ChunkParts | None = None,
     ) -> None:
+        self.parts: ChunkParts = parts if parts is not None else LocalParts()
         self.device = resolve_device(training.device)
         self.precision = training.precision
         self.model = model
         self._init = _check_init(model, init)
-        _move_buffers(model, self.device, _PARAM_DTYPES[training.precision])
-        self.device_tier, self.host_tier = self._make_tiers(memory)
-        self.layout = self._plan_layout(model, chunk)
         # bf16/fp16: the model computes from parameter chunks of that dtype, under autocast (see
-        # _autocast); the optimizer updates fp32 master chunks, taken from the full-precision
-        # weights before the store converts them. fp16 also scales the loss (LossScale) so small
-        # gradients survive.
+        # __call__); the optimizer updates fp32 master chunks. fp16 also scales the loss
+        # (LossScale) so small gradients survive.
         param_dtype = _PARAM_DTYPES[training.precision]
         self.loss_scale = LossScale() if training.precision == "fp16" else None
-        masters = self._make_masters(model, param_dtype)
-        self.store = self._make_store(model, param_dtype, chunk)
-        self.min_budget_bytes, self._largest_module = self._minimum_budget()
-        self._check_minimum_budget()
-        self.optimizer = self._make_optimizer(model, optimizer, training, chunk, masters)
-        self._hooks = install_hooks(model, self.store, on_grad=self.optimizer.collect)
-        self.uses = self._make_uses()
-        self._hooks += self.uses.adopt(model)
-        self.store.on_unpin = self._unplace_optimizer
-        self.schedule = WarmupCosine(
-            peak_lr=optimizer.lr,
-            warmup_steps=optimizer.warmup_steps,
-            decay_steps=optimizer.decay_steps or training.steps,
-            min_lr_ratio=optimizer.min_lr_ratio,
+        _move_buffers(model, self.device, param_dtype)
+        self.device_tier, self.host_tier = make_tiers(
+            device=self.device, device_budget=memory.device_budget, host_budget=memory.host_budget
         )
+        self.parts.agree_budgets(self.device_tier, self.host_tier)
+        self.layout = _layout(model, chunk, self.parts.world_size)
+        masters = self.parts.make_masters(self, param_dtype)
+        self.store = self.parts.make_store(self, param_dtype, chunk)
+        self.min_budget_bytes, self.largest_module = self.parts.minimum_budget(self)
+        self.check_minimum_budget()
+        self.optimizer = self.parts.make_optimizer(self, optimizer, training, chunk, masters)
+        self._hooks = install_hooks(model, self.store, on_grad=self.optimizer.collect)
+        # [Note: parameter uses] in tidal/memory/uses.py: the parameter slot is the weights (so
+        # in-place ops may run on it) only without fp32 masters and gathers; a chunk is brought in
+        # between iterations only where no gather (which needs every rank) is involved.
+        gathers = self.parts.gathers
+        self.uses = ParameterUses(self.store, read=self.read_parameter, write=self.write_parameter,
+                                  in_place=not gathers and self.optimizer.masters is None,
+                                  fetch_between_iterations=not gathers)  # fmt: skip
+        self._hooks += self.uses.adopt(model)
+        self.schedule = lr_schedule(optimizer, training)
         self.grad_accum_steps = training.grad_accum_steps
         self.grad_clip_norm = training.grad_clip_norm
         self.global_step = 0
         self.micro_step = 0
         self.last_grad_norm: float | None = None
-        self._in_iteration = False
-        self._placed = False
-        self._relayout_pending = chunk.relayout  # see _relayout
-        self.store.keep_trace_params = chunk.relayout
+        self.phases = Phases()
 
-    # -- construction steps (the sharded engine replaces some) ------------------------------------
+    @property
+    def phase(self) -> Phase:
+        return self.phases.now
 
-    def _make_tiers(self, memory: MemoryConfig) -> tuple[Tier, Tier]:
-        return make_tiers(
-            device=self.device, device_budget=memory.device_budget, host_budget=memory.host_budget
-        )
+    @property
+    def rank(self) -> int:
+        return self.parts.rank
 
-    def _plan_layout(self, model: nn.Module, chunk: ChunkConfig) -> ChunkLayout:
-        return _layout(model, chunk)
+    @property
+    def world_size(self) -> int:
+        return self.parts.world_size
 
-    def _values(self) -> Iterable[tuple[str, torch.Tensor]]:
+    def values(self) -> Iterable[tuple[str, torch.Tensor]]:
         """The parameters' values, one pass ([Note: deferred construction] in materialize.py)."""
         return self._init() if self._init is not None else values_of(self.model)
 
-    def _make_masters(self, model: nn.Module, param_dtype: torch.dtype) -> Any:
-        if param_dtype == torch.float32:
-            return None
-        return make_master_chunks(model, self.layout, self.host_tier, self._values())
-
-    def _make_store(
-        self, model: nn.Module, param_dtype: torch.dtype, chunk: ChunkConfig
-    ) -> ChunkStore:
-        return ChunkStore(
-            model,
-            layout=self.layout,
-            device_tier=self.device_tier,
-            host_tier=self.host_tier,
-            dtype=param_dtype,
-            policy=chunk.policy,
-            prefetch=chunk.prefetch,
-            values=self._values(),
-        )
-
-    def _minimum_budget(self) -> tuple[int, str]:
-        return _largest_module_bytes(self.model, self.store)
-
-    def _make_optimizer(
-        self,
-        model: nn.Module,
-        optimizer: OptimizerConfig,
-        training: TrainingConfig,
-        chunk: ChunkConfig,
-        masters: Any,
-    ) -> Any:
-        names = {id(p): n for n, p in model.named_parameters()}
-        return ChunkOptimizer(
-            self.store,
-            names=names,
-            rule=make_rule(optimizer),
-            weight_decay=optimizer.weight_decay,
-            fused=optimizer.use_fused(self.device.type),
-            masters=masters,
-            # [Note: gradients in parameter chunks] in tidal/memory/optim.py
-            grads_in_params=(
-                chunk.grads_in_params and masters is not None and training.grad_accum_steps == 1
-            ),
-        )
-
-    def _make_uses(self) -> ParameterUses:
-        """[Note: parameter uses] in tidal/memory/uses.py: the parameter slot is the weights
-        (so in-place ops may run on it) only without fp32 masters."""
-        return ParameterUses(
-            self.store,
-            read=self.read_parameter,
-            write=self.write_parameter,
-            in_place=self.optimizer.masters is None,
-            fetch_between_iterations=True,
-        )
-
     def read_parameter(self, param: nn.Parameter) -> torch.Tensor:
-        """A copy of ``param``'s weights at full precision (its fp32 master where it has one)."""
-        self.store.wait_for_copies()
-        return self.optimizer.weight(param).detach().to(torch.float32, copy=True)
+        """A copy of ``param``'s weights at full precision (collective when sharded)."""
+        return self.parts.read_parameter(self, param)
 
     def write_parameter(self, param: nn.Parameter, value: torch.Tensor) -> None:
-        """Write ``value`` to wherever ``param``'s weights live: its slot (on either tier) and
-        its fp32 master; both are what the next forward and step read."""
-        if id(param) in self.store.grads_in_slots:  # it would be overwritten: lost without a word
-            raise RuntimeError(
-                f"writing {self.store.names_of([param])[0]} between backward() and step(): the "
-                "gradients live in the parameters' storage (chunk.grads_in_params); call step() "
-                "or zero_grad() first"
-            )
-        index, slot = self.store.slot_of[id(param)]
-        self.store.wait_for_copies()  # no queued copy may land on what is written here
-        self.optimizer.weight(param).copy_(value)
-        self.store.chunks[index].view(slot).copy_(value)
+        """Write ``value`` to wherever ``param``'s weights live (every rank, when sharded)."""
+        self.parts.write_parameter(self, param, value)
 
-    def _check_minimum_budget(self) -> None:
+    def check_minimum_budget(self) -> None:
         """Every module's own chunks must fit at once; else fail before training."""
         budget, need = self.device_tier.budget_bytes, self.min_budget_bytes
         if budget is not None and need > budget:
             raise ConfigError(
                 "memory.device_budget",
                 f"{budget:,} bytes ({format_bytes(budget)}) is below the minimum of {need:,} "
-                f"bytes ({format_bytes(need)}): module '{self._largest_module}' needs its chunks "
+                f"bytes ({format_bytes(need)}): module '{self.largest_module}' needs its chunks "
                 f"on the device at once; raise the budget to at least that, or lower chunk.size",
             )
-
-    def _relayout(self) -> None:
-        """Re-pack the chunks in first-use order, once, at the first step with a trace and no
-        iteration open; see [Note: relayout] in tidal/memory/relayout.py."""
-        if not self._relayout_pending or self.store.trace is None or self._in_iteration:
-            return
-        self._relayout_pending = False
-        done = relayout(self.model, self.store, self.optimizer)
-        self.store.keep_trace_params = False  # relayout's translation was their only reader
-        if done is None:
-            return
-        self.layout = self.store.layout
-        self.min_budget_bytes, self._largest_module = _largest_module_bytes(self.model, self.store)
-        self._check_minimum_budget()  # relayout checked it would fit: this only asserts it
-
-    def _unplace_optimizer(self) -> None:
-        """The store gave up its pinned chunks: state to the host, choose again at the step."""
-        self.optimizer.place_on_host()
-        self._placed = False
-
-    def _place_optimizer(self) -> None:
-        """Pin the chunks whose optimizer state fits the margin; see [Note: optimizer placement]
-        in tidal/memory/pinning.py."""
-        pinned = choose_pinned(self.store, self.optimizer, self.device_tier.budget_bytes)
-        if pinned is None:
-            return  # no trace yet: decide at the next step
-        self.store.pin(pinned)
-        self.optimizer.place_on_device(pinned)
-        self._placed = True
 
     # -- the training calls --------------------------------------------------------------------
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """Forward; see [Note: chunk engine iterations]."""
-        if self.store.grads_in_slots:
+        if self.phase is Phase.GRADS_IN_PARAMS:
             raise RuntimeError(
                 "the model was called between backward() and step(): with "
                 f"training.precision = {self.precision!r} and no gradient accumulation the "
@@ -244,51 +191,48 @@ class ChunkEngine(AccumulationCounter):
                 "backwards per step set training.grad_accum_steps to their number; to evaluate "
                 "between backward and step set chunk.grads_in_params = false"
             )
-        if self._in_iteration:
+        if self.phase is Phase.FORWARD:
+            self.phases.forward_ended()
             self._end_iteration()
         self.store.begin_iteration()
-        self._in_iteration = True
+        self.phases.forward()
         try:
-            with self.store.meter.tracking(), self._autocast():
+            # bf16/fp16: the parameters are in that dtype already; autocast runs the ops it keeps
+            # in fp32 (norms, softmax, losses) in fp32 as the reference engine does, and casts
+            # floating inputs (a CNN's images) where they meet the weights.
+            with self.store.meter.tracking(), autocast(self.precision, self.device):
                 output = self.model(*args, **kwargs)
         except BaseException:
-            self._in_iteration = False
+            self.phases.forward_ended()
             self.store.abandon_iteration()  # modules it left never ran their post hooks
             raise
         if not torch.is_grad_enabled():  # no backward can follow
+            self.phases.forward_ended()
             self._end_iteration()
         return output
-
-    def _autocast(self) -> contextlib.AbstractContextManager[Any]:
-        """bf16/fp16: the parameters are in that dtype already; autocast runs the ops it keeps
-        in fp32 (norms, softmax, losses) in fp32 as the reference engine does, and casts
-        floating inputs (a CNN's images) where they meet the weights."""
-        dtype = _PARAM_DTYPES[self.precision]
-        if dtype == torch.float32:
-            return contextlib.nullcontext()
-        return torch.autocast(device_type=self.device.type, dtype=dtype)
 
     def backward(self, loss: torch.Tensor) -> None:
         scaled = loss / self.grad_accum_steps if self.grad_accum_steps > 1 else loss
         if self.loss_scale is not None:
             scaled = scaled * self.loss_scale.scale
-        self._before_backward()
+        self.parts.before_backward(self)
         try:
             with _quiet_output_only_hooks():
                 scaled.backward()
         except BaseException:
-            self._in_iteration = False
+            if self.phase is Phase.FORWARD:
+                self.phases.forward_ended()
             self.store.abandon_iteration()
             self._drop_window()
             raise
         self.store.release_all()
-        self._after_backward()
+        self.parts.after_backward(self)
+        self.phases.backward(grads_in_params=bool(self.store.grads_in_slots))
         self._end_iteration()
 
     def _end_iteration(self) -> None:
         """Close the store's iteration. A budget the iteration did not fit in ([Note: the least
         budget] in tidal/memory/store.py) drops its gradients: no step may use them."""
-        self._in_iteration = False
         try:
             self.store.end_iteration()
         except DeviceBudgetTooSmall:
@@ -310,25 +254,18 @@ class ChunkEngine(AccumulationCounter):
         """The most non-model bytes (activations) any iteration so far held on the device."""
         return self.store.peak_non_model_bytes
 
-    def _before_backward(self) -> None:
-        """Nothing here; the sharded engine drops the forward's gathered chunks."""
-
-    def _after_backward(self) -> None:
-        """Nothing here; the sharded engine waits for its gradient reductions."""
-
     def step(self) -> bool:
         """Count a micro-batch; on the boundary clip, update and zero. Returns whether it stepped."""
         if not self._count_micro_batch():
             return False
         self.store.release_all()
-        if not self._placed:
-            self._relayout()
-            self._place_optimizer()
+        self.parts.before_step(self)
         self.last_grad_norm = self.optimizer.step(
             lr=self.schedule.lr_at(self.global_step),
             max_grad_norm=self.grad_clip_norm,
             loss_scale=self.loss_scale.scale if self.loss_scale else 1.0,
         )
+        self.phases.gradients_dropped()
         if self.loss_scale is not None:
             self.loss_scale = self.loss_scale.after_step(overflow=self.last_grad_norm is None)
         # A step skipped for overflow still advances the schedule, as with torch's GradScaler.
@@ -337,6 +274,7 @@ class ChunkEngine(AccumulationCounter):
 
     def zero_grad(self) -> None:
         self.optimizer.zero_grad()
+        self.phases.gradients_dropped()
 
     @property
     def lr(self) -> float:
@@ -353,7 +291,7 @@ class ChunkEngine(AccumulationCounter):
 
     def stats(self) -> dict[str, Any]:
         device, host = self.device_tier, self.host_tier
-        return {
+        stats = {
             "engine": "chunk",
             "device": str(self.device),
             "precision": self.precision,
@@ -385,19 +323,14 @@ class ChunkEngine(AccumulationCounter):
             "memory_bytes": memory_bytes(self.device),
             "peak_memory_bytes": peak_memory_bytes(self.device),
         }
+        return self.parts.stats(self, stats)
 
     # -- state ---------------------------------------------------------------------------------
 
     def model_state_dict(self) -> dict[str, torch.Tensor]:
-        """The model's state dict (same keys as ``model.state_dict()``), read from the chunks."""
-        self.store.wait_for_copies()
-        state = {}
-        for name, param in self.model.named_parameters(remove_duplicate=False):
-            # fp32 throughout, frozen parameters included (they have no fp32 master to read).
-            state[name] = self.optimizer.weight(param).detach().to(torch.float32, copy=True)
-        for name, buffer in _persistent_buffers(self.model):
-            state[name] = buffer.detach().clone()
-        return {k: state[k] for k in self.model.state_dict(keep_vars=True)}
+        """The model's state dict (same keys as ``model.state_dict()``), fp32, read from the
+        chunks (gathered, when sharded: then every rank must call it)."""
+        return self.parts.model_state_dict(self)
 
     def state_dict(self) -> dict[str, Any]:
         state = {
@@ -411,117 +344,44 @@ class ChunkEngine(AccumulationCounter):
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if self.store.grads_in_slots:  # they would be overwritten: lost without a word
+        if self.phase is Phase.GRADS_IN_PARAMS:  # they would be overwritten: lost without a word
             raise RuntimeError(
                 "load_state_dict between backward() and step(): the gradients live in the "
                 "parameters' storage (chunk.grads_in_params); call step() or zero_grad() first"
             )
-        params = dict(self.model.named_parameters(remove_duplicate=False))
-        buffers = dict(_persistent_buffers(self.model))
-        for name, value in state["model"].items():
-            if name in params:
-                self.write_parameter(params[name], value)
-            else:
-                buffers[name].copy_(value)
-        self.optimizer.load_state_dict(state["optimizer"])
-        self._restore_counters(state)
+        self.parts.load_state_dict(self, state)
+        self.restore_counters(state)
 
-    def _restore_counters(self, state: dict[str, Any]) -> None:
+    def restore_counters(self, state: dict[str, Any]) -> None:
         """The step counters and the loss scale of a state dict (or checkpoint extras)."""
         self.global_step = int(state["global_step"])
         self.micro_step = int(state["micro_step"])
         if self.loss_scale is not None and "loss_scale" in state:
             self.loss_scale = LossScale(**state["loss_scale"])
 
-    # -- sharded checkpoints ([Note: checkpoint tensors] in tidal/sharding/state.py) ------------
-
     def checkpoint_state(self) -> CheckpointTensors:
-        """The state as flat per-parameter tensors for torch.distributed.checkpoint."""
-        state = self.state_dict()
-        canonical = {info.names[0] for spec in self.layout.chunks for info in spec.slots}
-        tensors: dict[str, Any] = {}
-        for name, value in state["model"].items():
-            if name in canonical or name not in dict(self.model.named_parameters()):
-                tensors[_state_key(self, name)] = value.reshape(-1)
-        steps = {}
-        for name, saved in state["optimizer"].items():
-            for key, value in saved.items():
-                if key == "step":
-                    steps[name] = float(value)
-                else:
-                    tensors[optim_key(name, key)] = value.reshape(-1)
-        extras = {k: v for k, v in state.items() if k not in ("model", "optimizer")}
-        extras["optimizer_steps"] = steps
-        return CheckpointTensors(
-            tensors=tensors, extras=extras, meta=self._checkpoint_meta(tensors)
-        )
-
-    def _checkpoint_meta(self, tensors: dict[str, Any]) -> dict[str, Any]:
-        model_state = self.model.state_dict(keep_vars=True)
-        return {
-            "numels": {key: int(t.size(0)) for key, t in tensors.items()},
-            "model_keys": {name: _state_key(self, name) for name in model_state},
-            "model_shapes": {name: list(t.shape) for name, t in model_state.items()},
-        }
+        """The state as flat tensors for torch.distributed.checkpoint ([Note: checkpoint
+        tensors] in tidal/sharding/state.py)."""
+        return self.parts.checkpoint_state(self)
 
     def restore_checkpoint(
         self, load: LoadTensors, extras: dict[str, Any], meta: dict[str, Any]
     ) -> None:
         """Load what :meth:`checkpoint_state` saved (at any world size) through ``load``."""
-        targets = {key: torch.empty(numel) for key, numel in meta["numels"].items()}
-        load(targets)
-        shapes = meta["model_shapes"]
-        model = {name: targets[key].view(shapes[name])
-                 for name, key in meta["model_keys"].items()}  # fmt: skip
-        optimizer: dict[str, dict[str, torch.Tensor]] = {}
-        for key, value in targets.items():
-            if key.startswith("optim/"):
-                name, state_name = key[len("optim/") :].rsplit("/", 1)
-                optimizer.setdefault(name, {})[state_name] = value.view(shapes[name])
-        for name, step in extras["optimizer_steps"].items():
-            optimizer.setdefault(name, {})["step"] = torch.tensor(step)
-        rest = {k: v for k, v in extras.items() if k != "optimizer_steps"}
-        self.load_state_dict({"model": model, "optimizer": optimizer, **rest})
-
-
-def _state_key(engine: ChunkEngine, name: str) -> str:
-    """The checkpoint key of a state-dict name: tied parameters share their first name's."""
-    params = dict(engine.model.named_parameters(remove_duplicate=False))
-    if name not in params:
-        return f"buffer/{name}"
-    index, slot = engine.store.slot_of[id(params[name])]
-    return model_key(engine.layout.chunks[index].slots[slot].names[0])
+        self.parts.restore_checkpoint(self, load, extras, meta)
 
 
 _PARAM_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def _largest_module_bytes(model: nn.Module, store: ChunkStore) -> tuple[int, str]:
-    """The bytes of chunks the hungriest module needs at once, and its name.
-
-    A module runs inside its ancestors' forward and backward, whose own chunks stay in use
-    (COMPUTE) meanwhile, so a module needs its chunks and those of every ancestor that owns
-    parameters.
-    """
-    need, owner = 0, ""
-
-    def visit(module: nn.Module, name: str, held: frozenset[int]) -> None:
-        nonlocal need, owner
-        held = held | store.chunks_of(module.parameters(recurse=False))
-        num_bytes = sum(store.chunks[i].num_bytes for i in held)
-        if num_bytes > need:
-            need, owner = num_bytes, name or "<root>"
-        for child_name, child in module.named_children():
-            visit(child, f"{name}.{child_name}" if name else child_name, held)
-
-    visit(model, "", frozenset())
-    return need, owner
-
-
-def _layout(model: nn.Module, chunk: ChunkConfig) -> ChunkLayout:
+def _layout(model: nn.Module, chunk: ChunkConfig, world_size: int) -> ChunkLayout:
+    """Capacities are multiples of the alignment, so an alignment that is a multiple of the
+    world size makes every chunk split into equal shards."""
+    align = math.lcm(chunk.align, world_size)
     params = unique_parameters(model)
-    size = chunk.size or default_chunk_size(params, align=chunk.align).chunk_size
-    return plan_layout(params, chunk_size=size, align=chunk.align)
+    size = chunk.size or default_chunk_size(params, align=align).chunk_size
+    size = -(-size // align) * align if world_size > 1 else size
+    return plan_layout(params, chunk_size=size, align=align)
 
 
 def _check_init(model: nn.Module, init: ParameterValues | None) -> ParameterValues | None:
@@ -548,13 +408,6 @@ def _move_buffers(model: nn.Module, device: torch.device, param_dtype: torch.dty
                 continue
             dtype = param_dtype if is_norm and buffer.is_floating_point() else buffer.dtype
             module._buffers[name] = buffer.to(device, dtype)
-
-
-def _persistent_buffers(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    for module_name, module in model.named_modules():
-        for name, buffer in module._buffers.items():
-            if buffer is not None and name not in module._non_persistent_buffers_set:
-                yield (f"{module_name}.{name}" if module_name else name), buffer
 
 
 @contextlib.contextmanager

@@ -5,7 +5,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-__all__ = ["WarmupCosine"]
+from tidal.parallel.config import OptimizerConfig, TrainingConfig
+
+__all__ = ["WarmupCosine", "lr_schedule"]
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)
@@ -29,3 +31,13 @@ class WarmupCosine:
         progress = min(1.0, (step - self.warmup_steps) / span)
         cosine = 0.5 * (1.0 + math.cos(math.pi * progress))
         return self.peak_lr * (self.min_lr_ratio + (1.0 - self.min_lr_ratio) * cosine)
+
+
+def lr_schedule(optimizer: OptimizerConfig, training: TrainingConfig) -> WarmupCosine:
+    """The warm-up + cosine learning rate of a job's optimizer and length (every engine's)."""
+    return WarmupCosine(
+        peak_lr=optimizer.lr,
+        warmup_steps=optimizer.warmup_steps,
+        decay_steps=optimizer.decay_steps or training.steps,
+        min_lr_ratio=optimizer.min_lr_ratio,
+    )

@@ -40,8 +40,18 @@ from tidal.config import ConfigError
 from tidal.distributed import rank, world_size
 from tidal.distributed.device import resolve_device
 from tidal.memory.materialize import ParameterValues, materialize
+from tidal.parallel.accumulation import AccumulationCounter
 from tidal.parallel.config import OptimizerConfig, TrainingConfig
-from tidal.parallel.reference import ReferenceEngine, build_optimizer, lr_schedule
+from tidal.parallel.protocol import Phase, Phases
+from tidal.parallel.reference import (
+    autocast,
+    build_optimizer,
+    lr_schedule,
+    model_data_bytes,
+    set_lr,
+    step_optimizer,
+    torch_engine_stats,
+)
 from tidal.planner import Plan, apply, full_state_dict, make_mesh, set_accumulating
 from tidal.planner.apply import check_plan
 from tidal.planner.measure import ModelGraph
@@ -222,9 +232,9 @@ def _difference(saved: dict[str, Any], ours: dict[str, Any]) -> str:
     return f"recompute {saved['recompute']}, not {ours['recompute']}"
 
 
-class PlanEngine(ReferenceEngine):
+class PlanEngine(AccumulationCounter):
     """Train a model (tidal's GPT, a Hugging Face decoder) as ``plan`` says on its ``dp x tp``
-    ranks. The training calls, learning rate and figures are the reference engine's; building,
+    ranks. The optimizer, schedule and update are the reference engine's functions; building,
     backward (no all-reduce: FSDP and apply's hooks average), clipping, byte counts and state
     are its own. ``seq_len``: the run's (default: the plan's)."""
 
@@ -238,7 +248,6 @@ class PlanEngine(ReferenceEngine):
         init: ParameterValues | None = None,
         seq_len: int | None = None,
     ) -> None:
-        # Not ReferenceEngine.__init__: the model is built by the plan, not moved whole.
         self.device = resolve_device(training.device)
         # Read once: the group is set up before any engine is built.
         self.world_size, self.rank = world_size(), rank()
@@ -263,11 +272,19 @@ class PlanEngine(ReferenceEngine):
         self.grad_clip_norm = training.grad_clip_norm
         self.schedule = lr_schedule(optimizer, training)
         self.optimizer = _build_optimizer(self.model, optimizer, self.schedule.lr_at(0))
-        self.scaler = None  # fp16 is refused above
         self.global_step = 0
         self.micro_step = 0
         self.last_grad_norm: float | None = None
+        self.phases = Phases()
         self._warn_on_micro_batch(training.batch_size)
+
+    @property
+    def phase(self) -> Phase:
+        return self.phases.now
+
+    @property
+    def lr(self) -> float:
+        return float(self.optimizer.param_groups[0]["lr"])
 
     def _warn_on_micro_batch(self, batch_size: int) -> None:
         rows = batch_size // self.plan.dp
@@ -279,12 +296,31 @@ class PlanEngine(ReferenceEngine):
                 self.plan.micro_batch, rows, batch_size, self.plan.dp,
             )  # fmt: skip
 
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        with autocast(self.precision, self.device):
+            return self.phases.track(lambda: self.model(*args, **kwargs))
+
     def backward(self, loss: torch.Tensor) -> None:
         """See [Note: accumulation boundary]; the gradients are averaged over ``dp`` by FSDP and
         apply's hooks ([Note: plan runs])."""
         set_accumulating(self.model, not self.is_accumulation_boundary())
         scaled = loss / self.grad_accum_steps if self.grad_accum_steps > 1 else loss
         scaled.backward()
+        self.phases.backward()
+
+    def step(self) -> bool:
+        """Count a micro-batch; on the boundary step the optimizer. Returns whether it stepped."""
+        if not self._count_micro_batch():
+            return False
+        self.last_grad_norm = step_optimizer(self.optimizer, None, self._clip_gradients)
+        self.phases.gradients_dropped()
+        self.global_step += 1
+        set_lr(self.optimizer, self.schedule.lr_at(self.global_step))
+        return True
+
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+        self.phases.gradients_dropped()
 
     def _clip_gradients(self) -> float:
         params = [p for p in self.model.parameters() if p.grad is not None]
@@ -301,22 +337,18 @@ class PlanEngine(ReferenceEngine):
 
     def stats(self) -> dict[str, Any]:
         """The reference engine's figures, with this rank's shares of the model data."""
-        mesh = f"dp {self.plan.dp} x tp {self.plan.tp}"
-        return {**super().stats(), "engine": "plan", "mesh": mesh}
+        return {
+            **torch_engine_stats(self, "plan"),
+            "mesh": f"dp {self.plan.dp} x tp {self.plan.tp}",
+        }
 
     def model_data_bytes(self) -> dict[str, int]:
         """Bytes of this rank's shares of the parameters, gradients and optimizer state."""
-        params = {id(p): p for p in self.model.parameters()}.values()
-        return {
-            "params": sum(_nbytes(p) for p in params),
-            "grads": sum(_nbytes(p.grad) for p in params if p.grad is not None),
-            "optimizer_state": sum(
-                _nbytes(t)
-                for s in self.optimizer.state.values()
-                for t in s.values()
-                if isinstance(t, torch.Tensor)
-            ),
-        }
+        return model_data_bytes(self.model, self.optimizer, _nbytes)
+
+    def model_state_dict(self) -> dict[str, torch.Tensor]:
+        """The whole model in the single-device layout; a collective (every rank calls it)."""
+        return full_state_dict(self.model, self.plan)
 
     # -- state ---------------------------------------------------------------------------------
 
@@ -352,7 +384,7 @@ class PlanEngine(ReferenceEngine):
         set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"], options=options)
         self.global_step = int(state["global_step"])
         self.micro_step = int(state["micro_step"])
-        self._set_lr(self.schedule.lr_at(self.global_step))
+        set_lr(self.optimizer, self.schedule.lr_at(self.global_step))
 
     def _load_model(self, values: dict[str, torch.Tensor]) -> None:
         """Whole single-device values into this rank's shares. They go through ``apply`` on a

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -31,9 +32,13 @@ from tidal.memory.materialize import ParameterValues, materialize
 from tidal.memory.tiers import TierKind, resolve_budget
 from tidal.parallel.accumulation import AccumulationCounter
 from tidal.parallel.config import MemoryConfig, OptimizerConfig, TrainingConfig
-from tidal.parallel.lr import WarmupCosine
+from tidal.parallel.lr import lr_schedule
+from tidal.parallel.protocol import Phase, Phases
 
-__all__ = ["ReferenceEngine", "build_optimizer"]
+__all__ = [
+    "ReferenceEngine", "autocast", "build_optimizer", "lr_schedule", "model_data_bytes", "set_lr",
+    "step_optimizer", "torch_engine_stats",
+]  # fmt: skip
 
 
 def build_optimizer(model: nn.Module, config: OptimizerConfig, lr: float) -> torch.optim.Optimizer:
@@ -64,14 +69,72 @@ def build_optimizer(model: nn.Module, config: OptimizerConfig, lr: float) -> tor
 _FP32_BYTES = 4
 
 
-def lr_schedule(optimizer: OptimizerConfig, training: TrainingConfig) -> WarmupCosine:
-    """The warm-up + cosine learning rate of a job's optimizer and length."""
-    return WarmupCosine(
-        peak_lr=optimizer.lr,
-        warmup_steps=optimizer.warmup_steps,
-        decay_steps=optimizer.decay_steps or training.steps,
-        min_lr_ratio=optimizer.min_lr_ratio,
-    )
+def autocast(precision: str, device: torch.device) -> contextlib.AbstractContextManager[Any]:
+    """Autocast to ``precision`` (bf16, fp16) on ``device``; nothing for fp32."""
+    if precision == "fp32":
+        return contextlib.nullcontext()
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float16
+    return torch.autocast(device_type=device.type, dtype=dtype)
+
+
+def step_optimizer(
+    optimizer: torch.optim.Optimizer, scaler: Any, clip: Callable[[], float]
+) -> float:
+    """One update on the accumulation boundary: unscale, ``clip`` (which returns the gradient
+    norm), step and zero the gradients; returns the norm."""
+    if scaler is not None:
+        scaler.unscale_(optimizer)
+    norm = clip()
+    if scaler is not None:
+        scaler.step(optimizer)
+        scaler.update()
+    else:
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return norm
+
+
+def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+
+
+def model_data_bytes(
+    model: nn.Module, optimizer: torch.optim.Optimizer, nbytes: Callable[[torch.Tensor], int]
+) -> dict[str, int]:
+    """Bytes of parameters, gradients and optimizer state, each counted once, each tensor
+    counted as ``nbytes`` says (a rank's share of a sharded one)."""
+    params = {id(p): p for p in model.parameters()}.values()
+
+    def total(tensors: Iterable[Any]) -> int:
+        return sum(nbytes(t) for t in tensors if isinstance(t, torch.Tensor))
+
+    return {
+        "params": total(params),
+        "grads": total(p.grad for p in params),
+        "optimizer_state": total(t for s in optimizer.state.values() for t in s.values()),
+    }
+
+
+def torch_engine_stats(engine: Any, name: str) -> dict[str, Any]:
+    """The figures of an engine over a torch optimizer (the reference and plan engines)."""
+    return {
+        "engine": name,
+        "device": str(engine.device),
+        "world_size": engine.world_size,
+        "rank": engine.rank,
+        "precision": engine.precision,
+        "global_step": engine.global_step,
+        "lr": engine.lr,
+        "grad_norm": engine.last_grad_norm,
+        "model_data_bytes": engine.model_data_bytes(),
+        "memory_bytes": memory_bytes(engine.device),
+        "peak_memory_bytes": peak_memory_bytes(engine.device),
+    }
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
 
 
 def _check_device_budget(
@@ -128,21 +191,20 @@ class ReferenceEngine(AccumulationCounter):
         self.global_step = 0
         self.micro_step = 0
         self.last_grad_norm: float | None = None
+        self.phases = Phases()
         # Read once: the group is set up before any engine is built.
         self.world_size = world_size()
         self.rank = rank()
 
+    @property
+    def phase(self) -> Phase:
+        return self.phases.now
+
     # -- the training calls --------------------------------------------------------------------
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        with self._autocast():
-            return self.model(*args, **kwargs)
-
-    def _autocast(self) -> contextlib.AbstractContextManager[Any]:
-        if self.precision == "fp32":
-            return contextlib.nullcontext()
-        dtype = torch.bfloat16 if self.precision == "bf16" else torch.float16
-        return torch.autocast(device_type=self.device.type, dtype=dtype)
+        with autocast(self.precision, self.device):
+            return self.phases.track(lambda: self.model(*args, **kwargs))
 
     def backward(self, loss: torch.Tensor) -> None:
         """See [Note: accumulation boundary]."""
@@ -150,6 +212,7 @@ class ReferenceEngine(AccumulationCounter):
         if self.scaler is not None:
             scaled = self.scaler.scale(scaled)
         scaled.backward()
+        self.phases.backward()
         if self.world_size > 1 and self.is_accumulation_boundary():
             self._average_gradients()
 
@@ -157,22 +220,16 @@ class ReferenceEngine(AccumulationCounter):
         """Count a micro-batch; on the boundary step the optimizer. Returns whether it stepped."""
         if not self._count_micro_batch():
             return False
-        if self.scaler is not None:
-            self.scaler.unscale_(self.optimizer)
-        self.last_grad_norm = self._clip_gradients()
-        if self.scaler is not None:
-            self.scaler.step(self.optimizer)
-            self.scaler.update()
-        else:
-            self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        self.last_grad_norm = step_optimizer(self.optimizer, self.scaler, self._clip_gradients)
+        self.phases.gradients_dropped()
         self.global_step += 1
-        self._set_lr(self.schedule.lr_at(self.global_step))
+        set_lr(self.optimizer, self.schedule.lr_at(self.global_step))
         return True
 
     def zero_grad(self) -> None:
         """Drop the gradients (``step`` already does after each update; this is for symmetry)."""
         self.optimizer.zero_grad(set_to_none=True)
+        self.phases.gradients_dropped()
 
     def _average_gradients(self) -> None:
         """The mean gradient over the ranks, through one all_reduce of a flat fp32 buffer."""
@@ -198,10 +255,6 @@ class ReferenceEngine(AccumulationCounter):
             norm = torch.nn.utils.get_total_norm(grads)
         return float(norm)
 
-    def _set_lr(self, lr: float) -> None:
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
-
     @property
     def lr(self) -> float:
         return float(self.optimizer.param_groups[0]["lr"])
@@ -210,38 +263,17 @@ class ReferenceEngine(AccumulationCounter):
 
     def stats(self) -> dict[str, Any]:
         """Figures of the engine now: step, learning rate, model-data bytes, memory per tier."""
-        return {
-            "engine": "reference",
-            "device": str(self.device),
-            "world_size": self.world_size,
-            "rank": self.rank,
-            "precision": self.precision,
-            "global_step": self.global_step,
-            "lr": self.lr,
-            "grad_norm": self.last_grad_norm,
-            "model_data_bytes": self.model_data_bytes(),
-            "memory_bytes": memory_bytes(self.device),
-            "peak_memory_bytes": peak_memory_bytes(self.device),
-        }
+        return torch_engine_stats(self, "reference")
 
     def model_data_bytes(self) -> dict[str, int]:
         """Bytes of parameters, gradients and optimizer state, each counted once."""
-        params = {id(p): p for p in self.model.parameters()}.values()
-        state_bytes = sum(
-            t.numel() * t.element_size()
-            for s in self.optimizer.state.values()
-            for t in s.values()
-            if isinstance(t, torch.Tensor)
-        )
-        return {
-            "params": sum(p.numel() * p.element_size() for p in params),
-            "grads": sum(
-                p.grad.numel() * p.grad.element_size() for p in params if p.grad is not None
-            ),
-            "optimizer_state": state_bytes,
-        }
+        return model_data_bytes(self.model, self.optimizer, _nbytes)
 
     # -- state ---------------------------------------------------------------------------------
+
+    def model_state_dict(self) -> dict[str, torch.Tensor]:
+        """The model's state dict, detached copies (what the chunk engines give too)."""
+        return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
 
     def state_dict(self) -> dict[str, Any]:
         state: dict[str, Any] = {
@@ -263,4 +295,4 @@ class ReferenceEngine(AccumulationCounter):
         self.micro_step = int(state["micro_step"])
         if self.scaler is not None and "scaler" in state:
             self.scaler.load_state_dict(state["scaler"])
-        self._set_lr(self.schedule.lr_at(self.global_step))
+        set_lr(self.optimizer, self.schedule.lr_at(self.global_step))

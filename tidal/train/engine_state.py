@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import io
 from collections.abc import Iterable
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch import nn
@@ -20,6 +20,9 @@ from tidal.config import ConfigError
 from tidal.distributed import rank as current_rank
 from tidal.parallel.protocol import CheckpointTensors, LoadTensors
 from tidal.parallel.reference import ReferenceEngine
+
+if TYPE_CHECKING:
+    from tidal.parallel.plan_engine import PlanEngine
 
 __all__ = ["Checkpointable", "PipelineStages", "WholeTensors", "checkpointable", "model_layout"]
 
@@ -36,7 +39,7 @@ class Checkpointable(Protocol):
 def checkpointable(engine: Any, *, planned: bool = False) -> Checkpointable:
     """The engine's checkpoint state: its own for the chunk engines, :class:`WholeTensors` for
     the reference and plan engines (``planned``: the plan engine)."""
-    if isinstance(engine, ReferenceEngine):  # the plan engine included
+    if planned or isinstance(engine, ReferenceEngine):
         return WholeTensors(engine, planned=planned)
     return engine
 
@@ -111,7 +114,7 @@ class WholeTensors:
     layout ([Note: plan runs] in plan_engine.py), so its checkpoint resumes only with the plan
     it records."""
 
-    def __init__(self, engine: ReferenceEngine, *, planned: bool) -> None:
+    def __init__(self, engine: ReferenceEngine | PlanEngine, *, planned: bool) -> None:
         self.engine = engine
         self.planned = planned
 

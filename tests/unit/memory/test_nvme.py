@@ -190,10 +190,11 @@ def test_reader_reads_ahead_within_its_depth_and_on_demand_beyond(tmp_path: Path
 
 
 def test_one_process_with_a_disk_tier_matches_the_reference(tmp_path: Path) -> None:
-    """``memory.nvme_dir`` on one process runs the sharded engine with one shard per chunk."""
+    """``memory.nvme_dir`` on one process runs the sharded chunk engine on a mesh of one (one
+    shard per chunk)."""
     import tidal
     from tidal.models import build_gpt, preset
-    from tidal.parallel.sharded_engine import ShardedEngine
+    from tidal.parallel.sharded_parts import ShardedParts
 
     def job(**memory: object) -> dict:
         return {"engine": "chunk", "chunk": {"size": 128}, "memory": memory,
@@ -203,7 +204,7 @@ def test_one_process_with_a_disk_tier_matches_the_reference(tmp_path: Path) -> N
                                  "optimizer": {"lr": 3e-3, "warmup_steps": 2}})  # fmt: skip
     disk = tidal.initialize(build_gpt(preset("tiny"), seed=0),
                             job(host_budget=1_500_000, nvme_dir=str(tmp_path)))  # fmt: skip
-    assert isinstance(disk, ShardedEngine)
+    assert isinstance(disk.parts, ShardedParts) and disk.world_size == 1
     g = torch.Generator().manual_seed(1)
     for _ in range(4):
         tokens = torch.randint(0, 256, (2, 33), generator=g)

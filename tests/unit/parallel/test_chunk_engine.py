@@ -435,7 +435,7 @@ def test_prefetch_moves_the_same_bytes_earlier() -> None:
 
 
 def test_static_minimum_counts_the_chunks_of_enclosing_modules() -> None:
-    from tidal.parallel.chunk_engine import _largest_module_bytes
+    from tidal.parallel.local_parts import largest_module_bytes
 
     class Outer(nn.Module):  # owns a parameter and runs an inner module inside its forward
         def __init__(self) -> None:
@@ -448,7 +448,7 @@ def test_static_minimum_counts_the_chunks_of_enclosing_modules() -> None:
 
     engine = _chunk(Outer, size=256)
     chunk_bytes = [c.num_bytes for c in engine.store.chunks]
-    need, owner = _largest_module_bytes(engine.model, engine.store)
+    need, owner = largest_module_bytes(engine.model, engine.store)
     assert owner == "inner" and need == sum(chunk_bytes)  # scale's chunk stays in use meanwhile
     tight = _chunk(Outer, size=256, budget=need + 64 * 1024)
     x, y = torch.randn(8, 256), torch.randn(8, 256)

@@ -1,0 +1,248 @@
+"""The chunk engine's parts on one process: whole chunks, pinned optimizer state, relayout,
+gradients in parameter chunks, and checkpoints of whole tensors ([Note: chunk engine
+construction] in chunk_engine.py says when each step runs)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from tidal.memory.config import ChunkConfig
+from tidal.memory.optim import ChunkOptimizer, make_master_chunks
+from tidal.memory.optim_rules import make_rule
+from tidal.memory.pinning import choose_pinned
+from tidal.memory.relayout import relayout
+from tidal.memory.store import ChunkStore
+from tidal.memory.tiers import Tier
+from tidal.parallel.config import OptimizerConfig, TrainingConfig
+from tidal.parallel.protocol import CheckpointTensors, LoadTensors, Phase
+from tidal.sharding.state import model_key, optim_key
+
+if TYPE_CHECKING:
+    from tidal.parallel.chunk_engine import ChunkEngine
+
+__all__ = ["LocalParts", "checkpoint_meta", "largest_module_bytes", "persistent_buffers"]
+
+
+class LocalParts:
+    """One process: the chunk engine's ``parts`` (the ``ChunkParts`` protocol)."""
+
+    rank = 0
+    world_size = 1
+    gathers = False
+
+    def __init__(self) -> None:
+        self._placed = False  # whether the optimizer's state is placed by the pinned chunks
+        self._relayout_pending = False  # see before_step
+
+    def agree_budgets(self, device_tier: Tier, host_tier: Tier) -> None:
+        """One process agrees with itself."""
+
+    def make_masters(self, engine: ChunkEngine, param_dtype: torch.dtype) -> Any:
+        if param_dtype == torch.float32:
+            return None
+        return make_master_chunks(engine.model, engine.layout, engine.host_tier, engine.values())
+
+    def make_store(self, engine: ChunkEngine, dtype: torch.dtype, chunk: ChunkConfig) -> Any:
+        store = ChunkStore(engine.model, layout=engine.layout, device_tier=engine.device_tier,
+                           host_tier=engine.host_tier, dtype=dtype, policy=chunk.policy,
+                           prefetch=chunk.prefetch, values=engine.values())  # fmt: skip
+        self._relayout_pending = store.keep_trace_params = chunk.relayout
+        return store
+
+    def minimum_budget(self, engine: ChunkEngine) -> tuple[int, str]:
+        return largest_module_bytes(engine.model, engine.store)
+
+    def make_optimizer(self, engine: ChunkEngine, optimizer: OptimizerConfig,
+                       training: TrainingConfig, chunk: ChunkConfig, masters: Any) -> Any:  # fmt: skip
+        made = ChunkOptimizer(
+            engine.store,
+            names={id(p): n for n, p in engine.model.named_parameters()},
+            rule=make_rule(optimizer),
+            weight_decay=optimizer.weight_decay,
+            fused=optimizer.use_fused(engine.device.type),
+            masters=masters,
+            # [Note: gradients in parameter chunks] in tidal/memory/optim.py
+            grads_in_params=(
+                chunk.grads_in_params and masters is not None and training.grad_accum_steps == 1
+            ),
+        )
+        engine.store.on_unpin = lambda: self._unplace_optimizer(made)
+        return made
+
+    def read_parameter(self, engine: ChunkEngine, param: nn.Parameter) -> torch.Tensor:
+        """``param``'s weights at full precision (its fp32 master where it has one)."""
+        engine.store.wait_for_copies()
+        return engine.optimizer.weight(param).detach().to(torch.float32, copy=True)
+
+    def write_parameter(self, engine: ChunkEngine, param: nn.Parameter, value: torch.Tensor) -> None:  # fmt: skip
+        """Into ``param``'s slot (on either tier) and its fp32 master: both are what the next
+        forward and step read."""
+        store = engine.store
+        if id(param) in store.grads_in_slots:  # it would be overwritten: lost without a word
+            raise RuntimeError(
+                f"writing {store.names_of([param])[0]} between backward() and step(): the "
+                "gradients live in the parameters' storage (chunk.grads_in_params); call step() "
+                "or zero_grad() first"
+            )
+        index, slot = store.slot_of[id(param)]
+        store.wait_for_copies()  # no queued copy may land on what is written here
+        engine.optimizer.weight(param).copy_(value)
+        store.chunks[index].view(slot).copy_(value)
+
+    def before_backward(self, engine: ChunkEngine) -> None:
+        """Nothing to drop: chunks are whole on one process."""
+
+    def after_backward(self, engine: ChunkEngine) -> None:
+        """Nothing to wait for: gradients are complete when the backward returns."""
+
+    def before_step(self, engine: ChunkEngine) -> None:
+        """Until the optimizer is placed: relayout (once), then pin what fits."""
+        if not self._placed:
+            self._relayout(engine)
+            self._place_optimizer(engine)
+
+    def _relayout(self, engine: ChunkEngine) -> None:
+        """Re-pack the chunks in first-use order, once, at the first step with a trace and no
+        iteration open; see [Note: relayout] in tidal/memory/relayout.py."""
+        if (
+            not self._relayout_pending
+            or engine.store.trace is None
+            or engine.phase is Phase.FORWARD
+        ):
+            return
+        self._relayout_pending = False
+        done = relayout(engine.model, engine.store, engine.optimizer)
+        engine.store.keep_trace_params = False  # relayout's translation was their only reader
+        if done is None:
+            return
+        engine.layout = engine.store.layout
+        engine.min_budget_bytes, engine.largest_module = self.minimum_budget(engine)
+        engine.check_minimum_budget()  # relayout checked it would fit: this only asserts it
+
+    def _place_optimizer(self, engine: ChunkEngine) -> None:
+        """Pin the chunks whose optimizer state fits the margin; see [Note: optimizer placement]
+        in tidal/memory/pinning.py."""
+        pinned = choose_pinned(engine.store, engine.optimizer, engine.device_tier.budget_bytes)
+        if pinned is None:
+            return  # no trace yet: decide at the next step
+        engine.store.pin(pinned)
+        engine.optimizer.place_on_device(pinned)
+        self._placed = True
+
+    def _unplace_optimizer(self, optimizer: ChunkOptimizer) -> None:
+        """The store gave up its pinned chunks: state to the host, choose again at the step."""
+        optimizer.place_on_host()
+        self._placed = False
+
+    def stats(self, engine: ChunkEngine, stats: dict[str, Any]) -> dict[str, Any]:
+        return stats
+
+    # -- state: whole tensors ------------------------------------------------------------------
+
+    def model_state_dict(self, engine: ChunkEngine) -> dict[str, torch.Tensor]:
+        engine.store.wait_for_copies()
+        state = {}
+        for name, param in engine.model.named_parameters(remove_duplicate=False):
+            # fp32 throughout, frozen parameters included (they have no fp32 master to read).
+            state[name] = engine.optimizer.weight(param).detach().to(torch.float32, copy=True)
+        for name, buffer in persistent_buffers(engine.model):
+            state[name] = buffer.detach().clone()
+        return {k: state[k] for k in engine.model.state_dict(keep_vars=True)}
+
+    def load_state_dict(self, engine: ChunkEngine, state: dict[str, Any]) -> None:
+        params = dict(engine.model.named_parameters(remove_duplicate=False))
+        buffers = dict(persistent_buffers(engine.model))
+        for name, value in state["model"].items():
+            if name in params:
+                engine.write_parameter(params[name], value)
+            else:
+                buffers[name].copy_(value)
+        engine.optimizer.load_state_dict(state["optimizer"])
+
+    def checkpoint_state(self, engine: ChunkEngine) -> CheckpointTensors:
+        state = engine.state_dict()
+        canonical = {info.names[0] for spec in engine.layout.chunks for info in spec.slots}
+        tensors: dict[str, Any] = {}
+        for name, value in state["model"].items():
+            if name in canonical or name not in dict(engine.model.named_parameters()):
+                tensors[_state_key(engine, name)] = value.reshape(-1)
+        steps = {}
+        for name, saved in state["optimizer"].items():
+            for key, value in saved.items():
+                if key == "step":
+                    steps[name] = float(value)
+                else:
+                    tensors[optim_key(name, key)] = value.reshape(-1)
+        extras = {k: v for k, v in state.items() if k not in ("model", "optimizer")}
+        extras["optimizer_steps"] = steps
+        meta = checkpoint_meta(engine, tensors)
+        return CheckpointTensors(tensors=tensors, extras=extras, meta=meta)
+
+    def restore_checkpoint(self, engine: ChunkEngine, load: LoadTensors, extras: dict[str, Any],
+                           meta: dict[str, Any]) -> None:  # fmt: skip
+        targets = {key: torch.empty(numel) for key, numel in meta["numels"].items()}
+        load(targets)
+        shapes = meta["model_shapes"]
+        model = {name: targets[key].view(shapes[name])
+                 for name, key in meta["model_keys"].items()}  # fmt: skip
+        optimizer: dict[str, dict[str, torch.Tensor]] = {}
+        for key, value in targets.items():
+            if key.startswith("optim/"):
+                name, state_name = key[len("optim/") :].rsplit("/", 1)
+                optimizer.setdefault(name, {})[state_name] = value.view(shapes[name])
+        for name, step in extras["optimizer_steps"].items():
+            optimizer.setdefault(name, {})["step"] = torch.tensor(step)
+        rest = {k: v for k, v in extras.items() if k != "optimizer_steps"}
+        engine.load_state_dict({"model": model, "optimizer": optimizer, **rest})
+
+
+def checkpoint_meta(engine: ChunkEngine, tensors: dict[str, Any]) -> dict[str, Any]:
+    """What ``meta.json`` records of a chunk engine's checkpoint tensors."""
+    model_state = engine.model.state_dict(keep_vars=True)
+    return {
+        "numels": {key: int(t.size(0)) for key, t in tensors.items()},
+        "model_keys": {name: _state_key(engine, name) for name in model_state},
+        "model_shapes": {name: list(t.shape) for name, t in model_state.items()},
+    }
+
+
+def _state_key(engine: ChunkEngine, name: str) -> str:
+    """The checkpoint key of a state-dict name: tied parameters share their first name's."""
+    params = dict(engine.model.named_parameters(remove_duplicate=False))
+    if name not in params:
+        return f"buffer/{name}"
+    index, slot = engine.store.slot_of[id(params[name])]
+    return model_key(engine.layout.chunks[index].slots[slot].names[0])
+
+
+def largest_module_bytes(model: nn.Module, store: ChunkStore) -> tuple[int, str]:
+    """The bytes of chunks the hungriest module needs at once, and its name.
+
+    A module runs inside its ancestors' forward and backward, whose own chunks stay in use
+    (COMPUTE) meanwhile, so a module needs its chunks and those of every ancestor that owns
+    parameters.
+    """
+    need, owner = 0, ""
+
+    def visit(module: nn.Module, name: str, held: frozenset[int]) -> None:
+        nonlocal need, owner
+        held = held | store.chunks_of(module.parameters(recurse=False))
+        num_bytes = sum(store.chunks[i].num_bytes for i in held)
+        if num_bytes > need:
+            need, owner = num_bytes, name or "<root>"
+        for child_name, child in module.named_children():
+            visit(child, f"{name}.{child_name}" if name else child_name, held)
+
+    visit(model, "", frozenset())
+    return need, owner
+
+
+def persistent_buffers(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    for module_name, module in model.named_modules():
+        for name, buffer in module._buffers.items():
+            if buffer is not None and name not in module._non_persistent_buffers_set:
+                yield (f"{module_name}.{name}" if module_name else name), buffer
