@@ -24,17 +24,31 @@ figures make the same collectives ([Note: ranks decide alike] in tidal/sharding/
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import torch
 
+from tidal.memory.chunk import Chunk
+from tidal.memory.layout import ChunkLayout
 from tidal.memory.materialize import feed_chunks
+from tidal.memory.tiers import Tier
 from tidal.memory.trace import AccessTrace, Moment
 
-if TYPE_CHECKING:
-    from tidal.memory.store import ChunkStore
+__all__ = ["ChunkHost", "ChunkTransport", "LocalTransport"]
 
-__all__ = ["ChunkTransport", "LocalTransport"]
+
+class ChunkHost(Protocol):
+    """What a transport reads of the store it serves (the store is one; naming only this keeps
+    the store and its transports apart: the store imports them, never the other way)."""
+
+    layout: ChunkLayout
+    chunks: list[Chunk]
+    device_tier: Tier
+    host_tier: Tier
+    trace: AccessTrace | None
+
+    @property
+    def moment_label(self) -> str: ...
 
 
 class ChunkTransport(Protocol):
@@ -50,7 +64,7 @@ class ChunkTransport(Protocol):
         """Whether other ranks move the same chunks, so placement must be agreed with them."""
         ...
 
-    def attach(self, store: ChunkStore) -> None:
+    def attach(self, store: ChunkHost) -> None:
         """Serve ``store`` (called once, from its constructor, before :meth:`load`)."""
         ...
 
@@ -108,16 +122,16 @@ class LocalTransport:
     has_peers = False
 
     def __init__(self) -> None:
-        self._store: ChunkStore | None = None
+        self._store: ChunkHost | None = None
         self._copy_stream: torch.cuda.Stream | None = None
         self._arrivals: dict[int, torch.cuda.Event] = {}
 
     @property
-    def store(self) -> ChunkStore:
+    def store(self) -> ChunkHost:
         assert self._store is not None, "transport used before attach()"
         return self._store
 
-    def attach(self, store: ChunkStore) -> None:
+    def attach(self, store: ChunkHost) -> None:
         assert self._store is None, "a transport serves one store"
         self._store = store
         device = store.device_tier.device

@@ -36,7 +36,7 @@ import dataclasses
 import math
 import warnings
 from collections.abc import Iterable, Iterator
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 from torch import nn
@@ -48,44 +48,18 @@ from tidal.memory.hooks import OUTPUT_ONLY_HOOK_WARNING, install_hooks
 from tidal.memory.layout import ChunkLayout, default_chunk_size, plan_layout, unique_parameters
 from tidal.memory.materialize import ParameterValues, check_buffers, meta_parameters, values_of
 from tidal.memory.store import DeviceBudgetTooSmall
-from tidal.memory.tiers import Tier, make_tiers
+from tidal.memory.tiers import make_tiers
 from tidal.memory.uses import ParameterUses
 from tidal.parallel.accumulation import AccumulationCounter
 from tidal.parallel.config import MemoryConfig, OptimizerConfig, TrainingConfig
 from tidal.parallel.local_parts import LocalParts
 from tidal.parallel.loss_scale import LossScale
 from tidal.parallel.lr import lr_schedule
+from tidal.parallel.parts import ChunkParts
 from tidal.parallel.protocol import CheckpointTensors, LoadTensors, Phase, Phases
 from tidal.parallel.reference import autocast
 
-__all__ = ["ChunkEngine", "ChunkParts"]
-
-
-class ChunkParts(Protocol):
-    """What differs between the chunk engine on one process and sharded over ranks; see
-    [Note: chunk engine construction] for when the ``make_`` steps run."""
-
-    rank: int
-    world_size: int
-    gathers: bool  # whether a chunk on the device is a gathered copy of shards
-
-    def agree_budgets(self, device_tier: Tier, host_tier: Tier) -> None: ...
-    def make_masters(self, engine: ChunkEngine, param_dtype: torch.dtype) -> Any: ...
-    def make_store(self, engine: ChunkEngine, dtype: torch.dtype, chunk: ChunkConfig) -> Any: ...
-    def minimum_budget(self, engine: ChunkEngine) -> tuple[int, str]: ...
-    def make_optimizer(self, engine: ChunkEngine, optimizer: OptimizerConfig,
-                       training: TrainingConfig, chunk: ChunkConfig, masters: Any) -> Any: ...  # fmt: skip
-    def read_parameter(self, engine: ChunkEngine, param: nn.Parameter) -> torch.Tensor: ...
-    def write_parameter(self, engine: ChunkEngine, param: nn.Parameter, value: torch.Tensor) -> None: ...  # fmt: skip
-    def before_backward(self, engine: ChunkEngine) -> None: ...
-    def after_backward(self, engine: ChunkEngine) -> None: ...
-    def before_step(self, engine: ChunkEngine) -> None: ...
-    def stats(self, engine: ChunkEngine, stats: dict[str, Any]) -> dict[str, Any]: ...
-    def model_state_dict(self, engine: ChunkEngine) -> dict[str, torch.Tensor]: ...
-    def load_state_dict(self, engine: ChunkEngine, state: dict[str, Any]) -> None: ...
-    def checkpoint_state(self, engine: ChunkEngine) -> CheckpointTensors: ...
-    def restore_checkpoint(self, engine: ChunkEngine, load: LoadTensors, extras: dict[str, Any],
-                           meta: dict[str, Any]) -> None: ...  # fmt: skip
+__all__ = ["ChunkEngine", "ChunkParts"]  # ChunkParts: tidal/parallel/parts.py
 
 
 class ChunkEngine(AccumulationCounter):

@@ -5,7 +5,7 @@ construction] in chunk_engine.py says when each step runs)."""
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
@@ -18,11 +18,9 @@ from tidal.memory.relayout import relayout
 from tidal.memory.store import ChunkStore
 from tidal.memory.tiers import Tier
 from tidal.parallel.config import OptimizerConfig, TrainingConfig
+from tidal.parallel.parts import PartsHost
 from tidal.parallel.protocol import CheckpointTensors, LoadTensors, Phase
 from tidal.sharding.state import model_key, optim_key
-
-if TYPE_CHECKING:
-    from tidal.parallel.chunk_engine import ChunkEngine
 
 __all__ = ["LocalParts", "checkpoint_meta", "largest_module_bytes", "persistent_buffers"]
 
@@ -41,22 +39,22 @@ class LocalParts:
     def agree_budgets(self, device_tier: Tier, host_tier: Tier) -> None:
         """One process agrees with itself."""
 
-    def make_masters(self, engine: ChunkEngine, param_dtype: torch.dtype) -> Any:
+    def make_masters(self, engine: PartsHost, param_dtype: torch.dtype) -> Any:
         if param_dtype == torch.float32:
             return None
         return make_master_chunks(engine.model, engine.layout, engine.host_tier, engine.values())
 
-    def make_store(self, engine: ChunkEngine, dtype: torch.dtype, chunk: ChunkConfig) -> Any:
+    def make_store(self, engine: PartsHost, dtype: torch.dtype, chunk: ChunkConfig) -> Any:
         store = ChunkStore(engine.model, layout=engine.layout, device_tier=engine.device_tier,
                            host_tier=engine.host_tier, dtype=dtype, policy=chunk.policy,
                            prefetch=chunk.prefetch, values=engine.values())  # fmt: skip
         self._relayout_pending = store.keep_trace_params = chunk.relayout
         return store
 
-    def minimum_budget(self, engine: ChunkEngine) -> tuple[int, str]:
+    def minimum_budget(self, engine: PartsHost) -> tuple[int, str]:
         return largest_module_bytes(engine.model, engine.store)
 
-    def make_optimizer(self, engine: ChunkEngine, optimizer: OptimizerConfig,
+    def make_optimizer(self, engine: PartsHost, optimizer: OptimizerConfig,
                        training: TrainingConfig, chunk: ChunkConfig, masters: Any) -> Any:  # fmt: skip
         made = ChunkOptimizer(
             engine.store,
@@ -73,12 +71,12 @@ class LocalParts:
         engine.store.on_unpin = lambda: self._unplace_optimizer(made)
         return made
 
-    def read_parameter(self, engine: ChunkEngine, param: nn.Parameter) -> torch.Tensor:
+    def read_parameter(self, engine: PartsHost, param: nn.Parameter) -> torch.Tensor:
         """``param``'s weights at full precision (its fp32 master where it has one)."""
         engine.store.wait_for_copies()
         return engine.optimizer.weight(param).detach().to(torch.float32, copy=True)
 
-    def write_parameter(self, engine: ChunkEngine, param: nn.Parameter, value: torch.Tensor) -> None:  # fmt: skip
+    def write_parameter(self, engine: PartsHost, param: nn.Parameter, value: torch.Tensor) -> None:  # fmt: skip
         """Into ``param``'s slot (on either tier) and its fp32 master: both are what the next
         forward and step read."""
         store = engine.store
@@ -93,19 +91,19 @@ class LocalParts:
         engine.optimizer.weight(param).copy_(value)
         store.chunks[index].view(slot).copy_(value)
 
-    def before_backward(self, engine: ChunkEngine) -> None:
+    def before_backward(self, engine: PartsHost) -> None:
         """Nothing to drop: chunks are whole on one process."""
 
-    def after_backward(self, engine: ChunkEngine) -> None:
+    def after_backward(self, engine: PartsHost) -> None:
         """Nothing to wait for: gradients are complete when the backward returns."""
 
-    def before_step(self, engine: ChunkEngine) -> None:
+    def before_step(self, engine: PartsHost) -> None:
         """Until the optimizer is placed: relayout (once), then pin what fits."""
         if not self._placed:
             self._relayout(engine)
             self._place_optimizer(engine)
 
-    def _relayout(self, engine: ChunkEngine) -> None:
+    def _relayout(self, engine: PartsHost) -> None:
         """Re-pack the chunks in first-use order, once, at the first step with a trace and no
         iteration open; see [Note: relayout] in tidal/memory/relayout.py."""
         if (
@@ -123,7 +121,7 @@ class LocalParts:
         engine.min_budget_bytes, engine.largest_module = self.minimum_budget(engine)
         engine.check_minimum_budget()  # relayout checked it would fit: this only asserts it
 
-    def _place_optimizer(self, engine: ChunkEngine) -> None:
+    def _place_optimizer(self, engine: PartsHost) -> None:
         """Pin the chunks whose optimizer state fits the margin; see [Note: optimizer placement]
         in tidal/memory/pinning.py."""
         pinned = choose_pinned(engine.store, engine.optimizer, engine.device_tier.budget_bytes)
@@ -138,12 +136,12 @@ class LocalParts:
         optimizer.place_on_host()
         self._placed = False
 
-    def stats(self, engine: ChunkEngine, stats: dict[str, Any]) -> dict[str, Any]:
+    def stats(self, engine: PartsHost, stats: dict[str, Any]) -> dict[str, Any]:
         return stats
 
     # -- state: whole tensors ------------------------------------------------------------------
 
-    def model_state_dict(self, engine: ChunkEngine) -> dict[str, torch.Tensor]:
+    def model_state_dict(self, engine: PartsHost) -> dict[str, torch.Tensor]:
         engine.store.wait_for_copies()
         state = {}
         for name, param in engine.model.named_parameters(remove_duplicate=False):
@@ -153,7 +151,7 @@ class LocalParts:
             state[name] = buffer.detach().clone()
         return {k: state[k] for k in engine.model.state_dict(keep_vars=True)}
 
-    def load_state_dict(self, engine: ChunkEngine, state: dict[str, Any]) -> None:
+    def load_state_dict(self, engine: PartsHost, state: dict[str, Any]) -> None:
         params = dict(engine.model.named_parameters(remove_duplicate=False))
         buffers = dict(persistent_buffers(engine.model))
         for name, value in state["model"].items():
@@ -163,7 +161,7 @@ class LocalParts:
                 buffers[name].copy_(value)
         engine.optimizer.load_state_dict(state["optimizer"])
 
-    def checkpoint_state(self, engine: ChunkEngine) -> CheckpointTensors:
+    def checkpoint_state(self, engine: PartsHost) -> CheckpointTensors:
         state = engine.state_dict()
         canonical = {info.names[0] for spec in engine.layout.chunks for info in spec.slots}
         tensors: dict[str, Any] = {}
@@ -182,7 +180,7 @@ class LocalParts:
         meta = checkpoint_meta(engine, tensors)
         return CheckpointTensors(tensors=tensors, extras=extras, meta=meta)
 
-    def restore_checkpoint(self, engine: ChunkEngine, load: LoadTensors, extras: dict[str, Any],
+    def restore_checkpoint(self, engine: PartsHost, load: LoadTensors, extras: dict[str, Any],
                            meta: dict[str, Any]) -> None:  # fmt: skip
         targets = {key: torch.empty(numel) for key, numel in meta["numels"].items()}
         load(targets)
@@ -200,7 +198,7 @@ class LocalParts:
         engine.load_state_dict({"model": model, "optimizer": optimizer, **rest})
 
 
-def checkpoint_meta(engine: ChunkEngine, tensors: dict[str, Any]) -> dict[str, Any]:
+def checkpoint_meta(engine: PartsHost, tensors: dict[str, Any]) -> dict[str, Any]:
     """What ``meta.json`` records of a chunk engine's checkpoint tensors."""
     model_state = engine.model.state_dict(keep_vars=True)
     return {
@@ -210,7 +208,7 @@ def checkpoint_meta(engine: ChunkEngine, tensors: dict[str, Any]) -> dict[str, A
     }
 
 
-def _state_key(engine: ChunkEngine, name: str) -> str:
+def _state_key(engine: PartsHost, name: str) -> str:
     """The checkpoint key of a state-dict name: tied parameters share their first name's."""
     params = dict(engine.model.named_parameters(remove_duplicate=False))
     if name not in params:

@@ -25,7 +25,7 @@ from __future__ import annotations
 import logging
 import warnings
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
@@ -57,12 +57,7 @@ from tidal.planner.apply import check_plan
 from tidal.planner.measure import ModelGraph
 from tidal.planner.wiring import meta_twin, structure_graph
 
-if TYPE_CHECKING:
-    from tidal.train.job import JobConfig
-
-__all__ = [
-    "PlanEngine", "check_plan_fits", "check_plan_job", "load_plan", "plan_rows", "refuse_chunk_engine"
-]  # fmt: skip
+__all__ = ["PlanEngine", "check_plan_fits", "load_plan", "plan_rows"]
 
 logger = logging.getLogger(__name__)
 
@@ -125,25 +120,6 @@ def check_plan_fits(
         check_plan(model, plan, graph=graph)
     except ValueError as err:
         raise ConfigError("--plan", str(err)) from None
-
-
-def check_plan_job(plan: Plan, job: JobConfig, *, model: nn.Module, world_size: int) -> None:
-    """All that ``tidal train --plan`` checks of the job and the world before training, for a
-    launcher to report once rather than once per rank; ``model``: the job's, on the meta
-    device (its spec builds it: this layer builds no model)."""
-    refuse_chunk_engine(job)
-    check_plan_fits(plan, model, world_size=world_size, seq_len=job.model.resolve().seq_len)
-    plan_rows(job.training.batch_size, plan, rank=0)
-
-
-def refuse_chunk_engine(job: JobConfig) -> None:
-    """A plan runs on the plan engine alone."""
-    if job.engine != "reference":
-        raise ConfigError(
-            "--plan",
-            f"a plan says how to shard the model, which the {job.engine} engine would do too; "
-            f"drop --plan, or set engine = 'reference' (--set engine=reference)",
-        )
 
 
 def _join(items: set[int]) -> str:
@@ -323,10 +299,9 @@ class PlanEngine(AccumulationCounter):
         self.phases.gradients_dropped()
 
     def _clip_gradients(self) -> float:
-        params = [p for p in self.model.parameters() if p.grad is not None]
-        if not params:
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        if not grads:
             return 0.0
-        grads = [p.grad for p in params]
         norm = _total_norm(grads)
         if self.grad_clip_norm > 0:
             # clip_grad_norm_'s rule, with a Python factor: its tensor one cannot multiply DTensors

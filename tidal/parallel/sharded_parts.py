@@ -20,7 +20,7 @@ counts] in tidal/distributed/collectives.py); a budget that forces evictions add
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -33,6 +33,7 @@ from tidal.memory.optim_rules import make_rule
 from tidal.memory.tiers import Tier
 from tidal.parallel.config import MemoryConfig, OptimizerConfig, TrainingConfig
 from tidal.parallel.local_parts import checkpoint_meta, largest_module_bytes, persistent_buffers
+from tidal.parallel.parts import PartsHost
 from tidal.parallel.protocol import CheckpointTensors, LoadTensors
 from tidal.sharding.config import ShardingConfig
 from tidal.sharding.disk_checkpoint import DiskLoadPlanner, DiskSavePlanner
@@ -40,9 +41,6 @@ from tidal.sharding.optim import ShardedOptimizer, make_master_shards
 from tidal.sharding.state import sharded_tensors
 from tidal.sharding.store import ShardedChunkStore
 from tidal.sharding.swap import ShardReader, StateSwapper, plan_nvme
-
-if TYPE_CHECKING:
-    from tidal.parallel.chunk_engine import ChunkEngine
 
 __all__ = ["ShardedParts"]
 
@@ -72,7 +70,7 @@ class ShardedParts:
                 dist.all_reduce(smallest, op=dist.ReduceOp.MIN, group=self.comm.group)
                 tier.budget_bytes = int(smallest.item())
 
-    def make_masters(self, engine: ChunkEngine, param_dtype: torch.dtype) -> Any:
+    def make_masters(self, engine: PartsHost, param_dtype: torch.dtype) -> Any:
         self.swapper = self._plan_disk(engine, param_dtype)
         if param_dtype == torch.float32:
             return None
@@ -80,7 +78,7 @@ class ShardedParts:
                                   world_size=self.world_size, host_tier=engine.host_tier,
                                   swapper=self.swapper, values=engine.values())  # fmt: skip
 
-    def _plan_disk(self, engine: ChunkEngine, param_dtype: torch.dtype) -> StateSwapper | None:
+    def _plan_disk(self, engine: PartsHost, param_dtype: torch.dtype) -> StateSwapper | None:
         """Which chunk indices keep which shards on the NVMe tier (none without
         ``memory.nvme_dir``); see [Note: nvme placement] in tidal/sharding/swap.py."""
         if self.memory.nvme_dir is None:
@@ -101,7 +99,7 @@ class ShardedParts:
         )
         return StateSwapper(self.nvme, engine.host_tier, plan)
 
-    def make_store(self, engine: ChunkEngine, dtype: torch.dtype, chunk: ChunkConfig) -> Any:
+    def make_store(self, engine: PartsHost, dtype: torch.dtype, chunk: ChunkConfig) -> Any:
         reader = None
         if self.swapper is not None and self.swapper.plan.params:
             numels = [spec.capacity // self.world_size for spec in engine.layout.chunks]
@@ -116,14 +114,14 @@ class ShardedParts:
         store.keep_trace_params = False  # only relayout reads them, and sharded chunks stay put
         return store
 
-    def minimum_budget(self, engine: ChunkEngine) -> tuple[int, str]:
+    def minimum_budget(self, engine: PartsHost) -> tuple[int, str]:
         """The hungriest module's chunks, plus one chunk's fp32 gradient and its reduced shard:
         the least a backward needs besides the module's chunks."""
         need, owner = largest_module_bytes(engine.model, engine.store)
         largest = max((c.spec.capacity for c in engine.store.chunks), default=0)
         return need + 4 * largest + 4 * largest // self.world_size, owner
 
-    def make_optimizer(self, engine: ChunkEngine, optimizer: OptimizerConfig,
+    def make_optimizer(self, engine: PartsHost, optimizer: OptimizerConfig,
                        training: TrainingConfig, chunk: ChunkConfig, masters: Any) -> Any:  # fmt: skip
         return ShardedOptimizer(
             engine.store,
@@ -136,7 +134,7 @@ class ShardedParts:
             swapper=self.swapper,
         )
 
-    def read_parameter(self, engine: ChunkEngine, param: nn.Parameter) -> torch.Tensor:
+    def read_parameter(self, engine: PartsHost, param: nn.Parameter) -> torch.Tensor:
         """``param``'s full weights, gathered: collective, every rank must call it (as every
         rank calls ``model.state_dict()``)."""
         index, slot = engine.store.slot_of[id(param)]
@@ -144,7 +142,7 @@ class ShardedParts:
         full = engine.optimizer.full_weights(index)
         return engine.store.chunks[index].view_in(full, slot).clone()
 
-    def write_parameter(self, engine: ChunkEngine, param: nn.Parameter, value: torch.Tensor) -> None:  # fmt: skip
+    def write_parameter(self, engine: PartsHost, param: nn.Parameter, value: torch.Tensor) -> None:  # fmt: skip
         """This rank's piece of ``value`` into its shards (and the gathered copy, if any); every
         rank writes the same value for the model to stay one."""
         index, slot = engine.store.slot_of[id(param)]
@@ -157,14 +155,14 @@ class ShardedParts:
 
     # -- the iteration ([Note: sharded iterations]) ----------------------------------------------
 
-    def before_backward(self, engine: ChunkEngine) -> None:
+    def before_backward(self, engine: PartsHost) -> None:
         if self.sharding.reshard_after_forward:
             engine.store.drop_gathered()
 
-    def after_backward(self, engine: ChunkEngine) -> None:
+    def after_backward(self, engine: PartsHost) -> None:
         engine.optimizer.finish_backward()
 
-    def before_step(self, engine: ChunkEngine) -> None:
+    def before_step(self, engine: PartsHost) -> None:
         """Shards live on the device when there is no device budget (placed at the first
         step), else on the host; sharded chunks are never pinned, so never unplaced."""
         if not self._placed and engine.device_tier.budget_bytes is None:
@@ -172,7 +170,7 @@ class ShardedParts:
             engine.optimizer.place(everything, engine.device_tier)
         self._placed = True
 
-    def stats(self, engine: ChunkEngine, stats: dict[str, Any]) -> dict[str, Any]:
+    def stats(self, engine: PartsHost, stats: dict[str, Any]) -> dict[str, Any]:
         transient = engine.optimizer.peak_transient_bytes
         stats.update(
             engine="chunk-sharded",
@@ -199,7 +197,7 @@ class ShardedParts:
 
     # -- state: full (gathered) tensors, so any world size can load them ------------------------
 
-    def model_state_dict(self, engine: ChunkEngine) -> dict[str, torch.Tensor]:
+    def model_state_dict(self, engine: PartsHost) -> dict[str, torch.Tensor]:
         """The whole model's state dict on every rank; collective (every rank must call it)."""
         engine.store.wait_for_copies()
         state: dict[str, torch.Tensor] = {}
@@ -213,7 +211,7 @@ class ShardedParts:
             state[name] = buffer.detach().cpu().clone()
         return {k: state[k] for k in engine.model.state_dict(keep_vars=True)}
 
-    def load_state_dict(self, engine: ChunkEngine, state: dict[str, Any]) -> None:
+    def load_state_dict(self, engine: PartsHost, state: dict[str, Any]) -> None:
         self._before_load(engine)
         buffers = dict(persistent_buffers(engine.model))
         for name, value in state["model"].items():
@@ -221,14 +219,14 @@ class ShardedParts:
                 buffers[name].copy_(value)
         engine.optimizer.load_full(state["model"], state["optimizer"])
 
-    def _before_load(self, engine: ChunkEngine) -> None:
+    def _before_load(self, engine: PartsHost) -> None:
         engine.store.drop_gathered()  # stale once the shards change
         engine.store.drop_read_ahead()
         engine.store.wait_for_copies()
 
     # -- sharded checkpoints ([Note: checkpoint tensors] in tidal/sharding/state.py) ------------
 
-    def checkpoint_state(self, engine: ChunkEngine) -> CheckpointTensors:
+    def checkpoint_state(self, engine: PartsHost) -> CheckpointTensors:
         """This rank's pieces as ShardedTensors (pieces on disk are read as DCP writes them);
         the rest is the same on every rank."""
         engine.store.wait_for_copies()
@@ -248,7 +246,7 @@ class ShardedParts:
             planner = DiskSavePlanner(self.nvme, on_disk)
         return CheckpointTensors(tensors=tensors, extras=extras, meta=meta, planner=planner)
 
-    def restore_checkpoint(self, engine: ChunkEngine, load: LoadTensors, extras: dict[str, Any],
+    def restore_checkpoint(self, engine: PartsHost, load: LoadTensors, extras: dict[str, Any],
                            meta: dict[str, Any]) -> None:  # fmt: skip
         """Read this rank's pieces straight into its shards, in memory or on disk (any world
         size wrote them)."""

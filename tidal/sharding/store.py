@@ -83,6 +83,7 @@ from tidal.memory.materialize import feed_chunks
 from tidal.memory.store import ChunkStore
 from tidal.memory.tiers import Tier
 from tidal.memory.trace import AccessTrace, Moment
+from tidal.memory.transport import ChunkHost
 from tidal.sharding.swap import PARAM, ShardList, ShardReader
 
 __all__ = ["RanksDiverged", "ShardedChunkStore", "ShardedTransport", "copy_into_shard"]
@@ -112,10 +113,10 @@ class ShardedTransport:
         self.shards: list[torch.Tensor | None] = []
         self.shard_tiers: list[Tier] = []
         self._gathers: dict[int, Any] = {}  # chunk index -> work handle of its pending gather
-        self._store: ChunkStore | None = None
+        self._store: ChunkHost | None = None
 
     @property
-    def store(self) -> ChunkStore:
+    def store(self) -> ChunkHost:
         assert self._store is not None, "transport used before attach()"
         return self._store
 
@@ -123,7 +124,7 @@ class ShardedTransport:
     def has_peers(self) -> bool:
         return self.comm.world_size > 1
 
-    def attach(self, store: ChunkStore) -> None:
+    def attach(self, store: ChunkHost) -> None:
         assert self._store is None, "a transport serves one store"
         self._store = store
 

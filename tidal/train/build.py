@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 import torch.distributed as dist
 from torch import nn
 
+from tidal.config import ConfigError
 from tidal.memory.materialize import ParameterValues
 from tidal.parallel.protocol import Engine, TrainingEngine
 from tidal.parallel.reference import ReferenceEngine
@@ -17,7 +18,8 @@ from tidal.train.job import JobConfig
 if TYPE_CHECKING:
     from tidal.planner import Plan
 
-__all__ = ["Engine", "TrainingEngine", "build_engine"]
+
+__all__ = ["Engine", "TrainingEngine", "build_engine", "check_plan_job", "refuse_chunk_engine"]
 
 
 def build_engine(
@@ -33,8 +35,6 @@ def build_engine(
     plan``), the plan engine on the plan's ranks. ``init``: the values of a model built on the
     meta device ([Note: deferred construction] in tidal/memory/materialize.py)."""
     if plan is not None:
-        from tidal.parallel.plan_engine import refuse_chunk_engine  # DTensor: plan runs only
-
         refuse_chunk_engine(job)
         seq_len = job.model.resolve().seq_len
         return apply_plan(model, plan, optimizer=job.optimizer, training=job.training, init=init,
@@ -49,3 +49,24 @@ def build_engine(
     if several or job.memory.nvme_dir is not None:
         return shard(model, sharding=job.sharding, **parts)
     return offload(model, **parts)
+
+
+def check_plan_job(plan: Plan, job: JobConfig, *, model: nn.Module, world_size: int) -> None:
+    """All that ``tidal train --plan`` checks of the job and the world before training, for a
+    launcher to report once rather than once per rank; ``model``: the job's, on the meta
+    device (its spec builds it: this layer builds no model)."""
+    from tidal.parallel.plan_engine import check_plan_fits, plan_rows  # DTensor: plan runs only
+
+    refuse_chunk_engine(job)
+    check_plan_fits(plan, model, world_size=world_size, seq_len=job.model.resolve().seq_len)
+    plan_rows(job.training.batch_size, plan, rank=0)
+
+
+def refuse_chunk_engine(job: JobConfig) -> None:
+    """A plan runs on the plan engine alone."""
+    if job.engine != "reference":
+        raise ConfigError(
+            "--plan",
+            f"a plan says how to shard the model, which the {job.engine} engine would do too; "
+            f"drop --plan, or set engine = 'reference' (--set engine=reference)",
+        )
