@@ -114,7 +114,8 @@ def test_bad_pipeline_input_exits_2_in_one_line(capsys: pytest.CaptureFixture[st
 
 def test_a_plan_and_a_pipeline_are_refused_together(tmp_path: Path) -> None:
     from tidal.models import preset
-    from tidal.planner import ClusterSpec, PlannerConfig, make_plan, measure_gpt
+    from tidal.models.gpt import measure_gpt
+    from tidal.planner import ClusterSpec, PlannerConfig, make_plan
 
     graph = measure_gpt(preset("tiny"), micro_batch=1)
     config = PlannerConfig(tp=1, pareto=(), baselines=())

@@ -189,7 +189,8 @@ def _assert_exports_the_trained_weights(out: Path, trained: dict[str, torch.Tens
 
 def _plan_for_two_ranks() -> Any:
     from tidal.models import preset
-    from tidal.planner import ClusterSpec, PlannerConfig, make_plan, measure_gpt
+    from tidal.models.gpt import measure_gpt
+    from tidal.planner import ClusterSpec, PlannerConfig, make_plan
 
     graph = measure_gpt(preset("tiny"), micro_batch=1)
     # tp 2: the fused qkv's rows are reordered in the plan's layout; the export must not be.
