@@ -446,8 +446,11 @@ class ChunkStore:
         """Make the residency the same on every rank (evict what another rank evicted) and
         return the budget to prefetch in, the least over ranks ([Note: ranks decide alike] in
         tidal/sharding/store.py). Only inside an iteration, whose moments every rank records
-        alike; None with one rank (it agrees with itself)."""
-        if moment < 0 or not self.transport.has_peers:
+        alike; None with one rank (it agrees with itself) or with no device budget, where no
+        decision reads a per-rank figure (nothing is evicted for room, and every rank's prefetch
+        budget is unlimited): the moments themselves are still compared at every gather
+        (``sharding.check_gathers``) and at the iteration's end (``agree_trace``)."""
+        if moment < 0 or not self.transport.has_peers or self.device_tier.budget_bytes is None:
             return None
         resident = frozenset(c.index for c in self.chunks if c.on_device)
         budget_bytes = self._prefetch_budget_bytes(moment, resident)
