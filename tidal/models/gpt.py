@@ -15,6 +15,7 @@ import functools
 import math
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -31,12 +32,9 @@ from tidal.pipeline.split import (
     TokenAndPositionEmbed,
     split_parts,
 )
-from tidal.planner.measure import ModelGraph, measure
-from tidal.planner.stage_profile import (
-    DEFAULT_FLOPS_PER_S,
-    DEFAULT_MEMORY_BYTES_PER_S,
-    profile_model,
-)
+
+if TYPE_CHECKING:
+    from tidal.planner.measure import ModelGraph
 
 __all__ = [
     "GPT",
@@ -389,6 +387,8 @@ def measure_gpt(
     """The planner's :class:`ModelGraph` of ``GPT(config)`` at ``micro_batch`` sequences of
     ``config.seq_len`` tokens, with ``dtype`` weights and activations (traced on the meta
     device: nothing is allocated)."""
+    from tidal.planner.measure import measure  # the planner (scipy) loads only when used
+
     model = build_gpt(config, device="meta").to(dtype)
     shape = (micro_batch, config.seq_len)
     idx = torch.empty(shape, dtype=torch.long, device="meta")
@@ -401,13 +401,15 @@ def profile_gpt(
     micro_batch: int,
     seq_len: int,
     dtype: torch.dtype = torch.float32,
-    flops_per_s: float = DEFAULT_FLOPS_PER_S,
-    memory_bytes_per_s: float = DEFAULT_MEMORY_BYTES_PER_S,
+    flops_per_s: float | None = None,
+    memory_bytes_per_s: float | None = None,
 ) -> list[LayerProfile]:
     """Analytic profiles ``embed, blocks.0, ..., head`` of ``GPT(config)`` for one microbatch of
     ``micro_batch`` sequences of ``seq_len`` tokens, traced on the meta device (nothing is
     allocated); ``flops_per_s`` and ``memory_bytes_per_s``: the rates of
-    :func:`tidal.planner.stage_profile.profile_model`."""
+    :func:`tidal.planner.stage_profile.profile_model` (its defaults when None)."""
+    from tidal.planner import stage_profile  # the planner (scipy) loads only when used
+
     require(
         1 <= seq_len <= config.seq_len,
         "seq_len",
@@ -415,8 +417,12 @@ def profile_gpt(
     )
     model = build_gpt(config, device="meta").to(dtype)
     parts = gpt_stage_parts(model)
-    return profile_model(model, parts=parts, micro_batch=micro_batch, seq_len=seq_len,
-                         flops_per_s=flops_per_s, memory_bytes_per_s=memory_bytes_per_s)  # fmt: skip
+    return stage_profile.profile_model(
+        model, parts=parts, micro_batch=micro_batch, seq_len=seq_len,
+        flops_per_s=stage_profile.DEFAULT_FLOPS_PER_S if flops_per_s is None else flops_per_s,
+        memory_bytes_per_s=(stage_profile.DEFAULT_MEMORY_BYTES_PER_S
+                            if memory_bytes_per_s is None else memory_bytes_per_s),
+    )  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------

@@ -32,7 +32,7 @@ import json
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import torch
 from torch import nn
@@ -59,9 +59,10 @@ from tidal.models.hf import (
 )
 from tidal.pipeline.partition import LayerProfile
 from tidal.pipeline.split import PipelineStage, StageParts, split_parts
-from tidal.planner.measure import ModelGraph, measure
-from tidal.planner.stage_profile import profile_model
-from tidal.planner.wiring import ModelWiring, derive_wiring, example_inputs, structure_graph
+
+if TYPE_CHECKING:  # the planner (scipy) loads only when a spec measures, profiles or wires
+    from tidal.planner.measure import ModelGraph
+    from tidal.planner.wiring import ModelWiring
 
 __all__ = [
     "ExportAdapter",
@@ -147,6 +148,8 @@ def _split(
 
 
 def _profile(spec: ModelSpec, model: nn.Module, **kwargs: Any) -> list[LayerProfile]:
+    from tidal.planner.stage_profile import profile_model
+
     return profile_model(model, parts=spec.stage_parts(model), **kwargs)
 
 
@@ -194,6 +197,8 @@ class GPTSpec:
         return measure_gpt(self.config, micro_batch=micro_batch, dtype=dtype)
 
     def wiring(self, model: nn.Module) -> ModelWiring:
+        from tidal.planner.wiring import derive_wiring, structure_graph
+
         return derive_wiring(structure_graph(model, seq_len=self.config.seq_len))
 
     def num_params(self, model: nn.Module) -> int:
@@ -241,10 +246,15 @@ class HFSpec:
 
     def graph(self, *, micro_batch: int, dtype: torch.dtype = torch.bfloat16) -> ModelGraph:
         model = self.build().to(dtype)
+        from tidal.planner.measure import measure
+        from tidal.planner.wiring import example_inputs
+
         inputs = example_inputs(model, micro_batch=micro_batch, seq_len=self.config.seq_len)
         return measure(model, inputs, name=Path(self.config.path).parent.name or self.config.path)
 
     def wiring(self, model: nn.Module) -> ModelWiring:
+        from tidal.planner.wiring import derive_wiring, structure_graph
+
         return derive_wiring(structure_graph(model, seq_len=self.config.seq_len))
 
     def num_params(self, model: nn.Module) -> int:
@@ -302,6 +312,8 @@ def split_model(model: nn.Module, block_ranges: Sequence[tuple[int, int]]) -> li
 def profile_decoder(model: nn.Module, **kwargs: Any) -> list[LayerProfile]:
     """Layer profiles of a tidal GPT or a Hugging Face LLaMA / GPT-2, however it was built;
     ``kwargs``: those of :func:`tidal.planner.stage_profile.profile_model` but ``parts``."""
+    from tidal.planner.stage_profile import profile_model
+
     return profile_model(model, parts=stage_parts(model), **kwargs)
 
 
