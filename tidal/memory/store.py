@@ -51,6 +51,13 @@ free after the trace's activation figure for this moment, so they copy while thi
 computes. A prefetch never evicts, so it moves the same bytes the on-demand fetch would have
 moved one moment later ([Note: prefetch never changes demand] in policy.py, depth 1). On a CPU
 the same code runs with inline copies.
+
+[Note: why one file]
+The store is one state machine: its chunks' residency, the open iteration's moments, and the
+held parameters change together at every access and release, so its steps read best side by side.
+What could leave has left: the placement rule (policy.py), moves (transport.py), shortfall
+messages (shortfall.py), pinning (pinning.py). Next to go, if it grows: the uses outside the
+module hooks and relayout's adopt_layout, once they stop touching the residency directly.
 """
 
 from __future__ import annotations
