@@ -42,7 +42,7 @@ from benchmarks.baselines import DEEPSPEED, build_deepspeed, deepspeed_missing_r
 from tidal.data import BatchSampler, build_token_splits
 from tidal.distributed import all_reduce_mean
 from tidal.models import build_gpt, gpt_init, num_params
-from tidal.parallel.accumulation import AccumulationCounter
+from tidal.parallel.accumulation import StepCounter
 from tidal.parallel.lr import WarmupCosine
 from tidal.parallel.reference import build_optimizer
 from tidal.train.build import build_engine
@@ -119,7 +119,7 @@ def rss_figures() -> dict[str, int]:
 # -- FSDP2 ---------------------------------------------------------------------------------------
 
 
-class Fsdp2Engine(AccumulationCounter):
+class Fsdp2Engine:
     """FSDP2 with CPU offload behind the reference engine's calling convention.
 
     Mirrors :class:`tidal.parallel.reference.ReferenceEngine`: the loss is divided by the
@@ -156,8 +156,7 @@ class Fsdp2Engine(AccumulationCounter):
             min_lr_ratio=opt.min_lr_ratio,
         )
         self.optimizer = build_optimizer(model, opt, self.schedule.lr_at(0))
-        self.global_step = 0
-        self.micro_step = 0
+        self.counter = StepCounter(grad_accum_steps=training.grad_accum_steps)
 
     def __call__(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return self.model(inputs, targets)
@@ -167,15 +166,15 @@ class Fsdp2Engine(AccumulationCounter):
         scaled.backward()
 
     def step(self) -> bool:
-        if not self._count_micro_batch():
+        if not self.counter.count_micro_batch():
             return False
         if self.grad_clip_norm > 0:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip_norm)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        self.global_step += 1
+        self.counter.global_step += 1
         for group in self.optimizer.param_groups:
-            group["lr"] = self.schedule.lr_at(self.global_step)
+            group["lr"] = self.schedule.lr_at(self.counter.global_step)
         return True
 
 

@@ -75,7 +75,7 @@ def _sharded_run(case: dict[str, Any], budget: int | None) -> dict[str, Any]:
         sharding=ShardingConfig(**case.get("sharding", {})),
     )
     losses, per_step, min_bytes = [], [], 0
-    accum = engine.grad_accum_steps
+    accum = engine.counter.grad_accum_steps
     batches = list(_batches(STEPS * accum, seq_len=case.get("seq_len", 64)))
     for step in range(STEPS):
         before = engine.stats()

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 import tidal
+from tidal.config import ConfigError
 from tidal.memory.config import ChunkConfig
 from tidal.memory.uses import ChunkParameter
 from tidal.parallel.chunk_engine import ChunkEngine
@@ -72,17 +73,16 @@ def _batch(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
 def test_every_engine_is_a_training_engine(kind: str) -> None:
     engine = ENGINES[kind](**_configs())
     assert isinstance(engine, TrainingEngine)
-    if kind != "reference":  # the DCP checkpoint contract
-        assert isinstance(engine, Engine)
+    assert isinstance(engine, Engine)  # the DCP checkpoint contract
     assert not isinstance(object(), TrainingEngine)
 
 
-def test_no_engine_subclasses_another() -> None:
-    from tidal.parallel.plan_engine import PlanEngine
+def test_no_engine_subclasses_anything() -> None:
+    from tidal.parallel.plan_layout import PlanLayout
+    from tidal.parallel.reference import Replicas
 
-    engines = (ChunkEngine, ReferenceEngine, PlanEngine)
-    for engine in engines:
-        assert not any(issubclass(engine, other) for other in engines if other is not engine)
+    for made in (ChunkEngine, ReferenceEngine, Replicas, PlanLayout):
+        assert made.__bases__ == (object,), made
 
 
 @pytest.mark.parametrize("kind", ENGINES)
@@ -172,6 +172,18 @@ def test_shard_without_a_process_group_is_a_mesh_of_one() -> None:
             engine.step()
             losses.append(loss.item())
         assert losses[1] == pytest.approx(losses[0], rel=1e-6)
+
+
+@pytest.mark.parametrize("key", ["relayout", "grads_in_params"])
+def test_shard_refuses_what_applies_on_one_process_only(key: str) -> None:
+    chunk = ChunkConfig(size=128, align=16, **{key: True})
+    with pytest.raises(ConfigError, match=f"chunk.{key}.*one process only"):
+        shard(_Regression(), **_configs(), memory=MemoryConfig(), chunk=chunk,
+              sharding=ShardingConfig())  # fmt: skip
+    for setting in (None, False):  # unset, or off: the sharded engine is built
+        chunk = ChunkConfig(size=128, align=16, **{key: setting})
+        shard(_Regression(), **_configs(), memory=MemoryConfig(), chunk=chunk,
+              sharding=ShardingConfig())  # fmt: skip
 
 
 @pytest.mark.parametrize(

@@ -144,7 +144,7 @@ def _launch(args: argparse.Namespace, argv: list[str]) -> int:
     job = load_job(find_recipe(args.recipe), args.overrides)
     if args.plan is not None:
         from tidal.models import spec_for
-        from tidal.parallel.plan_engine import load_plan
+        from tidal.parallel.plan_layout import load_plan
         from tidal.train.build import check_plan_job
 
         model = spec_for(job.model).build(device="meta")

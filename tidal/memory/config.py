@@ -24,21 +24,23 @@ class ChunkConfig:
             moved are the same as without it).
         relayout: re-pack parameters in first-use order after the first iteration (at the first
             optimizer step; see [Note: relayout] in tidal/memory/relayout.py); before there is a
-            trace the layout follows construction order. One process only: sharded (ZeRO-3, or
-            the NVMe tier) it is off whatever the setting, the shards staying where they are.
+            trace the layout follows construction order. One process only: sharded chunks
+            (ZeRO-3, or the NVMe tier) stay where they are.
         grads_in_params: with bf16/fp16 parameters (fp32 masters) and no gradient accumulation,
             write each gradient into its parameter's own low-precision slot instead of an fp32
             gradient chunk ([Note: gradients in parameter chunks] in tidal/memory/optim.py).
-            One process only: sharded it is off whatever the setting (gradients are reduced in
-            fp32 gradient buffers).
+            One process only: sharded, gradients are reduced in fp32 gradient buffers.
+
+    ``relayout`` and ``grads_in_params`` are on where they apply when left unset (``None``);
+    ``false`` turns them off, and ``true`` where they cannot apply (sharded) is refused.
     """
 
     size: int | None = None
     align: int = 64
     policy: Literal["belady", "lru"] = "belady"
     prefetch: bool = True
-    relayout: bool = True
-    grads_in_params: bool = True
+    relayout: bool | None = None
+    grads_in_params: bool | None = None
 
     def __post_init__(self) -> None:
         if self.size is not None:

@@ -1,4 +1,4 @@
-"""Micro-batch counting shared by every engine.
+"""Micro-batch counting, one object every engine holds.
 
 [Note: accumulation boundary]
 Engines take DeepSpeed's calling convention: ``step()`` is called after every micro-batch and
@@ -11,22 +11,37 @@ done), which is all a checkpoint needs to resume it.
 
 from __future__ import annotations
 
-__all__ = ["AccumulationCounter"]
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["StepCounter"]
 
 
-class AccumulationCounter:
-    """``micro_step`` and ``global_step`` bookkeeping; see [Note: accumulation boundary]."""
+@dataclass(kw_only=True, slots=True)
+class StepCounter:
+    """``micro_step`` and ``global_step``; see [Note: accumulation boundary]."""
 
     grad_accum_steps: int
-    micro_step: int
-    global_step: int
+    micro_step: int = 0
+    global_step: int = 0
 
-    def is_accumulation_boundary(self) -> bool:
+    def is_boundary(self) -> bool:
         """Whether the next ``step()`` call steps the optimizer."""
         return (self.micro_step + 1) % self.grad_accum_steps == 0
 
-    def _count_micro_batch(self) -> bool:
+    def count_micro_batch(self) -> bool:
         """Count one micro-batch; True when it closes an accumulation window."""
-        boundary = self.is_accumulation_boundary()
+        boundary = self.is_boundary()
         self.micro_step += 1
         return boundary
+
+    def drop_window(self) -> None:
+        """Forget the micro-batches of the open window (their gradients were dropped)."""
+        self.micro_step -= self.micro_step % self.grad_accum_steps
+
+    def state(self) -> dict[str, int]:
+        return {"global_step": self.global_step, "micro_step": self.micro_step}
+
+    def restore(self, state: dict[str, Any]) -> None:
+        self.global_step = int(state["global_step"])
+        self.micro_step = int(state["micro_step"])

@@ -50,7 +50,7 @@ from tidal.memory.materialize import ParameterValues, check_buffers, meta_parame
 from tidal.memory.store import DeviceBudgetTooSmall
 from tidal.memory.tiers import make_tiers
 from tidal.memory.uses import ParameterUses
-from tidal.parallel.accumulation import AccumulationCounter
+from tidal.parallel.accumulation import StepCounter
 from tidal.parallel.config import MemoryConfig, OptimizerConfig, TrainingConfig
 from tidal.parallel.local_parts import LocalParts
 from tidal.parallel.loss_scale import LossScale
@@ -62,7 +62,7 @@ from tidal.parallel.reference import autocast
 __all__ = ["ChunkEngine", "ChunkParts"]  # ChunkParts: tidal/parallel/parts.py
 
 
-class ChunkEngine(AccumulationCounter):
+class ChunkEngine:
     """Train ``model`` with its parameters in chunks under a device byte budget; ``parts``
     (default: one process) say where the chunks live ([Note: chunk engine construction])."""
 
@@ -108,16 +108,22 @@ class ChunkEngine(AccumulationCounter):
                                   fetch_between_iterations=not gathers)  # fmt: skip
         self._hooks += self.uses.adopt(model)
         self.schedule = lr_schedule(optimizer, training)
-        self.grad_accum_steps = training.grad_accum_steps
         self.grad_clip_norm = training.grad_clip_norm
-        self.global_step = 0
-        self.micro_step = 0
+        self.counter = StepCounter(grad_accum_steps=training.grad_accum_steps)
         self.last_grad_norm: float | None = None
         self.phases = Phases()
 
     @property
     def phase(self) -> Phase:
         return self.phases.now
+
+    @property
+    def global_step(self) -> int:
+        return self.counter.global_step
+
+    @property
+    def micro_step(self) -> int:
+        return self.counter.micro_step
 
     @property
     def rank(self) -> int:
@@ -186,7 +192,8 @@ class ChunkEngine(AccumulationCounter):
         return output
 
     def backward(self, loss: torch.Tensor) -> None:
-        scaled = loss / self.grad_accum_steps if self.grad_accum_steps > 1 else loss
+        accum = self.counter.grad_accum_steps
+        scaled = loss / accum if accum > 1 else loss
         if self.loss_scale is not None:
             scaled = scaled * self.loss_scale.scale
         self.parts.before_backward(self)
@@ -216,7 +223,7 @@ class ChunkEngine(AccumulationCounter):
     def _drop_window(self) -> None:
         """No step may use the gradients of a failed iteration: drop the accumulation window's."""
         self.zero_grad()
-        self.micro_step -= self.micro_step % self.grad_accum_steps
+        self.counter.drop_window()
 
     @property
     def min_device_bytes(self) -> int:
@@ -230,7 +237,7 @@ class ChunkEngine(AccumulationCounter):
 
     def step(self) -> bool:
         """Count a micro-batch; on the boundary clip, update and zero. Returns whether it stepped."""
-        if not self._count_micro_batch():
+        if not self.counter.count_micro_batch():
             return False
         self.store.release_all()
         self.parts.before_step(self)
@@ -243,7 +250,7 @@ class ChunkEngine(AccumulationCounter):
         if self.loss_scale is not None:
             self.loss_scale = self.loss_scale.after_step(overflow=self.last_grad_norm is None)
         # A step skipped for overflow still advances the schedule, as with torch's GradScaler.
-        self.global_step += 1
+        self.counter.global_step += 1
         return True
 
     def zero_grad(self) -> None:
@@ -310,8 +317,7 @@ class ChunkEngine(AccumulationCounter):
         state = {
             "model": self.model_state_dict(),
             "optimizer": self.optimizer.state_dict(),
-            "global_step": self.global_step,
-            "micro_step": self.micro_step,
+            **self.counter.state(),
         }
         if self.loss_scale is not None:
             state["loss_scale"] = dataclasses.asdict(self.loss_scale)
@@ -328,8 +334,7 @@ class ChunkEngine(AccumulationCounter):
 
     def restore_counters(self, state: dict[str, Any]) -> None:
         """The step counters and the loss scale of a state dict (or checkpoint extras)."""
-        self.global_step = int(state["global_step"])
-        self.micro_step = int(state["micro_step"])
+        self.counter.restore(state)
         if self.loss_scale is not None and "loss_scale" in state:
             self.loss_scale = LossScale(**state["loss_scale"])
 

@@ -18,9 +18,15 @@ from tidal.memory.relayout import relayout
 from tidal.memory.store import ChunkStore
 from tidal.memory.tiers import Tier
 from tidal.parallel.config import OptimizerConfig, TrainingConfig
+from tidal.parallel.flat_state import (
+    flat_optimizer_state,
+    model_layout,
+    model_tensors,
+    read_whole,
+    unflatten_optimizer_state,
+)
 from tidal.parallel.parts import PartsHost
 from tidal.parallel.protocol import CheckpointTensors, LoadTensors, Phase
-from tidal.sharding.state import model_key, optim_key
 
 __all__ = ["LocalParts", "checkpoint_meta", "largest_module_bytes", "persistent_buffers"]
 
@@ -48,7 +54,7 @@ class LocalParts:
         store = ChunkStore(engine.model, layout=engine.layout, device_tier=engine.device_tier,
                            host_tier=engine.host_tier, dtype=dtype, policy=chunk.policy,
                            prefetch=chunk.prefetch, values=engine.values())  # fmt: skip
-        self._relayout_pending = store.keep_trace_params = chunk.relayout
+        self._relayout_pending = store.keep_trace_params = chunk.relayout is not False
         return store
 
     def minimum_budget(self, engine: PartsHost) -> tuple[int, str]:
@@ -65,7 +71,9 @@ class LocalParts:
             masters=masters,
             # [Note: gradients in parameter chunks] in tidal/memory/optim.py
             grads_in_params=(
-                chunk.grads_in_params and masters is not None and training.grad_accum_steps == 1
+                chunk.grads_in_params is not False
+                and masters is not None
+                and training.grad_accum_steps == 1
             ),
         )
         engine.store.on_unpin = lambda: self._unplace_optimizer(made)
@@ -163,58 +171,29 @@ class LocalParts:
 
     def checkpoint_state(self, engine: PartsHost) -> CheckpointTensors:
         state = engine.state_dict()
-        canonical = {info.names[0] for spec in engine.layout.chunks for info in spec.slots}
-        tensors: dict[str, Any] = {}
-        for name, value in state["model"].items():
-            if name in canonical or name not in dict(engine.model.named_parameters()):
-                tensors[_state_key(engine, name)] = value.reshape(-1)
-        steps = {}
-        for name, saved in state["optimizer"].items():
-            for key, value in saved.items():
-                if key == "step":
-                    steps[name] = float(value)
-                else:
-                    tensors[optim_key(name, key)] = value.reshape(-1)
-        extras = {k: v for k, v in state.items() if k not in ("model", "optimizer")}
-        extras["optimizer_steps"] = steps
-        meta = checkpoint_meta(engine, tensors)
-        return CheckpointTensors(tensors=tensors, extras=extras, meta=meta)
+        model_state = state.pop("model")
+        meta = model_layout(engine.model, {n: t.shape for n, t in model_state.items()})
+        tensors, steps = flat_optimizer_state(state.pop("optimizer"))
+        tensors.update(model_tensors(model_state, meta))
+        meta["numels"] = {key: int(t.numel()) for key, t in tensors.items()}
+        return CheckpointTensors(tensors=tensors, extras={**state, "optimizer_steps": steps},
+                                 meta=meta)  # fmt: skip
 
     def restore_checkpoint(self, engine: PartsHost, load: LoadTensors, extras: dict[str, Any],
                            meta: dict[str, Any]) -> None:  # fmt: skip
-        targets = {key: torch.empty(numel) for key, numel in meta["numels"].items()}
-        load(targets)
-        shapes = meta["model_shapes"]
-        model = {name: targets[key].view(shapes[name])
-                 for name, key in meta["model_keys"].items()}  # fmt: skip
-        optimizer: dict[str, dict[str, torch.Tensor]] = {}
-        for key, value in targets.items():
-            if key.startswith("optim/"):
-                name, state_name = key[len("optim/") :].rsplit("/", 1)
-                optimizer.setdefault(name, {})[state_name] = value.view(shapes[name])
-        for name, step in extras["optimizer_steps"].items():
-            optimizer.setdefault(name, {})["step"] = torch.tensor(step)
+        model, flat = read_whole(load, meta)
+        optimizer = unflatten_optimizer_state(flat, extras["optimizer_steps"],
+                                              meta["model_shapes"])  # fmt: skip
         rest = {k: v for k, v in extras.items() if k != "optimizer_steps"}
         engine.load_state_dict({"model": model, "optimizer": optimizer, **rest})
 
 
 def checkpoint_meta(engine: PartsHost, tensors: dict[str, Any]) -> dict[str, Any]:
-    """What ``meta.json`` records of a chunk engine's checkpoint tensors."""
+    """What ``meta.json`` records of a chunk engine's model: each state-dict name's key and
+    shape ([Note: checkpoint keys]); ``numels``: of ``tensors``, the checkpoint's keys."""
     model_state = engine.model.state_dict(keep_vars=True)
-    return {
-        "numels": {key: int(t.size(0)) for key, t in tensors.items()},
-        "model_keys": {name: _state_key(engine, name) for name in model_state},
-        "model_shapes": {name: list(t.shape) for name, t in model_state.items()},
-    }
-
-
-def _state_key(engine: PartsHost, name: str) -> str:
-    """The checkpoint key of a state-dict name: tied parameters share their first name's."""
-    params = dict(engine.model.named_parameters(remove_duplicate=False))
-    if name not in params:
-        return f"buffer/{name}"
-    index, slot = engine.store.slot_of[id(params[name])]
-    return model_key(engine.layout.chunks[index].slots[slot].names[0])
+    meta = model_layout(engine.model, {n: t.shape for n, t in model_state.items()})
+    return {"numels": {key: int(t.size(0)) for key, t in tensors.items()}, **meta}
 
 
 def largest_module_bytes(model: nn.Module, store: ChunkStore) -> tuple[int, str]:

@@ -14,6 +14,7 @@ from torch import nn
 from tidal.memory.config import ChunkConfig
 from tidal.memory.layout import ChunkLayout
 from tidal.memory.tiers import Tier
+from tidal.parallel.accumulation import StepCounter
 from tidal.parallel.config import OptimizerConfig, TrainingConfig
 from tidal.parallel.loss_scale import LossScale
 from tidal.parallel.protocol import CheckpointTensors, LoadTensors, Phase
@@ -35,8 +36,7 @@ class PartsHost(Protocol):
     loss_scale: LossScale | None
     min_budget_bytes: int
     largest_module: str
-    global_step: int
-    micro_step: int
+    counter: StepCounter
 
     @property
     def phase(self) -> Phase: ...

@@ -29,7 +29,15 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-__all__ = ["CheckpointTensors", "Engine", "LoadTensors", "Phase", "Phases", "TrainingEngine"]
+__all__ = [
+    "CheckpointTensors",
+    "Checkpointable",
+    "Engine",
+    "LoadTensors",
+    "Phase",
+    "Phases",
+    "TrainingEngine",
+]
 
 
 class Phase(enum.Enum):
@@ -127,9 +135,10 @@ class TrainingEngine(Protocol):
 
     model: Any
     device: torch.device
-    global_step: int
     last_grad_norm: float | None
 
+    @property
+    def global_step(self) -> int: ...
     @property
     def phase(self) -> Phase: ...
     @property
@@ -145,11 +154,16 @@ class TrainingEngine(Protocol):
     def model_state_dict(self) -> dict[str, torch.Tensor]: ...
 
 
-@runtime_checkable
-class Engine(TrainingEngine, Protocol):
-    """A :class:`TrainingEngine` that writes and reads sharded (DCP) checkpoints."""
+class Checkpointable(Protocol):
+    """What writes and reads its state in the one checkpoint format ([Note: checkpoint keys]
+    in tidal/train/checkpoint.py): every engine, and a pipeline's stages."""
 
     def checkpoint_state(self) -> CheckpointTensors: ...
     def restore_checkpoint(
         self, load: LoadTensors, extras: dict[str, Any], meta: dict[str, Any]
     ) -> None: ...
+
+
+@runtime_checkable
+class Engine(TrainingEngine, Checkpointable, Protocol):
+    """A :class:`TrainingEngine` that writes and reads sharded (DCP) checkpoints."""

@@ -1,8 +1,9 @@
-"""The reference engine: plain PyTorch, the whole model on one device.
+"""The reference engine: plain PyTorch over a torch optimizer, the model laid out by a part.
 
 Every later engine (chunked offload, ZeRO, tensor/sequence parallel, pipelines) is tested against
 this one on the same seeds, so it stays deliberately plain: ``torch.optim.AdamW`` (or ``Adam``,
-``SGD``), autocast, ``clip_grad_norm_``. The calling convention is DeepSpeed's, which users already know::
+``SGD``), autocast, global-norm clipping. The calling convention is DeepSpeed's, which users
+already know::
 
     loss = engine(inputs, targets)
     engine.backward(loss)
@@ -10,17 +11,20 @@ this one on the same seeds, so it stays deliberately plain: ``torch.optim.AdamW`
 
 Micro-batches are counted as [Note: accumulation boundary] in accumulation.py says.
 
-In a process group of more than one rank the engine is plain data parallel: every rank holds the
-whole model, and on each accumulation boundary the gradients are averaged over the ranks before
-clipping, so every rank takes the same optimizer step and the replicas stay identical.
+Where the model lives is its ``layout``, chosen once (the verbs in verbs.py): :class:`Replicas`
+(by default) holds the whole model on every rank, plain data parallel: on each accumulation
+boundary the gradients are averaged over the ranks before clipping, so every rank takes the
+same optimizer step and the replicas stay identical. ``PlanLayout`` (plan_layout.py) shards it
+as a plan of ``tidal plan`` says. The steps, schedule, clipping rule and checkpoint keys are
+this engine's for both.
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
-from collections.abc import Callable, Iterable
-from typing import Any
+from collections.abc import Iterable
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -30,15 +34,21 @@ from tidal.distributed import rank, world_size
 from tidal.distributed.device import memory_bytes, peak_memory_bytes, resolve_device
 from tidal.memory.materialize import ParameterValues, materialize
 from tidal.memory.tiers import TierKind, resolve_budget
-from tidal.parallel.accumulation import AccumulationCounter
+from tidal.parallel.accumulation import StepCounter
 from tidal.parallel.config import MemoryConfig, OptimizerConfig, TrainingConfig
+from tidal.parallel.flat_state import (
+    flat_optimizer_state,
+    index_names,
+    model_layout,
+    model_tensors,
+    read_whole,
+    unflatten_optimizer_state,
+)
 from tidal.parallel.lr import lr_schedule
-from tidal.parallel.protocol import Phase, Phases
+from tidal.parallel.protocol import CheckpointTensors, LoadTensors, Phase, Phases
 
-__all__ = [
-    "ReferenceEngine", "autocast", "build_optimizer", "lr_schedule", "model_data_bytes", "set_lr",
-    "step_optimizer", "torch_engine_stats",
-]  # fmt: skip
+__all__ = ["ReferenceEngine", "Replicas", "TorchLayout", "autocast", "build_optimizer",
+           "lr_schedule"]  # fmt: skip
 
 
 def build_optimizer(model: nn.Module, config: OptimizerConfig, lr: float) -> torch.optim.Optimizer:
@@ -66,9 +76,6 @@ def build_optimizer(model: nn.Module, config: OptimizerConfig, lr: float) -> tor
     return adam(groups, lr=lr, betas=(config.beta1, config.beta2), eps=config.eps, fused=fused)
 
 
-_FP32_BYTES = 4
-
-
 def autocast(precision: str, device: torch.device) -> contextlib.AbstractContextManager[Any]:
     """Autocast to ``precision`` (bf16, fp16) on ``device``; nothing for fp32."""
     if precision == "fp32":
@@ -77,164 +84,82 @@ def autocast(precision: str, device: torch.device) -> contextlib.AbstractContext
     return torch.autocast(device_type=device.type, dtype=dtype)
 
 
-def step_optimizer(
-    optimizer: torch.optim.Optimizer, scaler: Any, clip: Callable[[], float]
-) -> float:
-    """One update on the accumulation boundary: unscale, ``clip`` (which returns the gradient
-    norm), step and zero the gradients; returns the norm."""
-    if scaler is not None:
-        scaler.unscale_(optimizer)
-    norm = clip()
-    if scaler is not None:
-        scaler.step(optimizer)
-        scaler.update()
-    else:
-        optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    return norm
+class TorchLayout(Protocol):
+    """Where a :class:`ReferenceEngine`'s model lives and what that changes: its placement,
+    the optimizer's groups, what backward and clipping do across ranks, byte counts and the
+    state's form. ``optimizer_by_name``: whether :meth:`state_dict`'s optimizer state is keyed
+    by parameter name (else by torch's index)."""
+
+    name: str
+    optimizer_by_name: bool
+
+    def place(self, model: nn.Module, *, device: torch.device, precision: str,
+              init: ParameterValues | None) -> nn.Module: ...  # fmt: skip
+    def build_optimizer(self, model: nn.Module, config: OptimizerConfig,
+                        lr: float) -> torch.optim.Optimizer: ...  # fmt: skip
+    def before_backward(self, model: nn.Module, *, boundary: bool) -> None: ...
+    def after_backward(self, model: nn.Module, *, boundary: bool) -> None: ...
+    def clip(self, model: nn.Module, max_norm: float) -> float: ...
+    def nbytes(self, t: torch.Tensor) -> int: ...
+    def stats(self) -> dict[str, Any]: ...
+    def model_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]: ...
+    def state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]: ...
+    def load_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer,
+                        state: dict[str, Any]) -> None: ...  # fmt: skip
 
 
-def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
-    for group in optimizer.param_groups:
-        group["lr"] = lr
+_FP32_BYTES = 4
 
 
-def model_data_bytes(
-    model: nn.Module, optimizer: torch.optim.Optimizer, nbytes: Callable[[torch.Tensor], int]
-) -> dict[str, int]:
-    """Bytes of parameters, gradients and optimizer state, each counted once, each tensor
-    counted as ``nbytes`` says (a rank's share of a sharded one)."""
-    params = {id(p): p for p in model.parameters()}.values()
+class Replicas:
+    """The whole model on every rank (one rank: just the model on the device); gradients
+    averaged over the ranks on the boundary, through one all_reduce of a flat fp32 buffer."""
 
-    def total(tensors: Iterable[Any]) -> int:
-        return sum(nbytes(t) for t in tensors if isinstance(t, torch.Tensor))
+    name = "reference"
+    optimizer_by_name = False
 
-    return {
-        "params": total(params),
-        "grads": total(p.grad for p in params),
-        "optimizer_state": total(t for s in optimizer.state.values() for t in s.values()),
-    }
+    def __init__(self, *, memory: MemoryConfig | None = None,
+                 optimizer: OptimizerConfig | None = None) -> None:  # fmt: skip
+        self.memory = memory or MemoryConfig()
+        self.optimizer = optimizer or OptimizerConfig()
+        self.world_size = world_size()  # read once: the group is set up before any engine
 
-
-def torch_engine_stats(engine: Any, name: str) -> dict[str, Any]:
-    """The figures of an engine over a torch optimizer (the reference and plan engines)."""
-    return {
-        "engine": name,
-        "device": str(engine.device),
-        "world_size": engine.world_size,
-        "rank": engine.rank,
-        "precision": engine.precision,
-        "global_step": engine.global_step,
-        "lr": engine.lr,
-        "grad_norm": engine.last_grad_norm,
-        "model_data_bytes": engine.model_data_bytes(),
-        "memory_bytes": memory_bytes(engine.device),
-        "peak_memory_bytes": peak_memory_bytes(engine.device),
-    }
-
-
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
-
-
-def _check_device_budget(
-    model: nn.Module, memory: MemoryConfig, optimizer: OptimizerConfig, device: torch.device
-) -> None:
-    budget = resolve_budget(
-        memory.device_budget, kind=TierKind.DEVICE, device=device, key="memory.device_budget"
-    )
-    if budget is None:
-        return
-    num_params = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
-    # Weights, gradients and the optimizer's state tensors, each the size of the fp32 weights.
-    num_state = optimizer.state_tensors_per_param
-    needed = num_params * _FP32_BYTES * (2 + num_state)
-    if needed > budget:
-        raise ConfigError(
-            "memory.device_budget",
-            f"the reference engine keeps all model data on the device: {num_params:,} params "
-            f"need {needed:,} bytes ({format_bytes(needed)}: weights, grads and {optimizer.name} "
-            f"state of {num_state}x the weights) but the budget is {budget:,} bytes "
-            f"({format_bytes(budget)}); raise the budget or pick a smaller model.preset",
-        )
-
-
-class ReferenceEngine(AccumulationCounter):
-    """Train ``model`` on one device: AdamW, Adam or SGD, warm-up + cosine, clipping and
-    accumulation."""
-
-    def __init__(
-        self,
-        model: nn.Module,
-        *,
-        optimizer: OptimizerConfig,
-        training: TrainingConfig,
-        memory: MemoryConfig | None = None,
-        init: ParameterValues | None = None,
-    ) -> None:
-        self.device = resolve_device(training.device)
-        _check_device_budget(model, memory or MemoryConfig(), optimizer, self.device)
+    def place(self, model: nn.Module, *, device: torch.device, precision: str,
+              init: ParameterValues | None) -> nn.Module:  # fmt: skip
+        self._check_device_budget(model, device)
         if init is not None:  # a model on the meta device: the whole of it on the device
-            materialize(model, init, self.device)
-        self.precision = training.precision
-        if self.precision == "fp16" and self.device.type != "cuda":
+            materialize(model, init, device)
+        return model.to(device)
+
+    def _check_device_budget(self, model: nn.Module, device: torch.device) -> None:
+        budget = resolve_budget(self.memory.device_budget, kind=TierKind.DEVICE, device=device,
+                                key="memory.device_budget")  # fmt: skip
+        if budget is None:
+            return
+        num_params = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+        # Weights, gradients and the optimizer's state tensors, each the size of the fp32 weights.
+        num_state = self.optimizer.state_tensors_per_param
+        needed = num_params * _FP32_BYTES * (2 + num_state)
+        if needed > budget:
             raise ConfigError(
-                "training.precision",
-                "fp16 needs CUDA (loss scaling is a CUDA feature); use 'bf16' or 'fp32' on a CPU",
+                "memory.device_budget",
+                f"the reference engine keeps all model data on the device: {num_params:,} "
+                f"params need {needed:,} bytes ({format_bytes(needed)}: weights, grads and "
+                f"{self.optimizer.name} state of {num_state}x the weights) but the budget is "
+                f"{budget:,} bytes ({format_bytes(budget)}); raise the budget or pick a "
+                f"smaller model.preset",
             )
-        self.model = model.to(self.device)
-        self.grad_accum_steps = training.grad_accum_steps
-        self.grad_clip_norm = training.grad_clip_norm
-        self.schedule = lr_schedule(optimizer, training)
-        self.optimizer = build_optimizer(self.model, optimizer, self.schedule.lr_at(0))
-        self.scaler = torch.amp.GradScaler("cuda") if self.precision == "fp16" else None
-        self.global_step = 0
-        self.micro_step = 0
-        self.last_grad_norm: float | None = None
-        self.phases = Phases()
-        # Read once: the group is set up before any engine is built.
-        self.world_size = world_size()
-        self.rank = rank()
 
-    @property
-    def phase(self) -> Phase:
-        return self.phases.now
+    def build_optimizer(self, model: nn.Module, config: OptimizerConfig,
+                        lr: float) -> torch.optim.Optimizer:  # fmt: skip
+        return build_optimizer(model, config, lr)
 
-    # -- the training calls --------------------------------------------------------------------
+    def before_backward(self, model: nn.Module, *, boundary: bool) -> None:
+        """Nothing: gradients accumulate in place."""
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        with autocast(self.precision, self.device):
-            return self.phases.track(lambda: self.model(*args, **kwargs))
-
-    def backward(self, loss: torch.Tensor) -> None:
-        """See [Note: accumulation boundary]."""
-        scaled = loss / self.grad_accum_steps if self.grad_accum_steps > 1 else loss
-        if self.scaler is not None:
-            scaled = self.scaler.scale(scaled)
-        scaled.backward()
-        self.phases.backward()
-        if self.world_size > 1 and self.is_accumulation_boundary():
-            self._average_gradients()
-
-    def step(self) -> bool:
-        """Count a micro-batch; on the boundary step the optimizer. Returns whether it stepped."""
-        if not self._count_micro_batch():
-            return False
-        self.last_grad_norm = step_optimizer(self.optimizer, self.scaler, self._clip_gradients)
-        self.phases.gradients_dropped()
-        self.global_step += 1
-        set_lr(self.optimizer, self.schedule.lr_at(self.global_step))
-        return True
-
-    def zero_grad(self) -> None:
-        """Drop the gradients (``step`` already does after each update; this is for symmetry)."""
-        self.optimizer.zero_grad(set_to_none=True)
-        self.phases.gradients_dropped()
-
-    def _average_gradients(self) -> None:
-        """The mean gradient over the ranks, through one all_reduce of a flat fp32 buffer."""
-        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
-        if not grads:
+    def after_backward(self, model: nn.Module, *, boundary: bool) -> None:
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        if self.world_size == 1 or not boundary or not grads:
             return
         flat = torch.cat([g.reshape(-1).float() for g in grads])
         torch.distributed.all_reduce(flat, op=torch.distributed.ReduceOp.SUM)
@@ -244,55 +169,211 @@ class ReferenceEngine(AccumulationCounter):
             g.copy_(flat[offset : offset + g.numel()].view_as(g))
             offset += g.numel()
 
-    def _clip_gradients(self) -> float:
-        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+    def clip(self, model: nn.Module, max_norm: float) -> float:
+        params = [p for p in model.parameters() if p.grad is not None]
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
         if not grads:
             return 0.0
-        if self.grad_clip_norm > 0:
-            params = [p for p in self.model.parameters() if p.grad is not None]
-            norm = torch.nn.utils.clip_grad_norm_(params, self.grad_clip_norm)
-        else:
-            norm = torch.nn.utils.get_total_norm(grads)
-        return float(norm)
+        if max_norm > 0:
+            return float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+        return float(torch.nn.utils.get_total_norm(grads))
+
+    def nbytes(self, t: torch.Tensor) -> int:
+        return t.numel() * t.element_size()
+
+    def stats(self) -> dict[str, Any]:
+        return {}
+
+    def model_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+    def state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        return {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
+
+    def load_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer,
+                        state: dict[str, Any]) -> None:  # fmt: skip
+        model.load_state_dict(state["model"])
+        # torch's optimizer keeps the given tensors as its state; copy them so that an in-memory
+        # state dict of another engine is never shared (both would update the same moments).
+        optimizer.load_state_dict(copy.deepcopy(state["optimizer"]))
+
+
+class ReferenceEngine:
+    """Train ``model`` laid out as ``layout`` says (default: :class:`Replicas`): AdamW, Adam or
+    SGD, warm-up + cosine, clipping and accumulation."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        optimizer: OptimizerConfig,
+        training: TrainingConfig,
+        memory: MemoryConfig | None = None,
+        init: ParameterValues | None = None,
+        layout: TorchLayout | None = None,
+    ) -> None:
+        self.layout = layout or Replicas(memory=memory, optimizer=optimizer)
+        self.device = resolve_device(training.device)
+        self.precision = training.precision
+        if self.precision == "fp16" and self.device.type != "cuda":
+            raise ConfigError(
+                "training.precision",
+                "fp16 needs CUDA (loss scaling is a CUDA feature); use 'bf16' or 'fp32' on a CPU",
+            )
+        # Read once: the group is set up before any engine is built.
+        self.world_size, self.rank = world_size(), rank()
+        self.model = self.layout.place(model, device=self.device, precision=self.precision,
+                                       init=init)  # fmt: skip
+        self.grad_clip_norm = training.grad_clip_norm
+        self.schedule = lr_schedule(optimizer, training)
+        self.optimizer = self.layout.build_optimizer(self.model, optimizer, self.schedule.lr_at(0))
+        self.scaler = torch.amp.GradScaler("cuda") if self.precision == "fp16" else None
+        self.counter = StepCounter(grad_accum_steps=training.grad_accum_steps)
+        self.last_grad_norm: float | None = None
+        self.phases = Phases()
+
+    @property
+    def phase(self) -> Phase:
+        return self.phases.now
+
+    @property
+    def global_step(self) -> int:
+        return self.counter.global_step
+
+    @property
+    def micro_step(self) -> int:
+        return self.counter.micro_step
 
     @property
     def lr(self) -> float:
         return float(self.optimizer.param_groups[0]["lr"])
 
+    # -- the training calls --------------------------------------------------------------------
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        with autocast(self.precision, self.device):
+            return self.phases.track(lambda: self.model(*args, **kwargs))
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """See [Note: accumulation boundary]."""
+        boundary, accum = self.counter.is_boundary(), self.counter.grad_accum_steps
+        self.layout.before_backward(self.model, boundary=boundary)
+        scaled = loss / accum if accum > 1 else loss
+        if self.scaler is not None:
+            scaled = self.scaler.scale(scaled)
+        scaled.backward()
+        self.phases.backward()
+        self.layout.after_backward(self.model, boundary=boundary)
+
+    def step(self) -> bool:
+        """Count a micro-batch; on the boundary unscale, clip, update and zero the gradients.
+        Returns whether it stepped."""
+        if not self.counter.count_micro_batch():
+            return False
+        if self.scaler is not None:
+            self.scaler.unscale_(self.optimizer)
+        self.last_grad_norm = self.layout.clip(self.model, self.grad_clip_norm)
+        if self.scaler is not None:
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+        else:
+            self.optimizer.step()
+        self.zero_grad()
+        self.counter.global_step += 1
+        self._set_lr()
+        return True
+
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+        self.phases.gradients_dropped()
+
+    def _set_lr(self) -> None:
+        for group in self.optimizer.param_groups:
+            group["lr"] = self.schedule.lr_at(self.global_step)
+
     # -- figures -----------------------------------------------------------------------------
 
     def stats(self) -> dict[str, Any]:
-        """Figures of the engine now: step, learning rate, model-data bytes, memory per tier."""
-        return torch_engine_stats(self, "reference")
+        """Figures of the engine now: step, learning rate, model-data bytes, memory."""
+        return {
+            "engine": self.layout.name,
+            "device": str(self.device),
+            "world_size": self.world_size,
+            "rank": self.rank,
+            "precision": self.precision,
+            "global_step": self.global_step,
+            "lr": self.lr,
+            "grad_norm": self.last_grad_norm,
+            "model_data_bytes": self.model_data_bytes(),
+            "memory_bytes": memory_bytes(self.device),
+            "peak_memory_bytes": peak_memory_bytes(self.device),
+            **self.layout.stats(),
+        }
 
     def model_data_bytes(self) -> dict[str, int]:
-        """Bytes of parameters, gradients and optimizer state, each counted once."""
-        return model_data_bytes(self.model, self.optimizer, _nbytes)
+        """Bytes of (this rank's shares of) the parameters, gradients and optimizer state, each
+        counted once."""
+        params = {id(p): p for p in self.model.parameters()}.values()
+
+        def total(tensors: Iterable[Any]) -> int:
+            return sum(self.layout.nbytes(t) for t in tensors if isinstance(t, torch.Tensor))
+
+        return {
+            "params": total(params),
+            "grads": total(p.grad for p in params),
+            "optimizer_state": total(t for s in self.optimizer.state.values() for t in s.values()),
+        }
 
     # -- state ---------------------------------------------------------------------------------
 
     def model_state_dict(self) -> dict[str, torch.Tensor]:
-        """The model's state dict, detached copies (what the chunk engines give too)."""
-        return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+        """The model's state dict in the single-device layout, detached copies (what every
+        engine gives; a collective under a plan: every rank calls it)."""
+        return self.layout.model_state_dict(self.model)
 
     def state_dict(self) -> dict[str, Any]:
-        state: dict[str, Any] = {
-            "model": self.model.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
-            "global_step": self.global_step,
-            "micro_step": self.micro_step,
-        }
+        """The layout's model and optimizer state, the counters, the loss scaler's (a
+        collective under a plan: every rank calls it)."""
+        state = {**self.layout.state_dict(self.model, self.optimizer), **self.counter.state()}
         if self.scaler is not None:
             state["scaler"] = self.scaler.state_dict()
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.model.load_state_dict(state["model"])
-        # torch's optimizer keeps the given tensors as its state; copy them so that an in-memory
-        # state dict of another engine is never shared (both would update the same moments).
-        self.optimizer.load_state_dict(copy.deepcopy(state["optimizer"]))
-        self.global_step = int(state["global_step"])
-        self.micro_step = int(state["micro_step"])
+        self.layout.load_state_dict(self.model, self.optimizer, state)
+        self.counter.restore(state)
         if self.scaler is not None and "scaler" in state:
             self.scaler.load_state_dict(state["scaler"])
-        set_lr(self.optimizer, self.schedule.lr_at(self.global_step))
+        self._set_lr()
+
+    def checkpoint_state(self) -> CheckpointTensors:
+        """Every tensor whole, written by rank 0 (the other ranks hold replicas, or helped
+        gather); ``optim/`` keys by parameter name ([Note: checkpoint keys])."""
+        state = self.state_dict()  # a collective under a plan: every rank calls it
+        model_state, optimizer = state.pop("model"), state.pop("optimizer")
+        meta = model_layout(self.model, {n: t.shape for n, t in model_state.items()})
+        if self.rank != 0:
+            return CheckpointTensors(tensors={}, extras={}, meta=meta)
+        names = None if self.layout.optimizer_by_name else index_names(self.model, self.optimizer)
+        tensors, steps = flat_optimizer_state(optimizer["state"], names)
+        extras = {**state, "optimizer_steps": steps}
+        if self.layout.optimizer_by_name:  # torch's loading by name needs the groups saved
+            extras["param_groups"] = optimizer["param_groups"]
+        tensors.update(model_tensors(model_state, meta))
+        return CheckpointTensors(tensors=tensors, extras=extras, meta=meta)
+
+    def restore_checkpoint(
+        self, load: LoadTensors, extras: dict[str, Any], meta: dict[str, Any]
+    ) -> None:
+        """Load what any engine's checkpoint holds, whole, into this layout."""
+        model, flat = read_whole(load, meta)
+        by_name = unflatten_optimizer_state(flat, extras["optimizer_steps"], meta["model_shapes"])
+        if self.layout.optimizer_by_name:
+            # none saved: not a plan's checkpoint, which the layout's loading refuses by name
+            optimizer = {"state": by_name, "param_groups": extras.get("param_groups")}
+        else:  # torch's own state dict: by index; the groups are this engine's
+            index_of = {n: i for i, n in index_names(self.model, self.optimizer).items()}
+            optimizer = {"state": {index_of[n]: v for n, v in by_name.items()},
+                         "param_groups": self.optimizer.state_dict()["param_groups"]}  # fmt: skip
+        rest = {k: v for k, v in extras.items() if k not in ("optimizer_steps", "param_groups")}
+        self.load_state_dict({"model": model, "optimizer": optimizer, **rest})

@@ -233,8 +233,7 @@ class ShardedParts:
         tensors, on_disk = sharded_tensors(engine.optimizer)
         for name, buffer in persistent_buffers(engine.model):
             tensors[f"buffer/{name}"] = buffer.detach()
-        extras: dict[str, Any] = {"global_step": engine.global_step,
-                                  "micro_step": engine.micro_step,
+        extras: dict[str, Any] = {**engine.counter.state(),
                                   "optimizer_steps": engine.optimizer.step_counts()}  # fmt: skip
         if engine.loss_scale is not None:
             extras["loss_scale"] = dataclasses.asdict(engine.loss_scale)

@@ -1,26 +1,34 @@
-"""The verbs that change a model in place and return the engine that trains it; build_engine
-(tidal/train/build.py) chooses among them from the job's config alone."""
+"""The verbs that change a model in place and return what trains it; build_engine
+(tidal/train/build.py) chooses among them from the job's config alone, and the trainer's
+pipeline part (tidal/train/pipeline_part.py) calls :func:`pipeline`."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+import torch
 from torch import nn
 
+from tidal.config import ConfigError
 from tidal.distributed.collectives import Collectives
 from tidal.memory.config import ChunkConfig
 from tidal.memory.materialize import ParameterValues
 from tidal.parallel.chunk_engine import ChunkEngine
 from tidal.parallel.config import MemoryConfig, OptimizerConfig, TrainingConfig
 from tidal.parallel.local_parts import LocalParts
+from tidal.parallel.reference import ReferenceEngine, build_optimizer, lr_schedule
 from tidal.parallel.sharded_parts import ShardedParts
+from tidal.pipeline.config import PipelineConfig
+from tidal.pipeline.pipemare import AsyncConfig, StageWeights, WeightMode
+from tidal.pipeline.runtime import PipelineRuntime, RuntimeConfig
+from tidal.pipeline.split import PipelineStage, tied_parameters
 from tidal.sharding.config import ShardingConfig
 
 if TYPE_CHECKING:
-    from tidal.parallel.plan_engine import PlanEngine
     from tidal.planner import Plan
 
-__all__ = ["apply_plan", "offload", "shard"]
+__all__ = ["apply_plan", "offload", "pipeline", "shard"]
 
 
 def offload(model: nn.Module, *, optimizer: OptimizerConfig, training: TrainingConfig,
@@ -33,12 +41,23 @@ def offload(model: nn.Module, *, optimizer: OptimizerConfig, training: TrainingC
                        init=init, parts=LocalParts())  # fmt: skip
 
 
+_ONE_PROCESS_ONLY = {
+    "relayout": "sharded chunks stay where they are",
+    "grads_in_params": "sharded gradients are reduced in fp32 buffers",
+}
+
+
 def shard(model: nn.Module, *, optimizer: OptimizerConfig, training: TrainingConfig,
           memory: MemoryConfig, chunk: ChunkConfig, sharding: ShardingConfig, group: Any = None,
           init: ParameterValues | None = None) -> ChunkEngine:  # fmt: skip
     """:func:`offload`, each chunk and its optimizer state sharded over ``group``'s ranks
     (default: the default process group; none initialised: a mesh of one, which the NVMe tier
-    uses on one process). ``chunk.relayout`` and ``chunk.grads_in_params`` do not apply."""
+    uses on one process). ``chunk.relayout`` and ``chunk.grads_in_params`` do not apply: set
+    to true, they are refused."""
+    for key, why in _ONE_PROCESS_ONLY.items():
+        if getattr(chunk, key) is True:
+            raise ConfigError(f"chunk.{key}", f"applies on one process only ({why}); drop the "
+                              f"setting (unset, it is on wherever it applies) or set it to false")  # fmt: skip
     parts = ShardedParts(Collectives(group), sharding=sharding, memory=memory, optimizer=optimizer)
     return ChunkEngine(model, optimizer=optimizer, training=training, memory=memory, chunk=chunk,
                        init=init, parts=parts)  # fmt: skip
@@ -46,10 +65,51 @@ def shard(model: nn.Module, *, optimizer: OptimizerConfig, training: TrainingCon
 
 def apply_plan(model: nn.Module, plan: Plan, *, optimizer: OptimizerConfig,
                training: TrainingConfig, init: ParameterValues | None = None,
-               seq_len: int | None = None) -> PlanEngine:  # fmt: skip
+               seq_len: int | None = None) -> ReferenceEngine:  # fmt: skip
     """Shard ``model`` as ``plan`` says (DTensor on ``tp``, FSDP2 on ``dp``: [Note: plan runs]
-    in plan_engine.py); returns the plan engine that trains it."""
-    from tidal.parallel.plan_engine import PlanEngine  # DTensor and FSDP2: for plan runs only
+    in plan_layout.py); returns the reference engine that trains it in that layout."""
+    from tidal.parallel.plan_layout import PlanLayout  # DTensor and FSDP2: for plan runs only
 
-    return PlanEngine(model, plan=plan, optimizer=optimizer, training=training, init=init,
-                      seq_len=seq_len)  # fmt: skip
+    layout = PlanLayout(plan, seq_len=seq_len, batch_size=training.batch_size)
+    return ReferenceEngine(model, optimizer=optimizer, training=training, init=init,
+                           layout=layout)  # fmt: skip
+
+
+_WEIGHTS = {"pipedream": WeightMode.STASH, "2bw": WeightMode.TWO_VERSIONS}
+
+
+def pipeline(stages: Sequence[PipelineStage], *, config: PipelineConfig, optimizer: OptimizerConfig,
+             training: TrainingConfig, block_ranges: Sequence[tuple[int, int]],
+             device: torch.device, rank: int, world_size: int) -> PipelineRuntime:  # fmt: skip
+    """Train ``stages`` (all of the model's, in order; ``block_ranges``: the blocks of each) as
+    a pipeline over ``world_size`` ranks under ``config``'s schedule: this rank keeps stages
+    ``rank, rank + world_size, ...`` (each with its own optimizer and, for asynchronous
+    schedules, its weight versions); returns the runtime that trains them ([Note: pipeline
+    runs] in tidal/train/pipeline_part.py)."""
+    tied = tied_parameters(stages)
+    mine = [stages[s] for s in range(rank, len(stages), world_size)]
+    first_lr = lr_schedule(optimizer, training).lr_at(1)
+    weights = AsyncConfig(
+        weights=_WEIGHTS.get(config.schedule, WeightMode.CURRENT),
+        lr_rescheduling=config.reschedules_lr,
+        lr_warmup_steps=config.lr_warmup_steps,
+        correction=config.correction,
+        correction_decay=config.correction_decay,
+        prediction=config.prediction,
+        microbatches_per_update=config.num_microbatches if config.prediction else 0,
+    )
+    runtime = RuntimeConfig(
+        schedule=config.schedule,
+        microbatches=config.num_microbatches,
+        virtual_stages=config.virtual_stages,
+        sync_steps=config.sync_steps,
+        max_grad_norm=training.grad_clip_norm or None,
+        partition=tuple(block_ranges),
+    )
+    return PipelineRuntime(
+        runtime,
+        stages=mine,
+        weights=[StageWeights(s, build_optimizer(s, optimizer, first_lr), weights) for s in mine],
+        tied=tied,
+        device=device,
+    )

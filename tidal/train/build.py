@@ -28,7 +28,7 @@ def build_engine(
     *,
     init: ParameterValues | None = None,
     plan: Plan | None = None,
-) -> TrainingEngine:
+) -> Engine:
     """``engine = "reference"``: plain PyTorch; ``"chunk"``: parameters in chunks under budgets,
     sharded over the ranks (ZeRO-3) when a process group of several ranks is initialised, and
     on one process when ``memory.nvme_dir`` asks for the disk tier. With a ``plan`` (``tidal
@@ -55,7 +55,7 @@ def check_plan_job(plan: Plan, job: JobConfig, *, model: nn.Module, world_size: 
     """All that ``tidal train --plan`` checks of the job and the world before training, for a
     launcher to report once rather than once per rank; ``model``: the job's, on the meta
     device (its spec builds it: this layer builds no model)."""
-    from tidal.parallel.plan_engine import check_plan_fits, plan_rows  # DTensor: plan runs only
+    from tidal.parallel.plan_layout import check_plan_fits, plan_rows  # DTensor: plan runs only
 
     refuse_chunk_engine(job)
     check_plan_fits(plan, model, world_size=world_size, seq_len=job.model.resolve().seq_len)

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from tidal.data import Batch, BatchSampler
 from tidal.distributed import all_reduce_mean
-from tidal.train.engine_state import Checkpointable, checkpointable
+from tidal.parallel.protocol import Checkpointable, Engine
 
 __all__ = ["EnginePart", "TrainingPart"]
 
@@ -49,17 +49,16 @@ class EnginePart:
 
     def __init__(
         self,
-        engine: Any,
+        engine: Engine,
         *,
         rows: slice,
         world_size: int,
         grad_accum_steps: int,
         computes_loss: bool,
-        planned: bool,
     ) -> None:
         self.engine = engine
         self.device = engine.device
-        self.checkpointable = checkpointable(engine, planned=planned)
+        self.checkpointable: Checkpointable = engine
         self._rows, self._world_size = rows, world_size
         self._grad_accum_steps = grad_accum_steps
         self._computes_loss = computes_loss

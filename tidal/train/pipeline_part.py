@@ -35,17 +35,15 @@ from tidal.config import ConfigError, require
 from tidal.data import BatchSampler
 from tidal.distributed import rank as current_rank
 from tidal.models import GPTConfig, spec_for
-from tidal.parallel.reference import build_optimizer, lr_schedule
+from tidal.parallel.flat_state import model_layout
+from tidal.parallel.lr import lr_schedule
+from tidal.parallel.verbs import pipeline
 from tidal.pipeline.eval import evaluate_stages
-from tidal.pipeline.pipemare import AsyncConfig, StageWeights, WeightMode
-from tidal.pipeline.runtime import PipelineRuntime, RuntimeConfig
-from tidal.pipeline.split import even_ranges, tied_parameters
-from tidal.train.engine_state import PipelineStages, model_layout
+from tidal.pipeline.split import even_ranges
+from tidal.train.engine_state import PipelineStages
 from tidal.train.job import JobConfig
 
 __all__ = ["PipelinePart", "block_ranges", "check_pipeline_job"]
-
-_WEIGHTS = {"pipedream": WeightMode.STASH, "2bw": WeightMode.TWO_VERSIONS}
 
 
 def check_pipeline_job(job: JobConfig, *, world_size: int) -> None:
@@ -169,41 +167,15 @@ class PipelinePart:
         layout = model_layout(model, {n: t.shape for n, t in model.state_dict().items()})
         self.ranges = block_ranges(job)
         stages = spec.split(model, self.ranges)
-        tied = tied_parameters(stages)
         del model
-        rank = current_rank()
-        self.stage_ids = list(range(rank, len(stages), world_size))
-        mine = [stages[s] for s in self.stage_ids]
-        del stages
+        self.stage_ids = list(range(current_rank(), len(stages), world_size))
         self.lr = lr_schedule(job.optimizer, training)
-        runtime_config = RuntimeConfig(
-            schedule=pipe.schedule,
-            microbatches=pipe.num_microbatches,
-            virtual_stages=pipe.virtual_stages,
-            sync_steps=pipe.sync_steps,
-            max_grad_norm=training.grad_clip_norm or None,
-            partition=self.ranges,
-        )
-        weights = [self._stage_weights(stage) for stage in mine]
-        self.engine = PipelineRuntime(
-            runtime_config, stages=mine, weights=weights, tied=tied, device=device
-        )
+        self.engine = pipeline(stages, config=pipe, optimizer=job.optimizer, training=training,
+                               block_ranges=self.ranges, device=device, rank=current_rank(),
+                               world_size=world_size)  # fmt: skip
+        del stages
         split = {"schedule": pipe.schedule, "block_ranges": [list(r) for r in self.ranges]}
         self.checkpointable = PipelineStages(self.engine, layout, split)
-
-    def _stage_weights(self, stage: torch.nn.Module) -> StageWeights:
-        pipe = self.job.pipeline
-        optimizer = build_optimizer(stage, self.job.optimizer, self.lr.lr_at(1))
-        config = AsyncConfig(
-            weights=_WEIGHTS.get(pipe.schedule, WeightMode.CURRENT),
-            lr_rescheduling=pipe.reschedules_lr,
-            lr_warmup_steps=pipe.lr_warmup_steps,
-            correction=pipe.correction,
-            correction_decay=pipe.correction_decay,
-            prediction=pipe.prediction,
-            microbatches_per_update=pipe.num_microbatches if pipe.prediction else 0,
-        )
-        return StageWeights(stage, optimizer, config)
 
     @property
     def global_step(self) -> int:

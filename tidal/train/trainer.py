@@ -23,7 +23,7 @@ of ranks continues with the batches it would have seen. Hence B must divide by W
 the exception: each rank draws its masks for its own rows from the shared seed, so with dropout
 on, runs on different world sizes agree in distribution, not bit for bit.) A run with a plan
 splits the rows over the plan's data-parallel ranks only, the ranks of a tensor-parallel group
-sharing theirs, so B must divide by the plan's ``dp`` ([Note: plan runs] in plan_engine.py).
+sharing theirs, so B must divide by the plan's ``dp`` ([Note: plan runs] in plan_layout.py).
 Only rank 0 writes config.json, metrics.jsonl and summary.json and calls the callbacks; every
 rank runs the loop, the collectives and the checkpoint calls.
 """
@@ -228,7 +228,6 @@ class Trainer:
             world_size=self.world_size,
             grad_accum_steps=training.grad_accum_steps,
             computes_loss=spec.computes_loss,
-            planned=self.plan is not None,
         )
 
     def _pipeline_part(self) -> TrainingPart:
@@ -243,7 +242,7 @@ class Trainer:
         batch_size = self.job.training.batch_size
         if self.plan is None:
             return rank_rows(batch_size, rank=self.rank, world_size=self.world_size)
-        from tidal.parallel.plan_engine import plan_rows
+        from tidal.parallel.plan_layout import plan_rows
 
         return plan_rows(batch_size, self.plan, rank=self.rank)
 
@@ -511,7 +510,7 @@ class Trainer:
 
 
 def _load_plan(path: str | Path) -> Plan:
-    from tidal.parallel.plan_engine import load_plan
+    from tidal.parallel.plan_layout import load_plan
 
     return load_plan(path)
 

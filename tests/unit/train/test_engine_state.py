@@ -12,7 +12,6 @@ import torch
 from tidal.models import build_gpt
 from tidal.train.build import build_engine
 from tidal.train.checkpoint import load_checkpoint, load_model_state, save_checkpoint
-from tidal.train.engine_state import checkpointable
 from tidal.train.job import load_job
 
 SETTINGS = ["training.device=cpu", "optimizer.lr=1e-2", "optimizer.warmup_steps=0"]
@@ -42,10 +41,10 @@ def test_one_engine_resumes_what_another_wrote(tmp_path: Path, writer: str, read
     first, second = _engine(writer, model), _engine(reader, model)
     for seed in range(3):  # AdamW moments that differ from a fresh optimizer's
         _step(first, seed, vocab_size)
-    path = save_checkpoint(tmp_path, 3, state=checkpointable(first).checkpoint_state(),
+    path = save_checkpoint(tmp_path, 3, state=first.checkpoint_state(),
                            train_state={}, keep=1)  # fmt: skip
     checkpoint = load_checkpoint(path)
-    checkpointable(second).restore_checkpoint(
+    second.restore_checkpoint(
         checkpoint.load_tensors, checkpoint.train_state["engine"], checkpoint.meta
     )
     assert second.global_step == 3  # type: ignore[attr-defined]

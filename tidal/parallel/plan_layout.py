@@ -1,9 +1,9 @@
-"""The plan engine: train a model as a planner's plan says (``tidal train --plan PATH``).
+"""A plan's layout: train a model as a planner's plan says (``tidal train --plan PATH``).
 
-``tidal plan --json PATH`` writes a :class:`~tidal.planner.Plan`; this engine realises it with
-``tidal.planner.apply`` (DTensor on the ``tp`` mesh axis, FSDP2 on ``dp``) and trains it with
-the reference engine's calling convention, optimizer, schedule and clipping, so a plan run and
-a one-device run of the same job take the same steps up to rounding.
+``tidal plan --json PATH`` writes a :class:`~tidal.planner.Plan`; :class:`PlanLayout` realises it
+with ``tidal.planner.apply`` (DTensor on the ``tp`` mesh axis, FSDP2 on ``dp``) as the layout of
+the reference engine, whose calling convention, optimizer, schedule and clipping rule it keeps,
+so a plan run and a one-device run of the same job take the same steps up to rounding.
 
 [Note: plan runs]
 A plan fixes the mesh: it runs on exactly ``dp * tp`` ranks, rank ``r`` at data-parallel index
@@ -38,26 +38,15 @@ from torch.distributed.tensor import DTensor
 
 from tidal.config import ConfigError
 from tidal.distributed import rank, world_size
-from tidal.distributed.device import resolve_device
 from tidal.memory.materialize import ParameterValues, materialize
-from tidal.parallel.accumulation import AccumulationCounter
-from tidal.parallel.config import OptimizerConfig, TrainingConfig
-from tidal.parallel.protocol import Phase, Phases
-from tidal.parallel.reference import (
-    autocast,
-    build_optimizer,
-    lr_schedule,
-    model_data_bytes,
-    set_lr,
-    step_optimizer,
-    torch_engine_stats,
-)
+from tidal.parallel.config import OptimizerConfig
+from tidal.parallel.reference import build_optimizer
 from tidal.planner import Plan, apply, full_state_dict, make_mesh, set_accumulating
 from tidal.planner.apply import check_plan
 from tidal.planner.measure import ModelGraph
 from tidal.planner.wiring import meta_twin, structure_graph
 
-__all__ = ["PlanEngine", "check_plan_fits", "load_plan", "plan_rows"]
+__all__ = ["PlanLayout", "check_plan_fits", "load_plan", "plan_rows"]
 
 logger = logging.getLogger(__name__)
 
@@ -147,11 +136,6 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-def _nbytes(t: torch.Tensor) -> int:
-    local = _local(t)
-    return local.numel() * local.element_size()
-
-
 def _by_mesh(tensors: list[Any]) -> list[list[Any]]:
     """``tensors`` by mesh, plain tensors together, in their order (so every rank's is the same).
 
@@ -208,138 +192,99 @@ def _difference(saved: dict[str, Any], ours: dict[str, Any]) -> str:
     return f"recompute {saved['recompute']}, not {ours['recompute']}"
 
 
-class PlanEngine(AccumulationCounter):
-    """Train a model (tidal's GPT, a Hugging Face decoder) as ``plan`` says on its ``dp x tp``
-    ranks. The optimizer, schedule and update are the reference engine's functions; building,
-    backward (no all-reduce: FSDP and apply's hooks average), clipping, byte counts and state
-    are its own. ``seq_len``: the run's (default: the plan's)."""
+class PlanLayout:
+    """The reference engine's layout under ``plan`` on its ``dp x tp`` ranks: backward without
+    an all-reduce (FSDP and apply's hooks average), clipping mesh by mesh, this rank's shares
+    in the byte counts, and whole tensors in the state ([Note: plan runs]). ``seq_len``: the
+    run's (default: the plan's); ``batch_size``: the run's global micro-batch, checked against
+    what the plan was priced for."""
 
-    def __init__(
-        self,
-        model: nn.Module,
-        *,
-        plan: Plan,
-        optimizer: OptimizerConfig,
-        training: TrainingConfig,
-        init: ParameterValues | None = None,
-        seq_len: int | None = None,
-    ) -> None:
-        self.device = resolve_device(training.device)
-        # Read once: the group is set up before any engine is built.
-        self.world_size, self.rank = world_size(), rank()
-        seq_len = plan.seq_len if seq_len is None else seq_len
+    name = "plan"
+    optimizer_by_name = True
+
+    def __init__(self, plan: Plan, *, seq_len: int | None = None,
+                 batch_size: int | None = None) -> None:  # fmt: skip
+        self.plan = plan
+        self.seq_len = plan.seq_len if seq_len is None else seq_len
+        self.batch_size = batch_size
+
+    def place(self, model: nn.Module, *, device: torch.device, precision: str,
+              init: ParameterValues | None) -> nn.Module:  # fmt: skip
         # The model's structure, and a meta copy to lay checkpoints out with (_load_model).
-        self._graph = structure_graph(model, seq_len=seq_len)
+        self._graph = structure_graph(model, seq_len=self.seq_len)
         self._blueprint = meta_twin(model, buffers=True)
-        check_plan_fits(plan, model, world_size=self.world_size, seq_len=seq_len, graph=self._graph)
-        self.precision = training.precision
-        if self.precision == "fp16":
+        check_plan_fits(self.plan, model, world_size=world_size(), seq_len=self.seq_len,
+                        graph=self._graph)  # fmt: skip
+        if precision == "fp16":
             raise ConfigError(
                 "training.precision",
                 "a plan run trains in 'fp32' or 'bf16' (fp16's loss scaling is not wired to "
                 "sharded gradients); use 'bf16'",
             )
         if init is not None:  # a model on the meta device: all of it here, until apply shards it
-            materialize(model, init, self.device)
-        self.plan = plan
-        self.mesh = make_mesh(plan, self.device.type)
-        self.model = apply(model.to(self.device), plan, self.mesh, graph=self._graph)
-        self.grad_accum_steps = training.grad_accum_steps
-        self.grad_clip_norm = training.grad_clip_norm
-        self.schedule = lr_schedule(optimizer, training)
-        self.optimizer = _build_optimizer(self.model, optimizer, self.schedule.lr_at(0))
-        self.global_step = 0
-        self.micro_step = 0
-        self.last_grad_norm: float | None = None
-        self.phases = Phases()
-        self._warn_on_micro_batch(training.batch_size)
+            materialize(model, init, device)
+        self.device = device
+        self.mesh = make_mesh(self.plan, device.type)
+        self._warn_on_micro_batch()
+        return apply(model.to(device), self.plan, self.mesh, graph=self._graph)
 
-    @property
-    def phase(self) -> Phase:
-        return self.phases.now
-
-    @property
-    def lr(self) -> float:
-        return float(self.optimizer.param_groups[0]["lr"])
-
-    def _warn_on_micro_batch(self, batch_size: int) -> None:
-        rows = batch_size // self.plan.dp
-        if self.rank == 0 and rows != self.plan.micro_batch:
+    def _warn_on_micro_batch(self) -> None:
+        if self.batch_size is None:
+            return
+        rows = self.batch_size // self.plan.dp
+        if rank() == 0 and rows != self.plan.micro_batch:
             logger.warning(
                 "the plan was priced for %d sequence(s) per data-parallel rank and micro-batch; "
                 "this run has %d (training.batch_size %d / dp %d), so its memory differs from "
                 "the plan's",
-                self.plan.micro_batch, rows, batch_size, self.plan.dp,
+                self.plan.micro_batch, rows, self.batch_size, self.plan.dp,
             )  # fmt: skip
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        with autocast(self.precision, self.device):
-            return self.phases.track(lambda: self.model(*args, **kwargs))
+    def build_optimizer(self, model: nn.Module, config: OptimizerConfig,
+                        lr: float) -> torch.optim.Optimizer:  # fmt: skip
+        return _build_optimizer(model, config, lr)
 
-    def backward(self, loss: torch.Tensor) -> None:
-        """See [Note: accumulation boundary]; the gradients are averaged over ``dp`` by FSDP and
-        apply's hooks ([Note: plan runs])."""
-        set_accumulating(self.model, not self.is_accumulation_boundary())
-        scaled = loss / self.grad_accum_steps if self.grad_accum_steps > 1 else loss
-        scaled.backward()
-        self.phases.backward()
+    def before_backward(self, model: nn.Module, *, boundary: bool) -> None:
+        set_accumulating(model, not boundary)
 
-    def step(self) -> bool:
-        """Count a micro-batch; on the boundary step the optimizer. Returns whether it stepped."""
-        if not self._count_micro_batch():
-            return False
-        self.last_grad_norm = step_optimizer(self.optimizer, None, self._clip_gradients)
-        self.phases.gradients_dropped()
-        self.global_step += 1
-        set_lr(self.optimizer, self.schedule.lr_at(self.global_step))
-        return True
+    def after_backward(self, model: nn.Module, *, boundary: bool) -> None:
+        """Nothing: FSDP and apply's hooks averaged the gradients over ``dp``."""
 
-    def zero_grad(self) -> None:
-        self.optimizer.zero_grad(set_to_none=True)
-        self.phases.gradients_dropped()
-
-    def _clip_gradients(self) -> float:
-        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+    def clip(self, model: nn.Module, max_norm: float) -> float:
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
         if not grads:
             return 0.0
         norm = _total_norm(grads)
-        if self.grad_clip_norm > 0:
+        if max_norm > 0:
             # clip_grad_norm_'s rule, with a Python factor: its tensor one cannot multiply DTensors
-            factor = float(torch.clamp(self.grad_clip_norm / (norm + 1e-6), max=1.0))
+            factor = float(torch.clamp(max_norm / (norm + 1e-6), max=1.0))
             for grad in grads:
                 grad.mul_(factor)
         return float(norm)
 
+    def nbytes(self, t: torch.Tensor) -> int:
+        local = _local(t)
+        return local.numel() * local.element_size()
+
     def stats(self) -> dict[str, Any]:
-        """The reference engine's figures, with this rank's shares of the model data."""
-        return {
-            **torch_engine_stats(self, "plan"),
-            "mesh": f"dp {self.plan.dp} x tp {self.plan.tp}",
-        }
+        return {"mesh": f"dp {self.plan.dp} x tp {self.plan.tp}"}
 
-    def model_data_bytes(self) -> dict[str, int]:
-        """Bytes of this rank's shares of the parameters, gradients and optimizer state."""
-        return model_data_bytes(self.model, self.optimizer, _nbytes)
-
-    def model_state_dict(self) -> dict[str, torch.Tensor]:
+    def model_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
         """The whole model in the single-device layout; a collective (every rank calls it)."""
-        return full_state_dict(self.model, self.plan)
+        return full_state_dict(model, self.plan)
 
-    # -- state ---------------------------------------------------------------------------------
-
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         """Whole tensors ([Note: plan runs]); the optimizer's on rank 0 only, on the CPU. A
         collective: every rank must call it."""
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
         return {
-            "model": full_state_dict(self.model, self.plan),
-            "optimizer": get_optimizer_state_dict(self.model, self.optimizer, options=options),
+            "model": full_state_dict(model, self.plan),
+            "optimizer": get_optimizer_state_dict(model, optimizer, options=options),
             "plan": _plan_choices(self.plan),
-            "global_step": self.global_step,
-            "micro_step": self.micro_step,
         }
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer,
+                        state: dict[str, Any]) -> None:  # fmt: skip
         """Load what :meth:`state_dict` gave, on every rank (a collective)."""
         saved = state.get("plan")
         if saved is None:
@@ -354,14 +299,11 @@ class PlanEngine(AccumulationCounter):
                 f"resume with the plan file it was trained with, or export it with `tidal "
                 f"export RUN_DIR`",
             )
-        self._load_model(state["model"])
+        self._load_model(model, state["model"])
         options = StateDictOptions(full_state_dict=True)
-        set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"], options=options)
-        self.global_step = int(state["global_step"])
-        self.micro_step = int(state["micro_step"])
-        set_lr(self.optimizer, self.schedule.lr_at(self.global_step))
+        set_optimizer_state_dict(model, optimizer, state["optimizer"], options=options)
 
-    def _load_model(self, values: dict[str, torch.Tensor]) -> None:
+    def _load_model(self, model: nn.Module, values: dict[str, torch.Tensor]) -> None:
         """Whole single-device values into this rank's shares. They go through ``apply`` on a
         fresh model, so they land in the plan's layout (fused qkv rows reordered, shards cut)
         by the code that laid out the model being trained."""
@@ -370,7 +312,7 @@ class PlanEngine(AccumulationCounter):
         with warnings.catch_warnings():  # apply warned of any detour when the engine was built
             warnings.simplefilter("ignore")
             apply(fresh, self.plan, self.mesh, graph=self._graph)
-        own = dict(self.model.named_parameters())
+        own = dict(model.named_parameters())
         with torch.no_grad():
             for name, value in fresh.named_parameters():
                 _local(own[name]).copy_(_local(value))
