@@ -19,13 +19,12 @@ from tidal.parallel.config import MemoryConfig, OptimizerConfig, TrainingConfig
 from tidal.parallel.local_parts import LocalParts
 from tidal.parallel.reference import ReferenceEngine, build_optimizer, lr_schedule
 from tidal.parallel.sharded_parts import ShardedParts
-from tidal.pipeline.config import PipelineConfig
-from tidal.pipeline.pipemare import AsyncConfig, StageWeights, WeightMode
-from tidal.pipeline.runtime import PipelineRuntime, RuntimeConfig
-from tidal.pipeline.split import PipelineStage, tied_parameters
 from tidal.sharding.config import ShardingConfig
 
 if TYPE_CHECKING:
+    from tidal.pipeline.config import PipelineConfig
+    from tidal.pipeline.runtime import PipelineRuntime
+    from tidal.pipeline.split import PipelineStage
     from tidal.planner import Plan
 
 __all__ = ["apply_plan", "offload", "pipeline", "shard"]
@@ -75,9 +74,6 @@ def apply_plan(model: nn.Module, plan: Plan, *, optimizer: OptimizerConfig,
                            layout=layout)  # fmt: skip
 
 
-_WEIGHTS = {"pipedream": WeightMode.STASH, "2bw": WeightMode.TWO_VERSIONS}
-
-
 def pipeline(stages: Sequence[PipelineStage], *, config: PipelineConfig, optimizer: OptimizerConfig,
              training: TrainingConfig, block_ranges: Sequence[tuple[int, int]],
              device: torch.device, rank: int, world_size: int) -> PipelineRuntime:  # fmt: skip
@@ -86,11 +82,16 @@ def pipeline(stages: Sequence[PipelineStage], *, config: PipelineConfig, optimiz
     ``rank, rank + world_size, ...`` (each with its own optimizer and, for asynchronous
     schedules, its weight versions); returns the runtime that trains them ([Note: pipeline
     runs] in tidal/train/pipeline_part.py)."""
+    from tidal.pipeline.pipemare import AsyncConfig, StageWeights, WeightMode  # pipelines only
+    from tidal.pipeline.runtime import PipelineRuntime, RuntimeConfig
+    from tidal.pipeline.split import tied_parameters
+
+    versions = {"pipedream": WeightMode.STASH, "2bw": WeightMode.TWO_VERSIONS}
     tied = tied_parameters(stages)
     mine = [stages[s] for s in range(rank, len(stages), world_size)]
     first_lr = lr_schedule(optimizer, training).lr_at(1)
     weights = AsyncConfig(
-        weights=_WEIGHTS.get(config.schedule, WeightMode.CURRENT),
+        weights=versions.get(config.schedule, WeightMode.CURRENT),
         lr_rescheduling=config.reschedules_lr,
         lr_warmup_steps=config.lr_warmup_steps,
         correction=config.correction,
