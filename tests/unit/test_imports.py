@@ -28,3 +28,26 @@ def test_library_needs_no_optional_package() -> None:
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "ok"
+
+
+_LOADED_BY_TRAIN = textwrap.dedent(
+    """
+    import sys
+    import tidal.cli.main, tidal.train.build, tidal.train.trainer
+    from tidal.models import build_gpt, preset
+    tidal.initialize(build_gpt(preset("tiny")), {"engine": "chunk", "training": {"device": "cpu"}})
+    assert tidal.cli.main.main(["train", "--recipe", "tiny", "--set", "training.stepz=3"]) == 2
+    print(sorted(m for m in ("scipy", "tidal.planner", "torch.distributed.checkpoint")
+                 if m in sys.modules))
+    """
+)
+
+
+def test_the_train_path_loads_neither_the_planner_nor_dcp() -> None:
+    """Every tidal process and rank pays for what the CLI's train path imports: the planner
+    (scipy, about a second) loads for plans, DCP (DTensor, another second) for checkpoints."""
+    result = subprocess.run(
+        [sys.executable, "-c", _LOADED_BY_TRAIN], capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]"

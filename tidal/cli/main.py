@@ -37,8 +37,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     from tidal.distributed.watchdog import EXIT_CODE as RANK_DIED_EXIT_CODE
     from tidal.distributed.watchdog import RankDiedError
     from tidal.memory.store import DeviceBudgetTooSmall
-    from tidal.planner.search import Infeasible
     from tidal.train.checkpoint import CheckpointWriteError
+
+    bad_input: tuple[type[Exception], ...] = (
+        ConfigError, DeviceBudgetTooSmall, FileNotFoundError, *_plan_errors(args)
+    )  # fmt: skip
 
     try:
         if args.command == "train":
@@ -62,7 +65,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _bench(args, console)
         if args.command == "export":
             return _export(args, console)
-    except (ConfigError, DeviceBudgetTooSmall, FileNotFoundError, Infeasible) as err:
+    except bad_input as err:
         print(f"tidal: error: {err}", file=sys.stderr)
         return EXIT_BAD_INPUT
     except (FloatingPointError, CheckpointWriteError) as err:
@@ -78,6 +81,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         return EXIT_INTERRUPTED
     raise AssertionError(f"unhandled command {args.command!r}")
+
+
+def _plan_errors(args: argparse.Namespace) -> tuple[type[Exception], ...]:
+    """The planner's bad-input error, for ``tidal plan`` only: importing the planner loads scipy,
+    a second every other command (and every rank) would pay."""
+    if args.command != "plan":
+        return ()
+    from tidal.planner.search import Infeasible
+
+    return (Infeasible,)
 
 
 def _pipeline_flags(args: argparse.Namespace) -> None:

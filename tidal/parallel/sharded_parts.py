@@ -36,7 +36,6 @@ from tidal.parallel.local_parts import checkpoint_meta, largest_module_bytes, pe
 from tidal.parallel.parts import PartsHost
 from tidal.parallel.protocol import CheckpointTensors, LoadTensors
 from tidal.sharding.config import ShardingConfig
-from tidal.sharding.disk_checkpoint import DiskLoadPlanner, DiskSavePlanner
 from tidal.sharding.optim import ShardedOptimizer, make_master_shards
 from tidal.sharding.state import sharded_tensors
 from tidal.sharding.store import ShardedChunkStore
@@ -241,6 +240,8 @@ class ShardedParts:
         meta["world_size"] = self.world_size
         planner = None
         if on_disk:
+            from tidal.sharding.disk_checkpoint import DiskSavePlanner  # loads DCP: disk runs only
+
             assert self.nvme is not None
             planner = DiskSavePlanner(self.nvme, on_disk)
         return CheckpointTensors(tensors=tensors, extras=extras, meta=meta, planner=planner)
@@ -256,6 +257,8 @@ class ShardedParts:
         for name, buffer in persistent_buffers(engine.model):
             targets[f"buffer/{name}"] = buffer.detach()
         if on_disk:
+            from tidal.sharding.disk_checkpoint import DiskLoadPlanner  # loads DCP: disk runs only
+
             assert self.nvme is not None
             load(targets, planner=DiskLoadPlanner(self.nvme, on_disk))
         else:
