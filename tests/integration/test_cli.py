@@ -1,4 +1,5 @@
-"""The ``tidal`` command end to end, in subprocesses, as a user runs it."""
+"""The ``tidal`` command end to end, in subprocesses as a user runs it (its main in this process
+where the process boundary is another test's)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from tidal.cli.main import main
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -33,14 +36,28 @@ def tidal(*args: str, timeout_s: float = 300) -> subprocess.CompletedProcess[str
         ("data.source=web", "data.source", "expected one of"),
     ],
 )
-def test_config_errors_exit_2_with_one_line(override: str, key: str, fragment: str) -> None:
-    result = tidal("train", "--recipe", "tiny", "--set", override)
-    assert result.returncode == 2, result.stderr
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1, result.stderr
+def test_config_errors_exit_2_with_one_line(
+    override: str, key: str, fragment: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # In this process (the command's main): the process boundary is the next test's.
+    assert main(["train", "--recipe", "tiny", "--set", override]) == 2
+    out, err = capsys.readouterr()
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
     assert lines[0].startswith(f"tidal: error: {key}: ")
     assert fragment in lines[0]
-    assert "Traceback" not in result.stderr + result.stdout
+    assert "Traceback" not in err + out
+
+
+def test_a_config_error_in_a_process_is_one_line_and_exit_2() -> None:
+    result = tidal("train", "--recipe", "tiny", "--set", "training.stepz=3")
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip().splitlines() == [
+        "tidal: error: training.stepz: unknown key (allowed: batch_size, device, "
+        "grad_accum_steps, grad_clip_norm, log_every, precision, seed, steps, val_batches, "
+        "val_every); did you mean 'steps'?"
+    ]
+    assert result.stdout == ""
 
 
 def test_unknown_recipe_lists_the_known_ones() -> None:
@@ -137,14 +154,16 @@ def test_a_device_budget_below_the_activations_is_one_clear_line(tmp_path: Path)
     assert not (tmp_path / "demo" / "checkpoints").exists()
 
 
-def test_models_and_help() -> None:
+def test_models_and_help(capsys: pytest.CaptureFixture[str]) -> None:
     models = tidal("models")
     assert models.returncode == 0
     assert "gpt2-small" in models.stdout and "124,439,808" in models.stdout
     assert "gpt3-175b" in models.stdout
-    help_text = tidal("--help").stdout
-    for command in ("train", "report", "models"):
-        assert command in help_text
-    train_help = tidal("train", "--help").stdout
-    for flag in ("--recipe", "--set", "--resume", "--overwrite"):
-        assert flag in train_help
+    for args, wanted in ((["--help"], ("train", "report", "models")),
+                         (["train", "--help"], ("--recipe", "--set", "--resume", "--overwrite"))):  # fmt: skip
+        with pytest.raises(SystemExit) as exit_:  # argparse's help exits 0
+            main(args)
+        assert exit_.value.code == 0
+        help_text = capsys.readouterr().out
+        for word in wanted:
+            assert word in help_text
