@@ -32,7 +32,7 @@ def build_engine(
     """``engine = "reference"``: plain PyTorch; ``"chunk"``: parameters in chunks under budgets,
     sharded over the ranks (ZeRO-3) when a process group of several ranks is initialised, and
     on one process when ``memory.nvme_dir`` asks for the disk tier. With a ``plan`` (``tidal
-    plan``), the plan engine on the plan's ranks. ``init``: the values of a model built on the
+    plan``), the reference engine in the plan's layout on its ranks. ``init``: the values of a model built on the
     meta device ([Note: deferred construction] in tidal/memory/materialize.py)."""
     if plan is not None:
         refuse_chunk_engine(job)
@@ -63,7 +63,7 @@ def check_plan_job(plan: Plan, job: JobConfig, *, model: nn.Module, world_size: 
 
 
 def refuse_chunk_engine(job: JobConfig) -> None:
-    """A plan runs on the plan engine alone."""
+    """A plan runs on the reference engine alone (in the plan's layout)."""
     if job.engine != "reference":
         raise ConfigError(
             "--plan",
