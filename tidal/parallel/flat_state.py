@@ -1,7 +1,8 @@
 """Whole-tensor state in the one checkpoint format's keys ([Note: checkpoint keys] in
-tidal/train/checkpoint.py): the flattening every engine that holds whole tensors shares (the
-reference engine, replicated or in a plan's layout, the chunk engine on one process, a pipeline's stages). The sharded
-engine writes its pieces under the same keys itself (tidal/sharding/state.py)."""
+tidal/train/checkpoint.py): the flattening every holder of whole tensors shares (the reference
+engine, replicated or in a plan's layout; the chunk engine on one process; a pipeline's
+stages). The sharded engine writes its pieces under the same keys itself
+(tidal/sharding/state.py)."""
 
 from __future__ import annotations
 
