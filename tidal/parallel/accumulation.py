@@ -1,4 +1,4 @@
-"""Micro-batch counting, one object every engine holds.
+"""Micro-batch counting, one object every engine holds; a global micro-batch's rows per rank.
 
 [Note: accumulation boundary]
 Engines take DeepSpeed's calling convention: ``step()`` is called after every micro-batch and
@@ -14,7 +14,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["StepCounter"]
+from tidal.config import ConfigError
+
+__all__ = ["StepCounter", "split_rows"]
 
 
 @dataclass(kw_only=True, slots=True)
@@ -45,3 +47,19 @@ class StepCounter:
     def restore(self, state: dict[str, Any]) -> None:
         self.global_step = int(state["global_step"])
         self.micro_step = int(state["micro_step"])
+
+
+def split_rows(batch_size: int, *, index: int, parts: int, over: str, fix: str) -> slice:
+    """Part ``index``'s contiguous rows of a global batch split into ``parts`` equal ones
+    ([Note: global batch] in tidal/train/trainer.py); ``over`` names the parts and ``fix`` how
+    else to make them divide, in the error when they do not."""
+    if batch_size % parts:
+        lower = batch_size - batch_size % parts
+        hint = f"{lower} or {lower + parts}" if lower else str(parts)
+        raise ConfigError(
+            "training.batch_size",
+            f"{batch_size} sequences do not split evenly over {over}; set it to a multiple of "
+            f"{parts}, e.g. {hint}{fix}",
+        )
+    rows = batch_size // parts
+    return slice(index * rows, (index + 1) * rows)

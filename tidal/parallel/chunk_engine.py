@@ -122,10 +122,6 @@ class ChunkEngine:
         return self.counter.global_step
 
     @property
-    def micro_step(self) -> int:
-        return self.counter.micro_step
-
-    @property
     def rank(self) -> int:
         return self.parts.rank
 

@@ -39,6 +39,7 @@ from torch.distributed.tensor import DTensor
 from tidal.config import ConfigError
 from tidal.distributed import rank, world_size
 from tidal.memory.materialize import ParameterValues, materialize
+from tidal.parallel.accumulation import split_rows
 from tidal.parallel.config import OptimizerConfig
 from tidal.parallel.reference import build_optimizer
 from tidal.planner import Plan, apply, full_state_dict, make_mesh, set_accumulating
@@ -117,19 +118,9 @@ def _join(items: set[int]) -> str:
 
 def plan_rows(batch_size: int, plan: Plan, *, rank: int) -> slice:
     """Rank ``rank``'s rows of a global batch under ``plan``; see [Note: plan runs]."""
-    dp = plan.dp
-    if batch_size % dp:
-        lower = batch_size - batch_size % dp
-        hint = f"{lower} or {lower + dp}" if lower else str(dp)
-        raise ConfigError(
-            "training.batch_size",
-            f"{batch_size} sequences do not split evenly over the plan's {dp} data-parallel "
-            f"ranks (dp {dp} x tp {plan.tp}; the ranks of a tensor-parallel group share their "
-            f"rows); set it to a multiple of {dp}, e.g. {hint}",
-        )
-    rows = batch_size // dp
-    index = rank // plan.tp
-    return slice(index * rows, (index + 1) * rows)
+    over = (f"the plan's {plan.dp} data-parallel ranks (dp {plan.dp} x tp {plan.tp}; the ranks "
+            f"of a tensor-parallel group share their rows)")  # fmt: skip
+    return split_rows(batch_size, index=rank // plan.tp, parts=plan.dp, over=over, fix="")
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

@@ -241,10 +241,6 @@ class ReferenceEngine:
         return self.counter.global_step
 
     @property
-    def micro_step(self) -> int:
-        return self.counter.micro_step
-
-    @property
     def lr(self) -> float:
         return float(self.optimizer.param_groups[0]["lr"])
 

@@ -58,6 +58,7 @@ from tidal.distributed.device import (
 )
 from tidal.distributed.faults import maybe_inject
 from tidal.models import spec_for
+from tidal.parallel.accumulation import split_rows
 from tidal.train.build import build_engine
 from tidal.train.checkpoint import (
     IDENTITY,
@@ -112,17 +113,10 @@ class LogCallback(Callback):
 
 def rank_rows(batch_size: int, *, rank: int, world_size: int) -> slice:
     """Rank ``rank``'s rows of a global batch of ``batch_size``; see [Note: global batch]."""
-    if batch_size % world_size:
-        lower = batch_size - batch_size % world_size
-        hint = f"{lower} or {lower + world_size}" if lower else str(world_size)
-        raise ConfigError(
-            "training.batch_size",
-            f"{batch_size} sequences do not split evenly over {world_size} ranks (it is the "
-            f"global micro-batch; each rank trains on batch_size / world size of its rows); set "
-            f"it to a multiple of {world_size}, e.g. {hint}, or run on a world size that divides it",
-        )
-    rows = batch_size // world_size
-    return slice(rank * rows, (rank + 1) * rows)
+    over = (f"{world_size} ranks (it is the global micro-batch; each rank trains on "
+            f"batch_size / world size of its rows)")  # fmt: skip
+    fix = ", or run on a world size that divides it"
+    return split_rows(batch_size, index=rank, parts=world_size, over=over, fix=fix)
 
 
 def check_run_dir(run_dir: Path, *, resume: bool, overwrite: bool) -> None:

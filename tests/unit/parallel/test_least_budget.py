@@ -73,7 +73,7 @@ def test_the_minimum_trains_and_less_fails_before_any_update(lengths, size) -> N
     with pytest.raises(DeviceBudgetTooSmall) as err:
         engine.backward(engine(inputs, targets))  # the forward and backward run, measured
     assert f"at least {minimum:,} bytes" in str(err.value)  # the figure that works
-    assert engine.global_step == 0 and engine.micro_step == 0
+    assert engine.global_step == 0 and engine.counter.micro_step == 0
     after = engine.model_state_dict()
     assert all(torch.equal(before[k], after[k]) for k in before)
     assert engine.device_tier.held_bytes <= short
