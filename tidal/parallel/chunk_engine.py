@@ -221,16 +221,6 @@ class ChunkEngine:
         self.zero_grad()
         self.counter.drop_window()
 
-    @property
-    def min_device_bytes(self) -> int:
-        """The least device budget every iteration so far ran in ([Note: the least budget])."""
-        return self.store.least_budget_bytes
-
-    @property
-    def peak_non_model_bytes(self) -> int:
-        """The most non-model bytes (activations) any iteration so far held on the device."""
-        return self.store.peak_non_model_bytes
-
     def step(self) -> bool:
         """Count a micro-batch; on the boundary clip, update and zero. Returns whether it stepped."""
         if not self.counter.count_micro_batch():
@@ -291,9 +281,10 @@ class ChunkEngine:
             "loss_scale": self.loss_scale.scale if self.loss_scale else None,
             "skipped_steps": self.loss_scale.skipped_steps if self.loss_scale else 0,
             # [Note: the least budget]: over every iteration so far (the largest chunk before one)
-            "min_device_bytes": self.min_device_bytes or self.store.min_device_bytes(),
+            "min_device_bytes": self.store.least_budget_bytes or self.store.min_device_bytes(),
             "min_device_bytes_last_trace": self.store.min_device_bytes(),
-            "peak_non_model_bytes": self.peak_non_model_bytes,
+            # the most non-model bytes (activations) any iteration so far held on the device
+            "peak_non_model_bytes": self.store.peak_non_model_bytes,
             "traces_recorded": self.store.num_traces,
             "grads_in_params": self.optimizer.grads_in_params,
             "model_data_bytes": self.model_data_bytes(),
