@@ -368,7 +368,10 @@ def build_gpt(config: GPTConfig, *, device: str | torch.device = "cpu", seed: in
         model = GPT(config)
     if torch.device(device).type == "meta":
         return model
-    model.to_empty(device=device)
+    # What ``model.to_empty(device=device)`` does, with ``torch.empty`` for its ``empty_like``:
+    # that of a meta tensor runs torch's Python reference, which imports sympy (about a second
+    # in every process that builds a GPT). The parameters are contiguous, so nothing differs.
+    model._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device))
     model.tie_weights()
     model.init_weights(seed)
     return model
