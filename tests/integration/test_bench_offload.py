@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import baselines
+from benchmarks import baselines, offload
 from benchmarks.baselines import DEEPSPEED, PYTORCH, deepspeed_missing_reason
 from benchmarks.offload import (
     TRAFFIC_FRACTIONS,
@@ -67,7 +67,11 @@ def test_traffic_section_through_the_cli(
 
 
 @pytest.mark.slow
-def test_scale_search_finds_the_edge() -> None:
+def test_scale_search_finds_the_edge(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The tries in this process: what decides a try is the engine's own budget accounting, the
+    # same in any process, and the traffic test above runs its cases through in_own_process as
+    # the bench does. Spawning a process per try would import torch once more each time.
+    monkeypatch.setattr(offload, "in_own_process", lambda fn, *args: fn(*args))
     settings = OffloadSettings(
         sections=("scale",),
         recipe="tiny",
