@@ -19,6 +19,7 @@ from benchmarks.offload import (
     scale_search,
     time_system,
 )
+from tidal.cli.args import build_parser
 from tidal.cli.main import main
 
 
@@ -27,8 +28,10 @@ def test_traffic_section_through_the_cli(
     tmp_path: Path, capfd: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # 16384-element chunks: the tiny model in 13 equal chunks, so optimal_traffic is exact.
+    # The least and the most room of the bench's three budgets, one process each.
     argv = ["bench", "offload", "--section", "traffic", "--recipe", "tiny", "--steps", "3",
-            "--set", "chunk.size=16384", "--results-dir", str(tmp_path)]  # fmt: skip
+            "--fractions", "0.25,0.75", "--set", "chunk.size=16384",
+            "--results-dir", str(tmp_path)]  # fmt: skip
     # The CLI's entry point in this process (every case runs in a process of its own anyway),
     # with the argv the results file records as its command.
     monkeypatch.setattr(sys, "argv", ["tidal", *argv])
@@ -44,7 +47,8 @@ def test_traffic_section_through_the_cli(
     assert data["bench"] == "offload"
     rows = data["rows"]
     assert [(r["section"], r["budget_fraction"]) for r in rows] == [
-        ("traffic", f) for f in TRAFFIC_FRACTIONS
+        ("traffic", 0.25),
+        ("traffic", 0.75),
     ]
     for row in rows:
         assert "error" not in row, row["error"]
@@ -87,6 +91,12 @@ def test_scale_search_finds_the_edge(monkeypatch: pytest.MonkeyPatch) -> None:
     assert "Budget" in tries[largest + 1]["reason"]  # refused, not crashed
     assert row["largest_num_params"] == tries[largest]["num_params"]
     assert 0 < row["params_over_limit"] <= 1
+
+
+def test_traffic_budgets_default_to_the_bench_fractions() -> None:
+    args = build_parser().parse_args(["bench", "offload"])
+    assert args.fractions == ",".join(str(f) for f in TRAFFIC_FRACTIONS)
+    assert main(["bench", "offload", "--fractions", "0,1"]) == 2  # refused before any case
 
 
 def test_deepspeed_missing_says_how_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
