@@ -37,6 +37,11 @@ from tidal.testing.zoo import ZOO, ZooModel, find_family
 __all__ = ["CompatSettings", "add_arguments", "bench_compat", "run", "table"]
 
 _TRACEBACK_CHARS = 4000  # the end of a traceback is where the cause is
+# What the fork server imports once for every worker. Every case builds a torch.optim optimizer
+# (the reference engine), whose first add_param_group imports torch._dynamo: about 3 s in each
+# worker (one per family, one more after each crash) unless the server already has. Importing
+# it starts no thread, so forking after it is as safe as after torch.
+_PRELOAD = ("benchmarks.compat_run", "torch._dynamo")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -103,7 +108,7 @@ def _family_rows(settings: CompatSettings, spec: str, family: ZooModel) -> list[
         for mode in modes
     ]  # fmt: skip
     results = run_isolated(run_case, cases, timeout_s=settings.case_timeout_s,
-                           preload=("benchmarks.compat_run",))  # fmt: skip
+                           preload=_PRELOAD)  # fmt: skip
     shared = {"steps": settings.steps, "chunk_elements": settings.chunk_elements}
     return [_row(family, mode, shared | r) for mode, r in zip(modes, results, strict=True)]
 

@@ -6,8 +6,8 @@ of its own (spawned), so its peak resident set (``ru_maxrss``) is that case's al
 - ``overhead``: median steady-state step time (after ``warmup_steps``) of plain PyTorch, the chunk
   engine with an unlimited device budget, and DeepSpeed ZeRO-3 with CPU offload, on one recipe,
   same data and seed (see :mod:`benchmarks.baselines`).
-- ``traffic``: the chunk engine at device budgets of 25/50/75% of its parameter-chunk bytes
-  (plus the peak non-model bytes a first step without a budget measured, since activations
+- ``traffic``: the chunk engine at device budgets of 25/50/75% (``traffic_fractions``) of its
+  parameter-chunk bytes (plus the peak non-model bytes a first step without a budget measured, since activations
   share the device budget), measured bytes per step against the offline optimum on the
   engine's own trace.
 - ``scale``: the deepest GPT (the recipe's width, more blocks) the chunk engine trains for 2
@@ -120,6 +120,7 @@ class OffloadSettings:
     device_budget_bytes: int = 128 << 20
     host_budget_bytes: int = 1 << 30
     host_recipe: str = "gpt2-small"
+    traffic_fractions: tuple[float, ...] = TRAFFIC_FRACTIONS
     overrides: tuple[str, ...] = field(default_factory=tuple)
 
     def __post_init__(self) -> None:
@@ -136,6 +137,11 @@ class OffloadSettings:
             f"must be >= 2 (the first records the trace), got {self.steps}",
         )
         require(self.repeats >= 1, "--repeats", f"must be >= 1, got {self.repeats}")
+        require(
+            bool(self.traffic_fractions) and all(0 < f <= 1 for f in self.traffic_fractions),
+            "--fractions",
+            f"fractions in (0, 1] of the parameter-chunk bytes, got {self.traffic_fractions}",
+        )
 
 
 def bench_offload(settings: OffloadSettings) -> list[dict[str, Any]]:
@@ -266,7 +272,7 @@ def traffic_rows(settings: OffloadSettings) -> list[dict[str, Any]]:
     return [
         {"recipe": settings.recipe, "budget_fraction": fraction}
         | in_own_process(_traffic_case, settings.recipe, overrides, fraction, settings.steps)
-        for fraction in TRAFFIC_FRACTIONS
+        for fraction in settings.traffic_fractions
     ]
 
 

@@ -13,9 +13,12 @@ from tidal.config import ConfigError
 
 @pytest.mark.slow
 def test_bench_rows_and_results_file(tmp_path: Path) -> None:
+    # The chunk engine, whose optimizer is tidal's own: each case's process then skips what
+    # torch.optim's first add_param_group imports (torch._dynamo, about 3 s). The bench's rows
+    # are the same for either engine.
     rows = bench_train(
         ["tiny"],
-        ["training.batch_size=2"],
+        ["training.batch_size=2", "engine=chunk"],
         variants=["", "training.precision=bf16,training.seed=3"],
         steps=4,
         warmup_steps=1,

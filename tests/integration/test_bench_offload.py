@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from benchmarks import baselines
+from benchmarks import baselines, offload
 from benchmarks.baselines import DEEPSPEED, PYTORCH, deepspeed_missing_reason
 from benchmarks.offload import (
     TRAFFIC_FRACTIONS,
@@ -20,29 +19,36 @@ from benchmarks.offload import (
     scale_search,
     time_system,
 )
-
-REPO = Path(__file__).resolve().parents[2]
+from tidal.cli.args import build_parser
+from tidal.cli.main import main
 
 
 @pytest.mark.slow
-def test_traffic_section_through_the_cli(tmp_path: Path) -> None:
+def test_traffic_section_through_the_cli(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     # 16384-element chunks: the tiny model in 13 equal chunks, so optimal_traffic is exact.
-    result = subprocess.run(
-        [sys.executable, "-m", "tidal", "bench", "offload", "--section", "traffic",
-         "--recipe", "tiny", "--steps", "3", "--set", "chunk.size=16384",
-         "--results-dir", str(tmp_path)],
-        capture_output=True, text=True, timeout=300, cwd=REPO, check=False,
-    )  # fmt: skip
-    assert result.returncode == 0, result.stderr
-    assert "measured/optimal" in result.stdout
+    # The least and the most room of the bench's three budgets, one process each.
+    argv = ["bench", "offload", "--section", "traffic", "--recipe", "tiny", "--steps", "3",
+            "--fractions", "0.25,0.75", "--set", "chunk.size=16384",
+            "--results-dir", str(tmp_path)]  # fmt: skip
+    # The CLI's entry point in this process (every case runs in a process of its own anyway),
+    # with the argv the results file records as its command.
+    monkeypatch.setattr(sys, "argv", ["tidal", *argv])
+    code = main(argv)
+    stdout, stderr = capfd.readouterr()
+    assert code == 0, stderr
+    assert "measured/optimal" in stdout
     (path,) = tmp_path.glob("offload-*.json")
     data = json.loads(path.read_text())
     for key in ("command", "git_commit", "torch_version", "device", "created_at"):
         assert key in data
+    assert data["command"] == " ".join(["tidal", *argv])
     assert data["bench"] == "offload"
     rows = data["rows"]
     assert [(r["section"], r["budget_fraction"]) for r in rows] == [
-        ("traffic", f) for f in TRAFFIC_FRACTIONS
+        ("traffic", 0.25),
+        ("traffic", 0.75),
     ]
     for row in rows:
         assert "error" not in row, row["error"]
@@ -65,7 +71,11 @@ def test_traffic_section_through_the_cli(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_scale_search_finds_the_edge() -> None:
+def test_scale_search_finds_the_edge(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The tries in this process: what decides a try is the engine's own budget accounting, the
+    # same in any process, and the traffic test above runs its cases through in_own_process as
+    # the bench does. Spawning a process per try would import torch once more each time.
+    monkeypatch.setattr(offload, "in_own_process", lambda fn, *args: fn(*args))
     settings = OffloadSettings(
         sections=("scale",),
         recipe="tiny",
@@ -81,6 +91,12 @@ def test_scale_search_finds_the_edge() -> None:
     assert "Budget" in tries[largest + 1]["reason"]  # refused, not crashed
     assert row["largest_num_params"] == tries[largest]["num_params"]
     assert 0 < row["params_over_limit"] <= 1
+
+
+def test_traffic_budgets_default_to_the_bench_fractions() -> None:
+    args = build_parser().parse_args(["bench", "offload"])
+    assert args.fractions == ",".join(str(f) for f in TRAFFIC_FRACTIONS)
+    assert main(["bench", "offload", "--fractions", "0,1"]) == 2  # refused before any case
 
 
 def test_deepspeed_missing_says_how_to_install(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -220,6 +220,10 @@ def _add_bench_offload(benches: argparse._SubParsersAction) -> None:
         help="overhead rounds, the systems in turn each round; each keeps its median round (3)",
     )  # fmt: skip
     offload.add_argument(
+        "--fractions", default="0.25,0.5,0.75", metavar="F[,F...]",
+        help="traffic's device budgets, as fractions of the parameter-chunk bytes (0.25,0.5,0.75)",
+    )  # fmt: skip
+    offload.add_argument(
         "--device-budget", default="128MiB", metavar="SIZE",
         help="device budget of the scale search (128MiB)",
     )  # fmt: skip

@@ -260,6 +260,7 @@ def _bench_offload(args: argparse.Namespace, console: Console) -> int:
         device_budget_bytes=parse_bytes(args.device_budget, key="--device-budget"),
         host_budget_bytes=parse_bytes(args.host_budget, key="--host-budget"),
         host_recipe=args.host_recipe,
+        traffic_fractions=_fractions(args.fractions),
         overrides=tuple(args.overrides),
     )
     rows = bench_offload(settings)
@@ -277,6 +278,17 @@ def _bench_offload(args: argparse.Namespace, console: Console) -> int:
         console.print(view)
     console.print(f"results: {path}")
     return 0
+
+
+def _fractions(text: str) -> tuple[float, ...]:
+    from tidal.config import ConfigError
+
+    try:
+        return tuple(float(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        raise ConfigError(
+            "--fractions", f"expected numbers such as 0.25,0.5, got {text!r}"
+        ) from None
 
 
 def _bench_plan(args: argparse.Namespace, console: Console) -> int:

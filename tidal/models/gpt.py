@@ -269,6 +269,14 @@ class Block(nn.Module):
         return x_BTD + self.mlp(self.ln_2(x_BTD))
 
 
+def _embedding(num_embeddings: int, dim: int) -> nn.Embedding:
+    """An ``nn.Embedding`` without its own N(0, 1) draw: ``init_weights`` sets every value, and
+    that draw on the meta device (:func:`build_gpt`) goes through torch's Python reference of
+    ``normal_``, whose first call imports ``torch._dynamo``: about 3 s in every process and rank
+    that builds a GPT, for values thrown away."""
+    return nn.Embedding(num_embeddings, dim, _weight=torch.empty(num_embeddings, dim))
+
+
 class GPT(nn.Module):
     """Decoder-only language model. Build it with :func:`build_gpt`, which also initialises it."""
 
@@ -276,8 +284,8 @@ class GPT(nn.Module):
         super().__init__()
         self.config = config
         d = config.d_model
-        self.tok_embed = nn.Embedding(config.vocab_size, d)
-        self.pos_embed = nn.Embedding(config.seq_len, d)
+        self.tok_embed = _embedding(config.vocab_size, d)
+        self.pos_embed = _embedding(config.seq_len, d)
         self.drop = nn.Dropout(config.dropout)
         self.blocks = nn.ModuleList(Block(config) for _ in range(config.num_layers))
         self.ln_f = nn.LayerNorm(d, eps=config.layer_norm_eps, bias=config.bias)
@@ -360,7 +368,10 @@ def build_gpt(config: GPTConfig, *, device: str | torch.device = "cpu", seed: in
         model = GPT(config)
     if torch.device(device).type == "meta":
         return model
-    model.to_empty(device=device)
+    # What ``model.to_empty(device=device)`` does, with ``torch.empty`` for its ``empty_like``:
+    # that of a meta tensor runs torch's Python reference, which imports sympy (about a second
+    # in every process that builds a GPT). The parameters are contiguous, so nothing differs.
+    model._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device))
     model.tie_weights()
     model.init_weights(seed)
     return model
