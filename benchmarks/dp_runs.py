@@ -122,7 +122,9 @@ def run_configuration(case: Case, nproc: int, timeout_s: float) -> list[dict[str
     with tempfile.TemporaryDirectory(prefix="tidal-bench-dp-") as folder:
         case = dataclasses.replace(case, result_dir=folder)
         try:
-            return run_on_ranks(run_case, world_size=nproc, args=(case,), timeout_s=timeout_s)
+            # Spawned: each rank's peak memory is its own process's, not a fork server's too.
+            return run_on_ranks(run_case, world_size=nproc, args=(case,), timeout_s=timeout_s,
+                                start="spawn")  # fmt: skip
         except RankFailure as err:
             paths = [Path(folder) / f"rank{r}.json" for r in range(nproc)]
             if not all(p.is_file() for p in paths):

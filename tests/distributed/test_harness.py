@@ -62,6 +62,29 @@ def _raise_before_collective() -> None:
         time.sleep(600)
 
 
+def _environment_and_output(name: str) -> str | None:
+    print(f"stdout of rank {dist.get_rank()}", flush=True)
+    print(f"stderr of rank {dist.get_rank()}", file=sys.stderr, flush=True)
+    return os.environ.get(name)
+
+
+@pytest.mark.parametrize("start", ["forkserver", "spawn"])
+def test_ranks_see_the_parents_environment_and_output_now(
+    start: str, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
+) -> None:
+    # Set after any fork server started (an earlier test's run): a forked rank must still see
+    # it, and write where this test's output goes, as a spawned one does.
+    run_on_ranks(_environment_and_output, world_size=WORLD, args=("TIDAL_TEST_VALUE",))
+    capfd.readouterr()
+    monkeypatch.setenv("TIDAL_TEST_VALUE", f"set-for-{start}")
+    got = run_on_ranks(_environment_and_output, world_size=WORLD, args=("TIDAL_TEST_VALUE",),
+                       start=start)  # fmt: skip
+    assert got == [f"set-for-{start}"] * WORLD
+    out, err = capfd.readouterr()
+    for rank in range(WORLD):
+        assert f"stdout of rank {rank}" in out and f"stderr of rank {rank}" in err
+
+
 def _failure(fn: Callable[..., Any], **kwargs: Any) -> RankFailure:
     with pytest.raises(RankFailure) as info:
         run_on_ranks(fn, world_size=WORLD, **kwargs)

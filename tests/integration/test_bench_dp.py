@@ -94,7 +94,9 @@ def test_tidal_budgets_leave_room_for_the_process() -> None:
 def test_a_failure_after_every_rank_reported_keeps_the_figures(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    def fake_run_on_ranks(fn: object, *, world_size: int, args: tuple, timeout_s: float) -> list:
+    def fake_run_on_ranks(
+        fn: object, *, world_size: int, args: tuple, timeout_s: float, start: str
+    ) -> list:
         (case,) = args
         for rank in range(world_size - 1 if case.recipe == "crash" else world_size):
             (Path(case.result_dir) / f"rank{rank}.json").write_text(json.dumps({"rank": rank}))

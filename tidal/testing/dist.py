@@ -96,9 +96,15 @@ def _rank_main(
     backend: str,
     timeout_s: float,
     conn: Connection,
+    environ: dict[str, str],
+    stdio: None,  # _ParentStdio, which its unpickling already adopted
 ) -> None:
     # Own process group, so the parent can also kill anything this rank starts.
     os.setpgrp()
+    # The parent's environment now, as a spawned rank would have it: the fork server's is
+    # that of the moment it started ([Note: ranks from a fork server]).
+    os.environ.clear()
+    os.environ.update(environ)
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -229,6 +235,41 @@ def _supervise(ranks: list[_Rank], timeout_s: float) -> list[RankOutcome]:
     return [outcomes[i] for i in order]
 
 
+# [Note: ranks from a fork server]
+# A spawned rank starts a new interpreter and imports torch (2-3 s here), tidal, and then
+# torch._dynamo at its first torch optimizer (another 3 s): most of a short distributed test.
+# Ranks are forked instead from multiprocessing's fork server, one process per test session
+# that imports those modules once and computes nothing, so a fork of it is as clean as a new
+# interpreter: no threads, no process group, no device context. What a spawned rank would
+# take from its parent at start, the environment and stdout/stderr, is passed along explicitly.
+_PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "tidal", "tidal.train"]
+
+
+class _ParentStdio:
+    """Pickles as the parent's stdout and stderr file descriptors (sent with the process, as
+    multiprocessing sends a pipe's), which the rank then writes to: a forked rank's own are
+    the fork server's, whatever they were when it started (another test's capture)."""
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        from multiprocessing.reduction import DupFd
+
+        return (_adopt_stdio, (DupFd(1), DupFd(2)))
+
+
+def _adopt_stdio(out: Any, err: Any) -> None:
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.dup2(out.detach(), 1)
+    os.dup2(err.detach(), 2)
+
+
+def _context(start: str) -> Any:
+    ctx = mp.get_context(start)
+    if start == "forkserver":
+        ctx.set_forkserver_preload(_PRELOAD)  # takes effect when the server starts, once
+    return ctx
+
+
 def run_on_ranks(
     fn: Callable[..., Any],
     *,
@@ -236,24 +277,29 @@ def run_on_ranks(
     args: tuple[Any, ...] = (),
     timeout_s: float = 120.0,
     backend: str = "gloo",
+    start: Literal["forkserver", "spawn"] = "forkserver",
 ) -> list[Any]:
-    """Call ``fn(*args)`` on ``world_size`` spawned ranks; return their results in rank order.
+    """Call ``fn(*args)`` on ``world_size`` ranks (forked from a fork server: [Note: ranks from
+    a fork server]); return their results in rank order.
 
     ``fn`` must be picklable (defined at module level) and reads its rank from
     ``torch.distributed.get_rank()``. Raises :class:`RankFailure` unless every rank reported
     ok and exited 0 within ``timeout_s`` (counted from start-up, which imports torch in each
     rank); see [Note: harness failure propagation]. ``timeout_s`` is also the process-group
     timeout, so a collective with a missing peer errors inside the rank rather than hanging.
+    ``start="spawn"``: a fresh interpreter per rank, for a benchmark whose ranks
+    measure their own memory (a forked rank holds the fork server's modules).
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
-    ctx = mp.get_context("spawn")
+    ctx = _context(start)
     port = free_port()
     ranks: list[_Rank] = []
     try:
         for rank in range(world_size):
             recv_end, send_end = ctx.Pipe(duplex=False)
-            worker_args = (fn, args, rank, world_size, port, backend, timeout_s, send_end)
+            worker_args = (fn, args, rank, world_size, port, backend, timeout_s, send_end,
+                           dict(os.environ), _ParentStdio())  # fmt: skip
             process = ctx.Process(target=_rank_main, args=worker_args, name=f"tidal-rank-{rank}")
             process.start()
             send_end.close()  # so the parent sees EOF once the child is gone
