@@ -167,3 +167,22 @@ def test_models_and_help(capsys: pytest.CaptureFixture[str]) -> None:
         help_text = capsys.readouterr().out
         for word in wanted:
             assert word in help_text
+
+
+def test_version_names_tidal_torch_and_python(capsys: pytest.CaptureFixture[str]) -> None:
+    import platform
+
+    import tomllib
+    import torch
+
+    import tidal
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["--version"])
+    assert exit_.value.code == 0
+    version = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["version"]
+    assert tidal.__version__ == version  # the package's one version, as pyproject has it
+    torch_version = torch.__version__.split("+")[0]
+    out = capsys.readouterr().out.strip()
+    assert out.startswith(f"tidal {version} (torch {torch_version}")
+    assert out.endswith(f"Python {platform.python_version()})")

@@ -3,10 +3,24 @@
 from __future__ import annotations
 
 import argparse
+import platform
+from importlib import metadata
 
 __all__ = ["build_parser"]
 
 _RECIPE_HELP = "a recipe name from recipes/ (e.g. demo, tiny) or a path to a TOML file"
+
+
+def version_line() -> str:
+    """tidal's version and what it runs on, as a bug report wants them (torch's read from its
+    package metadata: no import)."""
+    from tidal import __version__
+
+    try:
+        torch_version = metadata.version("torch")
+    except metadata.PackageNotFoundError:  # a GPU box's torch, installed without metadata
+        torch_version = "unknown"
+    return f"tidal {__version__} (torch {torch_version}, Python {platform.python_version()})"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -14,6 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="tidal",
         description="Train PyTorch models larger than the accelerator's memory.",
     )
+    parser.add_argument("--version", action="version", version=version_line())
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_train(sub)
     _add_report(sub)
