@@ -6,45 +6,33 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from benchmarks import dp_runs
 from benchmarks.dp import search_largest
 from benchmarks.dp_systems import Case, tidal_budget_overrides
-from tidal.cli.main import main
 from tidal.testing import RankFailure, RankOutcome
 
 
 @pytest.mark.slow
-def test_perf_section_through_the_cli(
-    tmp_path: Path, capfd: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_perf_section_through_the_cli(tmp_path: Path, bench_cli: Callable[..., Any]) -> None:
     argv = ["bench", "dp", "--recipe", "tiny", "--systems", "tidal,fsdp2-cpu-offload",
             "--nproc", "1,2", "--section", "perf", "--steps", "2", "--warmup", "1",
             "--out", str(tmp_path)]  # fmt: skip
-    # The CLI's entry point in this process (each configuration's ranks are fresh processes
-    # anyway), with the argv the results file records as its command; capfd also holds what
-    # the ranks write to stderr.
-    monkeypatch.setattr(sys, "argv", ["tidal", *argv])
-    code = main(argv)
-    stdout, stderr = capfd.readouterr()
-    assert code == 0, stderr
+    stdout, data = bench_cli(argv, tmp_path, "dp-*.json")
     assert "time vs tidal" in stdout
-    (path,) = tmp_path.glob("dp-*.json")
-    data = json.loads(path.read_text())
-    for key in ("command", "git_commit", "torch_version", "deepspeed_version", "device"):
-        assert key in data
-    assert data["command"] == " ".join(["tidal", *argv])
+    assert "deepspeed_version" in data
     assert data["settings"]["nprocs"] == [1, 2] and data["settings"]["steps"] == 2
     rows = data["rows"]
     assert [(r["system"], r["nproc"]) for r in rows] == [
         ("tidal", 1), ("fsdp2-cpu-offload", 1), ("tidal", 2), ("fsdp2-cpu-offload", 2),
     ]  # fmt: skip
     for row in rows:
-        assert "error" not in row, (row["error"], stderr[-3000:])
+        assert "error" not in row, row["error"]
         assert row["section"] == "perf"
         assert math.isfinite(row["median_step_s"]) and row["median_step_s"] > 0
         assert len(row["peak_rss_bytes"]) == len(row["rss_after_warmup_bytes"]) == row["nproc"]

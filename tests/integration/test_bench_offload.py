@@ -3,10 +3,10 @@ the DeepSpeed baseline. Figures are checked for consistency, never for speed."""
 
 from __future__ import annotations
 
-import json
 import math
-import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -24,26 +24,15 @@ from tidal.cli.main import main
 
 
 @pytest.mark.slow
-def test_traffic_section_through_the_cli(
-    tmp_path: Path, capfd: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_traffic_section_through_the_cli(tmp_path: Path, bench_cli: Callable[..., Any]) -> None:
     # 16384-element chunks: the tiny model in 13 equal chunks, so optimal_traffic is exact.
     # The least and the most room of the bench's three budgets, one process each.
     argv = ["bench", "offload", "--section", "traffic", "--recipe", "tiny", "--steps", "3",
             "--fractions", "0.25,0.75", "--set", "chunk.size=16384",
             "--results-dir", str(tmp_path)]  # fmt: skip
-    # The CLI's entry point in this process (every case runs in a process of its own anyway),
-    # with the argv the results file records as its command.
-    monkeypatch.setattr(sys, "argv", ["tidal", *argv])
-    code = main(argv)
-    stdout, stderr = capfd.readouterr()
-    assert code == 0, stderr
+    stdout, data = bench_cli(argv, tmp_path, "offload-*.json")
     assert "measured/optimal" in stdout
-    (path,) = tmp_path.glob("offload-*.json")
-    data = json.loads(path.read_text())
-    for key in ("command", "git_commit", "torch_version", "device", "created_at"):
-        assert key in data
-    assert data["command"] == " ".join(["tidal", *argv])
+    assert "created_at" in data
     assert data["bench"] == "offload"
     rows = data["rows"]
     assert [(r["section"], r["budget_fraction"]) for r in rows] == [

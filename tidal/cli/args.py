@@ -12,15 +12,17 @@ _RECIPE_HELP = "a recipe name from recipes/ (e.g. demo, tiny) or a path to a TOM
 
 
 def version_line() -> str:
-    """tidal's version and what it runs on, as a bug report wants them (torch's read from its
-    package metadata: no import)."""
-    from tidal import __version__
+    """tidal's version and what it runs on, as a bug report wants them, read from the packages'
+    metadata (no import)."""
+    return (f"tidal {_installed('tidal')} (torch {_installed('torch')}, "
+            f"Python {platform.python_version()})")  # fmt: skip
 
+
+def _installed(package: str) -> str:
     try:
-        torch_version = metadata.version("torch")
-    except metadata.PackageNotFoundError:  # a GPU box's torch, installed without metadata
-        torch_version = "unknown"
-    return f"tidal {__version__} (torch {torch_version}, Python {platform.python_version()})"
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:  # on sys.path without being installed
+        return "unknown (not installed)"
 
 
 def build_parser() -> argparse.ArgumentParser:
