@@ -286,8 +286,8 @@ class ChunkOptimizer:
             pass  # autograd summed into the slot itself (below)
         elif self._fresh[id(param)]:
             target.copy_(grad)
-        else:
-            target.add_(grad)
+        else:  # add_ does not cross devices the way copy_ does: a host slot takes a copy
+            target.add_(grad.to(target.device))
         self._fresh[id(param)] = False
         if not chunk.on_device:
             num_bytes = grad.numel() * grad.element_size()
