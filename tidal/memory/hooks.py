@@ -14,6 +14,8 @@ works as well.
 from __future__ import annotations
 
 import functools
+import inspect
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -81,7 +83,7 @@ def install_hooks(
         if own:
             handles += _hook_module(module, name or "<root>", own, store)
     seen: set[int] = set()
-    collect = StoreHook(functools.partial(_plainly, on_grad))
+    collect = StoreHook(functools.partial(_plainly, _weakly(on_grad)))
     for param in model.parameters():
         if param.requires_grad and id(param) not in seen:
             seen.add(id(param))
@@ -89,11 +91,21 @@ def install_hooks(
     return handles
 
 
-def _plainly(on_grad: Callable[[nn.Parameter], None], param: nn.Parameter) -> None:
+def _weakly(fn: Callable[[nn.Parameter], None]) -> Callable[[], Callable[..., None] | None]:
+    """A bound method held weakly ([Note: an engine can be collected] in uses.py); any other
+    callable as it is."""
+    if inspect.ismethod(fn):
+        return weakref.WeakMethod(fn)
+    return lambda: fn
+
+
+def _plainly(on_grad: Callable[[], Callable[..., None] | None], param: nn.Parameter) -> None:
     # The collector reads and sets .grad and .dtype several times per parameter: as plain
     # tensor attribute reads, not calls through ChunkParameter.__torch_function__ (uses.py).
+    collect = on_grad()
+    assert collect is not None, "a gradient reached a deleted engine's parameter"
     with DisableTorchFunctionSubclass():
-        on_grad(param)
+        collect(param)
 
 
 def _hook_module(

@@ -49,6 +49,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import functools
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -118,11 +119,31 @@ def _plain(func: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any]
 class ChunkParameter(nn.Parameter):
     """A parameter whose data lives in a chunk; see [Note: parameter uses].
 
-    Each store makes its own subclass (:meth:`ParameterUses.adopt`) with ``_uses`` set, so a
-    call finds the store of every parameter it receives from the argument types alone.
+    Each store makes its own subclass (:meth:`ParameterUses.adopt`) with ``_uses_ref`` set, so
+    a call finds the store of every parameter it receives from the argument types alone.
+
+    [Note: an engine can be collected]
+    The class holds its :class:`ParameterUses` weakly, and the gradient hooks (hooks.py) hold
+    the collector weakly: a parameter that has been through backward is also owned by autograd's
+    C++ side, so the garbage collector treats everything it references as a root, and a strong
+    reference from it would keep the engine, its chunks and their device memory alive after the
+    last user reference went (seen on CUDA as a probe engine's bytes counted as the next
+    engine's activations). The model keeps the engine alive through its state-dict hooks,
+    which are ordinary module attributes; a parameter kept alone after the model and engine
+    went raises on use.
     """
 
-    _uses: ClassVar[ParameterUses]
+    _uses_ref: ClassVar[weakref.ReferenceType[ParameterUses]]
+
+    @classmethod
+    def _uses(cls) -> ParameterUses:
+        uses = cls._uses_ref()
+        if uses is None:
+            raise RuntimeError(
+                "this parameter's engine and model were deleted, so its chunk is gone; keep "
+                "the model (or the engine) while you use its parameters, or take a copy first"
+            )
+        return uses
 
     @classmethod
     def __torch_function__(
@@ -136,7 +157,7 @@ class ChunkParameter(nn.Parameter):
         if func in _METADATA:
             return _plain(func, args, kwargs)
         call: Call = functools.partial(_plain, func)
-        owners = [t._uses for t in types if issubclass(t, ChunkParameter)]
+        owners = [t._uses() for t in types if issubclass(t, ChunkParameter)]
         if len(owners) == 1:
             return owners[0].run(call, func, args, kwargs)
         for uses in set(owners):  # parameters of several engines in one call: each makes its own
@@ -145,13 +166,13 @@ class ChunkParameter(nn.Parameter):
 
     def __reduce_ex__(self, protocol: Any) -> Any:
         # torch.save and pickle: a plain Parameter with the weights, not the (maybe empty) view.
-        value = type(self)._uses.read(self)
+        value = type(self)._uses().read(self)
         hooks: collections.OrderedDict[int, Any] = collections.OrderedDict()
         return (torch._utils._rebuild_parameter, (value, self.requires_grad, hooks))
 
     def __deepcopy__(self, memo: dict[int, Any]) -> nn.Parameter:
         if id(self) not in memo:
-            value = type(self)._uses.read(self)
+            value = type(self)._uses().read(self)
             memo[id(self)] = nn.Parameter(value, requires_grad=self.requires_grad)
         return memo[id(self)]
 
@@ -184,7 +205,8 @@ class ParameterUses:
     def adopt(self, model: nn.Module) -> list[Any]:
         """Make the store's parameters :class:`ChunkParameter` and hook ``model``'s state dict;
         returns the hook handles."""
-        cls = type("ChunkParameter", (ChunkParameter,), {"_uses": self, "__module__": __name__})
+        namespace = {"_uses_ref": weakref.ref(self), "__module__": __name__}
+        cls = type("ChunkParameter", (ChunkParameter,), namespace)
         for param in self.store.params.values():
             param.__class__ = cls
         handles: list[Any] = []

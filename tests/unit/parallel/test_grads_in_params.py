@@ -11,6 +11,7 @@ chunks, and checkpoints continue identically.
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Callable, Iterator
 
 import pytest
@@ -349,11 +350,22 @@ def test_cuda_copy_streams_and_device_buffers(tight: bool) -> None:
     if tight:
         probe = engine(None, True)
         train(probe)
-        budget = probe.stats()["min_device_bytes"] + probe.store.model_bytes // 2
-    on, off = engine(budget, True), engine(budget, False)
-    got, want = train(on), train(off)
-    for a, b in zip(got, want, strict=True):
-        assert abs(a - b) <= 1e-4 * abs(b), (got, want)
+        # Halfway between the least budget and the everything-resident peak: on CUDA the
+        # allocator's figures (cuBLAS workspaces among them) dwarf the tiny model, and a
+        # budget of the least plus half the model let every chunk stay (seen on an H200).
+        stats = probe.stats()
+        budget = (stats["min_device_bytes"] + stats["peak_device_bytes"]) // 2
+        # One engine at a time: on CUDA the meter counts every other allocation on the device
+        # as this engine's non-model bytes ([Note: non-model memory]).
+        del probe
+        gc.collect()
+    on = engine(budget, True)
+    got = train(on)
     assert _no_gradient_chunks(on) and _weights_are_the_masters(on)
     if budget is not None:
         assert on.stats()["peak_device_bytes"] <= budget and on.stats()["evictions"] > 0
+    del on
+    gc.collect()
+    want = train(engine(budget, False))
+    for a, b in zip(got, want, strict=True):
+        assert abs(a - b) <= 1e-4 * abs(b), (got, want)
