@@ -181,24 +181,38 @@ class AllocatorMeter(_ModelTensorHooks):
         on_model_unpack: Callable[[int, torch.Tensor], None] | None = None,
     ) -> None:
         super().__init__(is_model_storage, on_model_unpack)
-        self._device = device
+        # An index, not a device: torch resolves a bare "cuda" at every call.
+        self._index = torch.cuda.current_device() if device.index is None else device.index
         self._tier = device_tier
-        torch.cuda.reset_peak_memory_stats(device)
+        torch.cuda.reset_peak_memory_stats(self._index)
 
     @contextlib.contextmanager
     def tracking(self) -> Iterator[None]:
         with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
             yield
 
+    def _allocated_bytes(self) -> tuple[int, int]:
+        """The allocator's current and peak allocated bytes, from its nested statistics.
+
+        Not ``torch.cuda.memory_allocated``: that flattens every statistic into a new dict in
+        Python first, about 0.4 ms a call, and the store reads the meter several times a
+        moment; on an H200 that was most of a chunk-engine step (profile in
+        benchmarks/results/device-check-h200-20261126.md)."""
+        stats = torch.cuda.memory_stats_as_nested_dict(self._index)
+        allocated = stats.get("allocated_bytes", {}).get("all", {})
+        return int(allocated.get("current", 0)), int(allocated.get("peak", 0))
+
     def live_bytes(self) -> int:
-        return max(0, torch.cuda.memory_allocated(self._device) - self._tier.allocated_bytes)
+        return max(0, self._allocated_bytes()[0] - self._tier.allocated_bytes)
 
     def take_peak_bytes(self) -> int:
         # The tier's allocations at the allocator's peak are not known; the current ones are a
         # close stand-in, since chunks move only at moments.
-        peak_bytes = torch.cuda.max_memory_allocated(self._device) - self._tier.allocated_bytes
-        torch.cuda.reset_peak_memory_stats(self._device)
-        return max(0, peak_bytes, self.live_bytes())
+        current_bytes, peak_bytes = self._allocated_bytes()
+        torch.cuda.reset_peak_memory_stats(self._index)
+        return max(
+            0, peak_bytes - self._tier.allocated_bytes, current_bytes - self._tier.allocated_bytes
+        )
 
 
 def make_meter(

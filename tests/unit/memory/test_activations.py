@@ -6,7 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tidal.memory.activations import SavedTensorMeter
+from tidal.memory.activations import AllocatorMeter, SavedTensorMeter
+from tidal.memory.tiers import Tier, TierKind
 
 
 def _storage_key(tensor: torch.Tensor) -> int:
@@ -49,3 +50,42 @@ def test_a_refused_growth_counts_nothing() -> None:
     assert meter.live_bytes() == 16 and seen == [16]
     del out
     assert meter.live_bytes() == 0 and seen == [16, 0]
+
+
+class _FakeAllocator:
+    """The CUDA allocator's nested statistics, as torch.cuda.memory_stats_as_nested_dict
+    gives them, for a machine without a GPU."""
+
+    def __init__(self) -> None:
+        self.current = self.peak = 0
+        self.devices: list[object] = []
+
+    def allocate(self, num_bytes: int) -> None:
+        self.current += num_bytes
+        self.peak = max(self.peak, self.current)
+
+    def stats(self, device: object = None) -> dict:
+        self.devices.append(device)
+        return {"allocated_bytes": {"all": {"current": self.current, "peak": self.peak}}}
+
+    def reset_peak(self, device: object = None) -> None:
+        self.devices.append(device)
+        self.peak = self.current
+
+
+def test_the_allocator_meter_reads_one_nested_record_per_figure(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    fake = _FakeAllocator()
+    monkeypatch.setattr(torch.cuda, "memory_stats_as_nested_dict", fake.stats)
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", fake.reset_peak)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", None)  # flattens every statistic: slow
+    tier = Tier(TierKind.DEVICE, torch.device("cuda", 0), budget_bytes=None)
+    meter = AllocatorMeter(torch.device("cuda", 0), tier, is_model_storage=lambda _key: False)
+    fake.allocate(1000)  # non-model: the tier holds nothing
+    assert meter.live_bytes() == 1000
+    fake.allocate(500)
+    fake.allocate(-700)
+    assert meter.take_peak_bytes() == 1500 and fake.peak == fake.current == 800
+    assert meter.take_peak_bytes() == 800  # the peak was reset
+    assert set(fake.devices) == {0}  # an index: a bare "cuda" is resolved by torch every call
