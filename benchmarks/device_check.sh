@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# The checks that need an accelerator, as one script for a lent GPU machine (see README,
+# "On a GPU"). Each step has its own time limit, so one that hangs does not take the others;
+# logs and results JSON go to $OUT (default benchmarks/results/device-check).
+set -u -o pipefail
+OUT=${OUT:-benchmarks/results/device-check}
+mkdir -p "$OUT"
+export PYTHONPATH=. PYTHONUNBUFFERED=1
+py=${PYTHON:-python3}
+step() {  # step NAME SECONDS CMD...: run CMD with a limit, log to $OUT/NAME.log, record rc
+  local name=$1 limit=$2; shift 2
+  local t0=$SECONDS
+  timeout "$limit" "$@" >"$OUT/$name.log" 2>&1
+  local rc=$?
+  echo "$name rc=$rc $((SECONDS - t0))s" | tee -a "$OUT/steps.txt"
+  tail -n 4 "$OUT/$name.log"
+}
+nvidia-smi -L | tee "$OUT/steps.txt"
+$py -c "import torch; print('torch', torch.__version__, torch.version.cuda, torch.cuda.get_device_name())" | tee -a "$OUT/steps.txt"
+step gpu_tests 60 $py -m pytest -q -rf -p no:cacheprovider tests/gpu
+step unit_tests 150 env OMP_NUM_THREADS=2 $py -m pytest -q -rf -p no:cacheprovider -n 12 --timeout 100 -m "not slow" \
+  tests/unit
+step train_demo 60 $py -m tidal train --recipe demo --set training.device=cuda --no-plots \
+  --set memory.device_budget=160MiB --set training.steps=60 --set run_dir=/tmp/runs/demo
+step train_gpt2 60 $py -m tidal train --recipe gpt2-small --set engine=chunk \
+  --set memory.device_budget=3GiB --set training.steps=20 --set training.batch_size=2 --set training.val_every=0 \
+  --no-plots --set run_dir=/tmp/runs/gpt2
+step bench_offload 120 $py -m tidal bench offload --section overhead --section traffic \
+  --steps 12 --repeats 2 --results-dir "$OUT"
