@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# The checks that need an accelerator, as one script for a lent GPU machine (see README,
-# "On a GPU"). Each step has its own time limit, so one that hangs does not take the others;
-# logs and results JSON go to $OUT (default benchmarks/results/device-check).
+# The checks that need an accelerator, as one script for a GPU machine; what it found the first
+# time is in benchmarks/results/device-check-h200-20261126.md. Each step has its own time limit,
+# so one that hangs does not take the others; logs and results JSON go to $OUT (default
+# benchmarks/results/device-check). The unit step uses pytest-xdist and pytest-timeout.
 set -u -o pipefail
 OUT=${OUT:-benchmarks/results/device-check}
 mkdir -p "$OUT"
