@@ -34,6 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_train(sub)
     _add_report(sub)
+    _add_checkpoints(sub)
     _add_plan(sub)
     _add_simulate(sub)
     _add_bench(sub)
@@ -61,6 +62,12 @@ def _add_overrides(parser: argparse.ArgumentParser, *, scope: str = "") -> None:
     )  # fmt: skip
 
 
+def _step(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"a checkpoint's step is a positive number, not {text!r}")
+    return int(text)
+
+
 def _add_train(sub: argparse._SubParsersAction) -> None:
     train = sub.add_parser(
         "train",
@@ -71,8 +78,10 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
     _add_recipe(train, many=False)
     mode = train.add_mutually_exclusive_group()
     mode.add_argument(
-        "--resume", action="store_true", help="continue from the run folder's latest checkpoint"
-    )
+        "--resume", nargs="?", const=True, default=False, type=_step, metavar="STEP",
+        help="continue from the run folder's newest intact checkpoint (a damaged one is named "
+        "and passed over), or from checkpoint STEP; `tidal checkpoints RUN_DIR` lists them",
+    )  # fmt: skip
     mode.add_argument(
         "--overwrite",
         action="store_true",
@@ -162,6 +171,16 @@ def _add_report(sub: argparse._SubParsersAction) -> None:
         description="Write loss.png and memory.png into RUN_DIR and print the summary table.",
     )
     report.add_argument("run_dir", metavar="RUN_DIR", help="a run folder, e.g. runs/demo")
+
+
+def _add_checkpoints(sub: argparse._SubParsersAction) -> None:
+    checkpoints = sub.add_parser(
+        "checkpoints",
+        help="list a run's checkpoints and check each against what was written",
+        description="Each checkpoint of RUN_DIR with its size and whether every file still "
+        "matches the size and checksum recorded when it was written; exit 2 if none is intact.",
+    )
+    checkpoints.add_argument("run_dir", metavar="RUN_DIR", help="a run folder, e.g. runs/demo")
 
 
 def _add_bench(sub: argparse._SubParsersAction) -> None:

@@ -59,6 +59,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return run_simulate(args, console)
         if args.command == "report":
             return _report(args.run_dir, console)
+        if args.command == "checkpoints":
+            return _checkpoints(args.run_dir, console)
         if args.command == "models":
             return _models(console)
         if args.command == "bench":
@@ -168,7 +170,7 @@ def _launch(args: argparse.Namespace, argv: list[str]) -> int:
         check_pipeline_job(job, world_size=args.nproc)
     else:
         rank_rows(job.training.batch_size, rank=0, world_size=args.nproc)
-    check_run_dir(job.run_path, resume=args.resume, overwrite=args.overwrite)
+    check_run_dir(job.run_path, resume=args.resume is not False, overwrite=args.overwrite)
     return launch_train(argv[argv.index("train") + 1 :], nproc=args.nproc)
 
 
@@ -191,6 +193,25 @@ def _report(run_dir: str, console: Console) -> int:
     _write_plots(run_dir, console)
     console.print(summary_table(summary, title=f"{run_dir}"))
     return 0
+
+
+def _checkpoints(run_dir: str, console: Console) -> int:
+    from tidal.config import format_bytes
+    from tidal.train.checkpoint import list_checkpoints
+    from tidal.train.integrity import describe_checkpoints
+
+    states = describe_checkpoints(list_checkpoints(run_dir))
+    if not states:
+        print(f"tidal: error: no checkpoint under {run_dir}/checkpoints", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    table = Table(title=f"{run_dir}: checkpoints, oldest first")
+    for column in ("step", "folder", "size", "state"):
+        table.add_column(column, justify="right" if column in ("step", "size") else "left")
+    for state in states:
+        verdict = "intact" if state.damage is None else f"damaged: {state.damage}"
+        table.add_row(str(state.step), state.path.name, format_bytes(state.num_bytes), verdict)
+    console.print(table)
+    return 0 if any(state.damage is None for state in states) else EXIT_BAD_INPUT
 
 
 def _bench(args: argparse.Namespace, console: Console) -> int:

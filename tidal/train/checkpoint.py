@@ -7,8 +7,8 @@ Layout under ``<run_dir>/checkpoints/``::
                             rank writing its own pieces
         train_state.pt      written by rank 0: schedule step, data position, RNG states, counters,
                             the engine's small state (step counts, loss scale, plan choices)
-        meta.json           written last: format, step, world size, file sizes, every model
-                            state-dict name's key and shape
+        meta.json           written last: format, step, world size, every other file's size
+                            and CRC-32, every model state-dict name's key and shape
     .tmp-step_00000020-4242/  a checkpoint being written (rank 0's process 4242)
 
 [Note: checkpoint keys]
@@ -53,6 +53,7 @@ import torch.distributed as dist
 
 from tidal.config import ConfigError
 from tidal.parallel.protocol import CheckpointTensors, LoadTensors
+from tidal.train.integrity import file_record
 
 __all__ = [
     "FORMAT_VERSION",
@@ -286,12 +287,12 @@ def save_checkpoint(
     if is_main and error is None:
         try:
             extras = _rename_extras(state.extras, rename)
-            sizes = {"train_state.pt": write_tensor_file({**train_state, "engine": extras},
-                                                         tmp / "train_state.pt")}  # fmt: skip
+            write_tensor_file({**train_state, "engine": extras}, tmp / "train_state.pt")
             meta = _rename_meta(state.meta, rename)
             meta.pop("numels", None)  # DCP's own metadata is the truth; read from there
+            files = file_record(tmp)  # [Note: checkpoint integrity] in integrity.py
             write_json_durable(tmp / "meta.json", {"format_version": FORMAT_VERSION,
-                               "step": step, "file_bytes": sizes, **meta})  # fmt: skip
+                               "step": step, "files": files, **meta})  # fmt: skip
             fsync_dir(tmp)
             _swap_into_place(tmp, final, root)
         except OSError as exc:

@@ -53,6 +53,7 @@ from tidal.train.checkpoint import (
     load_model_state,
     write_json_durable,
 )
+from tidal.train.integrity import damage
 from tidal.train.safetensors import read_safetensors, write_safetensors
 
 __all__ = [
@@ -153,16 +154,23 @@ def select_checkpoint(run_dir: str | Path, step: int | None = None) -> tuple[int
             f"checkpoint.at_end = true (the default) or checkpoint.every_steps = N, e.g. "
             f"`tidal train --recipe R --set checkpoint.every_steps=100`",
         )
-    if step is None:
-        return checkpoints[-1]
-    for found, path in checkpoints:
-        if found == step:
-            return found, path
-    available = ", ".join(str(s) for s, _ in checkpoints)
-    raise ConfigError(
-        "step",
-        f"no checkpoint of step {step} in {checkpoint_root(run_dir)} (available: {available})",
-    )
+    by_step = dict(checkpoints)
+    if step is not None and step not in by_step:
+        available = ", ".join(str(s) for s, _ in checkpoints)
+        raise ConfigError(
+            "step",
+            f"no checkpoint of step {step} in {checkpoint_root(run_dir)} (available: {available})",
+        )
+    found, path = checkpoints[-1] if step is None else (step, by_step[step])
+    reason = damage(path)  # [Note: checkpoint integrity] in integrity.py
+    if reason is not None:
+        intact = [str(s) for s, p in checkpoints if p != path and damage(p) is None]
+        raise ConfigError(
+            "step",
+            f"checkpoint {path} is damaged: {reason}; export an intact one with --step N "
+            f"(intact: {', '.join(intact) or 'none'})",
+        )
+    return found, path
 
 
 def tied_groups(config: GPTConfig) -> list[list[str]]:

@@ -62,12 +62,12 @@ from tidal.parallel.accumulation import split_rows
 from tidal.train.build import build_engine
 from tidal.train.checkpoint import (
     IDENTITY,
-    latest_checkpoint,
     list_checkpoints,
     load_checkpoint,
 )
 from tidal.train.checkpoint import save_checkpoint as write_checkpoint
 from tidal.train.engine_part import EnginePart, TrainingPart
+from tidal.train.integrity import choose_checkpoint
 from tidal.train.job import JobConfig, load_job
 from tidal.train.metrics import (
     MetricsFile,
@@ -245,11 +245,14 @@ class Trainer:
     def fit(
         self,
         *,
-        resume: bool = False,
+        resume: bool | int = False,
         overwrite: bool = False,
         callbacks: Sequence[Callback] | None = None,
     ) -> dict[str, Any]:
         """Train up to ``training.steps``; return the summary (also written to summary.json).
+
+        ``resume``: True continues from the newest intact checkpoint, a step number from that
+        step's checkpoint ([Note: checkpoint integrity] in integrity.py).
 
         Without ``callbacks`` the progress line goes to ``logging`` (``tidal.train.trainer``).
         Ranks other than 0 call no callbacks (see [Note: global batch]).
@@ -360,17 +363,20 @@ class Trainer:
 
     # -- run folder and checkpoints -------------------------------------------------------------
 
-    def _prepare_run_dir(self, *, resume: bool, overwrite: bool) -> int:
+    def _prepare_run_dir(self, *, resume: bool | int, overwrite: bool) -> int:
         # Every rank checks, so that a refusal stops all of them rather than stranding peers.
-        check_run_dir(self.run_dir, resume=resume, overwrite=overwrite)
+        check_run_dir(self.run_dir, resume=resume is not False, overwrite=overwrite)
         if self.rank == 0:
-            self._reset_run_dir(overwrite=overwrite, resume=resume)
+            self._reset_run_dir(overwrite=overwrite, resume=resume is not False)
         # The folder exists, and what --overwrite deletes is gone, before any rank reads it.
         barrier()
-        if not resume:
+        if resume is False:
             return 0
-        path = latest_checkpoint(self.run_dir)
-        assert path is not None, "check_run_dir found a checkpoint"
+        # [Note: checkpoint integrity] in integrity.py: checked first, the newest intact one.
+        asked = None if resume is True else int(resume)
+        path, skipped = choose_checkpoint(list_checkpoints(self.run_dir), step=asked)
+        for line in skipped if self.rank == 0 else []:
+            logger.warning("tidal: %s; resuming from %s", line, path.name)
         step = self.load_checkpoint(path)
         if self.rank == 0:
             self.metrics.truncate_after(step)
