@@ -31,6 +31,7 @@ rank runs the loop, the collectives and the checkpoint calls.
 from __future__ import annotations
 
 import datetime as dt
+import json
 import logging
 import math
 import shutil
@@ -269,6 +270,8 @@ class Trainer:
         start_step = self._prepare_run_dir(resume=resume, overwrite=overwrite)
         for cb in callbacks:
             cb.on_start(self, start_step=start_step)
+        if start_step >= self.job.training.steps and (self.run_dir / "summary.json").is_file():
+            return self._already_finished(start_step, callbacks)
         reset_peak_memory(self.device)
         window = Throughput(flops_per_token=self.flops_per_token, peak_tflops=self._peak_tflops)
         timed = Throughput(flops_per_token=self.flops_per_token, peak_tflops=self._peak_tflops)
@@ -284,6 +287,19 @@ class Trainer:
         summary = self._summary(last_record, timed, start_step, time.perf_counter() - start_wall)
         if self.rank == 0:
             write_json_atomic(self.run_dir / "summary.json", summary)
+        for cb in callbacks:
+            cb.on_end(summary)
+        return summary
+
+    def _already_finished(self, step: int, callbacks: Sequence[Callback]) -> dict[str, Any]:
+        """A resumed run that had reached its last step: nothing to train, and its summary (the
+        figures of the runs that trained) stays as it was, not overwritten with empty ones."""
+        summary: dict[str, Any] = json.loads((self.run_dir / "summary.json").read_text())
+        if self.rank == 0:
+            logger.warning(
+                "tidal: %s already reached step %d of %d: nothing to train; summary.json kept "
+                "(raise training.steps to train on)", self.job.name, step, self.job.training.steps,
+            )  # fmt: skip
         for cb in callbacks:
             cb.on_end(summary)
         return summary
