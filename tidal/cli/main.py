@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
+import signal
 import sys
 from collections.abc import Sequence
 
@@ -38,6 +40,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from tidal.distributed.watchdog import RankDiedError
     from tidal.memory.store import DeviceBudgetTooSmall
     from tidal.train.checkpoint import CheckpointWriteError
+    from tidal.train.interrupts import Interrupted
 
     bad_input: tuple[type[Exception], ...] = (
         ConfigError, DeviceBudgetTooSmall, FileNotFoundError, *_plan_errors(args)
@@ -76,6 +79,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except RankDiedError as err:  # [Note: dead ranks] in tidal/distributed/watchdog.py
         print(str(err), file=sys.stderr)
         return RANK_DIED_EXIT_CODE
+    except Interrupted as err:  # [Note: interrupts at safe points] in tidal/train/interrupts.py
+        if os.environ.get("RANK", "0") == "0":  # one line for the run, not one per rank
+            print(f"tidal: interrupted by {err}; continue with --resume", file=sys.stderr)
+        return EXIT_INTERRUPTED
     except KeyboardInterrupt:
         print(
             "tidal: interrupted; checkpoints already written are intact (continue with --resume)",
@@ -111,6 +118,10 @@ def _pipeline_flags(args: argparse.Namespace) -> None:
         args.nproc = args.pipeline_stages
 
 
+def _terminate_as_interrupt(_signum: int, _frame: object) -> None:
+    raise KeyboardInterrupt
+
+
 def _train(args: argparse.Namespace, console: Console, argv: list[str]) -> int:
     import os
 
@@ -120,6 +131,10 @@ def _train(args: argparse.Namespace, console: Console, argv: list[str]) -> int:
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     install_watchdog()  # [Note: watchdog opt-in] in tidal/distributed/env.py
+    # Outside the steps (building, the summary) SIGTERM ends the command as Ctrl-C does, in one
+    # line; during them the trainer turns both into a stop after the step ([Note: interrupts at
+    # safe points] in tidal/train/interrupts.py).
+    signal.signal(signal.SIGTERM, _terminate_as_interrupt)
     from tidal.train.job import find_recipe
 
     job = load_job(find_recipe(args.recipe), args.overrides)

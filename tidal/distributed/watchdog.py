@@ -452,6 +452,12 @@ class RankWatchdog:
                 signal.signal(signal.SIGINT, self._previous_sigint)
             self._main_ident = None
 
+    def claims_signal(self) -> bool:
+        """Whether a SIGINT now is this watchdog's (a verdict to deliver), not a user's: for a
+        handler that replaced ours for a while ([Note: interrupts at safe points] in
+        tidal/train/interrupts.py)."""
+        return self._verdict is not None and not self._delivered
+
     def _on_sigint(self, signum: int, frame: FrameType | None) -> None:
         verdict = self._verdict
         if verdict is None:  # a real Ctrl-C: whatever handled it before

@@ -28,7 +28,7 @@ from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
 from typing import Any, Literal
 
-__all__ = ["RankFailure", "RankOutcome", "free_port", "run_on_ranks"]
+__all__ = ["RankFailure", "RankOutcome", "free_port", "process_context", "run_on_ranks"]
 
 # Long enough for a peer to report its own error, short enough not to matter in a test run.
 _GRACE_S = 3.0
@@ -261,6 +261,13 @@ def _adopt_stdio(out: Any, err: Any) -> None:
     sys.stderr.flush()
     os.dup2(out.detach(), 1)
     os.dup2(err.detach(), 2)
+
+
+def process_context(start: Literal["forkserver", "spawn"] = "forkserver") -> Any:
+    """The multiprocessing context :func:`run_on_ranks` starts ranks from: with "forkserver",
+    processes forked from a server that imported torch and tidal once ([Note: ranks from a
+    fork server]), for a test that needs a process of its own to signal or kill."""
+    return _context(start)
 
 
 def _context(start: str) -> Any:

@@ -17,11 +17,14 @@ class CheckpointConfig:
         every_steps: steps between checkpoints; 0 saves only at the end.
         keep: how many of the newest checkpoints to keep on disk (older ones are deleted).
         at_end: save when the run reaches ``training.steps``.
+        on_interrupt: save when Ctrl-C or SIGTERM stops the run (after the step in progress;
+            [Note: interrupts at safe points] in tidal/train/interrupts.py).
     """
 
     every_steps: int = 0
     keep: int = 2
     at_end: bool = True
+    on_interrupt: bool = True
 
     def __post_init__(self) -> None:
         require(self.every_steps >= 0, "every_steps", f"must be >= 0, got {self.every_steps}")

@@ -39,7 +39,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import torch
 
@@ -69,6 +69,7 @@ from tidal.train.checkpoint import (
 from tidal.train.checkpoint import save_checkpoint as write_checkpoint
 from tidal.train.engine_part import EnginePart, TrainingPart
 from tidal.train.integrity import choose_checkpoint
+from tidal.train.interrupts import Interrupted, StopFlag
 from tidal.train.job import JobConfig, load_job
 from tidal.train.metrics import (
     MetricsFile,
@@ -277,13 +278,16 @@ class Trainer:
         timed = Throughput(flops_per_token=self.flops_per_token, peak_tflops=self._peak_tflops)
         last_record: dict[str, Any] | None = None
         step = start_step
-        while step < self.job.training.steps:
-            for loss, step_s in self._train_steps(step):
-                step += 1
-                last_record = self._record_step(step, loss, step_s, window, timed, start_step)
-                for cb in callbacks:
-                    cb.on_step(last_record)
-            self._after_step(step, callbacks)
+        with StopFlag() as stop:  # [Note: interrupts at safe points] in interrupts.py
+            while step < self.job.training.steps:
+                for loss, step_s in self._train_steps(step):
+                    step += 1
+                    last_record = self._record_step(step, loss, step_s, window, timed, start_step)
+                    for cb in callbacks:
+                        cb.on_step(last_record)
+                saved = self._after_step(step, callbacks)
+                if stop.raised(distributed=self.distributed):
+                    self._stop(step, stop.signal_name, saved, callbacks)
         summary = self._summary(last_record, timed, start_step, time.perf_counter() - start_wall)
         if self.rank == 0:
             write_json_atomic(self.run_dir / "summary.json", summary)
@@ -358,7 +362,20 @@ class Trainer:
             self._val_batches = self._val_sampler.fixed_batches(self.job.training.val_batches)
         return self.part.evaluate(self._val_batches)
 
-    def _after_step(self, step: int, callbacks: Sequence[Callback]) -> None:
+    def _stop(
+        self, step: int, signal_name: str, saved: Path | None, callbacks: Sequence[Callback]
+    ) -> NoReturn:
+        """Checkpoint (unless this step's was just written or checkpoint.on_interrupt is off)
+        and raise :class:`Interrupted`; every rank calls it after the same step."""
+        if saved is None and self.job.checkpoint.on_interrupt:
+            saved = self.save_checkpoint()
+            for cb in callbacks:
+                cb.on_checkpoint(step, str(saved))
+        raise Interrupted(step=step, signal_name=signal_name,
+                          checkpoint=None if saved is None else str(saved))  # fmt: skip
+
+    def _after_step(self, step: int, callbacks: Sequence[Callback]) -> Path | None:
+        """Validation and checkpoints due after ``step``; the checkpoint written, if any."""
         training, ckpt = self.job.training, self.job.checkpoint
         last = step == training.steps
         if (training.val_every and step % training.val_every == 0) or last:
@@ -372,6 +389,8 @@ class Trainer:
             path = self.save_checkpoint()
             for cb in callbacks:
                 cb.on_checkpoint(step, str(path))
+            return path
+        return None
 
     @property
     def _peak_tflops(self) -> float | None:
