@@ -18,6 +18,7 @@ from tidal.config import ConfigError
 from tidal.testing import run_on_ranks
 from tidal.train import Trainer
 from tidal.train.checkpoint import list_checkpoints
+from tidal.train.interrupts import Interrupted
 from tidal.train.metrics import read_metrics
 
 WORLD = 2
@@ -181,3 +182,34 @@ def test_a_batch_that_does_not_split_over_the_ranks_names_the_key() -> None:
     assert messages[0] == messages[1]
     assert messages[0].startswith("training.batch_size: 3 sequences do not split evenly over 2")
     assert "multiple of 2, e.g. 2 or 4" in messages[0]
+
+
+def _fit_until_interrupted(job: dict[str, Any]) -> dict[str, Any]:
+    try:
+        Trainer(job).fit()
+    except Interrupted as err:
+        return {"step": err.step, "signal": err.signal_name, "checkpoint": err.checkpoint}
+    raise AssertionError("the run was not interrupted")
+
+
+@pytest.mark.slow
+def test_a_ctrl_c_on_one_rank_stops_every_rank_after_the_same_step(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """[Note: interrupts at safe points]: rank 1 alone gets SIGINT as step 2 begins; both ranks
+    finish step 2, write their pieces of its checkpoint, and stop."""
+    monkeypatch.setenv("TIDAL_FAULT_INJECT", "interrupt:rank=1:step=2")
+    job = _job(tmp_path / "run", val_every=0)
+    ranks = run_on_ranks(_fit_until_interrupted, world_size=WORLD, args=(job,), timeout_s=90)
+    checkpoint = str(tmp_path / "run" / "checkpoints" / "step_00000002")
+    assert ranks == [
+        {"step": 2, "signal": "a signal on another rank", "checkpoint": checkpoint},
+        {"step": 2, "signal": "SIGINT", "checkpoint": checkpoint},
+    ]
+    assert [step for step, _ in list_checkpoints(tmp_path / "run")] == [2]
+    monkeypatch.delenv("TIDAL_FAULT_INJECT")
+    Trainer(_job(tmp_path / "run", val_every=0)).fit(resume=True)  # on one process
+    Trainer(_job(tmp_path / "whole", val_every=0)).fit()
+    _assert_close_losses(
+        _losses(tmp_path / "run", "train", "loss"), _losses(tmp_path / "whole", "train", "loss")
+    )

@@ -2,7 +2,8 @@
 
 ``TIDAL_FAULT_INJECT="kill:rank=1:step=2"`` makes rank 1 SIGKILL itself as step 2 begins, the
 way the OOM killer or a lost node ends a process: no exception, no clean-up, no message.
-``raise:rank=1:step=2`` raises ``RuntimeError`` there instead, an ordinary Python failure. The
+``raise:rank=1:step=2`` raises ``RuntimeError`` there instead, an ordinary Python failure;
+``interrupt:rank=1:step=2`` sends that rank a SIGINT, as a Ctrl-C reaching one process. The
 variable is read here and nowhere else; the Trainer calls :func:`maybe_inject` once per step,
 which costs one environment lookup when it is unset. Tests use it to check that the other ranks
 stop, naming the dead one, instead of hanging ([Note: dead ranks] in watchdog.py).
@@ -21,13 +22,14 @@ from tidal.distributed.env import rank
 __all__ = ["ENV_VAR", "Fault", "maybe_inject", "parse_fault"]
 
 ENV_VAR = "TIDAL_FAULT_INJECT"
-_ACTIONS = ("kill", "raise")
+_ACTIONS = ("kill", "raise", "interrupt")
 _EXAMPLE = "'kill:rank=1:step=2'"
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)
 class Fault:
-    """``action`` (``kill`` or ``raise``) on rank ``rank`` as step ``step`` begins."""
+    """``action`` (``kill``, ``raise`` or ``interrupt``) on rank ``rank`` as step ``step``
+    begins."""
 
     action: str
     rank: int
@@ -40,7 +42,8 @@ def parse_fault(spec: str) -> Fault:
     action, *fields = spec.strip().split(":")
     if action not in _ACTIONS:
         raise ConfigError(
-            ENV_VAR, f"unknown action {action!r} in {spec!r}; use kill or raise, e.g. {_EXAMPLE}"
+            ENV_VAR,
+            f"unknown action {action!r} in {spec!r}; use kill, raise or interrupt, e.g. {_EXAMPLE}",
         )
     values: dict[str, int] = {}
     for field in fields:
@@ -65,4 +68,7 @@ def maybe_inject(step: int) -> None:
         return
     if fault.action == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
+    if fault.action == "interrupt":
+        os.kill(os.getpid(), signal.SIGINT)
+        return
     raise RuntimeError(f"{ENV_VAR}={spec}: injected failure on rank {fault.rank} at step {step}")
