@@ -18,6 +18,8 @@ from typing import Any
 from torch import nn
 
 from tidal.config import ConfigError
+from tidal.distributed import init_from_env
+from tidal.distributed.device import resolve_device
 from tidal.memory.materialize import ParameterValues
 from tidal.parallel.chunk_engine import ChunkEngine
 from tidal.parallel.protocol import Engine, Phase, TrainingEngine
@@ -64,5 +66,12 @@ def initialize(
 
         model = build_gpt(preset("gpt2-xl"), device="meta")   # shapes only
         engine = tidal.initialize(model, config, init=gpt_init(model, seed=0))
+
+    Under torchrun it joins the process group torchrun's variables describe (gloo on CPU, NCCL
+    on CUDA with ``cuda:LOCAL_RANK``), unless the program made one already, which is used: the
+    chunk engine then shards over the ranks (ZeRO-3) and the reference engine averages their
+    gradients. Each rank passes its own rows of the batch.
     """
-    return build_engine(model, load_job(config), init=init)
+    job = load_job(config)
+    init_from_env(device=resolve_device(job.training.device))
+    return build_engine(model, job, init=init)

@@ -93,7 +93,7 @@ def _rank_main(
     rank: int,
     world_size: int,
     port: int,
-    backend: str,
+    backend: str | None,
     timeout_s: float,
     conn: Connection,
     environ: dict[str, str],
@@ -119,9 +119,12 @@ def _rank_main(
     # oversubscribe them and every collective waits on a descheduled peer.
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
     try:
-        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+        if backend is not None:
+            dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
         value = fn(*args)
         _send(conn, ("ok", value))
+        if not dist.is_initialized():
+            return
         # Every rank reaches teardown before any tears its connections down: a rank destroying
         # its gloo group while a peer still used the pairs aborted the peer now and then
         # ("terminate called without an active exception", about 1 run in 25). A peer that
@@ -283,7 +286,7 @@ def run_on_ranks(
     world_size: int,
     args: tuple[Any, ...] = (),
     timeout_s: float = 120.0,
-    backend: str = "gloo",
+    backend: str | None = "gloo",
     start: Literal["forkserver", "spawn"] = "forkserver",
 ) -> list[Any]:
     """Call ``fn(*args)`` on ``world_size`` ranks (forked from a fork server: [Note: ranks from
@@ -296,6 +299,8 @@ def run_on_ranks(
     timeout, so a collective with a missing peer errors inside the rank rather than hanging.
     ``start="spawn"``: a fresh interpreter per rank, for a benchmark whose ranks
     measure their own memory (a forked rank holds the fork server's modules).
+    ``backend=None``: no process group is made; ``fn`` joins one from torchrun's variables,
+    which are set, as a program torchrun started does.
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
