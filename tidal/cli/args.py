@@ -8,7 +8,10 @@ from importlib import metadata
 
 __all__ = ["build_parser"]
 
-_RECIPE_HELP = "a recipe name from recipes/ (e.g. demo, tiny) or a path to a TOML file"
+_RECIPE_HELP = (
+    "a recipe name (e.g. demo, tiny: ./recipes/NAME.toml, else the one tidal ships) or a path "
+    "to a TOML file"
+)
 
 
 def version_line() -> str:

@@ -1,7 +1,8 @@
 """The root config of a run, composed of the components' own configs, and recipe loading.
 
 A recipe is a TOML file whose tables are the sections below (``[model]``, ``[training]``, ...).
-``tidal train --recipe demo`` finds ``recipes/demo.toml``; ``--set training.steps=50`` overrides.
+``tidal train --recipe demo`` finds ``recipes/demo.toml`` (the current folder's, else the one
+shipped in the package, ``tidal/recipes/``); ``--set training.steps=50`` overrides.
 The root lives in the engine, not in ``tidal.config``: it names every component's config, and the
 config layer sits below all of them.
 """
@@ -84,8 +85,9 @@ class JobConfig:
 
 
 def _recipe_dirs() -> list[Path]:
-    repo_recipes = Path(__file__).resolve().parents[2] / "recipes"
-    return [Path.cwd() / "recipes", repo_recipes]
+    """A ``recipes/`` folder where the command runs (the user's own), then the package's."""
+    shipped = Path(__file__).resolve().parents[1] / "recipes"
+    return [Path.cwd() / "recipes", shipped]
 
 
 def list_recipes() -> list[str]:
@@ -98,7 +100,8 @@ def list_recipes() -> list[str]:
 
 
 def find_recipe(name_or_path: str | Path) -> Path:
-    """A recipe file from a path or a bare name (``demo`` -> ``recipes/demo.toml``)."""
+    """A recipe file from a path or a bare name (``demo`` -> ``recipes/demo.toml``, see
+    :func:`_recipe_dirs`)."""
     candidate = Path(name_or_path)
     if candidate.suffix == ".toml" or candidate.parent != Path("."):
         if candidate.is_file():
