@@ -18,10 +18,9 @@ __all__ = ["environment", "results_dir", "write_results"]
 
 
 def results_dir() -> Path:
-    """``benchmarks/results`` of the checkout tidal runs from, else of the working directory."""
-    repo = Path(__file__).resolve().parents[2]
-    base = repo if (repo / "pyproject.toml").is_file() else Path.cwd()
-    return base / "benchmarks" / "results"
+    """``benchmarks/results`` under the working directory (in a checkout's root, its own):
+    never inside an installed package or a checkout the command was not run from."""
+    return Path.cwd() / "benchmarks" / "results"
 
 
 def environment() -> dict[str, Any]:

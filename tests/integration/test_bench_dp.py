@@ -21,8 +21,8 @@ from tidal.testing import RankFailure, RankOutcome
 @pytest.mark.slow
 def test_perf_section_through_the_cli(tmp_path: Path, bench_cli: Callable[..., Any]) -> None:
     argv = ["bench", "dp", "--recipe", "tiny", "--systems", "tidal,fsdp2-cpu-offload",
-            "--nproc", "1,2", "--section", "perf", "--steps", "2", "--warmup", "1",
-            "--out", str(tmp_path)]  # fmt: skip
+            "--nproc", "1,2", "--section", "perf", "--steps", "2", "--warmup-steps", "1",
+            "--results-dir", str(tmp_path)]  # fmt: skip
     stdout, data = bench_cli(argv, tmp_path, "dp-*.json")
     assert "time vs tidal" in stdout
     assert "deepspeed_version" in data

@@ -3,6 +3,7 @@ where the process boundary is another test's)."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import subprocess
 import sys
@@ -186,3 +187,20 @@ def test_version_names_tidal_torch_and_python(capsys: pytest.CaptureFixture[str]
     out = capsys.readouterr().out.strip()
     assert out.startswith(f"tidal {version} (torch {torch_version}")
     assert out.endswith(f"Python {platform.python_version()})")
+
+
+def test_the_bench_programs_name_the_same_options_alike() -> None:
+    """Issue 17 found --out beside --results-dir and --warmup beside --warmup-steps."""
+    from tidal.cli.args import build_parser
+
+    def subcommands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+        (action,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+        return dict(action.choices)
+
+    benches = subcommands(subcommands(build_parser())["bench"])
+    assert set(benches) >= {"train", "offload", "dp", "plan", "pipemare", "pipeline", "compat"}
+    for name, parser in benches.items():
+        options = {s for a in parser._actions for s in a.option_strings}
+        assert "--results-dir" in options, name
+        primary = {a.option_strings[0] for a in parser._actions if a.option_strings}
+        assert not primary & {"--out", "--warmup", "--results", "--output"}, (name, primary)

@@ -191,7 +191,9 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
         "bench",
         help="measure throughput, FLOP/s, MFU and memory; writes benchmarks/results/*.json",
         description="Benchmark programs. Each writes a JSON file (command, commit, torch "
-        "version, device, figures) under benchmarks/results/ and prints a table.",
+        "version, device, figures) under benchmarks/results/ of the current folder (or "
+        "--results-dir) and prints a table; the same options have the same names in each "
+        "(--steps, --warmup-steps, --results-dir, --set).",
     )
     benches = bench.add_subparsers(dest="bench", required=True, metavar="BENCH")
     train = benches.add_parser(
@@ -210,6 +212,10 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     train.add_argument(
         "--warmup-steps", type=int, default=5, help="leading steps left out of the figures (5)"
     )
+    train.add_argument(
+        "--results-dir", default=None, metavar="DIR",
+        help="write the JSON file here instead of benchmarks/results/ under the current folder",
+    )  # fmt: skip
     _add_bench_offload(benches)
     _add_bench_dp(benches)
     _add_bench_plan(benches)
@@ -376,8 +382,9 @@ def _add_bench_dp(benches: argparse._SubParsersAction) -> None:
     )  # fmt: skip
     dp.add_argument("--steps", type=int, default=10, help="steps per perf configuration (10)")
     dp.add_argument(
-        "--warmup", type=int, default=3, help="leading perf steps left out of the median (3)"
-    )
+        "--warmup-steps", "--warmup", dest="warmup_steps", type=int, default=3,
+        help="leading perf steps left out of the median (3)",
+    )  # fmt: skip
     dp.add_argument(
         "--nproc", default="1,2", metavar="N[,N...]",
         help="rank counts for perf; scale runs on the largest (default 1,2)",
@@ -392,7 +399,7 @@ def _add_bench_dp(benches: argparse._SubParsersAction) -> None:
     )  # fmt: skip
     _add_overrides(dp, scope="; applies to every configuration of every section")
     dp.add_argument(
-        "--out", default=None, metavar="DIR",
+        "--results-dir", "--out", dest="results_dir", default=None, metavar="DIR",
         help="write the JSON file here instead of benchmarks/results/",
     )  # fmt: skip
 

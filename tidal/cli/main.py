@@ -12,6 +12,7 @@ import os
 import signal
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
@@ -258,7 +259,7 @@ def _bench(args: argparse.Namespace, console: Console) -> int:
         steps=args.steps,
         warmup_steps=args.warmup_steps,
     )
-    path = write_results("train", rows)
+    path = write_results("train", rows, folder=Path(args.results_dir) if args.results_dir else None)
     table = Table(title=f"tidal bench train -> {path}", title_justify="left")
     columns = ("recipe", "variant", "params", "tokens/s", "TFLOP/s", "MFU", "peak memory")
     for column in columns:
@@ -281,8 +282,6 @@ def _bench(args: argparse.Namespace, console: Console) -> int:
 
 
 def _bench_offload(args: argparse.Namespace, console: Console) -> int:
-    from pathlib import Path
-
     from benchmarks import write_results
     from benchmarks.offload import SECTIONS, OffloadSettings, bench_offload, table
     from tidal.config import parse_bytes
@@ -328,8 +327,6 @@ def _fractions(text: str) -> tuple[float, ...]:
 
 
 def _bench_plan(args: argparse.Namespace, console: Console) -> int:
-    from pathlib import Path
-
     from benchmarks import write_results
     from benchmarks.plan import COLUMNS, bench_plan, rows_table
     from tidal.config import parse_bytes
@@ -354,8 +351,6 @@ def _bench_plan(args: argparse.Namespace, console: Console) -> int:
 
 
 def _bench_dp(args: argparse.Namespace, console: Console) -> int:
-    from pathlib import Path
-
     from benchmarks.dp import (
         SECTIONS,
         TEARDOWN_FOOTNOTE,
@@ -381,14 +376,16 @@ def _bench_dp(args: argparse.Namespace, console: Console) -> int:
         systems=names(args.systems) if args.systems else DP_SYSTEMS,
         nprocs=nprocs,
         steps=args.steps,
-        warmup_steps=args.warmup,
+        warmup_steps=args.warmup_steps,
         host_budgets_bytes=tuple(
             parse_bytes(size, key="--host-budget") for size in names(args.host_budget)
         ),
         overrides=tuple(args.overrides),
     )
     rows = bench_dp(settings)
-    path = write_dp_results(settings, rows, folder=Path(args.out) if args.out else None)
+    path = write_dp_results(
+        settings, rows, folder=Path(args.results_dir) if args.results_dir else None
+    )
     for section in SECTIONS:
         if section not in settings.sections:
             continue
