@@ -285,6 +285,10 @@ class ChunkEngine:
             "min_device_bytes_last_trace": self.store.min_device_bytes(),
             # the most non-model bytes (activations) any iteration so far held on the device
             "peak_non_model_bytes": self.store.peak_non_model_bytes,
+            # ... and the last iteration recorded
+            "non_model_bytes_last_trace": self.store.trace.peak_non_model_bytes
+            if self.store.trace is not None
+            else 0,
             "traces_recorded": self.store.num_traces,
             "grads_in_params": self.optimizer.grads_in_params,
             "model_data_bytes": self.model_data_bytes(),

@@ -62,6 +62,7 @@ class EnginePart:
         self._rows, self._world_size = rows, world_size
         self._grad_accum_steps = grad_accum_steps
         self._computes_loss = computes_loss
+        self._moved_before: dict[str, int] = {}  # the traffic counters after the last step
 
     @property
     def global_step(self) -> int:
@@ -112,7 +113,32 @@ class EnginePart:
         return all_reduce_mean(total / len(batches))
 
     def step_figures(self, step: int) -> dict[str, Any]:
-        return {"grad_norm": self.engine.last_grad_norm, "lr": self.engine.lr}
+        figures: dict[str, Any] = {"grad_norm": self.engine.last_grad_norm, "lr": self.engine.lr}
+        tiers = self._tier_figures()
+        if tiers:
+            figures["tiers"] = tiers
+        return figures
+
+    def _tier_figures(self) -> dict[str, int | None]:
+        """A chunk engine's tiers after a step (this rank's): the device budget, the least the
+        step's last iteration needed there and the activations in it, the device and host
+        peaks so far, the NVMe tier's, and the bytes moved to and from the device this step."""
+        stats = self.engine.stats()
+        if "bytes_to_device" not in stats:
+            return {}
+        moved = {key: stats[key] - self._moved_before.get(key, 0)
+                 for key in ("bytes_to_device", "bytes_to_host")}  # fmt: skip
+        self._moved_before = {key: stats[key] for key in moved}
+        return {
+            "device_budget_bytes": stats["device_budget"],
+            "device_need_bytes": stats["min_device_bytes_last_trace"],
+            "activations_bytes": stats["non_model_bytes_last_trace"],
+            "device_peak_bytes": stats["peak_device_bytes"],
+            "host_peak_bytes": stats["peak_host_bytes"],
+            "nvme_peak_bytes": stats.get("peak_nvme_bytes"),
+            "to_device_bytes": moved["bytes_to_device"],
+            "to_host_bytes": moved["bytes_to_host"],
+        }
 
     def summary_figures(self) -> dict[str, Any]:
         """The engine's name, a plan run's mesh, model-data bytes and, for the chunk engines,

@@ -17,13 +17,35 @@ __all__ = ["load_summary", "summary_rows", "write_plots"]
 
 
 def load_summary(run_dir: str | Path) -> dict[str, Any]:
+    """summary.json of a finished run; of a run still going or stopped early, what its
+    metrics.jsonl says so far (``status`` names which)."""
     path = Path(run_dir) / "summary.json"
-    if not path.is_file():
+    if path.is_file():
+        return json.loads(path.read_text())
+    records = read_metrics(run_dir) if (Path(run_dir) / "metrics.jsonl").is_file() else []
+    train = [r for r in records if r.get("kind") == "train"]
+    if not train:
         raise FileNotFoundError(
-            f"{path} does not exist: {run_dir} is not a finished tidal run (train with "
-            f"`tidal train --recipe NAME --set run_dir={run_dir}` first)"
+            f"{path} does not exist and {Path(run_dir) / 'metrics.jsonl'} holds no step: "
+            f"{run_dir} is not a tidal run yet (train with `tidal train --recipe NAME --set "
+            f"run_dir={run_dir}` first)"
         )
-    return json.loads(path.read_text())
+    config_path = Path(run_dir) / "config.json"
+    config = json.loads(config_path.read_text()) if config_path.is_file() else {}
+    val = [r for r in records if r.get("kind") == "val"]
+    last = train[-1]
+    return {
+        "status": f"unfinished: no summary.json yet (running, or stopped after step {last['step']})",
+        "name": config.get("name", Path(run_dir).name),
+        "preset": config.get("model", {}).get("preset"),
+        "steps": last["step"],
+        "tokens": last.get("tokens"),
+        "final_loss": last["loss"],
+        "val_loss": val[-1]["val_loss"] if val else None,
+        "tokens_per_s": last.get("tokens_per_s"),
+        "model_tflops_per_s": last.get("tflops"),
+        "peak_memory_bytes": last.get("peak_memory_bytes"),
+    }
 
 
 def _fmt(value: Any, spec: str) -> str:
@@ -32,9 +54,11 @@ def _fmt(value: Any, spec: str) -> str:
 
 def summary_rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
     """(label, value) pairs, in reading order, for the summary table."""
+    params = summary.get("num_params")
     rows = [
+        *([("status", summary["status"])] if "status" in summary else []),
         ("run", str(summary.get("name"))),
-        ("model", f"{summary.get('preset')} ({summary.get('num_params', 0):,} params)"),
+        ("model", f"{summary.get('preset')}" + (f" ({params:,} params)" if params else "")),
         ("device", f"{summary.get('device')} / {summary.get('precision')}"),
         ("steps", f"{summary.get('steps')} ({summary.get('tokens', 0):,} tokens)"),
         ("final loss", _fmt(summary.get("final_loss"), ".4f")),
@@ -113,28 +137,67 @@ def _plot_loss(plt: Any, run_dir: Path, train: list[dict], val: list[dict]) -> P
     ax.legend()
     path = run_dir / "loss.png"
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, bbox_inches="tight")  # the legend beside the plot included
     plt.close(fig)
     return path
 
 
+MIB = 2**20
+
+
+def _plot_tiers(ax: Any, tiered: list[dict]) -> None:
+    steps = [r["step"] for r in tiered]
+
+    def series(key: str) -> list[float]:
+        return [float("nan") if r["tiers"].get(key) is None else r["tiers"][key] / MIB
+                for r in tiered]  # fmt: skip
+
+    activations, need = series("activations_bytes"), series("device_need_bytes")
+    ax.fill_between(steps, 0, activations, alpha=0.35, label="device: activations")
+    ax.fill_between(steps, activations, need, alpha=0.35, label="device: chunks needed")
+    ax.plot(steps, series("device_peak_bytes"), "--", label="device peak so far")
+    budget = tiered[-1]["tiers"].get("device_budget_bytes")
+    if budget is not None:
+        ax.axhline(budget / MIB, color="black", lw=1.2, label="device budget")
+    ax.plot(steps, series("host_peak_bytes"), label="host tier peak so far")
+    if any(r["tiers"].get("nvme_peak_bytes") is not None for r in tiered):
+        ax.plot(steps, series("nvme_peak_bytes"), label="NVMe tier peak so far")
+    traffic = ax.twinx()
+    traffic.plot(steps, series("to_device_bytes"), ":", color="gray", label="to device per step")
+    traffic.set_ylabel("MiB moved per step")
+    traffic.set_ylim(bottom=0)
+
+
 def _plot_memory(plt: Any, run_dir: Path, train: list[dict]) -> Path:
-    fig, ax = plt.subplots(figsize=(7, 4))
-    tiers = sorted({tier for r in train for tier in (r.get("memory_bytes") or {})})
+    """A chunk engine's device tier against its budget (the need of each step, activations
+    stacked under it), its host memory, and the traffic; other engines' memory per tier."""
+    fig, ax = plt.subplots(figsize=(9, 4.5))
     steps = [r["step"] for r in train]
-    for tier in tiers:
-        values = [(r.get("memory_bytes") or {}).get(tier, float("nan")) / 2**20 for r in train]
-        ax.plot(steps, values, label=f"{tier} in use")
-        peaks = [(r.get("peak_memory_bytes") or {}).get(tier, float("nan")) / 2**20 for r in train]
-        ax.plot(steps, peaks, "--", label=f"{tier} peak")
+    tiered = [r for r in train if r.get("tiers")]
+    if tiered:
+        _plot_tiers(ax, tiered)
+        ax.set_title(f"{run_dir.name}: the chunk engine's tiers (rank 0)")
+    else:
+        for tier in sorted({tier for r in train for tier in (r.get("memory_bytes") or {})}):
+            values = [(r.get("memory_bytes") or {}).get(tier, float("nan")) / MIB for r in train]
+            ax.plot(steps, values, label=f"{tier} in use")
+            peaks = [(r.get("peak_memory_bytes") or {}).get(tier, float("nan")) / MIB
+                     for r in train]  # fmt: skip
+            ax.plot(steps, peaks, "--", label=f"{tier} peak")
+        ax.set_title(f"{run_dir.name}: memory per tier")
     ax.set_xlabel("step")
     ax.set_ylabel("MiB")
     ax.set_ylim(bottom=0)
-    ax.set_title(f"{run_dir.name}: memory per tier")
     ax.grid(alpha=0.3)
-    ax.legend()
+    handles, labels = [], []
+    for axis in fig.axes:  # the traffic axis too
+        more = axis.get_legend_handles_labels()
+        handles += more[0]
+        labels += more[1]
+    # Beside the plot, not on it: the lines sit where a legend inside would go.
+    ax.legend(handles, labels, loc="upper left", bbox_to_anchor=(1.12, 1.0), fontsize=8)
     path = run_dir / "memory.png"
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, bbox_inches="tight")  # the legend beside the plot included
     plt.close(fig)
     return path
