@@ -90,6 +90,11 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
         action="store_true",
         help="start over in a run folder that already holds checkpoints (deletes them)",
     )
+    train.add_argument(
+        "--deepspeed", default=None, metavar="JSON",
+        help="a DeepSpeed config: its batch sizes, accumulation, clipping, precision, optimizer, "
+        "scheduler and ZeRO/offload settings on top of the recipe; each key it ignores is named",
+    )  # fmt: skip
     train.add_argument("--no-plots", action="store_true", help="do not write PNG plots at the end")
     train.add_argument(
         "--nproc", type=int, default=1, metavar="N",

@@ -13,6 +13,7 @@ import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from rich.console import Console
 from rich.table import Table
@@ -119,6 +120,12 @@ def _pipeline_flags(args: argparse.Namespace) -> None:
         args.nproc = args.pipeline_stages
 
 
+def _deepspeed(args: argparse.Namespace) -> dict[str, Any] | None:
+    from tidal.train.deepspeed_config import load_deepspeed
+
+    return None if args.deepspeed is None else load_deepspeed(args.deepspeed)
+
+
 def _terminate_as_interrupt(_signum: int, _frame: object) -> None:
     raise KeyboardInterrupt
 
@@ -138,7 +145,7 @@ def _train(args: argparse.Namespace, console: Console, argv: list[str]) -> int:
     signal.signal(signal.SIGTERM, _terminate_as_interrupt)
     from tidal.train.job import find_recipe
 
-    job = load_job(find_recipe(args.recipe), args.overrides)
+    job = load_job(find_recipe(args.recipe), args.overrides, deepspeed=_deepspeed(args))
     pipeline = job.pipeline.stages > 1 or args.pipeline_stages is not None
     if job.pipeline.stages > 1 and int(os.environ.get("WORLD_SIZE", "1")) == 1:
         args.nproc = job.pipeline.stages  # a recipe's [pipeline] stages: one rank each
@@ -172,7 +179,8 @@ def _launch(args: argparse.Namespace, argv: list[str]) -> int:
             "processes; drop --nproc",
         )
     # An error found here is one line, rather than one per rank above torchrun's report.
-    job = load_job(find_recipe(args.recipe), args.overrides)
+    job = load_job(find_recipe(args.recipe), args.overrides, deepspeed=_deepspeed(args),
+                   world_size=args.nproc, log_notes=False)  # fmt: skip
     if args.plan is not None:
         from tidal.models import spec_for
         from tidal.parallel.plan_layout import load_plan

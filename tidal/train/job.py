@@ -9,6 +9,8 @@ config layer sits below all of them.
 
 from __future__ import annotations
 
+import logging
+import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,6 +24,9 @@ from tidal.parallel.config import MemoryConfig, OptimizerConfig, TrainingConfig
 from tidal.pipeline.config import PipelineConfig
 from tidal.sharding.config import ShardingConfig
 from tidal.train.config import CheckpointConfig, MetricsConfig
+from tidal.train.deepspeed_config import from_deepspeed, is_deepspeed_config
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["JobConfig", "find_recipe", "list_recipes", "load_job"]
 
@@ -103,6 +108,12 @@ def find_recipe(name_or_path: str | Path) -> Path:
     """A recipe file from a path or a bare name (``demo`` -> ``recipes/demo.toml``, see
     :func:`_recipe_dirs`)."""
     candidate = Path(name_or_path)
+    if candidate.suffix == ".json":
+        raise ConfigError(
+            "recipe",
+            f"{str(candidate)!r} is JSON; a DeepSpeed config goes with --deepspeed "
+            f"{candidate} (and --recipe NAME for the model and data, e.g. --recipe tiny)",
+        )
     if candidate.suffix == ".toml" or candidate.parent != Path("."):
         if candidate.is_file():
             return candidate
@@ -118,16 +129,40 @@ def find_recipe(name_or_path: str | Path) -> Path:
 def load_job(
     recipe: str | Path | Mapping[str, Any] | JobConfig | None = None,
     overrides: Sequence[str] = (),
+    *,
+    deepspeed: Mapping[str, Any] | None = None,
+    world_size: int | None = None,
+    log_notes: bool = True,
 ) -> JobConfig:
-    """A validated JobConfig from a recipe name, a TOML path, a dict or a JobConfig, plus ``--set`` overrides."""
+    """A validated JobConfig from a recipe name, a TOML path, a dict or a JobConfig, then the
+    settings of a ``deepspeed`` config on top ([Note: deepspeed keys]; each key it ignores is
+    logged, by rank 0; ``world_size``: the ranks its per-GPU batch is for, else ``WORLD_SIZE``),
+    then ``--set`` overrides. A dict that is itself a DeepSpeed config is read as one."""
     if isinstance(recipe, JobConfig):
-        if not overrides:
+        if not overrides and deepspeed is None:
             return recipe
         recipe = to_dict(recipe)
     if recipe is None:
         data: Mapping[str, Any] = {}
     elif isinstance(recipe, Mapping):
         data = recipe
+        if deepspeed is None and is_deepspeed_config(data):
+            data, deepspeed = {}, data
     else:
         data = load_toml(find_recipe(recipe))
+    if deepspeed is not None:
+        mapped, notes = from_deepspeed(deepspeed, world_size=world_size)
+        for note in notes if log_notes and os.environ.get("RANK", "0") == "0" else []:
+            logger.warning("tidal: deepspeed config: %s", note)
+        data = _merged(data, mapped)
     return from_dict(JobConfig, apply_overrides(data, overrides))
+
+
+def _merged(base: Mapping[str, Any], extra: Mapping[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in extra.items():
+        if isinstance(value, Mapping) and isinstance(out.get(key), Mapping):
+            out[key] = _merged(out[key], value)
+        else:
+            out[key] = value
+    return out
