@@ -38,6 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_train(sub)
     _add_report(sub)
     _add_checkpoints(sub)
+    _add_config(sub)
     _add_plan(sub)
     _add_simulate(sub)
     _add_bench(sub)
@@ -179,6 +180,22 @@ def _add_report(sub: argparse._SubParsersAction) -> None:
         description="Write loss.png and memory.png into RUN_DIR and print the summary table.",
     )
     report.add_argument("run_dir", metavar="RUN_DIR", help="a run folder, e.g. runs/demo")
+
+
+def _add_config(sub: argparse._SubParsersAction) -> None:
+    config = sub.add_parser(
+        "config",
+        help="show the resolved config of a recipe, each key with its doc line",
+        description="`tidal config show [--recipe R] [--deepspeed JSON] [--set K=V ...]`: the "
+        "config a run would use, as a recipe (TOML) with a comment on every key.",
+    )
+    actions = config.add_subparsers(dest="config_action", required=True, metavar="ACTION")
+    show = actions.add_parser("show", help="print the resolved config as TOML with doc lines")
+    show.add_argument("--recipe", default=None, metavar="NAME_OR_PATH",
+                      help=_RECIPE_HELP + " (default: the built-in defaults)")  # fmt: skip
+    show.add_argument("--deepspeed", default=None, metavar="JSON",
+                      help="a DeepSpeed config read on top (see tidal train --help)")  # fmt: skip
+    _add_overrides(show)
 
 
 def _add_checkpoints(sub: argparse._SubParsersAction) -> None:

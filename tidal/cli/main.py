@@ -66,6 +66,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _report(args.run_dir, console)
         if args.command == "checkpoints":
             return _checkpoints(args.run_dir, console)
+        if args.command == "config":
+            return _config_show(args)
         if args.command == "models":
             return _models(console)
         if args.command == "bench":
@@ -216,6 +218,16 @@ def _report(run_dir: str, console: Console) -> int:
     summary = load_summary(run_dir)
     _write_plots(run_dir, console)
     console.print(summary_table(summary, title=f"{run_dir}"))
+    return 0
+
+
+def _config_show(args: argparse.Namespace) -> int:
+    from tidal.cli.config_show import render
+    from tidal.train.job import find_recipe, load_job
+
+    recipe = None if args.recipe is None else find_recipe(args.recipe)
+    job = load_job(recipe, args.overrides, deepspeed=_deepspeed(args))
+    print(render(job), end="")
     return 0
 
 

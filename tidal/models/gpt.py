@@ -133,7 +133,20 @@ def preset(name: str) -> GPTConfig:
 class ModelConfig:
     """The ``[model]`` section of a recipe: a preset name plus optional overrides of its fields,
     or ``hf_config``, the path of a Hugging Face ``config.json`` (or of a folder holding one;
-    relative to the working directory) with ``seq_len`` the length to train on."""
+    relative to the working directory) with ``seq_len`` the length to train on.
+
+    Attributes:
+        preset: one of ``tidal models``' GPT presets (tiny, demo, gpt2-small, ...).
+        vocab_size: tokens in the vocabulary; unset keeps the preset's.
+        seq_len: tokens per training sequence; unset keeps the preset's (required with hf_config).
+        num_layers: transformer blocks; unset keeps the preset's.
+        num_heads: attention heads per block; unset keeps the preset's.
+        d_model: the residual stream's width; unset keeps the preset's.
+        d_ff: the MLP's hidden width; unset keeps the preset's.
+        tie_embeddings: whether the LM head shares the token embedding; unset keeps the preset's.
+        dropout: dropout probability in training; unset keeps the preset's.
+        hf_config: a Hugging Face config.json (or its folder) to build instead of a preset.
+    """
 
     preset: str = "tiny"
     vocab_size: int | None = None
