@@ -31,8 +31,21 @@ def test_plan_writes_the_json_the_issue_names(tmp_path, capsys) -> None:
     assert len(report["pareto"]) >= 2
     plan = Plan.load(out)  # what `tidal train --plan` reads
     assert plan.dp * plan.tp == 16
-    printed = capsys.readouterr().out
+    captured = capsys.readouterr()
+    printed = captured.out
     assert "blocks.*.mlp.fc" in printed and "megatron" in printed and "LP gap" in printed
+    # Issue 17: a practitioner reads it. Runs of a module's own ops are named by their ops, every
+    # column has a legend, the time counts the tracing and every mesh, and progress is shown.
+    assert "blocks.*[0]: add" in printed and "mlp[0]: gelu" in printed
+    assert "zero: its parameter state split over the dp ranks" in printed
+    assert "plan saves: 1 - the plan's peak / the baseline's" in printed
+    timing = report["timing_s"]
+    assert 0 < timing["trace"] < timing["total"] and report["solve_s"] < timing["total"]
+    assert f"planned in {timing['total']:.1f} s" in printed
+    assert "tidal plan:" in captured.err and "solving dp 4 x tp 4" in captured.err
+    for name, base in report["baselines"].items():  # a negative saving comes with its reason
+        if base["saving"] is not None and base["saving"] < 0:
+            assert f"{name} holds less" in printed and "the plan spends memory for speed" in printed
 
 
 def test_plan_bad_input_is_one_line_and_exit_2(capsys) -> None:

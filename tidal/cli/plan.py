@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -83,7 +85,12 @@ def run_plan(args: argparse.Namespace, console: Console) -> int:
         raise ConfigError(
             "--pareto", f"expected numbers such as 0,0.1, got {args.pareto!r}"
         ) from None
+    started = time.perf_counter()
     graph, selective = _graph(args)
+    traced_s = time.perf_counter() - started
+    # A line per stage of the search, the long part; the first comes once the meshes are
+    # known, so a bad input still fails in one line.
+    say = _progress(started)
     modes = tuple(Recompute) if selective else (Recompute.NONE, Recompute.FULL)
     config = PlannerConfig(
         objective=args.objective,
@@ -94,15 +101,70 @@ def run_plan(args: argparse.Namespace, console: Console) -> int:
         baselines=tuple(x.strip() for x in args.baselines.split(",") if x.strip()),
         recompute=modes,
     )
-    result = make_plan(graph, cluster, config)
+    result = make_plan(graph, cluster, config, progress=say)
     report = plan_report(result, cluster)
+    report["timing_s"] = {"trace": traced_s, "total": time.perf_counter() - started}
     console.print(units_table(report))
+    console.print(UNITS_LEGEND, style="dim", soft_wrap=True)
     console.print(baselines_table(report))
-    console.print(summary_line(report, cluster))
+    console.print(BASELINES_LEGEND, style="dim", soft_wrap=True)
+    for line in _why_more_memory(report):
+        console.print(line, soft_wrap=True)
+    console.print(summary_line(report, cluster), soft_wrap=True)
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
         console.print(f"plan: {args.json}")
     return 0
+
+
+UNITS_LEGEND = (
+    "unit: a module (blocks.* is every block alike) or a run of a module's own ops, named by "
+    "them; x: how many units the row stands for; strategy and layout: how the unit's work is "
+    "split over the tp ranks, input -> output (R replicated, S(dim) split along dim, P partial "
+    "sums); zero: its parameter state split over the dp ranks (0 none, 1 optimizer state, 2 and "
+    "gradients, 3 and weights); params+grads+opt, activations, redundant (bytes held on more "
+    "than one device, what the plan minimises): GiB per device over the row's units; time s: "
+    "the row's forward and backward per step."
+)
+BASELINES_LEGEND = (
+    "plan saves: 1 - the plan's peak / the baseline's (negative: the plan holds more); at its "
+    "step time: the smallest plan no slower than the baseline, and what that saves."
+)
+
+
+def _progress(started: float):  # noqa: ANN202
+    """A line per stage on stderr, so a long search is not silence (stdout keeps the tables)."""
+
+    def say(line: str) -> None:
+        print(f"tidal plan: {time.perf_counter() - started:6.1f} s  {line}", file=sys.stderr,
+              flush=True)  # fmt: skip
+
+    return say
+
+
+def _why_more_memory(report: dict) -> list[str]:
+    """For each baseline that holds less than the plan, why: the plan is faster."""
+    lines = []
+    for name, base in report["baselines"].items():
+        saving, base_s = base["saving"], base["step_time_s"]
+        if saving is None or saving >= 0 or not base_s:
+            continue
+        same = base["at_same_step_time"] or {}
+        lines.append(
+            f"{name} holds less ({_gib(base['peak_memory_bytes'])} vs "
+            f"{_gib(report['peak_memory_bytes'])} GiB) at {base_s / report['step_time_s']:.1f}x "
+            f"the plan's step time: the plan spends memory for speed; no slower than {name}, "
+            f"a plan needs {_gib(same.get('peak_memory_bytes'))} GiB "
+            f"({_percent(same.get('saving'))} saved)"
+        )
+    return lines
+
+
+def _unit_name(unit: dict) -> str:
+    ops = unit.get("ops") or []
+    return (
+        f"{unit['name']}: {', '.join(ops)}" if unit["segment"] is not None and ops else unit["name"]
+    )
 
 
 def units_table(report: dict) -> Table:
@@ -123,7 +185,7 @@ def units_table(report: dict) -> Table:
         memory, n = unit["memory"], unit["count"]
         states = (memory["params"] + memory["grads"] + memory["optimizer"]) * n
         table.add_row(
-            unit["name"], str(n), unit["strategy"], f"{unit['in_layout']} -> {unit['out_layout']}",
+            _unit_name(unit), str(n), unit["strategy"], f"{unit['in_layout']} -> {unit['out_layout']}",
             str(unit["zero"]), _gib(states), _gib(memory["activations"] * n),
             _gib(memory["redundant"] * n), _seconds(unit["time_s"]),
         )  # fmt: skip
@@ -166,6 +228,7 @@ def summary_line(report: dict, cluster) -> str:
         f"{format_bytes(cluster.device_memory_bytes)} per device, step "
         f"{_seconds(report['step_time_s'])} s (fastest that fits "
         f"{_seconds(report['fastest_step_time_s'])} s), "
-        f"solved in {report['solve_s']:.2f} s, LP gap "
+        f"planned in {report['timing_s']['total']:.1f} s (tracing {report['timing_s']['trace']:.1f} "
+        f"s, every mesh's ILP {report['solve_s']:.1f} s, then the frontier and baselines), LP gap "
         + ("-" if gap is None else f"{100 * gap:.2f}%")
     )

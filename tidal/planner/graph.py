@@ -47,6 +47,7 @@ class Unit:
     inputs: tuple[int, ...] = ()  # the caller's positional tensors it reads
     split_widths: tuple[int, ...] = ()  # its first last-dim split of a tensor it was handed
     dropout: bool = False
+    ops: tuple[str, ...] = ()  # its first few distinct ops (not views), to name a module's own
 
     @property
     def param_bytes(self) -> int:

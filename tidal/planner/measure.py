@@ -97,6 +97,11 @@ def _kind_of(module: nn.Module) -> str:
 # stand-ins for the accelerator's kernels; see [Note: kernels as on the accelerator]
 
 
+# Ops that say nothing of what a run of a module's own ops does (allocations, copies).
+_UNNAMING_OPS = frozenset({"new_empty", "empty", "empty_like", "to_copy", "copy", "clone",
+                           "zeros", "zeros_like", "fill", "detach", "lift_fresh"})  # fmt: skip
+
+
 class _FusedAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -246,6 +251,9 @@ class _Tracer(TorchDispatchMode):
             _storage_key(o) in {_storage_key(i) for i in inputs} for o in outputs
         )
         self._note_split(unit, func, args, outputs)
+        op = func._overloadpacket.__name__.strip("_")
+        if not is_view and op not in _UNNAMING_OPS and op not in unit.ops and len(unit.ops) < 3:
+            unit.ops = (*unit.ops, op)
         for t in inputs:
             key = _storage_key(t)
             if key in self.param_storages:

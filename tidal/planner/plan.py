@@ -110,10 +110,12 @@ class UnitChoice:
     count: int
     memory: MemoryBreakdown = field(default_factory=MemoryBreakdown)
     time_s: float = 0.0
+    ops: tuple[str, ...] = ()  # a segment's first few ops (``add``), which name it for a reader
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "name": self.name,
+            "ops": list(self.ops),
             "module": self.module,
             "segment": self.segment,
             "kind": self.kind,
@@ -140,6 +142,7 @@ class UnitChoice:
             count=int(data["count"]),
             memory=MemoryBreakdown.from_dict(data.get("memory", {})),
             time_s=float(data.get("time_s", 0.0)),
+            ops=tuple(data.get("ops", ())),
         )
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from tidal.config.configurable import ConfigError, format_bytes, require
@@ -181,12 +182,21 @@ def _problem(
     return build_problem(graph, mesh, options, cluster, spec, recompute_modes=modes)
 
 
-def make_plan(graph: ModelGraph, cluster: ClusterSpec, config: PlannerConfig) -> PlanResult:
-    """The best plan for ``config.objective``; raises :class:`Infeasible` when none fits."""
+def make_plan(
+    graph: ModelGraph,
+    cluster: ClusterSpec,
+    config: PlannerConfig,
+    *,
+    progress: Callable[[str], None] | None = None,
+) -> PlanResult:
+    """The best plan for ``config.objective``; raises :class:`Infeasible` when none fits.
+    ``progress`` is told each stage of the search as it starts (a mesh, a baseline)."""
+    say = progress or (lambda _line: None)
     started = time.perf_counter()
     limit = float(cluster.device_memory_bytes)
     results = []
     for mesh in meshes_for(graph, cluster, config):
+        say(f"solving dp {mesh.dp} x tp {mesh.tp}")
         spec = _spec(graph, mesh, config, cluster.devices)
         problem = _problem(graph, mesh, cluster, spec, config)
         fastest = problem.solve(
@@ -216,11 +226,14 @@ def make_plan(graph: ModelGraph, cluster: ClusterSpec, config: PlannerConfig) ->
         meshes=results,
     )
     if config.pareto:
+        say("the memory-time frontier")
         result.pareto = _pareto(graph, cluster, feasible, config, limit, fastest_s)
     if config.baselines:
+        say(f"the baselines: {', '.join(config.baselines)}")
         result.baselines = _baselines(graph, cluster, config)
         for name, base in result.baselines.items():
             if base.solution.feasible:
+                say(f"the smallest plan at {name}'s step time")
                 matched = _smallest_within(results, config, base.step_time_s)
                 if matched is not None:
                     result.matched[name] = matched
@@ -352,6 +365,7 @@ def to_plan(graph: ModelGraph, assignment: Assignment, costed: Costed, spec: Tra
                 count=unit.count,
                 memory=costed.unit_memory[unit.name],
                 time_s=costed.unit_time_s[unit.name],
+                ops=unit.ops,
             )
         )
     mesh = assignment.mesh
