@@ -23,6 +23,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from tidal.config.configurable import ConfigError, require
+from tidal.models.factory import FactoryConfig
 from tidal.models.hf import HFModelConfig
 from tidal.pipeline.partition import LayerProfile
 from tidal.pipeline.split import (
@@ -146,6 +147,8 @@ class ModelConfig:
         tie_embeddings: whether the LM head shares the token embedding; unset keeps the preset's.
         dropout: dropout probability in training; unset keeps the preset's.
         hf_config: a Hugging Face config.json (or its folder) to build instead of a preset.
+        factory: "package.module:function" returning your own nn.Module (token ids to logits)
+            to train instead of a preset; needs seq_len ([Note: factory models] in factory.py).
     """
 
     preset: str = "tiny"
@@ -158,9 +161,24 @@ class ModelConfig:
     tie_embeddings: bool | None = None
     dropout: float | None = None
     hf_config: str | None = None
+    factory: str | None = None
 
     def __post_init__(self) -> None:
         preset(self.preset)
+        if self.factory is not None:
+            require(self.hf_config is None, "factory", "give model.factory or model.hf_config")
+            for name in _GPT_ONLY:
+                require(
+                    name == "vocab_size" or getattr(self, name) is None,
+                    name,
+                    f"shapes tidal's GPT presets; your model ({self.factory}) has its own shape: "
+                    f"drop model.{name}",
+                )
+            require(
+                self.seq_len is not None,
+                "seq_len",
+                "a factory model needs the sequence length to train on: set model.seq_len",
+            )
         if self.hf_config is not None:
             for name in _GPT_ONLY:
                 require(
@@ -177,15 +195,32 @@ class ModelConfig:
             )
         self.resolve()  # an invalid combination raises GPTConfig's ConfigError, keyed by field
 
-    def resolve(self) -> GPTConfig | HFModelConfig:
+    def resolve(self) -> GPTConfig | HFModelConfig | FactoryConfig:
+        if self.factory is not None:
+            assert self.seq_len is not None, "checked in __post_init__"
+            # The stdlib corpus is bytes: 256 tokens unless the recipe says otherwise.
+            return FactoryConfig(factory=self.factory, seq_len=self.seq_len,
+                                 vocab_size=self.vocab_size or 256)  # fmt: skip
         if self.hf_config is not None:
             return HFModelConfig.load(self.hf_config, seq_len=self.seq_len, key="hf_config")
         overrides = {
             f.name: getattr(self, f.name)
             for f in dataclasses.fields(self)
-            if f.name not in ("preset", "hf_config") and getattr(self, f.name) is not None
+            if f.name not in ("preset", "hf_config", "factory")
+            and getattr(self, f.name) is not None
         }
         return dataclasses.replace(preset(self.preset), **overrides)
+
+    def resolve_structured(self) -> GPTConfig | HFModelConfig:
+        """:meth:`resolve` for what needs a structure tidal knows (pipelines, plans, export)."""
+        config = self.resolve()
+        if isinstance(config, FactoryConfig):
+            raise ConfigError(
+                "model.factory",
+                "pipelines, plans and export need tidal's GPT or a Hugging Face decoder "
+                "(model.hf_config); a factory model trains on the reference and chunk engines",
+            )
+        return config
 
     def resolve_gpt(self) -> GPTConfig:
         """:meth:`resolve` for what only tidal's GPT supports; a clear error for the others."""

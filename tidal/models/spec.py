@@ -39,6 +39,7 @@ from torch import nn
 
 from tidal.config import ConfigError
 from tidal.memory.materialize import ParameterValues
+from tidal.models.factory import FactoryConfig, FactorySpec
 from tidal.models.gpt import (
     GPT,
     GPTConfig,
@@ -175,6 +176,7 @@ class GPTSpec:
 
     config: GPTConfig
     computes_loss: ClassVar[bool] = True
+    deferred: ClassVar[bool] = True  # built on the meta device, values streamed by init()
 
     def build(self, *, device: str | torch.device = "meta", seed: int = 0) -> nn.Module:
         return build_gpt(self.config, device=device, seed=seed)
@@ -226,6 +228,7 @@ class HFSpec:
 
     config: HFModelConfig
     computes_loss: ClassVar[bool] = False
+    deferred: ClassVar[bool] = True
 
     def build(self, *, device: str | torch.device = "meta", seed: int = 0) -> nn.Module:
         return build_hf(self.config, device=device, seed=seed)
@@ -287,12 +290,16 @@ class HFSpec:
 # choosing
 
 
-def spec_for(config: ModelConfig | GPTConfig | HFModelConfig) -> GPTSpec | HFSpec:
+def spec_for(
+    config: ModelConfig | GPTConfig | HFModelConfig | FactoryConfig,
+) -> GPTSpec | HFSpec | FactorySpec:
     """The spec of a recipe's ``[model]`` section, or of a resolved config."""
     if isinstance(config, ModelConfig):
         config = config.resolve()
     if isinstance(config, HFModelConfig):
         return HFSpec(config=config)
+    if isinstance(config, FactoryConfig):
+        return FactorySpec(config=config)
     return GPTSpec(config=config)
 
 

@@ -85,11 +85,12 @@ class EnginePart:
         return all_reduce_mean(float(loss_sum) / self._grad_accum_steps)  # syncs the device
 
     def _loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """The mean next-token cross-entropy: tidal's GPT takes it itself; a Hugging Face model
-        gives logits, and it is taken here the same way (fp32, over every token)."""
+        """The mean next-token cross-entropy: tidal's GPT takes it itself; a Hugging Face or a
+        factory model gives logits, and it is taken here the same way (fp32, over every token)."""
         if self._computes_loss:
             return self.engine(inputs, targets)
-        logits = self.engine(inputs).logits
+        out = self.engine(inputs)
+        logits = out if isinstance(out, torch.Tensor) else out.logits  # a factory model's: either
         return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
 
     def _local(self, batch: Batch) -> Batch:

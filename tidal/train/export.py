@@ -139,7 +139,14 @@ def run_model_config(run_dir: str | Path) -> GPTConfig:
             f"tidal.train.checkpoint.load_model_state and load them with transformers' "
             f"AutoModelForCausalLM.from_config(...).load_state_dict",
         )
-    config = model.resolve()
+    if model.factory is not None:
+        raise ConfigError(
+            "run_dir",
+            f"{run_dir} trained your own model ({model.factory}); export writes tidal's GPT. "
+            f"Read its weights, under your model's own names, with "
+            f"tidal.train.checkpoint.load_model_state and load them with load_state_dict",
+        )
+    config = model.resolve_structured()
     assert isinstance(config, GPTConfig), "a model config without hf_config resolves to a GPT's"
     return config
 

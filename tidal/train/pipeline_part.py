@@ -49,7 +49,7 @@ __all__ = ["PipelinePart", "block_ranges", "check_pipeline_job"]
 def check_pipeline_job(job: JobConfig, *, world_size: int) -> None:
     """What a pipeline run can refuse before any process starts (one line each)."""
     pipe, training = job.pipeline, job.training
-    config = job.model.resolve()
+    config = job.model.resolve_structured()
     if not isinstance(config, GPTConfig):
         raise ConfigError(
             "model.hf_config", "pipelines train tidal's GPT presets; drop the pipeline settings"
@@ -103,7 +103,7 @@ def block_ranges(job: JobConfig) -> tuple[tuple[int, int], ...]:
     ``p`` microbatches, its last one), plus the delta buffer of PipeMare's correction or of
     weight prediction.
     """
-    pipe, config = job.pipeline, job.model.resolve()
+    pipe, config = job.pipeline, job.model.resolve_structured()
     num_stages = pipe.stages * pipe.virtual_stages
     if pipe.partition == "even" or num_stages == 1:
         if num_stages > config.num_layers:
@@ -157,7 +157,7 @@ class PipelinePart:
     def __init__(self, job: JobConfig, *, device: torch.device, world_size: int) -> None:
         self.job = job
         training, pipe = job.training, job.pipeline
-        config = job.model.resolve()
+        config = job.model.resolve_structured()
         self.device = device
         check_pipeline_job(job, world_size=world_size)
         spec = spec_for(config)

@@ -213,9 +213,14 @@ class Trainer:
         # Built on the meta device and streamed into the engine, so no rank ever holds the whole
         # model ([Note: deferred construction] in tidal/memory/materialize.py).
         spec = spec_for(self.model_config)
-        model = spec.build(device="meta")
+        if spec.deferred:
+            model = spec.build(device="meta")
+            init = spec.init(model, training.seed)
+        else:  # a factory model is built for real ([Note: factory models] in models/factory.py)
+            if self.plan is not None:
+                self.job.model.resolve_structured()  # raises: a plan needs a known structure
+            model, init = spec.build(device="cpu", seed=training.seed), None
         self.flops_per_token = spec.flops_per_token(model)
-        init = spec.init(model, training.seed)
         engine = build_engine(model, self.job, init=init, plan=self.plan)
         self.num_params = spec.num_params(engine.model)
         return EnginePart(
@@ -515,7 +520,10 @@ class Trainer:
         peak_memory = peak_memory_bytes(self.device)
         return {
             "name": self.job.name,
-            "preset": self.job.model.preset if self.job.model.hf_config is None else None,
+            "preset": self.job.model.preset
+            if self.job.model.hf_config is None and self.job.model.factory is None
+            else None,
+            "factory": self.job.model.factory,
             "hf_config": self.job.model.hf_config,
             "num_params": self.num_params,
             "steps": self.part.global_step,
