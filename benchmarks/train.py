@@ -93,7 +93,7 @@ def _row(
         "num_params": trainer.num_params,
         "precision": job.training.precision,
         "batch_size": job.training.batch_size,
-        "seq_len": trainer.model_config.seq_len,
+        "seq_len": job.model.resolve().seq_len,
         "tokens_per_step": trainer.tokens_per_step,
         "steps": summary["steps"],
         "steady_steps": len(steady),

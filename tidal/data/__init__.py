@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Literal
 
 from tidal.config import ConfigError, require
-from tidal.data.batches import Batch, BatchSampler, TokenSplits
+from tidal.data.batches import Batch, Batches, BatchSampler, DataBatches, TokenSplits
 from tidal.data.synthetic import smallest_token_dtype, synthetic_tokens
 from tidal.data.text import (
     BYTE_VOCAB_SIZE,
@@ -23,6 +23,8 @@ __all__ = [
     "BYTE_VOCAB_SIZE",
     "Batch",
     "BatchSampler",
+    "Batches",
+    "DataBatches",
     "DataConfig",
     "TokenSplits",
     "build_token_splits",

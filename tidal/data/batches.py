@@ -8,13 +8,14 @@ where it stopped, and validation can use the same first N batches at every evalu
 from __future__ import annotations
 
 import operator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
 
-__all__ = ["Batch", "BatchSampler", "TokenSplits"]
+__all__ = ["Batch", "BatchSampler", "Batches", "DataBatches", "TokenSplits"]
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 """``(inputs, targets)``, both int64 of shape ``(batch_size, seq_len)``."""
@@ -120,3 +121,67 @@ class BatchSampler:
         if next_index < 0:
             raise ValueError(f"next_index must be >= 0, got {next_index}")
         self.next_index = next_index
+
+
+class Batches(Protocol):
+    """What a training loop draws from: a job's token sampler or a user's own batches."""
+
+    def next_batch(self) -> Batch: ...
+
+
+class DataBatches:
+    """A user's own data as the trainer's batches: ``(inputs, targets)`` pairs from a
+    re-iterable (a list, a DataLoader with a seeded generator), in its order, epoch after epoch.
+
+    [Note: data positions]
+    A checkpoint keeps how many batches were drawn; a resume draws and drops that many again, so
+    it continues with the batch it would have trained next, provided the data gives the same
+    batches in the same order each time it is iterated (a DataLoader's shuffle needs a seeded
+    ``generator``). Every batch must hold ``batch_size`` rows: each rank trains its slice.
+    """
+
+    def __init__(self, data: Iterable[Any], *, batch_size: int) -> None:
+        self.data = data
+        self.batch_size = batch_size
+        self.next_index = 0
+        self._iterator: Iterator[Any] | None = None
+
+    def _pair(self, item: Any) -> Batch:
+        if not (isinstance(item, (tuple, list)) and len(item) == 2):
+            raise ValueError(
+                f"each batch must be an (inputs, targets) pair, got {type(item).__name__}"
+            )
+        inputs, targets = item
+        if inputs.shape[0] != self.batch_size:
+            raise ValueError(
+                f"a batch of {inputs.shape[0]} rows where training.batch_size is {self.batch_size}; "
+                f"set training.batch_size={inputs.shape[0]} (or drop_last=True on a DataLoader)"
+            )
+        return inputs, targets
+
+    def next_batch(self) -> Batch:
+        if self._iterator is None:
+            self._iterator = iter(self.data)
+        try:
+            item = next(self._iterator)
+        except StopIteration:  # the next epoch
+            self._iterator = iter(self.data)
+            try:
+                item = next(self._iterator)
+            except StopIteration:
+                raise ValueError("the training data gave no batch at all") from None
+        self.next_index += 1
+        return self._pair(item)
+
+    def fixed_batches(self, num_batches: int) -> list[Batch]:
+        """The first ``num_batches`` batches (all of them if fewer): the same on every call."""
+        return [self._pair(item) for _, item in zip(range(num_batches), self.data, strict=False)]
+
+    def state_dict(self) -> dict[str, int]:
+        return {"next_index": self.next_index}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        """Draw again the batches a saved run drew ([Note: data positions])."""
+        self._iterator, self.next_index = None, 0
+        for _ in range(int(state["next_index"])):
+            self.next_batch()

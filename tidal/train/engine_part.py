@@ -4,16 +4,27 @@ The Trainer runs one loop for every way of training; what differs is a *part*: h
 taken, how validation runs, what a record and the summary add. :class:`EnginePart` is the part
 of the engines with the calling convention ``loss = engine(x, y); engine.backward(loss);
 engine.step()``; :class:`~tidal.train.pipeline_part.PipelinePart` that of a pipeline.
+
+[Note: your own model]
+``Trainer(model, config, train_data=, val_data=, loss_fn=)`` trains a module tidal did not
+write on your batches, ``(inputs, targets)`` pairs of ``training.batch_size`` rows, through
+the same loop: the engine the config names (reference or chunk, sharded over ranks under
+torchrun, each rank its rows of every batch), the progress line and metrics ("tokens" count
+rows, and model FLOPs are not known, so TFLOP/s and MFU are left out), validation on
+``val_data``, checkpoints and exact resume ([Note: data positions] in tidal/data/batches.py).
+The loss is ``loss_fn(model(inputs), targets)``, cross-entropy when not given. A recipe reaches
+a model of its own through ``[model] factory`` instead ([Note: factory models]).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
 
-from tidal.data import Batch, BatchSampler
+from tidal.data import Batch, Batches
 from tidal.distributed import all_reduce_mean
 from tidal.parallel.protocol import Checkpointable, Engine
 
@@ -32,7 +43,7 @@ class TrainingPart(Protocol):
     @property
     def global_step(self) -> int: ...
     def next_steps(self, step: int) -> int: ...
-    def train(self, num_steps: int, sampler: BatchSampler) -> list[float]: ...
+    def train(self, num_steps: int, sampler: Batches) -> list[float]: ...
     def evaluate(self, batches: list[Batch]) -> float: ...
     def step_figures(self, step: int) -> dict[str, Any]: ...
     def summary_figures(self) -> dict[str, Any]: ...
@@ -55,6 +66,7 @@ class EnginePart:
         world_size: int,
         grad_accum_steps: int,
         computes_loss: bool,
+        loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
     ) -> None:
         self.engine = engine
         self.device = engine.device
@@ -62,6 +74,7 @@ class EnginePart:
         self._rows, self._world_size = rows, world_size
         self._grad_accum_steps = grad_accum_steps
         self._computes_loss = computes_loss
+        self._loss_fn = loss_fn  # [Note: your own model]
         self._moved_before: dict[str, int] = {}  # the traffic counters after the last step
 
     @property
@@ -71,10 +84,10 @@ class EnginePart:
     def next_steps(self, step: int) -> int:
         return 1
 
-    def train(self, num_steps: int, sampler: BatchSampler) -> list[float]:
+    def train(self, num_steps: int, sampler: Batches) -> list[float]:
         return [self._train_step(sampler) for _ in range(num_steps)]
 
-    def _train_step(self, sampler: BatchSampler) -> float:
+    def _train_step(self, sampler: Batches) -> float:
         loss_sum = torch.zeros((), device=self.device)
         for _ in range(self._grad_accum_steps):
             inputs, targets = self._local(sampler.next_batch())
@@ -90,6 +103,8 @@ class EnginePart:
         if self._computes_loss:
             return self.engine(inputs, targets)
         out = self.engine(inputs)
+        if self._loss_fn is not None:
+            return self._loss_fn(out, targets)
         logits = out if isinstance(out, torch.Tensor) else out.logits  # a factory model's: either
         return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
 

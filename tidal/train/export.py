@@ -130,6 +130,13 @@ def run_model_config(run_dir: str | Path) -> GPTConfig:
         job = json.loads(path.read_text())
     except json.JSONDecodeError as err:
         raise ConfigError("run_dir", f"{path} is not valid JSON: {err}") from None
+    if job.get("user_model"):
+        raise ConfigError(
+            "run_dir",
+            f"{run_dir} trained your own model ({job['user_model']}); export writes tidal's GPT. "
+            f"Read its weights, under your model's own names, with "
+            f"tidal.train.checkpoint.load_model_state and load them with load_state_dict",
+        )
     model = from_dict(ModelConfig, job.get("model"), path="model")
     if model.hf_config is not None:
         raise ConfigError(

@@ -69,7 +69,7 @@ def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
 class Throughput:
     """Tokens, time and FLOPs over a window of steps, for the progress line."""
 
-    def __init__(self, *, flops_per_token: float, peak_tflops: float | None) -> None:
+    def __init__(self, *, flops_per_token: float | None, peak_tflops: float | None) -> None:
         self.flops_per_token = flops_per_token
         self.peak_tflops = peak_tflops
         self.reset()
@@ -86,6 +86,8 @@ class Throughput:
         if self.elapsed_s <= 0:
             return {"tokens_per_s": None, "tflops": None, "mfu": None}
         tokens_per_s = self.num_tokens / self.elapsed_s
+        if self.flops_per_token is None:  # a model tidal did not write: its FLOPs are unknown
+            return {"tokens_per_s": tokens_per_s, "tflops": None, "mfu": None}
         tflops = tokens_per_s * self.flops_per_token / 1e12
         mfu = tflops / self.peak_tflops if self.peak_tflops else None
         return {"tokens_per_s": tokens_per_s, "tflops": tflops, "mfu": mfu}

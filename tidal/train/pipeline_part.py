@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from tidal.config import ConfigError, require
-from tidal.data import BatchSampler
+from tidal.data import Batches, BatchSampler
 from tidal.distributed import rank as current_rank
 from tidal.models import GPTConfig, spec_for
 from tidal.parallel.flat_state import model_layout
@@ -193,9 +193,11 @@ class PipelinePart:
                 stop = min(stop, (step // every + 1) * every)
         return stop - step
 
-    def train(self, num_steps: int, sampler: BatchSampler) -> list[float]:
+    def train(self, num_steps: int, sampler: Batches) -> list[float]:
         """``num_steps`` steps; every rank gets each step's loss. Step ``s`` (from 0) trains on
         batch ``s`` with the reference engine's rate for it."""
+
+        assert isinstance(sampler, BatchSampler), "a pipeline trains on a job's token data"
 
         def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
             inputs, targets = sampler.batch(step)

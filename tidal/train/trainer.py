@@ -36,15 +36,16 @@ import logging
 import math
 import shutil
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
 import torch
+from torch import nn
 
 from tidal.config import ConfigError, to_dict
-from tidal.data import Batch, BatchSampler, build_token_splits
+from tidal.data import Batch, BatchSampler, DataBatches, build_token_splits
 from tidal.distributed import barrier, gather_ints, init_from_env
 from tidal.distributed import rank as current_rank
 from tidal.distributed import world_size as current_world_size
@@ -86,6 +87,9 @@ if TYPE_CHECKING:
 __all__ = ["Callback", "LogCallback", "Trainer", "check_run_dir", "rank_rows"]
 
 logger = logging.getLogger(__name__)
+
+# The token sampler of a job's [data], or a user's own batches (train_data=).
+Sampler = BatchSampler | DataBatches
 
 
 class Callback:
@@ -169,21 +173,40 @@ class Trainer:
 
     def __init__(
         self,
-        job: JobConfig | str | dict[str, Any],
-        overrides: Sequence[str] = (),
+        job: JobConfig | str | dict[str, Any] | nn.Module,
+        overrides: Sequence[str] | JobConfig | dict[str, Any] = (),
         *,
         plan: Plan | str | Path | None = None,
         pipeline: bool | None = None,
+        train_data: Iterable[Any] | None = None,
+        val_data: Iterable[Any] | None = None,
+        loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
     ) -> None:
+        # Trainer(model, config, train_data=, loss_fn=): your own model and data ([Note: your
+        # own model] in engine_part.py); else a job whose [model] and [data] say what to train.
+        self.user_model = job if isinstance(job, nn.Module) else None
+        self._loss_fn = loss_fn
+        if self.user_model is not None:
+            job, overrides = (
+                (overrides, ()) if isinstance(overrides, JobConfig | dict) else ({}, overrides)
+            )
+            if train_data is None:
+                raise ConfigError("train_data", "your own model trains on your data: pass "
+                                  "train_data= (and loss_fn=, else cross-entropy on its output)")  # fmt: skip
+        assert not isinstance(job, nn.Module) and not isinstance(overrides, JobConfig | dict)
         self.job = load_job(job, overrides)
         self.plan = _load_plan(plan) if isinstance(plan, str | Path) else plan
         self.run_dir = self.job.run_path
         training = self.job.training
-        self.model_config = self.job.model.resolve()
+        self.model_config = None if self.user_model is not None else self.job.model.resolve()
         # Before the engine: a sharded engine reads the process group when it is built.
         self.distributed = init_from_env(device=resolve_device(training.device))
         self.rank, self.world_size = current_rank(), current_world_size()
         torch.manual_seed(training.seed)
+        if self.user_model is not None and (self.plan is not None or pipeline
+                                            or self.job.pipeline.stages > 1):  # fmt: skip
+            raise ConfigError("model", "pipelines and plans need tidal's GPT or a Hugging Face "
+                              "decoder; your own model trains on the reference and chunk engines")  # fmt: skip
         if self.job.pipeline.stages > 1 if pipeline is None else pipeline:
             if self.plan is not None:
                 raise ConfigError(
@@ -195,10 +218,20 @@ class Trainer:
         self.engine = self.part.engine
         self.device = self.part.device
         self.adapter = IDENTITY  # tidal's GPT and Hugging Face models keep their names
-        self.train_batches, self._val_sampler = build_samplers(self.job)
-        seq_len = self.model_config.seq_len
         self._val_batches: list[Batch] | None = None
-        self.tokens_per_step = training.batch_size * seq_len * training.grad_accum_steps
+        if self.model_config is None:  # your data: "tokens" count rows (samples)
+            self.train_batches: Sampler = DataBatches(
+                train_data or (), batch_size=training.batch_size
+            )
+            self._val_sampler: Sampler | None = (
+                None if val_data is None else DataBatches(val_data, batch_size=training.batch_size)
+            )
+            self.tokens_per_step = training.batch_size * training.grad_accum_steps
+        else:
+            self.train_batches, self._val_sampler = build_samplers(self.job)
+            self.tokens_per_step = (
+                training.batch_size * self.model_config.seq_len * training.grad_accum_steps
+            )
         self.peak = _all_ranks_peak(
             peak_flops(self.device, training.precision, self.job.metrics.peak_tflops),
             self.world_size,
@@ -212,6 +245,15 @@ class Trainer:
         training = self.job.training
         # Built on the meta device and streamed into the engine, so no rank ever holds the whole
         # model ([Note: deferred construction] in tidal/memory/materialize.py).
+        if self.model_config is None:
+            assert self.user_model is not None
+            engine = build_engine(self.user_model, self.job)
+            unique = {id(p): p for p in engine.model.parameters()}.values()
+            self.num_params = sum(p.numel() for p in unique)
+            self.flops_per_token = None  # not known for a model tidal did not write
+            return EnginePart(engine, rows=self._rank_rows(), world_size=self.world_size,
+                              grad_accum_steps=training.grad_accum_steps, computes_loss=False,
+                              loss_fn=self._loss_fn or torch.nn.functional.cross_entropy)  # fmt: skip
         spec = spec_for(self.model_config)
         if spec.deferred:
             model = spec.build(device="meta")
@@ -364,6 +406,7 @@ class Trainer:
     def evaluate(self) -> float:
         """Mean loss over the fixed validation batches (each rank its part, then the mean)."""
         if self._val_batches is None:
+            assert self._val_sampler is not None, "_after_step validates only with data"
             self._val_batches = self._val_sampler.fixed_batches(self.job.training.val_batches)
         return self.part.evaluate(self._val_batches)
 
@@ -383,7 +426,8 @@ class Trainer:
         """Validation and checkpoints due after ``step``; the checkpoint written, if any."""
         training, ckpt = self.job.training, self.job.checkpoint
         last = step == training.steps
-        if (training.val_every and step % training.val_every == 0) or last:
+        due = (training.val_every and step % training.val_every == 0) or last
+        if due and self._val_sampler is not None:
             self.last_val_loss = self.evaluate()
             record = {"kind": "val", "step": step, "val_loss": self.last_val_loss}
             if self.rank == 0:
@@ -431,7 +475,11 @@ class Trainer:
                 elif path.exists():
                     path.unlink()
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        write_json_atomic(self.run_dir / "config.json", to_dict(self.job))
+        config = to_dict(self.job)
+        if self.user_model is not None:  # what `tidal export` reads to refuse such a run
+            kind = type(self.user_model)
+            config["user_model"] = f"{kind.__module__}.{kind.__qualname__}"
+        write_json_atomic(self.run_dir / "config.json", config)
         if not resume:
             self.metrics.truncate_after(0)
 
@@ -456,7 +504,7 @@ class Trainer:
             "tokens_seen": self.tokens_seen,
             "train_time_s": self.train_time_s,
             "last_val_loss": self.last_val_loss,
-            "model_config": to_dict(self.model_config),
+            "model_config": None if self.model_config is None else to_dict(self.model_config),
         }
 
     def load_checkpoint(self, path: Any) -> int:
@@ -466,7 +514,7 @@ class Trainer:
         checkpoint = load_checkpoint(path, adapter=self.adapter)
         state = checkpoint.train_state
         saved_model = state["model_config"]
-        if saved_model != to_dict(self.model_config):
+        if self.model_config is not None and saved_model != to_dict(self.model_config):
             changed = sorted(
                 k for k in saved_model if saved_model[k] != getattr(self.model_config, k)
             )

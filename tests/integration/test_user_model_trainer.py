@@ -1,0 +1,107 @@
+"""``tidal.Trainer(model, config, train_data=..., loss_fn=...)``: your own model and data get
+the same loop, metrics, checkpoints and exact resume, on the reference and the chunk engine
+([Note: your own model] in tidal/train/engine_part.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import tidal
+from tidal.cli.main import main
+from tidal.train.checkpoint import list_checkpoints
+from tidal.train.metrics import read_metrics
+
+BATCH = 8
+ENGINES = {"reference": {}, "chunk": {"engine": "chunk", "chunk": {"size": 2048}}}
+# Below each model's weights, gradients and Adam state beside its activations: chunks move.
+BUDGETS = {"mlp": "96KiB", "cnn": "136KiB"}
+
+
+def _mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 1)
+    )
+
+
+def _cnn() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Conv2d(1, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Conv2d(8, 16, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+        nn.Linear(16, 10),
+    )  # fmt: skip
+
+
+def _regression() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    xs = [torch.randn(BATCH, 16, generator=g) for _ in range(5)]
+    return [(x, x[:, :4].sum(dim=1, keepdim=True)) for x in xs]
+
+
+def _images() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(2)
+    return [(torch.randn(BATCH, 1, 12, 12, generator=g), torch.randint(0, 10, (BATCH,), generator=g))
+            for _ in range(4)]  # fmt: skip
+
+
+CASES = {
+    "mlp": (_mlp, _regression, F.mse_loss),
+    "cnn": (_cnn, _images, None),  # cross-entropy on the output: the default
+}
+
+
+def _fit(run_dir: Path, case: str, engine: str, steps: int, resume: bool = False) -> dict:
+    build, data, loss_fn = CASES[case]
+    config = {
+        "run_dir": str(run_dir),
+        "training": {"steps": steps, "batch_size": BATCH, "val_every": 2, "log_every": 1,
+                     "device": "cpu"},
+        "optimizer": {"lr": 3e-3, "warmup_steps": 1, "decay_steps": 6},
+        "checkpoint": {"every_steps": 2},
+        **ENGINES[engine],
+    }  # fmt: skip
+    if engine == "chunk":
+        config["memory"] = {"device_budget": BUDGETS[case]}
+    trainer = tidal.Trainer(build(), config, train_data=data(), val_data=data()[:2],
+                            loss_fn=loss_fn)  # fmt: skip
+    return trainer.fit(resume=resume)
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("case", CASES)
+def test_your_model_trains_checkpoints_and_resumes_exactly(
+    case: str, engine: str, tmp_path: Path
+) -> None:
+    whole = _fit(tmp_path / "whole", case, engine, 6)
+    _fit(tmp_path / "split", case, engine, 4)
+    split = _fit(tmp_path / "split", case, engine, 6, resume=True)
+
+    def records(run: str) -> list[tuple]:
+        return [(r["step"], r.get("loss"), r.get("val_loss")) for r in read_metrics(tmp_path / run)]
+
+    assert records("split") == records("whole") and len(records("whole")) == 9  # 6 steps, 3 vals
+    losses = [loss for _, loss, val in records("whole") if val is None]
+    assert losses[-1] < losses[0]  # it learns
+    assert split["resumed_from_step"] == 4 and whole["engine"] == engine
+    assert whole["model_tflops_per_s"] is None and whole["tokens_per_s"] > 0  # rows per second
+    assert [step for step, _ in list_checkpoints(tmp_path / "whole")][-1] == 6
+    if engine == "chunk":
+        assert whole["evictions"] > 0
+
+
+def test_your_model_needs_your_data_and_is_not_exported(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(tidal.ConfigError, match="train_data"):
+        tidal.Trainer(_mlp(), {"run_dir": str(tmp_path / "x")})
+    _fit(tmp_path / "run", "mlp", "reference", 2)
+    assert main(["export", str(tmp_path / "run"), "--out", str(tmp_path / "out")]) == 2
+    assert (
+        "trained your own model (torch.nn.modules.container.Sequential)" in capsys.readouterr().err
+    )
