@@ -149,13 +149,25 @@ def load_job(
         if deepspeed is None and is_deepspeed_config(data):
             data, deepspeed = {}, data
     else:
-        data = load_toml(find_recipe(recipe))
+        path = find_recipe(recipe)
+        data = _beside(load_toml(path), path.parent)
     if deepspeed is not None:
         mapped, notes = from_deepspeed(deepspeed, world_size=world_size)
         for note in notes if log_notes and os.environ.get("RANK", "0") == "0" else []:
             logger.warning("tidal: deepspeed config: %s", note)
         data = _merged(data, mapped)
     return from_dict(JobConfig, apply_overrides(data, overrides))
+
+
+def _beside(data: dict[str, Any], folder: Path) -> dict[str, Any]:
+    """A recipe's ``model.hf_config`` relative to the recipe's own folder where the file is
+    there (a shipped recipe's config), else as written (relative to the working directory)."""
+    hf_config = data.get("model", {}).get("hf_config")
+    if isinstance(hf_config, str) and not Path(hf_config).is_absolute():
+        beside = folder / hf_config
+        if beside.exists():
+            data = {**data, "model": {**data["model"], "hf_config": str(beside)}}
+    return data
 
 
 def _merged(base: Mapping[str, Any], extra: Mapping[str, Any]) -> dict[str, Any]:
