@@ -105,3 +105,23 @@ def test_your_model_needs_your_data_and_is_not_exported(
     assert (
         "trained your own model (torch.nn.modules.container.Sequential)" in capsys.readouterr().err
     )
+
+
+def _fit_on_this_rank(run_dir: str) -> dict:
+    return _fit(Path(run_dir), "mlp", "chunk", 4)
+
+
+@pytest.mark.slow
+def test_your_model_on_two_ranks_is_sharded_and_equals_one_process(tmp_path: Path) -> None:
+    """Each rank its half of every batch; the chunk engine shards over the ranks (ZeRO-3)."""
+    from tidal.testing import run_on_ranks
+
+    ranks = run_on_ranks(_fit_on_this_rank, world_size=2, args=(str(tmp_path / "two"),),
+                         timeout_s=120)  # fmt: skip
+    _fit(tmp_path / "one", "mlp", "chunk", 4)
+    assert ranks[0]["engine"] == "chunk-sharded" and ranks[0]["bytes_all_gathered"] > 0
+
+    def losses(run: str) -> list[float]:
+        return [r["loss"] for r in read_metrics(tmp_path / run) if r["kind"] == "train"]
+
+    assert losses("two") == pytest.approx(losses("one"), rel=1e-5)
