@@ -62,6 +62,7 @@ from tidal.distributed.faults import maybe_inject
 from tidal.models import spec_for
 from tidal.parallel.accumulation import split_rows
 from tidal.train.build import build_engine
+from tidal.train.callbacks import Callback, LogCallback
 from tidal.train.checkpoint import (
     IDENTITY,
     list_checkpoints,
@@ -75,7 +76,6 @@ from tidal.train.job import JobConfig, load_job
 from tidal.train.metrics import (
     MetricsFile,
     Throughput,
-    format_step_line,
     git_commit,
     read_metrics,
     write_json_atomic,
@@ -90,31 +90,6 @@ logger = logging.getLogger(__name__)
 
 # The token sampler of a job's [data], or a user's own batches (train_data=).
 Sampler = BatchSampler | DataBatches
-
-
-class Callback:
-    """Hooks the loop calls; override what you need."""
-
-    def on_start(self, trainer: Trainer, *, start_step: int) -> None: ...
-    def on_step(self, record: dict[str, Any]) -> None: ...
-    def on_val(self, record: dict[str, Any]) -> None: ...
-    def on_checkpoint(self, step: int, path: str) -> None: ...
-    def on_end(self, summary: dict[str, Any]) -> None: ...
-
-
-class LogCallback(Callback):
-    """The progress line through ``logging`` every ``log_every`` steps."""
-
-    def __init__(self, *, log_every: int, total_steps: int) -> None:
-        self.log_every = log_every
-        self.total_steps = total_steps
-
-    def on_step(self, record: dict[str, Any]) -> None:
-        if record["step"] % self.log_every == 0 or record["step"] == self.total_steps:
-            logger.info(format_step_line(record, total_steps=self.total_steps))
-
-    def on_val(self, record: dict[str, Any]) -> None:
-        logger.info("step %d  val_loss %.4f", record["step"], record["val_loss"])
 
 
 def rank_rows(batch_size: int, *, rank: int, world_size: int) -> slice:
