@@ -90,3 +90,20 @@ def test_initialize_takes_a_deepspeed_dict_and_a_json_recipe_is_pointed_there(
     assert main(["train", "--recipe", str(ds_path)]) == 2
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1 and f"--deepspeed {ds_path}" in err, err
+
+
+@pytest.mark.parametrize(
+    ("zero", "fragment"),
+    [
+        ({"stage": 3, "offload_param": {"device": "nvme"}}, "got none"),
+        ({"stage": 3, "offload_param": {"device": "nvme", "nvme_path": "/a"},
+          "offload_optimizer": {"device": "nvme", "nvme_path": "/b"}}, "got ['/a', '/b']"),
+    ],
+)  # fmt: skip
+def test_nvme_offload_needs_one_folder(zero: dict, fragment: str) -> None:
+    with pytest.raises(tidal.ConfigError, match="needs one nvme_path") as err:
+        from_deepspeed({"zero_optimization": zero}, world_size=1)
+    assert fragment in str(err.value)
+    mapped, _ = from_deepspeed({"zero_optimization": {"stage": 3, "offload_optimizer": {
+        "device": "nvme", "nvme_path": "/disk"}}}, world_size=1)  # fmt: skip
+    assert mapped["memory"] == {"nvme_dir": "/disk"}

@@ -208,10 +208,14 @@ def _zero(r: _Reader, out: dict[str, Any], memory: dict[str, Any]) -> None:
     devices = {zero.pop(f"{what}.device", None) for what in ("offload_param", "offload_optimizer")}
     paths = {zero.pop(f"{what}.nvme_path", None) for what in ("offload_param", "offload_optimizer")}
     if "nvme" in devices:
-        (path,) = paths - {None} or {None}
-        if path is None:
-            raise ConfigError("zero_optimization", "NVMe offload needs an nvme_path")
-        memory["nvme_dir"] = str(path)
+        given = sorted(str(p) for p in paths - {None})
+        if len(given) != 1:
+            raise ConfigError(
+                "zero_optimization",
+                "NVMe offload needs one nvme_path (tidal keeps every shard on disk in one "
+                f"folder, memory.nvme_dir); got {given or 'none'}",
+            )
+        memory["nvme_dir"] = given[0]
     if "cpu" in devices:
         r.notes.append(
             "offload to cpu: the chunk engine keeps on the device what memory.device_budget "
