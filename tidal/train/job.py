@@ -128,7 +128,7 @@ def find_recipe(name_or_path: str | Path) -> Path:
 
 def load_job(
     recipe: str | Path | Mapping[str, Any] | JobConfig | None = None,
-    overrides: Sequence[str] = (),
+    overrides: Sequence[str] | Mapping[str, Any] = (),
     *,
     deepspeed: Mapping[str, Any] | None = None,
     world_size: int | None = None,
@@ -137,7 +137,15 @@ def load_job(
     """A validated JobConfig from a recipe name, a TOML path, a dict or a JobConfig, then the
     settings of a ``deepspeed`` config on top ([Note: deepspeed keys]; each key it ignores is
     logged, by rank 0; ``world_size``: the ranks its per-GPU batch is for, else ``WORLD_SIZE``),
-    then ``--set`` overrides. A dict that is itself a DeepSpeed config is read as one."""
+    then ``--set`` overrides (``["training.steps=50"]``, or a nested dict such as
+    ``{"training": {"steps": 50}}`` merged key by key). A dict that is itself a DeepSpeed config
+    is read as one."""
+    if isinstance(overrides, Mapping):
+        return load_job(_merged(to_dict(load_job(recipe, deepspeed=deepspeed, world_size=world_size,
+                                                 log_notes=log_notes)), overrides))  # fmt: skip
+    if isinstance(overrides, str):
+        raise ConfigError("overrides", f"expected a list of 'key=value' strings or a dict, got "
+                          f"the string {overrides!r}; wrap it in a list")  # fmt: skip
     if isinstance(recipe, JobConfig):
         if not overrides and deepspeed is None:
             return recipe

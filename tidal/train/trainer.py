@@ -168,7 +168,10 @@ class Trainer:
             if train_data is None:
                 raise ConfigError("train_data", "your own model trains on your data: pass "
                                   "train_data= (and loss_fn=, else cross-entropy on its output)")  # fmt: skip
-        assert not isinstance(job, nn.Module) and not isinstance(overrides, JobConfig | dict)
+        if isinstance(overrides, JobConfig):
+            raise ConfigError("overrides", "a JobConfig is a whole job: pass it first, "
+                              "Trainer(job), or give overrides as a dict or 'key=value' strings")  # fmt: skip
+        assert not isinstance(job, nn.Module)
         self.job = load_job(job, overrides)
         self.plan = _load_plan(plan) if isinstance(plan, str | Path) else plan
         self.run_dir = self.job.run_path
