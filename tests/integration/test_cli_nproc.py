@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -51,6 +52,44 @@ def test_nproc_2_trains_on_two_ranks_and_writes_one_summary(tmp_path: Path) -> N
     # Rank 0 alone prints: one start line and one line per step.
     assert result.stdout.count("tiny: starting") == 1, result.stdout
     assert result.stdout.count("step 3/3  loss") == 1, result.stdout
+
+
+@pytest.mark.slow
+def test_ctrl_c_in_the_terminal_stops_both_ranks_in_one_line(tmp_path: Path) -> None:
+    """[Note: one line per run] in tidal/distributed/launch.py: SIGINT to the foreground
+    process group (what a terminal's Ctrl-C does) ends the run with exit 130, one ``tidal:``
+    line, a checkpoint, and no traceback from torchrun's agent; the run then resumes."""
+    run_dir = tmp_path / "run"
+    run = [*TINY_RUN, "--set", f"run_dir={run_dir}", "--set", "training.steps=500",
+           "--set", "checkpoint.on_interrupt=true"]  # fmt: skip
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tidal", "train", "--nproc", "2", *run],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        cwd=REPO,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        start_new_session=True,  # its own process group, as a shell gives a foreground job
+    )
+    assert proc.stdout is not None
+    lines = []
+    for line in proc.stdout:  # the first step line: both ranks are inside the loop
+        lines.append(line)
+        if "step   1/500" in line:
+            os.killpg(proc.pid, signal.SIGINT)
+            break
+    output = "".join(lines) + proc.communicate(timeout=120)[0]
+    assert proc.returncode == 130, output
+    said = [line for line in output.splitlines() if line.startswith("tidal:")]
+    assert len(said) == 1 and said[0].startswith("tidal: interrupted by SIGINT after step"), output
+    assert "Traceback" not in output and "death signal" not in output, output
+    step = int(said[0].split("after step ")[1].split(";")[0])
+    assert (run_dir / "checkpoints" / f"step_{step:08d}").is_dir(), output
+    resumed = tidal("train", "--nproc", "2", *run[:-4], "--set", f"training.steps={step + 1}",
+                    "--resume")  # fmt: skip
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["resumed_from_step"] == step and summary["steps"] == step + 1
 
 
 def test_nproc_below_1_is_one_line_and_exit_2(tmp_path: Path) -> None:

@@ -83,17 +83,36 @@ def main(argv: Sequence[str] | None = None) -> int:
     except RankDiedError as err:  # [Note: dead ranks] in tidal/distributed/watchdog.py
         print(str(err), file=sys.stderr)
         return RANK_DIED_EXIT_CODE
+    except RuntimeError as err:  # a collective failed: a dead peer says so in one line
+        verdict = _dead_peer(err)
+        if verdict is None:
+            raise
+        print(str(verdict), file=sys.stderr)
+        return RANK_DIED_EXIT_CODE
     except Interrupted as err:  # [Note: interrupts at safe points] in tidal/train/interrupts.py
         if os.environ.get("RANK", "0") == "0":  # one line for the run, not one per rank
             print(f"tidal: interrupted by {err}; continue with --resume", file=sys.stderr)
         return EXIT_INTERRUPTED
     except KeyboardInterrupt:
-        print(
-            "tidal: interrupted; checkpoints already written are intact (continue with --resume)",
-            file=sys.stderr,
-        )
+        if os.environ.get("RANK", "0") == "0":
+            print(
+                "tidal: interrupted; checkpoints already written are intact "
+                "(continue with --resume)",
+                file=sys.stderr,
+            )
         return EXIT_INTERRUPTED
     raise AssertionError(f"unhandled command {args.command!r}")
+
+
+def _dead_peer(err: RuntimeError) -> Exception | None:
+    """The watchdog's verdict behind a collective's error, None if it has another cause. While
+    it waits, a SIGTERM (torchrun's agent stopping the survivors of a dead rank, which its
+    launcher names: [Note: one line per run] in tidal/distributed/launch.py) ends this rank
+    without a word."""
+    from tidal.distributed import explain_failure
+
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    return explain_failure(err)
 
 
 def _plan_errors(args: argparse.Namespace) -> tuple[type[Exception], ...]:

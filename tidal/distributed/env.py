@@ -29,6 +29,7 @@ import torch.distributed as dist
 
 from tidal.config import ConfigError
 from tidal.distributed.watchdog import (
+    RankDiedError,
     RankWatchdog,
     WatchdogConfig,
     config_from_env,
@@ -38,6 +39,7 @@ from tidal.distributed.watchdog import (
 __all__ = [
     "all_reduce_mean",
     "barrier",
+    "explain_failure",
     "gather_ints",
     "init_from_env",
     "install_watchdog",
@@ -71,6 +73,15 @@ def install_watchdog(environ: Mapping[str, str] | None = None) -> bool:
     if _watchdog is None and _initialized() and dist.get_world_size() > 1:
         _watchdog = start_watchdog(_watchdog_config)
     return True
+
+
+def explain_failure(exc: BaseException) -> RankDiedError | None:
+    """The dead peer behind ``exc``, an error a collective raised, as the watchdog's verdict
+    (after waiting for it, at most ``dead_after_s`` and two heartbeats); None when no watchdog
+    runs or the peers are alive, so ``exc`` has another cause."""
+    if _watchdog is None or not isinstance(exc, RuntimeError) or isinstance(exc, RankDiedError):
+        return None
+    return _watchdog.explain(exc)
 
 
 def _initialized() -> bool:
