@@ -33,15 +33,19 @@ class CheckpointConfig:
 
 @dataclass(kw_only=True, slots=True)
 class MetricsConfig:
-    """How throughput is judged.
+    """How throughput is judged, and where the figures go besides ``metrics.jsonl``.
 
     Attributes:
         peak_tflops: the device's peak dense TFLOP/s for MFU. ``None``: a table of known GPUs
             (bf16 dense), and on a CPU an upper bound from its vector ISA, clock and threads
             (the summary says which was used).
+        tensorboard: also write every figure of ``metrics.jsonl`` as TensorBoard scalars under
+            ``<run_dir>/tensorboard`` (needs the ``tensorboard`` package: the extra
+            ``tidal[tensorboard]``); view with ``tensorboard --logdir <run_dir>``.
     """
 
     peak_tflops: float | None = None
+    tensorboard: bool = False
 
     def __post_init__(self) -> None:
         if self.peak_tflops is not None:

@@ -80,6 +80,7 @@ from tidal.train.metrics import (
     read_metrics,
     write_json_atomic,
 )
+from tidal.train.tensorboard import TensorBoardWriter, check_tensorboard
 
 if TYPE_CHECKING:
     from tidal.planner import Plan
@@ -173,6 +174,8 @@ class Trainer:
                               "Trainer(job), or give overrides as a dict or 'key=value' strings")  # fmt: skip
         assert not isinstance(job, nn.Module)
         self.job = load_job(job, overrides)
+        if self.job.metrics.tensorboard:
+            check_tensorboard()  # before any process group or step, in one line
         self.plan = _load_plan(plan) if isinstance(plan, str | Path) else plan
         self.run_dir = self.job.run_path
         training = self.job.training
@@ -292,6 +295,8 @@ class Trainer:
                     log_every=self.job.training.log_every, total_steps=self.job.training.steps
                 )
             ]
+        if self.rank == 0 and self.job.metrics.tensorboard:
+            callbacks = [*callbacks, TensorBoardWriter(self.run_dir / "tensorboard")]
         start_wall = time.perf_counter()
         start_step = self._prepare_run_dir(resume=resume, overwrite=overwrite)
         for cb in callbacks:
@@ -446,7 +451,14 @@ class Trainer:
 
     def _reset_run_dir(self, *, overwrite: bool, resume: bool) -> None:
         if overwrite:
-            for name in ("checkpoints", "metrics.jsonl", "summary.json", "loss.png", "memory.png"):
+            for name in (
+                "checkpoints",
+                "metrics.jsonl",
+                "summary.json",
+                "loss.png",
+                "memory.png",
+                "tensorboard",
+            ):
                 path = self.run_dir / name
                 if path.is_dir():
                     shutil.rmtree(path)
