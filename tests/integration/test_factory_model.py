@@ -10,6 +10,7 @@ import pytest
 
 from tidal.cli.main import main
 from tidal.train import Trainer
+from tidal.train.export import export_info
 from tidal.train.metrics import read_metrics
 
 USER_MODULE = textwrap.dedent(
@@ -88,5 +89,8 @@ def test_the_cli_trains_it_and_says_what_it_cannot_do(
         assert main([*argv, "--overwrite", "--set", f"model.factory={factory}"]) == 2
         err = capsys.readouterr().err
         assert len(err.strip().splitlines()) == 1 and fragment in err, err
-    assert main(["export", str(tmp_path / "run"), "--out", str(tmp_path / "out")]) == 2
-    assert "trained your own model (user_lm:build)" in capsys.readouterr().err
+    # Exported under its own names; --check loads it strictly into what the factory builds.
+    assert main(["export", str(tmp_path / "run"), "--out", str(tmp_path / "out"), "--check"]) == 0
+    said = capsys.readouterr().out
+    assert "loads strictly into the model of the recipe's factory user_lm:build" in said, said
+    assert export_info(tmp_path / "out")["kind"] == "factory"

@@ -4,10 +4,12 @@ from a folder that is not the checkout."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 
+from tidal.cli.main import main
 from tidal.train import Trainer
 from tidal.train.metrics import read_metrics
 
@@ -28,8 +30,8 @@ def _fit(run_dir: Path, engine: str, steps: int, resume: bool = False) -> dict:
 
 
 @pytest.mark.parametrize("engine", ENGINES)
-def test_the_llama_recipe_trains_and_resumes_exactly(
-    engine: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+def test_the_llama_recipe_trains_resumes_exactly_and_exports(
+    engine: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     monkeypatch.chdir(tmp_path)  # the recipe finds its config.json beside itself, not here
     whole = _fit(tmp_path / "whole", engine, 6)
@@ -44,3 +46,9 @@ def test_the_llama_recipe_trains_and_resumes_exactly(
     assert whole["num_params"] == 106_816 and whole["final_loss"] < 5.3
     if engine == "chunk":
         assert whole["evictions"] > 0
+        # Exported as a Hugging Face folder that transformers loads with the trained logits.
+        out = tmp_path / "export"
+        assert main(["export", str(tmp_path / "whole"), "--out", str(out), "--check"]) == 0
+        said = capsys.readouterr().out
+        assert "hf/: AutoModelForCausalLM logits within" in said, said
+        assert json.loads((out / "hf" / "config.json").read_text())["model_type"] == "llama"

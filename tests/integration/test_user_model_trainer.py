@@ -13,8 +13,9 @@ from torch import nn
 
 import tidal
 from tidal.cli.main import main
-from tidal.train.checkpoint import list_checkpoints
+from tidal.train.checkpoint import list_checkpoints, load_model_state
 from tidal.train.metrics import read_metrics
+from tidal.train.safetensors import read_safetensors
 
 BATCH = 8
 ENGINES = {"reference": {}, "chunk": {"engine": "chunk", "chunk": {"size": 2048}}}
@@ -95,16 +96,31 @@ def test_your_model_trains_checkpoints_and_resumes_exactly(
         assert whole["evictions"] > 0
 
 
-def test_your_model_needs_your_data_and_is_not_exported(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+@pytest.mark.parametrize("case", CASES)
+def test_your_model_needs_your_data_and_is_exported_under_its_own_names(
+    case: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     with pytest.raises(tidal.ConfigError, match="train_data"):
         tidal.Trainer(_mlp(), {"run_dir": str(tmp_path / "x")})
-    _fit(tmp_path / "run", "mlp", "reference", 2)
-    assert main(["export", str(tmp_path / "run"), "--out", str(tmp_path / "out")]) == 2
+    _fit(tmp_path / "run", case, "chunk", 2)
+    out = tmp_path / "out"
+    assert main(["export", str(tmp_path / "run"), "--out", str(out), "--check"]) == 0
+    said = capsys.readouterr().out
     assert (
-        "trained your own model (torch.nn.modules.container.Sequential)" in capsys.readouterr().err
+        "tensors equal to" in said
+        and "your own torch.nn.modules.container.Sequential, as given" in said
     )
+    # Parameters and buffers (the CNN's batch-norm statistics) load strictly into a new model
+    # that then computes what the trained one computed at its last checkpoint.
+    state = read_safetensors(out / "model.safetensors")
+    model = CASES[case][0]()
+    model.load_state_dict(state, strict=True)
+    ((step, checkpoint),) = list_checkpoints(tmp_path / "run")[-1:]
+    assert step == 2 and state.keys() == load_model_state(checkpoint).keys()
+    inputs = CASES[case][1]()[0][0]
+    trained = CASES[case][0]()
+    trained.load_state_dict(load_model_state(checkpoint))
+    assert torch.equal(model.eval()(inputs), trained.eval()(inputs))
 
 
 def _fit_on_this_rank(run_dir: str) -> dict:

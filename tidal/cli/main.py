@@ -485,16 +485,25 @@ def _export(args: argparse.Namespace, console: Console) -> int:
     for name, size in info["files"].items():
         console.print(f"  {out / name}  {format_bytes(size)}")
     console.print(f"  {out / 'tidal.json'}  (model config, step, source checkpoint, tied names)")
-    if info["hf_skipped"] is not None:
-        from rich.markup import escape
+    from rich.markup import escape
 
+    kind = info.get("kind", "gpt")
+    if kind == "hf":
+        console.print(
+            f"load: transformers.AutoModelForCausalLM.from_pretrained({str(out / 'hf')!r})"
+        )
+    elif kind != "gpt":
+        path = str(out / info["weights"])
+        console.print(f"load: model.load_state_dict(tidal.train.safetensors.read_safetensors("
+                      f"{path!r})), model being {escape(info['builds'])}")  # fmt: skip
+    elif info["hf_skipped"] is not None:
         console.print(f"[yellow]no hf/:[/] {escape(info['hf_skipped'])}")
     else:
         console.print(f"load: transformers.GPT2LMHeadModel.from_pretrained({str(out / 'hf')!r})")
     if args.check:
         try:
             for line in check_export(out):
-                console.print(f"check: {line}")
+                console.print(f"check: {escape(line)}")
         except ExportCheckError as err:
             print(f"tidal: export check failed: {err}", file=sys.stderr)
             return EXIT_FAILED

@@ -37,8 +37,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import os
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -46,14 +44,19 @@ import torch
 
 from tidal.config import ConfigError, from_dict, to_dict
 from tidal.models import GPT, GPTConfig, ModelConfig, spec_for
-from tidal.train.checkpoint import (
-    checkpoint_root,
-    fsync_dir,
-    list_checkpoints,
-    load_model_state,
-    write_json_durable,
+from tidal.train.checkpoint import fsync_dir, load_model_state, write_json_durable
+from tidal.train.export_folder import (
+    EXPORT_FORMAT_VERSION,
+    MODEL_FILE,
+    TIDAL_JSON,
+    ExportCheckError,
+    check_out,
+    default_out,
+    read_run_job,
+    select_checkpoint,
+    write_folder,
 )
-from tidal.train.integrity import damage
+from tidal.train.export_module import check_module_export, export_module_run, module_kind
 from tidal.train.safetensors import read_safetensors, write_safetensors
 
 __all__ = [
@@ -72,9 +75,8 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-EXPORT_FORMAT_VERSION = 1
-_TIDAL_JSON = "tidal.json"
-_MODEL_FILE = "model.safetensors"
+_TIDAL_JSON = TIDAL_JSON
+_MODEL_FILE = MODEL_FILE
 _HF_DIR = "hf"
 
 # tidal name -> (Hugging Face GPT-2 name, transpose?); see [Note: GPT-2 name map].
@@ -106,10 +108,6 @@ _HF_EXPRESSIBLE = frozenset(
 )  # fmt: skip
 
 
-class ExportCheckError(RuntimeError):
-    """A written export does not read back as the checkpoint it was made from."""
-
-
 # ---------------------------------------------------------------------------------------------
 # the run's model and checkpoint
 
@@ -117,74 +115,23 @@ class ExportCheckError(RuntimeError):
 def run_model_config(run_dir: str | Path) -> GPTConfig:
     """The GPT architecture of a run, from the ``model`` section of its ``config.json``."""
     run_dir = Path(run_dir)
-    path = run_dir / "config.json"
-    if not run_dir.is_dir():
-        raise ConfigError("run_dir", f"no run folder at {run_dir}")
-    if not path.is_file():
+    job = read_run_job(run_dir)
+    kind = module_kind(job)
+    if kind is not None:
+        what = {
+            "hf": "a Hugging Face model",
+            "factory": "a factory model",
+            "module": "your own model",
+        }
         raise ConfigError(
             "run_dir",
-            f"{run_dir} has no config.json, so it is not a run folder (`tidal train` writes "
-            f"config.json, metrics.jsonl and checkpoints/ into one)",
-        )
-    try:
-        job = json.loads(path.read_text())
-    except json.JSONDecodeError as err:
-        raise ConfigError("run_dir", f"{path} is not valid JSON: {err}") from None
-    if job.get("user_model"):
-        raise ConfigError(
-            "run_dir",
-            f"{run_dir} trained your own model ({job['user_model']}); export writes tidal's GPT. "
-            f"Read its weights, under your model's own names, with "
-            f"tidal.train.checkpoint.load_model_state and load them with load_state_dict",
+            f"{run_dir} trained {what[kind]}, not tidal's GPT; export_run exports it as such "
+            f"(model.safetensors under its own names)",
         )
     model = from_dict(ModelConfig, job.get("model"), path="model")
-    if model.hf_config is not None:
-        raise ConfigError(
-            "run_dir",
-            f"{run_dir} trained a Hugging Face model ({model.hf_config}); export writes tidal's "
-            f"GPT. Its checkpoints hold the Hugging Face parameter names: read them with "
-            f"tidal.train.checkpoint.load_model_state and load them with transformers' "
-            f"AutoModelForCausalLM.from_config(...).load_state_dict",
-        )
-    if model.factory is not None:
-        raise ConfigError(
-            "run_dir",
-            f"{run_dir} trained your own model ({model.factory}); export writes tidal's GPT. "
-            f"Read its weights, under your model's own names, with "
-            f"tidal.train.checkpoint.load_model_state and load them with load_state_dict",
-        )
     config = model.resolve_structured()
     assert isinstance(config, GPTConfig), "a model config without hf_config resolves to a GPT's"
     return config
-
-
-def select_checkpoint(run_dir: str | Path, step: int | None = None) -> tuple[int, Path]:
-    """``(step, folder)`` of the run's latest checkpoint, or of checkpoint ``step``."""
-    checkpoints = list_checkpoints(run_dir)
-    if not checkpoints:
-        raise ConfigError(
-            "run_dir",
-            f"no checkpoints in {checkpoint_root(run_dir)} to export; a run writes them with "
-            f"checkpoint.at_end = true (the default) or checkpoint.every_steps = N, e.g. "
-            f"`tidal train --recipe R --set checkpoint.every_steps=100`",
-        )
-    by_step = dict(checkpoints)
-    if step is not None and step not in by_step:
-        available = ", ".join(str(s) for s, _ in checkpoints)
-        raise ConfigError(
-            "step",
-            f"no checkpoint of step {step} in {checkpoint_root(run_dir)} (available: {available})",
-        )
-    found, path = checkpoints[-1] if step is None else (step, by_step[step])
-    reason = damage(path)  # [Note: checkpoint integrity] in integrity.py
-    if reason is not None:
-        intact = [str(s) for s, p in checkpoints if p != path and damage(p) is None]
-        raise ConfigError(
-            "step",
-            f"checkpoint {path} is damaged: {reason}; export an intact one with --step N "
-            f"(intact: {', '.join(intact) or 'none'})",
-        )
-    return found, path
 
 
 def tied_groups(config: GPTConfig) -> list[list[str]]:
@@ -293,18 +240,6 @@ def to_hf_gpt2(state: dict[str, torch.Tensor], config: GPTConfig) -> dict[str, t
 # writing
 
 
-def _default_out(run_dir: Path, step: int) -> Path:
-    return run_dir / "export" / f"step_{step:08d}"
-
-
-def _check_out(out: Path) -> None:
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise ConfigError(
-            "out",
-            f"{out} already exists and is not empty; delete it or choose another folder (--out)",
-        )
-
-
 def _write_json(path: Path, data: dict[str, Any]) -> int:
     return write_json_durable(path, data, indent=2)
 
@@ -323,7 +258,6 @@ def _write_files(folder: Path, state: dict, config: GPTConfig, info: dict[str, A
         fsync_dir(hf)
     info["files"] = files
     _write_json(folder / _TIDAL_JSON, info)
-    fsync_dir(folder)
 
 
 def export_run(
@@ -333,12 +267,16 @@ def export_run(
 
     ``out`` defaults to ``<run_dir>/export/step_NNNNNNNN``; it must not exist or be empty.
     A model GPT-2 cannot express gets no ``hf/`` folder; ``tidal.json["hf_skipped"]`` says why.
+    A run of a model that is not tidal's GPT is exported by :func:`export_module_run`.
     """
     run_dir = Path(run_dir)
+    job = read_run_job(run_dir)
+    if module_kind(job) is not None:
+        return export_module_run(run_dir, job, step=step, out=out)
     config = run_model_config(run_dir)
     step, source = select_checkpoint(run_dir, step)
-    out = Path(out) if out is not None else _default_out(run_dir, step)
-    _check_out(out)
+    out = Path(out) if out is not None else default_out(run_dir, step)
+    check_out(out)
     spec = spec_for(config)
     model = spec.build(device="meta")
     checked = _checked_state(load_model_state(source), config, source)
@@ -348,6 +286,7 @@ def export_run(
         log.warning("no Hugging Face export (hf/): %s", hf_skipped)
     info = {
         "format_version": EXPORT_FORMAT_VERSION,
+        "kind": "gpt",
         "model": to_dict(config),
         "step": step,
         "source_checkpoint": str(source.resolve()),
@@ -355,19 +294,7 @@ def export_run(
         "num_params": spec.num_params(model),
         "hf_skipped": hf_skipped,
     }
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".tmp-{out.name}-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    try:
-        _write_files(tmp, state, config, info)
-        _check_out(out)  # nothing appeared there while we wrote
-        tmp.rename(out)  # replaces an empty folder atomically, as rename(2) does
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    fsync_dir(out.parent)
-    return out
+    return write_folder(out, lambda folder: _write_files(folder, state, config, info))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -405,6 +332,8 @@ def check_export(out: str | Path, *, atol: float = 1e-4) -> list[str]:
     """
     out = Path(out)
     info = export_info(out)
+    if info.get("kind", "gpt") != "gpt":
+        return check_module_export(out, info)
     lines = []
     tensors = read_safetensors(out / _MODEL_FILE)
     source = Path(info["source_checkpoint"])
