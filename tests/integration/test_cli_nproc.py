@@ -5,13 +5,14 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from tidal.distributed.launch import torchrun_command
+from tidal.distributed.launch import Nodes, torchrun_command
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -109,9 +110,87 @@ def test_nproc_with_a_batch_that_does_not_split_fails_before_launching(tmp_path:
     assert "torch.distributed" not in result.stderr
 
 
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("numbered", [False, True], ids=["rendezvous", "node-rank"])
+def test_two_machines_on_loopback_train_as_one_job_equal_to_one_process(
+    numbered: bool, tmp_path: Path
+) -> None:
+    """``--nnodes 2 --rdzv-endpoint HOST:PORT`` run on two "machines" (two launchers here, one
+    rank each, one shared run_dir) trains one job of two ranks, equal to one process."""
+    run = [*TINY_RUN, "--set", f"run_dir={tmp_path / 'two'}", "--set", "engine=chunk"]
+    endpoint = f"127.0.0.1:{_free_port()}"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    machines = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "tidal",
+                "train",
+                "--nnodes",
+                "2",
+                "--nproc-per-node",
+                "1",
+                "--rdzv-endpoint",
+                endpoint,
+                *(["--node-rank", str(r)] if numbered else []),
+                *run,
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            cwd=REPO,
+            env=env,
+        )  # fmt: skip
+        for r in range(2)
+    ]
+    outputs = [m.communicate(timeout=180)[0] for m in machines]
+    assert [m.returncode for m in machines] == [0, 0], outputs
+    two = json.loads((tmp_path / "two" / "summary.json").read_text())
+    assert two["world_size"] == 2 and two["engine"] == "chunk-sharded"
+    one_run = [*TINY_RUN, "--set", f"run_dir={tmp_path / 'one'}", "--set", "engine=chunk"]
+    assert tidal("train", *one_run).returncode == 0
+    one = json.loads((tmp_path / "one" / "summary.json").read_text())
+    assert two["final_loss"] == pytest.approx(one["final_loss"], rel=1e-5)
+    assert two["val_loss"] == pytest.approx(one["val_loss"], rel=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--nnodes", "2"], "--rdzv-endpoint: 2 machines need a place to meet"),
+        (["--nnodes", "2", "--rdzv-endpoint", "host"], "expected HOST:PORT, got 'host'"),
+        (["--nnodes", "2", "--rdzv-endpoint", "h:1", "--node-rank", "2"], "must be in 0..1"),
+    ],
+)
+def test_bad_machine_flags_are_one_line(flags: list[str], message: str, tmp_path: Path) -> None:
+    result = tidal("train", *flags, *TINY_RUN, "--set", f"run_dir={tmp_path / 'run'}")
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], result.stderr
+
+
 def test_the_relaunch_drops_nproc_in_every_spelling() -> None:
     argv = ["--np", "2", "--recipe", "tiny", "--nproc=2", "--set", "a=1", "--no-plots"]
     assert torchrun_command(argv, nproc=2) == [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
         "-m", "tidal", "train", "--recipe", "tiny", "--set", "a=1", "--no-plots",
+    ]  # fmt: skip
+
+
+def test_the_relaunch_drops_the_machine_flags_and_names_the_rendezvous() -> None:
+    argv = ["--nnodes", "2", "--rdzv-endpoint=h:29400", "--nproc-per-node", "4", "--recipe", "tiny"]
+    assert torchrun_command(argv, nproc=4, nodes=Nodes(num_nodes=2, rdzv_endpoint="h:29400"))[3:] == [
+        "--nnodes=2", "--rdzv-backend=c10d", "--rdzv-endpoint=h:29400", "--nproc-per-node=4",
+        "-m", "tidal", "train", "--recipe", "tiny",
+    ]  # fmt: skip
+    fixed = Nodes(num_nodes=2, rdzv_endpoint="h:29400", node_rank=1)
+    assert torchrun_command(["--node-rank", "1"], nproc=1, nodes=fixed)[3:8] == [
+        "--nnodes=2", "--node-rank=1", "--master-addr=h", "--master-port=29400", "--nproc-per-node=1",
     ]  # fmt: skip

@@ -98,9 +98,23 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
     )  # fmt: skip
     train.add_argument("--no-plots", action="store_true", help="do not write PNG plots at the end")
     train.add_argument(
-        "--nproc", type=int, default=1, metavar="N",
-        help="train on N processes (ranks) of this machine, started through torchrun; "
-        "training.batch_size is the global batch, split over them (default 1: this process)",
+        "--nproc", "--nproc-per-node", dest="nproc", type=int, default=1, metavar="N",
+        help="train on N processes (ranks) of this machine, started through torchrun's agent; "
+        "training.batch_size is the global batch, split over all ranks (default 1: this process)",
+    )  # fmt: skip
+    train.add_argument(
+        "--nnodes", type=int, default=1, metavar="M",
+        help="machines in the job: run the same command on each, with the same --rdzv-endpoint "
+        "(the ranks are M x --nproc; run_dir must be on a filesystem they share)",
+    )  # fmt: skip
+    train.add_argument(
+        "--rdzv-endpoint", default=None, metavar="HOST:PORT",
+        help="with --nnodes: where the machines meet (one of them, a free port; torchrun's c10d "
+        "rendezvous); --node-rank R fixes each machine's place instead of first come",
+    )  # fmt: skip
+    train.add_argument(
+        "--node-rank", type=int, default=None, metavar="R",
+        help="with --nnodes and --rdzv-endpoint: this machine's index, 0..M-1 (0 at the endpoint)",
     )  # fmt: skip
     train.add_argument(
         "--pipeline-stages", type=int, default=None, metavar="P",

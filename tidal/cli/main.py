@@ -51,7 +51,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "train":
             _pipeline_flags(args)
-            if args.nproc != 1:
+            if args.nproc != 1 or args.nnodes != 1:
                 return _launch(args, argv)
             return _train(args, console, argv)
         if args.command == "plan":
@@ -183,16 +183,19 @@ def _train(args: argparse.Namespace, console: Console, argv: list[str]) -> int:
 
 
 def _launch(args: argparse.Namespace, argv: list[str]) -> int:
-    """``--nproc N``: check what can be checked here, then run N ranks under torchrun."""
+    """``--nproc N [--nnodes M ...]``: check what can be checked here, then run N ranks here
+    (of N x M) under torchrun's agent."""
     import os
 
     from tidal.config import ConfigError
-    from tidal.distributed.launch import launch_train
+    from tidal.distributed.launch import Nodes, launch_train
     from tidal.train.job import find_recipe, load_job
     from tidal.train.trainer import check_run_dir, rank_rows
 
     if args.nproc < 1:
         raise ConfigError("--nproc", f"must be >= 1 (processes to train on), got {args.nproc}")
+    nodes = Nodes(num_nodes=args.nnodes, rdzv_endpoint=args.rdzv_endpoint, node_rank=args.node_rank)
+    world_size = args.nproc * nodes.num_nodes
     if "TORCHELASTIC_RUN_ID" in os.environ or int(os.environ.get("WORLD_SIZE", "1")) > 1:
         raise ConfigError(
             "--nproc",
@@ -201,22 +204,22 @@ def _launch(args: argparse.Namespace, argv: list[str]) -> int:
         )
     # An error found here is one line, rather than one per rank above torchrun's report.
     job = load_job(find_recipe(args.recipe), args.overrides, deepspeed=_deepspeed(args),
-                   world_size=args.nproc, log_notes=False)  # fmt: skip
+                   world_size=world_size, log_notes=False)  # fmt: skip
     if args.plan is not None:
         from tidal.models import spec_for
         from tidal.parallel.plan_layout import load_plan
         from tidal.train.build import check_plan_job
 
         model = spec_for(job.model).build(device="meta")
-        check_plan_job(load_plan(args.plan), job, model=model, world_size=args.nproc)
+        check_plan_job(load_plan(args.plan), job, model=model, world_size=world_size)
     elif job.pipeline.stages > 1 or args.pipeline_stages is not None:
         from tidal.train.pipeline_part import check_pipeline_job
 
-        check_pipeline_job(job, world_size=args.nproc)
+        check_pipeline_job(job, world_size=world_size)
     else:
-        rank_rows(job.training.batch_size, rank=0, world_size=args.nproc)
+        rank_rows(job.training.batch_size, rank=0, world_size=world_size)
     check_run_dir(job.run_path, resume=args.resume is not False, overwrite=args.overwrite)
-    return launch_train(argv[argv.index("train") + 1 :], nproc=args.nproc)
+    return launch_train(argv[argv.index("train") + 1 :], nproc=args.nproc, nodes=nodes)
 
 
 def _write_plots(run_dir: object, console: Console) -> None:

@@ -1,4 +1,5 @@
-"""``tidal train --nproc N``: the same command again, as N ranks under torchrun's agent.
+"""``tidal train --nproc N [--nnodes M --rdzv-endpoint HOST:PORT]``: the same command again,
+as N ranks (on each of M machines) under torchrun's agent.
 
 The launcher only rebuilds argv and runs torchrun's elastic agent *in this process*; each rank
 is an ordinary ``python -m tidal train`` that finds torchrun's variables and joins the group
@@ -25,8 +26,11 @@ import os
 import signal
 import sys
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 
-__all__ = ["launch_train", "torchrun_args", "torchrun_command", "without_flag"]
+from tidal.config import require
+
+__all__ = ["Nodes", "launch_train", "torchrun_args", "torchrun_command", "without_flag"]
 
 EXIT_INTERRUPTED = 130
 # How long the ranks get to finish their step and write the interrupt checkpoint after the
@@ -56,31 +60,75 @@ def without_flag(argv: Sequence[str], flag: str) -> list[str]:
     return out
 
 
-def torchrun_args(train_argv: Sequence[str], *, nproc: int) -> list[str]:
-    """torchrun's arguments for ``nproc`` ranks of ``tidal train`` on this machine, with
-    ``train_argv`` minus ``--nproc``."""
-    return ["--standalone", f"--nproc-per-node={nproc}", "-m", "tidal", "train",
-            *without_flag(train_argv, "--nproc")]  # fmt: skip
+@dataclass(kw_only=True, frozen=True, slots=True)
+class Nodes:
+    """The machines of a job: how many, where they meet (``HOST:PORT``), and this one's index
+    (``None``: the rendezvous numbers them in the order they arrive)."""
+
+    num_nodes: int = 1
+    rdzv_endpoint: str | None = None
+    node_rank: int | None = None
+
+    def __post_init__(self) -> None:
+        require(self.num_nodes >= 1, "--nnodes", f"must be >= 1, got {self.num_nodes}")
+        if self.num_nodes > 1:
+            require(self.rdzv_endpoint is not None, "--rdzv-endpoint",
+                    f"{self.num_nodes} machines need a place to meet: give --rdzv-endpoint "
+                    f"HOST:PORT (one of them, a free port), the same on each")  # fmt: skip
+        if self.rdzv_endpoint is not None:
+            host, _, port = self.rdzv_endpoint.rpartition(":")
+            require(bool(host) and port.isdigit(), "--rdzv-endpoint",
+                    f"expected HOST:PORT, got {self.rdzv_endpoint!r}")  # fmt: skip
+        if self.node_rank is not None:
+            require(0 <= self.node_rank < self.num_nodes, "--node-rank",
+                    f"must be in 0..{self.num_nodes - 1} for --nnodes {self.num_nodes}, got "
+                    f"{self.node_rank}")  # fmt: skip
+            require(self.rdzv_endpoint is not None, "--node-rank",
+                    "numbers a machine of a job that meets at --rdzv-endpoint HOST:PORT")  # fmt: skip
 
 
-def torchrun_command(train_argv: Sequence[str], *, nproc: int) -> list[str]:
+# The flags of the launcher, which the ranks' own `tidal train` must not see again.
+_LAUNCH_FLAGS = ("--nproc-per-node", "--nproc", "--nnodes", "--rdzv-endpoint", "--node-rank")
+
+
+def torchrun_args(train_argv: Sequence[str], *, nproc: int, nodes: Nodes = Nodes()) -> list[str]:
+    """torchrun's arguments for ``nproc`` ranks of ``tidal train`` on this machine (and as many
+    on each of ``nodes``), with ``train_argv`` minus the launch flags."""
+    ranks_argv = list(train_argv)
+    for flag in _LAUNCH_FLAGS:
+        ranks_argv = without_flag(ranks_argv, flag)
+    if nodes.rdzv_endpoint is None:
+        where = ["--standalone"]
+    elif nodes.node_rank is None:  # c10d rendezvous: numbered as they arrive
+        where = [f"--nnodes={nodes.num_nodes}", "--rdzv-backend=c10d",
+                 f"--rdzv-endpoint={nodes.rdzv_endpoint}"]  # fmt: skip
+    else:  # fixed places: rank 0's machine hosts the store at the endpoint
+        host, _, port = nodes.rdzv_endpoint.rpartition(":")
+        where = [f"--nnodes={nodes.num_nodes}", f"--node-rank={nodes.node_rank}",
+                 f"--master-addr={host}", f"--master-port={port}"]  # fmt: skip
+    return [*where, f"--nproc-per-node={nproc}", "-m", "tidal", "train", *ranks_argv]
+
+
+def torchrun_command(train_argv: Sequence[str], *, nproc: int, nodes: Nodes = Nodes()) -> list[str]:
     """The ``torchrun`` command line that starts the same ranks as ``--nproc``."""
-    return [sys.executable, "-m", "torch.distributed.run", *torchrun_args(train_argv, nproc=nproc)]
+    args = torchrun_args(train_argv, nproc=nproc, nodes=nodes)
+    return [sys.executable, "-m", "torch.distributed.run", *args]
 
 
-def launch_train(train_argv: Sequence[str], *, nproc: int) -> int:
-    """Run ``tidal train`` as ``nproc`` ranks; return 0, 130 when interrupted, else the exit
-    code of the rank that failed first ([Note: one line per run])."""
+def launch_train(train_argv: Sequence[str], *, nproc: int, nodes: Nodes = Nodes()) -> int:
+    """Run ``tidal train`` as ``nproc`` ranks here (of ``nodes.num_nodes`` machines); return 0,
+    130 when interrupted, else the exit code of the rank that failed first ([Note: one line per
+    run])."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
-    if nproc < 2:
-        raise ValueError(f"nproc must be >= 2 to launch ranks, got {nproc}")
+    if nproc * nodes.num_nodes < 2:
+        raise ValueError(f"a launch needs >= 2 ranks, got {nproc} on {nodes.num_nodes} machine(s)")
     os.environ.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", str(_SHUTDOWN_GRACE_S))
     with _quiet_agent():
         try:
-            run(parse_args(torchrun_args(train_argv, nproc=nproc)))
+            run(parse_args(torchrun_args(train_argv, nproc=nproc, nodes=nodes)))
         except SignalException:
             return EXIT_INTERRUPTED  # the ranks were stopped and rank 0 said how
         except ChildFailedError as err:
