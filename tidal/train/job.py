@@ -75,12 +75,6 @@ class JobConfig:
             "a pipeline runs each stage with the reference engine; set engine = 'reference' "
             "(chunk offload of pipeline stages is not supported yet)",
         )
-        require(
-            self.pipeline.stages == 1 or self.model.hf_config is None,
-            "pipeline.stages",
-            "pipelines train tidal's GPT presets; a Hugging Face model (model.hf_config) trains "
-            "with the reference or chunk engine, or with a plan (tidal train --plan)",
-        )
         seq_len = self.model.resolve().seq_len
         require(seq_len >= 2, "model.seq_len", f"must be >= 2, got {seq_len}")
 

@@ -1,6 +1,7 @@
 """Training a recipe as a pipeline: one process per stage (``tidal train --pipeline-stages P``).
 
-:class:`PipelinePart` builds the recipe's GPT, cuts it into stages (balanced by profiled time
+:class:`PipelinePart` builds the recipe's model (tidal's GPT or a Hugging Face decoder: LLaMA,
+GPT-2), cuts it into stages (balanced by profiled time
 or evenly), keeps this rank's stages and trains them with
 :class:`~tidal.pipeline.runtime.PipelineRuntime` under the recipe's ``[pipeline]`` schedule.
 The one :class:`~tidal.train.trainer.Trainer` runs it as it runs an engine, so a pipeline run
@@ -49,11 +50,7 @@ __all__ = ["PipelinePart", "block_ranges", "check_pipeline_job"]
 def check_pipeline_job(job: JobConfig, *, world_size: int) -> None:
     """What a pipeline run can refuse before any process starts (one line each)."""
     pipe, training = job.pipeline, job.training
-    config = job.model.resolve_structured()
-    if not isinstance(config, GPTConfig):
-        raise ConfigError(
-            "model.hf_config", "pipelines train tidal's GPT presets; drop the pipeline settings"
-        )
+    config = job.model.resolve_structured()  # tidal's GPT or a Hugging Face decoder
     require(
         world_size == pipe.stages,
         "pipeline.stages",
@@ -87,11 +84,14 @@ def check_pipeline_job(job: JobConfig, *, world_size: int) -> None:
         f"{num_stages} stages for {num_layers} blocks (plus the embedding and the head); use "
         f"at most {num_layers + 2}",
     )
+    tied = (config.tie_embeddings if isinstance(config, GPTConfig)
+            else bool(getattr(config.pretrained(), "tie_word_embeddings", False)))  # fmt: skip
     require(
-        not (pipe.asynchronous and config.tie_embeddings and pipe.stages > 1),
-        "model.tie_embeddings",
+        not (pipe.asynchronous and tied and pipe.stages > 1),
+        "model.tie_embeddings" if isinstance(config, GPTConfig) else "model.hf_config",
         f"{pipe.schedule} is asynchronous: the first and last stages' copies of the tied "
-        "embedding would update at different times; set model.tie_embeddings=false",
+        "embedding would update at different times; set model.tie_embeddings=false (a Hugging "
+        "Face config: tie_word_embeddings false)",
     )
 
 
@@ -145,7 +145,7 @@ def block_ranges(job: JobConfig) -> tuple[tuple[int, int], ...]:
 
 
 class PipelinePart:
-    """The pipeline behind the Trainer's loop: this rank's stages of ``job``'s GPT under its
+    """The pipeline behind the Trainer's loop: this rank's stages of ``job``'s model under its
     ``[pipeline]`` schedule; see [Note: pipeline runs]. ``engine`` is the
     :class:`~tidal.pipeline.runtime.PipelineRuntime`."""
 

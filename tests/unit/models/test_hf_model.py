@@ -57,7 +57,6 @@ def test_one_seed_gives_one_model_built_whole_or_streamed(llama: Path) -> None:
         (["model.seq_len=none"], "model.seq_len: a Hugging Face model (hf_config) needs"),
         (["model.seq_len=65"], "model.seq_len: 65 is longer than the 64 positions"),
         (["model.hf_config=/nowhere/config.json"], "model.hf_config: no Hugging Face config at"),
-        (["pipeline.stages=2"], "pipeline.stages: pipelines train tidal's GPT presets"),
     ],
 )
 def test_a_bad_hf_model_section_names_the_key(llama: Path, overrides, message: str) -> None:
