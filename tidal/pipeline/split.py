@@ -44,7 +44,7 @@ the tie is kept: a single parameter.
 from __future__ import annotations
 
 import copy
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -71,13 +71,15 @@ class StageParts:
     """Where a decoder keeps what its stages hold: modules of the model itself (the wrappers
     below hold the model's own submodules), so parameter names map back by identity."""
 
-    embed: nn.Module  # token ids [B, T] -> the residual stream [B, T, D]
+    embed: nn.Module | None  # token ids [B, T] -> the residual stream [B, T, D]; None: none
     blocks: nn.ModuleList  # the model's transformer blocks, in order
-    head: nn.Module  # [B, T, D] -> logits [B, T, V]
+    head: nn.Module | None  # [B, T, D] -> logits [B, T, V]; None: the loss takes the stream
     # [B, T, D] -> the keyword arguments every block takes besides the stream (LLaMA's positions
     # and rotary tables); None: blocks take the stream alone. [Note: stage boundaries]
     block_inputs: nn.Module | None = None
     container: str  # the dotted path of ``blocks`` in the model (profiles name units by it)
+    # (output, targets) -> the microbatch's mean loss; None: [Note: loss convention]
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -147,6 +149,7 @@ class PipelineStage(nn.Module):
         head: nn.Module | None,
         block_inputs: nn.Module | None = None,
         first_block: int = 0,
+        loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
     ) -> None:
         super().__init__()
         self.stage_index = stage_index
@@ -158,6 +161,7 @@ class PipelineStage(nn.Module):
         self.layers = nn.ModuleList(layers)
         self.head = head
         self.block_inputs = block_inputs  # each stage recomputes what its blocks take
+        self.loss_fn = loss_fn  # the last stage's; None: [Note: loss convention]
         self.source_names: dict[str, str] = {}
 
     @property
@@ -169,15 +173,17 @@ class PipelineStage(nn.Module):
         kwargs = self.block_inputs(x_BTD) if self.block_inputs is not None else {}
         for layer in self.layers:
             x_BTD = layer(x_BTD, **kwargs)
-        if self.head is None:
+        if not self.is_last:
             return x_BTD
         if targets_BT is None:
             raise ValueError(
                 f"stage {self.stage_index} is the last stage: it needs targets_BT to compute the loss"
             )
-        logits_BTV = self.head(x_BTD)
+        out = self.head(x_BTD) if self.head is not None else x_BTD
+        if self.loss_fn is not None:
+            return self.loss_fn(out, targets_BT)
         # fp32 softmax, as GPT.forward: see [Note: loss convention].
-        return F.cross_entropy(logits_BTV.float().flatten(0, 1), targets_BT.flatten())
+        return F.cross_entropy(out.float().flatten(0, 1), targets_BT.flatten())
 
 
 # ---------------------------------------------------------------------------------------------
@@ -255,6 +261,7 @@ def split_parts(
             head=parts.head if s == num_stages - 1 else None,
             block_inputs=parts.block_inputs if end > start else None,
             first_block=start,
+            loss_fn=parts.loss_fn if s == num_stages - 1 else None,
         )
         shell.source_names = {
             name: model_names[id(p)] for name, p in shell.named_parameters(remove_duplicate=False)

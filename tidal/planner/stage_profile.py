@@ -146,6 +146,7 @@ def _sync(device: torch.device) -> None:
 
 def _token_ids(parts: StageParts, shape: tuple[int, int], device: torch.device) -> torch.Tensor:
     """Random ids below the vocabulary of the embedding's first (token) table."""
+    assert parts.embed is not None, "a decoder's stage parts have an embedding"
     table = next(m for m in parts.embed.modules() if isinstance(m, nn.Embedding))
     generator = torch.Generator().manual_seed(0)
     return torch.randint(0, table.num_embeddings, shape, generator=generator).to(device)

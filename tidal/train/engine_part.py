@@ -9,7 +9,8 @@ engine.step()``; :class:`~tidal.train.pipeline_part.PipelinePart` that of a pipe
 ``Trainer(model, config, train_data=, val_data=, loss_fn=)`` trains a module tidal did not
 write on your batches, ``(inputs, targets)`` pairs of ``training.batch_size`` rows, through
 the same loop: the engine the config names (reference or chunk, sharded over ranks under
-torchrun, each rank its rows of every batch), the progress line and metrics ("tokens" count
+torchrun, each rank its rows of every batch; or, for an ``nn.Sequential``, a pipeline: [Note:
+sequential pipelines] in tidal/pipeline/sequential.py), the progress line and metrics ("tokens" count
 rows, and model FLOPs are not known, so TFLOP/s and MFU are left out), validation on
 ``val_data``, checkpoints and exact resume ([Note: data positions] in tidal/data/batches.py).
 The loss is ``loss_fn(model(inputs), targets)``, cross-entropy when not given. A recipe reaches

@@ -28,9 +28,12 @@ checkpoints that resume.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.distributed as dist
+from torch import nn
 
 from tidal.config import ConfigError, require
 from tidal.data import Batches, BatchSampler
@@ -40,17 +43,19 @@ from tidal.parallel.flat_state import model_layout
 from tidal.parallel.lr import lr_schedule
 from tidal.parallel.verbs import pipeline
 from tidal.pipeline.eval import evaluate_stages
-from tidal.pipeline.split import even_ranges
+from tidal.pipeline.partition import LayerProfile
+from tidal.pipeline.sequential import LossFn, check_sequential, profile_sequential, sequential_parts
+from tidal.pipeline.split import even_ranges, split_parts
 from tidal.train.engine_state import PipelineStages
 from tidal.train.job import JobConfig
 
 __all__ = ["PipelinePart", "block_ranges", "check_pipeline_job"]
 
 
-def check_pipeline_job(job: JobConfig, *, world_size: int) -> None:
-    """What a pipeline run can refuse before any process starts (one line each)."""
+def check_pipeline_job(job: JobConfig, *, world_size: int, model: nn.Module | None = None) -> None:
+    """What a pipeline run can refuse before any process starts (one line each). ``model``:
+    your own, else the job's ``[model]``."""
     pipe, training = job.pipeline, job.training
-    config = job.model.resolve_structured()  # tidal's GPT or a Hugging Face decoder
     require(
         world_size == pipe.stages,
         "pipeline.stages",
@@ -77,6 +82,10 @@ def check_pipeline_job(job: JobConfig, *, world_size: int) -> None:
         "training.batch_size) instead",
     )
     num_stages = pipe.stages * pipe.virtual_stages
+    if model is not None:  # [Note: sequential pipelines] in tidal/pipeline/sequential.py
+        check_sequential(model, num_stages=num_stages)
+        return
+    config = job.model.resolve_structured()  # tidal's GPT or a Hugging Face decoder
     num_layers = config.num_layers
     require(
         num_stages <= num_layers + 2,
@@ -96,13 +105,7 @@ def check_pipeline_job(job: JobConfig, *, world_size: int) -> None:
 
 
 def block_ranges(job: JobConfig) -> tuple[tuple[int, int], ...]:
-    """The stages' blocks: balanced by the DP partitioner over profiled time, or even.
-
-    The balanced split prices each stage's memory under the run's schedule: the simulator's
-    peak in-flight microbatches and live weight versions per stage (1F1B's first stage holds
-    ``p`` microbatches, its last one), plus the delta buffer of PipeMare's correction or of
-    weight prediction.
-    """
+    """The stages' blocks: balanced by the DP partitioner over profiled time, or even."""
     pipe, config = job.pipeline, job.model.resolve_structured()
     num_stages = pipe.stages * pipe.virtual_stages
     if pipe.partition == "even" or num_stages == 1:
@@ -113,27 +116,57 @@ def block_ranges(job: JobConfig) -> tuple[tuple[int, int], ...]:
                 f"has {config.num_layers}; use partition = 'balanced'",
             )
         return tuple(even_ranges(config.num_layers, num_stages))
+    spec = spec_for(config)
+    rows = max(1, job.training.batch_size // pipe.num_microbatches)
+    profiles = spec.profile(spec.build(device="meta"), micro_batch=rows, seq_len=config.seq_len)
+    return balanced_ranges(job, profiles)
+
+
+def sequential_ranges(
+    job: JobConfig, model: nn.Sequential, sample: torch.Tensor
+) -> tuple[tuple[int, int], ...]:
+    """Your own model's stages: its children split evenly, or balanced by what each costs on
+    one microbatch of ``sample``, the largest measurement over the ranks ([Note: sequential
+    pipelines] in tidal/pipeline/sequential.py)."""
+    pipe = job.pipeline
+    num_stages = pipe.stages * pipe.virtual_stages
+    if pipe.partition == "even" or num_stages == 1:
+        return tuple(even_ranges(len(model), num_stages))
+    rows = max(1, job.training.batch_size // pipe.num_microbatches)
+    profiles = profile_sequential(model, sample[:rows])
+    costs = torch.tensor([[p.forward_s, p.backward_s, p.param_bytes, p.activation_bytes]
+                          for p in profiles], dtype=torch.float64)  # fmt: skip
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(costs, op=dist.ReduceOp.MAX)
+    agreed = [LayerProfile(name=p.name, forward_s=float(c[0]), backward_s=float(c[1]),
+                           param_bytes=int(c[2]), activation_bytes=int(c[3]))
+              for p, c in zip(profiles, costs, strict=True)]  # fmt: skip
+    return balanced_ranges(job, agreed)
+
+
+def balanced_ranges(job: JobConfig, profiles: list[LayerProfile]) -> tuple[tuple[int, int], ...]:
+    """The DP partition of ``profiles``, each stage's memory priced under the run's schedule:
+    the simulator's peak in-flight microbatches and live weight versions per stage (1F1B's first
+    stage holds ``p`` microbatches, its last one), plus the delta buffer of PipeMare's
+    correction or of weight prediction."""
     from tidal.pipeline.partition import PartitionInfeasible, partition
     from tidal.pipeline.schedules import make_schedule
     from tidal.pipeline.simulate import simulate
 
-    m = pipe.num_microbatches
+    pipe = job.pipeline
     steps = 3 if pipe.asynchronous else 1  # enough for an asynchronous schedule's steady state
     schedule = make_schedule(
-        pipe.schedule, stages=pipe.stages, microbatches=m, virtual=pipe.virtual_stages,
-        steps=steps, sync_steps=min(pipe.sync_steps, steps),
+        pipe.schedule, stages=pipe.stages, microbatches=pipe.num_microbatches,
+        virtual=pipe.virtual_stages, steps=steps, sync_steps=min(pipe.sync_steps, steps),
     )  # fmt: skip
     sim = simulate(schedule)
     delta_buffer = int(pipe.correction or pipe.prediction)
     extra_versions = [v - 1 + delta_buffer for v in sim.weight_versions]
     state_per_weight_byte = 4.0 if job.optimizer.name in ("adamw", "adam") else 3.0
-    spec = spec_for(config)
-    rows = max(1, job.training.batch_size // m)
-    profiles = spec.profile(spec.build(device="meta"), micro_batch=rows, seq_len=config.seq_len)
     try:
         split = partition(
             profiles,
-            num_stages,
+            pipe.stages * pipe.virtual_stages,
             memory_limit_bytes=pipe.stage_memory,
             in_flight=sim.peak_activations,
             state_bytes_per_param_byte=state_per_weight_byte,
@@ -154,19 +187,37 @@ class PipelinePart:
         "pipeline.correction = true or a longer pipeline.lr_warmup_steps"
     )
 
-    def __init__(self, job: JobConfig, *, device: torch.device, world_size: int) -> None:
+    def __init__(
+        self,
+        job: JobConfig,
+        *,
+        device: torch.device,
+        world_size: int,
+        model: nn.Module | None = None,
+        loss_fn: LossFn | None = None,
+        sample: torch.Tensor | None = None,
+    ) -> None:
+        """``model``: your own (an ``nn.Sequential``, with ``loss_fn`` and a ``sample`` batch's
+        inputs to profile it on), else the job's ``[model]``."""
         self.job = job
         training, pipe = job.training, job.pipeline
-        config = job.model.resolve_structured()
         self.device = device
-        check_pipeline_job(job, world_size=world_size)
-        spec = spec_for(config)
-        model = spec.build(device=device, seed=training.seed)
-        self.num_params = spec.num_params(model)
-        self.flops_per_token = spec.flops_per_token(model)
+        check_pipeline_job(job, world_size=world_size, model=model)
+        if model is None:
+            spec = spec_for(job.model.resolve_structured())
+            model = spec.build(device=device, seed=training.seed)
+            self.num_params = spec.num_params(model)
+            self.flops_per_token: float | None = spec.flops_per_token(model)
+            self.ranges = block_ranges(job)
+            stages = spec.split(model, self.ranges)
+        else:
+            assert isinstance(model, nn.Sequential) and loss_fn is not None and sample is not None
+            model = model.to(device)
+            self.num_params = sum(p.numel() for p in model.parameters())
+            self.flops_per_token = None  # a model tidal did not write: FLOPs unknown
+            self.ranges = sequential_ranges(job, model, sample.to(device))
+            stages = split_parts(model, sequential_parts(model, loss_fn), self.ranges)
         layout = model_layout(model, {n: t.shape for n, t in model.state_dict().items()})
-        self.ranges = block_ranges(job)
-        stages = spec.split(model, self.ranges)
         del model
         self.stage_ids = list(range(current_rank(), len(stages), world_size))
         self.lr = lr_schedule(job.optimizer, training)
@@ -197,10 +248,15 @@ class PipelinePart:
         """``num_steps`` steps; every rank gets each step's loss. Step ``s`` (from 0) trains on
         batch ``s`` with the reference engine's rate for it."""
 
-        assert isinstance(sampler, BatchSampler), "a pipeline trains on a job's token data"
+        draw: Callable[[int], tuple[torch.Tensor, torch.Tensor]]
+        if isinstance(sampler, BatchSampler):
+            draw = sampler.batch
+        else:  # your data: every rank draws each batch, so all keep the same position
+            drawn = {self.engine.step + i: sampler.next_batch() for i in range(num_steps)}
+            draw = drawn.__getitem__
 
         def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
-            inputs, targets = sampler.batch(step)
+            inputs, targets = draw(step)
             return inputs.to(self.device), targets.to(self.device)
 
         return self.engine.train(num_steps, batch, self.lr.lr_at)

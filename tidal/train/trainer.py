@@ -162,6 +162,7 @@ class Trainer:
         # own model] in engine_part.py); else a job whose [model] and [data] say what to train.
         self.user_model = job if isinstance(job, nn.Module) else None
         self._loss_fn = loss_fn
+        self._train_data = train_data or ()
         if self.user_model is not None:
             job, overrides = (
                 (overrides, ()) if isinstance(overrides, JobConfig | dict) else ({}, overrides)
@@ -184,10 +185,10 @@ class Trainer:
         self.distributed = init_from_env(device=resolve_device(training.device))
         self.rank, self.world_size = current_rank(), current_world_size()
         torch.manual_seed(training.seed)
-        if self.user_model is not None and (self.plan is not None or pipeline
-                                            or self.job.pipeline.stages > 1):  # fmt: skip
-            raise ConfigError("model", "pipelines and plans need tidal's GPT or a Hugging Face "
-                              "decoder; your own model trains on the reference and chunk engines")  # fmt: skip
+        if self.user_model is not None and self.plan is not None:
+            raise ConfigError("--plan", "a plan needs tidal's GPT or a Hugging Face decoder (the "
+                              "planner traces decoders); your own model trains on the reference, "
+                              "chunk and sharded engines, or as a pipeline")  # fmt: skip
         if self.job.pipeline.stages > 1 if pipeline is None else pipeline:
             if self.plan is not None:
                 raise ConfigError(
@@ -257,8 +258,15 @@ class Trainer:
     def _pipeline_part(self) -> TrainingPart:
         from tidal.train.pipeline_part import PipelinePart
 
-        part = PipelinePart(self.job, device=resolve_device(self.job.training.device),
-                            world_size=self.world_size)  # fmt: skip
+        device = resolve_device(self.job.training.device)
+        if self.user_model is None:
+            part = PipelinePart(self.job, device=device, world_size=self.world_size)
+        else:  # [Note: sequential pipelines] in tidal/pipeline/sequential.py
+            first = DataBatches(self._train_data, batch_size=self.job.training.batch_size)
+            part = PipelinePart(self.job, device=device, world_size=self.world_size,
+                                model=self.user_model,
+                                loss_fn=self._loss_fn or torch.nn.functional.cross_entropy,
+                                sample=first.fixed_batches(1)[0][0])  # fmt: skip
         self.num_params, self.flops_per_token = part.num_params, part.flops_per_token
         return part
 

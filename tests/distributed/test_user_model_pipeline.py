@@ -1,0 +1,129 @@
+"""Your own model as a pipeline ([Note: sequential pipelines] in tidal/pipeline/sequential.py):
+an MLP and a small CNN, each an ``nn.Sequential``, trained by 1F1B over 2 stages on 2 gloo ranks,
+log the reference engine's losses, resume exactly and export under their own names; a model a
+pipeline cannot cut is one line."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import tidal
+from tidal.testing import run_on_ranks
+from tidal.train.metrics import read_metrics
+
+BATCH = 8
+TOL = 1e-5
+
+
+def _mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(),
+                         nn.Linear(64, 1))  # fmt: skip
+
+
+def _cnn(norm: bool = False) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Conv2d(1, 8, 3, padding=1), nn.BatchNorm2d(8) if norm else nn.GroupNorm(2, 8),
+        nn.ReLU(), nn.MaxPool2d(2), nn.Conv2d(8, 16, 3, padding=1), nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, 10),
+    )  # fmt: skip
+
+
+def _regression() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    xs = [torch.randn(BATCH, 16, generator=g) for _ in range(5)]
+    return [(x, x[:, :4].sum(dim=1, keepdim=True)) for x in xs]
+
+
+def _images() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(2)
+    return [(torch.randn(BATCH, 1, 12, 12, generator=g), torch.randint(0, 10, (BATCH,), generator=g))
+            for _ in range(4)]  # fmt: skip
+
+
+CASES = {"mlp": (_mlp, _regression, F.mse_loss), "cnn": (_cnn, _images, None)}
+
+
+def _fit(run_dir: Path, case: str, steps: int, *, stages: int, resume: bool = False) -> dict:
+    build, data, loss_fn = CASES[case]
+    config: dict[str, Any] = {
+        "run_dir": str(run_dir),
+        "training": {"steps": steps, "batch_size": BATCH, "val_every": 2, "log_every": 1,
+                     "device": "cpu"},
+        "optimizer": {"lr": 3e-3, "warmup_steps": 1, "decay_steps": 6},
+        "checkpoint": {"every_steps": 2},
+    }  # fmt: skip
+    if stages > 1:
+        config["pipeline"] = {"stages": stages, "microbatches": 2, "schedule": "1f1b"}
+    trainer = tidal.Trainer(build(), config, train_data=data(), val_data=data()[:2],
+                            loss_fn=loss_fn)  # fmt: skip
+    return trainer.fit(resume=resume)
+
+
+def _pipeline(root: str, case: str) -> dict:
+    summary = _fit(Path(root) / "pipe", case, 6, stages=2)
+    _fit(Path(root) / "split", case, 4, stages=2)
+    _fit(Path(root) / "split", case, 6, stages=2, resume=True)
+    return summary
+
+
+def _records(run_dir: Path) -> list[tuple]:
+    return [(r["step"], r.get("loss"), r.get("val_loss")) for r in read_metrics(run_dir)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", CASES)
+def test_your_sequential_model_as_a_pipeline_equals_the_reference_engine(
+    case: str, tmp_path: Path
+) -> None:
+    _fit(tmp_path / "reference", case, 6, stages=1)
+    summaries = run_on_ranks(_pipeline, world_size=2, args=(str(tmp_path), case), timeout_s=240)
+    assert summaries[0]["engine"] == "pipeline 1f1b x2"
+    ranges = summaries[0]["pipeline"]["block_ranges"]
+    assert (
+        ranges[0][0] == 0 and ranges[0][1] == ranges[1][0] and ranges[1][1] == len(CASES[case][0]())
+    )
+    reference, pipe = _records(tmp_path / "reference"), _records(tmp_path / "pipe")
+    assert [r[0] for r in pipe] == [r[0] for r in reference] and len(pipe) == 9
+    for (_, loss, val), (_, ref_loss, ref_val) in zip(pipe, reference, strict=True):
+        assert (loss or val) == pytest.approx(ref_loss or ref_val, abs=TOL)
+    assert _records(tmp_path / "split") == pipe
+    # The pipeline's checkpoint is the whole model under its own names, as any engine's.
+    from tidal.train.export import check_export, export_run
+
+    out = export_run(tmp_path / "pipe", out=tmp_path / "export")
+    assert any("tensors equal to" in line for line in check_export(out))
+    model = CASES[case][0]()
+    model.load_state_dict(tidal.train.safetensors.read_safetensors(out / "model.safetensors"))
+
+
+@pytest.mark.parametrize(
+    ("model", "message"),
+    [
+        (
+            lambda: _cnn(norm=True),
+            "your model has buffers (1.running_mean, 1.running_var, 1.num_batches_tracked)",
+        ),
+        (lambda: nn.Linear(16, 1), "Linear is not one: put its layers in an nn.Sequential"),
+        (lambda: nn.Sequential(nn.Linear(16, 1)), "2 stages for an nn.Sequential of 1 children"),
+    ],
+)
+def test_a_model_a_pipeline_cannot_cut_is_one_line(model, message: str, tmp_path: Path) -> None:
+    from tidal.train.pipeline_part import check_pipeline_job
+
+    job = tidal.load_job({"run_dir": str(tmp_path), "pipeline": {"stages": 2}})
+    with pytest.raises(tidal.ConfigError, match=r"pipeline.stages: .*" + _escaped(message)):
+        check_pipeline_job(job, world_size=2, model=model())
+
+
+def _escaped(text: str) -> str:
+    import re
+
+    return re.escape(text)
