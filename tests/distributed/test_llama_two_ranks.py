@@ -1,6 +1,7 @@
-"""The shipped Hugging Face LLaMA recipe trained as a pipeline (1F1B, 2 stages on 2 gloo
-ranks, one decoder layer each, the rotary tables recomputed per stage): the reference engine's
-losses, a resume equal to the unbroken run, and an export transformers loads."""
+"""The shipped Hugging Face LLaMA recipe on two ranks: as a pipeline (1F1B, 2 stages on 2 gloo
+ranks, one decoder layer each, the rotary tables recomputed per stage) and sharded by the chunk
+engine (ZeRO-3): the reference engine's losses, a resume equal to the unbroken run, and an export
+transformers loads."""
 
 from __future__ import annotations
 
@@ -53,3 +54,24 @@ def test_the_llama_recipe_as_a_pipeline_equals_the_reference_engine(tmp_path: Pa
 
     out = export_run(tmp_path / "pipe", out=tmp_path / "export")
     assert any("AutoModelForCausalLM logits within" in line for line in check_export(out))
+
+
+def _sharded(root: str) -> dict:
+    chunk = ["engine=chunk", "chunk.size=8192"]
+    root_path = Path(root)
+    summary = Trainer("llama-tiny", [*_overrides(root_path / "sharded"), *chunk]).fit()
+    Trainer("llama-tiny", [*_overrides(root_path / "sharded-split", 2), *chunk]).fit()
+    Trainer("llama-tiny", [*_overrides(root_path / "sharded-split"), *chunk]).fit(resume=True)
+    return summary
+
+
+@pytest.mark.slow
+def test_the_llama_recipe_sharded_on_two_ranks_equals_the_reference_engine(tmp_path: Path) -> None:
+    Trainer("llama-tiny", _overrides(tmp_path / "reference")).fit()
+    summaries = run_on_ranks(_sharded, world_size=2, args=(str(tmp_path),), timeout_s=240)
+    assert summaries[0]["engine"] == "chunk-sharded" and summaries[0]["bytes_all_gathered"] > 0
+    reference, sharded = _losses(tmp_path / "reference"), _losses(tmp_path / "sharded")
+    assert [r[0] for r in sharded] == [r[0] for r in reference] and len(sharded) == STEPS + 2
+    for (_, loss, val), (_, ref_loss, ref_val) in zip(sharded, reference, strict=True):
+        assert (loss or val) == pytest.approx(ref_loss or ref_val, abs=TOL)
+    assert _losses(tmp_path / "sharded-split") == sharded
