@@ -161,6 +161,49 @@ def test_two_machines_on_loopback_train_as_one_job_equal_to_one_process(
     assert two["val_loss"] == pytest.approx(one["val_loss"], rel=1e-5)
 
 
+@pytest.mark.slow
+def test_srun_tasks_join_one_group(tmp_path: Path) -> None:
+    """[Note: srun tasks]: two processes with the variables srun gives two tasks of one step
+    train one job of two ranks (ZeRO-3), equal to one process; without a step of several tasks
+    (a batch script's own shell) the same command trains alone."""
+    run = [*TINY_RUN, "--set", "engine=chunk"]
+    slurm = {"SLURM_JOB_ID": "4242", "SLURM_STEP_NUM_TASKS": "2", "SLURM_NTASKS": "2",
+             "SLURM_STEP_NODELIST": "localhost", "MASTER_PORT": str(_free_port())}  # fmt: skip
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "WORLD_SIZE"))}
+    tasks = [
+        subprocess.Popen(
+            [sys.executable, "-m", "tidal", "train", *run, "--set", f"run_dir={tmp_path / 'two'}"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            cwd=REPO,
+            env={
+                **base,
+                **slurm,
+                "SLURM_PROCID": str(r),
+                "SLURM_LOCALID": str(r),
+                "OMP_NUM_THREADS": "1",
+            },
+        )  # fmt: skip
+        for r in range(2)
+    ]
+    outputs = [t.communicate(timeout=180)[0] for t in tasks]
+    assert [t.returncode for t in tasks] == [0, 0], outputs
+    two = json.loads((tmp_path / "two" / "summary.json").read_text())
+    assert two["world_size"] == 2 and two["engine"] == "chunk-sharded", two
+    batch_shell = {**base, "SLURM_JOB_ID": "4242", "SLURM_PROCID": "0", "SLURM_NTASKS": "2",
+                   "SLURM_JOB_NODELIST": "localhost", "OMP_NUM_THREADS": "1"}  # fmt: skip
+    alone = subprocess.run(
+        [sys.executable, "-m", "tidal", "train", *run, "--set", f"run_dir={tmp_path / 'one'}"],
+        capture_output=True, text=True, cwd=REPO, env=batch_shell, timeout=180, check=False,
+    )  # fmt: skip
+    assert alone.returncode == 0, alone.stderr
+    one = json.loads((tmp_path / "one" / "summary.json").read_text())
+    assert one["world_size"] == 1 and one["final_loss"] == pytest.approx(
+        two["final_loss"], rel=1e-5
+    )
+
+
 @pytest.mark.parametrize(
     ("flags", "message"),
     [

@@ -50,6 +50,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     try:
         if args.command == "train":
+            from tidal.distributed.slurm import adopt_slurm
+
+            if args.nproc == 1 and args.nnodes == 1:  # else each task launches ranks itself
+                adopt_slurm()  # under srun every task is a rank ([Note: srun tasks])
             _pipeline_flags(args)
             if args.nproc != 1 or args.nnodes != 1:
                 return _launch(args, argv)

@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from tidal.config import ConfigError
+from tidal.distributed.slurm import adopt_slurm
 from tidal.distributed.watchdog import (
     RankDiedError,
     RankWatchdog,
@@ -101,6 +102,7 @@ def init_from_env(*, device: torch.device, timeout_s: float = 600.0) -> bool:
     global _watchdog
     if _initialized():
         return dist.get_world_size() > 1
+    adopt_slurm()  # an srun task: its rank from Slurm's variables ([Note: srun tasks])
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
         return False
     missing = [name for name in _TORCHRUN_VARS if name not in os.environ]
