@@ -34,6 +34,15 @@ new one. A failure anywhere, a full disk included, removes the temporary folder 
 :class:`CheckpointWriteError` on every rank, naming the previous checkpoint, which was never
 touched. Leftover temporary folders of dead writers are removed by the next save; old
 checkpoints are pruned only after the new one is in place.
+
+[Note: confirmed shards]
+``dcp.save`` returning on every rank means each wrote its pieces into *its* view of the folder.
+Before committing, each rank records the pieces it wrote (DCP names them ``__<rank>_<n>.distcp``)
+with their sizes and CRC-32s, and rank 0 confirms each is in its own folder at that size: on
+disks that are not shared the pieces of other machines are not there, and a commit would make a
+checkpoint that cannot be read ([Note: one run folder] in shared_dir.py refuses such a run_dir
+at start; this holds should the filesystem change under a run). The records go into
+``meta.json``, so rank 0 does not read the other ranks' pieces back to checksum them.
 """
 
 from __future__ import annotations
@@ -42,6 +51,7 @@ import json
 import os
 import re
 import shutil
+import socket
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -53,7 +63,7 @@ import torch.distributed as dist
 
 from tidal.config import ConfigError
 from tidal.parallel.protocol import CheckpointTensors, LoadTensors
-from tidal.train.integrity import file_record
+from tidal.train.integrity import file_record, own_record
 
 __all__ = [
     "FORMAT_VERSION",
@@ -278,35 +288,70 @@ def save_checkpoint(
         tmp.mkdir()
     tmp = Path(_from_rank0(str(tmp)))
     final = root / f"step_{step:08d}"
-    error = None
+    error: BaseException | None = None
+    own: dict[str, dict[str, int]] = {}
     try:
         tensors = {_rename_key(k, rename): v for k, v in state.tensors.items()}
         _dcp_save(tensors, tmp / "state", state.planner)
+        own = own_record(tmp, f"state/__{_rank()}_*.distcp")
     except Exception as exc:  # every rank sees DCP's error: a collective one
         error = exc
-    if is_main and error is None:
+    shards = _gather((socket.gethostname(), own))
+    unconfirmed = _unconfirmed(tmp, shards) if is_main and error is None else None
+    if is_main and error is None and unconfirmed is None:
         try:
             extras = _rename_extras(state.extras, rename)
             write_tensor_file({**train_state, "engine": extras}, tmp / "train_state.pt")
             meta = _rename_meta(state.meta, rename)
             meta.pop("numels", None)  # DCP's own metadata is the truth; read from there
-            files = file_record(tmp)  # [Note: checkpoint integrity] in integrity.py
+            # [Note: checkpoint integrity] in integrity.py; the ranks' pieces as they recorded
+            files = file_record(tmp, known={k: v for _, rec in shards for k, v in rec.items()})
             write_json_durable(tmp / "meta.json", {"format_version": FORMAT_VERSION,
                                "step": step, "files": files, **meta})  # fmt: skip
             fsync_dir(tmp)
             _swap_into_place(tmp, final, root)
         except OSError as exc:
             error = exc
-    message = _from_rank0(None if error is None else _describe(error, step, run_dir))
+    message = unconfirmed or (None if error is None else _describe(error, step, run_dir))
+    message = _from_rank0(message)
     if message is not None:
-        if is_main:
-            shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(tmp, ignore_errors=True)  # each rank its own view of the temporaries
         raise CheckpointWriteError(message) from error
     if is_main:
         _prune(run_dir, keep)
     if _distributed():
         dist.barrier()  # no rank moves on (to exit, or to read it) before the folder is complete
     return final
+
+
+def _rank() -> int:
+    return dist.get_rank() if _distributed() else 0
+
+
+def _gather(value: Any) -> list[Any]:
+    """``value`` of every rank, in rank order, on every rank."""
+    if not _distributed():
+        return [value]
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, value)
+    return out
+
+
+def _unconfirmed(tmp: Path, shards: list[tuple[str, dict[str, dict[str, int]]]]) -> str | None:
+    """[Note: confirmed shards]: why a rank's piece is not in rank 0's folder, else None."""
+    for rank, (host, own) in enumerate(shards):
+        for name, record in own.items():
+            path = tmp / name
+            seen = path.stat().st_size if path.is_file() else None
+            if seen != record["bytes"]:
+                found = "missing" if seen is None else f"{seen} bytes"
+                return (
+                    f"checkpoint not committed: rank {rank}'s piece {name} ({record['bytes']} "
+                    f"bytes, written on {host}) is {found} in {tmp} as rank 0 sees it, so "
+                    f"run_dir is not one folder for all ranks; put it on a filesystem every "
+                    f"machine mounts (the earlier checkpoints are as they were)"
+                )
+    return None
 
 
 def _dcp_save(tensors: dict[str, Any], path: Path, planner: Any) -> None:

@@ -3,9 +3,10 @@
 [Note: checkpoint integrity]
 A checkpoint folder is renamed into place only once every file in it is written and fsync'd
 ([Note: atomic checkpoints] in checkpoint.py), but a disk can still lose or damage it later: a
-copy cut short, a file system that zeroed a block, a hand that edited it. So rank 0 records every
-file's size and CRC-32 in ``meta.json`` before the rename (reading the DCP pieces back, which a
-shared file system lets it do: the pieces of every rank are there once ``dcp.save`` returns), and
+copy cut short, a file system that zeroed a block, a hand that edited it. So ``meta.json``
+records every file's size and CRC-32 before the rename: each rank's record of the DCP pieces it
+wrote, confirmed present at that size in rank 0's folder ([Note: confirmed shards] in
+checkpoint.py), and rank 0's of the rest; and
 a resume checks the checkpoint it would load against that record first. A damaged one is named
 with what is wrong, in one line, and the newest intact checkpoint is used instead (said as
 well); ``--resume STEP`` asks for one checkpoint and fails with exit 2 if it is damaged. Rank 0
@@ -26,7 +27,14 @@ import torch.distributed as dist
 
 from tidal.config import ConfigError
 
-__all__ = ["CheckpointState", "choose_checkpoint", "damage", "describe_checkpoints", "file_record"]
+__all__ = [
+    "CheckpointState",
+    "choose_checkpoint",
+    "damage",
+    "describe_checkpoints",
+    "file_record",
+    "own_record",
+]
 
 _BLOCK_BYTES = 8 << 20
 
@@ -39,13 +47,25 @@ def _crc32(path: Path) -> int:
     return crc
 
 
-def file_record(folder: Path) -> dict[str, dict[str, int]]:
-    """Every file under ``folder`` by relative path: its size and CRC-32."""
+def file_record(
+    folder: Path, *, known: dict[str, dict[str, int]] | None = None
+) -> dict[str, dict[str, int]]:
+    """Every file under ``folder`` by relative path: its size and CRC-32. ``known``: records
+    another rank made of the files it wrote, taken as they are (their sizes confirmed by the
+    caller), so those files are not read back."""
+    known = known or {}
     files = sorted(p for p in folder.rglob("*") if p.is_file())
-    return {
-        path.relative_to(folder).as_posix(): {"bytes": path.stat().st_size, "crc32": _crc32(path)}
-        for path in files
-    }
+    record = {}
+    for path in files:
+        name = path.relative_to(folder).as_posix()
+        record[name] = known.get(name) or {"bytes": path.stat().st_size, "crc32": _crc32(path)}
+    return record
+
+
+def own_record(folder: Path, pattern: str) -> dict[str, dict[str, int]]:
+    """Size and CRC-32 of the files under ``folder`` matching ``pattern``, by relative path."""
+    return {p.relative_to(folder).as_posix(): {"bytes": p.stat().st_size, "crc32": _crc32(p)}
+            for p in sorted(folder.glob(pattern)) if p.is_file()}  # fmt: skip
 
 
 def _recorded(meta: dict[str, Any]) -> dict[str, dict[str, int]]:

@@ -80,6 +80,7 @@ from tidal.train.metrics import (
     read_metrics,
     write_json_atomic,
 )
+from tidal.train.shared_dir import agree, check_one_run_dir
 from tidal.train.tensorboard import TensorBoardWriter, check_tensorboard
 
 if TYPE_CHECKING:
@@ -439,8 +440,10 @@ class Trainer:
     # -- run folder and checkpoints -------------------------------------------------------------
 
     def _prepare_run_dir(self, *, resume: bool | int, overwrite: bool) -> int:
-        # Every rank checks, so that a refusal stops all of them rather than stranding peers.
-        check_run_dir(self.run_dir, resume=resume is not False, overwrite=overwrite)
+        # Every rank checks, and all refuse if one does, rather than stranding peers
+        # ([Note: one run folder] in shared_dir.py).
+        check_one_run_dir(self.run_dir)
+        agree(lambda: check_run_dir(self.run_dir, resume=resume is not False, overwrite=overwrite))
         if self.rank == 0:
             self._reset_run_dir(overwrite=overwrite, resume=resume is not False)
         # The folder exists, and what --overwrite deletes is gone, before any rank reads it.
