@@ -5,6 +5,7 @@ The fault comes from ``TIDAL_FAULT_INJECT`` (tidal/distributed/faults.py), a tes
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -60,6 +61,44 @@ def test_a_killed_rank_ends_the_job_and_is_named(tmp_path: Path) -> None:
     assert named_by_launcher or "tidal: rank 1 stopped responding" in output, output
     assert "Traceback" not in output and "Root Cause" not in output, output
     assert "step 1/4" in output and "step 2/4" not in output, output
+
+
+@pytest.mark.slow
+def test_a_killed_rank_under_max_restarts_resumes_and_ends_as_an_unbroken_run(
+    tmp_path: Path,
+) -> None:
+    """``--max-restarts 1``: rank 1 is killed as step 3 begins; torchrun's agent restarts both
+    ranks, which resume from step 2's checkpoint by themselves (--resume auto) and finish with
+    the losses of a run that was never killed. --overwrite meant the first attempt only."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TIDAL_HEARTBEAT_S": "0.1",
+           "TIDAL_DEAD_AFTER_S": "1.5"}  # fmt: skip
+    run = [*TINY_RUN[:-4], "--set", "checkpoint.every_steps=2", "--set", "engine=chunk"]
+
+    def train(run_dir: Path, *extra: str, fault: str = "") -> subprocess.CompletedProcess[str]:
+        argv = ["train", "--nproc", "2", *run, "--set", f"run_dir={run_dir}", *extra]
+        return subprocess.run([sys.executable, "-m", "tidal", *argv], capture_output=True,
+                              text=True, timeout=4 * BOUND_S, cwd=REPO, check=False,
+                              env={**env, "TIDAL_FAULT_INJECT": fault} if fault else env)  # fmt: skip
+
+    killed = train(tmp_path / "killed", "--max-restarts", "1", "--overwrite",
+                   fault="kill:rank=1:step=3")  # fmt: skip
+    output = killed.stdout + killed.stderr
+    assert killed.returncode == 0, output
+    assert "tidal: a rank failed; restart 1 of 1, from the last complete checkpoint" in output, output
+    assert "Traceback" not in output and "connectFullMesh" not in output, output
+    unbroken = train(tmp_path / "unbroken")
+    assert unbroken.returncode == 0, unbroken.stderr
+    summaries = [json.loads((tmp_path / r / "summary.json").read_text())
+                 for r in ("killed", "unbroken")]  # fmt: skip
+    assert summaries[0]["resumed_from_step"] == 2 and summaries[0]["steps"] == 4
+    assert summaries[0]["final_loss"] == summaries[1]["final_loss"]
+    losses = [[(r["step"], r.get("loss")) for r in _records(tmp_path / r)]
+              for r in ("killed", "unbroken")]  # fmt: skip
+    assert losses[0] == losses[1]
+
+
+def _records(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 def test_fault_specs_parse_or_name_the_variable() -> None:

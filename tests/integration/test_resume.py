@@ -208,3 +208,13 @@ def test_sigkill_while_writing_a_checkpoint_keeps_the_previous_one(
     ]
     assert _records(run_dir, "train", "loss") == _records(tmp_path / "clean", "train", "loss")
     _assert_same_state(run_dir, tmp_path / "clean")
+
+
+def test_resume_auto_starts_an_empty_folder_and_continues_a_saved_one(tmp_path: Path) -> None:
+    """``--resume auto`` (what an elastic restart does): no checkpoint, a new run; one, resume."""
+    run = tmp_path / "run"
+    first = Trainer("tiny", [*COMMON, f"run_dir={run}", "training.steps=2"]).fit(resume="auto")
+    assert first["resumed_from_step"] is None and first["steps"] == 2
+    again = Trainer("tiny", [*COMMON, f"run_dir={run}", "training.steps=3"]).fit(resume="auto")
+    assert again["resumed_from_step"] == 2 and again["steps"] == 3
+    assert [r[0] for r in _records(run, "train", "step")] == [1, 2, 3]

@@ -66,7 +66,9 @@ def _add_overrides(parser: argparse.ArgumentParser, *, scope: str = "") -> None:
     )  # fmt: skip
 
 
-def _step(text: str) -> int:
+def _step(text: str) -> int | str:
+    if text == "auto":
+        return text
     if not text.isdigit() or int(text) < 1:
         raise argparse.ArgumentTypeError(f"a checkpoint's step is a positive number, not {text!r}")
     return int(text)
@@ -84,7 +86,8 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
     mode.add_argument(
         "--resume", nargs="?", const=True, default=False, type=_step, metavar="STEP",
         help="continue from the run folder's newest intact checkpoint (a damaged one is named "
-        "and passed over), or from checkpoint STEP; `tidal checkpoints RUN_DIR` lists them",
+        "and passed over), or from checkpoint STEP; `tidal checkpoints RUN_DIR` lists them. "
+        "auto: resume if the folder holds a checkpoint, else start (what a restart does)",
     )  # fmt: skip
     mode.add_argument(
         "--overwrite",
@@ -111,6 +114,11 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
         "--rdzv-endpoint", default=None, metavar="HOST:PORT",
         help="with --nnodes: where the machines meet (one of them, a free port; torchrun's c10d "
         "rendezvous); --node-rank R fixes each machine's place instead of first come",
+    )  # fmt: skip
+    train.add_argument(
+        "--max-restarts", type=int, default=0, metavar="K",
+        help="restart every rank up to K times when one fails (torchrun's); each restart "
+        "resumes from the last complete checkpoint by itself (--resume auto)",
     )  # fmt: skip
     train.add_argument(
         "--node-rank", type=int, default=None, metavar="R",

@@ -55,7 +55,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             if args.nproc == 1 and args.nnodes == 1:  # else each task launches ranks itself
                 adopt_slurm()  # under srun every task is a rank ([Note: srun tasks])
             _pipeline_flags(args)
-            if args.nproc != 1 or args.nnodes != 1:
+            if args.nproc != 1 or args.nnodes != 1 or args.max_restarts:
                 return _launch(args, argv)
             return _train(args, console, argv)
         if args.command == "plan":
@@ -176,7 +176,17 @@ def _train(args: argparse.Namespace, console: Console, argv: list[str]) -> int:
         args.nproc = job.pipeline.stages  # a recipe's [pipeline] stages: one rank each
         return _launch(args, argv)
     trainer = Trainer(job, plan=args.plan, pipeline=pipeline)
-    trainer.fit(resume=args.resume, overwrite=args.overwrite, callbacks=[RichProgress(console)])
+    resume, overwrite = args.resume, args.overwrite
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if restart > 0:
+        # An elastic restart after a rank failed: go on from the last complete checkpoint (an
+        # --overwrite meant the first attempt; this one must not delete what that one saved).
+        resume, overwrite = "auto" if resume is False else resume, False
+        if trainer.rank == 0:
+            most = os.environ.get("TORCHELASTIC_MAX_RESTARTS", "?")
+            print(f"tidal: a rank failed; restart {restart} of {most}, from the last complete "
+                  f"checkpoint", file=sys.stderr)  # fmt: skip
+    trainer.fit(resume=resume, overwrite=overwrite, callbacks=[RichProgress(console)])
     if trainer.distributed:
         from tidal.distributed import shutdown
 
@@ -222,8 +232,12 @@ def _launch(args: argparse.Namespace, argv: list[str]) -> int:
         check_pipeline_job(job, world_size=world_size)
     else:
         rank_rows(job.training.batch_size, rank=0, world_size=world_size)
-    check_run_dir(job.run_path, resume=args.resume is not False, overwrite=args.overwrite)
-    return launch_train(argv[argv.index("train") + 1 :], nproc=args.nproc, nodes=nodes)
+    if args.resume != "auto":
+        check_run_dir(job.run_path, resume=args.resume is not False, overwrite=args.overwrite)
+    if args.max_restarts < 0:
+        raise ConfigError("--max-restarts", f"must be >= 0, got {args.max_restarts}")
+    return launch_train(argv[argv.index("train") + 1 :], nproc=args.nproc, nodes=nodes,
+                        max_restarts=args.max_restarts)  # fmt: skip
 
 
 def _write_plots(run_dir: object, console: Console) -> None:

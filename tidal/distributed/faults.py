@@ -5,7 +5,8 @@ way the OOM killer or a lost node ends a process: no exception, no clean-up, no 
 ``raise:rank=1:step=2`` raises ``RuntimeError`` there instead, an ordinary Python failure;
 ``interrupt:rank=1:step=2`` sends that rank a SIGINT, as a Ctrl-C reaching one process. The
 variable is read here and nowhere else; the Trainer calls :func:`maybe_inject` once per step,
-which costs one environment lookup when it is unset. Tests use it to check that the other ranks
+which costs one environment lookup when it is unset. It fires in the first attempt only, not
+again after an elastic restart (``--max-restarts``). Tests use it to check that the other ranks
 stop, naming the dead one, instead of hanging ([Note: dead ranks] in watchdog.py).
 """
 
@@ -66,6 +67,8 @@ def maybe_inject(step: int) -> None:
     fault = parse_fault(spec)
     if fault.step != step or fault.rank != rank():
         return
+    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
+        return  # the fault was the first attempt's; a restart runs on past it
     if fault.action == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
     if fault.action == "interrupt":

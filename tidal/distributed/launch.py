@@ -34,8 +34,9 @@ __all__ = ["Nodes", "launch_train", "torchrun_args", "torchrun_command", "withou
 
 EXIT_INTERRUPTED = 130
 # How long the ranks get to finish their step and write the interrupt checkpoint after the
-# agent forwards Ctrl-C, before it kills them (torchrun's own default is 30 s).
-_SHUTDOWN_GRACE_S = 600
+# agent forwards Ctrl-C (or stops the survivors of a failed rank), before it kills them;
+# torchrun's own default is 30 s. TORCH_ELASTIC_SHUTDOWN_TIMEOUT set by hand wins.
+_SHUTDOWN_GRACE_S = 180
 # Exit codes with which a rank has already printed its one line (cli/main.py).
 _SPOKEN_EXIT_CODES = frozenset((2, 75, EXIT_INTERRUPTED))
 
@@ -88,12 +89,16 @@ class Nodes:
 
 
 # The flags of the launcher, which the ranks' own `tidal train` must not see again.
-_LAUNCH_FLAGS = ("--nproc-per-node", "--nproc", "--nnodes", "--rdzv-endpoint", "--node-rank")
+_LAUNCH_FLAGS = ("--nproc-per-node", "--nproc", "--nnodes", "--rdzv-endpoint", "--node-rank",
+                 "--max-restarts")  # fmt: skip
 
 
-def torchrun_args(train_argv: Sequence[str], *, nproc: int, nodes: Nodes = Nodes()) -> list[str]:
+def torchrun_args(
+    train_argv: Sequence[str], *, nproc: int, nodes: Nodes = Nodes(), max_restarts: int = 0
+) -> list[str]:
     """torchrun's arguments for ``nproc`` ranks of ``tidal train`` on this machine (and as many
-    on each of ``nodes``), with ``train_argv`` minus the launch flags."""
+    on each of ``nodes``), restarted up to ``max_restarts`` times, with ``train_argv`` minus the
+    launch flags."""
     ranks_argv = list(train_argv)
     for flag in _LAUNCH_FLAGS:
         ranks_argv = without_flag(ranks_argv, flag)
@@ -106,7 +111,8 @@ def torchrun_args(train_argv: Sequence[str], *, nproc: int, nodes: Nodes = Nodes
         host, _, port = nodes.rdzv_endpoint.rpartition(":")
         where = [f"--nnodes={nodes.num_nodes}", f"--node-rank={nodes.node_rank}",
                  f"--master-addr={host}", f"--master-port={port}"]  # fmt: skip
-    return [*where, f"--nproc-per-node={nproc}", "-m", "tidal", "train", *ranks_argv]
+    restarts = [f"--max-restarts={max_restarts}"] if max_restarts else []
+    return [*where, *restarts, f"--nproc-per-node={nproc}", "-m", "tidal", "train", *ranks_argv]
 
 
 def torchrun_command(train_argv: Sequence[str], *, nproc: int, nodes: Nodes = Nodes()) -> list[str]:
@@ -115,7 +121,9 @@ def torchrun_command(train_argv: Sequence[str], *, nproc: int, nodes: Nodes = No
     return [sys.executable, "-m", "torch.distributed.run", *args]
 
 
-def launch_train(train_argv: Sequence[str], *, nproc: int, nodes: Nodes = Nodes()) -> int:
+def launch_train(
+    train_argv: Sequence[str], *, nproc: int, nodes: Nodes = Nodes(), max_restarts: int = 0
+) -> int:
     """Run ``tidal train`` as ``nproc`` ranks here (of ``nodes.num_nodes`` machines); return 0,
     130 when interrupted, else the exit code of the rank that failed first ([Note: one line per
     run])."""
@@ -126,9 +134,17 @@ def launch_train(train_argv: Sequence[str], *, nproc: int, nodes: Nodes = Nodes(
     if nproc * nodes.num_nodes < 2:
         raise ValueError(f"a launch needs >= 2 ranks, got {nproc} on {nodes.num_nodes} machine(s)")
     os.environ.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", str(_SHUTDOWN_GRACE_S))
+    if max_restarts:
+        # [Note: a fresh store per attempt]
+        # By default the ranks share the rendezvous' store across restarts, and a restarted
+        # rank can read a key the previous attempt left there: gloo then connects to a dead
+        # peer's port ("Connection refused"), NCCL takes an old unique id (pytorch/pytorch
+        # issue 135712). Apart, rank 0 of each attempt hosts a new store.
+        os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     with _quiet_agent():
         try:
-            run(parse_args(torchrun_args(train_argv, nproc=nproc, nodes=nodes)))
+            args = torchrun_args(train_argv, nproc=nproc, nodes=nodes, max_restarts=max_restarts)
+            run(parse_args(args))
         except SignalException:
             return EXIT_INTERRUPTED  # the ranks were stopped and rank 0 said how
         except ChildFailedError as err:

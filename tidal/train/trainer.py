@@ -39,7 +39,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import TYPE_CHECKING, Any, Literal, NoReturn
 
 import torch
 from torch import nn
@@ -284,14 +284,15 @@ class Trainer:
     def fit(
         self,
         *,
-        resume: bool | int = False,
+        resume: bool | int | Literal["auto"] = False,
         overwrite: bool = False,
         callbacks: Sequence[Callback] | None = None,
     ) -> dict[str, Any]:
         """Train up to ``training.steps``; return the summary (also written to summary.json).
 
         ``resume``: True continues from the newest intact checkpoint, a step number from that
-        step's checkpoint ([Note: checkpoint integrity] in integrity.py).
+        step's checkpoint ([Note: checkpoint integrity] in integrity.py); ``"auto"`` resumes if
+        the run folder holds a checkpoint and starts otherwise (what an elastic restart does).
 
         Without ``callbacks`` the progress line goes to ``logging`` (``tidal.train.trainer``).
         Ranks other than 0 call no callbacks (see [Note: global batch]).
@@ -439,10 +440,12 @@ class Trainer:
 
     # -- run folder and checkpoints -------------------------------------------------------------
 
-    def _prepare_run_dir(self, *, resume: bool | int, overwrite: bool) -> int:
+    def _prepare_run_dir(self, *, resume: bool | int | Literal["auto"], overwrite: bool) -> int:
         # Every rank checks, and all refuse if one does, rather than stranding peers
         # ([Note: one run folder] in shared_dir.py).
         check_one_run_dir(self.run_dir)
+        if resume == "auto":  # the folder is one for all ranks: every rank decides alike
+            resume = bool(list_checkpoints(self.run_dir))
         agree(lambda: check_run_dir(self.run_dir, resume=resume is not False, overwrite=overwrite))
         if self.rank == 0:
             self._reset_run_dir(overwrite=overwrite, resume=resume is not False)
