@@ -77,3 +77,23 @@ def test_a_checkpoint_missing_a_ranks_piece_is_not_committed(tmp_path: Path) -> 
     assert "rank 1's piece state/__1_0.distcp" in said[0]["error"], said[0]["error"]
     assert "is missing in" in said[0]["error"] and "as rank 0 sees it" in said[0]["error"]
     assert not list((tmp_path / "run" / "checkpoints").glob(".tmp-*"))
+
+
+def _other_corpus(root: str) -> str:
+    rank = dist.get_rank()
+    data = {**JOB["data"], "synthetic_num_tokens": 20_000 + rank}  # rank 1: another corpus
+    try:
+        Trainer({**JOB, "data": data, "run_dir": str(Path(root) / "run")}).fit()
+    except ConfigError as err:
+        return str(err)
+    raise AssertionError("ranks on different corpora were not refused")
+
+
+def test_ranks_on_different_corpora_are_refused_before_the_first_step(tmp_path: Path) -> None:
+    """[Note: same data on every rank] in tidal/train/same_data.py."""
+    said = run_on_ranks(_other_corpus, world_size=2, args=(str(tmp_path),), timeout_s=120)
+    assert said[0] == said[1], said
+    assert said[0].startswith(
+        "data: the ranks would train on different data (fingerprints ranks 0: "
+    )
+    assert "; ranks 1: " in said[0] and not list(tmp_path.rglob("checkpoints"))

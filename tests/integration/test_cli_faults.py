@@ -84,7 +84,9 @@ def test_a_killed_rank_under_max_restarts_resumes_and_ends_as_an_unbroken_run(
                    fault="kill:rank=1:step=3")  # fmt: skip
     output = killed.stdout + killed.stderr
     assert killed.returncode == 0, output
-    assert "tidal: a rank failed; restart 1 of 1, from the last complete checkpoint" in output, output
+    assert "tidal: a rank failed; restart 1 of 1, from the last complete checkpoint" in output, (
+        output
+    )
     assert "Traceback" not in output and "connectFullMesh" not in output, output
     unbroken = train(tmp_path / "unbroken")
     assert unbroken.returncode == 0, unbroken.stderr

@@ -8,6 +8,7 @@ where it stopped, and validation can use the same first N batches at every evalu
 from __future__ import annotations
 
 import operator
+import zlib
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -107,6 +108,16 @@ class BatchSampler:
             raise ValueError(f"num_batches must be >= 0, got {num_batches}")
         return [self.batch(index) for index in range(num_batches)]
 
+    def fingerprint(self) -> str:
+        """What decides the batches, in a few hex digits ([Note: same data on every rank] in
+        tidal/train/same_data.py): the corpus (its length and a CRC-32 of up to 65 blocks of
+        64 KiB spread over it, so a corpus of any size is read in milliseconds), the seed and
+        the shapes."""
+        return _digest(
+            f"{len(self.tokens)}:{self.tokens.dtype}:{self.seed}:{self.batch_size}:{self.seq_len}",
+            _sampled_bytes(self.tokens),
+        )
+
     def state_dict(self) -> dict[str, int]:
         return {"next_index": self.next_index, "seed": self.seed}
 
@@ -177,6 +188,16 @@ class DataBatches:
         """The first ``num_batches`` batches (all of them if fewer): the same on every call."""
         return [self._pair(item) for _, item in zip(range(num_batches), self.data, strict=False)]
 
+    def fingerprint(self) -> str:
+        """The first batch's bytes and shapes, in a few hex digits: your data gives the same
+        batches on every rank only if it starts with the same one."""
+        if not self.fixed_batches(1):
+            return _digest("empty", [])
+        inputs, targets = self.fixed_batches(1)[0]
+        tensors = [t.detach().cpu().contiguous() for t in (inputs, targets)]
+        shapes = ":".join(f"{tuple(t.shape)}{t.dtype}" for t in tensors)
+        return _digest(shapes, [t.reshape(-1).view(torch.uint8).numpy().tobytes() for t in tensors])
+
     def state_dict(self) -> dict[str, int]:
         return {"next_index": self.next_index}
 
@@ -185,3 +206,24 @@ class DataBatches:
         self._iterator, self.next_index = None, 0
         for _ in range(int(state["next_index"])):
             self.next_batch()
+
+
+_BLOCK_BYTES = 64 << 10
+_NUM_BLOCKS = 65  # odd: the first, the middle and the last block among them
+
+
+def _sampled_bytes(tokens: np.ndarray) -> list[bytes]:
+    """Up to ``_NUM_BLOCKS`` blocks of ``_BLOCK_BYTES`` spread evenly over ``tokens``."""
+    flat = tokens.reshape(-1)
+    per_block = max(1, _BLOCK_BYTES // flat.itemsize)
+    if len(flat) <= per_block * _NUM_BLOCKS:
+        return [np.ascontiguousarray(flat).tobytes()]
+    starts = np.linspace(0, len(flat) - per_block, _NUM_BLOCKS, dtype=np.int64)
+    return [np.ascontiguousarray(flat[s : s + per_block]).tobytes() for s in starts]
+
+
+def _digest(header: str, blocks: list[bytes]) -> str:
+    crc = zlib.crc32(header.encode())
+    for block in blocks:
+        crc = zlib.crc32(block, crc)
+    return f"{crc:08x}"

@@ -80,6 +80,7 @@ from tidal.train.metrics import (
     read_metrics,
     write_json_atomic,
 )
+from tidal.train.same_data import check_same_data
 from tidal.train.shared_dir import agree, check_one_run_dir
 from tidal.train.tensorboard import TensorBoardWriter, check_tensorboard
 
@@ -444,6 +445,8 @@ class Trainer:
         # Every rank checks, and all refuse if one does, rather than stranding peers
         # ([Note: one run folder] in shared_dir.py).
         check_one_run_dir(self.run_dir)
+        val = "" if self._val_sampler is None else self._val_sampler.fingerprint()
+        check_same_data(f"{self.train_batches.fingerprint()}/{val}")
         if resume == "auto":  # the folder is one for all ranks: every rank decides alike
             resume = bool(list_checkpoints(self.run_dir))
         agree(lambda: check_run_dir(self.run_dir, resume=resume is not False, overwrite=overwrite))
