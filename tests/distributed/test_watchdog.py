@@ -149,3 +149,17 @@ def test_the_error_names_the_dead_ranks_and_survives_pickling() -> None:
     err = pickle.loads(pickle.dumps(RankDiedError("tidal: ranks 1 and 3 stopped", (1, 3))))
     assert isinstance(err, RuntimeError)
     assert (str(err), err.dead_ranks) == ("tidal: ranks 1 and 3 stopped", (1, 3))
+
+
+def test_a_frozen_store_host_ends_its_peer_within_the_deadline(
+    capfd: pytest.CaptureFixture[str],
+) -> None:
+    """Rank 0 hosts the store and is stopped (SIGSTOP: its sockets stay open, nothing answers).
+    A store call of rank 1 may then block far past its own timeout; the watchdog's deadline
+    does not wait for it ([Note: a deadline apart from the store])."""
+    outcomes, elapsed = _run(0, "sigstop")
+    assert outcomes[1].exitcode == EXIT_CODE, outcomes[1]
+    stderr = capfd.readouterr().err
+    assert "tidal: rank 0 stopped responding (it hosts the job's store" in stderr, stderr
+    assert f"exiting with code {EXIT_CODE}" in stderr
+    assert elapsed < BOUND_S

@@ -51,6 +51,16 @@ orphaned by an agent that was killed are left to their collectives. The watchdog
 rank the same bounded, named failure on its own, and its exit code tells a supervisor which
 ranks stopped because of a peer rather than failing themselves.
 
+[Note: a deadline apart from the store]
+A store call does not always return within its timeout: with the store's host stopped (a frozen
+machine, SIGSTOP) its sockets stay open and nothing answers, and on torch 2.13 a client with a
+3 s timeout was seen blocked for over 40 s. So the verdict on a silent store does not rest on
+the heartbeat thread getting an error back: a second thread reads only the time of the store's
+last answer, and ``dead_after_s`` plus two heartbeats after it declares the store's host gone
+(or, with torchrun's agent hosting the store, the store itself) while the heartbeat thread may
+still be blocked in its call. Either thread's verdict is the one delivered; the other is
+dropped.
+
 Only a program starts a watchdog, since its hooks are process-wide: ``tidal train`` opts in with
 ``install_watchdog()``, a library user with :func:`start_watchdog` ([Note: watchdog opt-in] in
 env.py).
@@ -252,6 +262,9 @@ class RankWatchdog:
         self._failed = False  # an exception ended the main thread (sys.excepthook ran)
         self._thread = threading.Thread(target=self._run, name=f"tidal-watchdog-{rank}")
         self._thread.daemon = True
+        # [Note: a deadline apart from the store]
+        self._deadline = threading.Thread(target=self._watch_answers,
+                                          name=f"tidal-watchdog-deadline-{rank}", daemon=True)  # fmt: skip
         self._main_ident: int | None = None  # set while the SIGINT handler is installed
         self._previous_sigint: Any = None
         self._previous_excepthook: Any = None
@@ -272,6 +285,7 @@ class RankWatchdog:
         self._heard = dict.fromkeys(self._peers, now)
         self._install_hooks()
         self._thread.start()
+        self._deadline.start()
         return self
 
     def stop(self, *, done: bool = True) -> None:
@@ -377,6 +391,22 @@ class RankWatchdog:
                 self._fire(dead, _silent_message(dead, silence_s, self.rank))
                 return
 
+    def _watch_answers(self) -> None:
+        """[Note: a deadline apart from the store]: the store silent for ``dead_after_s`` and
+        two heartbeats past its last answer is its host gone, whatever a store call is doing."""
+        limit_s = self.config.dead_after_s + 2 * self.config.heartbeat_s
+        while not self._stopping.wait(self.config.heartbeat_s) and self._thread.is_alive():
+            with self._lock:
+                if self._verdict is not None or self._store_host_rank in self._done:
+                    return
+                silence_s = time.monotonic() - self._last_answer
+            if silence_s >= limit_s:
+                host = self._store_host_rank
+                dead = [host] if host is not None and host != self.rank else []
+                lost = TimeoutError(f"no answer from the store for {silence_s:.1f} s")
+                self._fire(dead, _store_lost_message(host, silence_s, self.rank, lost))
+                return
+
     def _left_group(self) -> bool:
         # The default group destroyed (without stop()) means this rank has left the job.
         if self._group is None:
@@ -417,8 +447,8 @@ class RankWatchdog:
         """Hand the main thread a RankDiedError; end the process if it has not within grace_s."""
         verdict = RankDiedError(message, dead)
         with self._lock:
-            if self._stopping.is_set():
-                return  # this rank finished meanwhile
+            if self._stopping.is_set() or self._verdict is not None:
+                return  # this rank finished meanwhile, or the other thread spoke first
             self._verdict = verdict
         self._verdict_set.set()
         if self._main_ident is not None:
