@@ -73,5 +73,5 @@ def initialize(
     gradients. Each rank passes its own rows of the batch.
     """
     job = load_job(config)
-    init_from_env(device=resolve_device(job.training.device))
+    init_from_env(device=resolve_device(job.training.device), timeout_s=job.distributed.timeout_s)
     return build_engine(model, job, init=init)

@@ -18,6 +18,7 @@ from typing import Any, Literal
 
 from tidal.config import ConfigError, apply_overrides, from_dict, load_toml, require, to_dict
 from tidal.data import DataConfig
+from tidal.distributed.config import DistributedConfig
 from tidal.memory.config import ChunkConfig
 from tidal.models import ModelConfig
 from tidal.parallel.config import MemoryConfig, OptimizerConfig, TrainingConfig
@@ -55,6 +56,7 @@ class JobConfig:
     memory: MemoryConfig = field(default_factory=MemoryConfig)
     chunk: ChunkConfig = field(default_factory=ChunkConfig)
     sharding: ShardingConfig = field(default_factory=ShardingConfig)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
 
     def __post_init__(self) -> None:

@@ -184,7 +184,8 @@ class Trainer:
         training = self.job.training
         self.model_config = None if self.user_model is not None else self.job.model.resolve()
         # Before the engine: a sharded engine reads the process group when it is built.
-        self.distributed = init_from_env(device=resolve_device(training.device))
+        self.distributed = init_from_env(device=resolve_device(training.device),
+                                         timeout_s=self.job.distributed.timeout_s)  # fmt: skip
         self.rank, self.world_size = current_rank(), current_world_size()
         torch.manual_seed(training.seed)
         if self.user_model is not None and self.plan is not None:
