@@ -8,10 +8,11 @@
   ``i`` by its share of the rows, so the step's gradient is the whole batch's.
 - Only ``nn.Sequential``: its forward is its children in order, so the cut computes what the
   model computes. Another module's forward may do anything between its children.
-- A balanced split uses measured costs (:func:`profile_sequential`): each child's forward and
-  backward seconds on one microbatch, its parameter bytes and the bytes autograd saves for it.
-  Ranks measure different times, so the caller takes the largest of each over the ranks before
-  partitioning: every rank must cut alike.
+- A balanced split uses counted costs (:func:`profile_sequential`): each child's FLOPs on one
+  microbatch, its parameter bytes and the bytes autograd saves for it. Counted, not timed:
+  every rank, and a resumed run, must cut the model alike (a checkpoint records its split and
+  is refused by another), and times differ from run to run. Children without matmuls or
+  convolutions (activations, pooling) count as free.
 - Buffers are refused (BatchNorm's running statistics): a pipeline normalises each microbatch
   on its own, not the batch, so it would train another model; and a pipeline checkpoints
   parameters and optimizer state only.
@@ -20,8 +21,6 @@
 from __future__ import annotations
 
 import copy
-import statistics
-import time
 from collections.abc import Callable
 
 import torch
@@ -67,24 +66,24 @@ def sequential_parts(model: nn.Sequential, loss_fn: LossFn) -> StageParts:
                       loss_fn=loss_fn)  # fmt: skip
 
 
-def profile_sequential(
-    model: nn.Sequential, sample: torch.Tensor, *, repeats: int = 3
-) -> list[LayerProfile]:
-    """Each child's costs on ``sample`` (one microbatch, on the model's device): median forward
-    and backward seconds of ``repeats`` runs after a warm-up, parameter and saved bytes. Runs a
-    copy of the model under a forked RNG, so training starts as it would without it."""
+def profile_sequential(model: nn.Sequential, sample: torch.Tensor) -> list[LayerProfile]:
+    """Each child's costs on ``sample`` (one microbatch): its forward FLOPs (backward: twice
+    those) as seconds of a notional 1 TFLOP/s device (only their ratios matter), its parameter
+    bytes and the bytes autograd saves for it. Counted, not timed: the same on every rank and
+    in every run, so a resumed run cuts the model where the saved one did. Runs a copy of the
+    model under a forked RNG, so training starts as it would without it."""
     work = copy.deepcopy(model)
     profiles = []
     x = sample
     with torch.random.fork_rng(devices=[sample.device] if sample.is_cuda else []):
         for i, child in enumerate(work):
-            times, saved_bytes, x = _time_child(child, x, repeats)
+            flops, saved_bytes, x = _count_child(child, x)
             param_bytes = sum(p.numel() * p.element_size() for p in child.parameters())
             profiles.append(
                 LayerProfile(
                     name=f"blocks.{i}",
-                    forward_s=statistics.median(t for t, _ in times),
-                    backward_s=statistics.median(t for _, t in times),
+                    forward_s=flops / _NOTIONAL_FLOPS_PER_S,
+                    backward_s=2 * flops / _NOTIONAL_FLOPS_PER_S,
                     param_bytes=param_bytes,
                     activation_bytes=saved_bytes,
                 )
@@ -92,34 +91,21 @@ def profile_sequential(
     return profiles
 
 
-def _time_child(
-    child: nn.Module, x: torch.Tensor, repeats: int
-) -> tuple[list[tuple[float, float]], int, torch.Tensor]:
+_NOTIONAL_FLOPS_PER_S = 1e12
+
+
+def _count_child(child: nn.Module, x: torch.Tensor) -> tuple[int, int, torch.Tensor]:
+    """Forward FLOPs of ``child`` on ``x``, the bytes autograd saves, and its output."""
+    from torch.utils.flop_counter import FlopCounterMode
+
     saved = [0]
 
     def pack(tensor: torch.Tensor) -> torch.Tensor:
         saved[0] += tensor.numel() * tensor.element_size()
         return tensor
 
-    times = []
-    out = x
-    for run in range(repeats + 1):
-        x_in = x.detach().requires_grad_(x.is_floating_point())
-        saved[0] = 0
-        _sync(x)
-        start = time.perf_counter()
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-            out = child(x_in)
-        _sync(x)
-        forward_end = time.perf_counter()
-        if out.requires_grad:
-            out.backward(torch.ones_like(out))
-        _sync(x)
-        if run:  # the first run warms up
-            times.append((forward_end - start, time.perf_counter() - forward_end))
-    return times, saved[0], out.detach()
-
-
-def _sync(x: torch.Tensor) -> None:
-    if x.is_cuda:
-        torch.cuda.synchronize(x.device)
+    x_in = x.detach().requires_grad_(x.is_floating_point())
+    counter = FlopCounterMode(display=False)
+    with counter, torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        out = child(x_in)
+    return counter.get_total_flops(), saved[0], out.detach()

@@ -32,7 +32,6 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from tidal.config import ConfigError, require
@@ -126,22 +125,13 @@ def sequential_ranges(
     job: JobConfig, model: nn.Sequential, sample: torch.Tensor
 ) -> tuple[tuple[int, int], ...]:
     """Your own model's stages: its children split evenly, or balanced by what each costs on
-    one microbatch of ``sample``, the largest measurement over the ranks ([Note: sequential
-    pipelines] in tidal/pipeline/sequential.py)."""
+    one microbatch of ``sample`` ([Note: sequential pipelines] in tidal/pipeline/sequential.py)."""
     pipe = job.pipeline
     num_stages = pipe.stages * pipe.virtual_stages
     if pipe.partition == "even" or num_stages == 1:
         return tuple(even_ranges(len(model), num_stages))
     rows = max(1, job.training.batch_size // pipe.num_microbatches)
-    profiles = profile_sequential(model, sample[:rows])
-    costs = torch.tensor([[p.forward_s, p.backward_s, p.param_bytes, p.activation_bytes]
-                          for p in profiles], dtype=torch.float64)  # fmt: skip
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(costs, op=dist.ReduceOp.MAX)
-    agreed = [LayerProfile(name=p.name, forward_s=float(c[0]), backward_s=float(c[1]),
-                           param_bytes=int(c[2]), activation_bytes=int(c[3]))
-              for p, c in zip(profiles, costs, strict=True)]  # fmt: skip
-    return balanced_ranges(job, agreed)
+    return balanced_ranges(job, profile_sequential(model, sample[:rows]))
 
 
 def balanced_ranges(job: JobConfig, profiles: list[LayerProfile]) -> tuple[tuple[int, int], ...]:
