@@ -86,10 +86,11 @@ def test_your_sequential_model_as_a_pipeline_equals_the_reference_engine(
     _fit(tmp_path / "reference", case, 6, stages=1)
     summaries = run_on_ranks(_pipeline, world_size=2, args=(str(tmp_path), case), timeout_s=240)
     assert summaries[0]["engine"] == "pipeline 1f1b x2"
+    # Balanced by counted FLOPs: the first layer alone in stage 0 ties the bottleneck of any
+    # other cut (the second matmul or convolution is the heaviest child), and 1F1B's stage 0
+    # holds two microbatches in flight, so the tie goes to the split keeping its activations few.
     ranges = summaries[0]["pipeline"]["block_ranges"]
-    assert (
-        ranges[0][0] == 0 and ranges[0][1] == ranges[1][0] and ranges[1][1] == len(CASES[case][0]())
-    )
+    assert ranges == [[0, 1], [1, len(CASES[case][0]())]]
     reference, pipe = _records(tmp_path / "reference"), _records(tmp_path / "pipe")
     assert [r[0] for r in pipe] == [r[0] for r in reference] and len(pipe) == 9
     for (_, loss, val), (_, ref_loss, ref_val) in zip(pipe, reference, strict=True):
