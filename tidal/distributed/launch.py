@@ -25,8 +25,12 @@ import logging
 import os
 import signal
 import sys
+import threading
+import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
 
 from tidal.config import require
 
@@ -141,7 +145,7 @@ def launch_train(
         # peer's port ("Connection refused"), NCCL takes an old unique id (pytorch/pytorch
         # issue 135712). Apart, rank 0 of each attempt hosts a new store.
         os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
-    with _quiet_agent():
+    with _quiet_agent(), _agent_guard(nodes):
         try:
             args = torchrun_args(train_argv, nproc=nproc, nodes=nodes, max_restarts=max_restarts)
             run(parse_args(args))
@@ -154,6 +158,96 @@ def launch_train(
             print(_failure_line(rank, failure.exitcode), file=sys.stderr)
             return 1
     return 0
+
+
+# [Note: an agent stuck after its ranks]
+# torchrun's agent talks to the rendezvous store after its ranks end (its exit barrier waits
+# there for the other machines, then it shuts the rendezvous down). When the machine hosting
+# that store froze, those calls never return: the ranks here stopped in seconds (the watchdog's
+# verdict, exit 75) but the agent, and so the job on this machine, hung (seen: still running
+# after 200 s). So with several machines a thread of the launcher watches this process's
+# children: once it had ranks and all have ended, every TIDAL_AGENT_GRACE_S (default 30) it
+# asks the store for a key, from a thread of its own with a 5 s deadline. A store that answers
+# is alive (the agent is waiting for a slower machine: nothing to do); one that does not means
+# the agent cannot finish, and the launcher says so and exits 75 (a peer failed: resume).
+# Linux only (it reads /proc); elsewhere, and on one machine, nothing changes.
+_AGENT_GRACE_S = 30.0
+_PROBE_S = 5.0
+
+
+@contextlib.contextmanager
+def _agent_guard(nodes: Nodes) -> Iterator[None]:
+    proc = Path("/proc")
+    if not proc.is_dir() or nodes.rdzv_endpoint is None:
+        yield
+        return
+    host, _, port = nodes.rdzv_endpoint.rpartition(":")
+    grace_s = float(os.environ.get("TIDAL_AGENT_GRACE_S", _AGENT_GRACE_S))
+    done = threading.Event()
+    thread = threading.Thread(target=_guard_agent, args=(proc, (host, int(port)), grace_s, done),
+                              daemon=True, name="tidal-agent-guard")  # fmt: skip
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+
+
+def _guard_agent(proc: Path, store: tuple[str, int], grace_s: float, done: threading.Event) -> None:
+    had_ranks = False
+    ended_at: float | None = None
+    while not done.wait(0.5):
+        alive = bool(_children(proc, os.getpid()))
+        had_ranks = had_ranks or alive
+        if alive or not had_ranks:
+            ended_at = None
+            continue
+        ended_at = ended_at if ended_at is not None else time.monotonic()
+        if time.monotonic() - ended_at < grace_s:
+            continue
+        if _store_answers(*store):
+            ended_at = time.monotonic()  # alive: the agent waits for another machine
+            continue
+        os.write(2, (
+            f"tidal: this machine's ranks have ended, but torchrun's agent cannot finish: the "
+            f"rendezvous store at {store[0]}:{store[1]} does not answer (its machine stopped?); "
+            f"exiting with code 75. The last complete checkpoint is intact; resume with "
+            f"--resume.\n"
+        ).encode())  # fmt: skip
+        os._exit(75)
+
+
+def _store_answers(host: str, port: int) -> bool:
+    """Whether the TCP store at ``host:port`` answers a query within ``_PROBE_S``; asked from a
+    thread of its own, since a client of a stopped host can block past its own timeout."""
+    import torch.distributed as dist
+
+    answered = threading.Event()
+
+    def ask() -> None:
+        with contextlib.suppress(Exception):
+            client = dist.TCPStore(host, port, is_master=False, wait_for_workers=False,
+                                   timeout=timedelta(seconds=_PROBE_S))  # fmt: skip
+            client.check(["tidal/probe"])
+            answered.set()
+
+    threading.Thread(target=ask, daemon=True, name="tidal-store-probe").start()
+    return answered.wait(_PROBE_S + 1)
+
+
+def _children(proc: Path, pid: int) -> list[int]:
+    """The live (not zombie) children of ``pid``."""
+    found = []
+    for entry in proc.iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rpartition(")")[2].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid and fields[0] != "Z":
+            found.append(int(entry.name))
+    return found
 
 
 def _failure_line(rank: int, exitcode: int) -> str:
