@@ -29,49 +29,39 @@ def _losses(run_dir: Path) -> list[tuple]:
     return [(r["step"], r.get("loss"), r.get("val_loss")) for r in read_metrics(run_dir)]
 
 
-def _pipeline(root: str) -> dict:
-    pipe = ["pipeline.stages=2", "pipeline.microbatches=2", "pipeline.schedule=1f1b"]
+def _both(root: str) -> tuple[dict, dict]:
+    """As a 1F1B pipeline, then sharded by the chunk engine, each also split and resumed."""
     root_path = Path(root)
-    summary = Trainer("llama-tiny", [*_overrides(root_path / "pipe"), *pipe]).fit()
-    Trainer("llama-tiny", [*_overrides(root_path / "split", 2), *pipe]).fit()
-    Trainer("llama-tiny", [*_overrides(root_path / "split"), *pipe]).fit(resume=True)
-    return summary
+    pipe = ["pipeline.stages=2", "pipeline.microbatches=2", "pipeline.schedule=1f1b"]
+    chunk = ["engine=chunk", "chunk.size=8192"]
+    summaries = []
+    for name, extra in (("pipe", pipe), ("sharded", chunk)):
+        summaries.append(Trainer("llama-tiny", [*_overrides(root_path / name), *extra]).fit())
+        split = root_path / f"{name}-split"
+        Trainer("llama-tiny", [*_overrides(split, 2), *extra]).fit()
+        Trainer("llama-tiny", [*_overrides(split), *extra]).fit(resume=True)
+    return summaries[0], summaries[1]
+
+
+def _equal_to(reference: list[tuple], run: list[tuple]) -> None:
+    assert [r[0] for r in run] == [r[0] for r in reference] and len(run) == STEPS + 2
+    for (_, loss, val), (_, ref_loss, ref_val) in zip(run, reference, strict=True):
+        assert (loss or val) == pytest.approx(ref_loss or ref_val, abs=TOL)
 
 
 @pytest.mark.slow
-def test_the_llama_recipe_as_a_pipeline_equals_the_reference_engine(tmp_path: Path) -> None:
+def test_the_llama_recipe_on_two_ranks_equals_the_reference_engine(tmp_path: Path) -> None:
     Trainer("llama-tiny", _overrides(tmp_path / "reference")).fit()
-    summaries = run_on_ranks(_pipeline, world_size=2, args=(str(tmp_path),), timeout_s=240)
-    assert summaries[0]["engine"] == "pipeline 1f1b x2"
-    assert summaries[0]["pipeline"]["block_ranges"] == [[0, 1], [1, 2]]  # balanced: one each
-    reference, pipe = _losses(tmp_path / "reference"), _losses(tmp_path / "pipe")
-    assert [r[0] for r in pipe] == [r[0] for r in reference] and len(pipe) == STEPS + 2
-    for (_, loss, val), (_, ref_loss, ref_val) in zip(pipe, reference, strict=True):
-        assert (loss or val) == pytest.approx(ref_loss or ref_val, abs=TOL)
-    assert _losses(tmp_path / "split") == pipe
+    reference = _losses(tmp_path / "reference")
+    (pipe, sharded), _ = run_on_ranks(_both, world_size=2, args=(str(tmp_path),), timeout_s=300)
+    assert pipe["engine"] == "pipeline 1f1b x2"
+    assert pipe["pipeline"]["block_ranges"] == [[0, 1], [1, 2]]  # balanced: one layer each
+    assert sharded["engine"] == "chunk-sharded" and sharded["bytes_all_gathered"] > 0
+    for name in ("pipe", "sharded"):
+        _equal_to(reference, _losses(tmp_path / name))
+        assert _losses(tmp_path / f"{name}-split") == _losses(tmp_path / name)
 
     from tidal.train.export import check_export, export_run
 
     out = export_run(tmp_path / "pipe", out=tmp_path / "export")
     assert any("AutoModelForCausalLM logits within" in line for line in check_export(out))
-
-
-def _sharded(root: str) -> dict:
-    chunk = ["engine=chunk", "chunk.size=8192"]
-    root_path = Path(root)
-    summary = Trainer("llama-tiny", [*_overrides(root_path / "sharded"), *chunk]).fit()
-    Trainer("llama-tiny", [*_overrides(root_path / "sharded-split", 2), *chunk]).fit()
-    Trainer("llama-tiny", [*_overrides(root_path / "sharded-split"), *chunk]).fit(resume=True)
-    return summary
-
-
-@pytest.mark.slow
-def test_the_llama_recipe_sharded_on_two_ranks_equals_the_reference_engine(tmp_path: Path) -> None:
-    Trainer("llama-tiny", _overrides(tmp_path / "reference")).fit()
-    summaries = run_on_ranks(_sharded, world_size=2, args=(str(tmp_path),), timeout_s=240)
-    assert summaries[0]["engine"] == "chunk-sharded" and summaries[0]["bytes_all_gathered"] > 0
-    reference, sharded = _losses(tmp_path / "reference"), _losses(tmp_path / "sharded")
-    assert [r[0] for r in sharded] == [r[0] for r in reference] and len(sharded) == STEPS + 2
-    for (_, loss, val), (_, ref_loss, ref_val) in zip(sharded, reference, strict=True):
-        assert (loss or val) == pytest.approx(ref_loss or ref_val, abs=TOL)
-    assert _losses(tmp_path / "sharded-split") == sharded

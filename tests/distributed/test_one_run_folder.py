@@ -1,5 +1,5 @@
 """A run_dir that is not one folder for all ranks ([Note: one run folder] in
-tidal/train/shared_dir.py, [Note: confirmed shards] in tidal/train/checkpoint.py): refused on
+tidal/train/run_dir.py, [Note: confirmed shards] in tidal/train/checkpoint.py): refused on
 every rank before the first step, and a checkpoint whose pieces are not all in rank 0's folder is
 never committed. Machine-local disks are simulated by giving each rank its own folder, or by
 moving a rank's piece out of the shared one right after it was written."""

@@ -48,6 +48,15 @@ def _train_in_child(run_dir: str, err_path: str) -> None:
     os._exit(code)
 
 
+def _wait_for_step(run_dir: Path, step: int, child: object, timeout_s: float = 120) -> None:
+    """Until ``run_dir``'s metrics.jsonl holds ``step`` records (or the child has ended)."""
+    path, deadline = run_dir / "metrics.jsonl", time.monotonic() + timeout_s
+    while time.monotonic() < deadline and child.is_alive():  # type: ignore[attr-defined]
+        if path.is_file() and path.read_bytes().count(b"\n") >= step:
+            return
+        time.sleep(0.002)
+
+
 def _losses(run_dir: Path) -> list[tuple[int, float]]:
     return [(r["step"], r["loss"]) for r in read_metrics(run_dir) if r["kind"] == "train"]
 
@@ -67,7 +76,15 @@ def test_sigint_or_sigterm_at_random_moments_exits_130_in_one_line_and_resumes_e
         run_dir, err_path = tmp_path / f"trial{trial}", tmp_path / f"trial{trial}.err"
         child = ctx.Process(target=_train_in_child, args=(str(run_dir), str(err_path)))
         child.start()
-        time.sleep(rng.uniform(0.1, 1.6))  # from building the engine to the last steps
+        # Some while the engine is built, the rest at a random point of a random step: counted
+        # in the steps logged, so a slow (or loaded) machine spreads them as a fast one does.
+        if trial % 7 == 0:
+            while not err_path.exists() and child.is_alive():  # the command has started
+                time.sleep(0.002)
+            time.sleep(rng.uniform(0.0, 0.5))
+        else:
+            _wait_for_step(run_dir, rng.randint(1, 20), child)
+            time.sleep(rng.uniform(0.0, 0.03))
         sent = signal.SIGTERM if trial % 5 == 4 else signal.SIGINT  # what a scheduler sends
         with contextlib.suppress(ProcessLookupError):
             os.kill(child.pid, sent)
@@ -79,6 +96,9 @@ def test_sigint_or_sigterm_at_random_moments_exits_130_in_one_line_and_resumes_e
         interrupted += 1
         assert child.exitcode == 130, (trial, child.exitcode, lines)
         assert len(lines) == 1 and lines[0].startswith("tidal: interrupted"), (trial, lines)
+        if "before anything started" in lines[0]:  # while the command was parsing its flags
+            assert not run_dir.exists(), (trial, lines)
+            continue
         checkpoints = list_checkpoints(run_dir)
         if "after step" in lines[0]:  # stopped while training: a checkpoint of that step
             step = checkpoints[-1][0]

@@ -11,6 +11,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -33,7 +34,15 @@ _TRAINING_BYTES_PER_PARAM = 2 + 2 + 4 + 4 + 4
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = build_parser().parse_args(argv)
+    # From the first instant SIGTERM ends the command as Ctrl-C does, in one line; a training
+    # run turns both into a stop after the step ([Note: interrupts at safe points]).
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _terminate_as_interrupt)
+    try:
+        args = build_parser().parse_args(argv)
+    except KeyboardInterrupt:  # Ctrl-C while starting (the parser imports the bench programs)
+        print("tidal: interrupted before anything started", file=sys.stderr)
+        return EXIT_INTERRUPTED
     console = Console(highlight=False)
     if not console.is_terminal:  # logs and CI: rich would fold tables at 80 columns
         console = Console(highlight=False, width=160)
@@ -164,10 +173,6 @@ def _train(args: argparse.Namespace, console: Console, argv: list[str]) -> int:
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     install_watchdog()  # [Note: watchdog opt-in] in tidal/distributed/env.py
-    # Outside the steps (building, the summary) SIGTERM ends the command as Ctrl-C does, in one
-    # line; during them the trainer turns both into a stop after the step ([Note: interrupts at
-    # safe points] in tidal/train/interrupts.py).
-    signal.signal(signal.SIGTERM, _terminate_as_interrupt)
     from tidal.train.job import find_recipe
 
     job = load_job(find_recipe(args.recipe), args.overrides, deepspeed=_deepspeed(args))
@@ -204,7 +209,8 @@ def _launch(args: argparse.Namespace, argv: list[str]) -> int:
     from tidal.config import ConfigError
     from tidal.distributed.launch import Nodes, launch_train
     from tidal.train.job import find_recipe, load_job
-    from tidal.train.trainer import check_run_dir, rank_rows
+    from tidal.train.run_dir import check_run_dir
+    from tidal.train.trainer import rank_rows
 
     if args.nproc < 1:
         raise ConfigError("--nproc", f"must be >= 1 (processes to train on), got {args.nproc}")

@@ -9,6 +9,7 @@ import torch.distributed as dist
 from torch import nn
 
 from tidal.config import ConfigError
+from tidal.data import BatchSampler, build_token_splits
 from tidal.memory.materialize import ParameterValues
 from tidal.parallel.protocol import Engine, TrainingEngine
 from tidal.parallel.reference import ReferenceEngine
@@ -19,7 +20,14 @@ if TYPE_CHECKING:
     from tidal.planner import Plan
 
 
-__all__ = ["Engine", "TrainingEngine", "build_engine", "check_plan_job", "refuse_chunk_engine"]
+__all__ = [
+    "Engine",
+    "TrainingEngine",
+    "build_engine",
+    "build_samplers",
+    "check_plan_job",
+    "refuse_chunk_engine",
+]
 
 
 def build_engine(
@@ -70,3 +78,17 @@ def refuse_chunk_engine(job: JobConfig) -> None:
             f"a plan says how to shard the model, which the {job.engine} engine would do too; "
             f"drop --plan, or set engine = 'reference' (--set engine=reference)",
         )
+
+
+def build_samplers(job: JobConfig) -> tuple[BatchSampler, BatchSampler]:
+    """The run's training and validation batch samplers (global batches, every rank the same)."""
+    training, config = job.training, job.model.resolve()
+    splits = build_token_splits(job.data, vocab_size=config.vocab_size, seed=training.seed)
+    train = BatchSampler(
+        splits.train, batch_size=training.batch_size, seq_len=config.seq_len, seed=training.seed
+    )
+    # Validation draws from its own seed so that it is the same batches at every pass.
+    val = BatchSampler(
+        splits.val, batch_size=training.batch_size, seq_len=config.seq_len, seed=training.seed + 1
+    )
+    return train, val

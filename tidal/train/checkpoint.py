@@ -40,7 +40,7 @@ checkpoints are pruned only after the new one is in place.
 Before committing, each rank records the pieces it wrote (DCP names them ``__<rank>_<n>.distcp``)
 with their sizes and CRC-32s, and rank 0 confirms each is in its own folder at that size: on
 disks that are not shared the pieces of other machines are not there, and a commit would make a
-checkpoint that cannot be read ([Note: one run folder] in shared_dir.py refuses such a run_dir
+checkpoint that cannot be read ([Note: one run folder] in run_dir.py refuses such a run_dir
 at start; this holds should the filesystem change under a run). The records go into
 ``meta.json``, so rank 0 does not read the other ranks' pieces back to checksum them.
 """

@@ -45,7 +45,7 @@ import torch
 from torch import nn
 
 from tidal.config import ConfigError, to_dict
-from tidal.data import Batch, BatchSampler, DataBatches, build_token_splits
+from tidal.data import Batch, BatchSampler, DataBatches
 from tidal.distributed import barrier, gather_ints, init_from_env
 from tidal.distributed import rank as current_rank
 from tidal.distributed import world_size as current_world_size
@@ -61,7 +61,7 @@ from tidal.distributed.device import (
 from tidal.distributed.faults import maybe_inject
 from tidal.models import spec_for
 from tidal.parallel.accumulation import split_rows
-from tidal.train.build import build_engine
+from tidal.train.build import build_engine, build_samplers
 from tidal.train.callbacks import Callback, LogCallback
 from tidal.train.checkpoint import (
     IDENTITY,
@@ -80,14 +80,14 @@ from tidal.train.metrics import (
     read_metrics,
     write_json_atomic,
 )
+from tidal.train.run_dir import agree, check_one_run_dir, check_run_dir
 from tidal.train.same_data import check_same_data
-from tidal.train.shared_dir import agree, check_one_run_dir
 from tidal.train.tensorboard import TensorBoardWriter, check_tensorboard
 
 if TYPE_CHECKING:
     from tidal.planner import Plan
 
-__all__ = ["Callback", "LogCallback", "Trainer", "check_run_dir", "rank_rows"]
+__all__ = ["Callback", "LogCallback", "Trainer", "rank_rows"]
 
 logger = logging.getLogger(__name__)
 
@@ -101,40 +101,6 @@ def rank_rows(batch_size: int, *, rank: int, world_size: int) -> slice:
             f"batch_size / world size of its rows)")  # fmt: skip
     fix = ", or run on a world size that divides it"
     return split_rows(batch_size, index=rank, parts=world_size, over=over, fix=fix)
-
-
-def check_run_dir(run_dir: Path, *, resume: bool, overwrite: bool) -> None:
-    """Refuse a run that would clobber checkpoints or has none to resume from."""
-    if resume and overwrite:
-        raise ConfigError("", "--resume and --overwrite contradict each other; pick one")
-    existing = list_checkpoints(run_dir)
-    if existing and not resume and not overwrite:
-        raise ConfigError(
-            "run_dir",
-            f"{run_dir} already holds checkpoints up to step {existing[-1][0]}; pass "
-            f"--resume to continue that run, --overwrite to start over (deletes them), or "
-            f"--set run_dir=PATH for a new folder",
-        )
-    if resume and not existing:
-        raise ConfigError(
-            "run_dir",
-            f"--resume: no checkpoint under {run_dir / 'checkpoints'}; run without "
-            f"--resume to start a new run",
-        )
-
-
-def build_samplers(job: JobConfig) -> tuple[BatchSampler, BatchSampler]:
-    """The run's training and validation batch samplers (global batches, every rank the same)."""
-    training, config = job.training, job.model.resolve()
-    splits = build_token_splits(job.data, vocab_size=config.vocab_size, seed=training.seed)
-    train = BatchSampler(
-        splits.train, batch_size=training.batch_size, seq_len=config.seq_len, seed=training.seed
-    )
-    # Validation draws from its own seed so that it is the same batches at every pass.
-    val = BatchSampler(
-        splits.val, batch_size=training.batch_size, seq_len=config.seq_len, seed=training.seed + 1
-    )
-    return train, val
 
 
 class Trainer:
@@ -444,7 +410,7 @@ class Trainer:
 
     def _prepare_run_dir(self, *, resume: bool | int | Literal["auto"], overwrite: bool) -> int:
         # Every rank checks, and all refuse if one does, rather than stranding peers
-        # ([Note: one run folder] in shared_dir.py).
+        # ([Note: one run folder] in run_dir.py).
         check_one_run_dir(self.run_dir)
         val = "" if self._val_sampler is None else self._val_sampler.fingerprint()
         check_same_data(f"{self.train_batches.fingerprint()}/{val}")

@@ -1,4 +1,5 @@
-"""One run folder for every rank, or a one-line refusal before the first step.
+"""The run folder, checked before the first step: one folder for every rank, and one that
+holds checkpoints only when the run resumes or overwrites them (:func:`check_run_dir`).
 
 [Note: one run folder]
 Every rank writes its shard of each checkpoint into ``run_dir`` and rank 0 commits the folder
@@ -25,8 +26,9 @@ from pathlib import Path
 import torch.distributed as dist
 
 from tidal.config import ConfigError
+from tidal.train.checkpoint import list_checkpoints
 
-__all__ = ["agree", "check_one_run_dir"]
+__all__ = ["agree", "check_one_run_dir", "check_run_dir"]
 
 
 def _distributed() -> bool:
@@ -81,3 +83,23 @@ def check_one_run_dir(run_dir: Path) -> None:
                 f"what rank(s) {ranks} wrote there; put run_dir on a filesystem every machine "
                 f"mounts (NFS, Lustre, a shared volume), at the same path on each",
             )
+
+
+def check_run_dir(run_dir: Path, *, resume: bool, overwrite: bool) -> None:
+    """Refuse a run that would clobber checkpoints or has none to resume from."""
+    if resume and overwrite:
+        raise ConfigError("", "--resume and --overwrite contradict each other; pick one")
+    existing = list_checkpoints(run_dir)
+    if existing and not resume and not overwrite:
+        raise ConfigError(
+            "run_dir",
+            f"{run_dir} already holds checkpoints up to step {existing[-1][0]}; pass "
+            f"--resume to continue that run, --overwrite to start over (deletes them), or "
+            f"--set run_dir=PATH for a new folder",
+        )
+    if resume and not existing:
+        raise ConfigError(
+            "run_dir",
+            f"--resume: no checkpoint under {run_dir / 'checkpoints'}; run without "
+            f"--resume to start a new run",
+        )
