@@ -51,6 +51,7 @@ from tidal.train.export_folder import (
     TIDAL_JSON,
     ExportCheckError,
     check_out,
+    compare_with_source,
     default_out,
     read_run_job,
     select_checkpoint,
@@ -334,17 +335,8 @@ def check_export(out: str | Path, *, atol: float = 1e-4) -> list[str]:
     info = export_info(out)
     if info.get("kind", "gpt") != "gpt":
         return check_module_export(out, info)
-    lines = []
     tensors = read_safetensors(out / _MODEL_FILE)
-    source = Path(info["source_checkpoint"])
-    if (source / "meta.json").is_file():
-        original = load_model_state(source)
-        differ = [
-            n for n in original if n not in tensors or not torch.equal(tensors[n], original[n])
-        ]
-        if differ or tensors.keys() != original.keys():
-            raise ExportCheckError(f"{out / _MODEL_FILE} differs from {source} in {differ}")
-        lines.append(f"{_MODEL_FILE}: {len(tensors)} tensors equal to {source}")
+    lines = compare_with_source(out / _MODEL_FILE, tensors, Path(info["source_checkpoint"]))
     model = load_export(out)
     logits = model(_sample_batch(model.config))
     lines.append(f"{_MODEL_FILE}: loads strictly into build_gpt")

@@ -20,6 +20,7 @@ __all__ = [
     "ExportCheckError",
     "MODEL_FILE",
     "TIDAL_JSON",
+    "compare_with_source",
     "default_out",
     "read_run_job",
     "select_checkpoint",
@@ -113,3 +114,21 @@ def write_folder(out: Path, write: Callable[[Path], None]) -> Path:
         raise
     fsync_dir(out.parent)
     return out
+
+
+def compare_with_source(file: Path, tensors: dict[str, Any], source: Path) -> list[str]:
+    """``[line]`` when the exported ``tensors`` (read from ``file``) equal the checkpoint
+    ``source`` bit for bit, ``[]`` when that checkpoint is gone; raises
+    :class:`ExportCheckError` when they differ."""
+    import torch
+
+    from tidal.train.checkpoint import load_model_state
+
+    if not (source / "meta.json").is_file():
+        return []
+    original = load_model_state(source)
+    differ = [n for n in original if n not in tensors or not torch.equal(tensors[n], original[n])]
+    if differ or tensors.keys() != original.keys():
+        raise ExportCheckError(f"{file} differs from {source} in {differ}")
+    return [f"{file.name if file.parent.name != 'hf' else 'hf/' + file.name}: {len(tensors)} "
+            f"tensors equal to {source}"]  # fmt: skip

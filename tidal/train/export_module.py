@@ -34,6 +34,7 @@ from tidal.train.export_folder import (
     MODEL_FILE,
     TIDAL_JSON,
     ExportCheckError,
+    compare_with_source,
     default_out,
     select_checkpoint,
     write_folder,
@@ -115,16 +116,7 @@ def check_module_export(out: Path, info: dict[str, Any]) -> list[str]:
     """One line per check of a non-GPT export (``check_export`` sends them here); raises
     :class:`~tidal.train.export_folder.ExportCheckError` on a mismatch."""
     tensors = read_safetensors(out / info["weights"])
-    lines = []
-    source = Path(info["source_checkpoint"])
-    if (source / "meta.json").is_file():
-        original = load_model_state(source)
-        differ = [
-            n for n in original if n not in tensors or not torch.equal(tensors[n], original[n])
-        ]
-        if differ or tensors.keys() != original.keys():
-            raise ExportCheckError(f"{out / info['weights']} differs from {source} in {differ}")
-        lines.append(f"{info['weights']}: {len(tensors)} tensors equal to {source}")
+    lines = compare_with_source(out / info["weights"], tensors, Path(info["source_checkpoint"]))
     if info["kind"] == "module":
         return [*lines, f"{info['weights']}: load it into {info['builds']} with load_state_dict"]
     config = from_dict(ModelConfig, info["model"], path="model")
