@@ -34,14 +34,8 @@ _TRAINING_BYTES_PER_PARAM = 2 + 2 + 4 + 4 + 4
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    # From the first instant SIGTERM ends the command as Ctrl-C does, in one line; a training
-    # run turns both into a stop after the step ([Note: interrupts at safe points]).
-    if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, _terminate_as_interrupt)
-    try:
-        args = build_parser().parse_args(argv)
-    except KeyboardInterrupt:  # Ctrl-C while starting (the parser imports the bench programs)
-        print("tidal: interrupted before anything started", file=sys.stderr)
+    args = _parse(argv)
+    if args is None:
         return EXIT_INTERRUPTED
     console = Console(highlight=False)
     if not console.is_terminal:  # logs and CI: rich would fold tables at 80 columns
@@ -126,6 +120,20 @@ def _dead_peer(err: RuntimeError) -> Exception | None:
 
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     return explain_failure(err)
+
+
+def _parse(argv: list[str]) -> argparse.Namespace | None:
+    """The command line; None (said in one line) when Ctrl-C or SIGTERM came while parsing it
+    (the parser imports the bench programs). From here on SIGTERM ends the command as Ctrl-C
+    does; a training run turns both into a stop after the step ([Note: interrupts at safe
+    points] in tidal/train/interrupts.py)."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _terminate_as_interrupt)
+    try:
+        return build_parser().parse_args(argv)
+    except KeyboardInterrupt:
+        print("tidal: interrupted before anything started", file=sys.stderr)
+        return None
 
 
 def _plan_errors(args: argparse.Namespace) -> tuple[type[Exception], ...]:
