@@ -305,5 +305,6 @@ def test_chunk_payloads_are_mapped_on_their_own_and_given_back() -> None:
     del payloads, payload
     # Each payload was its own mapping: freeing it gave its 4 MiB back to the system at once. On
     # the heap they would stay resident (32 MiB is below the trim threshold); the margin is for
-    # whatever else the process allocates or frees meanwhile.
-    assert before - rss_bytes() >= 24 << 20
+    # whatever else the process allocates or frees meanwhile: in a full suite that took 12 of the
+    # 32 MiB once (a drop of 20 MiB), so half of them must come back; on the heap none would.
+    assert before - rss_bytes() >= 16 << 20
