@@ -107,6 +107,22 @@ def test_nproc_with_a_batch_that_does_not_split_fails_before_launching(tmp_path:
     assert "torch.distributed" not in result.stderr
 
 
+@pytest.mark.slow
+def test_an_error_every_rank_finds_is_one_line_without_torchruns_banner(tmp_path: Path) -> None:
+    """Both ranks find the budget below the minimum once they have built the model: the run
+    ends in one line (not one per rank), and torchrun's OMP_NUM_THREADS banner is not shown."""
+    run = [*TINY_RUN, "--set", f"run_dir={tmp_path / 'run'}", "--set", "engine=chunk",
+           "--set", "memory.device_budget=1KiB"]  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    result = subprocess.run([sys.executable, "-m", "tidal", "train", "--nproc", "2", *run],
+                            capture_output=True, text=True, timeout=180, cwd=REPO, env=env,
+                            check=False)  # fmt: skip
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("tidal: error: memory.device_budget: 1,024 bytes"), lines
+
+
 def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

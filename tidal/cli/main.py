@@ -41,6 +41,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not console.is_terminal:  # logs and CI: rich would fold tables at 80 columns
         console = Console(highlight=False, width=160)
     from tidal.config import ConfigError
+    from tidal.distributed.launch import say_once
     from tidal.distributed.watchdog import EXIT_CODE as RANK_DIED_EXIT_CODE
     from tidal.distributed.watchdog import RankDiedError
     from tidal.memory.store import DeviceBudgetTooSmall
@@ -81,20 +82,21 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _bench(args, console)
         if args.command == "export":
             return _export(args, console)
+    # Ranks failing alike say so once ([Note: one line per run] in tidal/distributed/launch.py).
     except bad_input as err:
-        print(f"tidal: error: {err}", file=sys.stderr)
+        say_once(f"tidal: error: {err}")
         return EXIT_BAD_INPUT
     except (FloatingPointError, CheckpointWriteError) as err:
-        print(f"tidal: run failed: {err}", file=sys.stderr)
+        say_once(f"tidal: run failed: {err}")
         return EXIT_FAILED
     except RankDiedError as err:  # [Note: dead ranks] in tidal/distributed/watchdog.py
-        print(str(err), file=sys.stderr)
+        say_once(str(err))
         return RANK_DIED_EXIT_CODE
     except RuntimeError as err:  # a collective failed: a dead peer says so in one line
         verdict = _dead_peer(err)
         if verdict is None:
             raise
-        print(str(verdict), file=sys.stderr)
+        say_once(str(verdict))
         return RANK_DIED_EXIT_CODE
     except Interrupted as err:  # [Note: interrupts at safe points] in tidal/train/interrupts.py
         if os.environ.get("RANK", "0") == "0":  # one line for the run, not one per rank

@@ -15,16 +15,21 @@ Run as a separate ``torchrun`` process the agent would then print its own traceb
 caught, and the agent's log is quieted while it runs, so a run's ending is the ranks' one line.
 A rank that fails says why itself (one line, or its traceback); the launcher returns that rank's
 exit code (2 bad input, 75 dead rank, 130 interrupted) and adds a line only when the rank could
-not speak (killed by a signal) or crashed with a traceback.
+not speak (killed by a signal) or crashed with a traceback. Ranks that fail alike (a config
+error every rank finds, the survivors' verdict on one dead rank) say it once between them: a
+rank prints its line only if it is the first of this machine's ranks to claim that line
+(:func:`say_once`); a line that differs, a rank's own error, is printed whatever the others said.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
 import os
 import signal
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -34,7 +39,14 @@ from pathlib import Path
 
 from tidal.config import require
 
-__all__ = ["Nodes", "launch_train", "torchrun_args", "torchrun_command", "without_flag"]
+__all__ = [
+    "Nodes",
+    "launch_train",
+    "say_once",
+    "torchrun_args",
+    "torchrun_command",
+    "without_flag",
+]
 
 EXIT_INTERRUPTED = 130
 # How long the ranks get to finish their step and write the interrupt checkpoint after the
@@ -43,6 +55,24 @@ EXIT_INTERRUPTED = 130
 _SHUTDOWN_GRACE_S = 180
 # Exit codes with which a rank has already printed its one line (cli/main.py).
 _SPOKEN_EXIT_CODES = frozenset((2, 75, EXIT_INTERRUPTED))
+# The folder in which this machine's ranks claim the lines they print (say_once); set by the
+# launcher for its ranks only.
+_LINES_DIR_VAR = "TIDAL_RUN_LINES_DIR"
+
+
+def say_once(line: str) -> None:
+    """Print ``line`` to stderr unless another rank of this launch printed the same line
+    ([Note: one line per run]). Outside a launch, or if the claim cannot be made, it prints."""
+    folder = os.environ.get(_LINES_DIR_VAR)
+    if folder is not None:
+        claim = Path(folder) / hashlib.sha256(line.encode()).hexdigest()[:32]
+        try:
+            os.close(os.open(claim, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        except FileExistsError:
+            return
+        except OSError:
+            pass  # a line printed twice beats a line lost
+    print(line, file=sys.stderr)
 
 
 def without_flag(argv: Sequence[str], flag: str) -> list[str]:
@@ -145,7 +175,9 @@ def launch_train(
         # peer's port ("Connection refused"), NCCL takes an old unique id (pytorch/pytorch
         # issue 135712). Apart, rank 0 of each attempt hosts a new store.
         os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
-    with _quiet_agent(), _agent_guard(nodes):
+    # torchrun sets 1 when it is unset, with a banner on every launch; the same, unannounced.
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    with _quiet_agent(), _agent_guard(nodes), _lines_dir():
         try:
             args = torchrun_args(train_argv, nproc=nproc, nodes=nodes, max_restarts=max_restarts)
             run(parse_args(args))
@@ -255,6 +287,21 @@ def _failure_line(rank: int, exitcode: int) -> str:
         name = signal.Signals(-exitcode).name
         return f"tidal: rank {rank} was killed by {name} (out of host memory, or stopped by hand?)"
     return f"tidal: rank {rank} failed with exit code {exitcode}; its error is printed above"
+
+
+@contextlib.contextmanager
+def _lines_dir() -> Iterator[None]:
+    """A folder for the ranks' claims on their lines (say_once), removed after the run."""
+    with tempfile.TemporaryDirectory(prefix="tidal-lines-") as folder:
+        before = os.environ.get(_LINES_DIR_VAR)
+        os.environ[_LINES_DIR_VAR] = folder
+        try:
+            yield
+        finally:
+            if before is None:
+                del os.environ[_LINES_DIR_VAR]
+            else:
+                os.environ[_LINES_DIR_VAR] = before
 
 
 @contextlib.contextmanager

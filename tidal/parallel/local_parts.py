@@ -4,7 +4,6 @@ construction] in chunk_engine.py says when each step runs)."""
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -194,10 +193,7 @@ def checkpoint_meta(engine: PartsHost, tensors: dict[str, Any]) -> dict[str, Any
     shape ([Note: checkpoint keys]); ``numels``: of ``tensors``, the checkpoint's keys."""
     model_state = engine.model.state_dict(keep_vars=True)
     meta = model_layout(engine.model, {n: t.shape for n, t in model_state.items()})
-    with warnings.catch_warnings():  # a ShardedTensor's size() repeats the API's deprecation
-        warnings.simplefilter("ignore", FutureWarning)
-        numels = {key: int(t.size(0)) for key, t in tensors.items()}
-    return {"numels": numels, **meta}
+    return {"numels": {key: int(t.size()[0]) for key, t in tensors.items()}, **meta}
 
 
 def largest_module_bytes(model: nn.Module, store: ChunkStore) -> tuple[int, str]:

@@ -226,43 +226,39 @@ class ShardedParts:
     # -- sharded checkpoints ([Note: checkpoint tensors] in tidal/sharding/state.py) ------------
 
     def checkpoint_state(self, engine: PartsHost) -> CheckpointTensors:
-        """This rank's pieces as ShardedTensors (pieces on disk are read as DCP writes them);
-        the rest is the same on every rank."""
+        """This rank's pieces (read from the NVMe tier as DCP writes them); the rest is the same
+        on every rank."""
+        from tidal.sharding.planners import PieceSavePlanner  # DCP: for checkpoints only
+
         engine.store.wait_for_copies()
-        tensors, on_disk = sharded_tensors(engine.optimizer)
-        for name, buffer in persistent_buffers(engine.model):
-            tensors[f"buffer/{name}"] = buffer.detach()
+        tensors = self._tensors(engine)
         extras: dict[str, Any] = {**engine.counter.state(),
                                   "optimizer_steps": engine.optimizer.step_counts()}  # fmt: skip
         if engine.loss_scale is not None:
             extras["loss_scale"] = dataclasses.asdict(engine.loss_scale)
         meta = checkpoint_meta(engine, tensors)
         meta["world_size"] = self.world_size
-        planner = None
-        if on_disk:
-            from tidal.sharding.disk_checkpoint import DiskSavePlanner  # loads DCP: disk runs only
-
-            assert self.nvme is not None
-            planner = DiskSavePlanner(self.nvme, on_disk)
-        return CheckpointTensors(tensors=tensors, extras=extras, meta=meta, planner=planner)
+        return CheckpointTensors(tensors=tensors, extras=extras, meta=meta,
+                                 planner=PieceSavePlanner(self.nvme))  # fmt: skip
 
     def restore_checkpoint(self, engine: PartsHost, load: LoadTensors, extras: dict[str, Any],
                            meta: dict[str, Any]) -> None:  # fmt: skip
         """Read this rank's pieces straight into its shards, in memory or on disk (any world
         size wrote them)."""
+        from tidal.sharding.planners import PieceLoadPlanner  # DCP: for checkpoints only
+
         self._before_load(engine)
         saved = {key.split("/")[1] for key in meta["numels"] if key.startswith("optim/")}
         engine.optimizer.set_written(saved)
-        targets, on_disk = sharded_tensors(engine.optimizer)
-        for name, buffer in persistent_buffers(engine.model):
-            targets[f"buffer/{name}"] = buffer.detach()
-        if on_disk:
-            from tidal.sharding.disk_checkpoint import DiskLoadPlanner  # loads DCP: disk runs only
-
-            assert self.nvme is not None
-            load(targets, planner=DiskLoadPlanner(self.nvme, on_disk))
-        else:
-            load(targets)
+        load(self._tensors(engine), planner=PieceLoadPlanner(self.nvme))
         engine.optimizer.weights_loaded()
         engine.optimizer.set_step_counts(extras["optimizer_steps"])
         engine.restore_counters(extras)
+
+    def _tensors(self, engine: PartsHost) -> dict[str, Any]:
+        """The checkpoint's keys: this rank's pieces of the parameters and the optimizer state
+        (written ones), and the buffers (the same on every rank)."""
+        tensors: dict[str, Any] = {**sharded_tensors(engine.optimizer)}
+        for name, buffer in persistent_buffers(engine.model):
+            tensors[f"buffer/{name}"] = buffer.detach()
+        return tensors

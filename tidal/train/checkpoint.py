@@ -47,13 +47,14 @@ at start; this holds should the filesystem change under a run). The records go i
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import shutil
 import socket
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -354,11 +355,20 @@ def _unconfirmed(tmp: Path, shards: list[tuple[str, dict[str, dict[str, int]]]])
     return None
 
 
+@contextlib.contextmanager
+def _one_process_quiet() -> Iterator[None]:
+    """DCP warns at every call without a process group that it assumes one process: the one case
+    tidal means by ``no_dist``, so that notice alone is left out."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or "
+                                "uninitialized", category=UserWarning)  # fmt: skip
+        yield
+
+
 def _dcp_save(tensors: dict[str, Any], path: Path, planner: Any) -> None:
     import torch.distributed.checkpoint as dcp
 
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # sharded-tensor deprecation notices
+    with _one_process_quiet():
         dcp.save(tensors, storage_writer=dcp.FileSystemWriter(str(path), sync_files=True),
                  planner=planner, no_dist=not _distributed())  # fmt: skip
 
@@ -427,8 +437,7 @@ def _dcp_tensor_specs(path: Path) -> dict[str, tuple[torch.Size, torch.dtype]]:
 def _dcp_load(path: Path, targets: dict[str, Any], planner: Any, *, no_dist: bool) -> None:
     import torch.distributed.checkpoint as dcp
 
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
+    with _one_process_quiet():
         dcp.load(targets, storage_reader=dcp.FileSystemReader(str(path / "state")),
                  planner=planner, no_dist=no_dist)  # fmt: skip
 
