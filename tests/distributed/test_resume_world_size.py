@@ -110,7 +110,10 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_two_ranks_then_one(tmp_path: Path, reference: Path) -> None:
     job = _job(tmp_path)
     seen = run_on_ranks(_fit, world_size=2, args=(job, HALF, False), timeout_s=180)
-    assert seen == [[], []]  # a sharded save warns of nothing (it used ShardedTensor's deprecated API)
+    assert seen == [
+        [],
+        [],
+    ]  # a sharded save warns of nothing (it used ShardedTensor's deprecated API)
     meta = (latest_checkpoint(tmp_path) / "meta.json").read_text()
     assert '"world_size": 2' in meta
     assert len(list((latest_checkpoint(tmp_path) / "state").glob("*.distcp"))) == 2  # per rank

@@ -129,16 +129,9 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("numbered", [False, True], ids=["rendezvous", "node-rank"])
-def test_two_machines_on_loopback_train_as_one_job_equal_to_one_process(
-    numbered: bool, tmp_path: Path
-) -> None:
-    """``--nnodes 2 --rdzv-endpoint HOST:PORT`` run on two "machines" (two launchers here, one
-    rank each, one shared run_dir) trains one job of two ranks, equal to one process."""
-    run = [*TINY_RUN, "--set", f"run_dir={tmp_path / 'two'}", "--set", "engine=chunk"]
+def _two_machines(run: list[str], *, numbered: bool) -> list[str]:
+    """``tidal train RUN`` as two machines of one rank each on loopback; their outputs."""
     endpoint = f"127.0.0.1:{_free_port()}"
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
     machines = [
         subprocess.Popen(
             [
@@ -159,12 +152,31 @@ def test_two_machines_on_loopback_train_as_one_job_equal_to_one_process(
             stderr=subprocess.STDOUT,
             text=True,
             cwd=REPO,
-            env=env,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
         )  # fmt: skip
         for r in range(2)
     ]
     outputs = [m.communicate(timeout=180)[0] for m in machines]
     assert [m.returncode for m in machines] == [0, 0], outputs
+    return outputs
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("numbered", [False, True], ids=["rendezvous", "node-rank"])
+def test_two_machines_on_loopback_train_as_one_job_equal_to_one_process(
+    numbered: bool, tmp_path: Path
+) -> None:
+    """``--nnodes 2 --rdzv-endpoint HOST:PORT`` run on two "machines" (two launchers here, one
+    rank each, one shared run_dir) trains one job of two ranks, equal to one process; numbered,
+    the job stops after 2 of its 3 steps and the two machines resume it."""
+    run = [*TINY_RUN, "--set", f"run_dir={tmp_path / 'two'}", "--set", "engine=chunk"]
+    if numbered:
+        first = [*run, "--set", "training.steps=2", "--set", "checkpoint.at_end=true"]
+        _two_machines(first, numbered=True)
+        run = [*run, "--resume"]
+    outputs = _two_machines(run, numbered=numbered)
+    if numbered:
+        assert "resuming at step 2" in outputs[0] + outputs[1], outputs
     two = json.loads((tmp_path / "two" / "summary.json").read_text())
     assert two["world_size"] == 2 and two["engine"] == "chunk-sharded"
     one_run = [*TINY_RUN, "--set", f"run_dir={tmp_path / 'one'}", "--set", "engine=chunk"]
