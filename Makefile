@@ -19,11 +19,17 @@ run: $(STAMP)
 	$(BIN)/tidal train --recipe demo --overwrite --no-plots
 	$(BIN)/tidal report runs/demo
 
+# mypy (about 75 s on one core, most of it reading torch) runs beside the unit tests, which
+# leave the second core mostly idle; its report is printed after theirs, and either failing
+# fails the target. Then the distributed and integration tests, which use both cores.
 test: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
-	$(BIN)/mypy
-	$(BIN)/python -m pytest -q
+	@report=$$(mktemp); $(BIN)/mypy > $$report 2>&1 & mypy=$$!; \
+	$(BIN)/python -m pytest -q tests/unit; units=$$?; \
+	wait $$mypy; typed=$$?; echo "mypy:"; cat $$report; rm -f $$report; \
+	test $$units -eq 0 && test $$typed -eq 0
+	$(BIN)/python -m pytest -q --ignore=tests/unit
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

@@ -61,14 +61,14 @@ def test_a_config_error_in_a_process_is_one_line_and_exit_2() -> None:
     assert result.stdout == ""
 
 
-def test_unknown_recipe_lists_the_known_ones() -> None:
-    result = tidal("train", "--recipe", "no-such-recipe")
-    assert result.returncode == 2
-    assert "unknown recipe 'no-such-recipe'" in result.stderr and "demo" in result.stderr
+def test_unknown_recipe_lists_the_known_ones(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["train", "--recipe", "no-such-recipe"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown recipe 'no-such-recipe'" in err and "demo" in err
 
 
 @pytest.mark.slow
-def test_train_report_resume_cycle(tmp_path: Path) -> None:
+def test_train_report_resume_cycle(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     run_dir = tmp_path / "run"
     args = [
         "train",
@@ -103,8 +103,8 @@ def test_train_report_resume_cycle(tmp_path: Path) -> None:
         assert (run_dir / plot).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
     # A second start in the same folder refuses to clobber the checkpoints.
-    again = tidal(*args)
-    assert again.returncode == 2 and "--resume" in again.stderr
+    assert main(args) == 2
+    assert "--resume" in capsys.readouterr().err
     assert (run_dir / "checkpoints" / "step_00000012" / "meta.json").is_file()
 
     resumed = tidal(*args[:-1], "training.steps=15", "--resume")
@@ -119,10 +119,12 @@ def test_train_report_resume_cycle(tmp_path: Path) -> None:
     assert (run_dir / "loss.png").exists()
 
 
-def test_report_of_a_missing_run_is_one_line(tmp_path: Path) -> None:
-    result = tidal("report", str(tmp_path / "nothing"))
-    assert result.returncode == 2
-    assert "summary.json does not exist" in result.stderr and "Traceback" not in result.stderr
+def test_report_of_a_missing_run_is_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["report", str(tmp_path / "nothing")]) == 2
+    err = capsys.readouterr().err
+    assert "summary.json does not exist" in err and "Traceback" not in err
 
 
 @pytest.mark.slow
@@ -144,22 +146,22 @@ def test_demo_recipe_runs(tmp_path: Path) -> None:
     assert (tmp_path / "demo" / "checkpoints" / "step_00000003").is_dir()
 
 
-def test_a_device_budget_below_the_activations_is_one_clear_line(tmp_path: Path) -> None:
-    result = tidal(
-        "train", "--recipe", "demo", "--no-plots",
-        "--set", f"run_dir={tmp_path / 'demo'}", "--set", "memory.device_budget=8MiB",
-    )  # fmt: skip
-    assert result.returncode == 2
-    assert "memory.device_budget: 8,388,608 bytes (8.00MiB) is too small" in result.stderr
-    assert "activations" in result.stderr and "Traceback" not in result.stderr
+def test_a_device_budget_below_the_activations_is_one_clear_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code = main(["train", "--recipe", "demo", "--no-plots",
+                 "--set", f"run_dir={tmp_path / 'demo'}", "--set", "memory.device_budget=8MiB"])  # fmt: skip
+    err = capsys.readouterr().err
+    assert code == 2
+    assert "memory.device_budget: 8,388,608 bytes (8.00MiB) is too small" in err
+    assert "activations" in err and "Traceback" not in err
     assert not (tmp_path / "demo" / "checkpoints").exists()
 
 
 def test_models_and_help(capsys: pytest.CaptureFixture[str]) -> None:
-    models = tidal("models")
-    assert models.returncode == 0
-    assert "gpt2-small" in models.stdout and "124,439,808" in models.stdout
-    assert "gpt3-175b" in models.stdout
+    assert main(["models"]) == 0
+    models = capsys.readouterr().out
+    assert "gpt2-small" in models and "124,439,808" in models and "gpt3-175b" in models
     for args, wanted in ((["--help"], ("train", "report", "models")),
                          (["train", "--help"], ("--recipe", "--set", "--resume", "--overwrite"))):  # fmt: skip
         with pytest.raises(SystemExit) as exit_:  # argparse's help exits 0
