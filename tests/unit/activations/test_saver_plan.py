@@ -1,0 +1,190 @@
+"""The MPress saver planners ([Note: saver costs], [Note: the saver planners] in
+tidal/activations/plan.py): hand-checked choices, the exact program against every assignment,
+and the greedy against the exact program on random small instances."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+
+from tidal.activations.plan import (
+    Links,
+    Saved,
+    Saver,
+    TensorClass,
+    _evaluate,
+    _options,
+    least_peak_bytes,
+    plan_exact,
+    plan_greedy,
+    plan_savers,
+)
+from tidal.config import ConfigError
+
+MiB = 1 << 20
+
+
+def _links(budgets: list[int], *, peer_gbps: float = 0.0, host_gbps: float = 10.0,
+           host_budget: int | None = None, base: list[int] | None = None) -> Links:  # fmt: skip
+    n = len(budgets)
+    peer = tuple(tuple(0.0 if a == b else peer_gbps * 1e9 for b in range(n)) for a in range(n))
+    return Links(stage_rank=tuple(range(n)), budget_bytes=tuple(budgets),
+                 base_bytes=tuple(base or [0] * n), host_link=(0,) * n,
+                 host_bandwidth=(host_gbps * 1e9,), host_budget_bytes=(host_budget,),
+                 peer_bandwidth=peer)  # fmt: skip
+
+
+def _one_f_one_b(num_stages: int, *, num_bytes: int, recompute_s: float, idle_s: float,
+                 microbatches: int = 8) -> list[Saved]:  # fmt: skip
+    """Two blocks per stage; under 1F1B stage s keeps num_stages - s microbatches."""
+    out = []
+    for stage in range(num_stages):
+        for block in range(2):
+            for cls, share, rec in ((TensorClass.BLOCK_INPUT, 1, None),
+                                    (TensorClass.ATTENTION, 3, recompute_s),
+                                    (TensorClass.MLP, 4, recompute_s)):  # fmt: skip
+                out.append(Saved(stage=stage, block=block, tensor_class=cls,
+                                 num_bytes=share * num_bytes, copies=num_stages - stage,
+                                 uses_per_step=microbatches, recompute_s=rec, idle_s=idle_s))  # fmt: skip
+    return out
+
+
+def test_the_loaded_first_rank_borrows_from_the_light_last_one() -> None:
+    # 8 MiB per unit of a block's tensors (8 units a block and copy); stage 0 keeps two
+    # microbatches (2 x 2 x 8 x 8 MiB = 256 MiB), stage 1 one (128 MiB): 200 MiB each.
+    saved = _one_f_one_b(2, num_bytes=8 * MiB, recompute_s=0.01, idle_s=0.005)
+    links = _links([200 * MiB, 200 * MiB], peer_gbps=50.0, host_gbps=10.0)
+    plan = plan_savers(saved, links)
+    assert plan.fits and plan.solver == "greedy"
+    assert all(p <= b for p, b in zip(plan.peak_bytes, links.budget_bytes, strict=True))
+    # A 5 ms idle window hides a peer round trip of the largest tensor (2 x 32 MiB at 50 GB/s:
+    # 1.3 ms) and a host one of a block input (2 x 8 MiB at 10 GB/s shared by two ranks:
+    # 3.4 ms), not a host one of the largest (13 ms) nor a recompute: the plan moves only what
+    # is free, lends, and rank 1 holds the lent bytes beside its own.
+    moved = [(item, choice) for item, choice in zip(plan.saved, plan.choices, strict=True)
+             if choice[0] is not Saver.KEEP]  # fmt: skip
+    assert moved and all(item.stage == 0 for item, _ in moved)
+    assert {choice for _, choice in moved} <= {(Saver.PEER, 1), (Saver.HOST, None)}
+    assert plan.added_step_s == 0.0
+    lent = sum(i.held_bytes for i, choice in moved if choice[0] is Saver.PEER)
+    assert lent > 0 and plan.lent_bytes == (0, lent)
+    own = sum(i.held_bytes for i in saved if i.stage == 1)
+    assert plan.peak_bytes[1] == own + lent
+
+
+@pytest.mark.parametrize(("host_gbps", "wanted"), [(0.5, Saver.RECOMPUTE), (100.0, Saver.HOST)])
+def test_recompute_or_host_swap_whichever_costs_less(host_gbps: float, wanted: Saver) -> None:
+    # No peer links and no idle window: recompute costs 1 ms per use; a host round trip of
+    # 64 MiB costs 268 ms at 0.5 GB/s, 1.3 ms at 100 GB/s... per 2 x 32 MiB: see the asserts.
+    saved = [Saved(stage=0, block=0, tensor_class=TensorClass.MLP, num_bytes=32 * MiB, copies=4,
+                   uses_per_step=8, recompute_s=0.001, idle_s=0.0)]  # fmt: skip
+    links = _links([100 * MiB])
+    links = Links(**{**{f: getattr(links, f) for f in links.__slots__},
+                     "host_bandwidth": (host_gbps * 1e9,)})  # fmt: skip
+    plan = plan_savers(saved, links)
+    assert plan.choices == ((wanted, None),)
+    assert plan.peak_bytes == (32 * MiB,)  # one copy back for the block's backward
+
+
+def test_block_inputs_and_weight_versions_are_never_recomputed() -> None:
+    with pytest.raises(ConfigError, match="cannot be recomputed"):
+        Saved(stage=0, block=0, tensor_class=TensorClass.WEIGHTS, num_bytes=1, copies=1,
+              uses_per_step=1, recompute_s=0.1)  # fmt: skip
+    saved = _one_f_one_b(2, num_bytes=MiB, recompute_s=1e-6, idle_s=0.0)
+    saved.append(Saved(stage=0, block=0, tensor_class=TensorClass.WEIGHTS, num_bytes=8 * MiB,
+                       copies=1, uses_per_step=8, recompute_s=None))  # fmt: skip
+    plan = plan_savers(saved, _links([10 * MiB, 64 * MiB], host_gbps=1.0))
+    for item, (saver, _) in zip(plan.saved, plan.choices, strict=True):
+        if item.tensor_class in (TensorClass.BLOCK_INPUT, TensorClass.WEIGHTS):
+            assert saver is not Saver.RECOMPUTE
+
+
+def test_a_budget_no_plan_meets_names_the_rank_and_the_least_budget() -> None:
+    saved = _one_f_one_b(2, num_bytes=MiB, recompute_s=0.01, idle_s=0.0)
+    links = _links([MiB, 64 * MiB], base=[2 * MiB, 0])
+    least = least_peak_bytes(saved, links)
+    assert least[0] == 2 * MiB + 4 * MiB  # the base and one MLP copy
+    with pytest.raises(ConfigError, match=r"rank 0 \(stages \[0\]\) needs at least 6.00MiB"):
+        plan_savers(saved, links)
+
+
+def test_links_that_do_not_match_the_ranks_are_refused() -> None:
+    with pytest.raises(ConfigError, match="2 x 2"):
+        Links(stage_rank=(0, 1), budget_bytes=(1, 1), base_bytes=(0, 0), host_link=(0, 0),
+              host_bandwidth=(1.0,), host_budget_bytes=(None,), peer_bandwidth=((0.0,),))  # fmt: skip
+    with pytest.raises(ConfigError, match="2 ranks"):
+        _links([1, 1]).__class__(**{**{f: getattr(_links([1, 1]), f) for f in Links.__slots__},
+                                    "stage_rank": (0, 2)})  # fmt: skip
+
+
+def _random_instance(rng: random.Random) -> tuple[list[Saved], Links]:
+    num_ranks = rng.choice([2, 3])
+    saved = []
+    for stage in range(num_ranks):
+        for block in range(2):
+            for cls in (TensorClass.BLOCK_INPUT, TensorClass.MLP):
+                saved.append(Saved(
+                    stage=stage, block=block, tensor_class=cls,
+                    num_bytes=rng.randint(1, 8) * MiB, copies=num_ranks - stage,
+                    uses_per_step=4,
+                    recompute_s=None if cls is TensorClass.BLOCK_INPUT else rng.uniform(1e-3, 2e-2),
+                    idle_s=rng.uniform(0.0, 5e-3),
+                ))  # fmt: skip
+    # One kind of device: the same budget on every rank, between the least and the most any
+    # rank holds with nothing moved (under 1F1B the first stage holds the most).
+    held = [sum(i.held_bytes for i in saved if i.stage == r) for r in range(num_ranks)]
+    budgets = [int(rng.uniform(0.5, 1.0) * max(held)) + MiB] * num_ranks
+    peer = tuple(tuple(0.0 if a == b else rng.choice([0.0, 20e9, 50e9]) for b in range(num_ranks))
+                 for a in range(num_ranks))  # fmt: skip
+    links = Links(stage_rank=tuple(range(num_ranks)), budget_bytes=tuple(budgets),
+                  base_bytes=(0,) * num_ranks, host_link=(0,) * num_ranks,
+                  host_bandwidth=(rng.choice([2e9, 10e9]),),
+                  host_budget_bytes=(rng.choice([None, 16 * MiB, 48 * MiB]),), peer_bandwidth=peer)  # fmt: skip
+    return saved, links
+
+
+def _step_s(plan_added_s: float, saved: list[Saved], links: Links) -> float:
+    """The schedule's step without savers (a forward and a backward of twice its time per
+    use, from the recompute times) plus what the savers add."""
+    compute = [0.0] * links.num_ranks
+    for item in saved:
+        compute[links.stage_rank[item.stage]] += 3 * item.uses_per_step * (item.recompute_s or 0)
+    return max(compute) + plan_added_s
+
+
+def test_the_exact_program_is_the_best_assignment() -> None:
+    rng = random.Random(3)
+    for _ in range(6):
+        saved, links = _random_instance(rng)
+        saved = saved[:5]  # every assignment: at most 6^5
+        options = [_options(item, links) for item in saved]
+        best = None
+        for choices in itertools.product(*options):
+            plan = _evaluate(saved, list(choices), links, "all")
+            if plan.fits and (best is None or plan.added_step_s < best):
+                best = plan.added_step_s
+        exact = plan_exact(saved, links)
+        assert exact.fits == (best is not None)
+        if best is not None:
+            assert exact.added_step_s == pytest.approx(best, rel=1e-6, abs=1e-12)
+
+
+def test_the_greedy_is_within_10_percent_of_the_exact_step_and_never_infeasible_alone() -> None:
+    rng = random.Random(11)
+    compared = 0
+    for _ in range(30):
+        saved, links = _random_instance(rng)
+        exact, greedy = plan_exact(saved, links), plan_greedy(saved, links)
+        if not exact.fits:
+            assert not greedy.fits
+            continue
+        assert plan_savers(saved, links).fits  # the greedy, or the exact fallback
+        if greedy.fits:
+            compared += 1
+            assert greedy.added_step_s >= exact.added_step_s - 1e-12
+            assert _step_s(greedy.added_step_s, saved, links) <= 1.1 * _step_s(
+                exact.added_step_s, saved, links
+            )
+    assert compared >= 20  # most instances exercise the comparison

@@ -1,0 +1,25 @@
+"""Saved-tensor decisions: keep, recompute, or swap to the host or a peer (MPress); see plan.py."""
+
+from tidal.activations.plan import (
+    Links,
+    Saved,
+    Saver,
+    SaverPlan,
+    TensorClass,
+    least_peak_bytes,
+    plan_exact,
+    plan_greedy,
+    plan_savers,
+)
+
+__all__ = [
+    "Links",
+    "Saved",
+    "Saver",
+    "SaverPlan",
+    "TensorClass",
+    "least_peak_bytes",
+    "plan_exact",
+    "plan_greedy",
+    "plan_savers",
+]

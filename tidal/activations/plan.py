@@ -1,0 +1,506 @@
+"""Which saved tensors of a pipeline stay, are recomputed, or swap to the host or a peer (MPress).
+
+Pure: the inputs are plain numbers (what each block saves per microbatch and how many copies the
+schedule keeps live, the ranks' budgets, the links); :func:`plan_savers` returns a
+:class:`SaverPlan`, which says per saved tensor what to do, what each rank then holds (lent bytes
+included) and what the savers add to a step. Nothing here touches a tensor or a process group.
+
+[Note: saver costs]
+A pipeline leaves memory imbalanced: under 1F1B stage s keeps p - s microbatches' activations
+while the last stage keeps one, so the first ranks overflow while the last have room to lend.
+Per saved tensor (a :class:`Saved`: one class of one block of one stage), with ``n`` uses per
+step (microbatches) and ``c`` copies live at the stage's peak:
+
+    keep       the rank holds c x bytes; costs nothing
+    recompute  (activations only) the rank keeps the block's input and runs the block's forward
+               again in its backward: n x recompute_s added to the rank's backward
+    host swap  out after the last forward use, back before the first backward use, over the rank's
+               host link (shared by the ranks on it): each use costs 2 x bytes / bandwidth, of
+               which the idle window between those uses hides idle_s; the host holds c x bytes
+    peer swap  the same over the link to a lender rank, which holds c x bytes in its own budget
+
+A tensor that is not kept is back on its rank for its block's backward, one block at a time: a
+rank holds, beside what it keeps, the largest single copy of what it does not keep (``transient``).
+A step then takes the schedule's step time plus the added seconds of the slowest rank (each
+rank's savers lengthen its own backward, and the pipeline runs at its slowest stage); the
+planners minimise that.
+
+[Note: the saver planners]
+``greedy`` (MPress): while some rank is over its budget, take the most overloaded one and apply,
+among its kept tensors and the savers that fit (a lender's spare bytes, the host link's), the
+one that saves the most bytes per added second (free ones first, largest first). ``exact``: the
+same model as a mixed-integer program on scipy's HiGHS (``scipy.optimize.milp``), for small
+instances and to bound the greedy's gap in tests. :func:`plan_savers` runs the greedy and,
+when it finds no plan and the instance is small, the exact program: a greedy can spend a host
+link or a lender on tensors that could have been recomputed and then find nowhere to put one
+that cannot.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from tidal.config import ConfigError, format_bytes, require
+
+__all__ = [
+    "Links",
+    "Saved",
+    "Saver",
+    "SaverPlan",
+    "TensorClass",
+    "least_peak_bytes",
+    "plan_exact",
+    "plan_greedy",
+    "plan_savers",
+]
+
+EXACT_MAX_ITEMS = 60  # plan_savers falls back to the exact program up to this many tensors
+
+
+class TensorClass(enum.StrEnum):
+    BLOCK_INPUT = "block_input"  # what a recompute starts from: never recomputed itself
+    ATTENTION = "attention"
+    MLP = "mlp"
+    NORM = "norm"
+    WEIGHTS = "weights"  # a stashed weight version (PipeDream, 2BW): never recomputed
+
+
+class Saver(enum.StrEnum):
+    KEEP = "keep"
+    RECOMPUTE = "recompute"
+    HOST = "host"
+    PEER = "peer"
+
+
+@dataclass(kw_only=True, frozen=True, slots=True)
+class Saved:
+    """One class of tensors one block of one stage saves ([Note: saver costs]): the bytes of one
+    copy, the copies live at the stage's peak, its uses per step, the seconds to recompute one
+    copy (None: it cannot be, as block inputs and weight versions), and the shortest window
+    between a copy's last forward use and first backward use."""
+
+    stage: int
+    block: int
+    tensor_class: TensorClass
+    num_bytes: int
+    copies: int
+    uses_per_step: int
+    recompute_s: float | None
+    idle_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        require(self.num_bytes >= 0 and self.copies >= 0 and self.uses_per_step >= 0,
+                "saved tensors", f"bytes, copies and uses must be >= 0: {self}")  # fmt: skip
+        if self.tensor_class in (TensorClass.BLOCK_INPUT, TensorClass.WEIGHTS):
+            require(self.recompute_s is None, "saved tensors",
+                    f"{self.tensor_class} cannot be recomputed: {self}")  # fmt: skip
+
+    @property
+    def held_bytes(self) -> int:
+        return self.num_bytes * self.copies
+
+
+@dataclass(kw_only=True, frozen=True, slots=True)
+class Links:
+    """Where stages run and what connects the ranks: per rank its budget, the bytes no saver
+    moves (model data, communication buffers) and its host link; per host link its bandwidth
+    (bytes/s each way) and the bytes the host may hold for it (None: no limit); per pair of
+    ranks the peer bandwidth (0: no link)."""
+
+    stage_rank: tuple[int, ...]
+    budget_bytes: tuple[int, ...]
+    base_bytes: tuple[int, ...]
+    host_link: tuple[int, ...]
+    host_bandwidth: tuple[float, ...]
+    host_budget_bytes: tuple[int | None, ...]
+    peer_bandwidth: tuple[tuple[float, ...], ...]
+
+    def __post_init__(self) -> None:
+        n = len(self.budget_bytes)
+        require(len(self.base_bytes) == n and len(self.host_link) == n, "links",
+                f"one budget, base and host link per rank: {n} budgets")  # fmt: skip
+        require(all(0 <= r < n for r in self.stage_rank), "links",
+                f"stages mapped to ranks {self.stage_rank}, but there are {n} ranks")  # fmt: skip
+        require(len(self.peer_bandwidth) == n and all(len(row) == n for row in self.peer_bandwidth),
+                "links", f"the peer bandwidth matrix must be {n} x {n}")  # fmt: skip
+        links = len(self.host_bandwidth)
+        require(all(0 <= h < links for h in self.host_link) and len(self.host_budget_bytes) == links,
+                "links", f"host links {self.host_link} outside the {links} given")  # fmt: skip
+
+    @property
+    def num_ranks(self) -> int:
+        return len(self.budget_bytes)
+
+    def sharers(self, link: int) -> int:
+        return sum(1 for h in self.host_link if h == link)
+
+
+Choice = tuple[Saver, int | None]  # (saver, lender rank for PEER)
+
+
+@dataclass(kw_only=True, frozen=True, slots=True)
+class SaverPlan:
+    """Per saved tensor its saver; per rank what it holds at its peak (lent bytes included) and
+    the seconds its savers add to a step; per host link what the host holds."""
+
+    saved: tuple[Saved, ...]
+    choices: tuple[Choice, ...]
+    peak_bytes: tuple[int, ...]
+    lent_bytes: tuple[int, ...]  # held for other ranks
+    host_bytes: tuple[int, ...]
+    added_s: tuple[float, ...]
+    solver: str
+    fits: bool = field(default=True)
+
+    @property
+    def added_step_s(self) -> float:
+        """What the savers add to a step: the slowest rank's added seconds."""
+        return max(self.added_s, default=0.0)
+
+    def bytes_by_saver(self) -> dict[str, int]:
+        out = {saver.value: 0 for saver in Saver}
+        for item, (saver, _) in zip(self.saved, self.choices, strict=True):
+            out[saver.value] += item.held_bytes
+        return out
+
+
+# -- the model of [Note: saver costs] ----------------------------------------------------------
+
+
+def _options(item: Saved, links: Links) -> list[Choice]:
+    rank = links.stage_rank[item.stage]
+    out: list[Choice] = [(Saver.KEEP, None)]
+    if item.recompute_s is not None:
+        out.append((Saver.RECOMPUTE, None))
+    out.append((Saver.HOST, None))
+    out += [(Saver.PEER, lender) for lender in range(links.num_ranks)
+            if lender != rank and links.peer_bandwidth[rank][lender] > 0]  # fmt: skip
+    return out
+
+
+def _added_s(item: Saved, choice: Choice, links: Links) -> float:
+    """Seconds ``choice`` adds to ``item``'s rank per step."""
+    saver, lender = choice
+    rank = links.stage_rank[item.stage]
+    if saver is Saver.KEEP:
+        return 0.0
+    if saver is Saver.RECOMPUTE:
+        assert item.recompute_s is not None
+        return item.uses_per_step * item.recompute_s
+    if saver is Saver.HOST:
+        link = links.host_link[rank]
+        bandwidth = links.host_bandwidth[link] / links.sharers(link)
+    else:
+        assert lender is not None
+        bandwidth = links.peer_bandwidth[rank][lender]
+    if item.num_bytes == 0:
+        return 0.0
+    per_use = 2 * item.num_bytes / bandwidth
+    return item.uses_per_step * max(0.0, per_use - item.idle_s)
+
+
+def _evaluate(saved: Sequence[Saved], choices: Sequence[Choice], links: Links,
+              solver: str) -> SaverPlan:  # fmt: skip
+    n = links.num_ranks
+    kept, lent, transient = list(links.base_bytes), [0] * n, [0] * n
+    host = [0] * len(links.host_bandwidth)
+    added = [0.0] * n
+    for item, choice in zip(saved, choices, strict=True):
+        rank = links.stage_rank[item.stage]
+        saver, lender = choice
+        added[rank] += _added_s(item, choice, links)
+        if saver is Saver.KEEP:
+            kept[rank] += item.held_bytes
+            continue
+        if item.copies:
+            transient[rank] = max(transient[rank], item.num_bytes)
+        if saver is Saver.HOST:
+            host[links.host_link[rank]] += item.held_bytes
+        elif saver is Saver.PEER:
+            assert lender is not None
+            lent[lender] += item.held_bytes
+    peak = tuple(k + lent_ + t for k, lent_, t in zip(kept, lent, transient, strict=True))
+    fits = all(p <= b for p, b in zip(peak, links.budget_bytes, strict=True)) and all(
+        cap is None or held <= cap for held, cap in zip(host, links.host_budget_bytes, strict=True)
+    )
+    return SaverPlan(saved=tuple(saved), choices=tuple(choices), peak_bytes=peak,
+                     lent_bytes=tuple(lent), host_bytes=tuple(host), added_s=tuple(added),
+                     solver=solver, fits=fits)  # fmt: skip
+
+
+# -- the planners ([Note: the saver planners]) ---------------------------------------------------
+
+
+def plan_greedy(saved: Sequence[Saved], links: Links) -> SaverPlan:
+    """MPress's greedy, twice: with every saver open to every tensor, and with recomputable
+    tensors only recomputed (which leaves the host and the lenders to the tensors that cannot
+    be); the faster plan that fits, else the first (``fits`` False)."""
+    plans = [_greedy(saved, links, scarce_for_all=all_) for all_ in (True, False)]
+    fitting = [_refine(saved, links, p) for p in plans if p.fits]
+    return min(fitting, key=_step_key) if fitting else plans[0]
+
+
+def _step_key(plan: SaverPlan) -> tuple[float, float]:
+    return (plan.added_step_s, sum(plan.added_s))
+
+
+def _refine(saved: Sequence[Saved], links: Links, plan: SaverPlan) -> SaverPlan:
+    """Lower the slowest rank's added seconds one tensor at a time: give one of its moved
+    tensors a cheaper saver (making room on a lender by moving the lender's own tensors to
+    recompute or the host), while the plan fits and its step gets shorter."""
+    for _ in range(4 * len(saved)):
+        better = _cheaper(saved, links, plan)
+        if better is None:
+            return plan
+        plan = better
+    return plan
+
+
+def _cheaper(saved: Sequence[Saved], links: Links, plan: SaverPlan) -> SaverPlan | None:
+    """A plan that fits with a shorter step, by changing one moved tensor of the slowest rank
+    (to a cheaper saver, keep included), or that and one more of its tensors; None if none."""
+    slowest = max(range(links.num_ranks), key=lambda r: plan.added_s[r])
+    mine = [i for i, item in enumerate(saved) if links.stage_rank[item.stage] == slowest]
+    for index in mine:
+        now = plan.choices[index]
+        if now[0] is Saver.KEEP:
+            continue
+        cost = _added_s(saved[index], now, links)
+        for choice in _options(saved[index], links):
+            if _added_s(saved[index], choice, links) >= cost:
+                continue
+            changes = [[(index, choice)]] + [[(index, choice), (other, second)] for other in mine
+                                             if other != index
+                                             for second in _options(saved[other], links)]  # fmt: skip
+            for change in changes:
+                trial = _try(saved, links, plan, change)
+                if trial is not None:
+                    return trial
+    return None
+
+
+def _try(saved: Sequence[Saved], links: Links, plan: SaverPlan,
+         change: list[tuple[int, Choice]]) -> SaverPlan | None:  # fmt: skip
+    choices = list(plan.choices)
+    for index, choice in change:
+        choices[index] = choice
+    for _, (saver, lender) in change:
+        if saver is Saver.PEER:
+            assert lender is not None
+            choices = _make_room(saved, links, choices, lender)
+    trial = _evaluate(saved, choices, links, plan.solver)
+    return trial if trial.fits and _step_key(trial) < _step_key(plan) else None
+
+
+def _make_room(saved: Sequence[Saved], links: Links, choices: list[Choice],
+               lender: int) -> list[Choice]:  # fmt: skip
+    """``choices`` with the lender's own kept tensors moved (cheapest seconds per byte first,
+    to recompute or the host) until it is within its budget, if it can be."""
+    choices = list(choices)
+    while True:
+        plan = _evaluate(saved, choices, links, "")
+        if plan.peak_bytes[lender] <= links.budget_bytes[lender]:
+            return choices
+        moves = [
+            (_added_s(item, choice, links) / item.held_bytes, index, choice)
+            for index, item in enumerate(saved)
+            if links.stage_rank[item.stage] == lender and choices[index][0] is Saver.KEEP
+            and item.held_bytes > 0
+            for choice in _options(item, links)[1:]
+            if choice[0] is not Saver.PEER
+        ]  # fmt: skip
+        if not moves:
+            return choices
+        _, index, choice = min(moves)
+        choices[index] = choice
+
+
+def _greedy(saved: Sequence[Saved], links: Links, *, scarce_for_all: bool) -> SaverPlan:
+    choices: list[Choice] = [(Saver.KEEP, None)] * len(saved)
+    # A rank that moves anything holds one copy back for its block's backward: reserve its
+    # largest copy up front, so that every move frees all it holds ([Note: saver costs]).
+    start = _evaluate(saved, choices, links, "greedy")
+    reserve = [0] * links.num_ranks
+    for rank in range(links.num_ranks):
+        if start.peak_bytes[rank] > links.budget_bytes[rank]:
+            reserve[rank] = _largest_copy(saved, links, rank)
+    while True:
+        plan = _evaluate(saved, choices, links, "greedy")
+        over = [_kept_peak(plan, saved, choices, links, r) + reserve[r] - links.budget_bytes[r]
+                if reserve[r] else plan.peak_bytes[r] - links.budget_bytes[r]
+                for r in range(links.num_ranks)]  # fmt: skip
+        rank = max(range(links.num_ranks), key=lambda r: over[r])
+        if over[rank] <= 0:
+            return plan
+        best = _best_move(saved, choices, links, plan, rank, scarce_for_all=scarce_for_all)
+        if best is None:
+            return plan  # fits is False: over budget with nothing left to move
+        index, choice = best
+        choices[index] = choice
+
+
+def _largest_copy(saved: Sequence[Saved], links: Links, rank: int) -> int:
+    return max((item.num_bytes for item in saved
+                if links.stage_rank[item.stage] == rank and item.copies), default=0)  # fmt: skip
+
+
+def _kept_peak(plan: SaverPlan, saved: Sequence[Saved], choices: Sequence[Choice], links: Links,
+               rank: int) -> int:  # fmt: skip
+    """``rank``'s peak without its transient copy."""
+    return plan.peak_bytes[rank] - _transient(saved, choices, links, rank)
+
+
+def _best_move(saved: Sequence[Saved], choices: list[Choice], links: Links, plan: SaverPlan,
+               rank: int, *, scarce_for_all: bool) -> tuple[int, Choice] | None:  # fmt: skip
+    spare = [b - p for b, p in zip(links.budget_bytes, plan.peak_bytes, strict=True)]
+    host_room = [math.inf if cap is None else cap - held
+                 for cap, held in zip(links.host_budget_bytes, plan.host_bytes, strict=True)]  # fmt: skip
+    best: tuple[tuple[float, float], int, Choice] | None = None
+    for index, item in enumerate(saved):
+        if links.stage_rank[item.stage] != rank or choices[index][0] is not Saver.KEEP:
+            continue
+        if item.held_bytes == 0:
+            continue
+        for choice in _options(item, links)[1:]:
+            saver, lender = choice
+            if (
+                saver in (Saver.HOST, Saver.PEER)
+                and not scarce_for_all
+                and item.recompute_s is not None
+            ):
+                continue
+            if saver is Saver.HOST and host_room[links.host_link[rank]] < item.held_bytes:
+                continue
+            if saver is Saver.PEER and (lender is None or spare[lender] < item.held_bytes):
+                continue
+            added = _added_s(item, choice, links)
+            key = (added / item.held_bytes, -item.held_bytes)  # s per byte; free ones by size
+            if best is None or key < best[0]:
+                best = (key, index, choice)
+    return None if best is None else (best[1], best[2])
+
+
+def _transient(saved: Sequence[Saved], choices: Sequence[Choice], links: Links, rank: int) -> int:
+    return max((item.num_bytes for item, (saver, _) in zip(saved, choices, strict=True)
+                if saver is not Saver.KEEP and item.copies
+                and links.stage_rank[item.stage] == rank), default=0)  # fmt: skip
+
+
+def plan_exact(saved: Sequence[Saved], links: Links) -> SaverPlan:
+    """The least added step time over every assignment, as a MILP (``fits`` False if none)."""
+    import numpy as np
+    from scipy.optimize import Bounds, LinearConstraint, milp
+
+    options = [_options(item, links) for item in saved]
+    index = [(i, o) for i, opts in enumerate(options) for o in range(len(opts))]
+    n, num_x = links.num_ranks, len(index)
+    # Variables: x (one per item and option), then t (transient per rank), then z (step).
+    num_vars = num_x + n + 1
+    t0, z = num_x, num_x + n
+    rows: list[np.ndarray] = []
+    bounds: list[tuple[float, float]] = []
+
+    def row() -> np.ndarray:
+        return np.zeros(num_vars)
+
+    def add(r: np.ndarray, low: float, high: float) -> None:
+        rows.append(r)
+        bounds.append((low, high))
+
+    for i in range(len(saved)):  # one option per item
+        r = row()
+        for k, (j, _) in enumerate(index):
+            r[k] = 1.0 if j == i else 0.0
+        add(r, 1.0, 1.0)
+    for rank in range(n):  # peak within the budget; added seconds below z
+        mem, time = row(), row()
+        for k, (i, o) in enumerate(index):
+            item, (saver, lender) = saved[i], options[i][o]
+            owner = links.stage_rank[item.stage]
+            if owner == rank:
+                time[k] = _added_s(item, options[i][o], links)
+                if saver is Saver.KEEP:
+                    mem[k] = item.held_bytes
+            if saver is Saver.PEER and lender == rank:
+                mem[k] += item.held_bytes
+        mem[t0 + rank] = 1.0
+        add(mem, -np.inf, links.budget_bytes[rank] - links.base_bytes[rank])
+        time[z] = -1.0
+        add(time, -np.inf, 0.0)
+    for k, (i, o) in enumerate(index):  # a moved copy is back for its block's backward
+        item, (saver, _) = saved[i], options[i][o]
+        if saver is not Saver.KEEP and item.copies:
+            r = row()
+            r[k], r[t0 + links.stage_rank[item.stage]] = item.num_bytes, -1.0
+            add(r, -np.inf, 0.0)
+    for link, cap in enumerate(links.host_budget_bytes):
+        if cap is None:
+            continue
+        r = row()
+        for k, (i, o) in enumerate(index):
+            item = saved[i]
+            if (
+                options[i][o][0] is Saver.HOST
+                and links.host_link[links.stage_rank[item.stage]] == link
+            ):
+                r[k] = item.held_bytes
+        add(r, -np.inf, float(cap))
+    cost = row()
+    cost[z] = 1.0
+    integrality = np.concatenate([np.ones(num_x), np.zeros(n + 1)])
+    upper = np.concatenate([np.ones(num_x), np.full(n + 1, np.inf)])
+    low, high = zip(*bounds, strict=True)
+    result = milp(cost, constraints=LinearConstraint(np.array(rows), low, high),
+                  integrality=integrality, bounds=Bounds(np.zeros(num_vars), upper))  # fmt: skip
+    if result.x is None:  # infeasible: no assignment fits
+        kept = _evaluate(saved, [(Saver.KEEP, None)] * len(saved), links, "exact")
+        return dataclasses.replace(kept, fits=False)
+    choices: list[Choice] = [(Saver.KEEP, None)] * len(saved)
+    for k, (i, o) in enumerate(index):
+        if result.x[k] > 0.5:
+            choices[i] = options[i][o]
+    return _evaluate(saved, choices, links, "exact")
+
+
+def plan_savers(saved: Sequence[Saved], links: Links) -> SaverPlan:
+    """The greedy's plan, else the exact program's on small instances ([Note: the saver
+    planners]); none fits: a :class:`~tidal.config.ConfigError` naming the least budget."""
+    plan = plan_greedy(saved, links)
+    if not plan.fits and len(saved) <= EXACT_MAX_ITEMS:
+        plan = plan_exact(saved, links)
+    if plan.fits:
+        return plan
+    raise ConfigError("memory.device_budget", _no_plan(saved, links))
+
+
+def least_peak_bytes(saved: Sequence[Saved], links: Links) -> tuple[int, ...]:
+    """Per rank, the least it can hold with every tensor moved that can be (its base and the
+    largest single copy of its own tensors): a budget below this cannot fit."""
+    least = list(links.base_bytes)
+    for rank in range(links.num_ranks):
+        mine = [item.num_bytes for item in saved
+                if links.stage_rank[item.stage] == rank and item.copies]  # fmt: skip
+        least[rank] += max(mine, default=0)
+    return tuple(least)
+
+
+def _no_plan(saved: Sequence[Saved], links: Links) -> str:
+    least = least_peak_bytes(saved, links)
+    worst = max(range(links.num_ranks), key=lambda r: least[r] - links.budget_bytes[r])
+    stages = [s for s, r in enumerate(links.stage_rank) if r == worst]
+    if least[worst] > links.budget_bytes[worst]:
+        return (
+            f"no saver plan fits: rank {worst} (stages {stages}) needs at least "
+            f"{format_bytes(least[worst])} with every saved tensor moved, over its budget of "
+            f"{format_bytes(links.budget_bytes[worst])}; raise the budget to at least that, or "
+            f"use more pipeline stages"
+        )
+    return (
+        "no saver plan fits: the host and the peers have too little room for what must move "
+        f"(host budgets {[format_bytes(c) if c else 'none' for c in links.host_budget_bytes]}); "
+        "raise memory.device_budget or the host budget"
+    )
