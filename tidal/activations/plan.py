@@ -52,6 +52,7 @@ __all__ = [
     "Saver",
     "SaverPlan",
     "TensorClass",
+    "keep_all",
     "least_peak_bytes",
     "plan_exact",
     "plan_greedy",
@@ -66,6 +67,7 @@ class TensorClass(enum.StrEnum):
     ATTENTION = "attention"
     MLP = "mlp"
     NORM = "norm"
+    OTHER = "other"  # what a block-less unit saves (an embedding's output, a head's logits)
     WEIGHTS = "weights"  # a stashed weight version (PipeDream, 2BW): never recomputed
 
 
@@ -153,6 +155,7 @@ class SaverPlan:
     lent_bytes: tuple[int, ...]  # held for other ranks
     host_bytes: tuple[int, ...]
     added_s: tuple[float, ...]
+    item_added_s: tuple[float, ...]  # per saved tensor, what its saver adds to its rank's step
     solver: str
     fits: bool = field(default=True)
 
@@ -209,10 +212,13 @@ def _evaluate(saved: Sequence[Saved], choices: Sequence[Choice], links: Links,
     kept, lent, transient = list(links.base_bytes), [0] * n, [0] * n
     host = [0] * len(links.host_bandwidth)
     added = [0.0] * n
-    for item, choice in zip(saved, choices, strict=True):
+    per_item = tuple(
+        _added_s(item, choice, links) for item, choice in zip(saved, choices, strict=True)
+    )
+    for item, choice, item_added in zip(saved, choices, per_item, strict=True):
         rank = links.stage_rank[item.stage]
         saver, lender = choice
-        added[rank] += _added_s(item, choice, links)
+        added[rank] += item_added
         if saver is Saver.KEEP:
             kept[rank] += item.held_bytes
             continue
@@ -229,10 +235,15 @@ def _evaluate(saved: Sequence[Saved], choices: Sequence[Choice], links: Links,
     )
     return SaverPlan(saved=tuple(saved), choices=tuple(choices), peak_bytes=peak,
                      lent_bytes=tuple(lent), host_bytes=tuple(host), added_s=tuple(added),
-                     solver=solver, fits=fits)  # fmt: skip
+                     item_added_s=per_item, solver=solver, fits=fits)  # fmt: skip
 
 
 # -- the planners ([Note: the saver planners]) ---------------------------------------------------
+
+
+def keep_all(saved: Sequence[Saved], links: Links) -> SaverPlan:
+    """Every tensor kept: what each rank holds without savers."""
+    return _evaluate(saved, [(Saver.KEEP, None)] * len(saved), links, "none")
 
 
 def plan_greedy(saved: Sequence[Saved], links: Links) -> SaverPlan:

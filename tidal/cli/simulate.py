@@ -66,6 +66,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--stage-memory", default=None, metavar="BYTES",
         help="with --model: what each stage may hold (e.g. 80GiB); the split respects it",
     )  # fmt: skip
+    parser.add_argument(
+        "--device-memory", default=None, metavar="BYTES",
+        help="with --model: each rank's budget (e.g. 16GiB); plans MPress's savers (recompute, "
+        "host swap, peer swap) so every rank fits, and prints what each stage saves and how",
+    )  # fmt: skip
+    parser.add_argument("--host-gbps", type=float, default=25.0,
+                        help="with --device-memory: each rank's host link, GB/s each way")  # fmt: skip
+    parser.add_argument("--peer-gbps", type=float, default=300.0,
+                        help="with --device-memory: between any two ranks, GB/s (0: no link)")  # fmt: skip
     parser.add_argument("--json", default=None, metavar="PATH", help="write the results here")
     parser.add_argument("--png", default=None, metavar="PATH", help="draw the timeline here")
     parser.add_argument("--programs", action="store_true", help="print each rank's program")
@@ -112,20 +121,33 @@ def run(args: argparse.Namespace, console: Console) -> int:
         steps=steps,
         sync_steps=args.sync_steps,
     )
-    costs, split = _costs(args), None
+    costs, split, profiles = _costs(args), None, None
     if args.model is not None:
-        split, costs = _model_costs(args, schedule, costs)
+        split, costs, profiles = _model_costs(args, schedule, costs)
+    elif args.device_memory is not None:
+        raise ConfigError("--device-memory", "needs --model (the stages' saved tensors)")
     sim = simulate(schedule, costs)
     if args.programs:
         console.print(str(schedule), markup=False)
     console.print(stage_table(sim, split))
     console.print(summary_line(sim))
+    savers = None
+    if args.device_memory is not None:
+        from tidal.cli.savers import plan_stage_savers, saver_table
+
+        assert split is not None and profiles is not None  # --model is required with it
+        savers = plan_stage_savers(args, sim, split, profiles)
+        console.print(saver_table(*savers))
     if args.json:
         report = sim.to_json()
         if split is not None:
             report["model"] = args.model
             report["block_ranges"] = [list(r) for r in split.block_ranges]
             report["stage_memory_bytes"] = list(split.stage_memory_bytes)
+        if savers is not None:
+            from tidal.cli.savers import saver_json
+
+            report["savers"] = saver_json(*savers)
         Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
         console.print(f"results: {args.json}")
     if args.png:
@@ -172,7 +194,7 @@ def _model_costs(args: argparse.Namespace, schedule, costs):
         backward_s=per_stage("backward_s"),
         activation_bytes=tuple(int(x) for x in per_stage("activation_bytes")),
     )
-    return split, costs
+    return split, costs, profiles
 
 
 def stage_table(sim, split=None) -> Table:

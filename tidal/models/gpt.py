@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from tidal.activations.plan import TensorClass
 from tidal.config.configurable import ConfigError, require
 from tidal.models.factory import FactoryConfig
 from tidal.models.hf import HFModelConfig
@@ -38,6 +39,7 @@ if TYPE_CHECKING:
     from tidal.planner.measure import ModelGraph
 
 __all__ = [
+    "gpt_saved_shares",
     "GPT",
     "PRESETS",
     "Block",
@@ -452,6 +454,18 @@ def measure_gpt(
     shape = (micro_batch, config.seq_len)
     idx = torch.empty(shape, dtype=torch.long, device="meta")
     return measure(model, (idx, torch.empty(shape, dtype=torch.long, device="meta")))
+
+
+def gpt_saved_shares(config: GPTConfig, *, seq_len: int) -> dict[TensorClass, float]:
+    """How a GPT block's saved activations split between the saver planner's classes, as
+    fractions: Megatron's per-layer count (Korthikanti et al. 2022, in units of s*b*h bytes at
+    16 bits: 34 + 5*a*s/h) cut as the block input (2), attention (11 + 5*a*s/h), MLP (19) and
+    the second norm's input (2). The planner scales them to the traced bytes of each block."""
+    scores = config.num_heads * seq_len / config.d_model
+    parts = {TensorClass.BLOCK_INPUT: 2.0, TensorClass.ATTENTION: 11.0 + 5.0 * scores,
+             TensorClass.MLP: 19.0, TensorClass.NORM: 2.0}  # fmt: skip
+    total = sum(parts.values())
+    return {cls: share / total for cls, share in parts.items()}
 
 
 def profile_gpt(

@@ -1,0 +1,103 @@
+"""MPress's savers on a schedule ([Note: savers on a schedule] in tidal/pipeline/savers.py) and
+the ``tidal simulate --device-memory`` table."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tidal.activations import Links, Saver, TensorClass, keep_all, plan_savers
+from tidal.cli.main import main
+from tidal.pipeline.savers import BlockSaves, idle_windows, saved_tensors, step_with_savers
+from tidal.pipeline.schedules import make_schedule
+from tidal.pipeline.simulate import StageCosts, simulate
+
+MiB = 1 << 20
+STAGES, MICROBATCHES = 4, 8
+
+
+def _sim(name: str = "1f1b"):
+    steps = 1 if name == "1f1b" else 3
+    schedule = make_schedule(name, stages=STAGES, microbatches=MICROBATCHES, steps=steps)
+    return simulate(schedule, StageCosts(forward_s=1.0, backward_s=2.0))
+
+
+def _blocks() -> list[BlockSaves]:
+    return [BlockSaves(stage=s, block=s, forward_s=1.0,
+                       bytes_by_class={TensorClass.BLOCK_INPUT: MiB, TensorClass.MLP: 3 * MiB})
+            for s in range(STAGES)]  # fmt: skip
+
+
+def _links(budget: int, *, host_bandwidth: float = 1e9) -> Links:
+    return Links(stage_rank=tuple(range(STAGES)), budget_bytes=(budget,) * STAGES,
+                 base_bytes=(0,) * STAGES, host_link=(0,) * STAGES,
+                 host_bandwidth=(host_bandwidth,), host_budget_bytes=(None,),
+                 peer_bandwidth=tuple((0.0,) * STAGES for _ in range(STAGES)))  # fmt: skip
+
+
+def test_idle_windows_shrink_toward_the_last_stage_under_1f1b() -> None:
+    windows = idle_windows(_sim())
+    # The last stage runs each backward right after its forward; earlier stages wait for the
+    # gradient to come back through the later ones.
+    assert windows[-1] == 0.0
+    assert list(windows) == sorted(windows, reverse=True) and windows[0] > 0
+
+
+def test_copies_follow_the_schedule_and_stashed_versions_are_weights() -> None:
+    saved = saved_tensors(_sim(), _blocks(), weight_bytes=[8 * MiB] * STAGES)
+    copies = {item.stage: item.copies for item in saved}
+    assert copies == {s: STAGES - s for s in range(STAGES)}  # 1F1B: p - s in flight
+    assert not [i for i in saved if i.tensor_class is TensorClass.WEIGHTS]  # one version
+    recompute = {i.tensor_class: i.recompute_s for i in saved if i.stage == 0}
+    assert recompute == {TensorClass.BLOCK_INPUT: None, TensorClass.MLP: 1.0}  # all internals
+    stashed = saved_tensors(_sim("pipedream"), _blocks(), weight_bytes=[8 * MiB] * STAGES)
+    weights = [i for i in stashed if i.tensor_class is TensorClass.WEIGHTS]
+    assert weights and weights[0].stage == 0 and weights[0].copies >= 1
+
+
+def test_a_recompute_or_a_swap_the_window_cannot_hide_lengthens_the_step() -> None:
+    sim = _sim()
+    saved = saved_tensors(sim, _blocks(), weight_bytes=[0] * STAGES)
+    kept = keep_all(saved, _links(1 << 40))
+    assert step_with_savers(sim, kept).makespan_s == sim.makespan_s
+    # Stage 0 holds 4 x 4 MiB: a 10 MiB budget needs savers there.
+    slow = plan_savers(saved, _links(10 * MiB, host_bandwidth=1e6))  # a host link too slow
+    assert {c[0] for i, c in zip(slow.saved, slow.choices, strict=True) if i.stage == 0} >= {
+        Saver.RECOMPUTE
+    }
+    assert step_with_savers(sim, slow).makespan_s > sim.makespan_s
+    # A fast host link: the round trip (2 x 3 MiB at 1 TB/s) fits stage 0's idle window.
+    fast = plan_savers(saved, _links(10 * MiB, host_bandwidth=1e12))
+    assert fast.added_step_s == 0.0 and fast.peak_bytes[0] <= 10 * MiB
+    assert step_with_savers(sim, fast).makespan_s == sim.makespan_s
+
+
+def test_simulate_prints_and_records_the_saver_plan(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "sim.json"
+    argv = ["simulate", "--schedule", "1f1b", "--stages", "4", "--microbatches", "8",
+            "--model", "tiny", "--micro-batch", "4", "--json", str(out)]  # fmt: skip
+    assert main(argv) == 0
+    kept = json.loads(out.read_text())
+    assert "savers" not in kept
+    capsys.readouterr()
+    assert main([*argv, "--device-memory", "2MiB"]) == 0
+    printed = capsys.readouterr().out
+    assert "savers (" in printed and "held after" in printed
+    report = json.loads(out.read_text())["savers"]
+    assert all(r["peak_bytes"] <= 2 * MiB for r in report["ranks"])
+    assert max(report["peak_bytes_before"]) > 2 * MiB  # the savers were needed
+    assert report["step_s_after"] >= report["step_s_before"]
+    assert {c["saver"] for c in report["choices"]} - {"keep"}
+
+
+def test_saver_input_errors_are_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    base = ["simulate", "--schedule", "1f1b", "--stages", "2", "--microbatches", "4"]
+    assert main([*base, "--device-memory", "1GiB"]) == 2
+    assert "--device-memory: needs --model" in capsys.readouterr().err
+    assert main([*base, "--model", "tiny", "--device-memory", "1KiB"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "no saver plan fits: rank" in err[0] and "needs at least" in err[0]
