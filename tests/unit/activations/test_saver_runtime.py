@@ -1,0 +1,107 @@
+"""Savers carried out in place ([Note: savers in place] in tidal/activations/runtime.py): recompute
+and host swap give the same training, bit for bit (fp32, CPU), on a whole model and through a
+pipeline schedule; the host tier's budget holds; what cannot run is refused in one line."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from tidal.activations import Saver
+from tidal.activations.runtime import apply_savers, check_schedule
+from tidal.config import ConfigError
+from tidal.memory.tiers import Tier, TierBudgetError, TierKind
+from tidal.models import build_gpt
+from tidal.models.gpt import GPTConfig, split_gpt
+from tidal.pipeline.executor import run_local
+from tidal.pipeline.pipemare import AsyncConfig, StageWeights, WeightMode
+from tidal.pipeline.schedules import make_schedule
+from tidal.pipeline.split import even_ranges
+
+CONFIG = GPTConfig(vocab_size=64, seq_len=8, num_layers=4, num_heads=2, d_model=16)
+SAVERS = {"blocks.0.attn": Saver.RECOMPUTE, "blocks.1": Saver.HOST, "blocks.2.mlp": Saver.HOST,
+          "blocks.3": Saver.RECOMPUTE, "blocks.2.ln_1": Saver.KEEP}  # fmt: skip
+
+
+def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    tokens = torch.randint(0, 64, (4, 9), generator=torch.Generator().manual_seed(100 + step))
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def _train(model: torch.nn.Module, steps: int = 3) -> list[torch.Tensor]:
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses = []
+    for step in range(steps):
+        loss = model(*_batch(step))
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.detach())
+    return losses
+
+
+def test_recompute_and_host_swap_train_bit_for_bit_and_give_the_host_back() -> None:
+    plain = build_gpt(CONFIG, seed=0)
+    saved = copy.deepcopy(plain)
+    host = Tier(TierKind.HOST, torch.device("cpu"), budget_bytes=1 << 20)
+    handles = apply_savers(saved, SAVERS, host=host)
+    forwards = []  # a recomputed block enters its forward (its children too) again in backward
+    saved.get_submodule("blocks.3.mlp").register_forward_pre_hook(lambda *_: forwards.append(1))
+    assert handles.recomputed == ("blocks.0.attn", "blocks.3")
+    assert handles.swapped == ("blocks.1", "blocks.2.mlp")
+    want, got = _train(plain), _train(saved)
+    assert all(torch.equal(a, b) for a, b in zip(want, got, strict=True)), (want, got)
+    for (name, a), b in zip(plain.named_parameters(), saved.parameters(), strict=True):
+        assert torch.equal(a, b), name
+    assert handles.host is not None and handles.host.tensors_back >= handles.host.tensors_out > 0
+    assert host.peak_bytes > 0 and host.held_bytes == 0  # every swapped tensor given back
+    assert len(forwards) == 2 * 3
+    swapped = handles.host.tensors_out
+    handles.remove()  # the swaps stop
+    _train(saved, steps=1)
+    assert handles.host.tensors_out == swapped
+
+
+def test_a_host_budget_too_small_is_refused_before_anything_is_copied() -> None:
+    model = build_gpt(CONFIG, seed=0)
+    host = Tier(TierKind.HOST, torch.device("cpu"), budget_bytes=64)
+    apply_savers(model, {"blocks.0": Saver.HOST}, host=host)
+    with pytest.raises(TierBudgetError):
+        model(*_batch(0))
+    assert host.held_bytes == 0
+
+
+def test_savers_through_a_1f1b_pipeline_equal_the_plain_pipeline() -> None:
+    def run(savers: dict[str, Saver] | None) -> tuple[list[torch.Tensor], list[float]]:
+        stages = split_gpt(build_gpt(CONFIG, seed=0), even_ranges(4, 2))
+        host = Tier(TierKind.HOST, torch.device("cpu"), budget_bytes=None)
+        if savers is not None:  # the first stage (the loaded one) saves; the second keeps
+            apply_savers(stages[0], savers, host=host)
+        weights = [StageWeights(s, torch.optim.SGD(s.parameters(), lr=0.5),
+                                AsyncConfig(weights=WeightMode.CURRENT)) for s in stages]  # fmt: skip
+        schedule = make_schedule("1f1b", stages=2, microbatches=4, steps=2)
+        result = run_local(schedule, stages, weights, _batch, lambda _: 0.5)
+        return [p.detach().clone() for s in stages for p in s.parameters()], list(result.losses)
+
+    plain_params, plain_losses = run(None)
+    params, losses = run({"layers.0": Saver.RECOMPUTE, "layers.1": Saver.HOST})
+    assert losses == plain_losses
+    assert all(torch.equal(a, b) for a, b in zip(plain_params, params, strict=True))
+
+
+def test_what_cannot_run_is_one_line() -> None:
+    model = build_gpt(CONFIG, seed=0)
+    with pytest.raises(ConfigError, match="no submodule 'blocks.9'"):
+        apply_savers(model, {"blocks.9": Saver.RECOMPUTE})
+    with pytest.raises(ConfigError, match="peer swap is not available yet"):
+        apply_savers(model, {"blocks.0": Saver.PEER})
+    with pytest.raises(ConfigError, match="'blocks.0' and on 'blocks.0.mlp', inside it"):
+        apply_savers(model, {"blocks.0": Saver.RECOMPUTE, "blocks.0.mlp": Saver.HOST})
+    with pytest.raises(ConfigError, match="host swaps need a host tier"):
+        apply_savers(model, {"blocks.0": Saver.HOST})
+    with pytest.raises(ConfigError, match="synchronous schedules only.*'pipemare'"):
+        check_schedule({"blocks.0": Saver.RECOMPUTE}, asynchronous=True, schedule="pipemare")
+    check_schedule({"blocks.0": Saver.KEEP}, asynchronous=True, schedule="pipemare")
+    check_schedule({"blocks.0": Saver.RECOMPUTE}, asynchronous=False, schedule="1f1b")
