@@ -4,7 +4,8 @@ A synchronous pipeline (1F1B, 2 stages on 2 gloo ranks) of the tiny GPT must log
 engine's losses and validation losses (global clipping and the tied embedding included), and a
 run stopped at a checkpoint and resumed must continue exactly as the unbroken run. An
 asynchronous PipeMare run records its measured delays, which must be the simulator's, and
-resumes exactly too.
+resumes exactly too. With ``pipeline.memory`` recompute or host swap the synchronous run logs
+the same losses bit for bit.
 """
 
 from __future__ import annotations
@@ -68,6 +69,18 @@ def _worker(root: str, reference: tuple[list[float], list[float]]) -> None:
     assert train == pytest.approx(reference[0], abs=TOL), (train, reference[0])
     assert val == pytest.approx(reference[1], abs=TOL), (val, reference[1])
 
+    # MPress's savers on every block (issue 18): the same numbers, bit for bit.
+    for mode in ("recompute", "host"):
+        summary = Trainer(_job(root_path / mode, schedule="1f1b", memory=mode)).fit()
+        assert _losses(root_path / mode) == (train, val), mode
+        figures: list[Any] = [None, None]
+        dist.all_gather_object(figures, summary["pipeline"]["memory"])
+        blocks = sum(f["blocks_recomputed"] + f["blocks_swapped"] for f in figures)
+        assert blocks == 2 and all(f["mode"] == mode for f in figures), figures  # tiny: 2
+        if mode == "host":
+            assert sum(f["tensors_to_host"] for f in figures) > 0
+            assert max(f["peak_host_bytes"] for f in figures) > 0
+
     Trainer(_job(root_path / "resumed", schedule="1f1b", steps=2)).fit()
     Trainer(_job(root_path / "resumed", schedule="1f1b")).fit(resume=True)
     assert _losses(root_path / "resumed") == (train, val)
@@ -110,6 +123,9 @@ def test_bad_pipeline_input_exits_2_in_one_line(capsys: pytest.CaptureFixture[st
     assert main([*argv, "--set", "pipeline.prediction=true"]) == 2  # 1f1b has no delay
     err = capsys.readouterr().err
     assert "pipeline.prediction" in err and "pipemare" in err
+    assert main([*argv, "--schedule", "pipedream", "--set", "pipeline.memory=host"]) == 2
+    err = capsys.readouterr().err
+    assert "pipeline.memory: 'host' runs under synchronous schedules only" in err
 
 
 def test_a_plan_and_a_pipeline_are_refused_together(tmp_path: Path) -> None:

@@ -47,6 +47,12 @@ class PipelineConfig:
         stage_memory: bytes each stage may hold (weights, gradients, optimizer state, stashed
             versions and the activations of its in-flight microbatches under the schedule);
             the balanced partition respects it or says the least any split needs.
+        memory: MPress's savers on every block of every stage: ``recompute`` (each block keeps
+            its input and runs its forward again in its backward), ``host`` (what each block
+            saves goes to the host tier, ``memory.host_budget``, and comes back for its
+            backward); ``none`` keeps everything. Synchronous schedules only; the same numbers
+            as ``none``, bit for bit. A per-stage plan (tidal simulate --device-memory) is not
+            carried out by training yet.
     """
 
     stages: int = 1
@@ -61,6 +67,7 @@ class PipelineConfig:
     prediction: bool = False
     sync_steps: int = 10
     stage_memory: ByteSize | None = None
+    memory: Literal["none", "recompute", "host"] = "none"
 
     def __post_init__(self) -> None:
         require(self.stages >= 1, "stages", f"must be >= 1, got {self.stages}")
@@ -102,6 +109,12 @@ class PipelineConfig:
             "the forward on a stashed version",
         )
         require(self.sync_steps >= 0, "sync_steps", f"must be >= 0, got {self.sync_steps}")
+        require(
+            self.memory == "none" or self.schedule not in _ASYNC,
+            "memory",
+            f"{self.memory!r} runs under synchronous schedules only (gpipe, 1f1b, interleaved), "
+            f"not {self.schedule!r}: its backward must see the weights its forward used",
+        )
 
     @property
     def num_microbatches(self) -> int:
