@@ -164,12 +164,6 @@ class SaverPlan:
         """What the savers add to a step: the slowest rank's added seconds."""
         return max(self.added_s, default=0.0)
 
-    def bytes_by_saver(self) -> dict[str, int]:
-        out = {saver.value: 0 for saver in Saver}
-        for item, (saver, _) in zip(self.saved, self.choices, strict=True):
-            out[saver.value] += item.held_bytes
-        return out
-
 
 # -- the model of [Note: saver costs] ----------------------------------------------------------
 

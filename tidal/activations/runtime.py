@@ -16,7 +16,10 @@ returns the handles that undo it:
   autograd drops the saved tensor. Parameters (and views of them) are not copied: they stay
   where they are, and autograd gets them back as they were saved.
 
-Both are for synchronous schedules: an asynchronous stage's backward must see the weights its
+On CUDA the host tier is pinned and the copy back is queued on the current stream; the copy out
+waits for its transfer (no side stream or prefetch ahead of the backward yet: that is what the
+planner's idle windows are for, and it is not measured on a GPU). Both are for synchronous
+schedules: an asynchronous stage's backward must see the weights its
 forward used, which a recompute would not (it reads the current ones) and which the stage's own
 saved-tensor redirection provides (a submodule's hooks would replace it); :func:`check_schedule`
 refuses them. Peer swap needs sends and receives placed in the schedule and is not built here.
