@@ -81,6 +81,23 @@ def _worker(root: str, reference: tuple[list[float], list[float]]) -> None:
             assert sum(f["tensors_to_host"] for f in figures) > 0
             assert max(f["peak_host_bytes"] for f in figures) > 0
 
+    # Under a budget rank 0 does not meet by keeping everything (2.09 MiB of 2 MiB), none is
+    # refused before the first step and auto trains the same numbers, within the budget.
+    squeezed = _job(root_path / "none-2MiB", schedule="1f1b", memory="none")
+    squeezed["memory"] = {"device_budget": "2MiB"}
+    with pytest.raises(ConfigError, match=r"rank 0 needs 2.09MiB .* set pipeline.memory = 'auto'"):
+        Trainer(squeezed).fit()
+    auto = _job(root_path / "auto", schedule="1f1b", memory="auto")
+    auto["memory"] = {"device_budget": "2MiB"}
+    summary = Trainer(auto).fit()
+    assert _losses(root_path / "auto") == (train, val)
+    figures = [None, None]
+    dist.all_gather_object(figures, summary["pipeline"]["memory"])
+    assert all(f["measured_peak_bytes"] <= f["budget_bytes"] == 2 << 20 for f in figures), figures
+    assert all(f["predicted_peak_bytes"] <= 2 << 20 for f in figures), figures
+    assert figures[0]["blocks_recomputed"] + figures[0]["blocks_swapped"] > 0, figures
+    assert all(f["measured_peak_bytes"] > f["model_data_bytes"] for f in figures)  # it counted
+
     Trainer(_job(root_path / "resumed", schedule="1f1b", steps=2)).fit()
     Trainer(_job(root_path / "resumed", schedule="1f1b")).fit(resume=True)
     assert _losses(root_path / "resumed") == (train, val)

@@ -47,11 +47,13 @@ from dataclasses import dataclass, field
 from tidal.config import ConfigError, format_bytes, require
 
 __all__ = [
+    "Choice",
     "Links",
     "Saved",
     "Saver",
     "SaverPlan",
     "TensorClass",
+    "evaluate",
     "keep_all",
     "least_peak_bytes",
     "plan_exact",
@@ -93,6 +95,7 @@ class Saved:
     uses_per_step: int
     recompute_s: float | None
     idle_s: float = 0.0
+    path: str = ""  # the submodule of its stage that saves it, where training carries it out
 
     def __post_init__(self) -> None:
         require(self.num_bytes >= 0 and self.copies >= 0 and self.uses_per_step >= 0,
@@ -200,8 +203,9 @@ def _added_s(item: Saved, choice: Choice, links: Links) -> float:
     return item.uses_per_step * max(0.0, per_use - item.idle_s)
 
 
-def _evaluate(saved: Sequence[Saved], choices: Sequence[Choice], links: Links,
-              solver: str) -> SaverPlan:  # fmt: skip
+def evaluate(saved: Sequence[Saved], choices: Sequence[Choice], links: Links,
+             solver: str) -> SaverPlan:  # fmt: skip
+    """What ``choices`` (one per saved tensor) make each rank hold and add ([Note: saver costs])."""
     n = links.num_ranks
     kept, lent, transient = list(links.base_bytes), [0] * n, [0] * n
     host = [0] * len(links.host_bandwidth)
@@ -237,7 +241,7 @@ def _evaluate(saved: Sequence[Saved], choices: Sequence[Choice], links: Links,
 
 def keep_all(saved: Sequence[Saved], links: Links) -> SaverPlan:
     """Every tensor kept: what each rank holds without savers."""
-    return _evaluate(saved, [(Saver.KEEP, None)] * len(saved), links, "none")
+    return evaluate(saved, [(Saver.KEEP, None)] * len(saved), links, "none")
 
 
 def plan_greedy(saved: Sequence[Saved], links: Links) -> SaverPlan:
@@ -297,7 +301,7 @@ def _try(saved: Sequence[Saved], links: Links, plan: SaverPlan,
         if saver is Saver.PEER:
             assert lender is not None
             choices = _make_room(saved, links, choices, lender)
-    trial = _evaluate(saved, choices, links, plan.solver)
+    trial = evaluate(saved, choices, links, plan.solver)
     return trial if trial.fits and _step_key(trial) < _step_key(plan) else None
 
 
@@ -307,7 +311,7 @@ def _make_room(saved: Sequence[Saved], links: Links, choices: list[Choice],
     to recompute or the host) until it is within its budget, if it can be."""
     choices = list(choices)
     while True:
-        plan = _evaluate(saved, choices, links, "")
+        plan = evaluate(saved, choices, links, "")
         if plan.peak_bytes[lender] <= links.budget_bytes[lender]:
             return choices
         moves = [
@@ -328,13 +332,13 @@ def _greedy(saved: Sequence[Saved], links: Links, *, scarce_for_all: bool) -> Sa
     choices: list[Choice] = [(Saver.KEEP, None)] * len(saved)
     # A rank that moves anything holds one copy back for its block's backward: reserve its
     # largest copy up front, so that every move frees all it holds ([Note: saver costs]).
-    start = _evaluate(saved, choices, links, "greedy")
+    start = evaluate(saved, choices, links, "greedy")
     reserve = [0] * links.num_ranks
     for rank in range(links.num_ranks):
         if start.peak_bytes[rank] > links.budget_bytes[rank]:
             reserve[rank] = _largest_copy(saved, links, rank)
     while True:
-        plan = _evaluate(saved, choices, links, "greedy")
+        plan = evaluate(saved, choices, links, "greedy")
         over = [_kept_peak(plan, saved, choices, links, r) + reserve[r] - links.budget_bytes[r]
                 if reserve[r] else plan.peak_bytes[r] - links.budget_bytes[r]
                 for r in range(links.num_ranks)]  # fmt: skip
@@ -462,13 +466,13 @@ def plan_exact(saved: Sequence[Saved], links: Links) -> SaverPlan:
     result = milp(cost, constraints=LinearConstraint(np.array(rows), low, high),
                   integrality=integrality, bounds=Bounds(np.zeros(num_vars), upper))  # fmt: skip
     if result.x is None:  # infeasible: no assignment fits
-        kept = _evaluate(saved, [(Saver.KEEP, None)] * len(saved), links, "exact")
+        kept = evaluate(saved, [(Saver.KEEP, None)] * len(saved), links, "exact")
         return dataclasses.replace(kept, fits=False)
     choices: list[Choice] = [(Saver.KEEP, None)] * len(saved)
     for k, (i, o) in enumerate(index):
         if result.x[k] > 0.5:
             choices[i] = options[i][o]
-    return _evaluate(saved, choices, links, "exact")
+    return evaluate(saved, choices, links, "exact")
 
 
 def plan_savers(saved: Sequence[Saved], links: Links) -> SaverPlan:

@@ -30,7 +30,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import weakref
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -42,7 +42,7 @@ from tidal.activations.plan import Saver
 from tidal.config import ConfigError
 from tidal.memory.tiers import Tier
 
-__all__ = ["HostSwap", "SaverHandles", "apply_savers", "check_schedule"]
+__all__ = ["HostSwap", "SaverHandles", "apply_savers", "around_forward", "check_schedule"]
 
 
 @dataclass(slots=True)
@@ -138,14 +138,25 @@ def apply_savers(model: nn.Module, savers: Mapping[str, Saver], *,
 
 def _swap_saved(module: nn.Module, host: HostSwap, params: frozenset[int]) -> list[Any]:
     """Hooks that hold ``host``'s saved-tensor hooks around each forward of ``module``."""
-    open_contexts: list[contextlib.AbstractContextManager[None]] = []
+    return around_forward(
+        module,
+        lambda: torch.autograd.graph.saved_tensors_hooks(
+            lambda t: host.pack(t, params), host.unpack
+        ),
+    )
+
+
+def around_forward(
+    module: nn.Module, context: Callable[[], contextlib.AbstractContextManager[Any]]
+) -> list[Any]:
+    """Hooks that hold a fresh ``context()`` open around each forward of ``module`` (the
+    context a submodule's forward opens is innermost, so its saved-tensor hooks win there)."""
+    open_contexts: list[contextlib.AbstractContextManager[Any]] = []
 
     def enter(_module: nn.Module, _args: Any) -> None:
-        hooks = torch.autograd.graph.saved_tensors_hooks(
-            lambda t: host.pack(t, params), host.unpack
-        )
-        hooks.__enter__()
-        open_contexts.append(hooks)
+        opened = context()
+        opened.__enter__()
+        open_contexts.append(opened)
 
     def leave(_module: nn.Module, _args: Any, _output: Any) -> None:
         open_contexts.pop().__exit__(None, None, None)

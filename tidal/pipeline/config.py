@@ -47,12 +47,15 @@ class PipelineConfig:
         stage_memory: bytes each stage may hold (weights, gradients, optimizer state, stashed
             versions and the activations of its in-flight microbatches under the schedule);
             the balanced partition respects it or says the least any split needs.
-        memory: MPress's savers on every block of every stage: ``recompute`` (each block keeps
-            its input and runs its forward again in its backward), ``host`` (what each block
-            saves goes to the host tier, ``memory.host_budget``, and comes back for its
-            backward); ``none`` keeps everything. Synchronous schedules only; the same numbers
-            as ``none``, bit for bit. A per-stage plan (tidal simulate --device-memory) is not
-            carried out by training yet.
+        memory: MPress's savers: ``recompute`` on every block (each keeps its input and runs
+            its forward again in its backward), ``host`` on every block (what each saves goes
+            to the host tier, ``memory.host_budget``, and comes back for its backward), ``auto``
+            (the saver planner's choice per part of each block, against
+            ``memory.device_budget`` per rank), ``none`` (keep everything). Savers run under
+            synchronous schedules only and give the same numbers as ``none``, bit for bit.
+            With ``memory.device_budget`` set every rank is checked before the first step and
+            held to it while it trains ([Note: pipeline memory] in
+            tidal/train/pipeline_memory.py).
     """
 
     stages: int = 1
@@ -67,7 +70,7 @@ class PipelineConfig:
     prediction: bool = False
     sync_steps: int = 10
     stage_memory: ByteSize | None = None
-    memory: Literal["none", "recompute", "host"] = "none"
+    memory: Literal["none", "recompute", "host", "auto"] = "none"
 
     def __post_init__(self) -> None:
         require(self.stages >= 1, "stages", f"must be >= 1, got {self.stages}")

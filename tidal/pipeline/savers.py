@@ -19,20 +19,46 @@ on the critical path lengthens the step and one in a bubble does not.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
+import torch
+
+from tidal.activations.measure import saved_bytes
 from tidal.activations.plan import Saved, SaverPlan, TensorClass
 from tidal.config import require
 from tidal.pipeline.ir import Kind, parse_action
 from tidal.pipeline.simulate import Simulation, simulate
+from tidal.pipeline.split import PipelineStage
 
-__all__ = ["BlockSaves", "idle_windows", "saved_tensors", "step_with_savers"]
+__all__ = [
+    "BlockSaves",
+    "UnitSaves",
+    "idle_windows",
+    "measure_units",
+    "saved_tensors",
+    "stage_units",
+    "step_with_savers",
+    "unit_class",
+]
+
+
+@dataclass(kw_only=True, frozen=True, slots=True)
+class UnitSaves:
+    """What one submodule of a stage (``path``, in block ``block``) saves for one microbatch,
+    and the seconds to recompute it (None: it cannot be)."""
+
+    stage: int
+    block: int
+    tensor_class: TensorClass
+    num_bytes: int
+    recompute_s: float | None
+    path: str = ""
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)
 class BlockSaves:
-    """What one block of a stage saves for one microbatch, by class, and its forward seconds."""
+    """What one block of a stage saves per microbatch, by class, and its forward seconds."""
 
     stage: int
     block: int
@@ -42,6 +68,18 @@ class BlockSaves:
     def __post_init__(self) -> None:
         require(TensorClass.WEIGHTS not in self.bytes_by_class, "bytes_by_class",
                 "weight versions come from the schedule, not from a block")  # fmt: skip
+
+    def units(self) -> list[UnitSaves]:
+        """One unit per class; recomputing a class costs its share (by bytes) of the forward."""
+        internal = sum(
+            n for c, n in self.bytes_by_class.items() if c is not TensorClass.BLOCK_INPUT
+        )
+        return [
+            UnitSaves(stage=self.stage, block=self.block, tensor_class=cls, num_bytes=num_bytes,
+                      recompute_s=None if cls is TensorClass.BLOCK_INPUT
+                      else (self.forward_s * num_bytes / internal if internal else 0.0))
+            for cls, num_bytes in self.bytes_by_class.items()
+        ]  # fmt: skip
 
 
 def idle_windows(sim: Simulation) -> tuple[float, ...]:
@@ -58,26 +96,18 @@ def idle_windows(sim: Simulation) -> tuple[float, ...]:
     return tuple(0.0 if s == float("inf") else s for s in shortest)
 
 
-def saved_tensors(sim: Simulation, blocks: Sequence[BlockSaves], *,
+def saved_tensors(sim: Simulation, units: Sequence[UnitSaves | BlockSaves], *,
                   weight_bytes: Sequence[int]) -> list[Saved]:  # fmt: skip
-    """The planner's input for ``sim``'s schedule: every class of every block, plus each
+    """The planner's input for ``sim``'s schedule: every unit (a block's, by class), plus each
     stage's stashed weight versions ([Note: savers on a schedule])."""
     schedule = sim.schedule
     idle = idle_windows(sim)
     uses = schedule.num_microbatches
-    out = []
-    for block in blocks:
-        internal = sum(
-            n for c, n in block.bytes_by_class.items() if c is not TensorClass.BLOCK_INPUT
-        )
-        for cls, num_bytes in block.bytes_by_class.items():
-            recompute = None
-            if cls is not TensorClass.BLOCK_INPUT:
-                recompute = block.forward_s * num_bytes / internal if internal else 0.0
-            out.append(Saved(stage=block.stage, block=block.block, tensor_class=cls,
-                             num_bytes=num_bytes, copies=sim.peak_activations[block.stage],
-                             uses_per_step=uses, recompute_s=recompute,
-                             idle_s=idle[block.stage]))  # fmt: skip
+    flat = [u for x in units for u in (x.units() if isinstance(x, BlockSaves) else [x])]
+    out = [Saved(stage=u.stage, block=u.block, tensor_class=u.tensor_class, num_bytes=u.num_bytes,
+                 copies=sim.peak_activations[u.stage], uses_per_step=uses,
+                 recompute_s=u.recompute_s, idle_s=idle[u.stage], path=u.path)
+           for u in flat]  # fmt: skip
     for stage, num_bytes in enumerate(weight_bytes):
         extra = sim.weight_versions[stage] - 1
         if extra > 0 and num_bytes > 0:
@@ -99,3 +129,68 @@ def step_with_savers(sim: Simulation, plan: SaverPlan) -> Simulation:
         sim.costs, backward_s=tuple(b + a for b, a in zip(backward, added, strict=True))
     )
     return simulate(schedule, costs)
+
+
+# Norms first: Hugging Face's post_attention_layernorm is a norm.
+_CLASS_WORDS = ((TensorClass.NORM, ("norm", "ln")),
+                (TensorClass.ATTENTION, ("attn", "attention")),
+                (TensorClass.MLP, ("mlp", "ffn", "feed_forward")))  # fmt: skip
+
+
+def unit_class(path: str) -> TensorClass:
+    """A saver unit's class, from its name (tidal's GPT and Hugging Face decoders name their
+    blocks' parts ``attn`` / ``self_attn``, ``mlp``, ``ln_1`` / ``input_layernorm``)."""
+    name = path.rsplit(".", 1)[-1].lower()
+    for cls, words in _CLASS_WORDS:
+        if any(word in name for word in words):
+            return cls
+    return TensorClass.OTHER
+
+
+def stage_units(stage: PipelineStage) -> list[tuple[str, int]]:
+    """The submodules of ``stage`` savers apply to, with the model's block each is in (-1 for
+    the embedding and the head): each block's direct parts (the block itself if it has none)."""
+    units = [("embed", -1)] if stage.embed is not None else []
+    for k, layer in enumerate(stage.layers):
+        parts = [name for name, _ in layer.named_children()]
+        block = stage.first_block + k
+        units += [(f"layers.{k}.{name}", block) for name in parts] or [(f"layers.{k}", block)]
+    if stage.head is not None:
+        units.append(("head", -1))
+    return units
+
+
+def measure_units(stages: Sequence[PipelineStage], inputs: torch.Tensor, targets: torch.Tensor,
+                  block_forward_s: Callable[[int, int], float]) -> list[UnitSaves]:  # fmt: skip
+    """Every stage's units and what each saves for one microbatch (``inputs``, ``targets``),
+    measured stage after stage; ``block_forward_s(stage, block)``: the forward seconds a block
+    (-1: the stage's embedding and head) takes, shared by its units by bytes."""
+    devices = [inputs.device] if inputs.device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):  # a probe must not move training's dropout
+        return _measure(stages, inputs, targets, block_forward_s)
+
+
+def _measure(stages: Sequence[PipelineStage], inputs: torch.Tensor, targets: torch.Tensor,
+             block_forward_s: Callable[[int, int], float]) -> list[UnitSaves]:  # fmt: skip
+    out: list[UnitSaves] = []
+    x = inputs
+    for s, stage in enumerate(stages):
+        units = stage_units(stage)
+
+        def run(stage: PipelineStage = stage, x: torch.Tensor = x) -> torch.Tensor:
+            return stage(x, targets) if stage.is_last else stage(x)
+
+        held = saved_bytes(stage, [path for path, _ in units], run)
+        per_block: dict[int, int] = {}
+        for path, block in units:
+            per_block[block] = per_block.get(block, 0) + held[path]
+        for path, block in units:
+            share = held[path] / per_block[block] if per_block[block] else 0.0
+            out.append(UnitSaves(stage=s, block=block, tensor_class=unit_class(path),
+                                 num_bytes=held[path], path=path,
+                                 recompute_s=block_forward_s(s, block) * share))  # fmt: skip
+        if not stage.is_last:  # the next stage's input, as a received activation is
+            with torch.no_grad():
+                x = stage(x)
+            x = x.requires_grad_() if x.is_floating_point() else x
+    return out

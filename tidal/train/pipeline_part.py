@@ -34,12 +34,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from tidal.activations import Saver
-from tidal.activations.runtime import SaverHandles, apply_savers
 from tidal.config import ConfigError, require
 from tidal.data import Batches, BatchSampler
 from tidal.distributed import rank as current_rank
-from tidal.memory.tiers import make_tiers
 from tidal.models import GPTConfig, spec_for
 from tidal.parallel.flat_state import model_layout
 from tidal.parallel.lr import lr_schedule
@@ -47,9 +44,10 @@ from tidal.parallel.verbs import pipeline
 from tidal.pipeline.eval import evaluate_stages
 from tidal.pipeline.partition import LayerProfile
 from tidal.pipeline.sequential import LossFn, check_sequential, profile_sequential, sequential_parts
-from tidal.pipeline.split import PipelineStage, even_ranges, split_parts
+from tidal.pipeline.split import even_ranges, split_parts
 from tidal.train.engine_state import PipelineStages
 from tidal.train.job import JobConfig
+from tidal.train.pipeline_memory import plan_pipeline_memory
 
 __all__ = ["PipelinePart", "block_ranges", "check_pipeline_job"]
 
@@ -196,6 +194,7 @@ class PipelinePart:
         training, pipe = job.training, job.pipeline
         self.device = device
         check_pipeline_job(job, world_size=world_size, model=model)
+        own_model = model is not None
         if model is None:
             spec = spec_for(job.model.resolve_structured())
             model = spec.build(device=device, seed=training.seed)
@@ -213,7 +212,9 @@ class PipelinePart:
         layout = model_layout(model, {n: t.shape for n, t in model.state_dict().items()})
         del model
         self.stage_ids = list(range(current_rank(), len(stages), world_size))
-        self.savers = _apply_savers([stages[s] for s in self.stage_ids], job, device)
+        self.memory = plan_pipeline_memory(job, stages, mine=self.stage_ids, rank=current_rank(),
+                                           world_size=world_size, device=device,
+                                           own_model=own_model)  # fmt: skip
         self.lr = lr_schedule(job.optimizer, training)
         self.engine = pipeline(stages, config=pipe, optimizer=job.optimizer, training=training,
                                block_ranges=self.ranges, device=device, rank=current_rank(),
@@ -282,38 +283,7 @@ class PipelinePart:
                 "microbatches": pipe.num_microbatches,
                 "block_ranges": [list(r) for r in self.ranges],
                 "max_delay_per_stage": max_delays,
-                "memory": _saver_figures(pipe.memory, self.savers),
+                "memory": self.memory.figures(current_rank()),
             },
             "engine": f"pipeline {pipe.schedule} x{pipe.stages}",
         }
-
-
-def _apply_savers(
-    stages: list[nn.Module], job: JobConfig, device: torch.device
-) -> list[SaverHandles]:
-    """``pipeline.memory``'s saver on every block of this rank's stages ([Note: savers in
-    place] in tidal/activations/runtime.py); one host tier for them all."""
-    mode = job.pipeline.memory
-    if mode == "none":
-        return []
-    saver = Saver.RECOMPUTE if mode == "recompute" else Saver.HOST
-    _, host = make_tiers(device=device, device_budget=None,
-                         host_budget=job.memory.host_budget)  # fmt: skip
-    return [
-        apply_savers(stage, {f"layers.{i}": saver for i in range(len(stage.layers))}, host=host)
-        for stage in stages
-        if isinstance(stage, PipelineStage) and len(stage.layers)
-    ]
-
-
-def _saver_figures(mode: str, handles: list[SaverHandles]) -> dict[str, Any]:
-    """What this rank's savers did: blocks recomputed or swapped, tensors through the host
-    and the most bytes the host held for them at once."""
-    hosts = [h.host for h in handles if h.host is not None]
-    return {
-        "mode": mode,
-        "blocks_recomputed": sum(len(h.recomputed) for h in handles),
-        "blocks_swapped": sum(len(h.swapped) for h in handles),
-        "tensors_to_host": sum(h.tensors_out for h in hosts),
-        "peak_host_bytes": max((h.tier.peak_bytes for h in hosts), default=0),
-    }

@@ -14,8 +14,8 @@ from tidal.activations.plan import (
     Saved,
     Saver,
     TensorClass,
-    _evaluate,
     _options,
+    evaluate,
     least_peak_bytes,
     plan_exact,
     plan_greedy,
@@ -162,7 +162,7 @@ def test_the_exact_program_is_the_best_assignment() -> None:
         options = [_options(item, links) for item in saved]
         best = None
         for choices in itertools.product(*options):
-            plan = _evaluate(saved, list(choices), links, "all")
+            plan = evaluate(saved, list(choices), links, "all")
             if plan.fits and (best is None or plan.added_step_s < best):
                 best = plan.added_step_s
         exact = plan_exact(saved, links)

@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from tidal.activations import Links, Saver, TensorClass, keep_all, plan_savers
 from tidal.cli.main import main
@@ -101,3 +102,38 @@ def test_saver_input_errors_are_one_line(capsys: pytest.CaptureFixture[str]) -> 
     assert main([*base, "--model", "tiny", "--device-memory", "1KiB"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "no saver plan fits: rank" in err[0] and "needs at least" in err[0]
+
+
+def test_units_are_each_blocks_parts_named_by_class() -> None:
+    from tidal.models import build_gpt
+    from tidal.models.gpt import GPTConfig, split_gpt
+    from tidal.pipeline.savers import stage_units, unit_class
+    from tidal.pipeline.split import even_ranges
+
+    model = build_gpt(GPTConfig(vocab_size=64, seq_len=8, num_layers=2, num_heads=2, d_model=16))
+    first, last = split_gpt(model, even_ranges(2, 2))
+    assert stage_units(first) == [("embed", -1), ("layers.0.ln_1", 0), ("layers.0.attn", 0),
+                                  ("layers.0.ln_2", 0), ("layers.0.mlp", 0)]  # fmt: skip
+    assert stage_units(last)[-1] == ("head", -1) and stage_units(last)[0] == ("layers.0.ln_1", 1)
+    names = {"layers.3.self_attn": TensorClass.ATTENTION, "layers.0.mlp": TensorClass.MLP,
+             "layers.1.post_attention_layernorm": TensorClass.NORM,
+             "layers.0.ln_2": TensorClass.NORM, "head": TensorClass.OTHER}  # fmt: skip
+    assert {path: unit_class(path) for path in names} == names
+
+
+def test_a_rank_past_its_budget_stops_at_once_in_one_line() -> None:
+    from tidal.config import ConfigError
+    from tidal.models import build_gpt
+    from tidal.models.gpt import GPTConfig, split_gpt
+    from tidal.pipeline.split import even_ranges
+    from tidal.train.pipeline_memory import _budget_guard
+
+    model = build_gpt(GPTConfig(vocab_size=64, seq_len=8, num_layers=2, num_heads=2, d_model=16))
+    first, _ = split_gpt(model, even_ranges(2, 2))
+    tokens = torch.zeros((2, 8), dtype=torch.long)
+    roomy = _budget_guard([first], budget=1 << 30, base=1000, rank=0)
+    first(tokens)
+    assert roomy.peak_bytes > 1000  # the meter counted what the forward saved
+    _budget_guard([first], budget=roomy.peak_bytes - 1, base=1000, rank=3)  # its meter is inner
+    with pytest.raises(ConfigError, match="rank 3 would hold .* over its budget"):
+        first(tokens)

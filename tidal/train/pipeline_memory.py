@@ -1,0 +1,208 @@
+"""``pipeline.memory`` and ``memory.device_budget`` for a pipeline run: measure what every stage
+saves, plan MPress's savers, carry them out, and hold each rank to its budget.
+
+[Note: pipeline memory]
+With ``memory.device_budget`` set, a pipeline run checks before its first step that each rank
+fits: its stages' model data (weights, gradients and optimizer state: 4 x the weights with
+AdamW or Adam, 3 x otherwise) plus, for every unit of its stages (each block's parts, the
+embedding, the head: :func:`~tidal.pipeline.savers.stage_units`), one microbatch's saved bytes
+times the microbatches the schedule keeps in flight there. The bytes are measured on one
+microbatch before training, by every rank for every stage (each builds the whole model), so all
+ranks make the same plan. ``pipeline.memory``:
+
+- ``none`` refuses a run that does not fit, in one line that names ``auto``;
+- ``recompute`` / ``host`` put that saver on every block of every stage;
+- ``auto`` runs the saver planner over the units ([Note: the saver planners] in
+  tidal/activations/plan.py) without peer swap (not carried out yet) and carries out its
+  choices on this rank's stages; no plan fits: one line naming the least budget.
+
+While a synchronous schedule trains, a saved-tensor meter around each of this rank's stage
+forwards counts what they save (a host-swapped or recomputed tensor is not there, and is not
+counted) and raises the moment model data plus that would pass the budget, so a run can never
+silently hold more than it was given. Asynchronous schedules (which keep their own saved-tensor
+hooks) get the check before the first step, not the meter.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from tidal.activations import Links, Saver, SaverPlan, evaluate, keep_all, plan_savers
+from tidal.activations.plan import Choice
+from tidal.activations.runtime import SaverHandles, apply_savers, around_forward
+from tidal.config import ConfigError, format_bytes
+from tidal.memory.activations import SavedTensorMeter
+from tidal.memory.tiers import TierKind, make_tiers, resolve_budget
+from tidal.pipeline.savers import measure_units, saved_tensors
+from tidal.pipeline.schedules import make_schedule
+from tidal.pipeline.simulate import simulate
+from tidal.pipeline.split import PipelineStage
+from tidal.train.job import JobConfig
+
+__all__ = ["PipelineMemory", "plan_pipeline_memory"]
+
+HOST_LINK_BYTES_PER_S = 25e9  # PCIe 4 x16 as achieved: what the planner prices host swaps at
+
+
+@dataclass(slots=True)
+class PipelineMemory:
+    """What ``pipeline.memory`` did on this rank: the plan (None without a budget), the
+    savers' handles, and the budget guard (None: no meter)."""
+
+    mode: str
+    plan: SaverPlan | None
+    handles: list[SaverHandles]
+    guard: _Guard | None
+    budget_bytes: int | None
+
+    def figures(self, rank: int) -> dict[str, Any]:
+        hosts = [h.host for h in self.handles if h.host is not None]
+        out: dict[str, Any] = {
+            "mode": self.mode,
+            "blocks_recomputed": sum(len(h.recomputed) for h in self.handles),
+            "blocks_swapped": sum(len(h.swapped) for h in self.handles),
+            "tensors_to_host": sum(h.tensors_out for h in hosts),
+            "peak_host_bytes": max((h.tier.peak_bytes for h in hosts), default=0),
+        }
+        if self.plan is not None:
+            out["budget_bytes"] = self.budget_bytes
+            out["predicted_peak_bytes"] = self.plan.peak_bytes[rank]
+        if self.guard is not None:
+            out["model_data_bytes"] = self.guard.base
+            out["measured_peak_bytes"] = self.guard.peak_bytes
+        return out
+
+
+def plan_pipeline_memory(job: JobConfig, stages: Sequence[PipelineStage], *, mine: Sequence[int],
+                         rank: int, world_size: int, device: torch.device,
+                         own_model: bool) -> PipelineMemory:  # fmt: skip
+    """[Note: pipeline memory] for this rank's stages ``mine`` of ``stages`` (all of them);
+    ``own_model``: the stages are of a model the caller gave, not the job's ``[model]``."""
+    pipe, mode = job.pipeline, job.pipeline.memory
+    budget = resolve_budget(job.memory.device_budget, kind=TierKind.DEVICE, device=device,
+                            key="memory.device_budget")  # fmt: skip
+    if budget is None and mode == "auto":
+        raise ConfigError("pipeline.memory", "'auto' plans against memory.device_budget; set it "
+                          "(each rank's bytes, e.g. 2GiB)")  # fmt: skip
+    if budget is not None and own_model:
+        raise ConfigError("memory.device_budget", "a pipeline of your own model has no budget "
+                          "check yet; unset memory.device_budget (pipeline.memory = recompute "
+                          "or host works without one)")  # fmt: skip
+    fixed = {"recompute": Saver.RECOMPUTE, "host": Saver.HOST}.get(mode)
+    plan, base = None, [0] * world_size
+    if budget is not None:
+        plan, base = _plan(job, stages, budget=budget, world_size=world_size, device=device,
+                           fixed=fixed)  # fmt: skip
+    _, host = make_tiers(device=device, device_budget=None, host_budget=job.memory.host_budget)
+    handles = []
+    for s in mine:
+        savers: dict[str, Saver] = {}
+        if plan is not None:
+            savers = {i.path: c[0] for i, c in zip(plan.saved, plan.choices, strict=True)
+                      if i.stage == s and i.path and c[0] is not Saver.KEEP}  # fmt: skip
+        elif fixed is not None:
+            savers = {f"layers.{k}": fixed for k in range(len(stages[s].layers))}
+        if savers:
+            handles.append(apply_savers(stages[s], savers, host=host))
+    guard = None
+    if budget is not None and not pipe.asynchronous:
+        guard = _budget_guard([stages[s] for s in mine], budget=budget, base=base[rank], rank=rank)
+    return PipelineMemory(mode=mode, plan=plan, handles=handles, guard=guard,
+                          budget_bytes=budget)  # fmt: skip
+
+
+def _plan(job: JobConfig, stages: Sequence[PipelineStage], *, budget: int, world_size: int,
+          device: torch.device, fixed: Saver | None) -> tuple[SaverPlan, list[int]]:  # fmt: skip
+    from tidal.models import spec_for
+
+    pipe = job.pipeline
+    steps = 3 if pipe.asynchronous else 1
+    schedule = make_schedule(pipe.schedule, stages=pipe.stages, microbatches=pipe.num_microbatches,
+                             virtual=pipe.virtual_stages, steps=steps,
+                             sync_steps=min(pipe.sync_steps, steps))  # fmt: skip
+    sim = simulate(schedule)
+    config = job.model.resolve_structured()
+    rows = max(1, job.training.batch_size // pipe.num_microbatches)
+    tokens = torch.zeros((rows, config.seq_len), dtype=torch.long, device=device)
+    spec = spec_for(config)  # analytic forward seconds, to price recomputes
+    forward_s = [p.forward_s for p in spec.profile(spec.build(device="meta"), micro_batch=rows,
+                                                   seq_len=config.seq_len)]  # fmt: skip
+
+    def block_s(stage: int, block: int) -> float:
+        return forward_s[block + 1] if block >= 0 else 0.0  # profiles: embed, blocks..., head
+
+    units = measure_units(stages, tokens, tokens, block_s)
+    weight_bytes = [sum(p.numel() * p.element_size() for p in s.parameters()) for s in stages]
+    per_weight_byte = 4 if job.optimizer.name in ("adamw", "adam") else 3
+    base = [0] * world_size
+    for s, num_bytes in enumerate(weight_bytes):
+        base[schedule.rank_of(s)] += per_weight_byte * num_bytes
+    host_budget = resolve_budget(job.memory.host_budget, kind=TierKind.HOST, device=device,
+                                 key="memory.host_budget")  # fmt: skip
+    links = Links(stage_rank=tuple(schedule.rank_of(s) for s in range(schedule.num_stages)),
+                  budget_bytes=(budget,) * world_size, base_bytes=tuple(base),
+                  host_link=(0,) * world_size, host_bandwidth=(HOST_LINK_BYTES_PER_S,),
+                  host_budget_bytes=(host_budget,),
+                  peer_bandwidth=tuple((0.0,) * world_size for _ in range(world_size)))  # fmt: skip
+    saved = saved_tensors(sim, units, weight_bytes=weight_bytes)
+    if fixed is not None:  # every block's parts get the one saver
+        choices: list[Choice] = [(fixed if i.block >= 0 else Saver.KEEP, None) for i in saved]
+        plan = evaluate(saved, choices, links, f"every block: {fixed.value}")
+        if not plan.fits:
+            worst = max(range(world_size), key=lambda r: plan.peak_bytes[r] - budget)
+            raise ConfigError(
+                "memory.device_budget",
+                f"with {fixed.value} on every block rank {worst} still needs "
+                f"{format_bytes(plan.peak_bytes[worst])} over its budget of {format_bytes(budget)};"
+                f" set pipeline.memory = 'auto', or raise the budget",
+            )
+        return plan, base
+    kept = keep_all(saved, links)
+    if pipe.memory == "none":
+        worst = max(range(world_size), key=lambda r: kept.peak_bytes[r] - budget)
+        if kept.peak_bytes[worst] > budget:
+            raise ConfigError(
+                "memory.device_budget",
+                f"rank {worst} needs {format_bytes(kept.peak_bytes[worst])} (model data "
+                f"{format_bytes(base[worst])} and the activations of its in-flight "
+                f"microbatches) over its budget of {format_bytes(budget)}; set "
+                f"pipeline.memory = 'auto' to recompute or swap to the host what does not fit, "
+                f"or raise the budget",
+            )
+        return kept, base
+    return plan_savers(saved, links), base
+
+
+@dataclass(slots=True)
+class _Guard:
+    """Raises the moment this rank's model data and saved activations would pass its budget;
+    records the most they held."""
+
+    budget: int
+    base: int
+    rank: int
+    peak_bytes: int = 0
+
+    def check(self, live_bytes: int) -> None:
+        if self.base + live_bytes > self.budget:
+            raise ConfigError(
+                "memory.device_budget",
+                f"rank {self.rank} would hold {format_bytes(self.base + live_bytes)} (model data "
+                f"{format_bytes(self.base)} and saved activations), over its budget of "
+                f"{format_bytes(self.budget)}; set pipeline.memory = 'auto' or raise the budget",
+            )
+        self.peak_bytes = max(self.peak_bytes, self.base + live_bytes)
+
+
+def _budget_guard(stages: Sequence[PipelineStage], *, budget: int, base: int, rank: int) -> _Guard:
+    """A saved-tensor meter around each of ``stages``' forwards, reporting to a :class:`_Guard`."""
+    guard = _Guard(budget=budget, base=base, rank=rank, peak_bytes=base)
+    params = {p.untyped_storage()._cdata for s in stages for p in s.parameters()}
+    meter = SavedTensorMeter(is_model_storage=params.__contains__, on_change=guard.check)
+    for stage in stages:
+        around_forward(stage, meter.tracking)
+    return guard
