@@ -73,20 +73,25 @@ def test_a_host_budget_too_small_is_refused_before_anything_is_copied() -> None:
     assert host.held_bytes == 0
 
 
-def test_savers_through_a_1f1b_pipeline_equal_the_plain_pipeline() -> None:
-    def run(savers: dict[str, Saver] | None) -> tuple[list[torch.Tensor], list[float]]:
-        stages = split_gpt(build_gpt(CONFIG, seed=0), even_ranges(4, 2))
+@pytest.mark.parametrize(("name", "ranks", "virtual"),
+                         [("gpipe", 2, 1), ("1f1b", 2, 1), ("1f1b", 4, 1), ("interleaved", 2, 2)])  # fmt: skip
+def test_savers_through_a_pipeline_equal_the_plain_pipeline(name: str, ranks: int,
+                                                            virtual: int) -> None:  # fmt: skip
+    def run(savers: bool) -> tuple[list[torch.Tensor], list[float]]:
+        schedule = make_schedule(name, stages=ranks, microbatches=4, virtual=virtual, steps=2)
+        stages = split_gpt(build_gpt(CONFIG, seed=0), even_ranges(4, schedule.num_stages))
         host = Tier(TierKind.HOST, torch.device("cpu"), budget_bytes=None)
-        if savers is not None:  # the first stage (the loaded one) saves; the second keeps
-            apply_savers(stages[0], savers, host=host)
+        if savers:  # the first stage (the loaded one) recomputes, the second swaps, others keep
+            apply_savers(stages[0], {"layers.0": Saver.RECOMPUTE}, host=host)
+            apply_savers(stages[1], {"layers.0.attn": Saver.HOST, "layers.0.mlp": Saver.RECOMPUTE},
+                         host=host)  # fmt: skip
         weights = [StageWeights(s, torch.optim.SGD(s.parameters(), lr=0.5),
                                 AsyncConfig(weights=WeightMode.CURRENT)) for s in stages]  # fmt: skip
-        schedule = make_schedule("1f1b", stages=2, microbatches=4, steps=2)
         result = run_local(schedule, stages, weights, _batch, lambda _: 0.5)
         return [p.detach().clone() for s in stages for p in s.parameters()], list(result.losses)
 
-    plain_params, plain_losses = run(None)
-    params, losses = run({"layers.0": Saver.RECOMPUTE, "layers.1": Saver.HOST})
+    plain_params, plain_losses = run(False)
+    params, losses = run(True)
     assert losses == plain_losses
     assert all(torch.equal(a, b) for a, b in zip(plain_params, params, strict=True))
 
