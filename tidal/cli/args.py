@@ -264,6 +264,7 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     _add_bench_dp(benches)
     _add_bench_plan(benches)
     _add_bench_pipemare(benches)
+    _add_bench_mpress(benches)
     _add_bench_pipeline(benches)
     _add_bench_compat(benches)
 
@@ -362,6 +363,20 @@ def _add_bench_pipemare(benches: argparse._SubParsersAction) -> None:
         "benchmarks/results/pipemare-*.json and a loss-curve PNG beside it.",
     )
     add_arguments(pipemare)
+
+
+def _add_bench_mpress(benches: argparse._SubParsersAction) -> None:
+    from benchmarks.mpress import add_arguments
+
+    mpress = benches.add_parser(
+        "mpress",
+        help="MPress's saver plan against recompute-, host- and peer-only: largest model, step",
+        description="For a GPT family on a DGX-class server (predicted by the simulator and the "
+        "saver planner, nothing trained): under 1F1B and PipeDream, the largest model each "
+        "strategy fits and its step at the largest model recompute-only fits. Writes "
+        "benchmarks/results/mpress-*.json.",
+    )
+    add_arguments(mpress)
 
 
 def _add_bench_pipeline(benches: argparse._SubParsersAction) -> None:

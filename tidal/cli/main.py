@@ -321,6 +321,10 @@ def _bench(args: argparse.Namespace, console: Console) -> int:
         from benchmarks.pipemare import run as run_pipemare
 
         return run_pipemare(args, console)
+    if args.bench == "mpress":
+        from benchmarks.mpress import run as run_mpress
+
+        return run_mpress(args, console)
     if args.bench == "compat":
         from benchmarks.compat import run as run_compat
 

@@ -1,0 +1,210 @@
+"""``tidal bench mpress``: MPress's saver plan against one saver for everything, predicted.
+
+A GPT family (one width and sequence length; blocks added ``--step-layers`` at a time) is cut
+into ``--stages`` pipeline stages, one GPU each, on a DGX-class server: ``--device-memory`` per
+GPU, a PCIe host link shared by each pair of GPUs (``--host-gbps`` each way), every pair of GPUs
+joined by NVSwitch (``--peer-gbps``). Under 1F1B and PipeDream, each strategy is asked for the
+largest model it fits and, at the largest model recompute-only fits, the simulated step:
+
+- ``none``: keep everything;
+- ``recompute``: every block recomputed (its input kept); ``selective``: the attention
+  internals only (Megatron's selective recompute);
+- ``host``: everything a block saves, and stashed weight versions, swapped to the host;
+- ``peer``: the saver planner with peer swap only; ``mpress``: the planner with every saver.
+
+[Note: what the bench predicts]
+Everything here is the simulator's and the planner's: layer profiles traced on the meta device
+at H100-like rates (bf16), each block's saved bytes split by class with Megatron's count
+(``models.gpt_saved_shares``), model data at 16 bytes per parameter (bf16 weights, fp32
+gradients, masters and AdamW moments), the stage split balanced by time. No model is trained.
+Not built yet: the section measured on gloo ranks, and ZeRO-3 over chunks at the same memory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from tidal.activations import (
+    Links,
+    Saved,
+    Saver,
+    SaverPlan,
+    TensorClass,
+    evaluate,
+    keep_all,
+    plan_savers,
+)
+from tidal.config import ConfigError, format_bytes, parse_bytes
+from tidal.models import gpt_saved_shares, profile_gpt
+from tidal.models.gpt import GPTConfig
+from tidal.pipeline.partition import LayerProfile, partition
+from tidal.pipeline.savers import BlockSaves, saved_tensors, step_with_savers
+from tidal.pipeline.schedules import make_schedule
+from tidal.pipeline.simulate import Simulation, StageCosts, simulate
+
+__all__ = ["STRATEGIES", "add_arguments", "bench_mpress", "run"]
+
+STRATEGIES = ("none", "recompute", "selective", "host", "peer", "mpress")
+SCHEDULES = ("1f1b", "pipedream")
+BYTES_PER_PARAM = 16  # bf16 weights; fp32 gradients, masters, AdamW's two moments
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--width", type=int, default=4096, help="d_model (4096)")
+    parser.add_argument("--heads", type=int, default=32)
+    parser.add_argument("--seq-len", type=int, default=2048)
+    parser.add_argument("--stages", type=int, default=8, help="GPUs, one stage each (8)")
+    parser.add_argument("--microbatches", type=int, default=8)
+    parser.add_argument("--device-memory", default="80GiB", metavar="SIZE")
+    parser.add_argument("--host-gbps", type=float, default=25.0)
+    parser.add_argument("--peer-gbps", type=float, default=300.0)
+    parser.add_argument("--step-layers", type=int, default=8, help="blocks added per size")
+    parser.add_argument("--max-layers", type=int, default=320)
+    parser.add_argument("--results-dir", default=None, metavar="DIR")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Family:
+    config: GPTConfig
+    embed: LayerProfile
+    block: LayerProfile
+    head: LayerProfile
+
+    def profiles(self, layers: int) -> list[LayerProfile]:
+        blocks = [dataclasses.replace(self.block, name=f"blocks.{i}") for i in range(layers)]
+        return [self.embed, *blocks, self.head]
+
+
+def _family(args: argparse.Namespace) -> _Family:
+    config = GPTConfig(vocab_size=50257, seq_len=args.seq_len, num_layers=1,
+                       num_heads=args.heads, d_model=args.width)  # fmt: skip
+    embed, block, head = profile_gpt(config, micro_batch=1, seq_len=args.seq_len,
+                                     dtype=torch.bfloat16)  # fmt: skip
+    return _Family(config, embed, block, head)
+
+
+def _case(family: _Family, layers: int, schedule_name: str, args: argparse.Namespace,
+          ) -> tuple[Simulation, list[Saved], Links]:  # fmt: skip
+    steps = 3 if schedule_name == "pipedream" else 1
+    schedule = make_schedule(schedule_name, stages=args.stages, microbatches=args.microbatches,
+                             steps=steps)  # fmt: skip
+    shape = simulate(schedule)
+    profiles = family.profiles(layers)
+    split = partition(profiles, args.stages, in_flight=shape.peak_activations,
+                      weight_versions=[v - 1 for v in shape.weight_versions])  # fmt: skip
+
+    def per_stage(field: str) -> tuple[float, ...]:
+        return tuple(sum(getattr(p, field) for p in profiles[a:b]) for a, b in split.unit_ranges)
+
+    sim = simulate(schedule, StageCosts(forward_s=per_stage("forward_s"),
+                                        backward_s=per_stage("backward_s")))  # fmt: skip
+    shares = gpt_saved_shares(family.config, seq_len=args.seq_len)
+    blocks = []
+    for stage, (start, end) in enumerate(split.unit_ranges):
+        for unit in range(start, end):
+            layer = profiles[unit]
+            by_class = ({c: int(layer.activation_bytes * f) for c, f in shares.items()}
+                        if layer.name.startswith("blocks.")
+                        else {TensorClass.OTHER: layer.activation_bytes})  # fmt: skip
+            blocks.append(BlockSaves(stage=stage, block=unit, bytes_by_class=by_class,
+                                     forward_s=layer.forward_s))  # fmt: skip
+    weight_bytes = [int(per_stage("param_bytes")[s]) for s in range(args.stages)]
+    per_param_byte = BYTES_PER_PARAM // 2  # the profile's weights are bf16
+    budget = parse_bytes(args.device_memory, key="--device-memory")
+    n = args.stages
+    links = Links(stage_rank=tuple(range(n)), budget_bytes=(budget,) * n,
+                  base_bytes=tuple(per_param_byte * w for w in weight_bytes),
+                  host_link=tuple(r // 2 for r in range(n)),
+                  host_bandwidth=(args.host_gbps * 1e9,) * ((n + 1) // 2),
+                  host_budget_bytes=(None,) * ((n + 1) // 2),
+                  peer_bandwidth=tuple(tuple(0.0 if a == b else args.peer_gbps * 1e9
+                                             for b in range(n)) for a in range(n)))  # fmt: skip
+    return sim, saved_tensors(sim, blocks, weight_bytes=weight_bytes), links
+
+
+def _strategy(name: str, saved: list[Saved], links: Links) -> SaverPlan:
+    """``name``'s plan (``fits`` False when it cannot fit)."""
+    if name in ("peer", "mpress"):
+        if name == "peer":  # nothing recomputed, nothing on the host: only lending is left
+            saved = [dataclasses.replace(s, recompute_s=None) for s in saved]
+            links = dataclasses.replace(links, host_budget_bytes=(0,) * len(links.host_bandwidth))
+        try:
+            return plan_savers(saved, links)
+        except ConfigError:
+            return dataclasses.replace(keep_all(saved, links), fits=False)
+    inside = {"none": set(), "selective": {TensorClass.ATTENTION},
+              "recompute": {TensorClass.ATTENTION, TensorClass.MLP, TensorClass.NORM},
+              "host": {TensorClass.BLOCK_INPUT, TensorClass.ATTENTION, TensorClass.MLP,
+                       TensorClass.NORM, TensorClass.WEIGHTS}}[name]  # fmt: skip
+    saver = Saver.HOST if name == "host" else Saver.RECOMPUTE
+    choices = [(saver if s.tensor_class in inside else Saver.KEEP, None) for s in saved]
+    return evaluate(saved, choices, links, name)
+
+
+def _largest(family: _Family, schedule: str, name: str, args: argparse.Namespace) -> int:
+    """The most blocks (a multiple of --step-layers) ``name`` fits; 0 if none."""
+
+    def fits(layers: int) -> bool:
+        _, saved, links = _case(family, layers, schedule, args)
+        return _strategy(name, saved, links).fits
+
+    low, high = 0, args.max_layers // args.step_layers  # in steps: low fits (or 0), high not
+    if fits(high * args.step_layers):
+        return high * args.step_layers
+    while high - low > 1:
+        mid = (low + high) // 2
+        low, high = (mid, high) if fits(mid * args.step_layers) else (low, mid)
+    return low * args.step_layers
+
+
+def bench_mpress(args: argparse.Namespace) -> list[dict[str, Any]]:
+    family = _family(args)
+    params_per_block = family.block.param_bytes // 2
+    rows = []
+    for schedule in SCHEDULES:
+        largest = {name: _largest(family, schedule, name, args) for name in STRATEGIES}
+        at = largest["recompute"]
+        for name in STRATEGIES:
+            row: dict[str, Any] = {"schedule": schedule, "strategy": name,
+                                   "largest_layers": largest[name],
+                                   "largest_params": largest[name] * params_per_block,
+                                   "vs_recompute": (largest[name] / at) if at else None}  # fmt: skip
+            if at:
+                sim, saved, links = _case(family, at, schedule, args)
+                plan = _strategy(name, saved, links)
+                row["step_s_at_recompute_largest"] = (
+                    step_with_savers(sim, plan).makespan_s if plan.fits else None
+                )
+                row["peak_bytes_at_recompute_largest"] = max(plan.peak_bytes)
+            rows.append(row)
+    return rows
+
+
+def run(args: argparse.Namespace, console: Console) -> int:
+    from benchmarks import write_results
+
+    rows = bench_mpress(args)
+    folder = None if args.results_dir is None else Path(args.results_dir)
+    path = write_results("mpress", rows, folder=folder)
+    table = Table(title=f"tidal bench mpress (predicted, {args.stages} GPUs of "
+                        f"{args.device_memory}) -> {path}", title_justify="left")  # fmt: skip
+    for column in ("schedule", "strategy", "largest blocks", "params", "x recompute",
+                   "step s at recompute's largest", "peak there"):  # fmt: skip
+        table.add_column(column, justify="right")
+    for r in rows:
+        step = r.get("step_s_at_recompute_largest")
+        table.add_row(
+            r["schedule"], r["strategy"], str(r["largest_layers"]), f"{r['largest_params']:,}",
+            "-" if r["vs_recompute"] is None else f"{r['vs_recompute']:.2f}",
+            "does not fit" if step is None else f"{step:.4g}",
+            format_bytes(r.get("peak_bytes_at_recompute_largest", 0)),
+        )  # fmt: skip
+    console.print(table)
+    return 0

@@ -1,0 +1,35 @@
+"""``tidal bench mpress`` on a small GPT family: the JSON and table, and what the planner must
+at least match (predicted figures; [Note: what the bench predicts] in benchmarks/mpress.py)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from benchmarks.mpress import STRATEGIES
+from tidal.cli.main import main
+
+
+@pytest.mark.slow
+def test_bench_mpress_writes_rows_and_the_plan_fits_what_one_saver_fits(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["bench", "mpress", "--width", "256", "--heads", "4", "--seq-len", "512",
+            "--max-layers", "32", "--step-layers", "4", "--device-memory", "512MiB",
+            "--results-dir", str(tmp_path)]  # fmt: skip
+    assert main(argv) == 0
+    assert "tidal bench mpress (predicted" in capsys.readouterr().out
+    (path,) = tmp_path.glob("mpress-*.json")
+    data = json.loads(path.read_text())
+    assert "torch_version" in data and "git_commit" in data
+    rows = {(r["schedule"], r["strategy"]): r for r in data["rows"]}
+    assert set(rows) == {(s, n) for s in ("1f1b", "pipedream") for n in STRATEGIES}
+    for schedule in ("1f1b", "pipedream"):
+        largest = {n: rows[schedule, n]["largest_layers"] for n in STRATEGIES}
+        assert largest["recompute"] > largest["none"] > 0, largest  # activations bind here
+        assert largest["mpress"] >= max(largest.values()), largest
+        at = rows[schedule, "mpress"]
+        assert at["step_s_at_recompute_largest"] is not None
+        assert at["peak_bytes_at_recompute_largest"] <= 512 << 20
