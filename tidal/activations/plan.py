@@ -62,6 +62,7 @@ __all__ = [
 ]
 
 EXACT_MAX_ITEMS = 60  # plan_savers falls back to the exact program up to this many tensors
+PAIR_SEARCH_MAX_ITEMS = 24  # the refinement tries pairs of a rank's tensors up to this many
 
 
 class TensorClass(enum.StrEnum):
@@ -260,8 +261,8 @@ def _step_key(plan: SaverPlan) -> tuple[float, float]:
 def _refine(saved: Sequence[Saved], links: Links, plan: SaverPlan) -> SaverPlan:
     """Lower the slowest rank's added seconds one tensor at a time: give one of its moved
     tensors a cheaper saver (making room on a lender by moving the lender's own tensors to
-    recompute or the host), while the plan fits and its step gets shorter."""
-    for _ in range(4 * len(saved)):
+    recompute or the host), while the plan fits and its step gets shorter (at most 64 times)."""
+    for _ in range(min(4 * len(saved), 64)):
         better = _cheaper(saved, links, plan)
         if better is None:
             return plan
@@ -282,9 +283,10 @@ def _cheaper(saved: Sequence[Saved], links: Links, plan: SaverPlan) -> SaverPlan
         for choice in _options(saved[index], links):
             if _added_s(saved[index], choice, links) >= cost:
                 continue
-            changes = [[(index, choice)]] + [[(index, choice), (other, second)] for other in mine
-                                             if other != index
-                                             for second in _options(saved[other], links)]  # fmt: skip
+            changes = [[(index, choice)]]
+            if len(mine) <= PAIR_SEARCH_MAX_ITEMS:  # pairs cost len(mine)^2 plans
+                changes += [[(index, choice), (other, second)] for other in mine if other != index
+                            for second in _options(saved[other], links)]  # fmt: skip
             for change in changes:
                 trial = _try(saved, links, plan, change)
                 if trial is not None:
