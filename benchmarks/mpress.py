@@ -12,6 +12,8 @@ largest model it fits and, at the largest model recompute-only fits, the simulat
 - ``host``: everything a block saves, and stashed weight versions, swapped to the host;
 - ``peer``: the saver planner with peer swap only; ``mpress``: the planner with every saver.
 
+Writes ``benchmarks/results/mpress-*.json``, a table, and a PNG beside the JSON.
+
 [Note: what the bench predicts]
 Everything here is the simulator's and the planner's: layer profiles traced on the meta device
 at H100-like rates (bf16), each block's saved bytes split by class with Megatron's count
@@ -187,12 +189,40 @@ def bench_mpress(args: argparse.Namespace) -> list[dict[str, Any]]:
     return rows
 
 
+def plot(rows: list[dict[str, Any]], path: Path) -> Path:
+    """Per schedule: the largest model each strategy fits (bars) and its step at recompute-only's
+    largest model (dots, right axis; none where it does not fit)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(SCHEDULES), figsize=(6.0 * len(SCHEDULES), 4.0), squeeze=False)
+    for ax, schedule in zip(axes[0], SCHEDULES, strict=True):
+        mine = [r for r in rows if r["schedule"] == schedule]
+        x = range(len(mine))
+        ax.bar(x, [r["largest_params"] / 1e9 for r in mine], color="tab:blue", alpha=0.7)
+        ax.set_xticks(list(x), [r["strategy"] for r in mine], fontsize=8)
+        ax.set_ylabel("largest model (billion parameters)")
+        ax.set_title(f"{schedule} (predicted)", fontsize=10)
+        steps = ax.twinx()
+        steps.plot([i for i, r in enumerate(mine) if r.get("step_s_at_recompute_largest")],
+                   [r["step_s_at_recompute_largest"] for r in mine
+                    if r.get("step_s_at_recompute_largest")], "o", color="tab:red")  # fmt: skip
+        steps.set_ylabel("step s at recompute-only's largest (dots)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def run(args: argparse.Namespace, console: Console) -> int:
     from benchmarks import write_results
 
     rows = bench_mpress(args)
     folder = None if args.results_dir is None else Path(args.results_dir)
     path = write_results("mpress", rows, folder=folder)
+    console.print(f"plot: {plot(rows, path.with_suffix('.png'))}")
     table = Table(title=f"tidal bench mpress (predicted, {args.stages} GPUs of "
                         f"{args.device_memory}) -> {path}", title_justify="left")  # fmt: skip
     for column in ("schedule", "strategy", "largest blocks", "params", "x recompute",

@@ -22,6 +22,7 @@ def test_bench_mpress_writes_rows_and_the_plan_fits_what_one_saver_fits(
     assert main(argv) == 0
     assert "tidal bench mpress (predicted" in capsys.readouterr().out
     (path,) = tmp_path.glob("mpress-*.json")
+    assert path.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     data = json.loads(path.read_text())
     assert "torch_version" in data and "git_commit" in data
     rows = {(r["schedule"], r["strategy"]): r for r in data["rows"]}
