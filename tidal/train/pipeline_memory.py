@@ -43,7 +43,7 @@ from tidal.pipeline.simulate import simulate
 from tidal.pipeline.split import PipelineStage
 from tidal.train.job import JobConfig
 
-__all__ = ["PipelineMemory", "plan_pipeline_memory"]
+__all__ = ["PipelineMemory", "model_data_per_weight_byte", "plan_pipeline_memory"]
 
 HOST_LINK_BYTES_PER_S = 25e9  # PCIe 4 x16 as achieved: what the planner prices host swaps at
 
@@ -75,6 +75,12 @@ class PipelineMemory:
             out["model_data_bytes"] = self.guard.base
             out["measured_peak_bytes"] = self.guard.peak_bytes
         return out
+
+
+def model_data_per_weight_byte(job: JobConfig) -> int:
+    """A stage's model data per byte of its weights: the weights, their gradients and the
+    optimizer's state (AdamW and Adam keep two moments, SGD one buffer at most)."""
+    return 4 if job.optimizer.name in ("adamw", "adam") else 3
 
 
 def plan_pipeline_memory(job: JobConfig, stages: Sequence[PipelineStage], *, mine: Sequence[int],
@@ -137,7 +143,7 @@ def _plan(job: JobConfig, stages: Sequence[PipelineStage], *, budget: int, world
 
     units = measure_units(stages, tokens, tokens, block_s)
     weight_bytes = [sum(p.numel() * p.element_size() for p in s.parameters()) for s in stages]
-    per_weight_byte = 4 if job.optimizer.name in ("adamw", "adam") else 3
+    per_weight_byte = model_data_per_weight_byte(job)
     base = [0] * world_size
     for s, num_bytes in enumerate(weight_bytes):
         base[schedule.rank_of(s)] += per_weight_byte * num_bytes

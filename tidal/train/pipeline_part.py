@@ -47,7 +47,7 @@ from tidal.pipeline.sequential import LossFn, check_sequential, profile_sequenti
 from tidal.pipeline.split import even_ranges, split_parts
 from tidal.train.engine_state import PipelineStages
 from tidal.train.job import JobConfig
-from tidal.train.pipeline_memory import plan_pipeline_memory
+from tidal.train.pipeline_memory import model_data_per_weight_byte, plan_pipeline_memory
 
 __all__ = ["PipelinePart", "block_ranges", "check_pipeline_job"]
 
@@ -153,14 +153,13 @@ def balanced_ranges(job: JobConfig, profiles: list[LayerProfile]) -> tuple[tuple
     sim = simulate(schedule)
     delta_buffer = int(pipe.correction or pipe.prediction)
     extra_versions = [v - 1 + delta_buffer for v in sim.weight_versions]
-    state_per_weight_byte = 4.0 if job.optimizer.name in ("adamw", "adam") else 3.0
     try:
         split = partition(
             profiles,
             pipe.stages * pipe.virtual_stages,
             memory_limit_bytes=pipe.stage_memory,
             in_flight=sim.peak_activations,
-            state_bytes_per_param_byte=state_per_weight_byte,
+            state_bytes_per_param_byte=model_data_per_weight_byte(job),
             weight_versions=extra_versions,
         )
     except PartitionInfeasible as err:
