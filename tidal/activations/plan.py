@@ -12,8 +12,10 @@ Per saved tensor (a :class:`Saved`: one class of one block of one stage), with `
 step (microbatches) and ``c`` copies live at the stage's peak:
 
     keep       the rank holds c x bytes; costs nothing
-    recompute  (activations only) the rank keeps the block's input and runs the block's forward
-               again in its backward: n x recompute_s added to the rank's backward
+    recompute  (activations only) the rank keeps what the recompute starts from (c x
+               ``recompute_keeps_bytes``: the inputs of the submodule run again; 0 where that
+               is an item of its own, a block's input) and runs the forward again in its
+               backward: n x recompute_s added to the rank's backward
     host swap  out after the last forward use, back before the first backward use, over the rank's
                host link (shared by the ranks on it): each use costs 2 x bytes / bandwidth, of
                which the idle window between those uses hides idle_s; the host holds c x bytes
@@ -28,7 +30,8 @@ planners minimise that.
 [Note: the saver planners]
 ``greedy`` (MPress): while some rank is over its budget, take the most overloaded one and apply,
 among its kept tensors and the savers that fit (a lender's spare bytes, the host link's), the
-one that saves the most bytes per added second (free ones first, largest first). ``exact``: the
+one that saves the most bytes per added second (free ones first, largest first); a recomputed
+tensor that still keeps its inputs may move on to the host or a peer the same way. ``exact``: the
 same model as a mixed-integer program on scipy's HiGHS (``scipy.optimize.milp``), for small
 instances and to bound the greedy's gap in tests. :func:`plan_savers` runs the greedy and,
 when it finds no plan and the instance is small, the exact program: a greedy can spend a host
@@ -97,17 +100,27 @@ class Saved:
     recompute_s: float | None
     idle_s: float = 0.0
     path: str = ""  # the submodule of its stage that saves it, where training carries it out
+    recompute_keeps_bytes: int = 0  # of one copy: the inputs a recompute of it starts from
+    fixed: bool = False  # saved outside every submodule a saver wraps (a loss): always kept
 
     def __post_init__(self) -> None:
         require(self.num_bytes >= 0 and self.copies >= 0 and self.uses_per_step >= 0,
                 "saved tensors", f"bytes, copies and uses must be >= 0: {self}")  # fmt: skip
-        if self.tensor_class in (TensorClass.BLOCK_INPUT, TensorClass.WEIGHTS):
+        require(0 <= self.recompute_keeps_bytes <= self.num_bytes, "saved tensors",
+                f"a recompute keeps at most what is saved: {self}")  # fmt: skip
+        if self.fixed or self.tensor_class in (TensorClass.BLOCK_INPUT, TensorClass.WEIGHTS):
             require(self.recompute_s is None, "saved tensors",
                     f"{self.tensor_class} cannot be recomputed: {self}")  # fmt: skip
 
     @property
     def held_bytes(self) -> int:
         return self.num_bytes * self.copies
+
+    def held_under(self, saver: Saver) -> int:
+        """What its rank holds of it under ``saver`` (lent and hosted bytes are elsewhere)."""
+        if saver is Saver.KEEP:
+            return self.held_bytes
+        return self.recompute_keeps_bytes * self.copies if saver is Saver.RECOMPUTE else 0
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)
@@ -175,6 +188,8 @@ class SaverPlan:
 def _options(item: Saved, links: Links) -> list[Choice]:
     rank = links.stage_rank[item.stage]
     out: list[Choice] = [(Saver.KEEP, None)]
+    if item.fixed:
+        return out
     if item.recompute_s is not None:
         out.append((Saver.RECOMPUTE, None))
     out.append((Saver.HOST, None))
@@ -218,8 +233,8 @@ def evaluate(saved: Sequence[Saved], choices: Sequence[Choice], links: Links,
         rank = links.stage_rank[item.stage]
         saver, lender = choice
         added[rank] += item_added
+        kept[rank] += item.held_under(saver)
         if saver is Saver.KEEP:
-            kept[rank] += item.held_bytes
             continue
         if item.copies:
             transient[rank] = max(transient[rank], item.num_bytes)
@@ -317,12 +332,12 @@ def _make_room(saved: Sequence[Saved], links: Links, choices: list[Choice],
         if plan.peak_bytes[lender] <= links.budget_bytes[lender]:
             return choices
         moves = [
-            (_added_s(item, choice, links) / item.held_bytes, index, choice)
+            (_added_s(item, choice, links) / (item.held_bytes - item.held_under(choice[0])),
+             index, choice)
             for index, item in enumerate(saved)
             if links.stage_rank[item.stage] == lender and choices[index][0] is Saver.KEEP
-            and item.held_bytes > 0
             for choice in _options(item, links)[1:]
-            if choice[0] is not Saver.PEER
+            if choice[0] is not Saver.PEER and item.held_under(choice[0]) < item.held_bytes
         ]  # fmt: skip
         if not moves:
             return choices
@@ -356,7 +371,8 @@ def _greedy(saved: Sequence[Saved], links: Links, *, scarce_for_all: bool) -> Sa
 
 def _largest_copy(saved: Sequence[Saved], links: Links, rank: int) -> int:
     return max((item.num_bytes for item in saved
-                if links.stage_rank[item.stage] == rank and item.copies), default=0)  # fmt: skip
+                if links.stage_rank[item.stage] == rank and item.copies and not item.fixed),
+               default=0)  # fmt: skip
 
 
 def _kept_peak(plan: SaverPlan, saved: Sequence[Saved], choices: Sequence[Choice], links: Links,
@@ -372,24 +388,29 @@ def _best_move(saved: Sequence[Saved], choices: list[Choice], links: Links, plan
                  for cap, held in zip(links.host_budget_bytes, plan.host_bytes, strict=True)]  # fmt: skip
     best: tuple[tuple[float, float], int, Choice] | None = None
     for index, item in enumerate(saved):
-        if links.stage_rank[item.stage] != rank or choices[index][0] is not Saver.KEEP:
+        now = choices[index]
+        if links.stage_rank[item.stage] != rank or now[0] not in (Saver.KEEP, Saver.RECOMPUTE):
             continue
-        if item.held_bytes == 0:
+        if item.held_under(now[0]) == 0:  # nothing left to free (a recompute keeping nothing)
             continue
         for choice in _options(item, links)[1:]:
             saver, lender = choice
+            freed = item.held_under(now[0]) - item.held_under(saver)
+            if freed <= 0:
+                continue
             if (
                 saver in (Saver.HOST, Saver.PEER)
                 and not scarce_for_all
                 and item.recompute_s is not None
+                and now[0] is Saver.KEEP
             ):
                 continue
             if saver is Saver.HOST and host_room[links.host_link[rank]] < item.held_bytes:
                 continue
             if saver is Saver.PEER and (lender is None or spare[lender] < item.held_bytes):
                 continue
-            added = _added_s(item, choice, links)
-            key = (added / item.held_bytes, -item.held_bytes)  # s per byte; free ones by size
+            added = _added_s(item, choice, links) - _added_s(item, now, links)
+            key = (added / freed, -freed)  # s per byte freed; free ones by size
             if best is None or key < best[0]:
                 best = (key, index, choice)
     return None if best is None else (best[1], best[2])
@@ -434,8 +455,7 @@ def plan_exact(saved: Sequence[Saved], links: Links) -> SaverPlan:
             owner = links.stage_rank[item.stage]
             if owner == rank:
                 time[k] = _added_s(item, options[i][o], links)
-                if saver is Saver.KEEP:
-                    mem[k] = item.held_bytes
+                mem[k] = item.held_under(saver)
             if saver is Saver.PEER and lender == rank:
                 mem[k] += item.held_bytes
         mem[t0 + rank] = 1.0
@@ -489,13 +509,14 @@ def plan_savers(saved: Sequence[Saved], links: Links) -> SaverPlan:
 
 
 def least_peak_bytes(saved: Sequence[Saved], links: Links) -> tuple[int, ...]:
-    """Per rank, the least it can hold with every tensor moved that can be (its base and the
-    largest single copy of its own tensors): a budget below this cannot fit."""
+    """Per rank, the least it can hold with every tensor moved that can be (its base, what no
+    saver moves, and the largest single copy of its own tensors): a budget below this cannot
+    fit."""
     least = list(links.base_bytes)
     for rank in range(links.num_ranks):
-        mine = [item.num_bytes for item in saved
-                if links.stage_rank[item.stage] == rank and item.copies]  # fmt: skip
-        least[rank] += max(mine, default=0)
+        mine = [item for item in saved if links.stage_rank[item.stage] == rank and item.copies]
+        least[rank] += sum(item.held_bytes for item in mine if item.fixed)
+        least[rank] += max((item.num_bytes for item in mine if not item.fixed), default=0)
     return tuple(least)
 
 

@@ -10,15 +10,26 @@ returns the handles that undo it:
 - savers name disjoint submodules: one inside another's would take the tensors the outer one's
   hooks must see (a recompute's own saved-tensor hooks, or the host copies), so that is refused.
 - ``HOST``: while the submodule's forward runs, autograd's saved tensors go through
-  ``saved_tensors_hooks``: each is copied, with its strides, into a buffer of the host tier (byte
-  budgeted: past the budget, :class:`~tidal.memory.tiers.TierBudgetError` before anything is
-  copied) and copied back when its backward reads it; the host buffer is given back when
-  autograd drops the saved tensor. Parameters (and views of them) are not copied: they stay
-  where they are, and autograd gets them back as they were saved.
+  ``saved_tensors_hooks`` to buffers of the host tier (byte budgeted: past the budget,
+  :class:`~tidal.memory.tiers.TierBudgetError` before anything is copied) and come back when
+  their backward reads them; a host buffer is given back when autograd drops the last saved
+  tensor that uses it. Parameters (and views of them) are not copied: they stay where they
+  are, and autograd gets them back as they were saved.
 
-On CUDA the host tier is pinned and the copy back is queued on the current stream; the copy out
-waits for its transfer (no side stream or prefetch ahead of the backward yet: that is what the
-planner's idle windows are for, and it is not measured on a GPU). Both are for synchronous
+[Note: host swap by storage]
+A saved tensor goes to the host as its whole storage, copied once per storage within one
+forward of the submodule (attention saves q, k and v, three views of one projection: one copy,
+not three strided ones, which on CUDA would each stage through a temporary and block); the
+tensors come back as views of one copy back, shared while any of them is alive. Storages are
+told apart by address only while the forward that saved them runs, and the swap holds each
+saved tensor until then, so an address cannot be reused in between. This is what the
+saved-tensor meter counts too (whole storages), so the plan's bytes are the bytes moved.
+
+On CUDA the host tier is pinned; the copy out runs on a side stream after the work that made the
+tensor (the forward goes on while it copies; the allocator is told the side stream uses the
+tensor, so its memory is not reused before the copy ends), and the copy back waits for it on the
+current stream. There is no prefetch ahead of the backward yet: a copy back is on the backward's
+path, which the planner's idle windows assume hidden. Both are for synchronous
 schedules: an asynchronous stage's backward must see the weights its
 forward used, which a recompute would not (it reads the current ones) and which the stage's own
 saved-tensor redirection provides (a submodule's hooks would replace it); :func:`check_schedule`
@@ -30,7 +41,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -47,45 +58,109 @@ __all__ = ["HostSwap", "SaverHandles", "apply_savers", "around_forward", "check_
 
 @dataclass(slots=True)
 class HostSwap:
-    """The host side of ``HOST`` savers: the tier the saved tensors go to, and counters."""
+    """The host side of ``HOST`` savers: the tier the saved tensors go to, and counters
+    ([Note: host swap by storage])."""
 
     tier: Tier
     tensors_out: int = 0
     tensors_back: int = 0
+    storages_out: int = 0
+    _streams: dict[torch.device, Any] = field(default_factory=dict)
+    _open: dict[tuple[torch.device, int], tuple[_HostStorage, torch.Tensor]] | None = None
+
+    @contextlib.contextmanager
+    def swapping(self, params: frozenset[int]) -> Iterator[None]:
+        """Saved tensors to the host while open (one submodule's forward)."""
+        assert self._open is None, "host swaps do not nest ([Note: savers in place])"
+        self._open = {}
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(
+                lambda t: self.pack(t, params), self.unpack
+            ):
+                yield
+        finally:
+            self._open = None  # the device tensors may go: their copies are queued
 
     def pack(self, tensor: torch.Tensor, params: frozenset[int]) -> Any:
-        if tensor.untyped_storage().data_ptr() in params:
-            return tensor  # a parameter or a view of one: it stays where it is
-        span = 1 + sum((n - 1) * s for n, s in zip(tensor.shape, tensor.stride(), strict=True))
-        span = span if tensor.numel() else 0
-        flat = self.tier.allocate(span, tensor.dtype)
-        host = flat.as_strided(tensor.shape, tensor.stride())
-        host.copy_(tensor)
-        weakref.finalize(host, self._give_back, flat)
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() in params or tensor.layout is not torch.strided:
+            return tensor  # a parameter or a view of one (or a sparse tensor): it stays
+        key = (tensor.device, storage.data_ptr())
+        opened = self._open if self._open is not None else {}
+        if key not in opened:
+            opened[key] = (self._copy_out(tensor), tensor)
         self.tensors_out += 1
-        return _OnHost(host, tensor.device)
+        return _OnHost(opened[key][0], tensor.dtype, tuple(tensor.shape), tensor.stride(),
+                       tensor.storage_offset())  # fmt: skip
+
+    def _copy_out(self, tensor: torch.Tensor) -> _HostStorage:
+        storage = tensor.untyped_storage()
+        flat = self.tier.allocate(storage.nbytes(), torch.uint8)
+        source = torch.empty(0, dtype=torch.uint8, device=tensor.device).set_(storage)
+        copied = None
+        if tensor.device.type == "cuda":
+            stream = self._side_stream(tensor.device)
+            stream.wait_stream(torch.cuda.current_stream(tensor.device))
+            with torch.cuda.stream(stream):
+                flat.copy_(source, non_blocking=True)
+                copied = torch.cuda.Event()
+                copied.record(stream)
+            source.record_stream(stream)
+        else:
+            flat.copy_(source)
+        self.storages_out += 1
+        held = _HostStorage(flat, tensor.device, copied)
+        weakref.finalize(held, self._give_back, flat)
+        return held
 
     def unpack(self, packed: Any) -> torch.Tensor:
         if not isinstance(packed, _OnHost):
             return packed
         self.tensors_back += 1
-        host = packed.host
-        if host.device == packed.device:
-            return host
-        back = torch.empty_strided(
-            host.shape, host.stride(), dtype=host.dtype, device=packed.device
+        flat = packed.storage.on_device()
+        return torch.empty(0, dtype=packed.dtype, device=flat.device).set_(
+            flat.untyped_storage(), packed.offset, packed.shape, packed.stride
         )
-        return back.copy_(host, non_blocking=True)
+
+    def _side_stream(self, device: torch.device) -> Any:
+        if device not in self._streams:
+            self._streams[device] = torch.cuda.Stream(device)
+        return self._streams[device]
 
     def _give_back(self, flat: torch.Tensor) -> None:
         if self.tier.holds(flat):
             self.tier.free(flat)
 
 
+class _HostStorage:
+    """One device storage's bytes on the host; its copy back is shared by the tensors that
+    view it while any of them is alive."""
+
+    def __init__(self, flat: torch.Tensor, device: torch.device, copied: Any) -> None:
+        self.flat = flat
+        self.device = device
+        self.copied = copied  # the CUDA event the copy out records; None where it was synchronous
+        self._back: weakref.ref[torch.Tensor] | None = None
+
+    def on_device(self) -> torch.Tensor:
+        if self.flat.device == self.device:
+            return self.flat
+        back = self._back() if self._back is not None else None
+        if back is None:
+            if self.copied is not None:
+                torch.cuda.current_stream(self.device).wait_event(self.copied)
+            back = torch.empty_like(self.flat, device=self.device).copy_(self.flat, non_blocking=True)
+            self._back = weakref.ref(back)
+        return back
+
+
 @dataclass(frozen=True, slots=True)
 class _OnHost:
-    host: torch.Tensor
-    device: torch.device
+    storage: _HostStorage
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    offset: int
 
 
 @dataclass(slots=True)
@@ -138,12 +213,7 @@ def apply_savers(model: nn.Module, savers: Mapping[str, Saver], *,
 
 def _swap_saved(module: nn.Module, host: HostSwap, params: frozenset[int]) -> list[Any]:
     """Hooks that hold ``host``'s saved-tensor hooks around each forward of ``module``."""
-    return around_forward(
-        module,
-        lambda: torch.autograd.graph.saved_tensors_hooks(
-            lambda t: host.pack(t, params), host.unpack
-        ),
-    )
+    return around_forward(module, lambda: host.swapping(params))
 
 
 def around_forward(

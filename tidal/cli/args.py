@@ -265,6 +265,7 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     _add_bench_plan(benches)
     _add_bench_pipemare(benches)
     _add_bench_mpress(benches)
+    _add_bench_savers(benches)
     _add_bench_pipeline(benches)
     _add_bench_compat(benches)
 
@@ -377,6 +378,21 @@ def _add_bench_mpress(benches: argparse._SubParsersAction) -> None:
         "benchmarks/results/mpress-*.json.",
     )
     add_arguments(mpress)
+
+
+def _add_bench_savers(benches: argparse._SubParsersAction) -> None:
+    from benchmarks.savers import add_arguments
+
+    savers = benches.add_parser(
+        "savers",
+        help="MPress's savers measured on this device: copy rates, recompute cost, stage peaks",
+        description="Measure host-device and in-device copy rates and a block's recompute cost, "
+        "feed them to the saver planner, then run each stage of a GPT pipeline alone (1F1B order) "
+        "with no saver, recompute, selective recompute, host swap and the planner's plan, and "
+        "compare saved bytes and the allocator's peak with the memory model. Writes "
+        "benchmarks/results/savers-*.json and a PNG beside it.",
+    )
+    add_arguments(savers)
 
 
 def _add_bench_pipeline(benches: argparse._SubParsersAction) -> None:

@@ -325,6 +325,10 @@ def _bench(args: argparse.Namespace, console: Console) -> int:
         from benchmarks.mpress import run as run_mpress
 
         return run_mpress(args, console)
+    if args.bench == "savers":
+        from benchmarks.savers import run as run_savers
+
+        return run_savers(args, console)
     if args.bench == "compat":
         from benchmarks.compat import run as run_compat
 

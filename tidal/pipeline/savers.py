@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tidal.activations.measure import saved_bytes
+from tidal.activations.measure import measure_saves
 from tidal.activations.plan import Saved, SaverPlan, TensorClass
 from tidal.config import require
 from tidal.pipeline.ir import Kind, parse_action
@@ -40,13 +40,15 @@ __all__ = [
     "stage_units",
     "step_with_savers",
     "unit_class",
+    "whole_blocks",
 ]
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)
 class UnitSaves:
-    """What one submodule of a stage (``path``, in block ``block``) saves for one microbatch,
-    and the seconds to recompute it (None: it cannot be)."""
+    """What one submodule of a stage (``path``, in block ``block``; "" for what the stage
+    saves outside every submodule, which no saver moves) saves for one microbatch, the
+    seconds to recompute it (None: it cannot be) and what a recompute of it keeps."""
 
     stage: int
     block: int
@@ -54,6 +56,8 @@ class UnitSaves:
     num_bytes: int
     recompute_s: float | None
     path: str = ""
+    keeps_bytes: int = 0
+    fixed: bool = False
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)
@@ -106,7 +110,8 @@ def saved_tensors(sim: Simulation, units: Sequence[UnitSaves | BlockSaves], *,
     flat = [u for x in units for u in (x.units() if isinstance(x, BlockSaves) else [x])]
     out = [Saved(stage=u.stage, block=u.block, tensor_class=u.tensor_class, num_bytes=u.num_bytes,
                  copies=sim.peak_activations[u.stage], uses_per_step=uses,
-                 recompute_s=u.recompute_s, idle_s=idle[u.stage], path=u.path)
+                 recompute_s=u.recompute_s, idle_s=idle[u.stage], path=u.path,
+                 recompute_keeps_bytes=u.keeps_bytes, fixed=u.fixed)
            for u in flat]  # fmt: skip
     for stage, num_bytes in enumerate(weight_bytes):
         extra = sim.weight_versions[stage] - 1
@@ -115,6 +120,38 @@ def saved_tensors(sim: Simulation, units: Sequence[UnitSaves | BlockSaves], *,
                              num_bytes=num_bytes, copies=extra, uses_per_step=uses,
                              recompute_s=None, idle_s=idle[stage]))  # fmt: skip
     return out
+
+
+def whole_blocks(saved: Sequence[Saved]) -> list[Saved]:
+    """``saved`` with each block's parts (units ``<block path>.<part>``) made one unit at the
+    block's path: a saver on the whole block keeps what its first part keeps (the block's
+    input) and brings back all the block saved at once. Other items are left as they are."""
+    groups: dict[tuple[int, int, str], list[Saved]] = {}
+    out: list[Saved] = []
+    for item in saved:
+        parent = item.path.rpartition(".")[0]
+        if item.block < 0 or not parent or item.tensor_class is TensorClass.WEIGHTS:
+            out.append(item)
+            continue
+        key = (item.stage, item.block, parent)
+        if key not in groups:
+            groups[key] = []
+            out.append(item)  # where the merged block goes; replaced below
+        groups[key].append(item)
+    merged = {(g[0].stage, g[0].block, g[0].path): _merge(path, g)
+              for (_, _, path), g in groups.items()}  # fmt: skip
+    return [merged.get((i.stage, i.block, i.path), i) for i in out]
+
+
+def _merge(path: str, parts: Sequence[Saved]) -> Saved:
+    first = parts[0]
+    times = [p.recompute_s for p in parts]
+    return dataclasses.replace(
+        first, tensor_class=TensorClass.OTHER, path=path,
+        num_bytes=sum(p.num_bytes for p in parts),
+        recompute_s=None if None in times else sum(t for t in times if t is not None),
+        recompute_keeps_bytes=first.recompute_keeps_bytes,
+    )  # fmt: skip
 
 
 def step_with_savers(sim: Simulation, plan: SaverPlan) -> Simulation:
@@ -180,7 +217,8 @@ def _measure(stages: Sequence[PipelineStage], inputs: torch.Tensor, targets: tor
         def run(stage: PipelineStage = stage, x: torch.Tensor = x) -> torch.Tensor:
             return stage(x, targets) if stage.is_last else stage(x)
 
-        held = saved_bytes(stage, [path for path, _ in units], run)
+        saves = measure_saves(stage, [path for path, _ in units], run)
+        held = saves.saved_bytes
         per_block: dict[int, int] = {}
         for path, block in units:
             per_block[block] = per_block.get(block, 0) + held[path]
@@ -188,7 +226,11 @@ def _measure(stages: Sequence[PipelineStage], inputs: torch.Tensor, targets: tor
             share = held[path] / per_block[block] if per_block[block] else 0.0
             out.append(UnitSaves(stage=s, block=block, tensor_class=unit_class(path),
                                  num_bytes=held[path], path=path,
-                                 recompute_s=block_forward_s(s, block) * share))  # fmt: skip
+                                 recompute_s=block_forward_s(s, block) * share,
+                                 keeps_bytes=min(saves.input_bytes[path], held[path])))  # fmt: skip
+        if saves.outside_bytes:
+            out.append(UnitSaves(stage=s, block=-1, tensor_class=TensorClass.OTHER,
+                                 num_bytes=saves.outside_bytes, recompute_s=None, fixed=True))  # fmt: skip
         if not stage.is_last:  # the next stage's input, as a received activation is
             with torch.no_grad():
                 x = stage(x)

@@ -37,7 +37,7 @@ from tidal.activations.runtime import SaverHandles, apply_savers, around_forward
 from tidal.config import ConfigError, format_bytes
 from tidal.memory.activations import SavedTensorMeter
 from tidal.memory.tiers import TierKind, make_tiers, resolve_budget
-from tidal.pipeline.savers import measure_units, saved_tensors
+from tidal.pipeline.savers import measure_units, saved_tensors, whole_blocks
 from tidal.pipeline.schedules import make_schedule
 from tidal.pipeline.simulate import simulate
 from tidal.pipeline.split import PipelineStage
@@ -155,8 +155,10 @@ def _plan(job: JobConfig, stages: Sequence[PipelineStage], *, budget: int, world
                   host_budget_bytes=(host_budget,),
                   peer_bandwidth=tuple((0.0,) * world_size for _ in range(world_size)))  # fmt: skip
     saved = saved_tensors(sim, units, weight_bytes=weight_bytes)
-    if fixed is not None:  # every block's parts get the one saver
-        choices: list[Choice] = [(fixed if i.block >= 0 else Saver.KEEP, None) for i in saved]
+    if fixed is not None:  # every block gets the one saver, as one unit
+        saved = whole_blocks(saved)
+        choices: list[Choice] = [(fixed if i.block >= 0 and not i.fixed else Saver.KEEP, None)
+                                 for i in saved]  # fmt: skip
         plan = evaluate(saved, choices, links, f"every block: {fixed.value}")
         if not plan.fits:
             worst = max(range(world_size), key=lambda r: plan.peak_bytes[r] - budget)
