@@ -34,8 +34,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import time
-from copy import deepcopy
 from collections.abc import Callable, Sequence
+from copy import deepcopy
 from pathlib import Path
 from typing import Any
 
@@ -222,8 +222,11 @@ def _strategy(name: str, saved: list[Saved], links: Links) -> SaverPlan:
     return evaluate(saved, choices, links, name)
 
 
-def _programs(num_stages: int, microbatches: int) -> tuple[Simulation, list[list[tuple[Kind, int]]]]:
+def _programs(
+    num_stages: int, microbatches: int
+) -> tuple[Simulation, list[list[tuple[Kind, int]]]]:
     schedule = make_schedule("1f1b", stages=num_stages, microbatches=microbatches)
+    programs: list[list[tuple[Kind, int]]]
     programs = [[(a.kind, a.microbatch) for a in schedule.programs[schedule.rank_of(s)]
                  if a.stage == s and a.kind in (Kind.FORWARD, Kind.BACKWARD)]
                 for s in range(num_stages)]  # fmt: skip
@@ -282,10 +285,10 @@ def bench_savers(args: argparse.Namespace) -> dict[str, Any]:
                 (float((a - b).abs().max()) for a, b in zip(grads, reference, strict=True)),
                 default=0.0)  # fmt: skip
             del copy, grads
-            kept = sum(i.held_under(c[0]) for i, c in zip(plan.saved, plan.choices, strict=True)
-                       if i.stage == s)  # fmt: skip
+            kept_bytes = sum(i.held_under(c[0]) for i, c
+                             in zip(plan.saved, plan.choices, strict=True) if i.stage == s)  # fmt: skip
             rows.append({"strategy": name, "stage": s, "fits_plan": plan.fits,
-                         "predicted_kept_bytes": kept,
+                         "predicted_kept_bytes": kept_bytes,
                          "recomputed": len(handles.recomputed), "to_host": len(handles.swapped),
                          "budget_bytes": budget[s], "predicted_saved_bytes": plan.peak_bytes[s],
                          "predicted_added_s": plan.added_s[s], **measured})  # fmt: skip

@@ -34,3 +34,28 @@ def test_bench_mpress_writes_rows_and_the_plan_fits_what_one_saver_fits(
         at = rows[schedule, "mpress"]
         assert at["step_s_at_recompute_largest"] is not None
         assert at["peak_bytes_at_recompute_largest"] <= 512 << 20
+
+
+def test_bench_savers_meter_matches_the_model_and_every_saver_gives_the_same_gradients(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from benchmarks.savers import STRATEGIES as MEASURED
+
+    argv = ["bench", "savers", "--device", "cpu", "--width", "32", "--heads", "2", "--layers", "4",
+            "--seq-len", "16", "--micro-batch", "2", "--stages", "2", "--microbatches", "4",
+            "--copy-bytes", "65536", "--repeats", "1", "--results-dir", str(tmp_path)]  # fmt: skip
+    assert main(argv) == 0
+    assert "tidal bench savers on cpu" in capsys.readouterr().out
+    (path,) = tmp_path.glob("savers-*.json")
+    data = json.loads(path.read_text())
+    assert all(rate > 0 for rate in data["copy_bytes_per_s"].values())
+    assert data["block"]["forward_s"] > 0 and data["skipped"] == {}
+    rows = {(r["strategy"], r["stage"]): r for r in data["rows"]}
+    assert set(rows) == {(name, s) for name in MEASURED for s in (0, 1)}
+    for key, r in rows.items():
+        assert r["meter_peak_bytes"] == r["predicted_kept_bytes"], key
+        assert r["grads_max_abs_diff"] == 0.0, key  # fp32 on the CPU: bit for bit
+    assert rows["recompute", 0]["recomputed"] == 2 and rows["host", 0]["to_host"] == 2
+    assert rows["recompute", 0]["meter_peak_bytes"] < rows["none", 0]["meter_peak_bytes"] / 3
+    plan = [rows["plan", s] for s in (0, 1)]
+    assert all(r["fits_plan"] and r["predicted_saved_bytes"] <= r["budget_bytes"] for r in plan)

@@ -91,7 +91,7 @@ class HostSwap:
             opened[key] = (self._copy_out(tensor), tensor)
         self.tensors_out += 1
         return _OnHost(opened[key][0], tensor.dtype, tuple(tensor.shape), tensor.stride(),
-                       tensor.storage_offset())  # fmt: skip
+                       int(tensor.storage_offset()))  # fmt: skip
 
     def _copy_out(self, tensor: torch.Tensor) -> _HostStorage:
         storage = tensor.untyped_storage()
@@ -149,7 +149,9 @@ class _HostStorage:
         if back is None:
             if self.copied is not None:
                 torch.cuda.current_stream(self.device).wait_event(self.copied)
-            back = torch.empty_like(self.flat, device=self.device).copy_(self.flat, non_blocking=True)
+            back = torch.empty_like(self.flat, device=self.device).copy_(
+                self.flat, non_blocking=True
+            )
             self._back = weakref.ref(back)
         return back
 

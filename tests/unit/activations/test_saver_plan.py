@@ -188,3 +188,30 @@ def test_the_greedy_is_within_10_percent_of_the_exact_step_and_never_infeasible_
                 exact.added_step_s, saved, links
             )
     assert compared >= 20  # most instances exercise the comparison
+
+
+def test_a_recompute_keeps_its_inputs_and_the_greedy_moves_them_on_to_the_host() -> None:
+    # Two units of 40 MiB a copy, 4 copies in flight; a recompute keeps a 10 MiB input a copy.
+    # Both recomputed: 2 x 40 kept + the loss 8 (which no saver moves) + one copy back 40 = 128
+    # MiB, over 100: the greedy (recompute first, the cheaper per byte) must move one on.
+    unit = Saved(stage=0, block=0, tensor_class=TensorClass.MLP, num_bytes=40 * MiB, copies=4,
+                 uses_per_step=8, recompute_s=1e-3, recompute_keeps_bytes=10 * MiB)  # fmt: skip
+    loss = Saved(stage=0, block=-1, tensor_class=TensorClass.OTHER, num_bytes=8 * MiB, copies=1,
+                 uses_per_step=8, recompute_s=None, fixed=True)  # fmt: skip
+    second = Saved(stage=0, block=1, tensor_class=TensorClass.MLP, num_bytes=40 * MiB, copies=4,
+                   uses_per_step=8, recompute_s=1e-3, recompute_keeps_bytes=10 * MiB)  # fmt: skip
+    saved, links = [unit, second, loss], _links([100 * MiB], host_gbps=1.0)
+    assert unit.held_under(Saver.RECOMPUTE) == 40 * MiB and unit.held_under(Saver.HOST) == 0
+    assert _options(loss, links) == [(Saver.KEEP, None)]
+    both = evaluate(saved, [(Saver.RECOMPUTE, None)] * 2 + [(Saver.KEEP, None)], links, "")
+    assert both.peak_bytes == (40 * MiB + 40 * MiB + 8 * MiB + 40 * MiB,)  # kept + transient
+    assert not both.fits
+    plan = plan_greedy(saved, links)
+    assert plan.fits and plan.peak_bytes[0] == 40 * MiB + 8 * MiB + 40 * MiB
+    assert (Saver.HOST, None) in plan.choices and plan.choices[2] == (Saver.KEEP, None)
+    assert least_peak_bytes(saved, links) == (8 * MiB + 40 * MiB,)  # the loss and one copy
+    with pytest.raises(ConfigError, match="needs at least 48.00MiB"):
+        plan_savers(saved, _links([47 * MiB]))
+    with pytest.raises(ConfigError, match="recompute keeps at most what is saved"):
+        Saved(stage=0, block=0, tensor_class=TensorClass.MLP, num_bytes=1, copies=1,
+              uses_per_step=1, recompute_s=0.0, recompute_keeps_bytes=2)  # fmt: skip

@@ -110,3 +110,33 @@ def test_what_cannot_run_is_one_line() -> None:
         check_schedule({"blocks.0": Saver.RECOMPUTE}, asynchronous=True, schedule="pipemare")
     check_schedule({"blocks.0": Saver.KEEP}, asynchronous=True, schedule="pipemare")
     check_schedule({"blocks.0": Saver.RECOMPUTE}, asynchronous=False, schedule="1f1b")
+
+
+class _Views(torch.nn.Module):
+    """Saves three views of one storage (as attention saves q, k and v) and one product."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv = torch.nn.Linear(8, 24)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(x).chunk(3, dim=-1)
+        return (q * k * v).sum()
+
+
+def test_a_host_swap_copies_each_storage_once_and_brings_the_views_back() -> None:
+    plain = _Views()
+    swapped = copy.deepcopy(plain)
+    host = Tier(TierKind.HOST, torch.device("cpu"), budget_bytes=None)
+    handles = apply_savers(swapped, {"": Saver.HOST}, host=host)
+    x = torch.randn(4, 8)
+    for model in (plain, swapped):
+        model(x.requires_grad_()).backward()
+    assert handles.host is not None
+    # Saved: q and k (for q * k), then q * k and v: four tensors, two storages (qkv and q * k),
+    # the input x (for the linear's weight gradient) a third.
+    assert handles.host.tensors_out == 5 and handles.host.storages_out == 3
+    assert host.peak_bytes == (4 * 24 + 4 * 8 + 4 * 8) * 4  # qkv once, not three times
+    assert host.held_bytes == 0
+    for a, b in zip(plain.parameters(), swapped.parameters(), strict=True):
+        assert torch.equal(a.grad, b.grad)

@@ -137,3 +137,38 @@ def test_a_rank_past_its_budget_stops_at_once_in_one_line() -> None:
     _budget_guard([first], budget=roomy.peak_bytes - 1, base=1000, rank=3)  # its meter is inner
     with pytest.raises(ConfigError, match="rank 3 would hold .* over its budget"):
         first(tokens)
+
+
+def test_what_a_recompute_keeps_and_the_loss_are_measured_as_the_meter_counts_them() -> None:
+    from tidal.activations import Saver, evaluate
+    from tidal.activations.runtime import apply_savers, around_forward
+    from tidal.memory.activations import SavedTensorMeter
+    from tidal.models import build_gpt
+    from tidal.models.gpt import GPTConfig, split_gpt
+    from tidal.pipeline.savers import measure_units, whole_blocks
+    from tidal.pipeline.split import even_ranges
+
+    model = build_gpt(GPTConfig(vocab_size=64, seq_len=8, num_layers=4, num_heads=2, d_model=16))
+    stages = split_gpt(model, even_ranges(4, 2))
+    tokens = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+    units = measure_units(stages, tokens, tokens, lambda s, b: 1e-3)
+    (loss,) = [u for u in units if u.fixed]
+    assert loss.stage == 1 and loss.path == "" and loss.num_bytes >= 2 * 8 * 64 * 4  # logits
+    assert all(0 < u.keeps_bytes <= u.num_bytes for u in units if u.block >= 0)
+    links = Links(stage_rank=(0, 1), budget_bytes=(1 << 30,) * 2, base_bytes=(0, 0),
+                  host_link=(0, 0), host_bandwidth=(1e9,), host_budget_bytes=(None,),
+                  peer_bandwidth=((0.0, 0.0), (0.0, 0.0)))  # fmt: skip
+    sim = simulate(make_schedule("gpipe", stages=2, microbatches=3))
+    saved = whole_blocks(saved_tensors(sim, units, weight_bytes=[0, 0]))
+    assert [s.path for s in saved if s.stage == 0] == ["embed", "layers.0", "layers.1"]
+    choices = [(Saver.RECOMPUTE if s.block >= 0 else Saver.KEEP, None) for s in saved]
+    plan = evaluate(saved, choices, links, "")
+    first = stages[0]
+    apply_savers(first, {"layers.0": Saver.RECOMPUTE, "layers.1": Saver.RECOMPUTE})
+    params = {p.untyped_storage()._cdata for p in first.parameters()}
+    meter = SavedTensorMeter(is_model_storage=params.__contains__)
+    around_forward(first, meter.tracking)
+    outputs = [first(tokens.clone()) for _ in range(3)]  # GPipe: every microbatch in flight
+    kept = sum(s.held_under(c[0]) for s, c in zip(saved, plan.choices, strict=True) if s.stage == 0)
+    assert meter.live_bytes() == kept > 0
+    del outputs
