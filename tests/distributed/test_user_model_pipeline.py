@@ -51,7 +51,8 @@ def _images() -> list[tuple[torch.Tensor, torch.Tensor]]:
 CASES = {"mlp": (_mlp, _regression, F.mse_loss), "cnn": (_cnn, _images, None)}
 
 
-def _fit(run_dir: Path, case: str, steps: int, *, stages: int, resume: bool = False) -> dict:
+def _fit(run_dir: Path, case: str, steps: int, *, stages: int, resume: bool = False,
+         memory: dict[str, Any] | None = None) -> dict:  # fmt: skip
     build, data, loss_fn = CASES[case]
     config: dict[str, Any] = {
         "run_dir": str(run_dir),
@@ -62,6 +63,9 @@ def _fit(run_dir: Path, case: str, steps: int, *, stages: int, resume: bool = Fa
     }  # fmt: skip
     if stages > 1:
         config["pipeline"] = {"stages": stages, "microbatches": 2, "schedule": "1f1b"}
+    if memory is not None:  # {"device_budget": ..., "pipeline": none | auto | ...}
+        config["memory"] = {"device_budget": memory["device_budget"]}
+        config["pipeline"]["memory"] = memory["pipeline"]
     trainer = tidal.Trainer(build(), config, train_data=data(), val_data=data()[:2],
                             loss_fn=loss_fn)  # fmt: skip
     return trainer.fit(resume=resume)
@@ -71,7 +75,32 @@ def _pipeline(root: str, case: str) -> dict:
     summary = _fit(Path(root) / "pipe", case, 6, stages=2)
     _fit(Path(root) / "split", case, 4, stages=2)
     _fit(Path(root) / "split", case, 6, stages=2, resume=True)
+    if case == "cnn":
+        _fits_its_budget_with_savers(Path(root))
     return summary
+
+
+def _fits_its_budget_with_savers(root: Path) -> None:
+    """Your model under a device budget (issue 18): one byte below what the most loaded rank
+    needs keeping everything, ``none`` is refused and ``auto`` trains the same numbers."""
+    import torch.distributed as dist
+
+    roomy = _fit(root / "roomy", "cnn", 2, stages=2,
+                 memory={"device_budget": "1GiB", "pipeline": "none"})  # fmt: skip
+    needs: list[Any] = [None, None]
+    dist.all_gather_object(needs, roomy["pipeline"]["memory"]["predicted_peak_bytes"])
+    budget = max(needs) - 1
+    with pytest.raises(tidal.ConfigError, match=r"rank \d needs .* set pipeline.memory = 'auto'"):
+        _fit(
+            root / "none", "cnn", 6, stages=2, memory={"device_budget": budget, "pipeline": "none"}
+        )
+    summary = _fit(root / "auto", "cnn", 6, stages=2,
+                   memory={"device_budget": budget, "pipeline": "auto"})  # fmt: skip
+    assert _records(root / "auto") == _records(root / "pipe")
+    figures: list[Any] = [None, None]
+    dist.all_gather_object(figures, summary["pipeline"]["memory"])
+    assert all(f["measured_peak_bytes"] <= f["predicted_peak_bytes"] <= budget for f in figures)
+    assert sum(f["blocks_recomputed"] + f["blocks_swapped"] for f in figures) > 0, figures
 
 
 def _records(run_dir: Path) -> list[tuple]:

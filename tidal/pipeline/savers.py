@@ -123,14 +123,15 @@ def saved_tensors(sim: Simulation, units: Sequence[UnitSaves | BlockSaves], *,
 
 
 def whole_blocks(saved: Sequence[Saved]) -> list[Saved]:
-    """``saved`` with each block's parts (units ``<block path>.<part>``) made one unit at the
-    block's path: a saver on the whole block keeps what its first part keeps (the block's
+    """``saved`` with each block's parts (units ``layers.<k>.<part>``) made one unit at the
+    block's path (a block that is one unit, ``layers.<k>``, stays as it is): a saver on the whole block keeps what its first part keeps (the block's
     input) and brings back all the block saved at once. Other items are left as they are."""
     groups: dict[tuple[int, int, str], list[Saved]] = {}
     out: list[Saved] = []
     for item in saved:
         parent = item.path.rpartition(".")[0]
-        if item.block < 0 or not parent or item.tensor_class is TensorClass.WEIGHTS:
+        is_part = parent.rpartition(".")[2].isdigit()  # "layers.3.attn"; "layers.3" is a block
+        if item.block < 0 or not is_part or item.tensor_class is TensorClass.WEIGHTS:
             out.append(item)
             continue
         key = (item.stage, item.block, parent)

@@ -7,8 +7,9 @@ fits: its stages' model data (weights, gradients and optimizer state: 4 x the we
 AdamW or Adam, 3 x otherwise) plus, for every unit of its stages (each block's parts, the
 embedding, the head: :func:`~tidal.pipeline.savers.stage_units`), one microbatch's saved bytes
 times the microbatches the schedule keeps in flight there. The bytes are measured on one
-microbatch before training, by every rank for every stage (each builds the whole model), so all
-ranks make the same plan. ``pipeline.memory``:
+microbatch before training (a :class:`MemoryProbe`: zeros for tidal's models, the first batch of
+your data for your own ``nn.Sequential``), by every rank for every stage (each builds the whole
+model), so all ranks make the same plan. ``pipeline.memory``:
 
 - ``none`` refuses a run that does not fit, in one line that names ``auto``;
 - ``recompute`` / ``host`` put that saver on every block of every stage;
@@ -25,7 +26,7 @@ hooks) get the check before the first step, not the meter.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,7 +44,7 @@ from tidal.pipeline.simulate import simulate
 from tidal.pipeline.split import PipelineStage
 from tidal.train.job import JobConfig
 
-__all__ = ["PipelineMemory", "model_data_per_weight_byte", "plan_pipeline_memory"]
+__all__ = ["MemoryProbe", "PipelineMemory", "model_data_per_weight_byte", "plan_pipeline_memory"]
 
 HOST_LINK_BYTES_PER_S = 25e9  # PCIe 4 x16 as achieved: what the planner prices host swaps at
 
@@ -83,26 +84,34 @@ def model_data_per_weight_byte(job: JobConfig) -> int:
     return 4 if job.optimizer.name in ("adamw", "adam") else 3
 
 
+@dataclass(frozen=True, slots=True)
+class MemoryProbe:
+    """One microbatch to measure the stages' saves on (``inputs`` for the first stage,
+    ``targets`` for the last), and the forward seconds of block ``b`` of stage ``s`` that price
+    its recompute (``block_forward_s(s, b)``; -1: the embedding and the head)."""
+
+    inputs: torch.Tensor
+    targets: torch.Tensor
+    block_forward_s: Callable[[int, int], float]
+
+
 def plan_pipeline_memory(job: JobConfig, stages: Sequence[PipelineStage], *, mine: Sequence[int],
                          rank: int, world_size: int, device: torch.device,
-                         own_model: bool) -> PipelineMemory:  # fmt: skip
+                         probe: MemoryProbe | None) -> PipelineMemory:  # fmt: skip
     """[Note: pipeline memory] for this rank's stages ``mine`` of ``stages`` (all of them);
-    ``own_model``: the stages are of a model the caller gave, not the job's ``[model]``."""
+    ``probe``: what to measure them on (needed with a device budget)."""
     pipe, mode = job.pipeline, job.pipeline.memory
     budget = resolve_budget(job.memory.device_budget, kind=TierKind.DEVICE, device=device,
                             key="memory.device_budget")  # fmt: skip
     if budget is None and mode == "auto":
         raise ConfigError("pipeline.memory", "'auto' plans against memory.device_budget; set it "
                           "(each rank's bytes, e.g. 2GiB)")  # fmt: skip
-    if budget is not None and own_model:
-        raise ConfigError("memory.device_budget", "a pipeline of your own model has no budget "
-                          "check yet; unset memory.device_budget (pipeline.memory = recompute "
-                          "or host works without one)")  # fmt: skip
     fixed = {"recompute": Saver.RECOMPUTE, "host": Saver.HOST}.get(mode)
     plan, base = None, [0] * world_size
     if budget is not None:
-        plan, base = _plan(job, stages, budget=budget, world_size=world_size, device=device,
-                           fixed=fixed)  # fmt: skip
+        assert probe is not None, "a device budget needs a probe to measure the stages on"
+        plan, base = _plan(job, stages, probe, budget=budget, world_size=world_size,
+                           device=device, fixed=fixed)  # fmt: skip
     _, host = make_tiers(device=device, device_budget=None, host_budget=job.memory.host_budget)
     handles = []
     for s in mine:
@@ -121,27 +130,16 @@ def plan_pipeline_memory(job: JobConfig, stages: Sequence[PipelineStage], *, min
                           budget_bytes=budget)  # fmt: skip
 
 
-def _plan(job: JobConfig, stages: Sequence[PipelineStage], *, budget: int, world_size: int,
-          device: torch.device, fixed: Saver | None) -> tuple[SaverPlan, list[int]]:  # fmt: skip
-    from tidal.models import spec_for
-
+def _plan(job: JobConfig, stages: Sequence[PipelineStage], probe: MemoryProbe, *, budget: int,
+          world_size: int, device: torch.device,
+          fixed: Saver | None) -> tuple[SaverPlan, list[int]]:  # fmt: skip
     pipe = job.pipeline
     steps = 3 if pipe.asynchronous else 1
     schedule = make_schedule(pipe.schedule, stages=pipe.stages, microbatches=pipe.num_microbatches,
                              virtual=pipe.virtual_stages, steps=steps,
                              sync_steps=min(pipe.sync_steps, steps))  # fmt: skip
     sim = simulate(schedule)
-    config = job.model.resolve_structured()
-    rows = max(1, job.training.batch_size // pipe.num_microbatches)
-    tokens = torch.zeros((rows, config.seq_len), dtype=torch.long, device=device)
-    spec = spec_for(config)  # analytic forward seconds, to price recomputes
-    forward_s = [p.forward_s for p in spec.profile(spec.build(device="meta"), micro_batch=rows,
-                                                   seq_len=config.seq_len)]  # fmt: skip
-
-    def block_s(stage: int, block: int) -> float:
-        return forward_s[block + 1] if block >= 0 else 0.0  # profiles: embed, blocks..., head
-
-    units = measure_units(stages, tokens, tokens, block_s)
+    units = measure_units(stages, probe.inputs, probe.targets, probe.block_forward_s)
     weight_bytes = [sum(p.numel() * p.element_size() for p in s.parameters()) for s in stages]
     per_weight_byte = model_data_per_weight_byte(job)
     base = [0] * world_size

@@ -47,7 +47,11 @@ from tidal.pipeline.sequential import LossFn, check_sequential, profile_sequenti
 from tidal.pipeline.split import even_ranges, split_parts
 from tidal.train.engine_state import PipelineStages
 from tidal.train.job import JobConfig
-from tidal.train.pipeline_memory import model_data_per_weight_byte, plan_pipeline_memory
+from tidal.train.pipeline_memory import (
+    MemoryProbe,
+    model_data_per_weight_byte,
+    plan_pipeline_memory,
+)
 
 __all__ = ["PipelinePart", "block_ranges", "check_pipeline_job"]
 
@@ -131,8 +135,31 @@ def sequential_ranges(
     num_stages = pipe.stages * pipe.virtual_stages
     if pipe.partition == "even" or num_stages == 1:
         return tuple(even_ranges(len(model), num_stages))
-    rows = max(1, job.training.batch_size // pipe.num_microbatches)
-    return balanced_ranges(job, profile_sequential(model, sample[:rows]))
+    return balanced_ranges(job, profile_sequential(model, sample[: _microbatch_rows(job)]))
+
+
+def _microbatch_rows(job: JobConfig) -> int:
+    return max(1, job.training.batch_size // job.pipeline.num_microbatches)
+
+
+def _spec_probe(job: JobConfig, device: torch.device) -> MemoryProbe:
+    """One microbatch of zeros for the job's model, each block's forward priced analytically."""
+    config = job.model.resolve_structured()
+    rows = _microbatch_rows(job)
+    tokens = torch.zeros((rows, config.seq_len), dtype=torch.long, device=device)
+    spec = spec_for(config)
+    forward_s = [p.forward_s for p in spec.profile(spec.build(device="meta"), micro_batch=rows,
+                                                   seq_len=config.seq_len)]  # fmt: skip
+    # profiles: the embedding, the blocks, the head
+    return MemoryProbe(tokens, tokens, lambda s, b: forward_s[b + 1] if b >= 0 else 0.0)
+
+
+def _sequential_probe(job: JobConfig, model: nn.Sequential, inputs: torch.Tensor,
+                      targets: torch.Tensor) -> MemoryProbe:  # fmt: skip
+    """One microbatch of your data, each child's forward priced by its counted FLOPs."""
+    rows = _microbatch_rows(job)
+    forward_s = [p.forward_s for p in profile_sequential(model, inputs[:rows])]
+    return MemoryProbe(inputs[:rows], targets[:rows], lambda s, b: forward_s[b] if b >= 0 else 0.0)
 
 
 def balanced_ranges(job: JobConfig, profiles: list[LayerProfile]) -> tuple[tuple[int, int], ...]:
@@ -185,15 +212,16 @@ class PipelinePart:
         world_size: int,
         model: nn.Module | None = None,
         loss_fn: LossFn | None = None,
-        sample: torch.Tensor | None = None,
+        sample: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> None:
-        """``model``: your own (an ``nn.Sequential``, with ``loss_fn`` and a ``sample`` batch's
-        inputs to profile it on), else the job's ``[model]``."""
+        """``model``: your own (an ``nn.Sequential``, with ``loss_fn`` and a ``sample`` batch,
+        inputs and targets, to profile it on), else the job's ``[model]``."""
         self.job = job
         training, pipe = job.training, job.pipeline
         self.device = device
         check_pipeline_job(job, world_size=world_size, model=model)
-        own_model = model is not None
+        budgeted = job.memory.device_budget is not None
+        probe = None
         if model is None:
             spec = spec_for(job.model.resolve_structured())
             model = spec.build(device=device, seed=training.seed)
@@ -201,19 +229,22 @@ class PipelinePart:
             self.flops_per_token: float | None = spec.flops_per_token(model)
             self.ranges = block_ranges(job)
             stages = spec.split(model, self.ranges)
+            probe = _spec_probe(job, device) if budgeted else None
         else:
             assert isinstance(model, nn.Sequential) and loss_fn is not None and sample is not None
             model = model.to(device)
             self.num_params = sum(p.numel() for p in model.parameters())
             self.flops_per_token = None  # a model tidal did not write: FLOPs unknown
-            self.ranges = sequential_ranges(job, model, sample.to(device))
+            inputs, targets = (t.to(device) for t in sample)
+            self.ranges = sequential_ranges(job, model, inputs)
             stages = split_parts(model, sequential_parts(model, loss_fn), self.ranges)
+            probe = _sequential_probe(job, model, inputs, targets) if budgeted else None
         layout = model_layout(model, {n: t.shape for n, t in model.state_dict().items()})
         del model
         self.stage_ids = list(range(current_rank(), len(stages), world_size))
         self.memory = plan_pipeline_memory(job, stages, mine=self.stage_ids, rank=current_rank(),
                                            world_size=world_size, device=device,
-                                           own_model=own_model)  # fmt: skip
+                                           probe=probe)  # fmt: skip
         self.lr = lr_schedule(job.optimizer, training)
         self.engine = pipeline(stages, config=pipe, optimizer=job.optimizer, training=training,
                                block_ranges=self.ranges, device=device, rank=current_rank(),

@@ -235,7 +235,7 @@ class Trainer:
             part = PipelinePart(self.job, device=device, world_size=self.world_size,
                                 model=self.user_model,
                                 loss_fn=self._loss_fn or torch.nn.functional.cross_entropy,
-                                sample=first.fixed_batches(1)[0][0])  # fmt: skip
+                                sample=first.fixed_batches(1)[0])  # fmt: skip
         self.num_params, self.flops_per_token = part.num_params, part.flops_per_token
         return part
 
