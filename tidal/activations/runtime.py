@@ -53,7 +53,8 @@ from tidal.activations.plan import Saver
 from tidal.config import ConfigError
 from tidal.memory.tiers import Tier
 
-__all__ = ["HostSwap", "SaverHandles", "apply_savers", "around_forward", "check_schedule"]
+__all__ = ["HostSwap", "PeerSwap", "SaverHandles", "apply_savers", "around_forward",
+           "check_schedule"]  # fmt: skip
 
 
 @dataclass(slots=True)
@@ -165,6 +166,102 @@ class _OnHost:
     offset: int
 
 
+class PeerSwap:
+    """A stage's ``PEER`` savers ([Note: lending] in tidal/pipeline/lending.py): while a lent
+    submodule's forward runs, its saved tensors' storages join the open bundle of its lender;
+    the schedule's ``LO`` closes the bundle into one flat message (the device tensors go with
+    it), its ``LI`` restores it, and the backward reads views of what came back."""
+
+    _ALIGN = 64  # each storage starts on a multiple of this in the message: any dtype can view it
+
+    def __init__(self) -> None:
+        self._open: dict[int, dict[tuple[torch.device, int], _LentStorage]] = {}
+        self.storages_lent = 0
+        self.bytes_lent = 0
+
+    def swapping(
+        self, lender: int, params: frozenset[int]
+    ) -> contextlib.AbstractContextManager[None]:
+        return torch.autograd.graph.saved_tensors_hooks(
+            lambda t: self.pack(t, lender, params), self.unpack
+        )
+
+    def pack(self, tensor: torch.Tensor, lender: int, params: frozenset[int]) -> Any:
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() in params or tensor.layout is not torch.strided:
+            return tensor
+        bundle = self._open.setdefault(lender, {})
+        key = (tensor.device, storage.data_ptr())  # held until the bundle closes: no reuse
+        if key not in bundle:
+            bundle[key] = _LentStorage(torch.empty(0, dtype=torch.uint8,
+                                                   device=tensor.device).set_(storage))  # fmt: skip
+        return _Lent(bundle[key], tensor.dtype, tuple(tensor.shape), tensor.stride(),
+                     int(tensor.storage_offset()))  # fmt: skip
+
+    def unpack(self, packed: Any) -> torch.Tensor:
+        if not isinstance(packed, _Lent):
+            return packed
+        flat, start = packed.storage.back()
+        assert start % packed.dtype.itemsize == 0
+        return torch.empty(0, dtype=packed.dtype, device=flat.device).set_(
+            flat.untyped_storage(), start // packed.dtype.itemsize + packed.offset, packed.shape,
+            packed.stride,
+        )  # fmt: skip
+
+    def close(self, lender: int) -> tuple[torch.Tensor, object]:
+        """The open bundle for ``lender`` as one uint8 message, and the bundle to restore."""
+        entries = list(self._open.pop(lender, {}).values())
+        starts, size = [], 0
+        for entry in entries:
+            starts.append(size)
+            size += -(-entry.num_bytes // self._ALIGN) * self._ALIGN
+        device = entries[0].source.device if entries else torch.device("cpu")
+        flat = torch.empty(size, dtype=torch.uint8, device=device)
+        for entry, start in zip(entries, starts, strict=True):
+            flat[start : start + entry.num_bytes].copy_(entry.source)
+            entry.leave(start)
+        self.storages_lent += len(entries)
+        self.bytes_lent += size
+        return flat, entries
+
+    def restore(self, bundle: object, flat: torch.Tensor) -> None:
+        assert isinstance(bundle, list)
+        for entry in bundle:
+            entry.home = flat
+
+
+class _LentStorage:
+    """One storage a lent submodule saved: on this device until its bundle closes, then away,
+    then back as a slice of the message that brought it home."""
+
+    def __init__(self, source: torch.Tensor) -> None:
+        self.source = source
+        self.num_bytes = source.numel()
+        self.start = -1
+        self.home: torch.Tensor | None = None
+
+    def leave(self, start: int) -> None:
+        self.start = start
+        self.source = torch.empty(0, dtype=torch.uint8)  # the device bytes go
+
+    def back(self) -> tuple[torch.Tensor, int]:
+        if self.home is None:
+            raise RuntimeError(
+                "a lent tensor was read before it came back: the schedule needs its lending "
+                "actions ([Note: lending] in tidal/pipeline/lending.py)"
+            )
+        return self.home, self.start
+
+
+@dataclass(frozen=True, slots=True)
+class _Lent:
+    storage: _LentStorage
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    offset: int
+
+
 @dataclass(slots=True)
 class SaverHandles:
     """What :func:`apply_savers` did, to count and to undo."""
@@ -172,6 +269,7 @@ class SaverHandles:
     host: HostSwap | None
     recomputed: tuple[str, ...]
     swapped: tuple[str, ...]
+    lent: tuple[str, ...] = ()
     _hooks: list[Any] = field(default_factory=list)
 
     def remove(self) -> None:
@@ -180,18 +278,20 @@ class SaverHandles:
         self._hooks.clear()
 
 
-def apply_savers(model: nn.Module, savers: Mapping[str, Saver], *,
-                 host: Tier | None = None) -> SaverHandles:  # fmt: skip
-    """Recompute or host-swap the submodules ``savers`` names ([Note: savers in place]);
-    ``host``: the tier host swaps use (needed when any is asked)."""
+def apply_savers(model: nn.Module, savers: Mapping[str, Saver], *, host: Tier | None = None,
+                 peer: PeerSwap | None = None,
+                 lenders: Mapping[str, int] | None = None) -> SaverHandles:  # fmt: skip
+    """Recompute, host-swap or lend the submodules ``savers`` names ([Note: savers in place]);
+    ``host``: the tier host swaps use (needed when any is asked); ``peer`` and ``lenders[path]``
+    (the rank each lent submodule lends to): what peer swaps use."""
     unknown = sorted(set(savers) - {name for name, _ in model.named_modules()})
     if unknown:
         raise ConfigError("pipeline.memory", f"no submodule {unknown[0]!r} in the model to save on")
     moves = {path: saver for path, saver in savers.items() if saver is not Saver.KEEP}
-    if any(s is Saver.PEER for s in moves.values()):
-        raise ConfigError(
-            "pipeline.memory", "peer swap is not available yet; use recompute or host"
-        )
+    lent = [path for path, saver in moves.items() if saver is Saver.PEER]
+    if lent and (peer is None or lenders is None or any(p not in lenders for p in lent)):
+        raise ConfigError("pipeline.memory", "a peer swap needs the rank it lends to, in a "
+                          "pipeline whose schedule lends ([Note: lending])")  # fmt: skip
     for outer, inner in itertools.permutations(moves, 2):
         if inner.startswith(outer + ".") or outer == "":
             raise ConfigError("pipeline.memory", f"savers on {outer or 'the model'!r} and on "
@@ -206,10 +306,17 @@ def apply_savers(model: nn.Module, savers: Mapping[str, Saver], *,
     )
     for path in handles.recomputed:
         checkpoint(model.get_submodule(path))
+    params = frozenset(p.untyped_storage().data_ptr() for p in model.parameters())
     if handles.host is not None:
-        params = frozenset(p.untyped_storage().data_ptr() for p in model.parameters())
         for path in swaps:
             handles._hooks += _swap_saved(model.get_submodule(path), handles.host, params)
+    for path in lent:
+        assert peer is not None and lenders is not None
+        handles._hooks += around_forward(
+            model.get_submodule(path),
+            lambda p=peer, r=lenders[path]: p.swapping(r, params),  # type: ignore[misc]
+        )
+    handles.lent = tuple(lent)
     return handles
 
 

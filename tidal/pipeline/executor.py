@@ -50,8 +50,10 @@ from torch import nn
 
 from tidal.config import ConfigError, require
 from tidal.pipeline.ir import Action, Kind, Schedule, with_communication
+from tidal.pipeline.lending import Lending, with_lending
 from tidal.pipeline.p2p import (
     Direction,
+    LendKey,
     LocalTransport,
     MessageKey,
     PipelineDeadlock,
@@ -379,6 +381,7 @@ class RankExecutor:
         rules: UpdateRules,
         prepare_step: Callable[[int], None] | None = None,
         step_offset: int = 0,
+        lending: Lending | None = None,
     ) -> None:
         if not any(a.kind.is_comm for _, a in schedule.actions()) and schedule.num_ranks > 1:
             schedule = with_communication(schedule)
@@ -416,6 +419,11 @@ class RankExecutor:
         self._inputs: dict[tuple[int, int], torch.Tensor] = {}  # (stage, mb) -> activation
         self._grads: dict[tuple[int, int], torch.Tensor] = {}  # (stage, mb) -> output grad
         self._outgoing: dict[MessageKey, torch.Tensor] = {}
+        self.lending = lending
+        self._lent: dict[LendKey, object] = {}  # what each stage lent, until it is back
+        self._held: dict[LendKey, torch.Tensor] = {}  # what this rank holds for others
+        self.held_bytes = 0
+        self.peak_held_bytes = 0
 
     @property
     def done(self) -> bool:
@@ -441,7 +449,16 @@ class RankExecutor:
             return s == self.schedule.num_stages - 1 or (s, mb) in self._grads
         if action.kind is Kind.UPDATE and self.synchronous:
             return self.update_step(action) in self.prepared
+        if action.kind is Kind.HOLD:
+            return self.transport.ready(self._lend_key(action, home=False))
+        if action.kind is Kind.RECLAIM:
+            return self.transport.ready(self._lend_key(action, home=True))
         return True
+
+    def _lend_key(self, a: Action, *, home: bool) -> LendKey:
+        assert a.peer is not None
+        lender = self.rank if a.kind in (Kind.HOLD, Kind.GIVE_BACK) else a.peer
+        return LendKey(a.stage, a.microbatch, lender, home=home)
 
     @property
     def synchronous(self) -> bool:
@@ -483,8 +500,38 @@ class RankExecutor:
             self._backward(s, mb)
         elif a.kind is Kind.WEIGHT_GRAD:
             self.runners[s].weight_grad(mb)
+        elif a.kind.is_lending:
+            self._lend(a)
         else:
             self._update(a)
+
+    def _lend(self, a: Action) -> None:
+        """[Note: lending] in tidal/pipeline/lending.py."""
+        assert self.lending is not None, f"rank {self.rank}: {a} without lending"
+        if a.kind is Kind.LEND:
+            assert a.peer is not None
+            flat, bundle = self.lending.swaps[a.stage].close(a.peer)
+            key = self._lend_key(a, home=False)
+            self._lent[key] = bundle
+            self.transport.send(key, flat)
+        elif a.kind is Kind.RECLAIM:
+            flat = self.transport.recv(self._lend_key(a, home=True))
+            bundle = self._lent.pop(self._lend_key(a, home=False))
+            self.lending.swaps[a.stage].restore(bundle, flat)
+        elif a.kind is Kind.HOLD:
+            held = self.transport.recv(self._lend_key(a, home=False))
+            self._held[self._lend_key(a, home=True)] = held
+            self._holding(held.numel())
+        else:
+            held = self._held.pop(self._lend_key(a, home=True))
+            self.transport.send(self._lend_key(a, home=True), held)
+            self._holding(-held.numel())
+
+    def _holding(self, num_bytes: int) -> None:
+        self.held_bytes += num_bytes
+        self.peak_held_bytes = max(self.peak_held_bytes, self.held_bytes)
+        if self.lending is not None and self.lending.on_hold is not None:
+            self.lending.on_hold(self.held_bytes)
 
     def _forward(self, s: int, mb: int, version: int | None) -> None:
         runner = self.runners[s]
@@ -551,12 +598,14 @@ class LocalResult:
     """What :func:`run_local` measured.
 
     ``losses[k]`` is step ``k``'s row-weighted mean loss; ``delays[(stage, mb)]`` the measured
-    tau; ``lrs[(stage, step)]`` the learning rate each update used.
+    tau; ``lrs[(stage, step)]`` the learning rate each update used; ``peak_held_bytes[r]`` the
+    most rank ``r`` held for others ([Note: lending] in tidal/pipeline/lending.py).
     """
 
     losses: list[float]
     delays: dict[tuple[int, int], int]
     lrs: dict[tuple[int, int], float] = field(default_factory=dict)
+    peak_held_bytes: tuple[int, ...] = ()
 
     def stage_delays(self, stage: int) -> list[int]:
         return [tau for (s, _), tau in sorted(self.delays.items()) if s == stage]
@@ -571,6 +620,7 @@ def run_local(
     *,
     rules: UpdateRules | None = None,
     step_offset: int = 0,
+    lending: Lending | None = None,
 ) -> LocalResult:
     """Run every rank's program of ``schedule`` in this process; see [Note: one executor ...].
 
@@ -578,7 +628,7 @@ def run_local(
     targets_BT)`` gives step ``step_offset + k``'s batch. The ranks take turns: each runs
     actions while its next one is ready (its message arrived, its input exists; a synchronous
     ``U`` waits until every rank reached its step's updates). Raises :class:`PipelineDeadlock`
-    when no rank can move.
+    when no rank can move. ``lending``: [Note: lending] in tidal/pipeline/lending.py.
     """
     rules = rules or UpdateRules()
     require(
@@ -595,6 +645,8 @@ def run_local(
     )
     transport = LocalTransport()
     data = Microbatches(batch_fn, schedule.num_microbatches, step_offset=step_offset)
+    if lending is not None:
+        schedule = with_lending(with_communication(schedule), lending.lenders)
     executors = [
         RankExecutor(
             schedule=schedule,
@@ -606,6 +658,7 @@ def run_local(
             lr_fn=lr_fn,
             rules=rules,
             step_offset=step_offset,
+            lending=lending,
         )
         for r in range(schedule.num_ranks)
     ]
@@ -623,7 +676,8 @@ def run_local(
     delays = {(s, mb): tau for s, r in runners.items() for mb, tau in r.delays.items()}
     lrs = dict(itertools.chain.from_iterable(ex.lrs.items() for ex in executors))
     last = executors[schedule.rank_of(schedule.num_stages - 1)]
-    return LocalResult(losses=last.step_losses(schedule.num_steps), delays=delays, lrs=lrs)
+    return LocalResult(losses=last.step_losses(schedule.num_steps), delays=delays, lrs=lrs,
+                       peak_held_bytes=tuple(ex.peak_held_bytes for ex in executors))  # fmt: skip
 
 
 def _sync_barrier(

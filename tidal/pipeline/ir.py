@@ -36,6 +36,7 @@ __all__ = [
     "format_program",
     "parse_action",
     "parse_program",
+    "replace_programs",
     "with_communication",
 ]
 
@@ -51,6 +52,11 @@ class Kind(enum.StrEnum):
     RECV_FORWARD = "RF"  # receive this stage's input activation from stage - 1
     SEND_BACKWARD = "SB"  # send the gradient of this stage's input to stage - 1
     RECV_BACKWARD = "RB"  # receive the gradient of this stage's output from stage + 1
+    # MPress's peer swap ([Note: lending] in tidal/pipeline/lending.py): ``peer`` is the other rank
+    LEND = "LO"  # send what this stage saved for the microbatch to a lender rank
+    RECLAIM = "LI"  # receive it back from the lender, before the stage's backward
+    HOLD = "HI"  # a lender: receive what a borrower's stage saved, and hold it
+    GIVE_BACK = "HO"  # a lender: send it back
 
     @property
     def is_compute(self) -> bool:
@@ -58,12 +64,20 @@ class Kind(enum.StrEnum):
 
     @property
     def is_comm(self) -> bool:
-        return self in (
-            Kind.SEND_FORWARD,
-            Kind.RECV_FORWARD,
-            Kind.SEND_BACKWARD,
-            Kind.RECV_BACKWARD,
+        return (
+            self
+            in (
+                Kind.SEND_FORWARD,
+                Kind.RECV_FORWARD,
+                Kind.SEND_BACKWARD,
+                Kind.RECV_BACKWARD,
+            )
+            or self.is_lending
         )
+
+    @property
+    def is_lending(self) -> bool:
+        return self in (Kind.LEND, Kind.RECLAIM, Kind.HOLD, Kind.GIVE_BACK)
 
 
 NO_MICROBATCH = -1  # an update concerns the stage's weights, not one microbatch
@@ -74,13 +88,15 @@ class Action:
     """One step of a rank's program; see [Note: schedule IR].
 
     The compact string is ``{stage}{kind}{microbatch}`` with ``v{version}`` appended when the
-    version is known: ``"0F3"``, ``"2B5v1"``, ``"1U"`` / ``"1Uv2"``, ``"1SF3"``.
+    version is known, and ``p{peer}`` for a lending action's other rank: ``"0F3"``, ``"2B5v1"``,
+    ``"1U"`` / ``"1Uv2"``, ``"1SF3"``, ``"0LO3p2"``.
     """
 
     stage: int
     kind: Kind
     microbatch: int = NO_MICROBATCH
     version: int | None = None
+    peer: int | None = None
 
     def __post_init__(self) -> None:
         assert self.stage >= 0, self
@@ -89,17 +105,19 @@ class Action:
         else:
             assert self.microbatch >= 0, f"{self.kind.name} needs a microbatch: {self}"
         assert self.version is None or self.version >= 0, self
+        assert (self.peer is not None) == self.kind.is_lending, f"peer on lending only: {self}"
 
     def __str__(self) -> str:
         mb = "" if self.microbatch == NO_MICROBATCH else str(self.microbatch)
         ver = "" if self.version is None else f"v{self.version}"
-        return f"{self.stage}{self.kind.value}{mb}{ver}"
+        peer = "" if self.peer is None else f"p{self.peer}"
+        return f"{self.stage}{self.kind.value}{mb}{ver}{peer}"
 
     def __repr__(self) -> str:
         return f"Action({self})"
 
 
-_ACTION_RE = re.compile(r"^(\d+)(SF|RF|SB|RB|F|B|W|U)(\d*)(?:v(\d+))?$")
+_ACTION_RE = re.compile(r"^(\d+)(SF|RF|SB|RB|LO|LI|HI|HO|F|B|W|U)(\d*)(?:v(\d+))?(?:p(\d+))?$")
 
 
 def parse_action(text: str) -> Action:
@@ -110,15 +128,19 @@ def parse_action(text: str) -> Action:
             f"bad schedule action {text!r}: expected stage, kind (F B W U SF RF SB RB), "
             "microbatch and optional vN, like '0F3' or '2B5v1'"
         )
-    stage, kind, mb, version = match.groups()
+    stage, kind, mb, version, peer = match.groups()
     kind_ = Kind(kind)
     if (kind_ is Kind.UPDATE) == bool(mb):
         raise ValueError(f"bad schedule action {text!r}: only an update has no microbatch")
+    if kind_.is_lending != (peer is not None):
+        raise ValueError(f"bad schedule action {text!r}: a lending action, and only one, names "
+                         "its peer rank (pN)")  # fmt: skip
     return Action(
         stage=int(stage),
         kind=kind_,
         microbatch=int(mb) if mb else NO_MICROBATCH,
         version=None if version is None else int(version),
+        peer=None if peer is None else int(peer),
     )
 
 
@@ -156,7 +178,9 @@ class Schedule:
         assert self.num_stages % self.num_ranks == 0, (self.num_stages, self.num_ranks)
         for rank, program in enumerate(self.programs):
             for action in program:
-                assert self.rank_of(action.stage) == rank, f"{action} is not on rank {rank}"
+                holds = action.kind in (Kind.HOLD, Kind.GIVE_BACK)  # for a borrower's stage
+                owner = action.peer if holds else rank
+                assert self.rank_of(action.stage) == owner, f"{action} is not on rank {owner}"
 
     @property
     def num_virtual(self) -> int:
@@ -175,7 +199,7 @@ class Schedule:
 
     def compute_only(self) -> Schedule:
         """The same schedule without send/receive actions."""
-        return _replace_programs(
+        return replace_programs(
             self, [[a for a in prog if not a.kind.is_comm] for prog in self.programs]
         )
 
@@ -188,7 +212,8 @@ class Schedule:
         return "\n".join(lines)
 
 
-def _replace_programs(schedule: Schedule, programs: Sequence[Sequence[Action]]) -> Schedule:
+def replace_programs(schedule: Schedule, programs: Sequence[Sequence[Action]]) -> Schedule:
+    """``schedule`` with other programs (its name, shape and meaning kept)."""
     return Schedule(
         name=schedule.name,
         num_ranks=schedule.num_ranks,
@@ -230,4 +255,4 @@ def with_communication(schedule: Schedule) -> Schedule:
             if a.kind is Kind.BACKWARD and remote_prev:
                 out.append(Action(stage=a.stage, kind=Kind.SEND_BACKWARD, microbatch=a.microbatch))
         programs.append(out)
-    return _replace_programs(schedule, programs)
+    return replace_programs(schedule, programs)

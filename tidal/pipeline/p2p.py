@@ -32,7 +32,9 @@ from tidal.config import require
 from tidal.pipeline.ir import Kind, Schedule
 
 __all__ = [
+    "AnyKey",
     "Direction",
+    "LendKey",
     "LocalTransport",
     "MessageKey",
     "P2PTransport",
@@ -67,18 +69,32 @@ class MessageKey:
         return Direction.FORWARD if self.dst_stage > self.src_stage else Direction.BACKWARD
 
 
-class Transport(Protocol):
-    """Moves one tensor per :class:`MessageKey` between stages on different ranks."""
+@dataclass(frozen=True, slots=True, order=True)
+class LendKey:
+    """What stage ``stage`` saved for ``microbatch``, on its way to rank ``lender`` or (``home``)
+    back from it ([Note: lending] in tidal/pipeline/lending.py)."""
 
-    def send(self, key: MessageKey, tensor: torch.Tensor) -> None:
+    stage: int
+    microbatch: int
+    lender: int
+    home: bool
+
+
+AnyKey = MessageKey | LendKey
+
+
+class Transport(Protocol):
+    """Moves one tensor per key between stages on different ranks."""
+
+    def send(self, key: AnyKey, tensor: torch.Tensor) -> None:
         """Start sending; never blocks on the receiver."""
         ...
 
-    def recv(self, key: MessageKey) -> torch.Tensor:
+    def recv(self, key: AnyKey) -> torch.Tensor:
         """The tensor sent under ``key``; may block until it arrives."""
         ...
 
-    def ready(self, key: MessageKey) -> bool:
+    def ready(self, key: AnyKey) -> bool:
         """Whether :meth:`recv` would return without waiting on another rank's progress."""
         ...
 
@@ -91,18 +107,18 @@ class LocalTransport:
     """In-process messages for :func:`run_local`: a dict from key to tensor."""
 
     def __init__(self) -> None:
-        self._messages: dict[MessageKey, torch.Tensor] = {}
+        self._messages: dict[AnyKey, torch.Tensor] = {}
 
-    def send(self, key: MessageKey, tensor: torch.Tensor) -> None:
+    def send(self, key: AnyKey, tensor: torch.Tensor) -> None:
         assert key not in self._messages, f"{key} sent twice"
         self._messages[key] = tensor.detach()
 
-    def recv(self, key: MessageKey) -> torch.Tensor:
+    def recv(self, key: AnyKey) -> torch.Tensor:
         if key not in self._messages:
             raise PipelineDeadlock(f"receive of {key} before its send")
         return self._messages.pop(key)
 
-    def ready(self, key: MessageKey) -> bool:
+    def ready(self, key: AnyKey) -> bool:
         return key in self._messages
 
     def flush(self) -> None:
@@ -121,6 +137,7 @@ _DTYPES = (
     torch.int64,
     torch.int32,
     torch.bool,
+    torch.uint8,  # lent bytes ([Note: lending])
 )
 
 
@@ -152,29 +169,45 @@ class P2PTransport:
         self.group = group
         self.device = torch.device(device)
         self._pending: list[tuple[dist.Work, torch.Tensor, torch.Tensor]] = []
-        self._parked: dict[MessageKey, torch.Tensor] = {}
+        self._parked: dict[AnyKey, torch.Tensor] = {}
         self._expected = {
             peer: iter(self._sends_to(peer, rank)) for peer in range(schedule.num_ranks)
         }
         self.bytes_sent = 0
 
-    def _sends_to(self, sender: int, receiver: int) -> list[MessageKey]:
-        out = []
+    def _sends_to(self, sender: int, receiver: int) -> list[AnyKey]:
+        out: list[AnyKey] = []
         for a in self.schedule.programs[sender]:
+            key: AnyKey
             if a.kind is Kind.SEND_FORWARD:
                 key = MessageKey(a.stage, a.stage + 1, a.microbatch)
             elif a.kind is Kind.SEND_BACKWARD:
                 key = MessageKey(a.stage, a.stage - 1, a.microbatch)
+            elif a.kind is Kind.LEND:
+                assert a.peer is not None
+                key = LendKey(a.stage, a.microbatch, a.peer, home=False)
+            elif a.kind is Kind.GIVE_BACK:
+                key = LendKey(a.stage, a.microbatch, sender, home=True)
             else:
                 continue
-            if self.schedule.rank_of(key.dst_stage) == receiver:
+            if self._destination(key) == receiver:
                 out.append(key)
         return out
+
+    def _destination(self, key: AnyKey) -> int:
+        if isinstance(key, LendKey):
+            return self.schedule.rank_of(key.stage) if key.home else key.lender
+        return self.schedule.rank_of(key.dst_stage)
+
+    def _source(self, key: AnyKey) -> int:
+        if isinstance(key, LendKey):
+            return key.lender if key.home else self.schedule.rank_of(key.stage)
+        return self.schedule.rank_of(key.src_stage)
 
     def _global(self, rank: int) -> int:
         return rank if self.group is None else dist.get_global_rank(self.group, rank)
 
-    def send(self, key: MessageKey, tensor: torch.Tensor) -> None:
+    def send(self, key: AnyKey, tensor: torch.Tensor) -> None:
         require(
             tensor.dtype in _DTYPES and tensor.dim() <= _MAX_DIMS,
             "pipeline",
@@ -186,7 +219,7 @@ class P2PTransport:
         header[0] = _DTYPES.index(payload.dtype)
         header[1] = payload.dim()
         header[2 : 2 + payload.dim()] = torch.tensor(payload.shape, dtype=torch.int64)
-        dst = self._global(self.schedule.rank_of(key.dst_stage))
+        dst = self._global(self._destination(key))
         work_h = isend(header, dst, self.group)
         work_p = isend(payload, dst, self.group)
         self._pending += [(work_h, header, header), (work_p, payload, header)]
@@ -202,10 +235,10 @@ class P2PTransport:
         dist.recv(payload, src=self._global(src), group=self.group)
         return payload
 
-    def recv(self, key: MessageKey) -> torch.Tensor:
+    def recv(self, key: AnyKey) -> torch.Tensor:
         if key in self._parked:
             return self._parked.pop(key)
-        src = self.schedule.rank_of(key.src_stage)
+        src = self._source(key)
         for expected in self._expected[src]:
             tensor = self._receive_next(src)
             if expected == key:
@@ -213,7 +246,7 @@ class P2PTransport:
             self._parked[expected] = tensor
         raise RuntimeError(f"rank {self.rank}: {key} is not among rank {src}'s sends")
 
-    def ready(self, key: MessageKey) -> bool:
+    def ready(self, key: AnyKey) -> bool:
         return key in self._parked
 
     def flush(self) -> None:

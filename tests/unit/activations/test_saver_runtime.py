@@ -5,6 +5,7 @@ pipeline schedule; the host tier's budget holds; what cannot run is refused in o
 from __future__ import annotations
 
 import copy
+from typing import Any
 
 import pytest
 import torch
@@ -100,7 +101,7 @@ def test_what_cannot_run_is_one_line() -> None:
     model = build_gpt(CONFIG, seed=0)
     with pytest.raises(ConfigError, match="no submodule 'blocks.9'"):
         apply_savers(model, {"blocks.9": Saver.RECOMPUTE})
-    with pytest.raises(ConfigError, match="peer swap is not available yet"):
+    with pytest.raises(ConfigError, match="a peer swap needs the rank it lends to"):
         apply_savers(model, {"blocks.0": Saver.PEER})
     with pytest.raises(ConfigError, match="'blocks.0' and on 'blocks.0.mlp', inside it"):
         apply_savers(model, {"blocks.0": Saver.RECOMPUTE, "blocks.0.mlp": Saver.HOST})
@@ -140,3 +141,38 @@ def test_a_host_swap_copies_each_storage_once_and_brings_the_views_back() -> Non
     assert host.held_bytes == 0
     for a, b in zip(plain.parameters(), swapped.parameters(), strict=True):
         assert torch.equal(a.grad, b.grad)
+
+
+@pytest.mark.parametrize(("name", "ranks"), [("gpipe", 2), ("1f1b", 2), ("1f1b", 4)])
+def test_lending_to_a_later_rank_equals_the_plain_pipeline(name: str, ranks: int) -> None:
+    from tidal.activations.runtime import PeerSwap
+    from tidal.pipeline.lending import Lending
+
+    def run(lend: bool) -> tuple[list[torch.Tensor], list[float], Any]:
+        schedule = make_schedule(name, stages=ranks, microbatches=4, steps=2)
+        stages = split_gpt(build_gpt(CONFIG, seed=0), even_ranges(4, ranks))
+        lending, swaps = None, {}
+        if lend:  # stage 0 lends its first block's attention to the last rank, its MLP to
+            # rank 1; stage 1 (with 4 ranks) its whole first block to the last rank
+            swaps = {0: PeerSwap(), 1: PeerSwap()}
+            last = ranks - 1
+            apply_savers(stages[0], {"layers.0.attn": Saver.PEER, "layers.0.mlp": Saver.PEER},
+                         peer=swaps[0], lenders={"layers.0.attn": last, "layers.0.mlp": 1})  # fmt: skip
+            lenders = {0: (1, last) if last != 1 else (1,)}
+            if ranks > 2:
+                apply_savers(stages[1], {"layers.0": Saver.PEER}, peer=swaps[1],
+                             lenders={"layers.0": last})  # fmt: skip
+                lenders[1] = (last,)
+            lending = Lending(lenders=lenders, swaps=swaps)
+        weights = [StageWeights(s, torch.optim.SGD(s.parameters(), lr=0.5),
+                                AsyncConfig(weights=WeightMode.CURRENT)) for s in stages]  # fmt: skip
+        result = run_local(schedule, stages, weights, _batch, lambda _: 0.5, lending=lending)
+        return [p.detach().clone() for s in stages for p in s.parameters()], list(
+            result.losses), (result, swaps)  # fmt: skip
+
+    plain_params, plain_losses, _ = run(False)
+    params, losses, (result, swaps) = run(True)
+    assert losses == plain_losses
+    assert all(torch.equal(a, b) for a, b in zip(plain_params, params, strict=True))
+    assert swaps[0].storages_lent > 0 and result.peak_held_bytes[ranks - 1] > 0
+    assert result.peak_held_bytes[0] == 0  # the first rank lends, holds nothing

@@ -1,0 +1,42 @@
+"""MPress's peer swap as schedule actions ([Note: lending] in tidal/pipeline/lending.py): where
+with_lending puts them, that they parse back, and what it refuses."""
+
+from __future__ import annotations
+
+import pytest
+
+from tidal.config import ConfigError
+from tidal.pipeline.ir import Kind, format_program, parse_action, parse_program, with_communication
+from tidal.pipeline.lending import with_lending
+from tidal.pipeline.schedules import make_schedule
+
+
+def test_each_microbatch_goes_out_after_its_forward_and_home_before_its_backward() -> None:
+    base = with_communication(make_schedule("1f1b", stages=3, microbatches=3))
+    lent = with_lending(base, {0: (2,), 1: (2,)})
+    for program in lent.programs:
+        assert parse_program(format_program(program)) == list(program)
+    borrower = [str(a) for a in lent.programs[0]]
+    for j in range(3):  # out right after the forward's send, home right before the backward
+        assert borrower[borrower.index(f"0SF{j}") + 1] == f"0LO{j}p2"
+        assert borrower[borrower.index(f"0B{j}v0") - 1] == f"0LI{j}p2"
+    lender = [str(a) for a in lent.programs[2]]
+    for j in range(3):  # held from before the lender's own forward to after its backward
+        assert lender.index(f"0HI{j}p0") < lender.index(f"2RF{j}") < lender.index(f"2B{j}v0")
+        assert lender.index(f"2B{j}v0") < lender.index(f"0HO{j}p0") < lender.index(f"2SB{j}")
+    untouched = [a for a in lent.programs[2] if not a.kind.is_lending]
+    assert untouched == list(base.programs[2])
+    assert sum(a.kind is Kind.HOLD for a in lent.programs[2]) == 6  # 2 borrowers x 3
+    assert with_lending(base, {}) is base
+
+
+def test_lending_that_cannot_run_is_refused() -> None:
+    base = with_communication(make_schedule("1f1b", stages=3, microbatches=3))
+    with pytest.raises(ConfigError, match="stage 1 cannot lend to rank 0: a lender is a later"):
+        with_lending(base, {1: (0,)})
+    with pytest.raises(ConfigError, match="synchronous schedules of one stage per rank"):
+        with_lending(with_communication(make_schedule("pipemare", stages=2, microbatches=2)),
+                     {0: (1,)})  # fmt: skip
+    with pytest.raises(ValueError, match="names its peer rank"):
+        parse_action("0LO3")
+    assert str(parse_action("1HI4p0")) == "1HI4p0"
