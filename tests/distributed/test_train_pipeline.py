@@ -98,6 +98,19 @@ def _worker(root: str, reference: tuple[list[float], list[float]]) -> None:
     assert figures[0]["blocks_recomputed"] + figures[0]["blocks_swapped"] > 0, figures
     assert all(f["measured_peak_bytes"] > f["model_data_bytes"] for f in figures)  # it counted
 
+    # Peer swap only (MPress's device-to-device swap): rank 0 lends to rank 1 what it cannot
+    # hold, rank 1 holds it within the same budget, the numbers are the same bit for bit.
+    lent = _job(root_path / "peer", schedule="1f1b", memory="peer")
+    lent["memory"] = {"device_budget": "2MiB"}
+    summary = Trainer(lent).fit()
+    assert _losses(root_path / "peer") == (train, val)
+    figures = [None, None]
+    dist.all_gather_object(figures, summary["pipeline"]["memory"])
+    assert figures[0]["blocks_lent"] > 0 and figures[0]["lends_to"] == [1], figures
+    assert figures[0]["bytes_lent"] > 0 and figures[1]["blocks_lent"] == 0, figures
+    assert figures[1]["peak_held_bytes"] > 0 == figures[0]["peak_held_bytes"], figures
+    assert all(f["measured_peak_bytes"] <= f["predicted_peak_bytes"] <= 2 << 20 for f in figures)
+
     Trainer(_job(root_path / "resumed", schedule="1f1b", steps=2)).fit()
     Trainer(_job(root_path / "resumed", schedule="1f1b")).fit(resume=True)
     assert _losses(root_path / "resumed") == (train, val)

@@ -23,6 +23,7 @@ from tidal.sharding.config import ShardingConfig
 
 if TYPE_CHECKING:
     from tidal.pipeline.config import PipelineConfig
+    from tidal.pipeline.lending import Lending
     from tidal.pipeline.runtime import PipelineRuntime
     from tidal.pipeline.split import PipelineStage
     from tidal.planner import Plan
@@ -76,12 +77,14 @@ def apply_plan(model: nn.Module, plan: Plan, *, optimizer: OptimizerConfig,
 
 def pipeline(stages: Sequence[PipelineStage], *, config: PipelineConfig, optimizer: OptimizerConfig,
              training: TrainingConfig, block_ranges: Sequence[tuple[int, int]],
-             device: torch.device, rank: int, world_size: int) -> PipelineRuntime:  # fmt: skip
+             device: torch.device, rank: int, world_size: int,
+             lending: Lending | None = None) -> PipelineRuntime:  # fmt: skip
     """Train ``stages`` (all of the model's, in order; ``block_ranges``: the blocks of each) as
     a pipeline over ``world_size`` ranks under ``config``'s schedule: this rank keeps stages
     ``rank, rank + world_size, ...`` (each with its own optimizer and, for asynchronous
     schedules, its weight versions); returns the runtime that trains them ([Note: pipeline
-    runs] in tidal/train/pipeline_part.py)."""
+    runs] in tidal/train/pipeline_part.py). ``lending``: who lends what stages save to whom
+    ([Note: lending] in tidal/pipeline/lending.py)."""
     from tidal.pipeline.pipemare import AsyncConfig, StageWeights, WeightMode  # pipelines only
     from tidal.pipeline.runtime import PipelineRuntime, RuntimeConfig
     from tidal.pipeline.split import tied_parameters
@@ -113,4 +116,5 @@ def pipeline(stages: Sequence[PipelineStage], *, config: PipelineConfig, optimiz
         weights=[StageWeights(s, build_optimizer(s, optimizer, first_lr), weights) for s in mine],
         tied=tied,
         device=device,
+        lending=lending,
     )

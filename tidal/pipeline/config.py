@@ -49,9 +49,11 @@ class PipelineConfig:
             the balanced partition respects it or says the least any split needs.
         memory: MPress's savers: ``recompute`` on every block (each keeps its input and runs
             its forward again in its backward), ``host`` on every block (what each saves goes
-            to the host tier, ``memory.host_budget``, and comes back for its backward), ``auto``
-            (the saver planner's choice per part of each block, against
-            ``memory.device_budget`` per rank), ``none`` (keep everything). Savers run under
+            to the host tier, ``memory.host_budget``, and comes back for its backward), ``peer``
+            (the saver planner with peer swap only: what a rank cannot hold is lent to a later
+            stage's rank, [Note: lending] in tidal/pipeline/lending.py), ``auto`` (the saver
+            planner's choice per part of each block among all three), both against
+            ``memory.device_budget`` per rank, ``none`` (keep everything). Savers run under
             synchronous schedules only and give the same numbers as ``none``, bit for bit.
             With ``memory.device_budget`` set every rank is checked before the first step and
             held to it while it trains ([Note: pipeline memory] in
@@ -70,7 +72,7 @@ class PipelineConfig:
     prediction: bool = False
     sync_steps: int = 10
     stage_memory: ByteSize | None = None
-    memory: Literal["none", "recompute", "host", "auto"] = "none"
+    memory: Literal["none", "recompute", "host", "peer", "auto"] = "none"
 
     def __post_init__(self) -> None:
         require(self.stages >= 1, "stages", f"must be >= 1, got {self.stages}")

@@ -40,6 +40,8 @@ __all__ = ["Lending", "LendingSwap", "with_lending"]
 class LendingSwap(Protocol):
     """A stage's lent units (:class:`~tidal.activations.runtime.PeerSwap`)."""
 
+    bytes_lent: int
+
     def close(self, lender: int) -> tuple[torch.Tensor, object]: ...
 
     def restore(self, bundle: object, flat: torch.Tensor) -> None: ...

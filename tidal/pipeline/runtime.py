@@ -44,6 +44,7 @@ from tidal.pipeline.executor import (
     scale_grads,
 )
 from tidal.pipeline.ir import Schedule, with_communication
+from tidal.pipeline.lending import Lending, with_lending
 from tidal.pipeline.p2p import P2PTransport, isend
 from tidal.pipeline.schedules import SCHEDULE_NAMES, make_schedule
 
@@ -111,8 +112,10 @@ class PipelineRuntime:
         tied: Sequence[TiedPair] = (),
         group: dist.ProcessGroup | None = None,
         device: torch.device | str = "cpu",
+        lending: Lending | None = None,
     ) -> None:
         self.config = config
+        self.lending = lending
         self.group = group
         self.device = torch.device(device)
         self.rank = dist.get_rank(group)
@@ -172,6 +175,8 @@ class PipelineRuntime:
 
     def _run(self, num_steps: int, batch_fn: BatchFn, lr_fn: LrFn) -> list[float]:
         schedule = with_communication(self.config.make(self.num_ranks, num_steps, self.step))
+        if self.lending is not None:  # [Note: lending] in tidal/pipeline/lending.py
+            schedule = with_lending(schedule, self.lending.lenders)
         last = self.num_stages - 1
         uses = sum(s in (0, last) for s in self.stage_ids) + (last == 0)
         executor = RankExecutor(
@@ -185,6 +190,7 @@ class PipelineRuntime:
             rules=self.rules,
             prepare_step=self._prepare_step,
             step_offset=self.step,
+            lending=self.lending,
         )
         self._runners = executor.runners
         executor.run()

@@ -26,6 +26,7 @@ hooks) get the check before the first step, not the meter.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -34,10 +35,11 @@ import torch
 
 from tidal.activations import Links, Saver, SaverPlan, evaluate, keep_all, plan_savers
 from tidal.activations.plan import Choice
-from tidal.activations.runtime import SaverHandles, apply_savers, around_forward
+from tidal.activations.runtime import PeerSwap, SaverHandles, apply_savers, around_forward
 from tidal.config import ConfigError, format_bytes
 from tidal.memory.activations import SavedTensorMeter
 from tidal.memory.tiers import TierKind, make_tiers, resolve_budget
+from tidal.pipeline.lending import Lending
 from tidal.pipeline.savers import measure_units, saved_tensors, whole_blocks
 from tidal.pipeline.schedules import make_schedule
 from tidal.pipeline.simulate import simulate
@@ -47,6 +49,7 @@ from tidal.train.job import JobConfig
 __all__ = ["MemoryProbe", "PipelineMemory", "model_data_per_weight_byte", "plan_pipeline_memory"]
 
 HOST_LINK_BYTES_PER_S = 25e9  # PCIe 4 x16 as achieved: what the planner prices host swaps at
+PEER_LINK_BYTES_PER_S = 50e9  # [H] an NVLink-class link as achieved: what peer swaps cost
 
 
 @dataclass(slots=True)
@@ -59,6 +62,7 @@ class PipelineMemory:
     handles: list[SaverHandles]
     guard: _Guard | None
     budget_bytes: int | None
+    lending: Lending | None = None
 
     def figures(self, rank: int) -> dict[str, Any]:
         hosts = [h.host for h in self.handles if h.host is not None]
@@ -68,13 +72,19 @@ class PipelineMemory:
             "blocks_swapped": sum(len(h.swapped) for h in self.handles),
             "tensors_to_host": sum(h.tensors_out for h in hosts),
             "peak_host_bytes": max((h.tier.peak_bytes for h in hosts), default=0),
+            "blocks_lent": sum(len(h.lent) for h in self.handles),
         }
+        if self.lending is not None:
+            out["lends_to"] = sorted({r for s in self.lending.swaps
+                                      for r in self.lending.lenders[s]})  # fmt: skip
+            out["bytes_lent"] = sum(p.bytes_lent for p in self.lending.swaps.values())
         if self.plan is not None:
             out["budget_bytes"] = self.budget_bytes
             out["predicted_peak_bytes"] = self.plan.peak_bytes[rank]
         if self.guard is not None:
             out["model_data_bytes"] = self.guard.base
             out["measured_peak_bytes"] = self.guard.peak_bytes
+            out["peak_held_bytes"] = self.guard.peak_held_bytes
         return out
 
 
@@ -103,36 +113,57 @@ def plan_pipeline_memory(job: JobConfig, stages: Sequence[PipelineStage], *, min
     pipe, mode = job.pipeline, job.pipeline.memory
     budget = resolve_budget(job.memory.device_budget, kind=TierKind.DEVICE, device=device,
                             key="memory.device_budget")  # fmt: skip
-    if budget is None and mode == "auto":
-        raise ConfigError("pipeline.memory", "'auto' plans against memory.device_budget; set it "
-                          "(each rank's bytes, e.g. 2GiB)")  # fmt: skip
+    if budget is None and mode in ("auto", "peer"):
+        raise ConfigError("pipeline.memory", f"{mode!r} plans against memory.device_budget; set "
+                          "it (each rank's bytes, e.g. 2GiB)")  # fmt: skip
     fixed = {"recompute": Saver.RECOMPUTE, "host": Saver.HOST}.get(mode)
     plan, base = None, [0] * world_size
     if budget is not None:
         assert probe is not None, "a device budget needs a probe to measure the stages on"
         plan, base = _plan(job, stages, probe, budget=budget, world_size=world_size,
-                           device=device, fixed=fixed)  # fmt: skip
+                           device=device, fixed=fixed, peer_only=mode == "peer")  # fmt: skip
     _, host = make_tiers(device=device, device_budget=None, host_budget=job.memory.host_budget)
-    handles = []
+    handles, swaps = [], {}
     for s in mine:
         savers: dict[str, Saver] = {}
+        lent_to: dict[str, int] = {}
         if plan is not None:
-            savers = {i.path: c[0] for i, c in zip(plan.saved, plan.choices, strict=True)
-                      if i.stage == s and i.path and c[0] is not Saver.KEEP}  # fmt: skip
+            chosen = [(i.path, c) for i, c in zip(plan.saved, plan.choices, strict=True)
+                      if i.stage == s and i.path and c[0] is not Saver.KEEP]  # fmt: skip
+            savers = {path: saver for path, (saver, _) in chosen}
+            lent_to = {path: lender for path, (_, lender) in chosen if lender is not None}
         elif fixed is not None:
             savers = {f"layers.{k}": fixed for k in range(len(stages[s].layers))}
+        if lent_to:
+            swaps[s] = PeerSwap()
         if savers:
-            handles.append(apply_savers(stages[s], savers, host=host))
+            handles.append(apply_savers(stages[s], savers, host=host, peer=swaps.get(s),
+                                        lenders=lent_to))  # fmt: skip
     guard = None
     if budget is not None and not pipe.asynchronous:
         guard = _budget_guard([stages[s] for s in mine], budget=budget, base=base[rank], rank=rank)
+    lending = None
+    lenders = _lenders(plan)
+    if lenders:
+        lending = Lending(lenders=lenders, swaps=swaps,
+                          on_hold=None if guard is None else guard.hold)  # fmt: skip
     return PipelineMemory(mode=mode, plan=plan, handles=handles, guard=guard,
-                          budget_bytes=budget)  # fmt: skip
+                          budget_bytes=budget, lending=lending)  # fmt: skip
+
+
+def _lenders(plan: SaverPlan | None) -> dict[int, tuple[int, ...]]:
+    """Per stage that lends, the ranks it lends to (the same on every rank)."""
+    out: dict[int, set[int]] = {}
+    for item, (saver, lender) in zip(plan.saved if plan else (), plan.choices if plan else (),
+                                     strict=True):  # fmt: skip
+        if saver is Saver.PEER and lender is not None:
+            out.setdefault(item.stage, set()).add(lender)
+    return {s: tuple(sorted(ranks)) for s, ranks in out.items()}
 
 
 def _plan(job: JobConfig, stages: Sequence[PipelineStage], probe: MemoryProbe, *, budget: int,
-          world_size: int, device: torch.device,
-          fixed: Saver | None) -> tuple[SaverPlan, list[int]]:  # fmt: skip
+          world_size: int, device: torch.device, fixed: Saver | None,
+          peer_only: bool) -> tuple[SaverPlan, list[int]]:  # fmt: skip
     pipe = job.pipeline
     steps = 3 if pipe.asynchronous else 1
     schedule = make_schedule(pipe.schedule, stages=pipe.stages, microbatches=pipe.num_microbatches,
@@ -147,12 +178,18 @@ def _plan(job: JobConfig, stages: Sequence[PipelineStage], probe: MemoryProbe, *
         base[schedule.rank_of(s)] += per_weight_byte * num_bytes
     host_budget = resolve_budget(job.memory.host_budget, kind=TierKind.HOST, device=device,
                                  key="memory.host_budget")  # fmt: skip
+    # [Note: lending]: a stage lends to later stages' ranks, one stage per rank, in sync schedules
+    lends = pipe.memory in ("auto", "peer") and pipe.virtual_stages == 1 and not pipe.asynchronous
+    peer = tuple(tuple(PEER_LINK_BYTES_PER_S if lends and lender > r else 0.0
+                       for lender in range(world_size)) for r in range(world_size))  # fmt: skip
     links = Links(stage_rank=tuple(schedule.rank_of(s) for s in range(schedule.num_stages)),
                   budget_bytes=(budget,) * world_size, base_bytes=tuple(base),
                   host_link=(0,) * world_size, host_bandwidth=(HOST_LINK_BYTES_PER_S,),
-                  host_budget_bytes=(host_budget,),
-                  peer_bandwidth=tuple((0.0,) * world_size for _ in range(world_size)))  # fmt: skip
+                  host_budget_bytes=(0 if peer_only else host_budget,),
+                  peer_bandwidth=peer)  # fmt: skip
     saved = saved_tensors(sim, units, weight_bytes=weight_bytes)
+    if peer_only:  # nothing recomputed, nothing to the host: lending is left
+        saved = [dataclasses.replace(i, recompute_s=None) for i in saved]
     if fixed is not None:  # every block gets the one saver, as one unit
         saved = whole_blocks(saved)
         choices: list[Choice] = [(fixed if i.block >= 0 and not i.fixed else Saver.KEEP, None)
@@ -180,7 +217,16 @@ def _plan(job: JobConfig, stages: Sequence[PipelineStage], probe: MemoryProbe, *
                 f"or raise the budget",
             )
         return kept, base
-    return plan_savers(saved, links), base
+    return _runnable(plan_savers(saved, links)), base
+
+
+def _runnable(plan: SaverPlan) -> SaverPlan:
+    """``plan``, whose lent tensors must be what a stage's submodules save (weight versions and
+    a stage's loss have no submodule to lend from: they stay with asynchronous schedules and
+    are never moved)."""
+    for item, (saver, _) in zip(plan.saved, plan.choices, strict=True):
+        assert saver is Saver.KEEP or item.path, f"a saver on {item}, which training cannot move"
+    return plan
 
 
 @dataclass(slots=True)
@@ -192,16 +238,27 @@ class _Guard:
     base: int
     rank: int
     peak_bytes: int = 0
+    live_bytes: int = 0
+    held_bytes: int = 0  # what this rank holds for others ([Note: lending])
+    peak_held_bytes: int = 0
 
     def check(self, live_bytes: int) -> None:
-        if self.base + live_bytes > self.budget:
+        total = self.base + live_bytes + self.held_bytes
+        if total > self.budget:
             raise ConfigError(
                 "memory.device_budget",
-                f"rank {self.rank} would hold {format_bytes(self.base + live_bytes)} (model data "
-                f"{format_bytes(self.base)} and saved activations), over its budget of "
-                f"{format_bytes(self.budget)}; set pipeline.memory = 'auto' or raise the budget",
+                f"rank {self.rank} would hold {format_bytes(total)} (model data "
+                f"{format_bytes(self.base)}, saved activations and what it holds for other ranks"
+                f"), over its budget of {format_bytes(self.budget)}; set pipeline.memory = "
+                f"'auto' or raise the budget",
             )
-        self.peak_bytes = max(self.peak_bytes, self.base + live_bytes)
+        self.live_bytes = live_bytes
+        self.peak_bytes = max(self.peak_bytes, total)
+
+    def hold(self, held_bytes: int) -> None:
+        self.held_bytes = held_bytes
+        self.peak_held_bytes = max(self.peak_held_bytes, held_bytes)
+        self.check(self.live_bytes)
 
 
 def _budget_guard(stages: Sequence[PipelineStage], *, budget: int, base: int, rank: int) -> _Guard:
