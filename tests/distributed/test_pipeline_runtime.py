@@ -21,7 +21,7 @@ from torch import nn
 
 from tidal.models import build_gpt
 from tidal.models.gpt import GPTConfig, split_gpt
-from tidal.pipeline.executor import run_local
+from tidal.pipeline.local import run_local
 from tidal.pipeline.pipemare import AsyncConfig, StageWeights, WeightMode
 from tidal.pipeline.runtime import PipelineRuntime, RuntimeConfig
 from tidal.pipeline.schedules import make_schedule

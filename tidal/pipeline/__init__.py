@@ -8,8 +8,9 @@ Map (docs/pipeline.md): ``ir`` (actions and programs) -> ``schedules`` (generato
 """
 
 from tidal.pipeline.config import PipelineConfig
-from tidal.pipeline.executor import UpdateRules, run_local
+from tidal.pipeline.executor import UpdateRules
 from tidal.pipeline.ir import Action, Kind, Schedule, format_program, parse_program
+from tidal.pipeline.local import run_local
 from tidal.pipeline.pipemare import AsyncConfig, StageWeights, WeightMode
 from tidal.pipeline.runtime import PipelineRuntime, RuntimeConfig
 from tidal.pipeline.schedules import SCHEDULE_NAMES, make_schedule

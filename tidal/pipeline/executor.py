@@ -1,11 +1,11 @@
-"""The per-rank interpreter of a :class:`~tidal.pipeline.ir.Schedule`, and a one-process runner.
+"""The per-rank interpreter of a :class:`~tidal.pipeline.ir.Schedule`.
 
 Messages (:class:`Transport`, :class:`LocalTransport`, :class:`MessageKey`) live in
 :mod:`tidal.pipeline.p2p` and are re-exported here.
 
 One :class:`RankExecutor` walks one rank's program and owns a :class:`StageRunner` per stage of
-that rank. :func:`run_local` drives every rank's executor in this process over a
-:class:`LocalTransport`: the single-process simulator of a pipeline's weight delays.
+that rank. :func:`~tidal.pipeline.local.run_local` drives every rank's executor in this process
+over a :class:`LocalTransport`: the single-process simulator of a pipeline's weight delays.
 :mod:`tidal.pipeline.runtime` drives one executor per process over ``torch.distributed``.
 
 [Note: one executor, bit-identical runs]
@@ -31,18 +31,17 @@ backpropagates again restricted to the parameters. That costs a second pass over
 correct zero-bubble semantics, not zero-bubble speed. No generated schedule has ``W`` yet.
 
 [Note: why one file]
-The interpreter (RankExecutor), the per-stage state it drives (StageRunner, Microbatches) and the
-one-process runner share the in-flight bookkeeping that makes local and distributed runs
-bit-identical; splitting them would expose that bookkeeping across modules. The transports
-already live in p2p.py. If this file grows further, run_local and its barrier go first.
+The interpreter (RankExecutor) and the per-stage state it drives (StageRunner, Microbatches)
+share the in-flight bookkeeping that makes local and distributed runs bit-identical; splitting
+them would expose that bookkeeping across modules. The transports live in p2p.py, the
+one-process runner and its barrier in local.py.
 """
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -50,7 +49,7 @@ from torch import nn
 
 from tidal.config import ConfigError, require
 from tidal.pipeline.ir import Action, Kind, Schedule, with_communication
-from tidal.pipeline.lending import Lending, with_lending
+from tidal.pipeline.lending import Lending
 from tidal.pipeline.p2p import (
     Direction,
     LendKey,
@@ -62,7 +61,6 @@ from tidal.pipeline.p2p import (
 
 __all__ = [
     "Direction",
-    "LocalResult",
     "LocalTransport",
     "MessageKey",
     "Microbatches",
@@ -74,7 +72,6 @@ __all__ = [
     "Transport",
     "UpdateRules",
     "clip_coefficient",
-    "run_local",
 ]
 
 BatchFn = Callable[[int], tuple[torch.Tensor, torch.Tensor]]
@@ -331,22 +328,6 @@ def _clip_stage(runner: StageRunner, max_norm: float) -> None:
     torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=False)
 
 
-def _prepare_local(runners: Mapping[int, StageRunner], rules: UpdateRules) -> None:
-    """The synchronous pre-update for every stage in this process: tied sum, global clip."""
-    for (sa, na), (sb, nb) in rules.tied:
-        a = dict(runners[sa].module.named_parameters())[na]
-        b = dict(runners[sb].module.named_parameters())[nb]
-        assert a.grad is not None and b.grad is not None, f"tied {na} / {nb} has no gradient"
-        total = a.grad + b.grad
-        a.grad.copy_(total)
-        b.grad.copy_(total)
-    if rules.max_grad_norm is not None:
-        squares = torch.stack([grad_squares(r, rules) for _, r in sorted(runners.items())])
-        factor = clip_coefficient(squares.sum().sqrt(), rules.max_grad_norm)
-        for r in runners.values():
-            scale_grads(r, factor)
-
-
 # ---------------------------------------------------------------------------------------------
 # one rank
 
@@ -591,110 +572,3 @@ class RankExecutor:
 
 # ---------------------------------------------------------------------------------------------
 # every rank in one process
-
-
-@dataclass(frozen=True, slots=True)
-class LocalResult:
-    """What :func:`run_local` measured.
-
-    ``losses[k]`` is step ``k``'s row-weighted mean loss; ``delays[(stage, mb)]`` the measured
-    tau; ``lrs[(stage, step)]`` the learning rate each update used; ``peak_held_bytes[r]`` the
-    most rank ``r`` held for others ([Note: lending] in tidal/pipeline/lending.py).
-    """
-
-    losses: list[float]
-    delays: dict[tuple[int, int], int]
-    lrs: dict[tuple[int, int], float] = field(default_factory=dict)
-    peak_held_bytes: tuple[int, ...] = ()
-
-    def stage_delays(self, stage: int) -> list[int]:
-        return [tau for (s, _), tau in sorted(self.delays.items()) if s == stage]
-
-
-def run_local(
-    schedule: Schedule,
-    modules: Sequence[nn.Module],
-    weights: Sequence[StageWeightsLike],
-    batch_fn: BatchFn,
-    lr_fn: LrFn,
-    *,
-    rules: UpdateRules | None = None,
-    step_offset: int = 0,
-    lending: Lending | None = None,
-) -> LocalResult:
-    """Run every rank's program of ``schedule`` in this process; see [Note: one executor ...].
-
-    ``modules[s]`` / ``weights[s]`` are stage ``s``'s; ``batch_fn(step) -> (idx_BT,
-    targets_BT)`` gives step ``step_offset + k``'s batch. The ranks take turns: each runs
-    actions while its next one is ready (its message arrived, its input exists; a synchronous
-    ``U`` waits until every rank reached its step's updates). Raises :class:`PipelineDeadlock`
-    when no rank can move. ``lending``: [Note: lending] in tidal/pipeline/lending.py.
-    """
-    rules = rules or UpdateRules()
-    require(
-        len(modules) == len(weights) == schedule.num_stages,
-        "stages",
-        f"{schedule.name} has {schedule.num_stages} stages; got {len(modules)} modules and "
-        f"{len(weights)} weights",
-    )
-    require(
-        not (schedule.asynchronous and rules.tied),
-        "tie_embeddings",
-        f"{schedule.name} is asynchronous: the two copies of a tied matrix would update at "
-        "different times; set tie_embeddings=false",
-    )
-    transport = LocalTransport()
-    data = Microbatches(batch_fn, schedule.num_microbatches, step_offset=step_offset)
-    if lending is not None:
-        schedule = with_lending(with_communication(schedule), lending.lenders)
-    executors = [
-        RankExecutor(
-            schedule=schedule,
-            rank=r,
-            modules={s: modules[s] for s in schedule.stages_of(r)},
-            weights={s: weights[s] for s in schedule.stages_of(r)},
-            transport=transport,
-            data=data,
-            lr_fn=lr_fn,
-            rules=rules,
-            step_offset=step_offset,
-            lending=lending,
-        )
-        for r in range(schedule.num_ranks)
-    ]
-    runners = {s: r for ex in executors for s, r in ex.runners.items()}
-    while not all(ex.done for ex in executors):
-        moved = False
-        for ex in executors:
-            while not ex.done and ex.ready(ex.program[ex.pc]):
-                ex.step()
-                moved = True
-        if not moved and not _sync_barrier(executors, runners, rules):
-            waiting = ", ".join(f"rank {ex.rank} at {ex.next_action}" for ex in executors)
-            raise PipelineDeadlock(f"{schedule.name}: no rank can move ({waiting})")
-    assert len(transport) == 0, "messages left unreceived"
-    delays = {(s, mb): tau for s, r in runners.items() for mb, tau in r.delays.items()}
-    lrs = dict(itertools.chain.from_iterable(ex.lrs.items() for ex in executors))
-    last = executors[schedule.rank_of(schedule.num_stages - 1)]
-    return LocalResult(losses=last.step_losses(schedule.num_steps), delays=delays, lrs=lrs,
-                       peak_held_bytes=tuple(ex.peak_held_bytes for ex in executors))  # fmt: skip
-
-
-def _sync_barrier(
-    executors: Sequence[RankExecutor], runners: Mapping[int, StageRunner], rules: UpdateRules
-) -> bool:
-    """If every unfinished rank waits at a synchronous ``U`` of one step, prepare that step."""
-    waiting = [ex for ex in executors if not ex.done]
-    steps = set()
-    for ex in waiting:
-        a = ex.program[ex.pc]
-        if a.kind is not Kind.UPDATE or not ex.synchronous:
-            return False
-        steps.add(ex.update_step(a))
-    if len(steps) != 1 or len(waiting) != len(executors):
-        return False
-    (step,) = steps
-    _prepare_local(runners, rules)
-    for ex in executors:
-        ex.prepared.add(step)
-    return True

@@ -2,7 +2,7 @@
 
 :class:`PipelineRuntime` holds one rank's stages and runs the rank's program of a schedule with
 :class:`~tidal.pipeline.executor.RankExecutor` over a :class:`P2PTransport`. What a stage computes
-is exactly what :func:`~tidal.pipeline.executor.run_local` computes for it ([Note: one executor,
+is exactly what :func:`~tidal.pipeline.local.run_local` computes for it ([Note: one executor,
 bit-identical runs]); this module only adds the wire and the cross-rank steps of an update.
 
 [Note: synchronous and asynchronous training]

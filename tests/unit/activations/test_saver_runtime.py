@@ -16,7 +16,7 @@ from tidal.config import ConfigError
 from tidal.memory.tiers import Tier, TierBudgetError, TierKind
 from tidal.models import build_gpt
 from tidal.models.gpt import GPTConfig, split_gpt
-from tidal.pipeline.executor import run_local
+from tidal.pipeline.local import run_local
 from tidal.pipeline.pipemare import AsyncConfig, StageWeights, WeightMode
 from tidal.pipeline.schedules import make_schedule
 from tidal.pipeline.split import even_ranges

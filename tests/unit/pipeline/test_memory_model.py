@@ -15,7 +15,7 @@ from tidal.activations import Links, TensorClass, keep_all
 from tidal.memory.activations import SavedTensorMeter
 from tidal.models import build_gpt
 from tidal.models.gpt import GPTConfig, split_gpt
-from tidal.pipeline.executor import run_local
+from tidal.pipeline.local import run_local
 from tidal.pipeline.pipemare import AsyncConfig, StageWeights, WeightMode
 from tidal.pipeline.savers import BlockSaves, saved_tensors
 from tidal.pipeline.schedules import make_schedule

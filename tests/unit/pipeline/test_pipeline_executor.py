@@ -20,9 +20,9 @@ from tidal.pipeline.executor import (
     MessageKey,
     PipelineDeadlock,
     UpdateRules,
-    run_local,
 )
 from tidal.pipeline.ir import Action, Kind, Schedule, parse_program
+from tidal.pipeline.local import run_local
 from tidal.pipeline.pipemare import AsyncConfig, StageWeights, WeightMode
 from tidal.pipeline.schedules import make_schedule
 from tidal.pipeline.simulate import simulate

@@ -1,0 +1,158 @@
+"""Every rank of a pipeline in one process: the single-process simulator of its weight delays.
+
+:func:`run_local` drives one :class:`~tidal.pipeline.executor.RankExecutor` per rank over a
+:class:`~tidal.pipeline.p2p.LocalTransport`, taking turns; a distributed run of the same
+schedule equals it bit for bit ([Note: one executor, bit-identical runs] in
+tidal/pipeline/executor.py).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from tidal.config import require
+from tidal.pipeline.executor import (
+    BatchFn,
+    LrFn,
+    Microbatches,
+    RankExecutor,
+    StageRunner,
+    StageWeightsLike,
+    UpdateRules,
+    clip_coefficient,
+    grad_squares,
+    scale_grads,
+)
+from tidal.pipeline.ir import Kind, Schedule, with_communication
+from tidal.pipeline.lending import Lending, with_lending
+from tidal.pipeline.p2p import LocalTransport, PipelineDeadlock
+
+__all__ = ["LocalResult", "run_local"]
+
+
+@dataclass(frozen=True, slots=True)
+class LocalResult:
+    """What :func:`run_local` measured.
+
+    ``losses[k]`` is step ``k``'s row-weighted mean loss; ``delays[(stage, mb)]`` the measured
+    tau; ``lrs[(stage, step)]`` the learning rate each update used; ``peak_held_bytes[r]`` the
+    most rank ``r`` held for others ([Note: lending] in tidal/pipeline/lending.py).
+    """
+
+    losses: list[float]
+    delays: dict[tuple[int, int], int]
+    lrs: dict[tuple[int, int], float] = field(default_factory=dict)
+    peak_held_bytes: tuple[int, ...] = ()
+
+    def stage_delays(self, stage: int) -> list[int]:
+        return [tau for (s, _), tau in sorted(self.delays.items()) if s == stage]
+
+
+def run_local(
+    schedule: Schedule,
+    modules: Sequence[nn.Module],
+    weights: Sequence[StageWeightsLike],
+    batch_fn: BatchFn,
+    lr_fn: LrFn,
+    *,
+    rules: UpdateRules | None = None,
+    step_offset: int = 0,
+    lending: Lending | None = None,
+) -> LocalResult:
+    """Run every rank's program of ``schedule`` in this process; see [Note: one executor ...].
+
+    ``modules[s]`` / ``weights[s]`` are stage ``s``'s; ``batch_fn(step) -> (idx_BT,
+    targets_BT)`` gives step ``step_offset + k``'s batch. The ranks take turns: each runs
+    actions while its next one is ready (its message arrived, its input exists; a synchronous
+    ``U`` waits until every rank reached its step's updates). Raises :class:`PipelineDeadlock`
+    when no rank can move. ``lending``: [Note: lending] in tidal/pipeline/lending.py.
+    """
+    rules = rules or UpdateRules()
+    require(
+        len(modules) == len(weights) == schedule.num_stages,
+        "stages",
+        f"{schedule.name} has {schedule.num_stages} stages; got {len(modules)} modules and "
+        f"{len(weights)} weights",
+    )
+    require(
+        not (schedule.asynchronous and rules.tied),
+        "tie_embeddings",
+        f"{schedule.name} is asynchronous: the two copies of a tied matrix would update at "
+        "different times; set tie_embeddings=false",
+    )
+    transport = LocalTransport()
+    data = Microbatches(batch_fn, schedule.num_microbatches, step_offset=step_offset)
+    if lending is not None:
+        schedule = with_lending(with_communication(schedule), lending.lenders)
+    executors = [
+        RankExecutor(
+            schedule=schedule,
+            rank=r,
+            modules={s: modules[s] for s in schedule.stages_of(r)},
+            weights={s: weights[s] for s in schedule.stages_of(r)},
+            transport=transport,
+            data=data,
+            lr_fn=lr_fn,
+            rules=rules,
+            step_offset=step_offset,
+            lending=lending,
+        )
+        for r in range(schedule.num_ranks)
+    ]
+    runners = {s: r for ex in executors for s, r in ex.runners.items()}
+    while not all(ex.done for ex in executors):
+        moved = False
+        for ex in executors:
+            while not ex.done and ex.ready(ex.program[ex.pc]):
+                ex.step()
+                moved = True
+        if not moved and not _sync_barrier(executors, runners, rules):
+            waiting = ", ".join(f"rank {ex.rank} at {ex.next_action}" for ex in executors)
+            raise PipelineDeadlock(f"{schedule.name}: no rank can move ({waiting})")
+    assert len(transport) == 0, "messages left unreceived"
+    delays = {(s, mb): tau for s, r in runners.items() for mb, tau in r.delays.items()}
+    lrs = dict(itertools.chain.from_iterable(ex.lrs.items() for ex in executors))
+    last = executors[schedule.rank_of(schedule.num_stages - 1)]
+    return LocalResult(losses=last.step_losses(schedule.num_steps), delays=delays, lrs=lrs,
+                       peak_held_bytes=tuple(ex.peak_held_bytes for ex in executors))  # fmt: skip
+
+
+def _sync_barrier(
+    executors: Sequence[RankExecutor], runners: Mapping[int, StageRunner], rules: UpdateRules
+) -> bool:
+    """If every unfinished rank waits at a synchronous ``U`` of one step, prepare that step."""
+    waiting = [ex for ex in executors if not ex.done]
+    steps = set()
+    for ex in waiting:
+        a = ex.program[ex.pc]
+        if a.kind is not Kind.UPDATE or not ex.synchronous:
+            return False
+        steps.add(ex.update_step(a))
+    if len(steps) != 1 or len(waiting) != len(executors):
+        return False
+    (step,) = steps
+    _prepare_local(runners, rules)
+    for ex in executors:
+        ex.prepared.add(step)
+    return True
+
+
+def _prepare_local(runners: Mapping[int, StageRunner], rules: UpdateRules) -> None:
+    """The synchronous pre-update for every stage in this process: tied sum, global clip."""
+    for (sa, na), (sb, nb) in rules.tied:
+        a = dict(runners[sa].module.named_parameters())[na]
+        b = dict(runners[sb].module.named_parameters())[nb]
+        assert a.grad is not None and b.grad is not None, f"tied {na} / {nb} has no gradient"
+        total = a.grad + b.grad
+        a.grad.copy_(total)
+        b.grad.copy_(total)
+    if rules.max_grad_norm is not None:
+        squares = torch.stack([grad_squares(r, rules) for _, r in sorted(runners.items())])
+        factor = clip_coefficient(squares.sum().sqrt(), rules.max_grad_norm)
+        for r in runners.values():
+            scale_grads(r, factor)
