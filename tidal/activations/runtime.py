@@ -33,7 +33,8 @@ path, which the planner's idle windows assume hidden. Both are for synchronous
 schedules: an asynchronous stage's backward must see the weights its
 forward used, which a recompute would not (it reads the current ones) and which the stage's own
 saved-tensor redirection provides (a submodule's hooks would replace it); :func:`check_schedule`
-refuses them. Peer swap needs sends and receives placed in the schedule and is not built here.
+refuses them. ``PEER``: what the submodule saves joins a bundle that the schedule's lending
+actions send to a lender rank and bring back ([Note: lending] in tidal/pipeline/lending.py).
 """
 
 from __future__ import annotations
