@@ -125,6 +125,12 @@ def _worker(root: str, reference: tuple[list[float], list[float]]) -> None:
     Trainer({**split, "training": {**split["training"], "steps": STEPS}}).fit(resume=True)
     assert _losses(root_path / "async-resumed") == _losses(root_path / "async")
     assert summary["final_loss"] is not None and summary["final_loss"] < train[0]
+    # Host swap and lending under PipeMare: the same numbers (the swaps hand the parameters to
+    # the stage's weight-version redirection).
+    swapped = _job(root_path / "async-host", schedule="pipemare", correction=True, memory="host")
+    swapped["model"]["tie_embeddings"] = False
+    Trainer(swapped).fit()
+    assert _losses(root_path / "async-host") == _losses(root_path / "async")
     expected = simulate(make_schedule("pipemare", stages=2, microbatches=2, steps=2)).delay
     measured = summary["pipeline"]["max_delay_per_stage"]
     rank = dist.get_rank()
@@ -153,9 +159,12 @@ def test_bad_pipeline_input_exits_2_in_one_line(capsys: pytest.CaptureFixture[st
     assert main([*argv, "--set", "pipeline.prediction=true"]) == 2  # 1f1b has no delay
     err = capsys.readouterr().err
     assert "pipeline.prediction" in err and "pipemare" in err
-    assert main([*argv, "--schedule", "pipedream", "--set", "pipeline.memory=host"]) == 2
+    assert main([*argv, "--schedule", "pipedream", "--set", "pipeline.memory=recompute"]) == 2
     err = capsys.readouterr().err
-    assert "pipeline.memory: 'host' runs under synchronous schedules only" in err
+    assert "pipeline.memory: recompute runs under synchronous schedules only" in err
+    interleaved = ["--schedule", "interleaved", "--set", "pipeline.virtual_stages=2"]
+    assert main([*argv, *interleaved, "--set", "pipeline.memory=peer"]) == 2
+    assert "'peer' plans peer swaps, which need one stage per rank" in capsys.readouterr().err
 
 
 def test_a_plan_and_a_pipeline_are_refused_together(tmp_path: Path) -> None:

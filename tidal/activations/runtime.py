@@ -29,12 +29,16 @@ On CUDA the host tier is pinned; the copy out runs on a side stream after the wo
 tensor (the forward goes on while it copies; the allocator is told the side stream uses the
 tensor, so its memory is not reused before the copy ends), and the copy back waits for it on the
 current stream. There is no prefetch ahead of the backward yet: a copy back is on the backward's
-path, which the planner's idle windows assume hidden. Both are for synchronous
-schedules: an asynchronous stage's backward must see the weights its
-forward used, which a recompute would not (it reads the current ones) and which the stage's own
-saved-tensor redirection provides (a submodule's hooks would replace it); :func:`check_schedule`
-refuses them. ``PEER``: what the submodule saves joins a bundle that the schedule's lending
-actions send to a lender rank and bring back ([Note: lending] in tidal/pipeline/lending.py).
+path, which the planner's idle windows assume hidden. ``PEER``: what the submodule saves joins a bundle that the schedule's lending actions send to a
+lender rank and bring back ([Note: lending] in tidal/pipeline/lending.py).
+
+Host and peer swaps hand what they leave in place (parameters and views of them) to the hooks
+that were on top when the submodule's forward began (:func:`outer_saved_tensor_hooks`): under an
+asynchronous schedule those are the stage's weight-version redirection ([Note: saved-tensor
+redirection] in tidal/pipeline/weights.py), so the backward still sees the weights it should,
+and the swaps run under every schedule. A recompute does not: it runs the forward again on the
+current weights, not the ones its forward used (PipeMare keeps no copy of those), so
+:func:`check_schedule` refuses it under asynchronous schedules.
 """
 
 from __future__ import annotations
@@ -55,7 +59,33 @@ from tidal.config import ConfigError
 from tidal.memory.tiers import Tier
 
 __all__ = ["HostSwap", "PeerSwap", "SaverHandles", "apply_savers", "around_forward",
-           "check_schedule"]  # fmt: skip
+           "check_schedule", "outer_saved_tensor_hooks"]  # fmt: skip
+
+
+SavedHooks = tuple[Callable[[torch.Tensor], Any], Callable[[Any], torch.Tensor]]
+
+
+def outer_saved_tensor_hooks() -> SavedHooks | None:
+    """The saved-tensor hooks on top now (torch has no public accessor): hooks about to be
+    installed inside them hand them what they do not take themselves, so the hooks of a stage
+    (weight-version redirection, a memory meter) still see every parameter its parts save."""
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    return None if top is None else top(False)
+
+
+@dataclass(frozen=True, slots=True)
+class _Outer:
+    packed: Any
+    unpack: Callable[[Any], torch.Tensor]
+
+
+def _stays(tensor: torch.Tensor, outer: SavedHooks | None) -> Any:
+    """What a swap does with a tensor it leaves where it is: the outer hooks get it."""
+    return tensor if outer is None else _Outer(outer[0](tensor), outer[1])
+
+
+def _back(packed: Any) -> torch.Tensor:
+    return packed.unpack(packed.packed) if isinstance(packed, _Outer) else packed
 
 
 @dataclass(slots=True)
@@ -75,18 +105,20 @@ class HostSwap:
         """Saved tensors to the host while open (one submodule's forward)."""
         assert self._open is None, "host swaps do not nest ([Note: savers in place])"
         self._open = {}
+        outer = outer_saved_tensor_hooks()
         try:
             with torch.autograd.graph.saved_tensors_hooks(
-                lambda t: self.pack(t, params), self.unpack
+                lambda t: self.pack(t, params, outer), self.unpack
             ):
                 yield
         finally:
             self._open = None  # the device tensors may go: their copies are queued
 
-    def pack(self, tensor: torch.Tensor, params: frozenset[int]) -> Any:
+    def pack(self, tensor: torch.Tensor, params: frozenset[int],
+             outer: SavedHooks | None = None) -> Any:  # fmt: skip
         storage = tensor.untyped_storage()
         if storage.data_ptr() in params or tensor.layout is not torch.strided:
-            return tensor  # a parameter or a view of one (or a sparse tensor): it stays
+            return _stays(tensor, outer)  # a parameter or a view of one (or a sparse tensor)
         key = (tensor.device, storage.data_ptr())
         opened = self._open if self._open is not None else {}
         if key not in opened:
@@ -117,7 +149,7 @@ class HostSwap:
 
     def unpack(self, packed: Any) -> torch.Tensor:
         if not isinstance(packed, _OnHost):
-            return packed
+            return _back(packed)
         self.tensors_back += 1
         flat = packed.storage.on_device()
         return torch.empty(0, dtype=packed.dtype, device=flat.device).set_(
@@ -183,14 +215,16 @@ class PeerSwap:
     def swapping(
         self, lender: int, params: frozenset[int]
     ) -> contextlib.AbstractContextManager[None]:
+        outer = outer_saved_tensor_hooks()
         return torch.autograd.graph.saved_tensors_hooks(
-            lambda t: self.pack(t, lender, params), self.unpack
+            lambda t: self.pack(t, lender, params, outer), self.unpack
         )
 
-    def pack(self, tensor: torch.Tensor, lender: int, params: frozenset[int]) -> Any:
+    def pack(self, tensor: torch.Tensor, lender: int, params: frozenset[int],
+             outer: SavedHooks | None = None) -> Any:  # fmt: skip
         storage = tensor.untyped_storage()
         if storage.data_ptr() in params or tensor.layout is not torch.strided:
-            return tensor
+            return _stays(tensor, outer)
         bundle = self._open.setdefault(lender, {})
         key = (tensor.device, storage.data_ptr())  # held until the bundle closes: no reuse
         if key not in bundle:
@@ -201,7 +235,7 @@ class PeerSwap:
 
     def unpack(self, packed: Any) -> torch.Tensor:
         if not isinstance(packed, _Lent):
-            return packed
+            return _back(packed)
         flat, start = packed.storage.back()
         assert start % packed.dtype.itemsize == 0
         return torch.empty(0, dtype=packed.dtype, device=flat.device).set_(
@@ -347,14 +381,15 @@ def around_forward(
     ]
 
 
-ASYNCHRONOUS_SCHEDULES_REFUSED = "recompute and host swap run under synchronous schedules only"
+ASYNCHRONOUS_SCHEDULES_REFUSED = "recompute runs under synchronous schedules only"
 
 
 def check_schedule(savers: Mapping[str, Saver], *, asynchronous: bool, schedule: str) -> None:
-    """Refuse savers under an asynchronous schedule ([Note: savers in place])."""
-    if asynchronous and any(s is not Saver.KEEP for s in savers.values()):
+    """Refuse recompute under an asynchronous schedule ([Note: savers in place])."""
+    if asynchronous and any(s is Saver.RECOMPUTE for s in savers.values()):
         raise ConfigError(
             "pipeline.memory",
             f"{ASYNCHRONOUS_SCHEDULES_REFUSED} (gpipe, 1f1b, interleaved), not {schedule!r}: "
-            "its backward must see the weights its forward used",
+            "its backward must see the weights its forward used, which a recompute would not "
+            "(host and peer swap would)",
         )

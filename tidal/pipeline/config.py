@@ -53,8 +53,9 @@ class PipelineConfig:
             (the saver planner with peer swap only: what a rank cannot hold is lent to a later
             stage's rank, [Note: lending] in tidal/pipeline/lending.py), ``auto`` (the saver
             planner's choice per part of each block among all three), both against
-            ``memory.device_budget`` per rank, ``none`` (keep everything). Savers run under
-            synchronous schedules only and give the same numbers as ``none``, bit for bit.
+            ``memory.device_budget`` per rank, ``none`` (keep everything). Savers give the same
+            numbers as ``none``, bit for bit; recompute runs under synchronous schedules only
+            (``auto`` under an asynchronous one plans without it).
             With ``memory.device_budget`` set every rank is checked before the first step and
             held to it while it trains ([Note: pipeline memory] in
             tidal/train/pipeline_memory.py).
@@ -115,10 +116,17 @@ class PipelineConfig:
         )
         require(self.sync_steps >= 0, "sync_steps", f"must be >= 0, got {self.sync_steps}")
         require(
-            self.memory == "none" or self.schedule not in _ASYNC,
+            self.memory != "recompute" or self.schedule not in _ASYNC,
             "memory",
-            f"{self.memory!r} runs under synchronous schedules only (gpipe, 1f1b, interleaved), "
-            f"not {self.schedule!r}: its backward must see the weights its forward used",
+            f"recompute runs under synchronous schedules only (gpipe, 1f1b, interleaved), not "
+            f"{self.schedule!r}: its backward must see the weights its forward used; host, peer "
+            f"and auto (without recompute) run under it",
+        )
+        require(
+            self.memory not in ("peer", "auto") or self.virtual_stages == 1,
+            "memory",
+            f"{self.memory!r} plans peer swaps, which need one stage per rank; set "
+            f"virtual_stages = 1 or pipeline.memory = 'recompute' or 'host'",
         )
 
     @property

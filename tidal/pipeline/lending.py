@@ -19,8 +19,8 @@ on a send its peer makes before an action the receiver was already waiting for, 
 that could not deadlock still cannot. A pair's messages keep the sender's program order
 ([Note: point-to-point protocol] in tidal/pipeline/p2p.py): the bytes come home with the
 gradient the borrower needs next, not earlier, so they are not parked on the borrower.
-Synchronous schedules only (savers are: [Note: savers in place] in
-tidal/activations/runtime.py), and without virtual stages.
+The same holds under asynchronous schedules (their microbatch ids never repeat); not with
+virtual stages (a rank's stages would need an order of their own).
 """
 
 from __future__ import annotations
@@ -75,9 +75,9 @@ def with_lending(schedule: Schedule, lenders: Mapping[int, Sequence[int]]) -> Sc
 
 
 def _check(schedule: Schedule, lenders: Mapping[int, tuple[int, ...]]) -> None:
-    if schedule.asynchronous or schedule.num_stages != schedule.num_ranks:
-        raise ConfigError("pipeline.memory", f"peer swap runs under synchronous schedules of one "
-                          f"stage per rank, not {schedule.name!r}")  # fmt: skip
+    if schedule.num_stages != schedule.num_ranks:
+        raise ConfigError("pipeline.memory", f"peer swap runs under schedules of one stage per "
+                          f"rank, not {schedule.name!r} with virtual stages")  # fmt: skip
     for s, ranks in lenders.items():
         for lender in ranks:
             if not schedule.rank_of(s) < lender < schedule.num_ranks:

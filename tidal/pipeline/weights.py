@@ -60,13 +60,14 @@ from __future__ import annotations
 import contextlib
 import enum
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
+from tidal.activations.runtime import outer_saved_tensor_hooks
 from tidal.config import require
 from tidal.pipeline.lookahead import next_update
 
@@ -221,13 +222,6 @@ def _clone_like(p: torch.Tensor) -> torch.Tensor:
     return out.copy_(p.detach())
 
 
-def _outer_hooks() -> tuple[Callable[[torch.Tensor], Any], Callable[[Any], torch.Tensor]] | None:
-    # The innermost saved_tensors_hooks win, so ours would hide hooks installed around the stage
-    # (memory meters, CPU offload); torch has no public accessor for them.
-    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
-    return None if top is None else top(False)
-
-
 class _Packer:
     """The pack/unpack pair of one ``forward(mb)``; see [Note: saved-tensor redirection]."""
 
@@ -235,7 +229,7 @@ class _Packer:
         self.weights = weights
         self.microbatch = microbatch
         self.version = version
-        self.outer = _outer_hooks()
+        self.outer = outer_saved_tensor_hooks()
         # storage pointer -> (param index, first element, end element, dtype, live tensor)
         self.by_storage: dict[int, list[tuple[int, int, int, torch.dtype, torch.Tensor]]] = {}
         self.shapes: set[tuple[tuple[int, ...], torch.dtype]] = set()

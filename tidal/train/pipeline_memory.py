@@ -33,7 +33,15 @@ from typing import Any
 
 import torch
 
-from tidal.activations import Links, Saver, SaverPlan, evaluate, keep_all, plan_savers
+from tidal.activations import (
+    Links,
+    Saver,
+    SaverPlan,
+    TensorClass,
+    evaluate,
+    keep_all,
+    plan_savers,
+)
 from tidal.activations.plan import Choice
 from tidal.activations.runtime import PeerSwap, SaverHandles, apply_savers, around_forward
 from tidal.config import ConfigError, format_bytes
@@ -178,8 +186,8 @@ def _plan(job: JobConfig, stages: Sequence[PipelineStage], probe: MemoryProbe, *
         base[schedule.rank_of(s)] += per_weight_byte * num_bytes
     host_budget = resolve_budget(job.memory.host_budget, kind=TierKind.HOST, device=device,
                                  key="memory.host_budget")  # fmt: skip
-    # [Note: lending]: a stage lends to later stages' ranks, one stage per rank, in sync schedules
-    lends = pipe.memory in ("auto", "peer") and pipe.virtual_stages == 1 and not pipe.asynchronous
+    # [Note: lending]: a stage lends to later stages' ranks, one stage per rank
+    lends = pipe.memory in ("auto", "peer") and pipe.virtual_stages == 1
     peer = tuple(tuple(PEER_LINK_BYTES_PER_S if lends and lender > r else 0.0
                        for lender in range(world_size)) for r in range(world_size))  # fmt: skip
     links = Links(stage_rank=tuple(schedule.rank_of(s) for s in range(schedule.num_stages)),
@@ -188,8 +196,11 @@ def _plan(job: JobConfig, stages: Sequence[PipelineStage], probe: MemoryProbe, *
                   host_budget_bytes=(0 if peer_only else host_budget,),
                   peer_bandwidth=peer)  # fmt: skip
     saved = saved_tensors(sim, units, weight_bytes=weight_bytes)
-    if peer_only:  # nothing recomputed, nothing to the host: lending is left
+    if peer_only or pipe.asynchronous:  # [Note: savers in place]: no recompute there
         saved = [dataclasses.replace(i, recompute_s=None) for i in saved]
+    # A stashed weight version is not a submodule's save: training keeps it where it is.
+    saved = [dataclasses.replace(i, fixed=True) if i.tensor_class is TensorClass.WEIGHTS else i
+             for i in saved]  # fmt: skip
     if fixed is not None:  # every block gets the one saver, as one unit
         saved = whole_blocks(saved)
         choices: list[Choice] = [(fixed if i.block >= 0 and not i.fixed else Saver.KEEP, None)

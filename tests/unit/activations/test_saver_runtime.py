@@ -107,9 +107,12 @@ def test_what_cannot_run_is_one_line() -> None:
         apply_savers(model, {"blocks.0": Saver.RECOMPUTE, "blocks.0.mlp": Saver.HOST})
     with pytest.raises(ConfigError, match="host swaps need a host tier"):
         apply_savers(model, {"blocks.0": Saver.HOST})
-    with pytest.raises(ConfigError, match="synchronous schedules only.*'pipemare'"):
+    with pytest.raises(
+        ConfigError, match="recompute runs under synchronous schedules only.*'pipemare'"
+    ):
         check_schedule({"blocks.0": Saver.RECOMPUTE}, asynchronous=True, schedule="pipemare")
-    check_schedule({"blocks.0": Saver.KEEP}, asynchronous=True, schedule="pipemare")
+    check_schedule({"blocks.0": Saver.HOST, "blocks.1": Saver.PEER}, asynchronous=True,
+                   schedule="pipemare")  # fmt: skip
     check_schedule({"blocks.0": Saver.RECOMPUTE}, asynchronous=False, schedule="1f1b")
 
 
@@ -143,8 +146,15 @@ def test_a_host_swap_copies_each_storage_once_and_brings_the_views_back() -> Non
         assert torch.equal(a.grad, b.grad)
 
 
-@pytest.mark.parametrize(("name", "ranks"), [("gpipe", 2), ("1f1b", 2), ("1f1b", 4)])
-def test_lending_to_a_later_rank_equals_the_plain_pipeline(name: str, ranks: int) -> None:
+@pytest.mark.parametrize(("name", "ranks", "mode"),
+                         [("gpipe", 2, WeightMode.CURRENT), ("1f1b", 2, WeightMode.CURRENT),
+                          ("1f1b", 4, WeightMode.CURRENT), ("pipedream", 2, WeightMode.STASH),
+                          ("pipedream", 4, WeightMode.STASH), ("pipemare", 2, WeightMode.CURRENT),
+                          ("pipemare", 4, WeightMode.CURRENT)])  # fmt: skip
+def test_lending_and_host_swap_equal_the_plain_pipeline(name: str, ranks: int,
+                                                        mode: WeightMode) -> None:  # fmt: skip
+    """Under asynchronous schedules too: a swap hands the parameters its submodule saves to the
+    stage's weight-version redirection, so the backward sees the weights it would have."""
     from tidal.activations.runtime import PeerSwap
     from tidal.pipeline.lending import Lending
 
@@ -164,8 +174,10 @@ def test_lending_to_a_later_rank_equals_the_plain_pipeline(name: str, ranks: int
                              lenders={"layers.0": last})  # fmt: skip
                 lenders[1] = (last,)
             lending = Lending(lenders=lenders, swaps=swaps)
+            host = Tier(TierKind.HOST, torch.device("cpu"), budget_bytes=None)
+            apply_savers(stages[ranks - 1], {"layers.0": Saver.HOST}, host=host)
         weights = [StageWeights(s, torch.optim.SGD(s.parameters(), lr=0.5),
-                                AsyncConfig(weights=WeightMode.CURRENT)) for s in stages]  # fmt: skip
+                                AsyncConfig(weights=mode)) for s in stages]  # fmt: skip
         result = run_local(schedule, stages, weights, _batch, lambda _: 0.5, lending=lending)
         return [p.detach().clone() for s in stages for p in s.parameters()], list(
             result.losses), (result, swaps)  # fmt: skip

@@ -34,9 +34,9 @@ def test_lending_that_cannot_run_is_refused() -> None:
     base = with_communication(make_schedule("1f1b", stages=3, microbatches=3))
     with pytest.raises(ConfigError, match="stage 1 cannot lend to rank 0: a lender is a later"):
         with_lending(base, {1: (0,)})
-    with pytest.raises(ConfigError, match="synchronous schedules of one stage per rank"):
-        with_lending(with_communication(make_schedule("pipemare", stages=2, microbatches=2)),
-                     {0: (1,)})  # fmt: skip
+    with pytest.raises(ConfigError, match="schedules of one stage per rank, not 'interleaved'"):
+        with_lending(with_communication(make_schedule("interleaved", stages=2, microbatches=4,
+                                                      virtual=2)), {0: (1,)})  # fmt: skip
     with pytest.raises(ValueError, match="names its peer rank"):
         parse_action("0LO3")
     assert str(parse_action("1HI4p0")) == "1HI4p0"
