@@ -131,6 +131,12 @@ def _worker(root: str, reference: tuple[list[float], list[float]]) -> None:
     swapped["model"]["tie_embeddings"] = False
     Trainer(swapped).fit()
     assert _losses(root_path / "async-host") == _losses(root_path / "async")
+    # Recompute under PipeDream runs on the stashed version its forward used.
+    for mode in ("none", "recompute"):
+        stashing = _job(root_path / f"pipedream-{mode}", schedule="pipedream", memory=mode)
+        stashing["model"]["tie_embeddings"] = False
+        Trainer(stashing).fit()
+    assert _losses(root_path / "pipedream-recompute") == _losses(root_path / "pipedream-none")
     expected = simulate(make_schedule("pipemare", stages=2, microbatches=2, steps=2)).delay
     measured = summary["pipeline"]["max_delay_per_stage"]
     rank = dist.get_rank()
@@ -159,9 +165,10 @@ def test_bad_pipeline_input_exits_2_in_one_line(capsys: pytest.CaptureFixture[st
     assert main([*argv, "--set", "pipeline.prediction=true"]) == 2  # 1f1b has no delay
     err = capsys.readouterr().err
     assert "pipeline.prediction" in err and "pipemare" in err
-    assert main([*argv, "--schedule", "pipedream", "--set", "pipeline.memory=recompute"]) == 2
+    assert main([*argv, "--schedule", "pipemare", "--set", "model.tie_embeddings=false",
+                 "--set", "pipeline.memory=recompute"]) == 2  # fmt: skip
     err = capsys.readouterr().err
-    assert "pipeline.memory: recompute runs under synchronous schedules only" in err
+    assert "pipeline.memory: recompute runs under synchronous and stashing schedules" in err
     interleaved = ["--schedule", "interleaved", "--set", "pipeline.virtual_stages=2"]
     assert main([*argv, *interleaved, "--set", "pipeline.memory=peer"]) == 2
     assert "'peer' plans peer swaps, which need one stage per rank" in capsys.readouterr().err

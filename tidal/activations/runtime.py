@@ -36,9 +36,10 @@ Host and peer swaps hand what they leave in place (parameters and views of them)
 that were on top when the submodule's forward began (:func:`outer_saved_tensor_hooks`): under an
 asynchronous schedule those are the stage's weight-version redirection ([Note: saved-tensor
 redirection] in tidal/pipeline/weights.py), so the backward still sees the weights it should,
-and the swaps run under every schedule. A recompute does not: it runs the forward again on the
-current weights, not the ones its forward used (PipeMare keeps no copy of those), so
-:func:`check_schedule` refuses it under asynchronous schedules.
+and the swaps run under every schedule. A recompute runs the forward again inside the backward;
+under a stashing schedule (PipeDream, 2BW) ``recompute_context`` swaps in the version that
+forward used (``StageWeights.forward_weights``); PipeMare keeps no copy of it, so
+:func:`check_schedule` refuses recompute there.
 """
 
 from __future__ import annotations
@@ -314,11 +315,13 @@ class SaverHandles:
 
 
 def apply_savers(model: nn.Module, savers: Mapping[str, Saver], *, host: Tier | None = None,
-                 peer: PeerSwap | None = None,
-                 lenders: Mapping[str, int] | None = None) -> SaverHandles:  # fmt: skip
+                 peer: PeerSwap | None = None, lenders: Mapping[str, int] | None = None,
+                 recompute_context: Callable[[], contextlib.AbstractContextManager[Any]] | None
+                 = None) -> SaverHandles:  # fmt: skip
     """Recompute, host-swap or lend the submodules ``savers`` names ([Note: savers in place]);
     ``host``: the tier host swaps use (needed when any is asked); ``peer`` and ``lenders[path]``
-    (the rank each lent submodule lends to): what peer swaps use."""
+    (the rank each lent submodule lends to): what peer swaps use; ``recompute_context()``: held
+    open around each recompute (a stashing stage's forward weights)."""
     unknown = sorted(set(savers) - {name for name, _ in model.named_modules()})
     if unknown:
         raise ConfigError("pipeline.memory", f"no submodule {unknown[0]!r} in the model to save on")
@@ -340,7 +343,10 @@ def apply_savers(model: nn.Module, savers: Mapping[str, Saver], *, host: Tier | 
         swapped=tuple(swaps),
     )
     for path in handles.recomputed:
-        checkpoint(model.get_submodule(path))
+        if recompute_context is None:
+            checkpoint(model.get_submodule(path))
+        else:
+            checkpoint(model.get_submodule(path), context_fn=_recompute_in(recompute_context))
     params = frozenset(p.untyped_storage().data_ptr() for p in model.parameters())
     if handles.host is not None:
         for path in swaps:
@@ -353,6 +359,13 @@ def apply_savers(model: nn.Module, savers: Mapping[str, Saver], *, host: Tier | 
         )
     handles.lent = tuple(lent)
     return handles
+
+
+def _recompute_in(
+    context: Callable[[], contextlib.AbstractContextManager[Any]],
+) -> Callable[[], tuple[contextlib.AbstractContextManager[Any], ...]]:
+    """A checkpoint's context_fn: nothing around the forward, ``context()`` around the recompute."""
+    return lambda: (contextlib.nullcontext(), context())
 
 
 def _swap_saved(module: nn.Module, host: HostSwap, params: frozenset[int]) -> list[Any]:
@@ -381,15 +394,14 @@ def around_forward(
     ]
 
 
-ASYNCHRONOUS_SCHEDULES_REFUSED = "recompute runs under synchronous schedules only"
-
-
-def check_schedule(savers: Mapping[str, Saver], *, asynchronous: bool, schedule: str) -> None:
-    """Refuse recompute under an asynchronous schedule ([Note: savers in place])."""
-    if asynchronous and any(s is Saver.RECOMPUTE for s in savers.values()):
+def check_schedule(savers: Mapping[str, Saver], *, asynchronous: bool, stashes: bool,
+                   schedule: str) -> None:  # fmt: skip
+    """Refuse recompute under an asynchronous schedule that keeps no weight versions
+    ([Note: savers in place])."""
+    if asynchronous and not stashes and any(s is Saver.RECOMPUTE for s in savers.values()):
         raise ConfigError(
             "pipeline.memory",
-            f"{ASYNCHRONOUS_SCHEDULES_REFUSED} (gpipe, 1f1b, interleaved), not {schedule!r}: "
-            "its backward must see the weights its forward used, which a recompute would not "
-            "(host and peer swap would)",
+            f"recompute runs under synchronous and stashing schedules, not {schedule!r}: it "
+            "would run the forward again on weights the forward did not use (host and peer "
+            "swap run under it)",
         )

@@ -11,6 +11,7 @@ __all__ = ["PipelineConfig", "ScheduleName"]
 
 ScheduleName = Literal["gpipe", "1f1b", "interleaved", "pipedream", "2bw", "pipemare", "pipemarew"]
 _ASYNC = ("pipedream", "2bw", "pipemare", "pipemarew")
+_KEEPS_NO_VERSIONS = ("pipemare", "pipemarew")  # asynchronous, no stashed weights
 
 
 @dataclass(kw_only=True, slots=True)
@@ -116,11 +117,11 @@ class PipelineConfig:
         )
         require(self.sync_steps >= 0, "sync_steps", f"must be >= 0, got {self.sync_steps}")
         require(
-            self.memory != "recompute" or self.schedule not in _ASYNC,
+            self.memory != "recompute" or self.schedule not in _KEEPS_NO_VERSIONS,
             "memory",
-            f"recompute runs under synchronous schedules only (gpipe, 1f1b, interleaved), not "
-            f"{self.schedule!r}: its backward must see the weights its forward used; host, peer "
-            f"and auto (without recompute) run under it",
+            f"recompute runs under synchronous and stashing schedules (gpipe, 1f1b, interleaved, "
+            f"pipedream, 2bw), not {self.schedule!r}: it would run the forward again on weights "
+            f"the forward did not use; host, peer and auto (without recompute) run under it",
         )
         require(
             self.memory not in ("peer", "auto") or self.virtual_stages == 1,
@@ -136,6 +137,11 @@ class PipelineConfig:
     @property
     def asynchronous(self) -> bool:
         return self.schedule in _ASYNC
+
+    @property
+    def stashes(self) -> bool:
+        """Asynchronous with stashed weight versions (a recompute can run on its forward's)."""
+        return self.asynchronous and self.schedule not in _KEEPS_NO_VERSIONS
 
     @property
     def reschedules_lr(self) -> bool:

@@ -462,6 +462,28 @@ class StageWeights:
             del self.version_at_forward[microbatch]
             self._release()
 
+    @contextlib.contextmanager
+    def forward_weights(self) -> Iterator[None]:
+        """Inside :meth:`backward`: the weights its microbatch's forward ran on, swapped into the
+        parameters for a recompute of part of that forward, and the live ones back after."""
+        if self._active is None:
+            raise RuntimeError("forward_weights is for a recompute inside a stage's backward")
+        version = self.version_at_forward[self._active]
+        if version == self.version and not self.config.prediction:
+            yield
+            return
+        if self.config.weights is WeightMode.CURRENT:
+            raise RuntimeError(
+                f"microbatch {self._active}'s forward ran on version {version} (or a predicted "
+                f"copy), which weights='current' does not keep: a recompute would run on other "
+                "weights; recompute only under synchronous or stashing schedules"
+            )
+        live = self._swap_in(self._stash(version))
+        try:
+            yield
+        finally:
+            self._swap_in(live)
+
     def _backward_base(self, index: int, microbatch: int, version: int) -> torch.Tensor:
         live = self.params[index].detach()
         mode = self.config.weights

@@ -26,8 +26,9 @@ hooks) get the check before the first step, not the meter.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,7 +44,13 @@ from tidal.activations import (
     plan_savers,
 )
 from tidal.activations.plan import Choice
-from tidal.activations.runtime import PeerSwap, SaverHandles, apply_savers, around_forward
+from tidal.activations.runtime import (
+    PeerSwap,
+    SaverHandles,
+    apply_savers,
+    around_forward,
+    check_schedule,
+)
 from tidal.config import ConfigError, format_bytes
 from tidal.memory.activations import SavedTensorMeter
 from tidal.memory.tiers import TierKind, make_tiers, resolve_budget
@@ -71,6 +78,12 @@ class PipelineMemory:
     guard: _Guard | None
     budget_bytes: int | None
     lending: Lending | None = None
+    forward_weights: dict[int, _ForwardWeights] = dataclasses.field(default_factory=dict)
+
+    def bind(self, weights: Mapping[int, Any]) -> None:
+        """The stages' weights, once built: a stashing schedule's recomputes run on them."""
+        for s, holder in self.forward_weights.items():
+            holder.weights = weights[s]
 
     def figures(self, rank: int) -> dict[str, Any]:
         hosts = [h.host for h in self.handles if h.host is not None]
@@ -132,6 +145,7 @@ def plan_pipeline_memory(job: JobConfig, stages: Sequence[PipelineStage], *, min
                            device=device, fixed=fixed, peer_only=mode == "peer")  # fmt: skip
     _, host = make_tiers(device=device, device_budget=None, host_budget=job.memory.host_budget)
     handles, swaps = [], {}
+    forward_weights: dict[int, _ForwardWeights] = {}
     for s in mine:
         savers: dict[str, Saver] = {}
         lent_to: dict[str, int] = {}
@@ -144,9 +158,14 @@ def plan_pipeline_memory(job: JobConfig, stages: Sequence[PipelineStage], *, min
             savers = {f"layers.{k}": fixed for k in range(len(stages[s].layers))}
         if lent_to:
             swaps[s] = PeerSwap()
+        check_schedule(savers, asynchronous=pipe.asynchronous, stashes=pipe.stashes,
+                       schedule=pipe.schedule)  # fmt: skip
+        context = None
+        if pipe.stashes and Saver.RECOMPUTE in savers.values():
+            context = forward_weights.setdefault(s, _ForwardWeights()).context
         if savers:
             handles.append(apply_savers(stages[s], savers, host=host, peer=swaps.get(s),
-                                        lenders=lent_to))  # fmt: skip
+                                        lenders=lent_to, recompute_context=context))  # fmt: skip
     guard = None
     if budget is not None and not pipe.asynchronous:
         guard = _budget_guard([stages[s] for s in mine], budget=budget, base=base[rank], rank=rank)
@@ -155,8 +174,21 @@ def plan_pipeline_memory(job: JobConfig, stages: Sequence[PipelineStage], *, min
     if lenders:
         lending = Lending(lenders=lenders, swaps=swaps,
                           on_hold=None if guard is None else guard.hold)  # fmt: skip
-    return PipelineMemory(mode=mode, plan=plan, handles=handles, guard=guard,
-                          budget_bytes=budget, lending=lending)  # fmt: skip
+    return PipelineMemory(mode=mode, plan=plan, handles=handles, guard=guard, budget_bytes=budget,
+                          lending=lending, forward_weights=forward_weights)  # fmt: skip
+
+
+@dataclass(slots=True)
+class _ForwardWeights:
+    """A stage's weights, bound once the pipeline is built (:meth:`PipelineMemory.bind`): a
+    recompute under a stashing schedule runs on the version its forward used."""
+
+    weights: Any = None
+
+    def context(self) -> contextlib.AbstractContextManager[None]:
+        assert self.weights is not None, "a recompute before the stage's weights were bound"
+        context: contextlib.AbstractContextManager[None] = self.weights.forward_weights()
+        return context
 
 
 def _lenders(plan: SaverPlan | None) -> dict[int, tuple[int, ...]]:
@@ -196,7 +228,7 @@ def _plan(job: JobConfig, stages: Sequence[PipelineStage], probe: MemoryProbe, *
                   host_budget_bytes=(0 if peer_only else host_budget,),
                   peer_bandwidth=peer)  # fmt: skip
     saved = saved_tensors(sim, units, weight_bytes=weight_bytes)
-    if peer_only or pipe.asynchronous:  # [Note: savers in place]: no recompute there
+    if peer_only or (pipe.asynchronous and not pipe.stashes):  # [Note: savers in place]
         saved = [dataclasses.replace(i, recompute_s=None) for i in saved]
     # A stashed weight version is not a submodule's save: training keeps it where it is.
     saved = [dataclasses.replace(i, fixed=True) if i.tensor_class is TensorClass.WEIGHTS else i

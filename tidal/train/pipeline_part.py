@@ -249,6 +249,7 @@ class PipelinePart:
         self.engine = pipeline(stages, config=pipe, optimizer=job.optimizer, training=training,
                                block_ranges=self.ranges, device=device, rank=current_rank(),
                                world_size=world_size, lending=self.memory.lending)  # fmt: skip
+        self.memory.bind(self.engine.weights)
         del stages
         split = {"schedule": pipe.schedule, "block_ranges": [list(r) for r in self.ranges]}
         self.checkpointable = PipelineStages(self.engine, layout, split)

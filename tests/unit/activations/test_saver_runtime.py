@@ -108,12 +108,16 @@ def test_what_cannot_run_is_one_line() -> None:
     with pytest.raises(ConfigError, match="host swaps need a host tier"):
         apply_savers(model, {"blocks.0": Saver.HOST})
     with pytest.raises(
-        ConfigError, match="recompute runs under synchronous schedules only.*'pipemare'"
+        ConfigError, match="recompute runs under synchronous and stashing schedules, not 'pipemare'"
     ):
-        check_schedule({"blocks.0": Saver.RECOMPUTE}, asynchronous=True, schedule="pipemare")
+        check_schedule({"blocks.0": Saver.RECOMPUTE}, asynchronous=True, stashes=False,
+                       schedule="pipemare")  # fmt: skip
     check_schedule({"blocks.0": Saver.HOST, "blocks.1": Saver.PEER}, asynchronous=True,
-                   schedule="pipemare")  # fmt: skip
-    check_schedule({"blocks.0": Saver.RECOMPUTE}, asynchronous=False, schedule="1f1b")
+                   stashes=False, schedule="pipemare")  # fmt: skip
+    check_schedule({"blocks.0": Saver.RECOMPUTE}, asynchronous=True, stashes=True,
+                   schedule="pipedream")  # fmt: skip
+    check_schedule({"blocks.0": Saver.RECOMPUTE}, asynchronous=False, stashes=False,
+                   schedule="1f1b")  # fmt: skip
 
 
 class _Views(torch.nn.Module):
@@ -188,3 +192,43 @@ def test_lending_and_host_swap_equal_the_plain_pipeline(name: str, ranks: int,
     assert all(torch.equal(a, b) for a, b in zip(plain_params, params, strict=True))
     assert swaps[0].storages_lent > 0 and result.peak_held_bytes[ranks - 1] > 0
     assert result.peak_held_bytes[0] == 0  # the first rank lends, holds nothing
+
+
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_recompute_under_pipedream_runs_on_the_stashed_version(ranks: int) -> None:
+    """Recompute runs the forward again inside the backward: under PipeDream it must run on the
+    version that forward used (the stage's stash), not on the weights updated since."""
+
+    def run(savers: bool, *, stashed: bool = True) -> tuple[list[torch.Tensor], list[float]]:
+        schedule = make_schedule("pipedream", stages=ranks, microbatches=4, steps=3)
+        stages = split_gpt(build_gpt(CONFIG, seed=0), even_ranges(4, ranks))
+        weights = [StageWeights(s, torch.optim.SGD(s.parameters(), lr=0.5),
+                                AsyncConfig(weights=WeightMode.STASH)) for s in stages]  # fmt: skip
+        if savers:
+            for s in range(ranks - 1):  # the loaded stages recompute every block
+                context = weights[s].forward_weights if stashed else None
+                apply_savers(stages[s], {f"layers.{k}": Saver.RECOMPUTE
+                                         for k in range(len(stages[s].layers))},
+                             recompute_context=context)  # fmt: skip
+        result = run_local(schedule, stages, weights, _batch, lambda _: 0.5)
+        return [p.detach().clone() for s in stages for p in s.parameters()], list(result.losses)
+
+    plain_params, plain_losses = run(False)
+    params, losses = run(True)
+    assert losses == plain_losses
+    assert all(torch.equal(a, b) for a, b in zip(plain_params, params, strict=True))
+    _, live_losses = run(True, stashed=False)  # on the live weights: another computation
+    assert live_losses[1:] != plain_losses[1:]
+
+
+def test_a_recompute_cannot_find_weights_pipemare_did_not_keep() -> None:
+    stage = split_gpt(build_gpt(CONFIG, seed=0), [(0, 4)])[0]
+    weights = StageWeights(stage, torch.optim.SGD(stage.parameters(), lr=0.5),
+                           AsyncConfig(weights=WeightMode.CURRENT))  # fmt: skip
+    with weights.forward(0):
+        loss = stage(*_batch(0))
+    weights.step(lr=0.5, step=0)  # an update between the forward and its backward
+    with weights.backward(0), pytest.raises(RuntimeError, match="does not keep"):  # noqa: SIM117
+        with weights.forward_weights():
+            pass
+    del loss
