@@ -1,4 +1,6 @@
-"""``tidal bench mpress``: MPress's saver plan against one saver for everything, predicted.
+"""``tidal bench mpress``: MPress's saver plan against one saver for everything, predicted for
+8 GPUs (this file) and measured on gloo ranks under a budget (``--section measured``:
+benchmarks/mpress_measured.py, [Note: what the bench measures]).
 
 A GPT family (one width and sequence length; blocks added ``--step-layers`` at a time) is cut
 into ``--stages`` pipeline stages, one GPU each, on a DGX-class server: ``--device-memory`` per
@@ -19,7 +21,7 @@ Everything here is the simulator's and the planner's: layer profiles traced on t
 at H100-like rates (bf16), each block's saved bytes split by class with Megatron's count
 (``models.gpt_saved_shares``), model data at 16 bytes per parameter (bf16 weights, fp32
 gradients, masters and AdamW moments), the stage split balanced by time. No model is trained.
-Not built yet: the section measured on gloo ranks, and ZeRO-3 over chunks at the same memory.
+Not built yet: ZeRO-3 over chunks at the same memory.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+from benchmarks.mpress_measured import add_measured_arguments, bench_measured
 from tidal.activations import (
     Links,
     Saved,
@@ -70,6 +73,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--step-layers", type=int, default=8, help="blocks added per size")
     parser.add_argument("--max-layers", type=int, default=320)
     parser.add_argument("--results-dir", default=None, metavar="DIR")
+    parser.add_argument("--section", action="append", choices=("predicted", "measured"),
+                        help="predicted (the simulator, 8 GPUs) and/or measured (gloo ranks "
+                        "under a budget); both by default")  # fmt: skip
+    add_measured_arguments(parser)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -174,7 +181,7 @@ def bench_mpress(args: argparse.Namespace) -> list[dict[str, Any]]:
         largest = {name: _largest(family, schedule, name, args) for name in STRATEGIES}
         at = largest["recompute"]
         for name in STRATEGIES:
-            row: dict[str, Any] = {"schedule": schedule, "strategy": name,
+            row: dict[str, Any] = {"section": "predicted", "schedule": schedule, "strategy": name,
                                    "largest_layers": largest[name],
                                    "largest_params": largest[name] * params_per_block,
                                    "vs_recompute": (largest[name] / at) if at else None}  # fmt: skip
@@ -199,7 +206,7 @@ def plot(rows: list[dict[str, Any]], path: Path) -> Path:
 
     fig, axes = plt.subplots(1, len(SCHEDULES), figsize=(6.0 * len(SCHEDULES), 4.0), squeeze=False)
     for ax, schedule in zip(axes[0], SCHEDULES, strict=True):
-        mine = [r for r in rows if r["schedule"] == schedule]
+        mine = [r for r in rows if r["schedule"] == schedule and r["section"] == "predicted"]
         x = range(len(mine))
         ax.bar(x, [r["largest_params"] / 1e9 for r in mine], color="tab:blue", alpha=0.7)
         ax.set_xticks(list(x), [r["strategy"] for r in mine], fontsize=8)
@@ -219,16 +226,24 @@ def plot(rows: list[dict[str, Any]], path: Path) -> Path:
 def run(args: argparse.Namespace, console: Console) -> int:
     from benchmarks import write_results
 
-    rows = bench_mpress(args)
+    sections = args.section or ["predicted", "measured"]
+    rows = bench_mpress(args) if "predicted" in sections else []
+    if "measured" in sections:
+        rows += bench_measured(args)
     folder = None if args.results_dir is None else Path(args.results_dir)
     path = write_results("mpress", rows, folder=folder)
-    console.print(f"plot: {plot(rows, path.with_suffix('.png'))}")
+    if "predicted" in sections:
+        console.print(f"plot: {plot(rows, path.with_suffix('.png'))}")
+    if "measured" in sections:
+        _print_measured([r for r in rows if r["section"] == "measured"], args, path, console)
+    if "predicted" not in sections:
+        return 0
     table = Table(title=f"tidal bench mpress (predicted, {args.stages} GPUs of "
                         f"{args.device_memory}) -> {path}", title_justify="left")  # fmt: skip
     for column in ("schedule", "strategy", "largest blocks", "params", "x recompute",
                    "step s at recompute's largest", "peak there"):  # fmt: skip
         table.add_column(column, justify="right")
-    for r in rows:
+    for r in (r for r in rows if r["section"] == "predicted"):
         step = r.get("step_s_at_recompute_largest")
         table.add_row(
             r["schedule"], r["strategy"], str(r["largest_layers"]), f"{r['largest_params']:,}",
@@ -238,3 +253,18 @@ def run(args: argparse.Namespace, console: Console) -> int:
         )  # fmt: skip
     console.print(table)
     return 0
+
+
+def _print_measured(rows: list[dict[str, Any]], args: argparse.Namespace, path: Path,
+                    console: Console) -> None:  # fmt: skip
+    table = Table(title=f"tidal bench mpress (measured: {args.measured_ranks} gloo ranks, "
+                        f"{args.measured_budget} each) -> {path}", title_justify="left")  # fmt: skip
+    for column in ("schedule", "strategy", "largest blocks", "x recompute",
+                   "step s at recompute's largest"):  # fmt: skip
+        table.add_column(column, justify="right")
+    for r in rows:
+        step = r["step_s_at_recompute_largest"]
+        table.add_row(r["schedule"], r["strategy"], str(r["largest_layers"]),
+                      "-" if r["vs_recompute"] is None else f"{r['vs_recompute']:.2f}",
+                      "does not train" if step is None else f"{step:.4g}")  # fmt: skip
+    console.print(table)

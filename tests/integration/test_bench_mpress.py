@@ -16,7 +16,7 @@ from tidal.cli.main import main
 def test_bench_mpress_writes_rows_and_the_plan_fits_what_one_saver_fits(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    argv = ["bench", "mpress", "--width", "256", "--heads", "4", "--seq-len", "512",
+    argv = ["bench", "mpress", "--section", "predicted", "--width", "256", "--heads", "4", "--seq-len", "512",
             "--max-layers", "32", "--step-layers", "4", "--device-memory", "512MiB",
             "--results-dir", str(tmp_path)]  # fmt: skip
     assert main(argv) == 0
@@ -59,3 +59,22 @@ def test_bench_savers_meter_matches_the_model_and_every_saver_gives_the_same_gra
     assert rows["recompute", 0]["meter_peak_bytes"] < rows["none", 0]["meter_peak_bytes"] / 3
     plan = [rows["plan", s] for s in (0, 1)]
     assert all(r["fits_plan"] and r["predicted_saved_bytes"] <= r["budget_bytes"] for r in plan)
+
+
+@pytest.mark.slow
+def test_bench_mpress_measured_trains_more_blocks_with_savers_under_the_same_budget(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["bench", "mpress", "--section", "measured", "--measured-ranks", "2",
+            "--measured-budget", "5MiB", "--measured-max-layers", "6", "--measured-steps", "2",
+            "--measured-schedule", "1f1b", "--measured-strategy", "none",
+            "--measured-strategy", "recompute", "--results-dir", str(tmp_path)]  # fmt: skip
+    assert main(argv) == 0
+    assert "measured: 2 gloo ranks, 5MiB each" in capsys.readouterr().out
+    (path,) = tmp_path.glob("mpress-*.json")
+    rows = {r["strategy"]: r for r in json.loads(path.read_text())["rows"]}
+    assert set(rows) == {"none", "recompute"}
+    assert 0 < rows["none"]["largest_layers"] < rows["recompute"]["largest_layers"], rows
+    assert "rank 0 needs" in rows["none"]["refused_above"]  # the check before the first step
+    assert rows["recompute"]["step_s_at_recompute_largest"] > 0
+    assert rows["none"]["step_s_at_recompute_largest"] is None  # it does not train that model

@@ -533,6 +533,7 @@ def _no_plan(saved: Sequence[Saved], links: Links) -> str:
         )
     return (
         "no saver plan fits: the host and the peers have too little room for what must move "
-        f"(host budgets {[format_bytes(c) if c else 'none' for c in links.host_budget_bytes]}); "
+        f"(host budgets {['unlimited' if c is None else format_bytes(c) for c in links.host_budget_bytes]}"
+        "; peers' spare room under their own budgets); "
         "raise memory.device_budget or the host budget"
     )
