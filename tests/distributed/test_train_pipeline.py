@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from tidal.cli.main import main
 from tidal.config import ConfigError
@@ -110,6 +111,12 @@ def _worker(root: str, reference: tuple[list[float], list[float]]) -> None:
     assert figures[0]["bytes_lent"] > 0 and figures[1]["blocks_lent"] == 0, figures
     assert figures[1]["peak_held_bytes"] > 0 == figures[0]["peak_held_bytes"], figures
     assert all(f["measured_peak_bytes"] <= f["predicted_peak_bytes"] <= 2 << 20 for f in figures)
+    # The links it priced were measured, and every rank planned with the same figures.
+    from tidal.train.links import measure_links
+
+    links: list[Any] = [None, None]
+    dist.all_gather_object(links, measure_links(torch.device("cpu"), num_bytes=1 << 20))
+    assert links[0] == links[1] and links[0].peer_bytes_per_s > 0, links
 
     Trainer(_job(root_path / "resumed", schedule="1f1b", steps=2)).fit()
     Trainer(_job(root_path / "resumed", schedule="1f1b")).fit(resume=True)

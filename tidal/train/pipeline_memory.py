@@ -60,11 +60,9 @@ from tidal.pipeline.schedules import make_schedule
 from tidal.pipeline.simulate import simulate
 from tidal.pipeline.split import PipelineStage
 from tidal.train.job import JobConfig
+from tidal.train.links import measure_links
 
 __all__ = ["MemoryProbe", "PipelineMemory", "model_data_per_weight_byte", "plan_pipeline_memory"]
-
-HOST_LINK_BYTES_PER_S = 25e9  # PCIe 4 x16 as achieved: what the planner prices host swaps at
-PEER_LINK_BYTES_PER_S = 50e9  # [H] an NVLink-class link as achieved: what peer swaps cost
 
 
 @dataclass(slots=True)
@@ -220,11 +218,12 @@ def _plan(job: JobConfig, stages: Sequence[PipelineStage], probe: MemoryProbe, *
                                  key="memory.host_budget")  # fmt: skip
     # [Note: lending]: a stage lends to later stages' ranks, one stage per rank
     lends = pipe.memory in ("auto", "peer") and pipe.virtual_stages == 1
-    peer = tuple(tuple(PEER_LINK_BYTES_PER_S if lends and lender > r else 0.0
+    rates = measure_links(device)  # [Note: measured links] in tidal/train/links.py
+    peer = tuple(tuple(rates.peer_bytes_per_s if lends and lender > r else 0.0
                        for lender in range(world_size)) for r in range(world_size))  # fmt: skip
     links = Links(stage_rank=tuple(schedule.rank_of(s) for s in range(schedule.num_stages)),
                   budget_bytes=(budget,) * world_size, base_bytes=tuple(base),
-                  host_link=(0,) * world_size, host_bandwidth=(HOST_LINK_BYTES_PER_S,),
+                  host_link=(0,) * world_size, host_bandwidth=(rates.host_bytes_per_s,),
                   host_budget_bytes=(0 if peer_only else host_budget,),
                   peer_bandwidth=peer)  # fmt: skip
     saved = saved_tensors(sim, units, weight_bytes=weight_bytes)
