@@ -14,13 +14,17 @@ model), so all ranks make the same plan. ``pipeline.memory``:
 - ``none`` refuses a run that does not fit, in one line that names ``auto``;
 - ``recompute`` / ``host`` put that saver on every block of every stage;
 - ``auto`` runs the saver planner over the units ([Note: the saver planners] in
-  tidal/activations/plan.py) without peer swap (not carried out yet) and carries out its
-  choices on this rank's stages; no plan fits: one line naming the least budget.
+  tidal/activations/plan.py) with every saver (recompute only where the schedule allows it;
+  peer swap to later stages' ranks, [Note: lending] in tidal/pipeline/lending.py) and the links
+  measured on the ranks ([Note: measured links] in tidal/train/links.py), and carries out its
+  choices on this rank's stages; ``peer`` the same with peer swap only; no plan fits: one line
+  naming the least budget.
 
 While a synchronous schedule trains, a saved-tensor meter around each of this rank's stage
-forwards counts what they save (a host-swapped or recomputed tensor is not there, and is not
-counted) and raises the moment model data plus that would pass the budget, so a run can never
-silently hold more than it was given. Asynchronous schedules (which keep their own saved-tensor
+forwards counts what they save (a host-swapped, lent or recomputed tensor is not there, and is
+not counted), what the rank holds for others is added, and the guard raises the moment model
+data plus those would pass the budget, so a run can never silently hold more than it was
+given. Asynchronous schedules (which keep their own saved-tensor
 hooks) get the check before the first step, not the meter.
 """
 
