@@ -76,6 +76,17 @@ def test_a_host_budget_too_small_is_refused_before_anything_is_copied() -> None:
 
 @pytest.mark.parametrize(("name", "ranks", "virtual"),
                          [("gpipe", 2, 1), ("1f1b", 2, 1), ("1f1b", 4, 1), ("interleaved", 2, 2)])  # fmt: skip
+def _trained(stages: list[torch.nn.Module], result: Any) -> tuple[list[torch.Tensor], list[float]]:
+    return [p.detach().clone() for s in stages for p in s.parameters()], list(result.losses)
+
+
+def _assert_same(got: tuple[list[torch.Tensor], list[float]],
+                 want: tuple[list[torch.Tensor], list[float]]) -> None:  # fmt: skip
+    """The same losses and parameters, bit for bit."""
+    assert got[1] == want[1]
+    assert all(torch.equal(a, b) for a, b in zip(got[0], want[0], strict=True))
+
+
 def test_savers_through_a_pipeline_equal_the_plain_pipeline(name: str, ranks: int,
                                                             virtual: int) -> None:  # fmt: skip
     def run(savers: bool) -> tuple[list[torch.Tensor], list[float]]:
@@ -88,13 +99,9 @@ def test_savers_through_a_pipeline_equal_the_plain_pipeline(name: str, ranks: in
                          host=host)  # fmt: skip
         weights = [StageWeights(s, torch.optim.SGD(s.parameters(), lr=0.5),
                                 AsyncConfig(weights=WeightMode.CURRENT)) for s in stages]  # fmt: skip
-        result = run_local(schedule, stages, weights, _batch, lambda _: 0.5)
-        return [p.detach().clone() for s in stages for p in s.parameters()], list(result.losses)
+        return _trained(stages, run_local(schedule, stages, weights, _batch, lambda _: 0.5))
 
-    plain_params, plain_losses = run(False)
-    params, losses = run(True)
-    assert losses == plain_losses
-    assert all(torch.equal(a, b) for a, b in zip(plain_params, params, strict=True))
+    _assert_same(run(True), run(False))
 
 
 def test_what_cannot_run_is_one_line() -> None:
@@ -162,7 +169,7 @@ def test_lending_and_host_swap_equal_the_plain_pipeline(name: str, ranks: int,
     from tidal.activations.runtime import PeerSwap
     from tidal.pipeline.lending import Lending
 
-    def run(lend: bool) -> tuple[list[torch.Tensor], list[float], Any]:
+    def run(lend: bool) -> tuple[tuple[list[torch.Tensor], list[float]], Any]:
         schedule = make_schedule(name, stages=ranks, microbatches=4, steps=2)
         stages = split_gpt(build_gpt(CONFIG, seed=0), even_ranges(4, ranks))
         lending, swaps = None, {}
@@ -183,13 +190,10 @@ def test_lending_and_host_swap_equal_the_plain_pipeline(name: str, ranks: int,
         weights = [StageWeights(s, torch.optim.SGD(s.parameters(), lr=0.5),
                                 AsyncConfig(weights=mode)) for s in stages]  # fmt: skip
         result = run_local(schedule, stages, weights, _batch, lambda _: 0.5, lending=lending)
-        return [p.detach().clone() for s in stages for p in s.parameters()], list(
-            result.losses), (result, swaps)  # fmt: skip
+        return _trained(stages, result), (result, swaps)
 
-    plain_params, plain_losses, _ = run(False)
-    params, losses, (result, swaps) = run(True)
-    assert losses == plain_losses
-    assert all(torch.equal(a, b) for a, b in zip(plain_params, params, strict=True))
+    lent, (result, swaps) = run(True)
+    _assert_same(lent, run(False)[0])
     assert swaps[0].storages_lent > 0 and result.peak_held_bytes[ranks - 1] > 0
     assert result.peak_held_bytes[0] == 0  # the first rank lends, holds nothing
 
@@ -210,15 +214,12 @@ def test_recompute_under_pipedream_runs_on_the_stashed_version(ranks: int) -> No
                 apply_savers(stages[s], {f"layers.{k}": Saver.RECOMPUTE
                                          for k in range(len(stages[s].layers))},
                              recompute_context=context)  # fmt: skip
-        result = run_local(schedule, stages, weights, _batch, lambda _: 0.5)
-        return [p.detach().clone() for s in stages for p in s.parameters()], list(result.losses)
+        return _trained(stages, run_local(schedule, stages, weights, _batch, lambda _: 0.5))
 
-    plain_params, plain_losses = run(False)
-    params, losses = run(True)
-    assert losses == plain_losses
-    assert all(torch.equal(a, b) for a, b in zip(plain_params, params, strict=True))
+    plain = run(False)
+    _assert_same(run(True), plain)
     _, live_losses = run(True, stashed=False)  # on the live weights: another computation
-    assert live_losses[1:] != plain_losses[1:]
+    assert live_losses[1:] != plain[1][1:]
 
 
 def test_a_recompute_cannot_find_weights_pipemare_did_not_keep() -> None:
