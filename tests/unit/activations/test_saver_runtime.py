@@ -74,8 +74,6 @@ def test_a_host_budget_too_small_is_refused_before_anything_is_copied() -> None:
     assert host.held_bytes == 0
 
 
-@pytest.mark.parametrize(("name", "ranks", "virtual"),
-                         [("gpipe", 2, 1), ("1f1b", 2, 1), ("1f1b", 4, 1), ("interleaved", 2, 2)])  # fmt: skip
 def _trained(stages: list[torch.nn.Module], result: Any) -> tuple[list[torch.Tensor], list[float]]:
     return [p.detach().clone() for s in stages for p in s.parameters()], list(result.losses)
 
@@ -87,6 +85,8 @@ def _assert_same(got: tuple[list[torch.Tensor], list[float]],
     assert all(torch.equal(a, b) for a, b in zip(got[0], want[0], strict=True))
 
 
+@pytest.mark.parametrize(("name", "ranks", "virtual"),
+                         [("gpipe", 2, 1), ("1f1b", 2, 1), ("1f1b", 4, 1), ("interleaved", 2, 2)])  # fmt: skip
 def test_savers_through_a_pipeline_equal_the_plain_pipeline(name: str, ranks: int,
                                                             virtual: int) -> None:  # fmt: skip
     def run(savers: bool) -> tuple[list[torch.Tensor], list[float]]:
