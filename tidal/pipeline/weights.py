@@ -319,6 +319,11 @@ class StageWeights:
         self._warned = False
         self._batch_version = 0  # 2BW: the version the current batch's forwards use
 
+    @property
+    def stashed_bytes(self) -> int:
+        """Bytes of the weight versions held besides the live one (PipeDream, 2BW)."""
+        return sum(t.numel() * t.element_size() for copy in self._stashes.values() for t in copy)
+
     # -----------------------------------------------------------------------------------------
     # forward
 

@@ -57,9 +57,19 @@ def _one_microbatch_bytes(stage: nn.Module, inputs: torch.Tensor, targets: torch
     return held
 
 
-@pytest.mark.parametrize(("name", "virtual"), [("gpipe", 1), ("1f1b", 1), ("interleaved", 2)])
-def test_each_stages_measured_peak_is_the_models_within_10_percent(name: str, virtual: int) -> None:
-    schedule = make_schedule(name, stages=RANKS, microbatches=MICROBATCHES, virtual=virtual)
+@pytest.mark.parametrize(("name", "virtual", "mode"),
+                         [("gpipe", 1, WeightMode.CURRENT), ("1f1b", 1, WeightMode.CURRENT),
+                          ("interleaved", 2, WeightMode.CURRENT),
+                          ("pipedream", 1, WeightMode.STASH), ("pipemare", 1, WeightMode.CURRENT)])  # fmt: skip
+def test_each_stages_measured_peak_is_the_models_within_10_percent(
+    name: str, virtual: int, mode: WeightMode
+) -> None:
+    """Activations in flight and, under PipeDream, the stashed weight versions. (2BW is not
+    here: at 2 ranks and 4 microbatches its stage 0 holds two stashed copies at once where the
+    simulator counts one, 26% over the model.)"""
+    steps = 3 if name in ("pipedream", "pipemare") else 1
+    schedule = make_schedule(name, stages=RANKS, microbatches=MICROBATCHES, virtual=virtual,
+                             steps=steps)  # fmt: skip
     num_stages = schedule.num_stages
     sim = simulate(schedule)
 
@@ -76,7 +86,9 @@ def test_each_stages_measured_peak_is_the_models_within_10_percent(name: str, vi
 
     blocks = [BlockSaves(stage=s, block=s, bytes_by_class={TensorClass.OTHER: n}, forward_s=1.0)
               for s, n in enumerate(per_microbatch)]  # fmt: skip
-    saved = saved_tensors(sim, blocks, weight_bytes=[0] * num_stages)
+    weight_bytes = [sum(p.numel() * p.element_size() for p in stage.parameters())
+                    for stage in probe]  # fmt: skip
+    saved = saved_tensors(sim, blocks, weight_bytes=weight_bytes)
     links = Links(stage_rank=tuple(range(num_stages)), budget_bytes=(1 << 40,) * num_stages,
                   base_bytes=(0,) * num_stages, host_link=(0,) * num_stages,
                   host_bandwidth=(1e9,), host_budget_bytes=(None,),
@@ -84,11 +96,17 @@ def test_each_stages_measured_peak_is_the_models_within_10_percent(name: str, vi
     predicted = keep_all(saved, links).peak_bytes  # per stage (a stage per "rank" here)
 
     stages = split_gpt(build_gpt(CONFIG, seed=0), even_ranges(CONFIG.num_layers, num_stages))
-    meters = [_metered(stage) for stage in stages]
     weights = [StageWeights(s, torch.optim.SGD(s.parameters(), lr=0.1),
-                            AsyncConfig(weights=WeightMode.CURRENT)) for s in stages]  # fmt: skip
+                            AsyncConfig(weights=mode, microbatches_per_update=MICROBATCHES))
+               for s in stages]  # fmt: skip
+    meters = [_metered(stage) for stage in stages]
+    measured = [0] * num_stages
+    for s, stage in enumerate(stages):  # each forward's end: activations and versions held
+        stage.register_forward_hook(
+            lambda *_, s=s: measured.__setitem__(s, max(
+                measured[s], meters[s].live_bytes() + weights[s].stashed_bytes)))  # fmt: skip
     run_local(schedule, stages, weights, _batch, lambda _: 0.1)
-    measured = [meter.take_peak_bytes() for meter in meters]
+    measured = [max(m, meter.take_peak_bytes()) for m, meter in zip(measured, meters, strict=True)]
     assert sim.peak_activations[0] > sim.peak_activations[-1] or name == "gpipe"
     for s in range(num_stages):
         assert abs(measured[s] - predicted[s]) <= 0.1 * predicted[s], (name, s, measured, predicted)
