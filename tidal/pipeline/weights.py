@@ -324,6 +324,12 @@ class StageWeights:
         """Bytes of the weight versions held besides the live one (PipeDream, 2BW)."""
         return sum(t.numel() * t.element_size() for copy in self._stashes.values() for t in copy)
 
+    def is_stashed(self, storage_key: int) -> bool:
+        """Whether a storage (``untyped_storage()._cdata``) is a stashed weight version's: a
+        forward on a stashed version (2BW) saves views of it, which are model data."""
+        return any(t.untyped_storage()._cdata == storage_key
+                   for copy in self._stashes.values() for t in copy)  # fmt: skip
+
     # -----------------------------------------------------------------------------------------
     # forward
 
