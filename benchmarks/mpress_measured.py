@@ -13,7 +13,9 @@ held to the check before its first step). The largest model is searched by bisec
 block count (one step a trial); at the largest model recompute-only trains, each strategy that
 trains it runs ``--measured-steps`` steps, and its step time is the run's tokens per step over
 the tokens/s its summary reports. Every rank runs every trial in one launch, so all ranks
-agree on what trained.
+agree on what trained. ``zero3`` is no pipeline: the chunk engine on the same ranks under the
+same per-rank budget, its chunks sharded across them and offloaded to the host as the budget
+needs (each rank a quarter of the rows); the schedule does not apply to it (measured twice).
 """
 
 from __future__ import annotations
@@ -25,10 +27,11 @@ from pathlib import Path
 from typing import Any
 
 from tidal.config import ConfigError, parse_bytes
+from tidal.memory.shortfall import DeviceBudgetTooSmall
 
 __all__ = ["MEASURED", "add_measured_arguments", "bench_measured"]
 
-MEASURED = ("none", "recompute", "host", "peer", "auto")
+MEASURED = ("none", "recompute", "host", "peer", "auto", "zero3")
 SCHEDULES = ("1f1b", "pipedream")
 
 
@@ -47,7 +50,7 @@ def add_measured_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _job(run_dir: Path, *, layers: int, schedule: str, memory: str, budget: str, seq_len: int,
          ranks: int, steps: int) -> dict[str, Any]:  # fmt: skip
-    return {
+    job = {
         "run_dir": str(run_dir),
         "model": {"preset": "tiny", "num_layers": layers, "seq_len": seq_len,
                   "tie_embeddings": False},
@@ -59,6 +62,10 @@ def _job(run_dir: Path, *, layers: int, schedule: str, memory: str, budget: str,
         "memory": {"device_budget": budget},
         "pipeline": {"stages": ranks, "microbatches": 4, "schedule": schedule, "memory": memory},
     }  # fmt: skip
+    if memory == "zero3":  # no pipeline: the chunk engine, its chunks sharded over the ranks
+        del job["pipeline"]
+        job["engine"] = "chunk"
+    return job
 
 
 def _trains(root: Path, **job: Any) -> tuple[float | None, str]:
@@ -70,7 +77,7 @@ def _trains(root: Path, **job: Any) -> tuple[float | None, str]:
         started = time.perf_counter()
         summary = Trainer(_job(run_dir, **job)).fit()
         total_s = time.perf_counter() - started
-    except ConfigError as error:
+    except (ConfigError, DeviceBudgetTooSmall) as error:
         return None, str(error)
     tokens_per_step = 8 * job["seq_len"]
     rate = summary.get("tokens_per_s")
