@@ -21,7 +21,7 @@ Everything here is the simulator's and the planner's: layer profiles traced on t
 at H100-like rates (bf16), each block's saved bytes split by class with Megatron's count
 (``models.gpt_saved_shares``), model data at 16 bytes per parameter (bf16 weights, fp32
 gradients, masters and AdamW moments), the stage split balanced by time. No model is trained.
-Not built yet: ZeRO-3 over chunks at the same memory.
+ZeRO-3 over chunks at the same memory is in the measured section only.
 """
 
 from __future__ import annotations
