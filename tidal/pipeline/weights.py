@@ -67,9 +67,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from tidal.activations.runtime import outer_saved_tensor_hooks
 from tidal.config import require
 from tidal.pipeline.lookahead import next_update
+from tidal.pipeline.redirect import Packer, ParamToken, clone_like, storage_ptr
 
 __all__ = ["AsyncConfig", "StageWeights", "WeightMode", "correction_gamma", "lr_scale"]
 
@@ -169,123 +169,6 @@ def correction_gamma(tau: float, decay: float) -> float:
     return decay ** (1.0 / max(tau, 1.0))
 
 
-class _ParamToken:
-    """What autograd keeps instead of a saved view of a parameter."""
-
-    __slots__ = ("index", "microbatch", "rel_offset", "size", "stride", "version", "weights")
-
-    def __init__(
-        self,
-        weights: StageWeights,
-        index: int,
-        t: torch.Tensor,
-        base: torch.Tensor,
-        microbatch: int,
-        version: int,
-    ) -> None:
-        self.weights = weights
-        self.index = index
-        self.size = tuple(t.size())
-        self.stride = tuple(t.stride())
-        self.rel_offset = t.storage_offset() - base.storage_offset()
-        self.microbatch = microbatch
-        self.version = version
-
-
-class _Saved:
-    """A non-parameter saved tensor, detached (no cycle through grad_fn) with its version."""
-
-    __slots__ = ("tensor", "version")
-
-    def __init__(self, t: torch.Tensor) -> None:
-        self.tensor = t.detach()
-        self.version = t._version
-
-
-def _extent(t: torch.Tensor) -> tuple[int, int]:
-    """First and one-past-last storage element a strided tensor can address."""
-    first = int(t.storage_offset())  # a real tensor's, never symbolic
-    last = first + sum((n - 1) * s for n, s in zip(t.size(), t.stride(), strict=True))
-    return first, int(last) + 1
-
-
-def _storage_ptr(t: torch.Tensor) -> int:
-    try:
-        return t.untyped_storage().data_ptr()
-    except (RuntimeError, NotImplementedError):  # sparse, nested, some subclasses: no storage
-        return 0
-
-
-def _clone_like(p: torch.Tensor) -> torch.Tensor:
-    # Same strides as the parameter, so a token's relative offset addresses the same element.
-    out = torch.empty_strided(p.size(), p.stride(), dtype=p.dtype, device=p.device)
-    return out.copy_(p.detach())
-
-
-class _Packer:
-    """The pack/unpack pair of one ``forward(mb)``; see [Note: saved-tensor redirection]."""
-
-    def __init__(self, weights: StageWeights, microbatch: int, version: int) -> None:
-        self.weights = weights
-        self.microbatch = microbatch
-        self.version = version
-        self.outer = outer_saved_tensor_hooks()
-        # storage pointer -> (param index, first element, end element, dtype, live tensor)
-        self.by_storage: dict[int, list[tuple[int, int, int, torch.dtype, torch.Tensor]]] = {}
-        self.shapes: set[tuple[tuple[int, ...], torch.dtype]] = set()
-        for index, p in enumerate(weights.params):
-            ptr = _storage_ptr(p)
-            if ptr != 0 and p.numel() > 0:
-                lo, hi = _extent(p)
-                self.by_storage.setdefault(ptr, []).append((index, lo, hi, p.dtype, p))
-            if p.dim() >= 2:  # weight matrices: a vector's shape matches too many activations
-                self.shapes.add((tuple(p.shape), p.dtype))
-                self.shapes.add((tuple(reversed(p.shape)), p.dtype))
-
-    def _find(self, t: torch.Tensor) -> tuple[int, torch.Tensor] | None:
-        if t.numel() == 0 or t.layout is not torch.strided:
-            return None
-        candidates = self.by_storage.get(_storage_ptr(t))
-        if not candidates:
-            return None
-        lo, hi = _extent(t)
-        for index, p_lo, p_hi, dtype, p in candidates:
-            if dtype == t.dtype and p_lo <= lo and hi <= p_hi:
-                return index, p
-        return None
-
-    def pack(self, t: torch.Tensor) -> Any:
-        found = self._find(t)
-        if found is not None:
-            index, base = found
-            return _ParamToken(self.weights, index, t, base, self.microbatch, self.version)
-        shape = (tuple(t.shape), t.dtype)
-        if (
-            t.is_floating_point()
-            and t.dim() >= 2  # matrices: a vector activation may match a bias by chance
-            and shape not in self.shapes
-            and any(shape[0] == s for s, _ in self.shapes)
-        ):
-            self.weights._note_unredirected()
-        if self.outer is not None:
-            return self.outer[0](t)
-        return _Saved(t)
-
-    def unpack(self, packed: Any) -> torch.Tensor:
-        if isinstance(packed, _ParamToken):
-            return packed.weights._backward_view(packed)
-        if isinstance(packed, _Saved):
-            if packed.tensor._version != packed.version:
-                raise RuntimeError(
-                    "one of the variables needed for gradient computation has been modified by "
-                    f"an inplace operation (saved at version {packed.version}, now "
-                    f"{packed.tensor._version}); clone it before modifying it in place"
-                )
-            return packed.tensor
-        assert self.outer is not None, "a foreign packed value without outer hooks"
-        return self.outer[1](packed)
-
-
 class StageWeights:
     """Versions, delays and backward weights of one pipeline stage; see the module notes."""
 
@@ -371,7 +254,7 @@ class StageWeights:
             stash = self._predicted(microbatch)
             self._forward_copy = stash or []
         live = None if stash is None else self._swap_in(stash)
-        packer = _Packer(self, microbatch, fwd_version)
+        packer = Packer(self, microbatch, fwd_version)
         try:
             with torch.autograd.graph.saved_tensors_hooks(packer.pack, packer.unpack):
                 yield
@@ -409,7 +292,7 @@ class StageWeights:
             later = tau_hat - 1.0 if first is not None else tau_hat
             predicted = []
             for index, p in enumerate(self.params):
-                w = _clone_like(p)
+                w = clone_like(p)
                 if first is not None:
                     w.add_(first[index])
                 if later > 0:
@@ -433,7 +316,7 @@ class StageWeights:
             )
         return stash
 
-    def _note_unredirected(self) -> None:
+    def note_unredirected(self) -> None:
         self.num_unredirected_saves += 1
         if not self._warned:
             self._warned = True
@@ -505,12 +388,12 @@ class StageWeights:
             return live
         if microbatch == self._active and index in self._corrected:
             return self._corrected[index]
-        corrected = _clone_like(live).sub_(self._delta[index], alpha=tau)
+        corrected = clone_like(live).sub_(self._delta[index], alpha=tau)
         if microbatch == self._active:
             self._corrected[index] = corrected
         return corrected
 
-    def _backward_view(self, token: _ParamToken) -> torch.Tensor:
+    def backward_view(self, token: ParamToken) -> torch.Tensor:
         base = self._backward_base(token.index, token.microbatch, token.version)
         offset = base.storage_offset() + token.rel_offset
         return base.as_strided(token.size, token.stride, offset)
@@ -536,7 +419,7 @@ class StageWeights:
         self._stash_before_update()  # also drops copies no longer needed after this update
         # A transient copy of the old weights: w_new - w_old in one subtraction is exact enough
         # for tiny updates, where folding w_old into delta first would lose them to rounding.
-        old = [_clone_like(p) for p in self.params] if self._delta is not None else None
+        old = [clone_like(p) for p in self.params] if self._delta is not None else None
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         if self._delta is not None and old is not None:
@@ -565,7 +448,7 @@ class StageWeights:
         for version in [v for v in self._stashes if v not in needed]:
             del self._stashes[version]
         if self.version in needed and self.version not in self._stashes:
-            self._stashes[self.version] = [_clone_like(p) for p in self.params]
+            self._stashes[self.version] = [clone_like(p) for p in self.params]
 
     def _release(self) -> None:
         needed = self._needed_versions()
@@ -586,7 +469,7 @@ class StageWeights:
         tensors += self._delta or []
         tensors += list(self._corrected.values())
         tensors += self._forward_copy
-        storages = {_storage_ptr(t): t.untyped_storage().nbytes() for t in tensors}
+        storages = {storage_ptr(t): t.untyped_storage().nbytes() for t in tensors}
         return sum(storages.values())
 
     def held_weight_copies(self) -> int:
@@ -617,8 +500,8 @@ class StageWeights:
             )
         self.version = int(state["version"])
         if delta is not None:
-            self._delta = [_clone_like(d) for d in delta]
-        self._stashes = {int(v): [_clone_like(t) for t in ts] for v, ts in state["stashes"].items()}
+            self._delta = [clone_like(d) for d in delta]
+        self._stashes = {int(v): [clone_like(t) for t in ts] for v, ts in state["stashes"].items()}
         self.version_at_forward = {int(k): int(v) for k, v in state["version_at_forward"].items()}
         self.delays = {int(k): int(v) for k, v in state["delays"].items()}
         self._pending = [int(mb) for mb in state["pending"]]
