@@ -197,11 +197,12 @@ def _measure_stage(stage: PipelineStage, program: Sequence[tuple[Kind, int]], gi
             hook.remove()
 
 
-def _links(num_stages: int, budget_bytes: tuple[int, ...], host_rate: float) -> Links:
+def _links(num_stages: int, budget_bytes: tuple[int, ...], host_rate: float,
+           prefetch: bool) -> Links:  # fmt: skip
     n = num_stages
     return Links(stage_rank=tuple(range(n)), budget_bytes=budget_bytes,
                  base_bytes=(0,) * n, host_link=(0,) * n, host_bandwidth=(host_rate,),
-                 host_budget_bytes=(None,),
+                 host_budget_bytes=(None,), host_prefetch=prefetch,
                  peer_bandwidth=tuple((0.0,) * n for _ in range(n)))  # fmt: skip
 
 
@@ -258,11 +259,12 @@ def bench_savers(args: argparse.Namespace) -> dict[str, Any]:
     weight_bytes = [sum(p.numel() * p.element_size() for p in s.parameters()) for s in stages]
     saved = saved_tensors(sim, units, weight_bytes=weight_bytes)
     host_rate = min(rates["host_to_device"], rates["device_to_host"])
-    roomy = _links(args.stages, (1 << 62,) * args.stages, host_rate)
+    prefetch = device.type == "cuda"  # [Note: host swap prefetch]
+    roomy = _links(args.stages, (1 << 62,) * args.stages, host_rate, prefetch)
     kept, least = _strategy("none", saved, roomy), least_peak_bytes(saved, roomy)
     budget = tuple(m + int((k - m) * args.budget_fraction)
                    for k, m in zip(kept.peak_bytes, least, strict=True))  # fmt: skip
-    links = _links(args.stages, budget, host_rate)
+    links = _links(args.stages, budget, host_rate, prefetch)
     _, host = make_tiers(device=device, device_budget=None, host_budget=None)
     rows = []
     reference_grads: dict[int, list[torch.Tensor]] = {}

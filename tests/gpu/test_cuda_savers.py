@@ -39,3 +39,29 @@ def test_a_saver_on_cuda_gives_the_same_gradients_bit_for_bit(saver: Saver) -> N
         assert handles.host is not None and handles.host.tensors_out > 0
         assert handles.host.tensors_back == handles.host.tensors_out
         assert host.pinned and host.held_bytes == 0  # every buffer given back
+
+
+def test_host_swap_fetches_ahead_and_every_fetch_is_read() -> None:
+    """[Note: host swap prefetch] on CUDA: each block's backward starts the copy back of the
+    block its backward reads next; every copy fetched ahead is read (none dropped), and the
+    gradients are those of the same stage without savers, bit for bit."""
+    torch.manual_seed(0)
+    config = GPTConfig(vocab_size=256, seq_len=64, num_layers=4, num_heads=4, d_model=128,
+                       dropout=0.0)  # fmt: skip
+    (stage,) = split_gpt(build_gpt(config, device="cuda"), [(0, 4)])
+    saved = copy.deepcopy(stage)
+    _, host = make_tiers(device=torch.device("cuda"), device_budget=None, host_budget="64MiB")
+    handles = apply_savers(saved, {f"layers.{k}": Saver.HOST for k in range(4)}, host=host)
+    tokens = torch.randint(0, 256, (4, 64), device="cuda")
+    for model in (stage, saved):
+        losses = [model(tokens, tokens) for _ in range(3)]
+        for loss in losses:
+            loss.backward()
+    torch.cuda.synchronize()
+    for (name, a), b in zip(stage.named_parameters(), saved.parameters(), strict=True):
+        assert torch.equal(a.grad, b.grad), name
+    swap = handles.host
+    # blocks 2, 1, 0 of each microbatch and block 3 of the second and the third
+    assert swap is not None and swap.groups_fetched == 3 * 3 + 2
+    assert swap.storages_fetched > 0 and swap.storages_unread == 0
+    assert swap.tensors_back == swap.tensors_out and host.held_bytes == 0

@@ -22,7 +22,9 @@ step (microbatches) and ``c`` copies live at the stage's peak:
     peer swap  the same over the link to a lender rank, which holds c x bytes in its own budget
 
 A tensor that is not kept is back on its rank for its block's backward, one block at a time: a
-rank holds, beside what it keeps, the largest single copy of what it does not keep (``transient``).
+rank holds, beside what it keeps, the largest single copy of what it does not keep (``transient``);
+where host swaps fetch the next block's copy ahead (``Links.host_prefetch``, on CUDA), also its
+largest host-swapped copy.
 A step then takes the schedule's step time plus the added seconds of the slowest rank (each
 rank's savers lengthen its own backward, and the pipeline runs at its slowest stage); the
 planners minimise that.
@@ -137,6 +139,9 @@ class Links:
     host_bandwidth: tuple[float, ...]
     host_budget_bytes: tuple[int | None, ...]
     peer_bandwidth: tuple[tuple[float, ...], ...]
+    # Host swaps fetch the next group back while a backward reads one ([Note: host swap
+    # prefetch] in runtime.py): a rank then also holds its largest host-swapped item.
+    host_prefetch: bool = False
 
     def __post_init__(self) -> None:
         n = len(self.budget_bytes)
@@ -223,7 +228,7 @@ def evaluate(saved: Sequence[Saved], choices: Sequence[Choice], links: Links,
              solver: str) -> SaverPlan:  # fmt: skip
     """What ``choices`` (one per saved tensor) make each rank hold and add ([Note: saver costs])."""
     n = links.num_ranks
-    kept, lent, transient = list(links.base_bytes), [0] * n, [0] * n
+    kept, lent = list(links.base_bytes), [0] * n
     host = [0] * len(links.host_bandwidth)
     added = [0.0] * n
     per_item = tuple(
@@ -234,15 +239,12 @@ def evaluate(saved: Sequence[Saved], choices: Sequence[Choice], links: Links,
         saver, lender = choice
         added[rank] += item_added
         kept[rank] += item.held_under(saver)
-        if saver is Saver.KEEP:
-            continue
-        if item.copies:
-            transient[rank] = max(transient[rank], item.num_bytes)
         if saver is Saver.HOST:
             host[links.host_link[rank]] += item.held_bytes
         elif saver is Saver.PEER:
             assert lender is not None
             lent[lender] += item.held_bytes
+    transient = [_transient(saved, choices, links, rank) for rank in range(n)]
     peak = tuple(k + lent_ + t for k, lent_, t in zip(kept, lent, transient, strict=True))
     fits = all(p <= b for p, b in zip(peak, links.budget_bytes, strict=True)) and all(
         cap is None or held <= cap for held, cap in zip(host, links.host_budget_bytes, strict=True)
@@ -261,10 +263,13 @@ def keep_all(saved: Sequence[Saved], links: Links) -> SaverPlan:
 
 
 def plan_greedy(saved: Sequence[Saved], links: Links) -> SaverPlan:
-    """MPress's greedy, twice: with every saver open to every tensor, and with recomputable
-    tensors only recomputed (which leaves the host and the lenders to the tensors that cannot
-    be); the faster plan that fits, else the first (``fits`` False)."""
-    plans = [_greedy(saved, links, scarce_for_all=all_) for all_ in (True, False)]
+    """MPress's greedy, with every saver open to every tensor and with recomputable tensors
+    only recomputed (which leaves the host and the lenders to the tensors that cannot be), each
+    reserving the whole of a rank's largest copy back, then half and a quarter of it (a rank
+    whose moves are all small holds less; the plan is evaluated as it is, so a smaller reserve
+    only ever adds plans); the fastest plan that fits, else the first (``fits`` False)."""
+    plans = [_greedy(saved, links, scarce_for_all=all_, reserve_share=share)
+             for all_ in (True, False) for share in (1.0, 0.5, 0.25)]  # fmt: skip
     fitting = [_refine(saved, links, p) for p in plans if p.fits]
     return min(fitting, key=_step_key) if fitting else plans[0]
 
@@ -345,7 +350,8 @@ def _make_room(saved: Sequence[Saved], links: Links, choices: list[Choice],
         choices[index] = choice
 
 
-def _greedy(saved: Sequence[Saved], links: Links, *, scarce_for_all: bool) -> SaverPlan:
+def _greedy(saved: Sequence[Saved], links: Links, *, scarce_for_all: bool,
+            reserve_share: float) -> SaverPlan:  # fmt: skip
     choices: list[Choice] = [(Saver.KEEP, None)] * len(saved)
     # A rank that moves anything holds one copy back for its block's backward: reserve its
     # largest copy up front, so that every move frees all it holds ([Note: saver costs]).
@@ -353,7 +359,7 @@ def _greedy(saved: Sequence[Saved], links: Links, *, scarce_for_all: bool) -> Sa
     reserve = [0] * links.num_ranks
     for rank in range(links.num_ranks):
         if start.peak_bytes[rank] > links.budget_bytes[rank]:
-            reserve[rank] = _largest_copy(saved, links, rank)
+            reserve[rank] = math.ceil(reserve_share * _largest_copy(saved, links, rank))
     while True:
         plan = evaluate(saved, choices, links, "greedy")
         over = [_kept_peak(plan, saved, choices, links, r) + reserve[r] - links.budget_bytes[r]
@@ -370,9 +376,12 @@ def _greedy(saved: Sequence[Saved], links: Links, *, scarce_for_all: bool) -> Sa
 
 
 def _largest_copy(saved: Sequence[Saved], links: Links, rank: int) -> int:
-    return max((item.num_bytes for item in saved
-                if links.stage_rank[item.stage] == rank and item.copies and not item.fixed),
-               default=0)  # fmt: skip
+    """What a rank that moves anything holds back at once, at most: one copy, two when host
+    swaps fetch ahead."""
+    largest = max((item.num_bytes for item in saved
+                   if links.stage_rank[item.stage] == rank and item.copies and not item.fixed),
+                  default=0)  # fmt: skip
+    return 2 * largest if links.host_prefetch else largest
 
 
 def _kept_peak(plan: SaverPlan, saved: Sequence[Saved], choices: Sequence[Choice], links: Links,
@@ -417,9 +426,13 @@ def _best_move(saved: Sequence[Saved], choices: list[Choice], links: Links, plan
 
 
 def _transient(saved: Sequence[Saved], choices: Sequence[Choice], links: Links, rank: int) -> int:
-    return max((item.num_bytes for item, (saver, _) in zip(saved, choices, strict=True)
-                if saver is not Saver.KEEP and item.copies
-                and links.stage_rank[item.stage] == rank), default=0)  # fmt: skip
+    """What ``rank`` holds back at once: its largest moved copy (and, fetching ahead, its
+    largest host-swapped one beside it)."""
+    moved = [(item.num_bytes, saver) for item, (saver, _) in zip(saved, choices, strict=True)
+             if saver is not Saver.KEEP and item.copies
+             and links.stage_rank[item.stage] == rank]  # fmt: skip
+    ahead = max((b for b, saver in moved if saver is Saver.HOST), default=0)
+    return max((b for b, _ in moved), default=0) + (ahead if links.host_prefetch else 0)
 
 
 def plan_exact(saved: Sequence[Saved], links: Links) -> SaverPlan:
@@ -430,9 +443,10 @@ def plan_exact(saved: Sequence[Saved], links: Links) -> SaverPlan:
     options = [_options(item, links) for item in saved]
     index = [(i, o) for i, opts in enumerate(options) for o in range(len(opts))]
     n, num_x = links.num_ranks, len(index)
-    # Variables: x (one per item and option), then t (transient per rank), then z (step).
-    num_vars = num_x + n + 1
-    t0, z = num_x, num_x + n
+    # Variables: x (one per item and option), then t (transient per rank), h (host-swapped
+    # copy fetched ahead, per rank), then z (step).
+    num_vars = num_x + 2 * n + 1
+    t0, h0, z = num_x, num_x + n, num_x + 2 * n
     rows: list[np.ndarray] = []
     bounds: list[tuple[float, float]] = []
 
@@ -459,6 +473,7 @@ def plan_exact(saved: Sequence[Saved], links: Links) -> SaverPlan:
             if saver is Saver.PEER and lender == rank:
                 mem[k] += item.held_bytes
         mem[t0 + rank] = 1.0
+        mem[h0 + rank] = 1.0 if links.host_prefetch else 0.0
         add(mem, -np.inf, links.budget_bytes[rank] - links.base_bytes[rank])
         time[z] = -1.0
         add(time, -np.inf, 0.0)
@@ -467,6 +482,10 @@ def plan_exact(saved: Sequence[Saved], links: Links) -> SaverPlan:
         if saver is not Saver.KEEP and item.copies:
             r = row()
             r[k], r[t0 + links.stage_rank[item.stage]] = item.num_bytes, -1.0
+            add(r, -np.inf, 0.0)
+        if saver is Saver.HOST and item.copies and links.host_prefetch:
+            r = row()
+            r[k], r[h0 + links.stage_rank[item.stage]] = item.num_bytes, -1.0
             add(r, -np.inf, 0.0)
     for link, cap in enumerate(links.host_budget_bytes):
         if cap is None:
@@ -482,8 +501,8 @@ def plan_exact(saved: Sequence[Saved], links: Links) -> SaverPlan:
         add(r, -np.inf, float(cap))
     cost = row()
     cost[z] = 1.0
-    integrality = np.concatenate([np.ones(num_x), np.zeros(n + 1)])
-    upper = np.concatenate([np.ones(num_x), np.full(n + 1, np.inf)])
+    integrality = np.concatenate([np.ones(num_x), np.zeros(2 * n + 1)])
+    upper = np.concatenate([np.ones(num_x), np.full(2 * n + 1, np.inf)])
     low, high = zip(*bounds, strict=True)
     result = milp(cost, constraints=LinearConstraint(np.array(rows), low, high),
                   integrality=integrality, bounds=Bounds(np.zeros(num_vars), upper))  # fmt: skip

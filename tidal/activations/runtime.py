@@ -27,9 +27,8 @@ saved-tensor meter counts too (whole storages), so the plan's bytes are the byte
 
 On CUDA the host tier is pinned; the copy out runs on a side stream after the work that made the
 tensor (the forward goes on while it copies; the allocator is told the side stream uses the
-tensor, so its memory is not reused before the copy ends), and the copy back waits for it on the
-current stream. There is no prefetch ahead of the backward yet: a copy back is on the backward's
-path, which the planner's idle windows assume hidden. ``PEER``: what the submodule saves joins a bundle that the schedule's lending actions send to a
+tensor, so its memory is not reused before the copy ends). The copies back run ahead of the
+backward ([Note: host swap prefetch]). ``PEER``: what the submodule saves joins a bundle that the schedule's lending actions send to a
 lender rank and bring back ([Note: lending] in tidal/pipeline/lending.py).
 
 Host and peer swaps hand what they leave in place (parameters and views of them) to the hooks
@@ -40,10 +39,27 @@ and the swaps run under every schedule. A recompute runs the forward again insid
 under a stashing schedule (PipeDream, 2BW) ``recompute_context`` swaps in the version that
 forward used (``StageWeights.forward_weights``); PipeMare keeps no copy of it, so
 :func:`check_schedule` refuses recompute there.
+
+[Note: host swap prefetch]
+A backward runs a stage's blocks in the reverse order of its forward, and microbatches in the
+order they were forwarded (1F1B, GPipe), so what one swapped submodule's forward saved (a
+*group*) is needed next after the group saved just before it in the same forward of the model
+(a *run*), and the first group of a run is followed by the last group of the oldest run whose
+backward has not begun. When the backward first reads a group, the one it will read next starts
+its copy back on a stream of its own (host to device; the copies out keep theirs), so it lands
+while this group's backward computes, or while the forwards between two backwards run; a read
+waits only for its own copy's event. A group a backward already read, or whose tensors are gone,
+is never fetched. At most one group is fetched ahead at a time (one not yet read when the next is
+fetched is dropped, and counted: a schedule that reads in another order costs copies, not
+memory), so a rank holds at most one group beyond the one its backward reads: the planner
+counts that (``Links.host_prefetch``: the largest host-swapped item beside the largest moved
+one). On the CPU the host tier is the device's memory: nothing is copied, but the groups
+are chosen alike (``groups_fetched`` counts them).
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import itertools
 import weakref
@@ -92,20 +108,43 @@ def _back(packed: Any) -> torch.Tensor:
 @dataclass(slots=True)
 class HostSwap:
     """The host side of ``HOST`` savers: the tier the saved tensors go to, and counters
-    ([Note: host swap by storage])."""
+    ([Note: host swap by storage], [Note: host swap prefetch])."""
 
     tier: Tier
     tensors_out: int = 0
     tensors_back: int = 0
     storages_out: int = 0
-    _streams: dict[torch.device, Any] = field(default_factory=dict)
+    groups_fetched: int = 0  # groups chosen to fetch ahead of the backward
+    storages_fetched: int = 0  # of their storages, those a copy back was started for
+    storages_unread: int = 0  # fetched ahead, then dropped before the backward read them
+    _streams: dict[tuple[torch.device, str], Any] = field(default_factory=dict)
     _open: dict[tuple[torch.device, int], tuple[_HostStorage, torch.Tensor]] | None = None
+    _group: _Group | None = None  # the group the open forward fills
+    _last: weakref.ref[_Group] | None = None  # the group the last forward filled, in this chain
+    _ahead: list[weakref.ref[_HostStorage]] = field(default_factory=list)
+    _run: _Run | None = None  # the model's forward now running
+    _runs: collections.deque[_Run] = field(default_factory=collections.deque)  # oldest first
+
+    @contextlib.contextmanager
+    def running(self) -> Iterator[None]:
+        """One forward of the model the savers are on (a *run*: its groups chain)."""
+        if self._run is not None:  # already inside one
+            yield
+            return
+        while self._runs and self._runs[0].done():  # nothing of theirs left to fetch
+            self._runs.popleft()
+        self._run, self._last = _Run(), None
+        self._runs.append(self._run)
+        try:
+            yield
+        finally:
+            self._run = None
 
     @contextlib.contextmanager
     def swapping(self, params: frozenset[int]) -> Iterator[None]:
         """Saved tensors to the host while open (one submodule's forward)."""
         assert self._open is None, "host swaps do not nest ([Note: savers in place])"
-        self._open = {}
+        self._open, self._group = {}, _Group(self._last)
         outer = outer_saved_tensor_hooks()
         try:
             with torch.autograd.graph.saved_tensors_hooks(
@@ -113,7 +152,10 @@ class HostSwap:
             ):
                 yield
         finally:
-            self._open = None  # the device tensors may go: their copies are queued
+            self._last = weakref.ref(self._group)
+            if self._run is not None:
+                self._run.top = self._last
+            self._open = self._group = None  # the device tensors may go: their copies are queued
 
     def pack(self, tensor: torch.Tensor, params: frozenset[int],
              outer: SavedHooks | None = None) -> Any:  # fmt: skip
@@ -134,7 +176,7 @@ class HostSwap:
         source = torch.empty(0, dtype=torch.uint8, device=tensor.device).set_(storage)
         copied = None
         if tensor.device.type == "cuda":
-            stream = self._side_stream(tensor.device)
+            stream = self._side_stream(tensor.device, "out")
             stream.wait_stream(torch.cuda.current_stream(tensor.device))
             with torch.cuda.stream(stream):
                 flat.copy_(source, non_blocking=True)
@@ -144,7 +186,9 @@ class HostSwap:
         else:
             flat.copy_(source)
         self.storages_out += 1
-        held = _HostStorage(flat, tensor.device, copied)
+        group = self._group if self._group is not None else _Group(None)
+        held = _HostStorage(flat, tensor.device, copied, group)
+        group.storages.append(weakref.ref(held))
         weakref.finalize(held, self._give_back, flat)
         return held
 
@@ -152,35 +196,137 @@ class HostSwap:
         if not isinstance(packed, _OnHost):
             return _back(packed)
         self.tensors_back += 1
+        group = packed.storage.group
+        if not group.read:
+            self._read(group)
         flat = packed.storage.on_device()
         return torch.empty(0, dtype=packed.dtype, device=flat.device).set_(
             flat.untyped_storage(), packed.offset, packed.shape, packed.stride
         )
 
-    def _side_stream(self, device: torch.device) -> Any:
-        if device not in self._streams:
-            self._streams[device] = torch.cuda.Stream(device)
-        return self._streams[device]
+    def _read(self, group: _Group) -> None:
+        """The backward reached ``group``: fetch the one it reads next ([Note: host swap
+        prefetch])."""
+        group.read = True
+        if self._run is None:
+            self._last = None  # a backward began: the next forward starts a new chain
+        before = group.before() if group.before is not None else None
+        if before is None or before.read:
+            before = self._next_top(group)
+        if before is None:
+            return
+        self.groups_fetched += 1
+        for ref in self._ahead:  # at most one group ahead of the one read now
+            held = ref()
+            if held is not None and held.group is not group and held.drop_fetched():
+                self.storages_unread += 1
+        self._ahead = []
+        for ref in before.storages:
+            held = ref()
+            if held is not None and held.fetch(self._side_stream):
+                self.storages_fetched += 1
+                self._ahead.append(ref)
+
+    def _next_top(self, group: _Group) -> _Group | None:
+        """The last group of the oldest run whose backward has not begun (not ``group``'s)."""
+        while self._runs and self._runs[0] is not self._run:
+            if self._runs[0].done():  # its backward began, or it saved nothing that is left
+                self._runs.popleft()
+                continue
+            top = self._runs[0].top_group()
+            return None if top is group else top
+        return None
+
+    def _side_stream(self, device: torch.device, direction: str = "back") -> Any:
+        if (device, direction) not in self._streams:
+            self._streams[device, direction] = torch.cuda.Stream(device)
+        return self._streams[device, direction]
 
     def _give_back(self, flat: torch.Tensor) -> None:
         if self.tier.holds(flat):
             self.tier.free(flat)
 
 
+class _Run:
+    """One forward of the model: its last group (the first its backward reads)."""
+
+    __slots__ = ("top",)
+
+    def __init__(self) -> None:
+        self.top: weakref.ref[_Group] | None = None
+
+    def top_group(self) -> _Group | None:
+        return self.top() if self.top is not None else None
+
+    def done(self) -> bool:
+        top = self.top_group()
+        return top is None or top.read
+
+
+class _Group:
+    """The storages one forward of a swapped submodule saved, and the group saved just before it
+    in the same run of forwards ([Note: host swap prefetch]). Its storages hold it alive."""
+
+    __slots__ = ("__weakref__", "before", "read", "storages")
+
+    def __init__(self, before: weakref.ref[_Group] | None) -> None:
+        self.before = before
+        self.read = False
+        self.storages: list[weakref.ref[_HostStorage]] = []
+
+
 class _HostStorage:
     """One device storage's bytes on the host; its copy back is shared by the tensors that
     view it while any of them is alive."""
 
-    def __init__(self, flat: torch.Tensor, device: torch.device, copied: Any) -> None:
+    def __init__(self, flat: torch.Tensor, device: torch.device, copied: Any,
+                 group: _Group) -> None:  # fmt: skip
         self.flat = flat
         self.device = device
         self.copied = copied  # the CUDA event the copy out records; None where it was synchronous
+        self.group = group
         self._back: weakref.ref[torch.Tensor] | None = None
+        self._fetched: tuple[torch.Tensor, Any] | None = None  # a copy back under way, its event
+
+    def _alive(self) -> torch.Tensor | None:
+        return self._back() if self._back is not None else None
+
+    def fetch(self, stream_for: Callable[[torch.device], Any]) -> bool:
+        """Start the copy back on the device's fetch stream; False where there is nothing to
+        copy (the CPU, or a copy back already there or under way)."""
+        if (
+            self.flat.device == self.device
+            or self._fetched is not None
+            or self._alive() is not None
+        ):
+            return False
+        stream = stream_for(self.device)
+        if self.copied is not None:
+            stream.wait_event(self.copied)
+        with torch.cuda.stream(stream):  # allocated for this stream: no wait on the backward
+            back = torch.empty_like(self.flat, device=self.device)
+            back.copy_(self.flat, non_blocking=True)
+            landed = torch.cuda.Event()
+            landed.record(stream)
+        self._fetched = (back, landed)
+        return True
+
+    def drop_fetched(self) -> bool:
+        """Give up a copy back fetched ahead and not yet read (True if there was one)."""
+        dropped, self._fetched = self._fetched is not None, None
+        return dropped
 
     def on_device(self) -> torch.Tensor:
         if self.flat.device == self.device:
             return self.flat
-        back = self._back() if self._back is not None else None
+        back = self._alive()
+        if back is None and self._fetched is not None:
+            back, landed = self._fetched
+            self._fetched = None
+            current = torch.cuda.current_stream(self.device)
+            current.wait_event(landed)
+            back.record_stream(current)  # used here too: not reused before this stream is done
+            self._back = weakref.ref(back)
         if back is None:
             if self.copied is not None:
                 torch.cuda.current_stream(self.device).wait_event(self.copied)
@@ -348,7 +494,8 @@ def apply_savers(model: nn.Module, savers: Mapping[str, Saver], *, host: Tier | 
         else:
             checkpoint(model.get_submodule(path), context_fn=_recompute_in(recompute_context))
     params = frozenset(p.untyped_storage().data_ptr() for p in model.parameters())
-    if handles.host is not None:
+    if handles.host is not None:  # runs first: a saver on the whole model opens inside its run
+        handles._hooks += around_forward(model, handles.host.running)
         for path in swaps:
             handles._hooks += _swap_saved(model.get_submodule(path), handles.host, params)
     for path in lent:

@@ -119,7 +119,7 @@ def test_links_that_do_not_match_the_ranks_are_refused() -> None:
                                     "stage_rank": (0, 2)})  # fmt: skip
 
 
-def _random_instance(rng: random.Random) -> tuple[list[Saved], Links]:
+def _random_instance(rng: random.Random, prefetch: bool = False) -> tuple[list[Saved], Links]:
     num_ranks = rng.choice([2, 3])
     saved = []
     for stage in range(num_ranks):
@@ -141,7 +141,8 @@ def _random_instance(rng: random.Random) -> tuple[list[Saved], Links]:
     links = Links(stage_rank=tuple(range(num_ranks)), budget_bytes=tuple(budgets),
                   base_bytes=(0,) * num_ranks, host_link=(0,) * num_ranks,
                   host_bandwidth=(rng.choice([2e9, 10e9]),),
-                  host_budget_bytes=(rng.choice([None, 16 * MiB, 48 * MiB]),), peer_bandwidth=peer)  # fmt: skip
+                  host_budget_bytes=(rng.choice([None, 16 * MiB, 48 * MiB]),), peer_bandwidth=peer,
+                  host_prefetch=prefetch)  # fmt: skip
     return saved, links
 
 
@@ -154,10 +155,11 @@ def _step_s(plan_added_s: float, saved: list[Saved], links: Links) -> float:
     return max(compute) + plan_added_s
 
 
-def test_the_exact_program_is_the_best_assignment() -> None:
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_the_exact_program_is_the_best_assignment(prefetch: bool) -> None:
     rng = random.Random(3)
     for _ in range(6):
-        saved, links = _random_instance(rng)
+        saved, links = _random_instance(rng, prefetch)
         saved = saved[:5]  # every assignment: at most 6^5
         options = [_options(item, links) for item in saved]
         best = None
@@ -171,11 +173,14 @@ def test_the_exact_program_is_the_best_assignment() -> None:
             assert exact.added_step_s == pytest.approx(best, rel=1e-6, abs=1e-12)
 
 
-def test_the_greedy_is_within_10_percent_of_the_exact_step_and_never_infeasible_alone() -> None:
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_the_greedy_is_within_10_percent_of_the_exact_step_and_never_infeasible_alone(
+    prefetch: bool,
+) -> None:
     rng = random.Random(11)
     compared = 0
     for _ in range(30):
-        saved, links = _random_instance(rng)
+        saved, links = _random_instance(rng, prefetch)
         exact, greedy = plan_exact(saved, links), plan_greedy(saved, links)
         if not exact.fits:
             assert not greedy.fits
@@ -215,3 +220,18 @@ def test_a_recompute_keeps_its_inputs_and_the_greedy_moves_them_on_to_the_host()
     with pytest.raises(ConfigError, match="recompute keeps at most what is saved"):
         Saved(stage=0, block=0, tensor_class=TensorClass.MLP, num_bytes=1, copies=1,
               uses_per_step=1, recompute_s=0.0, recompute_keeps_bytes=2)  # fmt: skip
+
+
+def test_fetching_ahead_a_rank_holds_its_largest_host_swapped_copy_beside_the_largest_moved() -> (
+    None
+):
+    # [Note: host swap prefetch]: a block's backward reads its copy while the one before it
+    # comes back: a 40 MiB recompute and a 24 MiB host swap hold 40 + 24 at once.
+    units = [Saved(stage=0, block=b, tensor_class=TensorClass.MLP, num_bytes=n * MiB, copies=1,
+                   uses_per_step=4, recompute_s=1e-3) for b, n in enumerate([40, 24, 16])]  # fmt: skip
+    choices = [(Saver.RECOMPUTE, None), (Saver.HOST, None), (Saver.HOST, None)]
+    plain = evaluate(units, choices, _links([1 << 30]), "")
+    links = _links([1 << 30])
+    ahead = evaluate(units, choices, Links(**{**{f: getattr(links, f) for f in Links.__slots__},
+                                              "host_prefetch": True}), "")  # fmt: skip
+    assert plain.peak_bytes == (40 * MiB,) and ahead.peak_bytes == (64 * MiB,)

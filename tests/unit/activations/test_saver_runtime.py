@@ -157,6 +157,30 @@ def test_a_host_swap_copies_each_storage_once_and_brings_the_views_back() -> Non
         assert torch.equal(a.grad, b.grad)
 
 
+def test_the_backward_fetches_the_group_saved_before_the_one_it_reads() -> None:
+    """[Note: host swap prefetch]: microbatches forwarded together, then their backwards (as
+    1F1B's first stage runs them): each block's backward fetches the block before it in its own
+    forward, the first block's the next microbatch's last block, never a block a backward
+    already read."""
+    plain = build_gpt(CONFIG, seed=0)
+    swapped = copy.deepcopy(plain)
+    host = Tier(TierKind.HOST, torch.device("cpu"), budget_bytes=None)
+    handles = apply_savers(swapped, {f"blocks.{k}": Saver.HOST for k in range(4)}, host=host)
+    assert handles.host is not None
+    for model in (plain, swapped):
+        for step in range(2):
+            losses = [model(*_batch(3 * step + m)) for m in range(3)]
+            for loss in losses:
+                loss.backward()
+    # Per step: blocks 2, 1 and 0 of each microbatch, and block 3 of the second and the third
+    # (on the CPU nothing is copied: the host tier is the device's memory).
+    assert handles.host.groups_fetched == (3 * 3 + 2) * 2
+    assert handles.host.storages_fetched == 0 and handles.host.storages_unread == 0
+    assert host.held_bytes == 0
+    for (name, a), b in zip(plain.named_parameters(), swapped.parameters(), strict=True):
+        assert torch.equal(a.grad, b.grad), name
+
+
 @pytest.mark.parametrize(("name", "ranks", "mode"),
                          [("gpipe", 2, WeightMode.CURRENT), ("1f1b", 2, WeightMode.CURRENT),
                           ("1f1b", 4, WeightMode.CURRENT), ("pipedream", 2, WeightMode.STASH),
