@@ -1,5 +1,6 @@
 """Saved-tensor decisions: keep, recompute, or swap to the host or a peer (MPress); see plan.py."""
 
+from tidal.activations.placement import place_stages
 from tidal.activations.plan import (
     Links,
     Saved,
@@ -25,5 +26,6 @@ __all__ = [
     "least_peak_bytes",
     "plan_exact",
     "plan_greedy",
+    "place_stages",
     "plan_savers",
 ]

@@ -1,5 +1,10 @@
 """``tidal simulate --model P --device-memory B``: MPress's savers for a split GPT, per rank.
 
+``--device-memory`` is one budget for every rank, or one per rank (``80GiB,80GiB,40GiB,40GiB``:
+devices that differ); with one stage per rank the stages are placed on the ranks where the plan
+is best ([Note: stage placement] in tidal/activations/placement.py), and the table's ``stages``
+column shows the map.
+
 The stages' saved tensors come from the model's traced profile (each block's bytes split by
 class as :func:`~tidal.models.gpt_saved_shares` says) and the schedule's simulation
 ([Note: savers on a schedule] in tidal/pipeline/savers.py); each rank also holds its stages'
@@ -14,7 +19,8 @@ from typing import Any
 from rich.table import Table
 
 from tidal.activations import Links, Saver, SaverPlan, TensorClass, keep_all, plan_savers
-from tidal.config import format_bytes, parse_bytes
+from tidal.activations.placement import place_stages
+from tidal.config import ConfigError, format_bytes, parse_bytes
 from tidal.pipeline.partition import LayerProfile, Partition
 from tidal.pipeline.savers import BlockSaves, saved_tensors, step_with_savers
 from tidal.pipeline.simulate import Simulation
@@ -55,7 +61,7 @@ def plan_stage_savers(args: argparse.Namespace, sim: Simulation, split: Partitio
     peer = args.peer_gbps * 1e9
     links = Links(
         stage_rank=tuple(schedule.rank_of(s) for s in range(schedule.num_stages)),
-        budget_bytes=(parse_bytes(args.device_memory, key="--device-memory"),) * num_ranks,
+        budget_bytes=rank_budgets(args.device_memory, num_ranks),
         base_bytes=tuple(base),
         host_link=tuple(range(num_ranks)),
         host_bandwidth=(args.host_gbps * 1e9,) * num_ranks,
@@ -64,8 +70,22 @@ def plan_stage_savers(args: argparse.Namespace, sim: Simulation, split: Partitio
             tuple(0.0 if a == b else peer for b in range(num_ranks)) for a in range(num_ranks)
         ),  # fmt: skip
     )
-    plan = plan_savers(saved, links)
+    given = links
+    links, plan = place_stages(saved, given)
+    if not plan.fits:  # the exact program's plan on the given map, or the one-line error
+        links, plan = given, plan_savers(saved, given)
     return sim, keep_all(saved, links), plan, step_with_savers(sim, plan), links
+
+
+def rank_budgets(text: str, num_ranks: int) -> tuple[int, ...]:
+    """``--device-memory``: one size for every rank, or one per rank, comma-separated."""
+    sizes = [parse_bytes(part.strip(), key="--device-memory") for part in text.split(",")]
+    if len(sizes) == 1:
+        return (sizes[0],) * num_ranks
+    if len(sizes) != num_ranks:
+        raise ConfigError("--device-memory", f"{len(sizes)} sizes for {num_ranks} ranks: give "
+                          "one for every rank, or one per rank")  # fmt: skip
+    return tuple(sizes)
 
 
 def _per_rank(plan: SaverPlan, rank: int, links: Links) -> dict[str, Any]:
@@ -101,9 +121,15 @@ def saver_table(before: Simulation, kept: SaverPlan, plan: SaverPlan, after: Sim
         )  # fmt: skip
     table.caption = (
         f"step {before.makespan_s:.4g} s -> {after.makespan_s:.4g} s with the savers "
-        f"(simulated); budget {format_bytes(links.budget_bytes[0])} per rank"
+        f"(simulated); {_budgets(links.budget_bytes)}"
     )
     return table
+
+
+def _budgets(budget_bytes: tuple[int, ...]) -> str:
+    if len(set(budget_bytes)) == 1:
+        return f"budget {format_bytes(budget_bytes[0])} per rank"
+    return "budgets " + ", ".join(format_bytes(b) for b in budget_bytes)
 
 
 def saver_json(before: Simulation, kept: SaverPlan, plan: SaverPlan, after: Simulation,

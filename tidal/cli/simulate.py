@@ -68,8 +68,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     parser.add_argument(
         "--device-memory", default=None, metavar="BYTES",
-        help="with --model: each rank's budget (e.g. 16GiB); plans MPress's savers (recompute, "
-        "host swap, peer swap) so every rank fits, and prints what each stage saves and how",
+        help="with --model: each rank's budget (e.g. 16GiB, or one per rank: 16GiB,16GiB,8GiB,"
+        "8GiB); places the stages and plans MPress's savers (recompute, host swap, peer swap) so "
+        "every rank fits, and prints what each stage saves and how",
     )  # fmt: skip
     parser.add_argument("--host-gbps", type=float, default=25.0,
                         help="with --device-memory: each rank's host link, GB/s each way")  # fmt: skip

@@ -93,6 +93,17 @@ def test_simulate_prints_and_records_the_saver_plan(
     assert max(report["peak_bytes_before"]) > 2 * MiB  # the savers were needed
     assert report["step_s_after"] >= report["step_s_before"]
     assert {c["saver"] for c in report["choices"]} - {"keep"}
+    # Devices that differ: the stages are placed so that the large one holds more than a small
+    # one could (a heavy stage, or what others lend it), and no rank has to recompute.
+    assert main([*argv, "--device-memory", "2MiB,2MiB,2MiB,16MiB"]) == 0
+    assert "budgets 2.00MiB, 2.00MiB, 2.00MiB, 16.00MiB" in capsys.readouterr().out
+    report = json.loads(out.read_text())["savers"]
+    assert report["budget_bytes"] == [2 * MiB, 2 * MiB, 2 * MiB, 16 * MiB]
+    assert sorted(s for r in report["ranks"] for s in r["stages"]) == [0, 1, 2, 3]
+    assert report["ranks"][3]["peak_bytes"] > 2 * MiB
+    assert report["step_s_after"] == report["step_s_before"]
+    assert all(r["peak_bytes"] <= b for r, b in zip(report["ranks"], report["budget_bytes"],
+                                                    strict=True))  # fmt: skip
 
 
 def test_saver_input_errors_are_one_line(capsys: pytest.CaptureFixture[str]) -> None:
@@ -102,6 +113,8 @@ def test_saver_input_errors_are_one_line(capsys: pytest.CaptureFixture[str]) -> 
     assert main([*base, "--model", "tiny", "--device-memory", "1KiB"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "no saver plan fits: rank" in err[0] and "needs at least" in err[0]
+    assert main([*base, "--model", "tiny", "--device-memory", "1GiB,1GiB,1GiB"]) == 2
+    assert "3 sizes for 2 ranks" in capsys.readouterr().err
 
 
 def test_units_are_each_blocks_parts_named_by_class() -> None:
