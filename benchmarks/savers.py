@@ -16,17 +16,19 @@ then checks the memory model with it:
    strategy: ``none``, ``recompute`` (every block), ``selective`` (attention only), ``host``
    (every block to the host) and ``plan`` (the planner's plan; each stage's budget the least it
    can hold plus ``--budget-fraction`` of what savers could take off its peak). Per stage: the saved bytes the
-   memory model predicts at the peak, the peak a saved-tensor meter counts, the allocator's peak
-   above the stage's resting memory (CUDA: ``max_memory_allocated``; elsewhere not measured),
-   and the step's seconds against the prediction.
+   memory model predicts at the peak, the peak a saved-tensor meter counts, the peak predicted
+   for the allocator (those saved bytes plus the stage's backward temporaries, measured once:
+   [Note: backward temporaries] in tidal/activations/measure.py), the allocator's peak above
+   the stage's resting memory (CUDA: ``max_memory_allocated``; elsewhere not measured), and the
+   step's seconds against the prediction.
 
 [Note: stages in one process]
 A stage run alone holds what its rank would hold of activations: the schedule's order decides
 how many microbatches are in flight, and nothing of the other stages is live (their inputs and
 output gradients are made before the peak counter is reset). The allocator's peak also counts
-what no saver decides: the backward's temporaries (the head's logits and their gradient above
-all), so it is expected above the saved bytes; the meter counts saved tensors only and is what
-the memory model must match.
+what no saver decides: the backward's temporaries (the head's logits' gradient above all),
+which are measured per stage and added to the predicted peak; the meter counts saved tensors
+only and is what the saver model must match.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ from rich.console import Console
 from rich.table import Table
 
 from tidal.activations import Links, Saved, Saver, SaverPlan, TensorClass, evaluate, plan_savers
+from tidal.activations.measure import backward_temporary_bytes
 from tidal.activations.plan import Choice, least_peak_bytes
 from tidal.activations.runtime import apply_savers, around_forward
 from tidal.config import ConfigError, format_bytes
@@ -251,6 +254,7 @@ def bench_savers(args: argparse.Namespace) -> dict[str, Any]:
     given = _stage_inputs(stages, tokens)
     stage_s = [_block_free_seconds(stage, given[s], targets, args.repeats)
                for s, stage in enumerate(stages)]  # fmt: skip
+    temporaries = [_temporary_bytes(stage, given[s], targets) for s, stage in enumerate(stages)]
     shape, programs = _programs(args.stages, args.microbatches)
     sim = simulate(shape.schedule, StageCosts(forward_s=tuple(f for f, _ in stage_s),
                                               backward_s=tuple(b for _, b in stage_s)))  # fmt: skip
@@ -293,12 +297,17 @@ def bench_savers(args: argparse.Namespace) -> dict[str, Any]:
                          "predicted_kept_bytes": kept_bytes,
                          "recomputed": len(handles.recomputed), "to_host": len(handles.swapped),
                          "budget_bytes": budget[s], "predicted_saved_bytes": plan.peak_bytes[s],
+                         "backward_temporary_bytes": temporaries[s],
+                         "predicted_peak_bytes": plan.peak_bytes[s] + temporaries[s],
                          "predicted_added_s": plan.added_s[s], **measured})  # fmt: skip
     none_s = {r["stage"]: r["step_s"] for r in rows if r["strategy"] == "none"}
     for r in rows:
         r["measured_added_s"] = r["step_s"] - none_s[r["stage"]]
         r["meter_over_predicted"] = (r["meter_peak_bytes"] / r["predicted_saved_bytes"]
                                      if r["predicted_saved_bytes"] else None)  # fmt: skip
+        r["allocator_over_predicted"] = (r["allocator_peak_bytes"] / r["predicted_peak_bytes"]
+                                         if r["allocator_peak_bytes"] and r["predicted_peak_bytes"]
+                                         else None)  # fmt: skip
     step_plan = None if "plan" in skipped else step_with_savers(
         sim, _strategy("plan", saved, links)).makespan_s  # fmt: skip
     return {"device": str(device), "config": dataclasses.asdict(config),
@@ -307,6 +316,17 @@ def bench_savers(args: argparse.Namespace) -> dict[str, Any]:
             "stage_forward_backward_s": stage_s, "budget_fraction": args.budget_fraction,
             "predicted_step_s": {"none": sim.makespan_s, "plan": step_plan}, "skipped": skipped,
             "rows": rows}  # fmt: skip
+
+
+def _temporary_bytes(stage: PipelineStage, given: _Inputs, targets: torch.Tensor) -> int:
+    """What one backward of ``stage`` holds for a while ([Note: backward temporaries])."""
+    x = given.inputs[0]
+    x = x.detach().requires_grad_() if x.is_floating_point() else x
+    out = stage(x, targets) if stage.is_last else stage(x)
+    grad = given.output_grads[0]
+    num_bytes = backward_temporary_bytes(lambda: out.backward(grad))
+    stage.zero_grad(set_to_none=True)
+    return num_bytes
 
 
 def _block_free_seconds(stage: PipelineStage, given: _Inputs, targets: torch.Tensor,
@@ -338,8 +358,8 @@ def plot(result: dict[str, Any], path: Path) -> Path:
     fig, ax = plt.subplots(figsize=(9.0, 4.0))
     labels = [f"{r['strategy']}\ns{r['stage']}" for r in rows]
     x = range(len(rows))
-    ax.bar([i - 0.27 for i in x], [r["predicted_saved_bytes"] / 2**20 for r in rows], 0.27,
-           label="predicted saved")  # fmt: skip
+    ax.bar([i - 0.27 for i in x], [r["predicted_peak_bytes"] / 2**20 for r in rows], 0.27,
+           label="predicted peak (saved + backward temporaries)")  # fmt: skip
     ax.bar(list(x), [r["meter_peak_bytes"] / 2**20 for r in rows], 0.27, label="meter")
     ax.bar([i + 0.27 for i in x], [(r["allocator_peak_bytes"] or 0) / 2**20 for r in rows], 0.27,
            label="allocator peak")  # fmt: skip
@@ -376,7 +396,7 @@ def run(args: argparse.Namespace, console: Console) -> int:
     for r in rows:
         peak = r["allocator_peak_bytes"]
         table.add_row(r["strategy"], str(r["stage"]), format_bytes(r["predicted_kept_bytes"]),
-                      format_bytes(r["meter_peak_bytes"]), format_bytes(r["predicted_saved_bytes"]),
+                      format_bytes(r["meter_peak_bytes"]), format_bytes(r["predicted_peak_bytes"]),
                       "-" if peak is None else format_bytes(peak), f"{r['step_s']:.4f}",
                       f"{r['predicted_added_s']:.4f}", f"{r['measured_added_s']:.4f}",
                       f"{r['grads_max_abs_diff']:.2g}")  # fmt: skip

@@ -59,6 +59,14 @@ def test_bench_savers_meter_matches_the_model_and_every_saver_gives_the_same_gra
     assert rows["recompute", 0]["meter_peak_bytes"] < rows["none", 0]["meter_peak_bytes"] / 3
     plan = [rows["plan", s] for s in (0, 1)]
     assert all(r["fits_plan"] and r["predicted_saved_bytes"] <= r["budget_bytes"] for r in plan)
+    # The last stage's backward holds its logits' gradient (2 x 16 x 50257 fp32) for a while
+    # ([Note: backward temporaries]); the predicted peak adds it to the saved bytes.
+    last = rows["none", 1]
+    assert last["backward_temporary_bytes"] >= 2 * 16 * 50257 * 4
+    assert (
+        last["predicted_peak_bytes"]
+        == last["predicted_saved_bytes"] + last["backward_temporary_bytes"]
+    )
 
 
 @pytest.mark.slow
