@@ -110,6 +110,10 @@ def _worker(root: str, reference: tuple[list[float], list[float]]) -> None:
     assert figures[0]["blocks_lent"] > 0 and figures[0]["lends_to"] == [1], figures
     assert figures[0]["bytes_lent"] > 0 and figures[1]["blocks_lent"] == 0, figures
     assert figures[1]["peak_held_bytes"] > 0 == figures[0]["peak_held_bytes"], figures
+    # Each lent microbatch came back once, before its backward; how long that waited is the
+    # stall a transfer's idle window did not hide (the borrower's alone: rank 1 lends nothing).
+    assert figures[0]["reclaims"] == STEPS * 2 and figures[0]["reclaim_wait_s"] > 0, figures
+    assert "reclaims" not in figures[1] or figures[1]["reclaims"] == 0, figures
     assert all(f["measured_peak_bytes"] <= f["predicted_peak_bytes"] <= 2 << 20 for f in figures)
     # The links it priced were measured, and every rank planned with the same figures.
     from tidal.train.links import measure_links

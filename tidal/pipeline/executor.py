@@ -39,6 +39,7 @@ one-process runner and its barrier in local.py.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
@@ -496,7 +497,10 @@ class RankExecutor:
             self._lent[key] = bundle
             self.transport.send(key, flat)
         elif a.kind is Kind.RECLAIM:
+            start = time.perf_counter()
             flat = self.transport.recv(self._lend_key(a, home=True))
+            if self.lending.on_reclaim is not None:
+                self.lending.on_reclaim(time.perf_counter() - start)
             bundle = self._lent.pop(self._lend_key(a, home=False))
             self.lending.swaps[a.stage].restore(bundle, flat)
         elif a.kind is Kind.HOLD:

@@ -51,11 +51,14 @@ class LendingSwap(Protocol):
 class Lending:
     """Who lends to whom: ``lenders[s]``, the ranks stage ``s`` lends to (every stage's, the
     same on every rank); ``swaps``, this rank's lending stages; ``on_hold(bytes)``, told what
-    this rank holds for others each time that changes."""
+    this rank holds for others each time that changes; ``on_reclaim(seconds)``, told how long
+    each reclaim waited for its bytes (the gradient it is for has arrived by then, so that is
+    the stall of a transfer its idle window did not hide)."""
 
     lenders: Mapping[int, tuple[int, ...]]
     swaps: Mapping[int, LendingSwap] = field(default_factory=dict)
     on_hold: Callable[[int], None] | None = None
+    on_reclaim: Callable[[float], None] | None = None
 
 
 def with_lending(schedule: Schedule, lenders: Mapping[int, Sequence[int]]) -> Schedule:

@@ -81,6 +81,7 @@ class PipelineMemory:
     budget_bytes: int | None
     lending: Lending | None = None
     forward_weights: dict[int, _ForwardWeights] = dataclasses.field(default_factory=dict)
+    reclaims: _Reclaims | None = None
 
     def bind(self, weights: Mapping[int, Any]) -> None:
         """The stages' weights, once built: a stashing schedule's recomputes run on them."""
@@ -101,6 +102,9 @@ class PipelineMemory:
             out["lends_to"] = sorted({r for s in self.lending.swaps
                                       for r in self.lending.lenders[s]})  # fmt: skip
             out["bytes_lent"] = sum(p.bytes_lent for p in self.lending.swaps.values())
+        if self.reclaims is not None:
+            out["reclaims"] = self.reclaims.count
+            out["reclaim_wait_s"] = self.reclaims.seconds
         if self.plan is not None:
             out["budget_bytes"] = self.budget_bytes
             out["predicted_peak_bytes"] = self.plan.peak_bytes[rank]
@@ -171,13 +175,27 @@ def plan_pipeline_memory(job: JobConfig, stages: Sequence[PipelineStage], *, min
     guard = None
     if budget is not None and not pipe.asynchronous:
         guard = _budget_guard([stages[s] for s in mine], budget=budget, base=base[rank], rank=rank)
-    lending = None
+    lending, reclaims = None, None
     lenders = _lenders(plan)
     if lenders:
-        lending = Lending(lenders=lenders, swaps=swaps,
+        reclaims = _Reclaims()
+        lending = Lending(lenders=lenders, swaps=swaps, on_reclaim=reclaims.add,
                           on_hold=None if guard is None else guard.hold)  # fmt: skip
     return PipelineMemory(mode=mode, plan=plan, handles=handles, guard=guard, budget_bytes=budget,
-                          lending=lending, forward_weights=forward_weights)  # fmt: skip
+                          lending=lending, forward_weights=forward_weights,
+                          reclaims=reclaims)  # fmt: skip
+
+
+@dataclass(slots=True)
+class _Reclaims:
+    """This rank's reclaims of lent bytes, and the seconds they waited for them."""
+
+    count: int = 0
+    seconds: float = 0.0
+
+    def add(self, seconds: float) -> None:
+        self.count += 1
+        self.seconds += seconds
 
 
 @dataclass(slots=True)
