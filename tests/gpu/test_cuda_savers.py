@@ -9,16 +9,18 @@ import pytest
 import torch
 
 from tidal.activations import Saver
-from tidal.activations.runtime import apply_savers
-from tidal.memory.tiers import make_tiers
+from tidal.activations.runtime import SaverHandles, apply_savers
+from tidal.memory.tiers import Tier, make_tiers
 from tidal.models import build_gpt
 from tidal.models.gpt import GPTConfig, split_gpt
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
-@pytest.mark.parametrize("saver", [Saver.HOST, Saver.RECOMPUTE])
-def test_a_saver_on_cuda_gives_the_same_gradients_bit_for_bit(saver: Saver) -> None:
+def _stage_and_saved(saver: Saver) -> tuple[torch.nn.Module, torch.nn.Module, Tier,
+                                             SaverHandles, torch.Tensor]:  # fmt: skip
+    """A 4-block GPT stage, a copy of it with ``saver`` on every block, its host tier, the
+    savers' handles and a batch of tokens."""
     torch.manual_seed(0)
     config = GPTConfig(vocab_size=256, seq_len=64, num_layers=4, num_heads=4, d_model=128,
                        dropout=0.0)  # fmt: skip
@@ -26,7 +28,12 @@ def test_a_saver_on_cuda_gives_the_same_gradients_bit_for_bit(saver: Saver) -> N
     saved = copy.deepcopy(stage)
     _, host = make_tiers(device=torch.device("cuda"), device_budget=None, host_budget="64MiB")
     handles = apply_savers(saved, {f"layers.{k}": saver for k in range(4)}, host=host)
-    tokens = torch.randint(0, 256, (4, 64), device="cuda")
+    return stage, saved, host, handles, torch.randint(0, 256, (4, 64), device="cuda")
+
+
+@pytest.mark.parametrize("saver", [Saver.HOST, Saver.RECOMPUTE])
+def test_a_saver_on_cuda_gives_the_same_gradients_bit_for_bit(saver: Saver) -> None:
+    stage, saved, host, handles, tokens = _stage_and_saved(saver)
     for model in (stage, saved):
         for _ in range(3):  # microbatches in flight at once, as 1F1B's first stage holds them
             losses = [model(tokens, tokens) for _ in range(3)]
@@ -45,14 +52,7 @@ def test_host_swap_fetches_ahead_and_every_fetch_is_read() -> None:
     """[Note: host swap prefetch] on CUDA: each block's backward starts the copy back of the
     block its backward reads next; every copy fetched ahead is read (none dropped), and the
     gradients are those of the same stage without savers, bit for bit."""
-    torch.manual_seed(0)
-    config = GPTConfig(vocab_size=256, seq_len=64, num_layers=4, num_heads=4, d_model=128,
-                       dropout=0.0)  # fmt: skip
-    (stage,) = split_gpt(build_gpt(config, device="cuda"), [(0, 4)])
-    saved = copy.deepcopy(stage)
-    _, host = make_tiers(device=torch.device("cuda"), device_budget=None, host_budget="64MiB")
-    handles = apply_savers(saved, {f"layers.{k}": Saver.HOST for k in range(4)}, host=host)
-    tokens = torch.randint(0, 256, (4, 64), device="cuda")
+    stage, saved, host, handles, tokens = _stage_and_saved(Saver.HOST)
     for model in (stage, saved):
         losses = [model(tokens, tokens) for _ in range(3)]
         for loss in losses:
