@@ -2,7 +2,9 @@
 8 GPUs (this file) and measured on gloo ranks under a budget (``--section measured``:
 benchmarks/mpress_measured.py, [Note: what the bench measures]).
 
-A GPT family (one width and sequence length; blocks added ``--step-layers`` at a time) is cut
+A model family (``--family gpt``: GPT-3-like, 4096 wide, sequence 2048, one sequence a microbatch;
+``--family bert``: BERT-large-like, 1024 wide, 16 heads, sequence 512, vocabulary 30522, eight
+sequences a microbatch; each shape can be set; blocks added ``--step-layers`` at a time) is cut
 into ``--stages`` pipeline stages, one GPU each, on a DGX-class server: ``--device-memory`` per
 GPU, a PCIe host link shared by each pair of GPUs (``--host-gbps`` each way), every pair of GPUs
 joined by NVSwitch (``--peer-gbps``). Under 1F1B and PipeDream, each strategy is asked for the
@@ -62,9 +64,12 @@ BYTES_PER_PARAM = 16  # bf16 weights; fp32 gradients, masters, AdamW's two momen
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--width", type=int, default=4096, help="d_model (4096)")
-    parser.add_argument("--heads", type=int, default=32)
-    parser.add_argument("--seq-len", type=int, default=2048)
+    parser.add_argument("--family", choices=sorted(FAMILIES), default="gpt",
+                        help="the model family's shapes (gpt: 4096 wide; bert: BERT-large's)")  # fmt: skip
+    parser.add_argument("--width", type=int, default=None, help="d_model (the family's)")
+    parser.add_argument("--heads", type=int, default=None)
+    parser.add_argument("--seq-len", type=int, default=None)
+    parser.add_argument("--micro-batch", type=int, default=None, help="sequences a microbatch")
     parser.add_argument("--stages", type=int, default=8, help="GPUs, one stage each (8)")
     parser.add_argument("--microbatches", type=int, default=8)
     parser.add_argument("--device-memory", default="80GiB", metavar="SIZE")
@@ -77,6 +82,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="predicted (the simulator, 8 GPUs) and/or measured (gloo ranks "
                         "under a budget); both by default")  # fmt: skip
     add_measured_arguments(parser)
+
+
+# The families' shapes: vocabulary, width, heads, sequence, sequences a microbatch. BERT's
+# encoder blocks cost what a GPT block of its shape costs (attention is not causal, which the
+# traced profile does not count), so the family is GPT blocks at BERT-large's shapes.
+FAMILIES = {
+    "gpt": {"vocab_size": 50257, "width": 4096, "heads": 32, "seq_len": 2048, "micro_batch": 1},
+    "bert": {"vocab_size": 30522, "width": 1024, "heads": 16, "seq_len": 512, "micro_batch": 8},
+}
+
+
+def _shape(args: argparse.Namespace, name: str) -> int:
+    given = getattr(args, name)
+    return int(FAMILIES[args.family][name] if given is None else given)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -92,9 +111,12 @@ class _Family:
 
 
 def _family(args: argparse.Namespace) -> _Family:
-    config = GPTConfig(vocab_size=50257, seq_len=args.seq_len, num_layers=1,
-                       num_heads=args.heads, d_model=args.width)  # fmt: skip
-    embed, block, head = profile_gpt(config, micro_batch=1, seq_len=args.seq_len,
+    seq_len = _shape(args, "seq_len")
+    config = GPTConfig(vocab_size=FAMILIES[args.family]["vocab_size"], seq_len=seq_len,
+                       num_layers=1, num_heads=_shape(args, "heads"),
+                       d_model=_shape(args, "width"))  # fmt: skip
+    embed, block, head = profile_gpt(config, micro_batch=_shape(args, "micro_batch"),
+                                     seq_len=seq_len,
                                      dtype=torch.bfloat16)  # fmt: skip
     return _Family(config, embed, block, head)
 
@@ -114,7 +136,7 @@ def _case(family: _Family, layers: int, schedule_name: str, args: argparse.Names
 
     sim = simulate(schedule, StageCosts(forward_s=per_stage("forward_s"),
                                         backward_s=per_stage("backward_s")))  # fmt: skip
-    shares = gpt_saved_shares(family.config, seq_len=args.seq_len)
+    shares = gpt_saved_shares(family.config, seq_len=family.config.seq_len)
     blocks = []
     for stage, (start, end) in enumerate(split.unit_ranges):
         for unit in range(start, end):
@@ -181,7 +203,9 @@ def bench_mpress(args: argparse.Namespace) -> list[dict[str, Any]]:
         largest = {name: _largest(family, schedule, name, args) for name in STRATEGIES}
         at = largest["recompute"]
         for name in STRATEGIES:
-            row: dict[str, Any] = {"section": "predicted", "schedule": schedule, "strategy": name,
+            row: dict[str, Any] = {"section": "predicted", "family": args.family,
+                                   "micro_batch": _shape(args, "micro_batch"),
+                                   "schedule": schedule, "strategy": name,
                                    "largest_layers": largest[name],
                                    "largest_params": largest[name] * params_per_block,
                                    "vs_recompute": (largest[name] / at) if at else None}  # fmt: skip
@@ -238,7 +262,7 @@ def run(args: argparse.Namespace, console: Console) -> int:
         _print_measured([r for r in rows if r["section"] == "measured"], args, path, console)
     if "predicted" not in sections:
         return 0
-    table = Table(title=f"tidal bench mpress (predicted, {args.stages} GPUs of "
+    table = Table(title=f"tidal bench mpress (predicted, {args.family}, {args.stages} GPUs of "
                         f"{args.device_memory}) -> {path}", title_justify="left")  # fmt: skip
     for column in ("schedule", "strategy", "largest blocks", "params", "x recompute",
                    "step s at recompute's largest", "peak there"):  # fmt: skip

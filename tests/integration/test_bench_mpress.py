@@ -34,6 +34,16 @@ def test_bench_mpress_writes_rows_and_the_plan_fits_what_one_saver_fits(
         at = rows[schedule, "mpress"]
         assert at["step_s_at_recompute_largest"] is not None
         assert at["peak_bytes_at_recompute_largest"] <= 512 << 20
+    assert {r["family"] for r in data["rows"]} == {"gpt"}
+    # The BERT-like family at a small shape: its vocabulary and microbatch, the same strategies.
+    assert main(["bench", "mpress", "--section", "predicted", "--family", "bert", "--width", "128",
+                 "--heads", "2", "--seq-len", "128", "--stages", "4", "--max-layers", "16",
+                 "--step-layers", "4", "--device-memory", "64MiB",
+                 "--results-dir", str(tmp_path / "bert")]) == 0  # fmt: skip
+    (path,) = (tmp_path / "bert").glob("mpress-*.json")
+    bert = json.loads(path.read_text())["rows"]
+    assert {(r["family"], r["micro_batch"]) for r in bert} == {("bert", 8)}
+    assert {(r["schedule"], r["strategy"]) for r in bert} == set(rows)
 
 
 def test_bench_savers_meter_matches_the_model_and_every_saver_gives_the_same_gradients(
