@@ -14,11 +14,12 @@ import dataclasses
 import time
 from typing import Any
 
+from tidal.models import GPTSpec
 from tidal.models.gpt import measure_gpt
 from tidal.planner import ClusterSpec, Infeasible, PlannerConfig, make_plan
 from tidal.planner.report import plan_report
 
-__all__ = ["MODELS", "DEVICES", "bench_plan", "rows_table"]
+__all__ = ["MODELS", "DEVICES", "MEGATRON_COLUMNS", "bench_plan", "megatron_rows", "rows_table"]
 
 MODELS = ("gpt3-1.3b", "gpt3-13b", "gpt3-175b")
 DEVICES = (8, 64, 512)
@@ -40,6 +41,7 @@ def bench_plan(
         started = time.perf_counter()
         config = dataclasses.replace(preset(name), dropout=0.1)
         graph = measure_gpt(config, micro_batch=micro_batch)
+        shape = GPTSpec(config=config).transformer_shape()
         graph.name = name
         measure_s = time.perf_counter() - started
         for n in devices:
@@ -53,7 +55,7 @@ def bench_plan(
             )
             row: dict[str, Any] = {"model": name, "devices": n, "measure_s": measure_s}
             try:
-                result = make_plan(graph, cluster, planner)
+                result = make_plan(graph, cluster, planner, shape=shape)
             except Infeasible as err:
                 rows.append({**row, "infeasible": str(err), "needed_bytes": err.needed_bytes})
                 continue
@@ -69,6 +71,7 @@ def bench_plan(
                 lp_gap=report["lp_gap"],
                 memory=report["memory"],
                 baselines=report["baselines"],
+                megatron_best=report["megatron_best"],
             )
             rows.append(row)
     return rows
@@ -108,6 +111,40 @@ def rows_table(rows: list[dict[str, Any]]) -> list[list[str]]:
                 _gib(z3["peak_memory_bytes"]) + ("" if z3["fits"] else " (no fit)"),
                 f"{z3['step_time_s']:.3f}", _pct(z3["saving"]),
                 f"{row['solve_s']:.2f}", _pct(row["lp_gap"]),
+            ]
+        )  # fmt: skip
+    return cells
+
+
+MEGATRON_COLUMNS = (
+    "model", "N", "Megatron fastest that fits", "GiB", "s", "plan at its s: GiB", "plan s / its",
+    "Megatron least memory", "GiB", "s", "smallest plan GiB", "saves", "its s / Megatron's",
+)  # fmt: skip
+
+
+def megatron_rows(rows: list[dict[str, Any]]) -> list[list[str]]:
+    """The second table: Megatron-LM at its best (tidal/planner/megatron.py) beside the plans
+    that compare with it, in :data:`MEGATRON_COLUMNS` order."""
+    cells = []
+    for row in rows:
+        best = row.get("megatron_best")
+        if best is None:
+            cells.append([row["model"], str(row["devices"]), "plan does not fit"] + [""] * 10)
+            continue
+        fast, least = best["fastest"], best["least_memory"]
+        at_fast = best["plan_at_fastest_step_time"]
+        mine = best["plan_least_memory"] or {}
+        against = best["plan_against_fastest"] or {}
+        cells.append(
+            [
+                row["model"], str(row["devices"]),
+                fast["name"] if fast else "none fits", _gib(fast and fast["peak_memory_bytes"]),
+                f"{fast['step_time_s']:.3f}" if fast else "-",
+                _gib(at_fast["peak_memory_bytes"]) if at_fast else "none that fast",
+                f"{against['step_time_ratio']:.2f}x" if against else "-",
+                least["name"], _gib(least["peak_memory_bytes"]), f"{least['step_time_s']:.3f}",
+                _gib(mine.get("peak_memory_bytes")), _pct(mine.get("saving")),
+                f"{mine['step_time_ratio']:.2f}x" if mine else "-",
             ]
         )  # fmt: skip
     return cells

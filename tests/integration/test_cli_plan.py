@@ -46,6 +46,16 @@ def test_plan_writes_the_json_the_issue_names(tmp_path, capsys) -> None:
     for name, base in report["baselines"].items():  # a negative saving comes with its reason
         if base["saving"] is not None and base["saving"] < 0:
             assert f"{name} holds less" in printed and "the plan spends memory for speed" in printed
+    # Issue 24: Megatron-LM at its best, each of its rows beside the plan that compares with it
+    best = report["megatron_best"]
+    assert best["num_configs"] > 10 and "against Megatron-LM's best of" in printed
+    least = best["least_memory"]
+    assert least["config"]["tp"] * least["config"]["pp"] * least["config"]["dp"] == 16
+    assert best["plan_least_memory"]["peak_memory_bytes"] <= report["peak_memory_bytes"]
+    saving = 1 - best["plan_least_memory"]["peak_memory_bytes"] / least["peak_memory_bytes"]
+    assert best["plan_least_memory"]["saving"] == pytest.approx(saving)
+    if best["fastest"] is not None and best["plan_at_fastest_step_time"] is None:
+        assert "no plan is as fast as Megatron-LM's fastest configuration" in printed
 
 
 def test_plan_bad_input_is_one_line_and_exit_2(capsys) -> None:
@@ -68,7 +78,9 @@ def test_bench_plan_writes_results(tmp_path, capsys) -> None:
     (row,) = data["rows"]
     assert row["model"] == "demo" and row["devices"] == 8
     assert set(row["baselines"]) == {"megatron", "megatron_sp", "zero3"}
-    assert f"results: {path}" in capsys.readouterr().out
+    assert row["megatron_best"]["least_memory"]["peak_memory_bytes"] > 0
+    printed = capsys.readouterr().out
+    assert f"results: {path}" in printed and "against Megatron-LM at its best" in printed
 
 
 def _hf_configs(root) -> dict[str, object]:
@@ -107,6 +119,7 @@ def test_plan_takes_a_hugging_face_config(tmp_path, capsys, family: str) -> None
         check_plan(model, plan)  # the planner's HF plans are ones apply can carry out
     report = json.loads(out.read_text())
     assert report["baselines"]["megatron_sp"]["peak_memory_bytes"] > 0
+    assert report["megatron_best"]["least_memory"]["peak_memory_bytes"] > 0
     assert heads in capsys.readouterr().out
 
 

@@ -412,7 +412,7 @@ def _fractions(text: str) -> tuple[float, ...]:
 
 def _bench_plan(args: argparse.Namespace, console: Console) -> int:
     from benchmarks import write_results
-    from benchmarks.plan import COLUMNS, bench_plan, rows_table
+    from benchmarks.plan import COLUMNS, MEGATRON_COLUMNS, bench_plan, megatron_rows, rows_table
     from tidal.config import parse_bytes
 
     rows = bench_plan(
@@ -430,6 +430,13 @@ def _bench_plan(args: argparse.Namespace, console: Console) -> int:
     for cells in rows_table(rows):
         view.add_row(*cells)
     console.print(view)
+    title = "against Megatron-LM at its best (t x p x d grid, same cluster rules)"
+    best = Table(title=title, title_justify="left")
+    for column in MEGATRON_COLUMNS:
+        best.add_column(column, justify="left" if column in ("model",) else "right")
+    for cells in megatron_rows(rows):
+        best.add_row(*cells)
+    console.print(best)
     console.print(f"results: {path}")
     return 0
 

@@ -41,10 +41,11 @@ def is_hf_config(model: str) -> bool:
 
 
 def _graph(args: argparse.Namespace):
-    """The measured graph of ``--model``, and whether its attention core can be recomputed
-    alone (tidal's GPT's can; a Hugging Face model's is code inside its attention forward)."""
+    """The measured graph of ``--model``, whether its attention core can be recomputed alone
+    (tidal's GPT's can; a Hugging Face model's is code inside its attention forward), and its
+    sizes for Megatron-LM's grid."""
     if is_hf_config(args.model):
-        return _hf_graph(args), False
+        return _hf_graph(args)
     from tidal.models import PRESETS, GPTSpec, preset
 
     if args.model not in PRESETS:
@@ -57,10 +58,10 @@ def _graph(args: argparse.Namespace):
     overrides = {"dropout": args.dropout}
     if args.seq_len is not None:
         overrides["seq_len"] = args.seq_len
-    config = dataclasses.replace(config, **overrides)
-    graph = GPTSpec(config=config).graph(micro_batch=args.micro_batch)
+    spec = GPTSpec(config=dataclasses.replace(config, **overrides))
+    graph = spec.graph(micro_batch=args.micro_batch)
     graph.name = args.model
-    return graph, True
+    return graph, True, spec.transformer_shape()
 
 
 def _hf_graph(args: argparse.Namespace):
@@ -71,7 +72,8 @@ def _hf_graph(args: argparse.Namespace):
     config = HFModelConfig.load(
         args.model, seq_len=args.seq_len, key="--model", seq_len_key="--seq-len"
     )
-    return HFSpec(config=config).graph(micro_batch=args.micro_batch)
+    spec = HFSpec(config=config)
+    return spec.graph(micro_batch=args.micro_batch), False, spec.transformer_shape()
 
 
 def run_plan(args: argparse.Namespace, console: Console) -> int:
@@ -86,7 +88,7 @@ def run_plan(args: argparse.Namespace, console: Console) -> int:
             "--pareto", f"expected numbers such as 0,0.1, got {args.pareto!r}"
         ) from None
     started = time.perf_counter()
-    graph, selective = _graph(args)
+    graph, selective, shape = _graph(args)
     traced_s = time.perf_counter() - started
     # A line per stage of the search, the long part; the first comes once the meshes are
     # known, so a bad input still fails in one line.
@@ -101,13 +103,16 @@ def run_plan(args: argparse.Namespace, console: Console) -> int:
         baselines=tuple(x.strip() for x in args.baselines.split(",") if x.strip()),
         recompute=modes,
     )
-    result = make_plan(graph, cluster, config, progress=say)
+    result = make_plan(graph, cluster, config, progress=say, shape=shape)
     report = plan_report(result, cluster)
     report["timing_s"] = {"trace": traced_s, "total": time.perf_counter() - started}
     console.print(units_table(report))
     console.print(UNITS_LEGEND, style="dim", soft_wrap=True)
     console.print(baselines_table(report))
     console.print(BASELINES_LEGEND, style="dim", soft_wrap=True)
+    if report.get("megatron_best"):
+        console.print(megatron_table(report))
+        console.print(MEGATRON_LEGEND, style="dim", soft_wrap=True)
     for line in _why_more_memory(report):
         console.print(line, soft_wrap=True)
     console.print(summary_line(report, cluster), soft_wrap=True)
@@ -157,6 +162,16 @@ def _why_more_memory(report: dict) -> list[str]:
             f"a plan needs {_gib(same.get('peak_memory_bytes'))} GiB "
             f"({_percent(same.get('saving'))} saved)"
         )
+    best = report.get("megatron_best") or {}
+    fastest = best.get("fastest")
+    if fastest and best.get("plan_at_fastest_step_time") is None:
+        lines.append(
+            f"no plan is as fast as Megatron-LM's fastest configuration that fits ("
+            f"{fastest['name']}: {_seconds(fastest['step_time_s'])} s, "
+            f"{_gib(fastest['peak_memory_bytes'])} GiB): the fastest plan that fits takes "
+            f"{_seconds(report['fastest_step_time_s'])} s; the planner's search has no pipeline "
+            f"stages yet"
+        )
     return lines
 
 
@@ -193,7 +208,10 @@ def units_table(report: dict) -> Table:
 
 
 def baselines_table(report: dict) -> Table:
-    table = Table(title="against the baselines (same cost model)", title_justify="left")
+    table = Table(title="against the layout baselines on the plan's dp x tp mesh (the seed "
+                  "paper's comparison: Megatron-LM's intra-operator layouts without pipeline "
+                  "stages or its distributed optimizer, and ZeRO; same cost model)",
+                  title_justify="left")  # fmt: skip
     for column in ("system", "mesh", "peak GiB", "fits", "step s", "plan saves",
                    "at its step time: plan GiB", "saves"):  # fmt: skip
         table.add_column(column, justify="left" if column in ("system", "mesh") else "right")
@@ -209,6 +227,40 @@ def baselines_table(report: dict) -> Table:
             _seconds(base["step_time_s"]),
             _percent(base["saving"]), _gib(same.get("peak_memory_bytes")),
             _percent(same.get("saving")),
+        )  # fmt: skip
+    return table
+
+
+MEGATRON_LEGEND = (
+    "Megatron-LM at its real configuration: every t x p x d mesh, sequence parallelism, "
+    "selective or full recompute, the distributed optimizer, interleaved stages and micro-batch "
+    "sizes, its memory by its own estimator's formulas and its step time by the same cluster "
+    "rules (docs/planner.md). Each of its rows sits beside the plan that compares with it: the "
+    "smallest plan at its step time (none: no plan is that fast), the smallest at any speed."
+)
+
+
+def megatron_table(report: dict) -> Table:
+    best = report["megatron_best"]
+    table = Table(title=f"against Megatron-LM's best of {best['num_configs']} configurations",
+                  title_justify="left")  # fmt: skip
+    for column in ("Megatron-LM", "configuration", "peak GiB", "fits", "step s", "tidal plan GiB",
+                   "plan step s", "plan saves", "plan step / its"):  # fmt: skip
+        table.add_column(column, justify="left" if column in ("Megatron-LM", "configuration")
+                         else "right")  # fmt: skip
+    pairs = (("fastest that fits", best["fastest"], best["plan_at_fastest_step_time"]),
+             ("least memory", best["least_memory"], best["plan_least_memory"]))  # fmt: skip
+    for label, row, mine in pairs:
+        if row is None:
+            table.add_row(label, "none fits", "", "", "", "", "", "", "")
+            continue
+        mine = mine or {}
+        ratio = mine.get("step_time_ratio")
+        table.add_row(
+            label, row["name"], _gib(row["peak_memory_bytes"]), "yes" if row["fits"] else "no",
+            _seconds(row["step_time_s"]), _gib(mine.get("peak_memory_bytes")) if mine else "none",
+            _seconds(mine.get("step_time_s")), _percent(mine.get("saving")),
+            "-" if ratio is None else f"{ratio:.2f}x",
         )  # fmt: skip
     return table
 

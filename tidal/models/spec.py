@@ -63,6 +63,7 @@ from tidal.pipeline.split import PipelineStage, StageParts, split_parts
 
 if TYPE_CHECKING:  # the planner (scipy) loads only when a spec measures, profiles or wires
     from tidal.planner.measure import ModelGraph
+    from tidal.planner.megatron import TransformerShape
     from tidal.planner.wiring import ModelWiring
 
 __all__ = [
@@ -198,6 +199,15 @@ class GPTSpec:
     def graph(self, *, micro_batch: int, dtype: torch.dtype = torch.bfloat16) -> ModelGraph:
         return measure_gpt(self.config, micro_batch=micro_batch, dtype=dtype)
 
+    def transformer_shape(self) -> TransformerShape:
+        """The sizes Megatron-LM's formulas read (tidal/planner/megatron.py)."""
+        from tidal.planner.megatron import TransformerShape
+
+        c = self.config
+        return TransformerShape(num_layers=c.num_layers, hidden=c.d_model, heads=c.num_heads,
+                                ffn=c.ffn_dim, seq_len=c.seq_len, vocab=c.vocab_size,
+                                tied=c.tie_embeddings)  # fmt: skip
+
     def wiring(self, model: nn.Module) -> ModelWiring:
         from tidal.planner.wiring import derive_wiring, structure_graph
 
@@ -254,6 +264,18 @@ class HFSpec:
 
         inputs = example_inputs(model, micro_batch=micro_batch, seq_len=self.config.seq_len)
         return measure(model, inputs, name=Path(self.config.path).parent.name or self.config.path)
+
+    def transformer_shape(self) -> TransformerShape:
+        """The sizes Megatron-LM's formulas read; LLaMA's MLP is gated (SwiGLU)."""
+        from tidal.planner.megatron import TransformerShape
+
+        c, hf = self.config, self.config.pretrained()
+        ffn = getattr(hf, "intermediate_size", None) or getattr(hf, "n_inner", None)
+        return TransformerShape(num_layers=c.num_layers, hidden=c.hidden_size, heads=c.num_heads,
+                                ffn=int(ffn or 4 * c.hidden_size), seq_len=c.seq_len,
+                                vocab=c.vocab_size, query_groups=c.num_kv_heads,
+                                tied=bool(getattr(hf, "tie_word_embeddings", True)),
+                                gated=c.model_type == "llama")  # fmt: skip
 
     def wiring(self, model: nn.Module) -> ModelWiring:
         from tidal.planner.wiring import derive_wiring, structure_graph

@@ -13,7 +13,9 @@ import math
 from typing import Any
 
 from tidal.planner.cluster import ClusterSpec
-from tidal.planner.search import PlanResult
+from tidal.planner.ilp import Solution
+from tidal.planner.megatron import MegatronRow
+from tidal.planner.search import MEGATRON_BEST, PlanResult
 
 __all__ = ["plan_report"]
 
@@ -60,4 +62,57 @@ def plan_report(result: PlanResult, cluster: ClusterSpec) -> dict[str, Any]:
         ],
         "pareto": result.pareto,
         "baselines": baselines,
+        "megatron_best": _megatron(result, cluster),
+    }
+
+
+def _row(row: MegatronRow | None, cluster: ClusterSpec) -> dict[str, Any] | None:
+    if row is None:
+        return None
+    return {
+        "config": row.config.as_dict(),
+        "name": row.config.name,
+        "peak_memory_bytes": row.peak_memory_bytes,
+        "estimator_bytes": row.memory.estimator_bytes,
+        "weights_and_optimizer_bytes": row.memory.weights_and_optimizer,
+        "activation_bytes": row.memory.activations,
+        "transient_bytes": row.memory.transient,
+        "step_time_s": row.step_time_s,
+        "fits": row.peak_memory_bytes <= cluster.device_memory_bytes,
+    }
+
+
+def _solution(solution: Solution | None, against: MegatronRow | None) -> dict[str, Any] | None:
+    if solution is None or against is None:
+        return None
+    mesh = solution.assignment.mesh if solution.assignment else None
+    return {
+        "peak_memory_bytes": solution.peak_bytes,
+        "step_time_s": solution.step_time_s,
+        "mesh": None if mesh is None else {"dp": mesh.dp, "tp": mesh.tp},
+        "saving": 1.0 - solution.peak_bytes / against.peak_memory_bytes,
+        "step_time_ratio": solution.step_time_s / against.step_time_s,
+    }
+
+
+def _megatron(result: PlanResult, cluster: ClusterSpec) -> dict[str, Any] | None:
+    """Megatron-LM's fastest fitting configuration and its least-memory one, each beside the
+    plan that compares with it: the smallest at the fastest one's step time (None: no plan is
+    that fast), and the smallest at any speed."""
+    best = result.megatron
+    if best is None:
+        return None
+    plan = result.plan
+    return {
+        "num_configs": best.num_configs,
+        "fastest": _row(best.fastest, cluster),
+        "least_memory": _row(best.least_memory, cluster),
+        "plan_against_fastest": None
+        if best.fastest is None
+        else {
+            "saving": 1.0 - plan.peak_memory_bytes / best.fastest.peak_memory_bytes,
+            "step_time_ratio": plan.step_time_s / best.fastest.step_time_s,
+        },
+        "plan_at_fastest_step_time": _solution(result.matched.get(MEGATRON_BEST), best.fastest),
+        "plan_least_memory": _solution(result.least_memory, best.least_memory),
     }

@@ -26,6 +26,7 @@ from tidal.planner.cluster import ClusterSpec, Mesh
 from tidal.planner.cost_model import Assignment, Costed, evaluate
 from tidal.planner.ilp import Problem, Solution, build_problem
 from tidal.planner.measure import ModelGraph
+from tidal.planner.megatron import MegatronBest, TransformerShape, megatron_best, megatron_grid
 from tidal.planner.plan import Plan, Recompute, UnitChoice
 from tidal.planner.strategies import (
     TrainingSpec,
@@ -112,6 +113,10 @@ class PlanResult:
     pareto: list[dict[str, float]] = field(default_factory=list)
 
     matched: dict[str, Solution] = field(default_factory=dict)
+    # Megatron-LM at its real configuration ([Note: Megatron's memory] in megatron.py), and the
+    # smallest plan at any speed, to set beside its least-memory configuration
+    megatron: MegatronBest | None = None
+    least_memory: Solution | None = None
 
     def saving(self, name: str) -> float:
         """Fraction of the baseline's peak memory this plan saves."""
@@ -188,9 +193,11 @@ def make_plan(
     config: PlannerConfig,
     *,
     progress: Callable[[str], None] | None = None,
+    shape: TransformerShape | None = None,
 ) -> PlanResult:
     """The best plan for ``config.objective``; raises :class:`Infeasible` when none fits.
-    ``progress`` is told each stage of the search as it starts (a mesh, a baseline)."""
+    ``progress`` is told each stage of the search as it starts (a mesh, a baseline). ``shape``:
+    the decoder's sizes, to price Megatron-LM's whole grid beside the layout baselines."""
     say = progress or (lambda _line: None)
     started = time.perf_counter()
     limit = float(cluster.device_memory_bytes)
@@ -237,7 +244,32 @@ def make_plan(
                 matched = _smallest_within(results, config, base.step_time_s)
                 if matched is not None:
                     result.matched[name] = matched
+    if shape is not None:
+        _compare_with_megatron(result, shape, cluster, config, graph.micro_batch, say)
     return result
+
+
+MEGATRON_BEST = "megatron_best"  # the key of Megatron's fastest fitting configuration in matched
+
+
+def _compare_with_megatron(result: PlanResult, shape: TransformerShape, cluster: ClusterSpec,
+                           config: PlannerConfig, micro_batch: int,
+                           say: Callable[[str], None]) -> None:  # fmt: skip
+    """Megatron-LM's grid for the same global batch, and the plans to set beside its best: the
+    smallest at its fastest fitting configuration's step time, and the smallest at any speed."""
+    say("Megatron-LM's grid (t x p x d, sequence parallel, recompute, distributed optimizer, "
+        "interleaving, micro-batch)")  # fmt: skip
+    global_batch = config.global_batch or cluster.devices * micro_batch
+    rows = megatron_grid(shape, cluster, global_batch=global_batch)
+    result.megatron = megatron_best(rows, cluster.device_memory_bytes)
+    fastest = result.megatron.fastest
+    if fastest is not None:
+        say("the smallest plan at Megatron-LM's best step time")
+        matched = _smallest_within(result.meshes, config, fastest.step_time_s)
+        if matched is not None:
+            result.matched[MEGATRON_BEST] = matched
+    say("the smallest plan at any speed")
+    result.least_memory = _smallest_within(result.meshes, config, math.inf)
 
 
 def _smallest_within(

@@ -1,0 +1,198 @@
+"""Megatron-LM at its real configuration (tidal/planner/megatron.py): its memory by its own
+estimator's formulas, checked by hand and against its published runs, its step time against the
+published throughput and against the planner's traced layout baseline."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from tidal.models.gpt import PRESETS, measure_gpt
+from tidal.planner.baselines import baseline
+from tidal.planner.cluster import CLUSTER_PRESETS, ClusterSpec
+from tidal.planner.megatron import (
+    MegatronConfig,
+    TransformerShape,
+    megatron_best,
+    megatron_flops_per_step,
+    megatron_grid,
+    megatron_memory,
+    megatron_step_s,
+)
+from tidal.planner.plan import Recompute
+from tidal.planner.strategies import TrainingSpec
+
+GiB = 1024**3
+FULL, SELECTIVE = Recompute.FULL, Recompute.SELECTIVE
+
+
+def gpt3_175b(num_layers: int = 96) -> TransformerShape:
+    return TransformerShape(num_layers=num_layers, hidden=12288, heads=96, ffn=4 * 12288,
+                            seq_len=2048, vocab=50257)  # fmt: skip
+
+
+def test_memory_equals_megatrons_estimator_by_hand() -> None:
+    """Sequence parallel with selective recompute is the case ``theoretical_memory_usage``
+    covers: its formulas written out by hand for GPT-3 175B on t8 x p8 x d4, 4 micro-batches of
+    2 (fewer than the stages, so its ``m / p`` discount applies)."""
+    shape = gpt3_175b()
+    c = MegatronConfig(tp=8, pp=8, dp=4, micro_batch=2, num_microbatches=4,
+                       sequence_parallel=True, recompute=SELECTIVE, distributed_optimizer=True)  # fmt: skip
+    L, h, s, b, t, p, d = 96, 12288, 2048, 2, 8, 8, 4
+    V = 51200  # 50257 padded to a multiple of 128 * t
+    layers = 2 * L * h * h * (2 + 4 + 2 / h + 1 / (L * h))
+    weights = (layers / p + V * h) / t * (6 + 12 / d)
+    activations = (s * b * h * 34 * L + 8 * s * b * p + s * b * h * p) * (4 / 8) / t
+    memory = megatron_memory(shape, c)
+    assert memory.weights_and_optimizer == pytest.approx(weights, rel=1e-12)
+    assert memory.activations == pytest.approx(activations, rel=1e-12)
+    assert memory.transient == 0 and memory.estimator_bytes == memory.total
+    # one stage (p = 1) adds the head and the loss; interleaving multiplies by 1 + (p-1)/(p v)
+    one = dataclasses.replace(c, pp=1, dp=32, num_microbatches=1)
+    head = 4 * s * b * h * (1 + V / h) / t
+    flat = (s * b * h * 34 * L + 8 * s * b + s * b * h) / t
+    assert megatron_memory(shape, one).activations == pytest.approx(flat + head, rel=1e-12)
+    interleaved = dataclasses.replace(c, num_microbatches=8, vp=3)
+    penalty = 1 + (p - 1) / (p * 3)
+    expected = (s * b * h * 34 * L + 8 * s * b * p + s * b * h * p) * penalty / t
+    assert megatron_memory(shape, interleaved).activations == pytest.approx(expected, rel=1e-12)
+
+
+def test_the_cases_the_estimator_leaves_out_follow_table_2() -> None:
+    """Without sequence parallelism the 10 sbh outside the tensor-parallel regions and the
+    embedding's mask are whole on every rank; full recompute keeps a layer's 2 sbh input and
+    brings one layer back during its backward."""
+    shape = gpt3_175b()
+    s, b, h, t, L, p = 2048, 1, 12288, 8, 96, 8
+    base = MegatronConfig(tp=t, pp=p, dp=1, micro_batch=b, num_microbatches=64,
+                          sequence_parallel=True, recompute=SELECTIVE,
+                          distributed_optimizer=False)  # fmt: skip
+    no_sp = megatron_memory(shape, dataclasses.replace(base, sequence_parallel=False))
+    by_hand = s * b * h * (10 + 24 / t) * L + 8 * s * b * p / t + s * b * h * p
+    assert no_sp.activations == pytest.approx(by_hand, rel=1e-12)
+    full = megatron_memory(shape, dataclasses.replace(base, recompute=FULL))
+    assert full.activations == pytest.approx(
+        (2 * s * b * h * L + 8 * s * b * p + s * b * h * p) / t
+    )
+    assert full.transient == pytest.approx(34 * s * b * h / t, rel=1e-12)
+
+
+def test_gpt3_175b_on_64_devices_by_megatrons_formulas() -> None:
+    """The issue's reading of Megatron's own formulas (18 bytes a parameter): t8 x p8 x d1 with
+    sequence parallelism and selective recompute about 57 GiB, with full recompute about 48;
+    and the grid's least-memory point is that second one."""
+    shape = gpt3_175b()
+    c = MegatronConfig(tp=8, pp=8, dp=1, micro_batch=1, num_microbatches=64,
+                       sequence_parallel=True, recompute=SELECTIVE, distributed_optimizer=False)  # fmt: skip
+    assert megatron_memory(shape, c).total / GiB == pytest.approx(56.5, abs=0.05)
+    full = dataclasses.replace(c, recompute=FULL)
+    assert megatron_memory(shape, full).total / GiB == pytest.approx(47.6, abs=0.05)
+    cluster = ClusterSpec(devices=64)
+    best = megatron_best(
+        megatron_grid(shape, cluster, global_batch=64), cluster.device_memory_bytes
+    )
+    least = best.least_memory.config
+    assert (least.tp, least.pp, least.recompute, least.sequence_parallel) == (8, 8, FULL, True)
+    assert best.fastest is not None
+    assert best.fastest.peak_memory_bytes <= cluster.device_memory_bytes
+    assert best.fastest.step_time_s < best.least_memory.step_time_s
+
+
+def test_the_grid_holds_only_what_megatron_accepts() -> None:
+    shape = gpt3_175b(num_layers=24)
+    rows = megatron_grid(shape, ClusterSpec(devices=64), global_batch=128)
+    assert rows
+    seen = set()
+    for row in rows:
+        c = row.config
+        seen.add((c.tp, c.pp, c.vp, c.sequence_parallel, c.distributed_optimizer, c.recompute))
+        assert c.tp * c.pp * c.dp == 64 and c.tp <= 8 and 96 % c.tp == 0
+        assert 24 % c.pp == 0 and c.dp * c.micro_batch * c.num_microbatches == 128
+        assert c.vp == 1 or (c.num_microbatches % c.pp == 0 and (24 // c.pp) % c.vp == 0)
+        assert c.sequence_parallel <= (c.tp > 1) and c.distributed_optimizer <= (c.dp > 1)
+    # both recomputes, interleaving, and the distributed optimizer are all searched
+    assert {FULL, SELECTIVE} <= {k[5] for k in seen}
+    assert any(k[2] > 1 for k in seen) and any(k[4] for k in seen)
+
+
+# Table 1 of Narayanan et al. 2021 (arXiv 2104.04473), as the Megatron-LM README gives it:
+# GPT on A100-80GB, sequence 2048, vocabulary 51200, full recompute, no sequence parallelism, no
+# distributed optimizer; configurations from the repository's examples/sc21/run_table_1.sh.
+# (name, heads, hidden, layers, t, p, GPUs, global batch, micro-batch, layers per virtual stage,
+# achieved TFLOP/s per GPU)
+PUBLISHED = [
+    ("1.7B", 24, 2304, 24, 1, 1, 32, 512, 16, None, 137),
+    ("3.6B", 32, 3072, 30, 2, 1, 64, 512, 16, None, 138),
+    ("7.5B", 32, 4096, 36, 4, 1, 128, 512, 16, None, 142),
+    ("18B", 48, 6144, 40, 8, 1, 256, 1024, 8, None, 135),
+    ("39B", 64, 8192, 48, 8, 2, 512, 1536, 4, None, 138),
+    ("76B", 80, 10240, 60, 8, 4, 1024, 1792, 2, 5, 140),
+    ("145B", 96, 12288, 80, 8, 8, 1536, 2304, 2, 5, 148),
+    ("310B", 128, 16384, 96, 8, 16, 1920, 2160, 1, 3, 155),
+    ("530B", 128, 20480, 105, 8, 35, 2520, 2520, 1, 1, 163),
+    ("1T", 160, 25600, 128, 8, 64, 3072, 3072, 1, None, 163),
+]
+# Where the step-time model is more than 15% slower than the published run (docs/planner.md):
+# one compute efficiency for every matmul size, so the widest layers' higher efficiency is missed.
+SLOWER_THAN_PUBLISHED = {"145B": 0.85, "310B": 0.84, "530B": 0.81, "1T": 0.76}
+
+
+@pytest.mark.parametrize("row", PUBLISHED, ids=[r[0] for r in PUBLISHED])
+def test_published_megatron_runs(row: tuple) -> None:
+    """Every published configuration fits an 80 GB A100 by the memory model (they ran), and the
+    step-time model's throughput is within 15% of the published one, except where the docs say
+    it is not (and by how much)."""
+    name, heads, hidden, layers, t, p, gpus, batch, mb, per_virtual, published = row
+    shape = TransformerShape(num_layers=layers, hidden=hidden, heads=heads, ffn=4 * hidden,
+                             seq_len=2048, vocab=51200)  # fmt: skip
+    d = gpus // (t * p)
+    c = MegatronConfig(tp=t, pp=p, dp=d, micro_batch=mb, num_microbatches=batch // (d * mb),
+                       sequence_parallel=False, recompute=FULL, distributed_optimizer=False,
+                       vp=layers // p // per_virtual if per_virtual else 1)  # fmt: skip
+    cluster = ClusterSpec(devices=gpus, **CLUSTER_PRESETS["a100"])  # type: ignore[arg-type]
+    assert megatron_memory(shape, c).total <= 80e9
+    flops = megatron_flops_per_step(shape, batch, full_recompute=True)
+    ratio = flops / gpus / megatron_step_s(shape, c, cluster) / 1e12 / published
+    if name in SLOWER_THAN_PUBLISHED:
+        assert ratio == pytest.approx(SLOWER_THAN_PUBLISHED[name], abs=0.01)
+    else:
+        assert ratio == pytest.approx(1.0, abs=0.15)
+
+
+def test_the_paper_flops_formula() -> None:
+    """``96 B s l h^2 (1 + s / 6h + V / 16 l h)`` for full recompute (Narayanan et al., eq. 3)."""
+    shape = TransformerShape(num_layers=128, hidden=25600, heads=160, ffn=4 * 25600,
+                             seq_len=2048, vocab=51200)  # fmt: skip
+    B, s, l, h, V = 3072, 2048, 128, 25600, 51200  # noqa: E741
+    paper = 96 * B * s * l * h * h * (1 + s / (6 * h) + V / (16 * l * h))
+    assert megatron_flops_per_step(shape, B, full_recompute=True) == pytest.approx(paper, rel=1e-12)
+
+
+def test_the_analytic_model_agrees_with_the_traced_layout_baseline() -> None:
+    """Megatron on t8 x p1 (one node, no pipeline, no sequence parallelism, selective recompute)
+    priced two ways: analytically here, and by the planner's own cost model over the traced GPT-3
+    layers with Megatron's layouts (baselines.py), with the same fp32 gradients. The analytic
+    model counts matmul FLOPs and collectives; the traced one also charges the memory-bound ops
+    (norms, dropout, residual adds, the activation), which Megatron fuses in part: without them
+    the two agree, and with them the traced step is that much slower ([Note: Megatron's step
+    time]: the comparison leans toward Megatron)."""
+    config = dataclasses.replace(PRESETS["gpt3-175b"], num_layers=4, dropout=0.1)
+    graph = measure_gpt(config, micro_batch=1)
+    cluster = ClusterSpec(devices=8)
+    spec = TrainingSpec(num_microbatches=2, grad_bytes=4)
+    traced = baseline("megatron", graph, cluster, lambda mesh: spec, 8)
+    assert traced is not None and traced.costed is not None
+    c = MegatronConfig(tp=8, pp=1, dp=1, micro_batch=1, num_microbatches=2,
+                       sequence_parallel=False, recompute=SELECTIVE, distributed_optimizer=False)  # fmt: skip
+    shape = gpt3_175b(num_layers=4)
+    memory_bound = sum(traced.costed.unit_time_s[u.name] for u in graph.units if u.flops == 0)
+    analytic_s = megatron_step_s(shape, c, cluster)
+    assert analytic_s == pytest.approx(traced.step_time_s - memory_bound, rel=0.05)
+    assert traced.step_time_s / analytic_s == pytest.approx(1.49, abs=0.02)
+    analytic = megatron_memory(shape, c)
+    traced_states = traced.costed.memory.params + traced.costed.memory.grads
+    traced_states += traced.costed.memory.optimizer
+    # Megatron's estimator leaves out the learned positions, which every tensor rank holds whole
+    positions = 2048 * 12288 * 18
+    assert analytic.weights_and_optimizer + positions == pytest.approx(traced_states, rel=0.005)
