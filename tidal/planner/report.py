@@ -48,6 +48,7 @@ def plan_report(result: PlanResult, cluster: ClusterSpec) -> dict[str, Any]:
     return {
         **plan.to_dict(),
         "solve_s": result.solve_s,
+        "phases_s": result.phases_s,
         "lp_gap": _finite(result.solution.lp_gap),
         "fastest_step_time_s": result.fastest_s,
         "cluster": dataclasses.asdict(cluster),

@@ -106,13 +106,14 @@ class PlanResult:
     plan: Plan
     solution: Solution
     costed: Costed
-    solve_s: float
+    solve_s: float  # the whole search, every phase below included
     fastest_s: float
     meshes: list[MeshResult]
     baselines: dict[str, Baseline] = field(default_factory=dict)
     pareto: list[dict[str, float]] = field(default_factory=list)
 
     matched: dict[str, Solution] = field(default_factory=dict)
+    phases_s: dict[str, float] = field(default_factory=dict)  # seconds of each phase, in order
     # Megatron-LM at its real configuration ([Note: Megatron's memory] in megatron.py), and the
     # smallest plan at any speed, to set beside its least-memory configuration
     megatron: MegatronBest | None = None
@@ -199,7 +200,15 @@ def make_plan(
     ``progress`` is told each stage of the search as it starts (a mesh, a baseline). ``shape``:
     the decoder's sizes, to price Megatron-LM's whole grid beside the layout baselines."""
     say = progress or (lambda _line: None)
-    started = time.perf_counter()
+    started = clock = time.perf_counter()
+    phases_s: dict[str, float] = {}
+
+    def lap(phase: str) -> None:
+        nonlocal clock
+        now = time.perf_counter()
+        phases_s[phase] = now - clock
+        clock = now
+
     limit = float(cluster.device_memory_bytes)
     results = []
     for mesh in meshes_for(graph, cluster, config):
@@ -218,7 +227,7 @@ def make_plan(
         raise _diagnose(graph, cluster, results, config)
     fastest_s = min(r.fastest.step_time_s for r in feasible)
     best = _best(feasible, config, limit, fastest_s, config.eps)
-    solve_s = time.perf_counter() - started
+    lap("meshes")
     assignment = best.assignment
     assert assignment is not None, "_best chooses among feasible solutions only"
     spec = _spec(graph, assignment.mesh, config, cluster.devices)
@@ -228,13 +237,15 @@ def make_plan(
         plan=plan,
         solution=best,
         costed=costed,
-        solve_s=solve_s,
+        solve_s=0.0,
         fastest_s=fastest_s,
         meshes=results,
+        phases_s=phases_s,
     )
     if config.pareto:
         say("the memory-time frontier")
         result.pareto = _pareto(graph, cluster, feasible, config, limit, fastest_s)
+        lap("pareto")
     if config.baselines:
         say(f"the baselines: {', '.join(config.baselines)}")
         result.baselines = _baselines(graph, cluster, config)
@@ -244,8 +255,11 @@ def make_plan(
                 matched = _smallest_within(results, config, base.step_time_s)
                 if matched is not None:
                     result.matched[name] = matched
+        lap("baselines")
     if shape is not None:
         _compare_with_megatron(result, shape, cluster, config, graph.micro_batch, say)
+        lap("megatron")
+    result.solve_s = time.perf_counter() - started
     return result
 
 
