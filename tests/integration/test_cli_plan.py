@@ -142,6 +142,7 @@ def test_plan_bad_hugging_face_input_is_one_line_and_exit_2(
     tmp_path, capsys, model: str, extra: list[str], fragment: str
 ) -> None:
     paths = _hf_configs(tmp_path)
+    capsys.readouterr()  # transformers' own warnings on writing the configs (once a process)
     path = paths.get(model, tmp_path / "nothing" / "config.json")
     assert main(["plan", "--model", str(path), "--devices", "4", *extra]) == 2
     lines = capsys.readouterr().err.strip().splitlines()
