@@ -44,7 +44,7 @@ def test_plan_writes_the_json_the_issue_names(tmp_path, capsys) -> None:
     # issue 24: solve_s is the whole command, each phase listed (in a test the process started
     # long before this command, so its "start and imports" is the test session's)
     phases = timing["phases"]
-    assert list(phases)[:4] == ["start and imports", "trace", "meshes", "pareto"]
+    assert list(phases)[:5] == ["start and imports", "trace", "meshes", "pipelines", "pareto"]
     assert {"baselines", "megatron", "other"} <= set(phases)
     assert sum(phases.values()) == pytest.approx(timing["total"], rel=1e-9)
     assert f"planned in {timing['total']:.1f} s (start and imports" in printed
@@ -61,7 +61,7 @@ def test_plan_writes_the_json_the_issue_names(tmp_path, capsys) -> None:
     saving = 1 - best["plan_least_memory"]["peak_memory_bytes"] / least["peak_memory_bytes"]
     assert best["plan_least_memory"]["saving"] == pytest.approx(saving)
     if best["fastest"] is not None and best["plan_at_fastest_step_time"] is None:
-        assert "no plan is as fast as Megatron-LM's fastest configuration" in printed
+        assert "no plan, flat or pipelined, is as fast as Megatron-LM" in printed
 
 
 def test_plan_bad_input_is_one_line_and_exit_2(capsys) -> None:

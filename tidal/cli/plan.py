@@ -118,6 +118,8 @@ def run_plan(args: argparse.Namespace, console: Console) -> int:
     console.print(UNITS_LEGEND, style="dim", soft_wrap=True)
     console.print(baselines_table(report))
     console.print(BASELINES_LEGEND, style="dim", soft_wrap=True)
+    if report.get("pipeline"):
+        console.print(pipeline_line(report["pipeline"]), soft_wrap=True)
     if report.get("megatron_best"):
         console.print(megatron_table(report))
         console.print(MEGATRON_LEGEND, style="dim", soft_wrap=True)
@@ -186,11 +188,9 @@ def _why_more_memory(report: dict) -> list[str]:
     fastest = best.get("fastest")
     if fastest and best.get("plan_at_fastest_step_time") is None:
         lines.append(
-            f"no plan is as fast as Megatron-LM's fastest configuration that fits ("
-            f"{fastest['name']}: {_seconds(fastest['step_time_s'])} s, "
-            f"{_gib(fastest['peak_memory_bytes'])} GiB): the fastest plan that fits takes "
-            f"{_seconds(report['fastest_step_time_s'])} s; the planner's search has no pipeline "
-            f"stages yet"
+            f"no plan, flat or pipelined, is as fast as Megatron-LM's fastest configuration "
+            f"that fits ({fastest['name']}: {_seconds(fastest['step_time_s'])} s, "
+            f"{_gib(fastest['peak_memory_bytes'])} GiB)"
         )
     return lines
 
@@ -260,25 +260,40 @@ MEGATRON_LEGEND = (
 )
 
 
+def pipeline_line(pipeline: dict) -> str:
+    stages = "; ".join(
+        f"{name} stage {_gib(stage['peak_memory_bytes'])} GiB, {_seconds(stage['step_time_s'])} s"
+        for name, stage in pipeline["stages"].items()
+    )
+    return (
+        f"with pipeline stages ({pipeline['options_solved']} of {pipeline['options']} "
+        f"p x dp x tp x v options solved, the rest bounded out): {pipeline['layout']}, "
+        f"{_gib(pipeline['peak_memory_bytes'])} GiB, step {_seconds(pipeline['step_time_s'])} s "
+        f"({stages}; sends {_seconds(pipeline['send_s'])} s). Priced only: tidal train --plan "
+        f"runs the dp x tp plan above"
+    )
+
+
 def megatron_table(report: dict) -> Table:
     best = report["megatron_best"]
     table = Table(title=f"against Megatron-LM's best of {best['num_configs']} configurations",
                   title_justify="left")  # fmt: skip
-    for column in ("Megatron-LM", "configuration", "peak GiB", "fits", "step s", "tidal plan GiB",
-                   "plan step s", "plan saves", "plan step / its"):  # fmt: skip
+    for column in ("Megatron-LM", "configuration", "peak GiB", "fits", "step s", "tidal plan",
+                   "plan GiB", "plan step s", "plan saves", "plan step / its"):  # fmt: skip
         table.add_column(column, justify="left" if column in ("Megatron-LM", "configuration")
                          else "right")  # fmt: skip
     pairs = (("fastest that fits", best["fastest"], best["plan_at_fastest_step_time"]),
              ("least memory", best["least_memory"], best["plan_least_memory"]))  # fmt: skip
     for label, row, mine in pairs:
         if row is None:
-            table.add_row(label, "none fits", "", "", "", "", "", "", "")
+            table.add_row(label, "none fits", "", "", "", "", "", "", "", "")
             continue
         mine = mine or {}
         ratio = mine.get("step_time_ratio")
         table.add_row(
             label, row["name"], _gib(row["peak_memory_bytes"]), "yes" if row["fits"] else "no",
-            _seconds(row["step_time_s"]), _gib(mine.get("peak_memory_bytes")) if mine else "none",
+            _seconds(row["step_time_s"]), mine.get("layout", "none that fast"),
+            _gib(mine.get("peak_memory_bytes")),
             _seconds(mine.get("step_time_s")), _percent(mine.get("saving")),
             "-" if ratio is None else f"{ratio:.2f}x",
         )  # fmt: skip

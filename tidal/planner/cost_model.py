@@ -105,7 +105,7 @@ def evaluate(
     graph: ModelGraph, assignment: Assignment, cluster: ClusterSpec, spec: TrainingSpec
 ) -> Costed:
     """Peak memory ([Note: peak memory]) and step time of ``assignment``."""
-    mesh, choice, m = assignment.mesh, assignment.choice, spec.num_microbatches
+    mesh, choice, m, held = assignment.mesh, assignment.choice, spec.slots, spec.in_flight
     total = MemoryBreakdown()
     unit_memory: dict[str, MemoryBreakdown] = {}
     unit_time: dict[str, float] = {}
@@ -119,7 +119,7 @@ def evaluate(
             params=cand.memory.params,
             grads=cand.memory.grads,
             optimizer=cand.memory.optimizer,
-            activations=_activations(unit, cand, mode),
+            activations=held * _activations(unit, cand, mode),
             transient=cand.memory.transient,
             redundant=cand.memory.redundant,
         )
@@ -138,7 +138,7 @@ def evaluate(
             src, nbytes = block_input(graph, prefix)
             layout = choice[src].out_layout
             kept = nbytes / (mesh.tp if layout in (Layout.SEQ, Layout.HID) else 1)
-            total.activations += graph.blocks[prefix] * kept
+            total.activations += held * graph.blocks[prefix] * kept
     transients.extend(recomputed.values())
     total.transient = max(transients)
     edges_s = sum(

@@ -25,9 +25,11 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 from scipy.optimize import Bounds, LinearConstraint, milp
@@ -86,6 +88,8 @@ class Problem:
     base_row: dict[int, float] = field(default_factory=dict)
     transient_rows: list[tuple[str, dict[int, float]]] = field(default_factory=list)
     rows: list[tuple[str, dict[int, float], float, float]] = field(default_factory=list)
+    # the constraint matrix with its bounds, built at the first solve ([Note: the ILP])
+    _rows: tuple[Any, np.ndarray, np.ndarray] | None = field(default=None, repr=False)
 
     def var(self, integer: bool = False) -> int:
         self.num_vars += 1
@@ -105,11 +109,13 @@ class Problem:
         time_limit: float = float("inf"),
         solver_time_limit_s: float = 60.0,
         refine: bool = True,
+        gap: float = MIP_REL_GAP,
     ) -> Solution:
         """``objective="time"``: fastest under ``memory_limit``; ``"memory"``: smallest peak
         under ``time_limit`` (seconds per step). With ``refine``, ties in the objective go to
-        the other term: a second solve holds the first optimum and minimises the other."""
-        first = self._solve(objective, memory_limit, time_limit, solver_time_limit_s)
+        the other term: a second solve holds the first optimum and minimises the other. ``gap``:
+        HiGHS stops within this relative gap of its bound."""
+        first = self._solve(objective, memory_limit, time_limit, solver_time_limit_s, gap)
         if not first.feasible or not refine:
             return first
         slack = 1 + 1e-6
@@ -118,22 +124,51 @@ class Problem:
         else:
             limits = (first.peak_bytes * slack + 1.0, time_limit)
         other = "memory" if objective == "time" else "time"
-        second = self._solve(other, *limits, solver_time_limit_s)
+        second = self._solve(other, *limits, solver_time_limit_s, gap)
         if not second.feasible:  # numerically at the edge: keep the first optimum
             return first
         second.lp_bound, second.objective = first.lp_bound, first.objective
         second.solve_s += first.solve_s
         return second
 
-    def _solve(
-        self, objective: str, memory_limit: float, time_limit: float, solver_time_limit_s: float
-    ) -> Solution:
-        started = time.perf_counter()
+    def bound(
+        self,
+        *,
+        objective: str,
+        memory_limit: float = float("inf"),
+        time_limit: float = float("inf"),
+    ) -> float:
+        """A lower bound on :meth:`solve`'s optimum for ``objective`` (step seconds, or peak
+        bytes): the LP relaxation without the tie-break term; inf where even it is infeasible.
+        Cheaper than a solve, so a search over many problems solves only those it cannot rule
+        out."""
+        c, constraint, peak = self._program(objective, memory_limit, time_limit, tie=0.0)
+        with _native_stdout_silenced():
+            relaxed = milp(c, constraints=constraint, bounds=self._bounds(peak))
+        self.num_vars -= 1
+        if relaxed.x is None:
+            return float("inf")
+        return float(relaxed.fun) * (GiB if objective == "memory" else 1.0)
+
+    def _program(
+        self, objective: str, memory_limit: float, time_limit: float, *, tie: float = _TIE
+    ) -> tuple[np.ndarray, LinearConstraint, int]:
+        """The objective vector, the constraints and the peak's column of one solve (the peak
+        variable is this solve's: the caller gives it back). The rows are built once per
+        problem; a solve changes only the two limits, the last two rows."""
         peak = self.var()  # in GiB: byte-sized coefficients would upset HiGHS's tolerances
         c = np.zeros(self.num_vars)
         for col, v in self.time_row.items():
-            c[col] += (1.0 if objective == "time" else _TIE) * v
-        c[peak] = _TIE if objective == "time" else 1.0
+            c[col] += (1.0 if objective == "time" else tie) * v
+        c[peak] = tie if objective == "time" else 1.0
+        if self._rows is None:
+            self._rows = self._limit_rows(peak)
+        matrix, lo, hi = self._rows
+        hi = hi.copy()
+        hi[-2], hi[-1] = memory_limit / GiB, time_limit
+        return c, LinearConstraint(matrix, lo, hi), peak
+
+    def _limit_rows(self, peak: int) -> tuple[Any, np.ndarray, np.ndarray]:
         rows = list(self.rows)
         for name, transient in self.transient_rows:
             coeffs = {col: -v / GiB for col, v in self.base_row.items()}
@@ -141,11 +176,23 @@ class Problem:
                 coeffs[col] = coeffs.get(col, 0.0) - v / GiB
             coeffs[peak] = 1.0
             rows.append((f"peak>={name}", coeffs, 0.0, np.inf))
-        rows.append(("peak<=device_memory", {peak: 1.0}, -np.inf, memory_limit / GiB))
-        rows.append(("time<=limit", dict(self.time_row), -np.inf, time_limit))
-        constraint = _constraints(rows, self.num_vars)
+        rows.append(("peak<=device_memory", {peak: 1.0}, -np.inf, np.inf))
+        rows.append(("time<=limit", dict(self.time_row), -np.inf, np.inf))
+        built = _constraints(rows, self.num_vars)
+        return built.A, np.asarray(built.lb, dtype=float), np.asarray(built.ub, dtype=float)
+
+    def _solve(
+        self,
+        objective: str,
+        memory_limit: float,
+        time_limit: float,
+        solver_time_limit_s: float,
+        gap: float = MIP_REL_GAP,
+    ) -> Solution:
+        started = time.perf_counter()
+        c, constraint, peak = self._program(objective, memory_limit, time_limit)
         integrality = np.zeros(self.num_vars)
-        options = {"time_limit": solver_time_limit_s, "mip_rel_gap": MIP_REL_GAP}
+        options = {"time_limit": solver_time_limit_s, "mip_rel_gap": gap}
         with _native_stdout_silenced():
             relaxed = milp(c, constraints=constraint, bounds=self._bounds(peak))
             integrality[self.integer] = 1
@@ -188,24 +235,48 @@ class Problem:
         return Assignment(mesh=self.mesh, choice=choice, recompute=recompute)
 
 
-@contextlib.contextmanager
-def _native_stdout_silenced() -> Iterator[None]:
+class _StdoutSilencer:
     """HiGHS 1.x prints a debugging line from C++ on some MIP solves, past ``disp=False``; keep
-    it off the user's terminal by pointing file descriptor 1 at /dev/null meanwhile."""
-    sys.stdout.flush()
-    try:
-        saved = os.dup(1)
-    except OSError:  # no file descriptor 1 (an embedding host): nothing to silence
-        yield
-        return
-    devnull = os.open(os.devnull, os.O_WRONLY)
-    try:
+    it off the user's terminal by pointing file descriptor 1 at /dev/null meanwhile. Solves may
+    run on several threads at once (HiGHS releases the GIL): the first to enter redirects, the
+    last to leave restores."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._inside = 0
+        self._saved: tuple[int, int] | None = None  # (stdout's copy, /dev/null)
+
+    @contextlib.contextmanager
+    def __call__(self) -> Iterator[None]:
+        with self._lock:
+            if self._inside == 0:
+                self._saved = self._redirect()
+            self._inside += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._inside -= 1
+                if self._inside == 0 and self._saved is not None:
+                    saved, devnull = self._saved
+                    os.dup2(saved, 1)
+                    os.close(saved)
+                    os.close(devnull)
+                    self._saved = None
+
+    @staticmethod
+    def _redirect() -> tuple[int, int] | None:
+        sys.stdout.flush()
+        try:
+            saved = os.dup(1)
+        except OSError:  # no file descriptor 1 (an embedding host): nothing to silence
+            return None
+        devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, 1)
-        yield
-    finally:
-        os.dup2(saved, 1)
-        os.close(saved)
-        os.close(devnull)
+        return saved, devnull
+
+
+_native_stdout_silenced = _StdoutSilencer()
 
 
 def _constraints(rows: list, num_vars: int) -> LinearConstraint:
@@ -261,7 +332,7 @@ def build_problem(
 
 
 def _unit_terms(problem: Problem, cluster: ClusterSpec, spec: TrainingSpec) -> None:
-    graph, m = problem.graph, spec.num_microbatches
+    graph, m, held = problem.graph, spec.slots, spec.in_flight
     full_block: dict[str, dict[int, float]] = {}
     kept_src = {prefix: block_input(graph, prefix) for prefix in graph.blocks}
     for unit in graph.units:
@@ -274,14 +345,14 @@ def _unit_terms(problem: Problem, cluster: ClusterSpec, spec: TrainingSpec) -> N
             _add(problem.time_row, x, n * (m * (cand.compute_s + cand.comm_s) + cand.sync_s))
             _add(transient, x, cand.memory.transient)
             if block is None:
-                _add(problem.base_row, x, n * cand.memory.activations)
+                _add(problem.base_row, x, held * n * cand.memory.activations)
                 continue
             y = {
                 mode: _product(problem, x, problem.r[(block, mode)], unit.name, mode)
                 for mode in _MODES
             }
-            _add(problem.base_row, y[Recompute.NONE], n * cand.memory.activations)
-            _add(problem.base_row, y[Recompute.SELECTIVE], n * cand.selective_activations)
+            _add(problem.base_row, y[Recompute.NONE], held * n * cand.memory.activations)
+            _add(problem.base_row, y[Recompute.SELECTIVE], held * n * cand.selective_activations)
             _add(problem.time_row, y[Recompute.FULL], n * m * cand.forward_s)
             full_block.setdefault(block, {})
             _add(full_block[block], y[Recompute.FULL], cand.memory.activations)
@@ -293,7 +364,7 @@ def _unit_terms(problem: Problem, cluster: ClusterSpec, spec: TrainingSpec) -> N
             if unit.name == src:
                 split = cand.out_layout in (Layout.SEQ, Layout.HID)
                 kept = nbytes / (problem.mesh.tp if split else 1)
-                _add(problem.base_row, y[Recompute.FULL], graph.blocks[block] * kept)
+                _add(problem.base_row, y[Recompute.FULL], held * graph.blocks[block] * kept)
         problem.transient_rows.append((unit.name, transient))
         if selective_extra:
             problem.transient_rows.append((f"selective[{unit.name}]", selective_extra))
@@ -308,7 +379,7 @@ def _product(problem: Problem, x: int, r: int, name: str, mode: Recompute) -> in
 
 
 def _edge_terms(problem: Problem, cluster: ClusterSpec, spec: TrainingSpec) -> None:
-    m, mesh = spec.num_microbatches, problem.mesh
+    m, mesh = spec.slots, problem.mesh
     for edge in problem.graph.edges:
         a_opts, b_opts = problem.options[edge.src], problem.options[edge.dst]
         if edge.src == edge.dst:

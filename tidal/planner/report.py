@@ -13,9 +13,9 @@ import math
 from typing import Any
 
 from tidal.planner.cluster import ClusterSpec
-from tidal.planner.ilp import Solution
 from tidal.planner.megatron import MegatronRow
-from tidal.planner.search import MEGATRON_BEST, PlanResult
+from tidal.planner.pipelines import PipelinePlan
+from tidal.planner.search import Compared, PlanResult
 
 __all__ = ["plan_report"]
 
@@ -63,6 +63,7 @@ def plan_report(result: PlanResult, cluster: ClusterSpec) -> dict[str, Any]:
         ],
         "pareto": result.pareto,
         "baselines": baselines,
+        "pipeline": _pipeline(result),
         "megatron_best": _megatron(result, cluster),
     }
 
@@ -83,17 +84,44 @@ def _row(row: MegatronRow | None, cluster: ClusterSpec) -> dict[str, Any] | None
     }
 
 
-def _solution(solution: Solution | None, against: MegatronRow | None) -> dict[str, Any] | None:
-    if solution is None or against is None:
+def _compared(mine: Compared | None, against: MegatronRow | None) -> dict[str, Any] | None:
+    if mine is None or against is None:
         return None
-    mesh = solution.assignment.mesh if solution.assignment else None
     return {
-        "peak_memory_bytes": solution.peak_bytes,
-        "step_time_s": solution.step_time_s,
-        "mesh": None if mesh is None else {"dp": mesh.dp, "tp": mesh.tp},
-        "saving": 1.0 - solution.peak_bytes / against.peak_memory_bytes,
-        "step_time_ratio": solution.step_time_s / against.step_time_s,
+        "peak_memory_bytes": mine.peak_memory_bytes,
+        "step_time_s": mine.step_time_s,
+        "layout": mine.layout,
+        "saving": 1.0 - mine.peak_memory_bytes / against.peak_memory_bytes,
+        "step_time_ratio": mine.step_time_s / against.step_time_s,
     }
+
+
+def _pipeline(result: PlanResult) -> dict[str, Any] | None:
+    """The best pipelined plan ([Note: pipeline stages] in pipelines.py): its stages' figures."""
+    plan: PipelinePlan | None = result.pipeline
+    if plan is None:
+        return None
+    o = plan.option
+    stages = {}
+    for name, costed, solution in zip(("first", "last"), plan.costed, plan.stages, strict=True):
+        assert solution.assignment is not None
+        stages[name] = {
+            "peak_memory_bytes": costed.memory.total,
+            "memory": costed.memory.to_dict(),
+            "step_time_s": costed.step_time_s,
+            "recompute": {k: str(v) for k, v in solution.assignment.recompute.items()},
+        }
+    return {
+        "layout": plan.describe(),
+        "pp": o.pp, "vp": o.vp, "dp": o.mesh.dp, "tp": o.mesh.tp,
+        "num_microbatches": o.num_microbatches,
+        "peak_memory_bytes": plan.peak_memory_bytes,
+        "step_time_s": plan.step_time_s,
+        "send_s": o.send_s,
+        "stages": stages,
+        "options_solved": result.pipelines.num_solved if result.pipelines else 0,
+        "options": len(result.pipelines.options) if result.pipelines else 0,
+    }  # fmt: skip
 
 
 def _megatron(result: PlanResult, cluster: ClusterSpec) -> dict[str, Any] | None:
@@ -114,6 +142,10 @@ def _megatron(result: PlanResult, cluster: ClusterSpec) -> dict[str, Any] | None
             "saving": 1.0 - plan.peak_memory_bytes / best.fastest.peak_memory_bytes,
             "step_time_ratio": plan.step_time_s / best.fastest.step_time_s,
         },
-        "plan_at_fastest_step_time": _solution(result.matched.get(MEGATRON_BEST), best.fastest),
-        "plan_least_memory": _solution(result.least_memory, best.least_memory),
+        "plan_at_fastest_step_time": _compared(
+            result.against_megatron.get("at_fastest_step_time"), best.fastest
+        ),
+        "plan_least_memory": _compared(
+            result.against_megatron.get("least_memory"), best.least_memory
+        ),
     }

@@ -18,6 +18,7 @@ import dataclasses
 import math
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from tidal.config.configurable import ConfigError, format_bytes, require
@@ -27,6 +28,7 @@ from tidal.planner.cost_model import Assignment, Costed, evaluate
 from tidal.planner.ilp import Problem, Solution, build_problem
 from tidal.planner.measure import ModelGraph
 from tidal.planner.megatron import MegatronBest, TransformerShape, megatron_best, megatron_grid
+from tidal.planner.pipelines import PipelinePlan, PipelineSearch, search_pipelines
 from tidal.planner.plan import Plan, Recompute, UnitChoice
 from tidal.planner.strategies import (
     TrainingSpec,
@@ -55,6 +57,9 @@ class PlannerConfig:
     # blocks' recomputation modes to choose from; a model whose attention core cannot be
     # recomputed alone (a Hugging Face one) leaves out selective
     recompute: tuple[Recompute, ...] = tuple(Recompute)
+    # also search pipeline stages ([Note: pipeline stages] in pipelines.py): priced, reported
+    # beside the plan and compared with Megatron-LM, not yet run by `tidal train --plan`
+    pipelines: bool = True
 
     def __post_init__(self) -> None:
         require(
@@ -101,6 +106,30 @@ class MeshResult:
     problem: Problem
 
 
+@dataclass(kw_only=True, frozen=True, slots=True)
+class Compared:
+    """A plan, flat or pipelined, as it is set beside a baseline."""
+
+    peak_memory_bytes: float
+    step_time_s: float
+    layout: str  # "dp 8 x tp 8", or a pipeline's description
+
+    @classmethod
+    def of(cls, plan: Solution | PipelinePlan) -> Compared:
+        if isinstance(plan, PipelinePlan):
+            return cls(peak_memory_bytes=plan.peak_memory_bytes, step_time_s=plan.step_time_s,
+                       layout=plan.describe())  # fmt: skip
+        assert plan.assignment is not None
+        mesh = plan.assignment.mesh
+        return cls(peak_memory_bytes=plan.peak_bytes, step_time_s=plan.step_time_s,
+                   layout=f"dp {mesh.dp} x tp {mesh.tp}")  # fmt: skip
+
+
+def _smaller(*plans: Compared | None) -> Compared | None:
+    found = [p for p in plans if p is not None]
+    return min(found, key=lambda p: (p.peak_memory_bytes, p.step_time_s)) if found else None
+
+
 @dataclass(kw_only=True, slots=True)
 class PlanResult:
     plan: Plan
@@ -114,10 +143,14 @@ class PlanResult:
 
     matched: dict[str, Solution] = field(default_factory=dict)
     phases_s: dict[str, float] = field(default_factory=dict)  # seconds of each phase, in order
+    # the best pipelined plan for the objective, chosen as the flat one is among its kind
+    pipeline: PipelinePlan | None = None
+    pipelines: PipelineSearch | None = None
     # Megatron-LM at its real configuration ([Note: Megatron's memory] in megatron.py), and the
-    # smallest plan at any speed, to set beside its least-memory configuration
+    # plans set beside its rows: the smallest at its fastest fitting configuration's step time
+    # and the smallest at any speed, flat or pipelined
     megatron: MegatronBest | None = None
-    least_memory: Solution | None = None
+    against_megatron: dict[str, Compared | None] = field(default_factory=dict)
 
     def saving(self, name: str) -> float:
         """Fraction of the baseline's peak memory this plan saves."""
@@ -242,6 +275,9 @@ def make_plan(
         meshes=results,
         phases_s=phases_s,
     )
+    if config.pipelines:
+        _search_pipelines(result, graph, cluster, config, limit, say)
+        lap("pipelines")
     if config.pareto:
         say("the memory-time frontier")
         result.pareto = _pareto(graph, cluster, feasible, config, limit, fastest_s)
@@ -263,7 +299,34 @@ def make_plan(
     return result
 
 
-MEGATRON_BEST = "megatron_best"  # the key of Megatron's fastest fitting configuration in matched
+def _search_pipelines(result: PlanResult, graph: ModelGraph, cluster: ClusterSpec,
+                      config: PlannerConfig, limit: float, say: Callable[[str], None]) -> None:  # fmt: skip
+    """Pipeline stages of the model's repeated block, the best chosen as the flat plan is."""
+
+    def meshes(stage: ClusterSpec) -> list[Mesh]:
+        sizes = valid_tensor_sizes(graph.units, stage.devices, stage.devices_per_node)
+        return [Mesh(dp=stage.devices // t, tp=t) for t in sizes if config.tp in (None, t)]
+
+    def problem(stage_graph: ModelGraph, mesh: Mesh, stage: ClusterSpec,
+                spec: TrainingSpec) -> Problem:  # fmt: skip
+        return _problem(stage_graph, mesh, stage, spec, config)
+
+    say("pipeline stages: every p x dp x tp, 1F1B and interleaved")
+    base = _spec_if_split(graph, Mesh(dp=1, tp=1), config, cluster.devices)
+    assert base is not None  # one micro-batch a step always splits
+    search = search_pipelines(
+        graph, cluster, global_batch=config.global_batch or cluster.devices * graph.micro_batch,
+        base=base, meshes=meshes, problem=problem, memory_limit=limit,
+        solver_time_limit_s=config.solver_time_limit_s, slack=config.eps,
+    )  # fmt: skip
+    result.pipelines = search
+    fastest = search.fastest
+    if fastest is None or fastest.fastest is None:
+        return
+    if config.objective == "time":
+        result.pipeline = fastest.plan(fastest.fastest)
+    else:
+        result.pipeline = search.smallest(time_limit=(1 + config.eps) * fastest.fastest_s)
 
 
 def _compare_with_megatron(result: PlanResult, shape: TransformerShape, cluster: ClusterSpec,
@@ -277,13 +340,24 @@ def _compare_with_megatron(result: PlanResult, shape: TransformerShape, cluster:
     rows = megatron_grid(shape, cluster, global_batch=global_batch)
     result.megatron = megatron_best(rows, cluster.device_memory_bytes)
     fastest = result.megatron.fastest
+    found: dict[str, Compared | None] = {"at_fastest_step_time": None}
     if fastest is not None:
         say("the smallest plan at Megatron-LM's best step time")
-        matched = _smallest_within(result.meshes, config, fastest.step_time_s)
-        if matched is not None:
-            result.matched[MEGATRON_BEST] = matched
+        found["at_fastest_step_time"] = _smallest_plan(result, config, fastest.step_time_s)
     say("the smallest plan at any speed")
-    result.least_memory = _smallest_within(result.meshes, config, math.inf)
+    found["least_memory"] = _smallest_plan(result, config, math.inf)
+    result.against_megatron = found
+
+
+def _smallest_plan(result: PlanResult, config: PlannerConfig, time_limit: float) -> Compared | None:
+    """The smallest plan, flat or pipelined, no slower than ``time_limit``; fitting or not."""
+    flat = _smallest_within(result.meshes, config, time_limit)
+    piped = None
+    if result.pipelines is not None:
+        piped = result.pipelines.smallest(time_limit=time_limit, memory_limit=math.inf)
+    return _smaller(
+        None if flat is None else Compared.of(flat), None if piped is None else Compared.of(piped)
+    )
 
 
 def _smallest_within(
@@ -292,16 +366,27 @@ def _smallest_within(
     """The smallest peak of any plan no slower than ``time_limit``, on any mesh, fitting or
     not (a baseline need not fit either)."""
     best = None
-    for r in results:
-        solution = r.problem.solve(
+    solutions = _on_threads(
+        lambda r: r.problem.solve(
             objective="memory",
             time_limit=time_limit * (1 + 1e-9),
             solver_time_limit_s=config.solver_time_limit_s,
             refine=False,
-        )
+        ),
+        results,
+    )
+    for solution in solutions:
         if solution.feasible and (best is None or solution.peak_bytes < best.peak_bytes):
             best = solution
     return best
+
+
+def _on_threads(
+    solve: Callable[[MeshResult], Solution], results: list[MeshResult]
+) -> list[Solution]:
+    """``solve`` on each mesh's ILP, two at a time (HiGHS releases the GIL), in order."""
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        return list(pool.map(solve, results))
 
 
 def _best(

@@ -65,6 +65,11 @@ class TrainingSpec:
     param_bytes: int = 2
     grad_bytes: int = 2
     optimizer_bytes: int = 12
+    # A pipeline stage ([Note: pipeline stages] in pipelines.py) holds the activations of
+    # ``in_flight`` micro-batches at once, and its per-micro-batch work lies ``time_slots``
+    # times on the step's critical path (None: ``num_microbatches``, no pipeline).
+    in_flight: float = 1.0
+    time_slots: float | None = None
 
     def __post_init__(self) -> None:
         require(
@@ -72,12 +77,18 @@ class TrainingSpec:
             "num_microbatches",
             f"must be >= 1, got {self.num_microbatches}",
         )
+        require(self.in_flight >= 1, "in_flight", f"must be >= 1, got {self.in_flight}")
         for name in ("param_bytes", "grad_bytes", "optimizer_bytes"):
             require(getattr(self, name) >= 0, name, f"must be >= 0, got {getattr(self, name)}")
 
     @property
     def state_bytes(self) -> int:
         return self.param_bytes + self.grad_bytes + self.optimizer_bytes
+
+    @property
+    def slots(self) -> float:
+        """How many times a micro-batch's work counts in the step time."""
+        return self.num_microbatches if self.time_slots is None else self.time_slots
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)

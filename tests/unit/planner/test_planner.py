@@ -19,7 +19,6 @@ from tidal.planner.cost_model import Assignment, evaluate
 from tidal.planner.ilp import MIP_REL_GAP, build_problem
 from tidal.planner.measure import Edge, ModelGraph, ParamInfo, Unit
 from tidal.planner.plan import Recompute
-from tidal.planner.search import MEGATRON_BEST
 from tidal.planner.strategies import TrainingSpec, candidates
 
 GiB = 1024**3
@@ -103,11 +102,12 @@ def test_gpt3_175b_on_64_devices_against_megatron_layouts_and_its_best() -> None
     """The issue's case, GPT-3 175B on 64 devices of 80 GiB, eight to a node, against the seed
     paper's comparison (Megatron's intra-operator layouts on the plan's own dp x tp mesh, no
     pipeline, no distributed optimizer: 355 GiB, it does not fit) and against Megatron-LM at its
-    best configuration (tidal/planner/megatron.py): what holds of each (docs/planner.md)."""
+    best configuration (tidal/planner/megatron.py): what holds of each for the flat plans (the
+    pipelined search's figures: test_pipelines.py and docs/planner.md)."""
     config = gpt3_layers(96)
     graph = measure_gpt(config, micro_batch=1)
     cluster = ClusterSpec(devices=64)
-    planner = PlannerConfig(pareto=(), baselines=("megatron", "zero3"))
+    planner = PlannerConfig(pareto=(), baselines=("megatron", "zero3"), pipelines=False)
     shape = GPTSpec(config=config).transformer_shape()
     result = make_plan(graph, cluster, planner, shape=shape)
     # the seed's claim, against the layouts on the same mesh
@@ -121,16 +121,16 @@ def test_gpt3_175b_on_64_devices_against_megatron_layouts_and_its_best() -> None
     assert 0.0 <= result.solution.lp_gap < 0.5
     assert set(result.baselines) >= {"megatron", "zero3"}
     # against Megatron-LM's best: its fastest configuration that fits (t4 x p16, interleaved) is
-    # faster than any plan of a search without pipeline stages, so nothing is saved at its step
-    # time; the smallest plan holds at least 10% less than its least-memory one, 3x slower
+    # faster than any flat plan, so nothing is saved at its step time; the smallest plan holds
+    # at least 10% less than its least-memory one, 3x slower
     best = result.megatron
     assert best is not None and best.fastest is not None
     assert best.fastest.peak_memory_bytes <= cluster.device_memory_bytes
-    assert MEGATRON_BEST not in result.matched
+    assert result.against_megatron["at_fastest_step_time"] is None
     assert result.fastest_s > 2.5 * best.fastest.step_time_s
-    smallest = result.least_memory
-    assert smallest is not None
-    assert 1 - smallest.peak_bytes / best.least_memory.peak_memory_bytes >= 0.10
+    smallest = result.against_megatron["least_memory"]
+    assert smallest is not None and smallest.layout == "dp 8 x tp 8"
+    assert 1 - smallest.peak_memory_bytes / best.least_memory.peak_memory_bytes >= 0.10
     assert smallest.step_time_s / best.least_memory.step_time_s == pytest.approx(3.0, abs=0.1)
 
 
@@ -204,13 +204,18 @@ def _options(graph: ModelGraph, mesh: Mesh, cluster: ClusterSpec, spec: Training
 TOLERANCE = MIP_REL_GAP + 2e-6
 
 
-@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("seed", range(6))
 def test_ilp_matches_brute_force(seed: int) -> None:
+    """Seeds 4 and 5 are pipeline stages: activations of several micro-batches in flight, the
+    per-micro-batch work on the critical path more often than there are micro-batches."""
     rng = np.random.default_rng(seed)
     graph = toy_graph(rng)
     cluster = ClusterSpec(devices=4, devices_per_node=4, inter_node_bandwidth=10e9)
     mesh = Mesh(dp=2, tp=2)
     spec = TrainingSpec(num_microbatches=int(rng.integers(1, 4)))
+    if seed >= 4:
+        spec = dataclasses.replace(spec, in_flight=float(rng.uniform(1, 4)),
+                                   time_slots=spec.num_microbatches + float(rng.uniform(0.5, 3)))  # fmt: skip
     options = _options(graph, mesh, cluster, spec, rng)
     costs = []
     names = [u.name for u in graph.units]

@@ -1,0 +1,329 @@
+"""Pipeline stages in the planner's search: ``p`` stages of a ``dp x tp`` mesh each, 1F1B or
+interleaved with ``v`` model chunks a rank, each stage priced by the per-unit ILP.
+
+[Note: pipeline stages]
+A model with one repeated block of ``L`` layers splits into ``p`` stages of ``k = L / p`` blocks
+(Megatron's even split): the first stage also holds what comes before the blocks (the
+embeddings), the last what comes after (the final norm, the head, the loss); a weight tied
+across them (GPT's embedding and head) is a copy on each, as Megatron keeps it. Each stage is
+the ILP of its own graph ([Note: the ILP] in ilp.py) with two figures of the schedule:
+
+- ``in_flight``, the micro-batches whose activations a rank holds at once: under 1F1B ``min(p,
+  m)`` on the first stage and 1 on the last; interleaved, rank 0 warms up with ``2 (p - 1) + (v
+  - 1) p + 1`` chunk micro-batches of ``k / v`` blocks, that is ``p + (p - 1) / v`` of its ``k``
+  blocks (Megatron's ``1 + (p - 1) / (p v)`` penalty), and the last rank ``p - (p - 1) / v``;
+- ``time_slots``, how often a micro-batch's work lies on the step's critical path: ``m + (p - 1)
+  / v`` (the bubble), where ``m`` micro-batches would be ``m``.
+
+Only the first and the last stage are solved: a middle stage given the first stage's choices
+holds fewer micro-batches and no embedding, so it needs no more memory or time than the first.
+The step time is the slower of the two, plus the sends between stages (each micro-batch's block
+output, ``1 / t`` of it from each tensor rank as Megatron's scatter-gather does, forward and its
+gradient back, ``v`` times interleaved), over a node's links while the whole mesh fits in one
+node, else the inter-node ones; the gradient collectives of each stage are its own (its
+parameters over its data axis). The peak is the larger stage's. Running such a plan is a later
+step: ``tidal train --plan`` takes the flat plans only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+from tidal.planner.cluster import ClusterSpec, Mesh
+from tidal.planner.cost_model import Costed, block_input, evaluate
+from tidal.planner.graph import ModelGraph, ParamInfo, Unit
+from tidal.planner.ilp import Problem, Solution
+from tidal.planner.strategies import TrainingSpec
+
+__all__ = [
+    "PipelineOption",
+    "PipelinePlan",
+    "PipelineSearch",
+    "pipeline_options",
+    "search_pipelines",
+    "stage_graph",
+]
+
+
+def _one_block(graph: ModelGraph) -> tuple[str, int] | None:
+    """The model's repeated block and its count, when it has exactly one."""
+    if len(graph.blocks) != 1:
+        return None
+    ((prefix, count),) = graph.blocks.items()
+    return (prefix, count) if count >= 2 else None
+
+
+def stage_graph(graph: ModelGraph, *, blocks: int, first: bool, last: bool) -> ModelGraph:
+    """The graph of one stage: ``blocks`` of the repeated block, with the units before them if
+    ``first`` and those after them if ``last``; see [Note: pipeline stages]."""
+    found = _one_block(graph)
+    assert found is not None, "stage_graph needs a model with one repeated block"
+    prefix, count = found
+    assert 1 <= blocks <= count
+    inside = [i for i, u in enumerate(graph.units) if graph.block_of(u) == prefix]
+    start, end = inside[0], inside[-1]
+    kept: list[Unit] = []
+    for i, unit in enumerate(graph.units):
+        if i < start and not first or i > end and not last:
+            continue
+        kept.append(dataclasses.replace(unit, count=blocks) if start <= i <= end else unit)
+    names = {u.name for u in kept}
+    kept = [_untie(u, names) for u in kept]
+    edges = []
+    for e in graph.edges:
+        if e.src in names and e.dst in names:
+            both = e.src in _names(graph, prefix) and e.dst in _names(graph, prefix)
+            edges.append(dataclasses.replace(e, count=e.count - (count - blocks)) if both else e)
+    # a stage of one block keeps its block-to-block edge at count 0: it names what the block
+    # hands on (what full recomputation keeps), and costs nothing
+    reads = {module: tuple(n for n in units if n in names)
+             for module, units in graph.shape_reads.items()}  # fmt: skip
+    return dataclasses.replace(graph, units=kept, edges=edges, blocks={prefix: blocks},
+                               shape_reads={m: u for m, u in reads.items() if u})  # fmt: skip
+
+
+def _names(graph: ModelGraph, prefix: str) -> set[str]:
+    return {u.name for u in graph.units if graph.block_of(u) == prefix}
+
+
+def _untie(unit: Unit, present: set[str]) -> Unit:
+    """A weight tied to a unit on another stage is a copy of its own here."""
+    if all(p.tied_to is None or p.tied_to in present for p in unit.params):
+        return unit
+    params = [
+        p if p.tied_to is None or p.tied_to in present else ParamInfo(name=p.name, shape=p.shape,
+                                                                    nbytes=p.nbytes)
+        for p in unit.params
+    ]  # fmt: skip
+    return dataclasses.replace(unit, params=params)
+
+
+ProblemFn = Callable[[ModelGraph, Mesh, ClusterSpec, TrainingSpec], Problem]
+
+
+@dataclass(kw_only=True, slots=True)
+class PipelineOption:
+    """One point of the pipeline search: ``pp`` stages of ``mesh``, ``vp`` chunks a rank, and
+    the ILPs of its first and last stage (built by :meth:`build`)."""
+
+    pp: int
+    vp: int
+    mesh: Mesh
+    cluster: ClusterSpec  # a stage's: N / p devices
+    num_microbatches: int
+    graphs: tuple[ModelGraph, ModelGraph]
+    specs: tuple[TrainingSpec, TrainingSpec]
+    send_s: float  # the sends between stages over the whole step
+    problems: tuple[Problem, Problem] | None = None
+    fastest: tuple[Solution, Solution] | None = None
+
+    def _each(self, solve: Callable[[Problem], Any]) -> tuple[Any, Any]:
+        """``solve`` on both stages' ILPs at once (HiGHS releases the GIL)."""
+        first, last = self._problems()
+        with ThreadPoolExecutor(max_workers=2) as pool:
+            other = pool.submit(solve, last)
+            return solve(first), other.result()
+
+    def build(self, problem: ProblemFn) -> None:
+        self.problems = tuple(  # type: ignore[assignment]
+            problem(g, self.mesh, self.cluster, s)
+            for g, s in zip(self.graphs, self.specs, strict=True)
+        )
+
+    def _problems(self) -> tuple[Problem, Problem]:
+        assert self.problems is not None, "build() first"
+        return self.problems
+
+    def time_bound_s(self, *, memory_limit: float) -> float:
+        """No plan of this option that fits ``memory_limit`` steps faster (LP relaxations)."""
+        stages = self._each(lambda p: p.bound(objective="time", memory_limit=memory_limit))
+        return max(stages) + self.send_s
+
+    def memory_bound_bytes(self, *, time_limit: float) -> float:
+        """No plan of this option no slower than ``time_limit`` holds less."""
+        budget = time_limit - self.send_s
+        if budget <= 0:
+            return float("inf")
+        return max(self._each(lambda p: p.bound(objective="memory", time_limit=budget)))
+
+    @property
+    def fastest_s(self) -> float:
+        if self.fastest is None or not all(s.feasible for s in self.fastest):
+            return float("inf")
+        return max(s.step_time_s for s in self.fastest) + self.send_s
+
+    def solve_fastest(self, *, memory_limit: float, solver_time_limit_s: float) -> float:
+        self.fastest = self._each(
+            lambda p: p.solve(objective="time", memory_limit=memory_limit,
+                              solver_time_limit_s=solver_time_limit_s, refine=False)
+        )  # fmt: skip
+        return self.fastest_s
+
+    def smallest(self, *, memory_limit: float, time_limit: float,
+                 solver_time_limit_s: float) -> PipelinePlan | None:  # fmt: skip
+        """Both stages at their least memory with the step no slower than ``time_limit``."""
+        budget = time_limit - self.send_s
+        if budget <= 0:
+            return None
+        solved = self._each(
+            lambda p: p.solve(objective="memory", memory_limit=memory_limit,
+                              time_limit=budget * (1 + 1e-9),
+                              solver_time_limit_s=solver_time_limit_s, refine=False)
+        )  # fmt: skip
+        if not all(s.feasible for s in solved):
+            return None
+        return self.plan(solved)
+
+    def plan(self, solved: tuple[Solution, Solution]) -> PipelinePlan:
+        costed = tuple(
+            evaluate(graph, solution.assignment, self.cluster, spec)  # type: ignore[arg-type]
+            for graph, solution, spec in zip(self.graphs, solved, self.specs, strict=True)
+        )
+        return PipelinePlan(option=self, stages=solved, costed=costed)  # type: ignore[arg-type]
+
+
+@dataclass(kw_only=True, slots=True)
+class PipelinePlan:
+    """A pipelined plan: the first stage's choices for every stage but the last."""
+
+    option: PipelineOption
+    stages: tuple[Solution, Solution]
+    costed: tuple[Costed, Costed]
+
+    @property
+    def peak_memory_bytes(self) -> float:
+        return max(c.memory.total for c in self.costed)
+
+    @property
+    def step_time_s(self) -> float:
+        return max(c.step_time_s for c in self.costed) + self.option.send_s
+
+    def describe(self) -> str:
+        o = self.option
+        chunks = f", v{o.vp}" if o.vp > 1 else ""
+        return (f"p{o.pp} x dp {o.mesh.dp} x tp {o.mesh.tp}{chunks}, "
+                f"{o.num_microbatches} micro-batches")  # fmt: skip
+
+
+def _in_flight(p: int, v: int, m: int) -> tuple[float, float]:
+    """(first, last) stage's micro-batches in flight; see [Note: pipeline stages]."""
+    if v == 1:
+        return float(min(p, m)), 1.0
+    return p + (p - 1) / v, p - (p - 1) / v
+
+
+def _send_s(graph: ModelGraph, mesh: Mesh, pp: int, vp: int, slots: float,
+            cluster: ClusterSpec) -> float:  # fmt: skip
+    found = _one_block(graph)
+    assert found is not None
+    _, nbytes = block_input(graph, found[0])
+    if mesh.devices * pp <= cluster.devices_per_node:
+        alpha, bandwidth = cluster.intra_node_latency_s, cluster.intra_node_bandwidth
+    else:
+        alpha, bandwidth = cluster.inter_node_latency_s, cluster.inter_node_bandwidth
+    return slots * vp * 2 * (alpha + nbytes / mesh.tp / bandwidth)
+
+
+def pipeline_options(graph: ModelGraph, cluster: ClusterSpec, *, global_batch: int,
+                     base: TrainingSpec,
+                     meshes: Callable[[ClusterSpec], list[Mesh]]) -> list[PipelineOption]:  # fmt: skip
+    """Every ``p > 1`` dividing the blocks and the devices, each mesh of the ``N / p`` devices a
+    stage has (``meshes``), 1F1B and each interleaving ``v`` the micro-batches allow (``m``
+    divisible by ``p``, ``v`` dividing the ``k`` blocks a rank holds)."""
+    found = _one_block(graph)
+    if found is None:
+        return []
+    options = []
+    _, count = found
+    for p in range(2, count + 1):
+        if count % p or cluster.devices % p:
+            continue
+        stage_cluster = dataclasses.replace(cluster, devices=cluster.devices // p)
+        k = count // p
+        graphs = (stage_graph(graph, blocks=k, first=True, last=False),
+                  stage_graph(graph, blocks=k, first=False, last=True))  # fmt: skip
+        for mesh in meshes(stage_cluster):
+            per_step = graph.micro_batch * mesh.dp
+            if global_batch % per_step:
+                continue
+            m = global_batch // per_step
+            chunks = [1] + [v for v in range(2, k + 1) if k % v == 0 and m % p == 0]
+            for v in chunks:
+                slots = m + (p - 1) / v
+                specs = tuple(
+                    dataclasses.replace(base, num_microbatches=m, in_flight=f, time_slots=slots)
+                    for f in _in_flight(p, v, m)
+                )
+                options.append(PipelineOption(
+                    pp=p, vp=v, mesh=mesh, cluster=stage_cluster, num_microbatches=m,
+                    graphs=graphs, specs=specs,  # type: ignore[arg-type]
+                    send_s=_send_s(graph, mesh, p, v, slots, cluster),
+                ))  # fmt: skip
+    return options
+
+
+@dataclass(kw_only=True, slots=True)
+class PipelineSearch:
+    """Every option, built; those :func:`search_pipelines` could not rule out are solved for
+    their fastest step."""
+
+    options: list[PipelineOption]
+    memory_limit: float
+    solver_time_limit_s: float
+
+    @property
+    def fastest(self) -> PipelineOption | None:
+        solved = [o for o in self.options if o.fastest_s < float("inf")]
+        return min(solved, key=lambda o: o.fastest_s) if solved else None
+
+    @property
+    def num_solved(self) -> int:
+        return sum(o.fastest is not None for o in self.options)
+
+    def smallest(
+        self, *, time_limit: float, memory_limit: float | None = None
+    ) -> PipelinePlan | None:
+        """The smallest pipelined plan no slower than ``time_limit`` (fitting ``memory_limit``,
+        by default the device's): options in the order of their LP bound on memory, solved
+        until the bound reaches the smallest found ([Note: pipeline stages])."""
+        limit = self.memory_limit if memory_limit is None else memory_limit
+        bounded = [(o.memory_bound_bytes(time_limit=time_limit), i)
+                   for i, o in enumerate(self.options)]  # fmt: skip
+        best: PipelinePlan | None = None
+        for bound, i in sorted(bounded):
+            if bound > limit or (best is not None and bound >= best.peak_memory_bytes):
+                break
+            plan = self.options[i].smallest(memory_limit=limit, time_limit=time_limit,
+                                            solver_time_limit_s=self.solver_time_limit_s)  # fmt: skip
+            if plan is not None and (
+                best is None or plan.peak_memory_bytes < best.peak_memory_bytes
+            ):
+                best = plan
+        return best
+
+
+def search_pipelines(graph: ModelGraph, cluster: ClusterSpec, *, global_batch: int,
+                     base: TrainingSpec, meshes: Callable[[ClusterSpec], list[Mesh]],
+                     problem: ProblemFn, memory_limit: float, solver_time_limit_s: float,
+                     slack: float) -> PipelineSearch:  # fmt: skip
+    """Build every option, bound each one's fastest step by its LP relaxations, and solve them
+    in that order until the bound passes ``1 + slack`` times the fastest found (an option
+    further out cannot hold a plan within ``slack`` of the fastest)."""
+    options = pipeline_options(graph, cluster, global_batch=global_batch, base=base,
+                               meshes=meshes)  # fmt: skip
+    for option in options:
+        option.build(problem)
+    bounded = sorted((o.time_bound_s(memory_limit=memory_limit), i) for i, o in enumerate(options))
+    best = float("inf")
+    for bound, i in bounded:
+        if bound > (1 + slack) * best or bound == float("inf"):
+            break
+        found = options[i].solve_fastest(memory_limit=memory_limit,
+                                         solver_time_limit_s=solver_time_limit_s)  # fmt: skip
+        best = min(best, found)
+    return PipelineSearch(options=options, memory_limit=memory_limit,
+                          solver_time_limit_s=solver_time_limit_s)  # fmt: skip
