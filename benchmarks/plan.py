@@ -72,6 +72,8 @@ def bench_plan(
                 memory=report["memory"],
                 baselines=report["baselines"],
                 megatron_best=report["megatron_best"],
+                pipeline=report["pipeline"],
+                phases_s=report["phases_s"],
             )
             rows.append(row)
     return rows
@@ -117,8 +119,9 @@ def rows_table(rows: list[dict[str, Any]]) -> list[list[str]]:
 
 
 MEGATRON_COLUMNS = (
-    "model", "N", "Megatron fastest that fits", "GiB", "s", "plan at its s: GiB", "plan s / its",
-    "Megatron least memory", "GiB", "s", "smallest plan GiB", "saves", "its s / Megatron's",
+    "model", "N", "pipelined plan", "GiB", "s", "Megatron fastest that fits", "GiB", "s",
+    "plan at its s", "GiB", "saves", "Megatron least memory", "GiB", "s", "smallest plan", "GiB",
+    "saves", "its s / Megatron's",
 )  # fmt: skip
 
 
@@ -129,22 +132,28 @@ def megatron_rows(rows: list[dict[str, Any]]) -> list[list[str]]:
     for row in rows:
         best = row.get("megatron_best")
         if best is None:
-            cells.append([row["model"], str(row["devices"]), "plan does not fit"] + [""] * 10)
+            cells.append([row["model"], str(row["devices"]), "plan does not fit"] + [""] * 15)
             continue
         fast, least = best["fastest"], best["least_memory"]
-        at_fast = best["plan_at_fastest_step_time"]
+        at_fast = best["plan_at_fastest_step_time"] or {}
         mine = best["plan_least_memory"] or {}
-        against = best["plan_against_fastest"] or {}
+        piped = row.get("pipeline") or {}
         cells.append(
             [
-                row["model"], str(row["devices"]),
+                row["model"], str(row["devices"]), piped.get("layout", "-"),
+                _gib(piped.get("peak_memory_bytes")), _secs(piped.get("step_time_s")),
                 fast["name"] if fast else "none fits", _gib(fast and fast["peak_memory_bytes"]),
-                f"{fast['step_time_s']:.3f}" if fast else "-",
-                _gib(at_fast["peak_memory_bytes"]) if at_fast else "none that fast",
-                f"{against['step_time_ratio']:.2f}x" if against else "-",
-                least["name"], _gib(least["peak_memory_bytes"]), f"{least['step_time_s']:.3f}",
-                _gib(mine.get("peak_memory_bytes")), _pct(mine.get("saving")),
+                _secs(fast and fast["step_time_s"]),
+                at_fast.get("layout", "none that fast"), _gib(at_fast.get("peak_memory_bytes")),
+                _pct(at_fast.get("saving")),
+                least["name"], _gib(least["peak_memory_bytes"]), _secs(least["step_time_s"]),
+                mine.get("layout", "-"), _gib(mine.get("peak_memory_bytes")),
+                _pct(mine.get("saving")),
                 f"{mine['step_time_ratio']:.2f}x" if mine else "-",
             ]
         )  # fmt: skip
     return cells
+
+
+def _secs(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f}"
