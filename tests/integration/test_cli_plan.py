@@ -147,3 +147,21 @@ def test_plan_bad_hugging_face_input_is_one_line_and_exit_2(
     assert main(["plan", "--model", str(path), "--devices", "4", *extra]) == 2
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("tidal: error: ") and fragment in lines[0]
+
+
+def test_a_plan_holding_more_than_megatrons_best_says_why() -> None:
+    """Issue 24: a plan that spends more memory than a baseline says why; for Megatron-LM at its
+    best, that matching its speed costs memory, and whether any plan reaches that speed."""
+    from tidal.cli.plan import _why_more_memory
+
+    fastest = {"name": "t4 p16 d1", "step_time_s": 5.69, "peak_memory_bytes": 70 * 1024**3}
+    same = {"layout": "p8 x dp 2 x tp 4", "peak_memory_bytes": 78 * 1024**3, "saving": -0.11}
+    report = {"baselines": {}, "megatron_best": {"fastest": fastest,
+                                                 "plan_at_fastest_step_time": same}}  # fmt: skip
+    (line,) = _why_more_memory(report)
+    assert "the smallest plan (p8 x dp 2 x tp 4) holds 78.00 GiB, more than its 70.00" in line
+    report["megatron_best"]["plan_at_fastest_step_time"] = None
+    (line,) = _why_more_memory(report)
+    assert line.startswith("no plan, flat or pipelined, is as fast as Megatron-LM's fastest")
+    report["megatron_best"]["plan_at_fastest_step_time"] = {**same, "saving": 0.2}
+    assert _why_more_memory(report) == []

@@ -189,8 +189,9 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
         help="slowdowns at which to report the least memory (the frontier); '' for none",
     )  # fmt: skip
     plan.add_argument(
-        "--baselines", default="megatron,megatron_sp,megatron_full,zero1,zero2,zero3",
-        metavar="A,B", help="systems to price in the same cost model",
+        "--baselines",
+        default="megatron,megatron_sp,megatron_no_recompute,zero1,zero2,zero3,zero3_full",
+        metavar="A,B", help="layouts to price on the plan's mesh in the same cost model",
     )  # fmt: skip
     plan.add_argument("--json", default=None, metavar="PATH", help="write the plan here")
 

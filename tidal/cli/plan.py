@@ -192,6 +192,15 @@ def _why_more_memory(report: dict) -> list[str]:
             f"that fits ({fastest['name']}: {_seconds(fastest['step_time_s'])} s, "
             f"{_gib(fastest['peak_memory_bytes'])} GiB)"
         )
+    same = best.get("plan_at_fastest_step_time")
+    if fastest and same and same["saving"] < 0:
+        lines.append(
+            f"at Megatron-LM's fastest step time the smallest plan ({same['layout']}) holds "
+            f"{_gib(same['peak_memory_bytes'])} GiB, more than its "
+            f"{_gib(fastest['peak_memory_bytes'])}: Megatron-LM is priced without the "
+            f"memory-bound ops (norms, dropout, residual adds) the plans pay for, so matching its "
+            f"speed costs the plans memory (docs/planner.md)"
+        )
     return lines
 
 

@@ -10,8 +10,14 @@ the planner's saving against it comes from choices the family does not have.
   ``sbh(10 + 24/t)`` activation bytes per layer;
 - ``megatron_sp``: the same with sequence parallelism (norms, dropout and residuals split on the
   sequence, the linear's gathered input re-gathered in backward): ``34 sbh / t``;
-- ``megatron_full``: neither sequence parallelism nor recompute;
-- ``zero1`` / ``zero2`` / ``zero3``: data parallel on every device, no recompute.
+- ``megatron_no_recompute``: neither sequence parallelism nor recompute;
+- ``zero1`` / ``zero2`` / ``zero3``: data parallel on every device, no recompute;
+- ``zero3_full``: ZeRO-3 with full recompute, as DeepSpeed's docs set it up for large models
+  (activation checkpointing on). FSDP2 (``fully_shard``, resharding after forward) moves the
+  same bytes as ZeRO-3 here, so it has no row of its own.
+
+These are layouts on the plan's own mesh (the seed paper's comparison); Megatron-LM at its real
+configuration, with pipeline stages and its distributed optimizer, is megatron.py's.
 """
 
 from __future__ import annotations
@@ -140,10 +146,11 @@ BASELINES: dict[str, tuple[str, bool, int, Recompute]] = {
     # name: (family, sequence parallel, ZeRO level, recompute)
     "megatron": ("megatron", False, 0, Recompute.SELECTIVE),
     "megatron_sp": ("megatron", True, 0, Recompute.SELECTIVE),
-    "megatron_full": ("megatron", False, 0, Recompute.NONE),
+    "megatron_no_recompute": ("megatron", False, 0, Recompute.NONE),
     "zero1": ("zero", False, 1, Recompute.NONE),
     "zero2": ("zero", False, 2, Recompute.NONE),
     "zero3": ("zero", False, 3, Recompute.NONE),
+    "zero3_full": ("zero", False, 3, Recompute.FULL),
 }
 
 

@@ -243,18 +243,7 @@ def make_plan(
         clock = now
 
     limit = float(cluster.device_memory_bytes)
-    results = []
-    for mesh in meshes_for(graph, cluster, config):
-        say(f"solving dp {mesh.dp} x tp {mesh.tp}")
-        spec = _spec(graph, mesh, config, cluster.devices)
-        problem = _problem(graph, mesh, cluster, spec, config)
-        fastest = problem.solve(
-            objective="time",
-            memory_limit=limit,
-            solver_time_limit_s=config.solver_time_limit_s,
-            refine=config.objective == "time",
-        )
-        results.append(MeshResult(mesh=mesh, fastest=fastest, problem=problem))
+    results = _solve_meshes(graph, cluster, config, limit, say)
     feasible = [r for r in results if r.fastest.feasible]
     if not feasible:
         raise _diagnose(graph, cluster, results, config)
@@ -283,20 +272,44 @@ def make_plan(
         result.pareto = _pareto(graph, cluster, feasible, config, limit, fastest_s)
         lap("pareto")
     if config.baselines:
-        say(f"the baselines: {', '.join(config.baselines)}")
-        result.baselines = _baselines(graph, cluster, config)
-        for name, base in result.baselines.items():
-            if base.solution.feasible:
-                say(f"the smallest plan at {name}'s step time")
-                matched = _smallest_within(results, config, base.step_time_s)
-                if matched is not None:
-                    result.matched[name] = matched
+        _compare_with_baselines(result, graph, cluster, config, say)
         lap("baselines")
     if shape is not None:
         _compare_with_megatron(result, shape, cluster, config, graph.micro_batch, say)
         lap("megatron")
     result.solve_s = time.perf_counter() - started
     return result
+
+
+def _solve_meshes(graph: ModelGraph, cluster: ClusterSpec, config: PlannerConfig, limit: float,
+                  say: Callable[[str], None]) -> list[MeshResult]:  # fmt: skip
+    """Each ``dp x tp`` mesh's ILP, solved for its fastest plan that fits."""
+    results = []
+    for mesh in meshes_for(graph, cluster, config):
+        say(f"solving dp {mesh.dp} x tp {mesh.tp}")
+        spec = _spec(graph, mesh, config, cluster.devices)
+        problem = _problem(graph, mesh, cluster, spec, config)
+        fastest = problem.solve(
+            objective="time",
+            memory_limit=limit,
+            solver_time_limit_s=config.solver_time_limit_s,
+            refine=config.objective == "time",
+        )
+        results.append(MeshResult(mesh=mesh, fastest=fastest, problem=problem))
+    return results
+
+
+def _compare_with_baselines(result: PlanResult, graph: ModelGraph, cluster: ClusterSpec,
+                            config: PlannerConfig, say: Callable[[str], None]) -> None:  # fmt: skip
+    """The layout baselines, each with the smallest plan at its step time."""
+    say(f"the baselines: {', '.join(config.baselines)}")
+    result.baselines = _baselines(graph, cluster, config)
+    for name, base in result.baselines.items():
+        if base.solution.feasible:
+            say(f"the smallest plan at {name}'s step time")
+            matched = _smallest_within(result.meshes, config, base.step_time_s)
+            if matched is not None:
+                result.matched[name] = matched
 
 
 def _search_pipelines(result: PlanResult, graph: ModelGraph, cluster: ClusterSpec,
