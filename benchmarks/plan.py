@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from pathlib import Path
 from typing import Any
 
 from tidal.models import GPTSpec
@@ -19,10 +20,12 @@ from tidal.models.gpt import measure_gpt
 from tidal.planner import ClusterSpec, Infeasible, PlannerConfig, make_plan
 from tidal.planner.report import plan_report
 
-__all__ = ["MODELS", "DEVICES", "MEGATRON_COLUMNS", "bench_plan", "megatron_rows", "rows_table"]
+__all__ = ["MODELS", "DEVICES", "MEGATRON_COLUMNS", "bench_plan", "megatron_rows", "plot",
+           "rows_table"]  # fmt: skip
 
 MODELS = ("gpt3-1.3b", "gpt3-13b", "gpt3-175b")
 DEVICES = (8, 64, 512)
+PARETO = (0.0, 0.1, 0.25, 0.5, 1.0)  # slowdowns over the fastest plan the frontier is taken at
 
 
 def bench_plan(
@@ -33,6 +36,7 @@ def bench_plan(
     device_memory_bytes: int = 80 * 1024**3,
     eps: float = 0.05,
     micro_batch: int = 1,
+    pareto: tuple[float, ...] = PARETO,
 ) -> list[dict[str, Any]]:
     from tidal.models import preset
 
@@ -51,9 +55,10 @@ def bench_plan(
                 device_memory_bytes=device_memory_bytes,
             )
             planner = PlannerConfig(
-                eps=eps, pareto=(), baselines=("megatron", "megatron_sp", "zero3")
+                eps=eps, pareto=pareto, baselines=("megatron", "megatron_sp", "zero3", "zero3_full")
             )
-            row: dict[str, Any] = {"model": name, "devices": n, "measure_s": measure_s}
+            row: dict[str, Any] = {"model": name, "devices": n, "measure_s": measure_s,
+                                   "cluster_memory_bytes": device_memory_bytes}  # fmt: skip
             try:
                 result = make_plan(graph, cluster, planner, shape=shape)
             except Infeasible as err:
@@ -71,6 +76,7 @@ def bench_plan(
                 lp_gap=report["lp_gap"],
                 memory=report["memory"],
                 baselines=report["baselines"],
+                pareto=report["pareto"],
                 megatron_best=report["megatron_best"],
                 pipeline=report["pipeline"],
                 phases_s=report["phases_s"],
@@ -157,3 +163,51 @@ def megatron_rows(rows: list[dict[str, Any]]) -> list[list[str]]:
 
 def _secs(value: float | None) -> str:
     return "-" if value is None else f"{value:.3f}"
+
+
+def plot(rows: list[dict[str, Any]], path: Path) -> Path:
+    """Per (model, devices): peak memory against step time of the flat plans' frontier, the
+    pipelined plans' frontier, Megatron-LM's frontier over its grid (its fastest fitting and
+    least-memory configurations marked) and the layout baselines; the device memory dashed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    shown = [r for r in rows if "infeasible" not in r]
+    cols = min(3, len(shown)) or 1
+    rows_n = -(-len(shown) // cols) or 1
+    fig, axes = plt.subplots(rows_n, cols, figsize=(5.0 * cols, 3.8 * rows_n), squeeze=False)
+    gib = 1024**3
+    for ax, row in zip(axes.flat, shown, strict=False):
+        best = row["megatron_best"]
+        for points, style, label in (
+            (row["pareto"], "o-", "tidal, dp x tp"),
+            ((row.get("pipeline") or {}).get("pareto", []), "s-", "tidal, pipelined"),
+            (best["frontier"], "^--", "Megatron-LM grid"),
+        ):
+            pts = sorted((p["step_time_s"], p["peak_memory_bytes"] / gib) for p in points)
+            if pts:
+                ax.plot(*zip(*pts, strict=True), style, label=label, markersize=4)
+        for key, marker in (("fastest", "*"), ("least_memory", "P")):
+            if best[key]:
+                ax.plot(best[key]["step_time_s"], best[key]["peak_memory_bytes"] / gib, marker,
+                        markersize=11, color="tab:red")  # fmt: skip
+        for name, base in row["baselines"].items():
+            if base["step_time_s"] and base["peak_memory_bytes"]:
+                ax.plot(base["step_time_s"], base["peak_memory_bytes"] / gib, "x", color="grey")
+                ax.annotate(name, (base["step_time_s"], base["peak_memory_bytes"] / gib),
+                            fontsize=6, color="grey")  # fmt: skip
+        ax.axhline(row["cluster_memory_bytes"] / gib, linestyle=":", color="black", linewidth=0.8)
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_title(f"{row['model']} on {row['devices']}", fontsize=10)
+        ax.set_xlabel("step time s (cost model)")
+        ax.set_ylabel("peak GiB per device")
+        ax.legend(fontsize=6)
+    for ax in list(axes.flat)[len(shown) :]:
+        ax.set_visible(False)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

@@ -83,10 +83,20 @@ def test_bench_plan_writes_results(tmp_path, capsys) -> None:
     assert data["bench"] == "plan" and data["git_commit"] and data["torch_version"]
     (row,) = data["rows"]
     assert row["model"] == "demo" and row["devices"] == 8
-    assert set(row["baselines"]) == {"megatron", "megatron_sp", "zero3"}
-    assert row["megatron_best"]["least_memory"]["peak_memory_bytes"] > 0
+    assert set(row["baselines"]) == {"megatron", "megatron_sp", "zero3", "zero3_full"}
+    best = row["megatron_best"]
+    assert best["least_memory"]["peak_memory_bytes"] > 0
+    # issue 24: the frontiers of the plot; each is memory falling as the step time grows
+    for frontier in (row["pareto"], row["pipeline"]["pareto"], best["frontier"]):
+        assert len(frontier) >= 2, frontier
+        ordered = sorted(frontier, key=lambda p: p["step_time_s"])
+        peaks = [p["peak_memory_bytes"] for p in ordered]
+        assert peaks == sorted(peaks, reverse=True)
+    assert best["frontier"][-1]["peak_memory_bytes"] == best["least_memory"]["peak_memory_bytes"]
     printed = capsys.readouterr().out
     assert f"results: {path}" in printed and "against Megatron-LM at its best" in printed
+    png = path.with_suffix(".png")
+    assert f"plot: {png}" in printed and png.stat().st_size > 10_000
 
 
 def _hf_configs(root) -> dict[str, object]:

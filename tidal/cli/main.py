@@ -412,7 +412,14 @@ def _fractions(text: str) -> tuple[float, ...]:
 
 def _bench_plan(args: argparse.Namespace, console: Console) -> int:
     from benchmarks import write_results
-    from benchmarks.plan import COLUMNS, MEGATRON_COLUMNS, bench_plan, megatron_rows, rows_table
+    from benchmarks.plan import (
+        COLUMNS,
+        MEGATRON_COLUMNS,
+        bench_plan,
+        megatron_rows,
+        plot,
+        rows_table,
+    )
     from tidal.config import parse_bytes
 
     rows = bench_plan(
@@ -438,6 +445,7 @@ def _bench_plan(args: argparse.Namespace, console: Console) -> int:
         best.add_row(*cells)
     console.print(best)
     console.print(f"results: {path}")
+    console.print(f"plot: {plot(rows, path.with_suffix('.png'))}")
     return 0
 
 

@@ -335,11 +335,13 @@ def megatron_grid(shape: TransformerShape, cluster: ClusterSpec, *, global_batch
 
 @dataclass(kw_only=True, frozen=True, slots=True)
 class MegatronBest:
-    """Megatron's fastest configuration that fits, and its least-memory one (fitting or not)."""
+    """Megatron's fastest configuration that fits, its least-memory one (fitting or not), and
+    its memory-time frontier (no configuration both faster and smaller)."""
 
     fastest: MegatronRow | None
     least_memory: MegatronRow
     num_configs: int
+    frontier: tuple[MegatronRow, ...] = ()
 
 
 def megatron_best(rows: list[MegatronRow], device_memory_bytes: float) -> MegatronBest:
@@ -350,4 +352,10 @@ def megatron_best(rows: list[MegatronRow], device_memory_bytes: float) -> Megatr
     fastest = min(fits, key=lambda r: (r.step_time_s, r.peak_memory_bytes)) if fits else None
     least = min(rows, key=lambda r: (r.peak_memory_bytes, r.step_time_s))
     assert math.isfinite(least.peak_memory_bytes)
-    return MegatronBest(fastest=fastest, least_memory=least, num_configs=len(rows))
+    frontier, smallest = [], math.inf
+    for row in sorted(rows, key=lambda r: (r.step_time_s, r.peak_memory_bytes)):
+        if row.peak_memory_bytes < smallest:
+            frontier.append(row)
+            smallest = row.peak_memory_bytes
+    return MegatronBest(fastest=fastest, least_memory=least, num_configs=len(rows),
+                        frontier=tuple(frontier))  # fmt: skip

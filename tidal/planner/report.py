@@ -119,6 +119,11 @@ def _pipeline(result: PlanResult) -> dict[str, Any] | None:
         "step_time_s": plan.step_time_s,
         "send_s": o.send_s,
         "stages": stages,
+        "pareto": [
+            {"eps": eps, "peak_memory_bytes": p.peak_memory_bytes, "step_time_s": p.step_time_s,
+             "layout": p.describe()}
+            for eps, p in result.pipeline_pareto
+        ],
         "options_solved": result.pipelines.num_solved if result.pipelines else 0,
         "options": len(result.pipelines.options) if result.pipelines else 0,
     }  # fmt: skip
@@ -134,6 +139,14 @@ def _megatron(result: PlanResult, cluster: ClusterSpec) -> dict[str, Any] | None
     plan = result.plan
     return {
         "num_configs": best.num_configs,
+        "frontier": [
+            {
+                "name": r.config.name,
+                "peak_memory_bytes": r.peak_memory_bytes,
+                "step_time_s": r.step_time_s,
+            }
+            for r in best.frontier
+        ],  # fmt: skip
         "fastest": _row(best.fastest, cluster),
         "least_memory": _row(best.least_memory, cluster),
         "plan_against_fastest": None

@@ -146,6 +146,7 @@ class PlanResult:
     # the best pipelined plan for the objective, chosen as the flat one is among its kind
     pipeline: PipelinePlan | None = None
     pipelines: PipelineSearch | None = None
+    pipeline_pareto: list[tuple[float, PipelinePlan]] = field(default_factory=list)
     # Megatron-LM at its real configuration ([Note: Megatron's memory] in megatron.py), and the
     # plans set beside its rows: the smallest at its fastest fitting configuration's step time
     # and the smallest at any speed, flat or pipelined
@@ -270,6 +271,7 @@ def make_plan(
     if config.pareto:
         say("the memory-time frontier")
         result.pareto = _pareto(graph, cluster, feasible, config, limit, fastest_s)
+        result.pipeline_pareto = _pipeline_pareto(result, config)
         lap("pareto")
     if config.baselines:
         _compare_with_baselines(result, graph, cluster, config, say)
@@ -340,6 +342,20 @@ def _search_pipelines(result: PlanResult, graph: ModelGraph, cluster: ClusterSpe
         result.pipeline = fastest.plan(fastest.fastest)
     else:
         result.pipeline = search.smallest(time_limit=(1 + config.eps) * fastest.fastest_s)
+
+
+def _pipeline_pareto(result: PlanResult, config: PlannerConfig) -> list[tuple[float, PipelinePlan]]:
+    """The pipelined plans' frontier: the least memory within each ``eps`` of their fastest."""
+    search = result.pipelines
+    fastest = search.fastest if search is not None else None
+    if search is None or fastest is None:
+        return []
+    frontier = []
+    for eps in config.pareto:
+        plan = search.smallest(time_limit=(1 + eps) * fastest.fastest_s)
+        if plan is not None:
+            frontier.append((eps, plan))
+    return frontier
 
 
 def _compare_with_megatron(result: PlanResult, shape: TransformerShape, cluster: ClusterSpec,
