@@ -50,9 +50,10 @@ def test_stage_graphs_split_the_blocks_and_the_ends(graph: ModelGraph) -> None:
     whole = stage_graph(graph, blocks=8, first=True, last=True)
     assert whole.num_params == graph.num_params
     (embed,) = [u for u in graph.units if u.name == "tok_embed"]
-    halves = stage_graph(graph, blocks=4, first=True, last=False).num_params + stage_graph(
-        graph, blocks=4, first=False, last=True
-    ).num_params
+    halves = (
+        stage_graph(graph, blocks=4, first=True, last=False).num_params
+        + stage_graph(graph, blocks=4, first=False, last=True).num_params
+    )
     assert halves == graph.num_params + embed.num_params
 
 
@@ -69,8 +70,9 @@ def test_in_flight_and_time_slots_scale_activations_and_per_microbatch_time(
     problem = _problem(stage, mesh, cluster, piped, config)
     solution = problem.solve(objective="time", memory_limit=math.inf)
     assert solution.assignment is not None
-    mine, base = evaluate(stage, solution.assignment, cluster, piped), evaluate(
-        stage, solution.assignment, cluster, plain
+    mine, base = (
+        evaluate(stage, solution.assignment, cluster, piped),
+        evaluate(stage, solution.assignment, cluster, plain),
     )
     assert solution.peak_bytes == pytest.approx(mine.memory.total, rel=1e-6)
     assert solution.step_time_s == pytest.approx(mine.step_time_s, rel=1e-6)
@@ -165,8 +167,9 @@ def test_gpt3_175b_on_64_devices_pipelined_against_megatrons_best() -> None:
     meshes, problem = _options(graph, cluster, 64, planner)
     options = [
         o
-        for o in pipeline_options(graph, cluster, global_batch=64, base=TrainingSpec(),
-                                  meshes=meshes)  # fmt: skip
+        for o in pipeline_options(
+            graph, cluster, global_batch=64, base=TrainingSpec(), meshes=meshes
+        )  # fmt: skip
         if (o.pp, o.mesh, o.vp) == (16, Mesh(dp=1, tp=4), 6)
     ]
     (option,) = options
