@@ -55,7 +55,10 @@ def bench_plan(
                 device_memory_bytes=device_memory_bytes,
             )
             planner = PlannerConfig(
-                eps=eps, pareto=pareto, baselines=("megatron", "megatron_sp", "zero3", "zero3_full")
+                eps=eps,
+                pareto=pareto,
+                pipeline_pareto=pareto,
+                baselines=("megatron", "megatron_sp", "zero3", "zero3_full"),
             )
             row: dict[str, Any] = {"model": name, "devices": n, "measure_s": measure_s,
                                    "cluster_memory_bytes": device_memory_bytes}  # fmt: skip

@@ -130,7 +130,9 @@ def _planner_cases() -> dict[str, Plan]:
     config = {"objective": "memory", "pareto": (), "baselines": ()}
     return {
         f"planner, {axis} 2": make_tidal_plan(
-            graph, ClusterSpec(devices=2), PlannerConfig(tp=2 if axis == "tp" else 1, **config)
+            graph,
+            ClusterSpec(devices=2),
+            PlannerConfig(pipelines=False, tp=2 if axis == "tp" else 1, **config),
         ).plan
         for axis in ("tp", "dp")
     }

@@ -124,7 +124,12 @@ def _planned(path: Path, *, tp: int) -> Plan:
     meta = build_hf(_model_config(path)).to(torch.bfloat16)
     graph = measure(meta, example_inputs(meta, micro_batch=BATCH // (WORLD // tp), seq_len=SEQ_LEN))
     config = PlannerConfig(
-        tp=tp, eps=1000.0, pareto=(), baselines=(), recompute=(Recompute.NONE, Recompute.FULL)
+        pipelines=False,
+        tp=tp,
+        eps=1000.0,
+        pareto=(),
+        baselines=(),
+        recompute=(Recompute.NONE, Recompute.FULL),
     )
     return make_plan(graph, ClusterSpec(devices=WORLD), config).plan
 

@@ -112,7 +112,7 @@ def _plans(devices: int) -> dict[str, Plan]:
     found = {}
     for tp in sorted({t for t in (1, 2, 8) if devices % t == 0 and t <= devices}):
         # a generous slowdown: the tiny model's fastest plans split nothing (latency dominates)
-        config = PlannerConfig(tp=tp, eps=10.0, pareto=(), baselines=(), **BYTES)
+        config = PlannerConfig(pipelines=False, tp=tp, eps=10.0, pareto=(), baselines=(), **BYTES)
         found[f"planner tp {tp}"] = make_plan(graph, cluster, config).plan
     spec = TrainingSpec(**BYTES)
     mega = baseline("megatron_sp", graph, cluster, lambda mesh: spec, min(devices, 8))

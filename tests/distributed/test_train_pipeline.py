@@ -191,7 +191,7 @@ def test_a_plan_and_a_pipeline_are_refused_together(tmp_path: Path) -> None:
     from tidal.planner import ClusterSpec, PlannerConfig, make_plan
 
     graph = measure_gpt(preset("tiny"), micro_batch=1)
-    config = PlannerConfig(tp=1, pareto=(), baselines=())
+    config = PlannerConfig(pipelines=False, tp=1, pareto=(), baselines=())
     plan = make_plan(graph, ClusterSpec(devices=2), config).plan
     with pytest.raises(ConfigError, match="--plan: a pipeline run places its stages itself"):
         Trainer(_job(tmp_path / "both", schedule="1f1b"), plan=plan)

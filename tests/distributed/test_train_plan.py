@@ -71,7 +71,9 @@ def _job(run_dir: Path, **training: Any) -> dict[str, Any]:
 def _planned(*, tp: int, micro_batch: int = 1, **config: Any) -> Plan:
     graph = measure_gpt(TINY, micro_batch=micro_batch)
     config = {"pareto": (), "baselines": (), **config}
-    return make_plan(graph, ClusterSpec(devices=WORLD), PlannerConfig(tp=tp, **config)).plan
+    return make_plan(
+        graph, ClusterSpec(devices=WORLD), PlannerConfig(pipelines=False, tp=tp, **config)
+    ).plan
 
 
 def _with_zero(plan: Plan, zeros: dict[str, int]) -> Plan:

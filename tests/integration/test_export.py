@@ -194,7 +194,7 @@ def _plan_for_two_ranks() -> Any:
 
     graph = measure_gpt(preset("tiny"), micro_batch=1)
     # tp 2: the fused qkv's rows are reordered in the plan's layout; the export must not be.
-    config = PlannerConfig(tp=2, eps=10.0, pareto=(), baselines=())
+    config = PlannerConfig(pipelines=False, tp=2, eps=10.0, pareto=(), baselines=())
     return make_plan(graph, ClusterSpec(devices=2), config).plan
 
 

@@ -189,6 +189,10 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
         help="slowdowns at which to report the least memory (the frontier); '' for none",
     )  # fmt: skip
     plan.add_argument(
+        "--pipeline-pareto", default="", metavar="EPS,EPS",
+        help="the same for the pipelined plans (a search over every option each; off by default)",
+    )  # fmt: skip
+    plan.add_argument(
         "--baselines",
         default="megatron,megatron_sp,megatron_no_recompute,zero1,zero2,zero3,zero3_full",
         metavar="A,B", help="layouts to price on the plan's mesh in the same cost model",

@@ -82,12 +82,10 @@ def run_plan(args: argparse.Namespace, console: Console) -> int:
     from tidal.planner.report import plan_report
 
     cluster = _cluster(args)
-    try:
-        pareto = tuple(float(x) for x in args.pareto.split(",") if x.strip())
-    except ValueError:
-        raise ConfigError(
-            "--pareto", f"expected numbers such as 0,0.1, got {args.pareto!r}"
-        ) from None
+    pareto, pipeline_pareto = (
+        _numbers(args.pareto, "--pareto"),
+        _numbers(args.pipeline_pareto, "--pipeline-pareto"),
+    )
     started = time.perf_counter()
     graph, selective, shape = _graph(args)
     traced_s = time.perf_counter() - started
@@ -101,6 +99,7 @@ def run_plan(args: argparse.Namespace, console: Console) -> int:
         global_batch=args.global_batch,
         tp=args.tp,
         pareto=pareto,
+        pipeline_pareto=pipeline_pareto,
         baselines=tuple(x.strip() for x in args.baselines.split(",") if x.strip()),
         recompute=modes,
     )
@@ -145,6 +144,13 @@ BASELINES_LEGEND = (
     "plan saves: 1 - the plan's peak / the baseline's (negative: the plan holds more); at its "
     "step time: the smallest plan no slower than the baseline, and what that saves."
 )
+
+
+def _numbers(text: str, key: str) -> tuple[float, ...]:
+    try:
+        return tuple(float(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise ConfigError(key, f"expected numbers such as 0,0.1, got {text!r}") from None
 
 
 def _process_age_s(since_start_s: float) -> float:

@@ -60,6 +60,8 @@ class PlannerConfig:
     # also search pipeline stages ([Note: pipeline stages] in pipelines.py): priced, reported
     # beside the plan and compared with Megatron-LM, not yet run by `tidal train --plan`
     pipelines: bool = True
+    # eps values of the pipelined plans' frontier (each a search over every option); () skips
+    pipeline_pareto: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
         require(
@@ -271,8 +273,11 @@ def make_plan(
     if config.pareto:
         say("the memory-time frontier")
         result.pareto = _pareto(graph, cluster, feasible, config, limit, fastest_s)
-        result.pipeline_pareto = _pipeline_pareto(result, config)
         lap("pareto")
+    if config.pipeline_pareto:
+        say("the pipelined plans' memory-time frontier")
+        result.pipeline_pareto = _pipeline_pareto(result, config)
+        lap("pipeline pareto")
     if config.baselines:
         _compare_with_baselines(result, graph, cluster, config, say)
         lap("baselines")
@@ -351,7 +356,7 @@ def _pipeline_pareto(result: PlanResult, config: PlannerConfig) -> list[tuple[fl
     if search is None or fastest is None:
         return []
     frontier = []
-    for eps in config.pareto:
+    for eps in config.pipeline_pareto:
         plan = search.smallest(time_limit=(1 + eps) * fastest.fastest_s)
         if plan is not None:
             frontier.append((eps, plan))

@@ -249,7 +249,9 @@ def test_ilp_matches_brute_force(seed: int) -> None:
 
 
 def test_pareto_frontier_trades_time_for_memory(gpt3_graph: ModelGraph) -> None:
-    config = PlannerConfig(baselines=(), tp=8, pareto=(0.0, 0.1, 1.0))  # quick: one mesh
+    config = PlannerConfig(
+        pipelines=False, baselines=(), tp=8, pareto=(0.0, 0.1, 1.0)
+    )  # quick: one mesh
     result = make_plan(gpt3_graph, ClusterSpec(devices=64), config)
     frontier = result.pareto
     assert [p["eps"] for p in frontier] == sorted(p["eps"] for p in frontier)
@@ -263,22 +265,22 @@ def test_pareto_frontier_trades_time_for_memory(gpt3_graph: ModelGraph) -> None:
 def test_too_little_memory_names_the_least_that_works(gpt3_graph: ModelGraph) -> None:
     small = ClusterSpec(devices=8, device_memory_bytes=4 * GiB)
     with pytest.raises(Infeasible) as info:
-        make_plan(gpt3_graph, small, PlannerConfig(pareto=(), baselines=()))
+        make_plan(gpt3_graph, small, PlannerConfig(pipelines=False, pareto=(), baselines=()))
     needed = info.value.needed_bytes
     assert needed > small.device_memory_bytes
     assert "blocks.*" in str(info.value) and "GiB" in str(info.value)
     enough = dataclasses.replace(small, device_memory_bytes=int(needed * 1.001))
-    result = make_plan(gpt3_graph, enough, PlannerConfig(pareto=(), baselines=()))
+    result = make_plan(gpt3_graph, enough, PlannerConfig(pipelines=False, pareto=(), baselines=()))
     assert result.plan.peak_memory_bytes <= enough.device_memory_bytes
 
 
 def test_tensor_size_that_does_not_divide_the_heads_is_refused(gpt3_graph: ModelGraph) -> None:
     with pytest.raises(ConfigError, match=r"tp: 5 does not split .* choose one of 1, 2, 4, 8"):
-        make_plan(gpt3_graph, ClusterSpec(devices=40), PlannerConfig(tp=5))
+        make_plan(gpt3_graph, ClusterSpec(devices=40), PlannerConfig(pipelines=False, tp=5))
 
 
 def test_plan_json_round_trip(tmp_path, gpt3_graph: ModelGraph) -> None:
-    config = PlannerConfig(pareto=(), baselines=("zero3",))
+    config = PlannerConfig(pipelines=False, pareto=(), baselines=("zero3",))
     result = make_plan(gpt3_graph, ClusterSpec(devices=16), config)
     path = tmp_path / "plan.json"
     result.plan.save(path)
@@ -306,7 +308,9 @@ def test_hugging_face_decoders_measure_and_plan() -> None:
     assert graph.num_params == sum(p.numel() for p in model.parameters())
     # four key/value heads: a tensor axis of 8 cannot split them
     assert valid_tensor_sizes(graph.units, 8, 8) == [1, 2, 4]
-    result = make_plan(graph, ClusterSpec(devices=8), PlannerConfig(pareto=(), baselines=()))
+    result = make_plan(
+        graph, ClusterSpec(devices=8), PlannerConfig(pipelines=False, pareto=(), baselines=())
+    )
     assert result.plan.tp in (1, 2, 4)
     assert result.solution.peak_bytes == pytest.approx(result.costed.memory.total, rel=1e-6)
 
@@ -327,7 +331,9 @@ def test_planner_plans_are_ones_apply_can_run(devices: int, eps: float) -> None:
 
     graph = measure_gpt(preset("tiny"), micro_batch=1)
     for objective in ("memory", "time"):
-        config = PlannerConfig(objective=objective, eps=eps, pareto=(), baselines=())
+        config = PlannerConfig(
+            pipelines=False, objective=objective, eps=eps, pareto=(), baselines=()
+        )
         plan = make_plan(graph, ClusterSpec(devices=devices), config).plan
         check_plan(build_gpt(preset("tiny"), device="meta"), plan)
         if plan.unit("blocks.*.attn[0]").strategy == "heads":
