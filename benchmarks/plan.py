@@ -37,6 +37,7 @@ def bench_plan(
     eps: float = 0.05,
     micro_batch: int = 1,
     pareto: tuple[float, ...] = PARETO,
+    schedules: tuple[str, ...] = ("1f1b", "interleaved"),
 ) -> list[dict[str, Any]]:
     from tidal.models import preset
 
@@ -58,9 +59,11 @@ def bench_plan(
                 eps=eps,
                 pareto=pareto,
                 pipeline_pareto=pareto,
+                schedules=schedules,
                 baselines=("megatron", "megatron_sp", "zero3", "zero3_full"),
             )
             row: dict[str, Any] = {"model": name, "devices": n, "measure_s": measure_s,
+                                   "schedules": list(schedules),
                                    "cluster_memory_bytes": device_memory_bytes}  # fmt: skip
             try:
                 result = make_plan(graph, cluster, planner, shape=shape)

@@ -189,6 +189,10 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
         help="slowdowns at which to report the least memory (the frontier); '' for none",
     )  # fmt: skip
     plan.add_argument(
+        "--schedules", default="1f1b,interleaved", metavar="S,S",
+        help="pipeline schedules to search: 1f1b, interleaved, pipemare (asynchronous)",
+    )  # fmt: skip
+    plan.add_argument(
         "--pipeline-pareto", default="", metavar="EPS,EPS",
         help="the same for the pipelined plans (a search over every option each; off by default)",
     )  # fmt: skip
@@ -344,16 +348,21 @@ def _add_bench_plan(benches: argparse._SubParsersAction) -> None:
     plan = benches.add_parser(
         "plan",
         help="the planner against Megatron-LM and ZeRO-3 on GPT-3 sizes (cost model, no training)",
-        description="For each model and device count: the plan with the least memory within "
-        "--eps of the fastest, Megatron-LM (TP in a node + DP, selective recompute, with and "
-        "without SP) and ZeRO-3 priced by the same cost model, the savings and the solve time. "
-        "Writes benchmarks/results/plan-*.json.",
+        description="For each model and device count: the flat and the pipelined plan with "
+        "the least memory within --eps of the fastest, their memory-time frontiers, Megatron-LM's "
+        "layouts on the same mesh and ZeRO-3 priced by the same cost model, Megatron-LM at its "
+        "best over its whole grid, the savings and the solve time. Writes "
+        "benchmarks/results/plan-*.json and a Pareto plot beside it.",
     )
     plan.add_argument("--models", default="gpt3-1.3b,gpt3-13b,gpt3-175b", metavar="A,B")
     plan.add_argument("--devices", default="8,64,512", metavar="N,M")
     plan.add_argument("--devices-per-node", type=int, default=8)
     plan.add_argument("--device-memory", default="80GiB", metavar="SIZE")
     plan.add_argument("--eps", type=float, default=0.05)
+    plan.add_argument(
+        "--schedules", default="1f1b,interleaved", metavar="S,S",
+        help="pipeline schedules to search: 1f1b, interleaved, pipemare (asynchronous)",
+    )  # fmt: skip
     plan.add_argument("--results-dir", default=None, metavar="DIR")
 
 

@@ -428,6 +428,7 @@ def _bench_plan(args: argparse.Namespace, console: Console) -> int:
         devices_per_node=args.devices_per_node,
         device_memory_bytes=parse_bytes(args.device_memory),
         eps=args.eps,
+        schedules=tuple(x.strip() for x in args.schedules.split(",") if x.strip()),
     )
     folder = Path(args.results_dir) if args.results_dir else None
     path = write_results("plan", rows, folder=folder)

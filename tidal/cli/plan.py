@@ -100,6 +100,7 @@ def run_plan(args: argparse.Namespace, console: Console) -> int:
         tp=args.tp,
         pareto=pareto,
         pipeline_pareto=pipeline_pareto,
+        schedules=tuple(x.strip() for x in args.schedules.split(",") if x.strip()),
         baselines=tuple(x.strip() for x in args.baselines.split(",") if x.strip()),
         recompute=modes,
     )

@@ -15,6 +15,12 @@ the ILP of its own graph ([Note: the ILP] in ilp.py) with two figures of the sch
 - ``time_slots``, how often a micro-batch's work lies on the step's critical path: ``m + (p - 1)
   / v`` (the bubble), where ``m`` micro-batches would be ``m``.
 
+PipeMare (asynchronous, opt-in: it trains with weights a few updates stale, so its step time is
+not a synchronous schedule's) never drains: ``m`` slots, ``p`` micro-batches in flight on the
+first stage whatever ``m`` is, and one weight-sized copy more per stage (its delta for the
+discrepancy correction), plus one more built for a unit's backward while it runs ([Note:
+backward weights] in tidal/pipeline/weights.py).
+
 Only the first and the last stage are solved: a middle stage given the first stage's choices
 holds fewer micro-batches and no embedding, so it needs no more memory or time than the first.
 The step time is the slower of the two, plus the sends between stages (each micro-batch's block
@@ -112,6 +118,7 @@ class PipelineOption:
 
     pp: int
     vp: int
+    schedule: str  # one of SCHEDULES
     mesh: Mesh
     cluster: ClusterSpec  # a stage's: N / p devices
     num_microbatches: int
@@ -205,7 +212,8 @@ class PipelinePlan:
     def describe(self) -> str:
         o = self.option
         chunks = f", v{o.vp}" if o.vp > 1 else ""
-        return (f"p{o.pp} x dp {o.mesh.dp} x tp {o.mesh.tp}{chunks}, "
+        schedule = ", PipeMare (asynchronous)" if o.schedule == "pipemare" else ""
+        return (f"p{o.pp} x dp {o.mesh.dp} x tp {o.mesh.tp}{chunks}{schedule}, "
                 f"{o.num_microbatches} micro-batches")  # fmt: skip
 
 
@@ -229,8 +237,8 @@ def _send_s(graph: ModelGraph, mesh: Mesh, pp: int, vp: int, slots: float,
 
 
 def pipeline_options(graph: ModelGraph, cluster: ClusterSpec, *, global_batch: int,
-                     base: TrainingSpec,
-                     meshes: Callable[[ClusterSpec], list[Mesh]]) -> list[PipelineOption]:  # fmt: skip
+                     base: TrainingSpec, meshes: Callable[[ClusterSpec], list[Mesh]],
+                     schedules: tuple[str, ...] = ("1f1b", "interleaved")) -> list[PipelineOption]:  # fmt: skip
     """Every ``p > 1`` dividing the blocks and the devices, each mesh of the ``N / p`` devices a
     stage has (``meshes``), 1F1B and each interleaving ``v`` the micro-batches allow (``m``
     divisible by ``p``, ``v`` dividing the ``k`` blocks a rank holds)."""
@@ -251,19 +259,35 @@ def pipeline_options(graph: ModelGraph, cluster: ClusterSpec, *, global_batch: i
             if global_batch % per_step:
                 continue
             m = global_batch // per_step
-            chunks = [1] + [v for v in range(2, k + 1) if k % v == 0 and m % p == 0]
-            for v in chunks:
-                slots = m + (p - 1) / v
+            chunks = [v for v in range(2, k + 1) if k % v == 0 and m % p == 0]
+            runs: list[tuple[str, int]] = [(s, 1) for s in ("1f1b", "pipemare") if s in schedules]
+            runs += [("interleaved", v) for v in chunks if "interleaved" in schedules]
+            for schedule, v in runs:
+                slots, flights, copies = _schedule_figures(schedule, p, v, m)
                 specs = tuple(
-                    dataclasses.replace(base, num_microbatches=m, in_flight=f, time_slots=slots)
-                    for f in _in_flight(p, v, m)
-                )
+                    dataclasses.replace(base, num_microbatches=m, in_flight=f, time_slots=slots,
+                                        weight_copies=copies)
+                    for f in flights
+                )  # fmt: skip
                 options.append(PipelineOption(
-                    pp=p, vp=v, mesh=mesh, cluster=stage_cluster, num_microbatches=m,
-                    graphs=graphs, specs=specs,  # type: ignore[arg-type]
+                    pp=p, vp=v, schedule=schedule, mesh=mesh, cluster=stage_cluster,
+                    num_microbatches=m, graphs=graphs, specs=specs,  # type: ignore[arg-type]
                     send_s=_send_s(graph, mesh, p, v, slots, cluster),
                 ))  # fmt: skip
     return options
+
+
+SCHEDULES = ("1f1b", "interleaved", "pipemare")
+
+
+def _schedule_figures(
+    schedule: str, p: int, v: int, m: int
+) -> tuple[float, tuple[float, float], float]:
+    """(time slots, (first, last) stage's micro-batches in flight, weight copies) of a schedule;
+    see [Note: pipeline stages]."""
+    if schedule == "pipemare":
+        return float(m), (float(p), 1.0), 1.0
+    return m + (p - 1) / v, _in_flight(p, v, m), 0.0
 
 
 @dataclass(kw_only=True, slots=True)
@@ -309,12 +333,13 @@ class PipelineSearch:
 def search_pipelines(graph: ModelGraph, cluster: ClusterSpec, *, global_batch: int,
                      base: TrainingSpec, meshes: Callable[[ClusterSpec], list[Mesh]],
                      problem: ProblemFn, memory_limit: float, solver_time_limit_s: float,
-                     slack: float) -> PipelineSearch:  # fmt: skip
+                     slack: float,
+                     schedules: tuple[str, ...] = ("1f1b", "interleaved")) -> PipelineSearch:  # fmt: skip
     """Build every option, bound each one's fastest step by its LP relaxations, and solve them
     in that order until the bound passes ``1 + slack`` times the fastest found (an option
     further out cannot hold a plan within ``slack`` of the fastest)."""
     options = pipeline_options(graph, cluster, global_batch=global_batch, base=base,
-                               meshes=meshes)  # fmt: skip
+                               meshes=meshes, schedules=schedules)  # fmt: skip
     for option in options:
         option.build(problem)
     bounded = sorted((o.time_bound_s(memory_limit=memory_limit), i) for i, o in enumerate(options))

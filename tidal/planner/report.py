@@ -113,7 +113,7 @@ def _pipeline(result: PlanResult) -> dict[str, Any] | None:
         }
     return {
         "layout": plan.describe(),
-        "pp": o.pp, "vp": o.vp, "dp": o.mesh.dp, "tp": o.mesh.tp,
+        "pp": o.pp, "vp": o.vp, "dp": o.mesh.dp, "tp": o.mesh.tp, "schedule": o.schedule,
         "num_microbatches": o.num_microbatches,
         "peak_memory_bytes": plan.peak_memory_bytes,
         "step_time_s": plan.step_time_s,

@@ -28,7 +28,7 @@ from tidal.planner.cost_model import Assignment, Costed, evaluate
 from tidal.planner.ilp import Problem, Solution, build_problem
 from tidal.planner.measure import ModelGraph
 from tidal.planner.megatron import MegatronBest, TransformerShape, megatron_best, megatron_grid
-from tidal.planner.pipelines import PipelinePlan, PipelineSearch, search_pipelines
+from tidal.planner.pipelines import SCHEDULES, PipelinePlan, PipelineSearch, search_pipelines
 from tidal.planner.plan import Plan, Recompute, UnitChoice
 from tidal.planner.strategies import (
     TrainingSpec,
@@ -62,6 +62,8 @@ class PlannerConfig:
     pipelines: bool = True
     # eps values of the pipelined plans' frontier (each a search over every option); () skips
     pipeline_pareto: tuple[float, ...] = ()
+    # the pipeline schedules searched; "pipemare" (asynchronous) is opt-in
+    schedules: tuple[str, ...] = ("1f1b", "interleaved")
 
     def __post_init__(self) -> None:
         require(
@@ -76,6 +78,8 @@ class PlannerConfig:
             require(
                 self.global_batch >= 1, "global_batch", f"must be >= 1, got {self.global_batch}"
             )
+        unknown = sorted(set(self.schedules) - set(SCHEDULES))
+        require(not unknown, "schedules", f"unknown {unknown}; choose from {', '.join(SCHEDULES)}")
         require(
             bool(self.recompute) and all(isinstance(m, Recompute) for m in self.recompute),
             "recompute",
@@ -338,6 +342,7 @@ def _search_pipelines(result: PlanResult, graph: ModelGraph, cluster: ClusterSpe
         graph, cluster, global_batch=config.global_batch or cluster.devices * graph.micro_batch,
         base=base, meshes=meshes, problem=problem, memory_limit=limit,
         solver_time_limit_s=config.solver_time_limit_s, slack=config.eps,
+        schedules=config.schedules,
     )  # fmt: skip
     result.pipelines = search
     fastest = search.fastest

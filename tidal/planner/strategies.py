@@ -70,6 +70,9 @@ class TrainingSpec:
     # times on the step's critical path (None: ``num_microbatches``, no pipeline).
     in_flight: float = 1.0
     time_slots: float | None = None
+    # weight-sized copies held besides the live weights (PipeMare's delta, 1), and one more
+    # built for a unit's backward (its corrected weights) while it runs
+    weight_copies: float = 0.0
 
     def __post_init__(self) -> None:
         require(
@@ -78,6 +81,7 @@ class TrainingSpec:
             f"must be >= 1, got {self.num_microbatches}",
         )
         require(self.in_flight >= 1, "in_flight", f"must be >= 1, got {self.in_flight}")
+        require(self.weight_copies >= 0, "weight_copies", f"must be >= 0, got {self.weight_copies}")
         for name in ("param_bytes", "grad_bytes", "optimizer_bytes"):
             require(getattr(self, name) >= 0, name, f"must be >= 0, got {getattr(self, name)}")
 
@@ -236,6 +240,8 @@ def _cost(
     weight_fraction = _split_fraction(unit, shape.weight_split, t)
     n_params = unit.num_params * weight_fraction  # elements this device is responsible for
     params = n_params * spec.param_bytes * _param_copies(zero, d)
+    weight_copies = params * spec.weight_copies  # copies of what this device holds
+    params += weight_copies
     grads = n_params * spec.grad_bytes / (d if zero >= 2 else 1)
     optimizer = n_params * spec.optimizer_bytes / (d if zero >= 1 else 1)
     work = 1.0 / t if shape.work_split else 1.0
@@ -246,7 +252,7 @@ def _cost(
         + (unit.saved_output_bytes + unit.saved_internal_bytes) * own_fraction
     )
     selective = activations - unit.saved_internal_bytes * own_fraction
-    transient = 0.0
+    transient = weight_copies  # the corrected weights a backward builds
     if zero >= 3:  # the gathered weights in use plus the next ones prefetched
         transient += 2 * n_params * spec.param_bytes
     if zero >= 2:  # a whole gradient before it is reduce-scattered

@@ -9,6 +9,7 @@ import math
 
 import pytest
 
+from tidal.config import ConfigError
 from tidal.models import PRESETS, GPTConfig
 from tidal.models.gpt import measure_gpt
 from tidal.planner import ClusterSpec, Mesh, PlannerConfig
@@ -186,3 +187,38 @@ def test_gpt3_175b_on_64_devices_pipelined_against_megatrons_best() -> None:
     assert plan is not None
     assert plan.step_time_s <= 1.05 * their_s * (1 + 1e-6)
     assert plan.peak_memory_bytes < 0.95 * their_bytes
+
+
+def test_pipemare_never_drains_and_holds_a_weight_copy_more(graph: ModelGraph) -> None:
+    """[Note: pipeline stages]: PipeMare (opt-in) takes m slots and p micro-batches in flight on
+    the first stage whatever m is; each stage holds its delta, one weight-sized copy more, and
+    builds a unit's corrected weights in its backward. On the same stages it is faster than
+    1F1B and holds more."""
+    cluster = ClusterSpec(devices=8)
+    config = PlannerConfig(pareto=(), baselines=())
+    meshes, problem = _options(graph, cluster, 2, config)
+    options = pipeline_options(graph, cluster, global_batch=2, base=TrainingSpec(),
+                               meshes=meshes, schedules=("1f1b", "pipemare"))  # fmt: skip
+    pair = {o.schedule: o for o in options if o.pp == 4 and o.mesh == Mesh(dp=1, tp=2)}
+    sync, pipemare = pair["1f1b"], pair["pipemare"]
+    assert sync.num_microbatches == pipemare.num_microbatches == 2
+    assert [s.in_flight for s in sync.specs] == [2.0, 1.0]  # 1F1B: min(p, m)
+    assert [s.in_flight for s in pipemare.specs] == [4.0, 1.0]
+    assert sync.specs[0].slots == 2 + 3 and pipemare.specs[0].slots == 2
+    for option in (sync, pipemare):
+        option.build(problem)
+        option.solve_fastest(memory_limit=math.inf, solver_time_limit_s=60)
+    assert pipemare.fastest_s < sync.fastest_s
+    assert pipemare.fastest is not None
+    stage, spec = pipemare.graphs[0], pipemare.specs[0]
+    held = unit_options(stage, pipemare.mesh, pipemare.cluster, spec)
+    plain = unit_options(stage, pipemare.mesh, pipemare.cluster,
+                         dataclasses.replace(spec, weight_copies=0.0))  # fmt: skip
+    qkv = "blocks.*.attn.qkv"
+    for mine, theirs in zip(held[qkv], plain[qkv], strict=True):
+        assert mine.memory.params == pytest.approx(2 * theirs.memory.params, rel=1e-12)
+        extra = mine.memory.transient - theirs.memory.transient
+        assert extra == pytest.approx(theirs.memory.params, rel=1e-12)
+    assert "PipeMare" in pipemare.plan(pipemare.fastest).describe()
+    with pytest.raises(ConfigError, match="schedules: unknown"):
+        PlannerConfig(schedules=("gpipe",))
