@@ -196,3 +196,38 @@ def test_the_analytic_model_agrees_with_the_traced_layout_baseline() -> None:
     # Megatron's estimator leaves out the learned positions, which every tensor rank holds whole
     positions = 2048 * 12288 * 18
     assert analytic.weights_and_optimizer + positions == pytest.approx(traced_states, rel=0.005)
+
+
+def test_step_time_equals_the_documented_formula_by_hand() -> None:
+    """[Note: Megatron's step time] written out for t2 x p4 x d2, two chunks a rank, sequence
+    parallel, selective recompute, the distributed optimizer, on 16 devices in nodes of 8 (so
+    the data axis and the stage sends cross nodes): every term by hand from the cluster's
+    figures."""
+    shape = TransformerShape(num_layers=8, hidden=1024, heads=16, ffn=4096, seq_len=512,
+                             vocab=1000)  # fmt: skip
+    c = MegatronConfig(tp=2, pp=4, dp=2, micro_batch=2, num_microbatches=8, vp=2,
+                       sequence_parallel=True, recompute=SELECTIVE, distributed_optimizer=True)  # fmt: skip
+    cluster = ClusterSpec(devices=16)
+    s, b, h, f, t, p, d, v, m, L = 512, 2, 1024, 4096, 2, 4, 2, 2, 8, 8
+    V = 1024  # 1000 padded to a multiple of 128 t
+    rate = cluster.peak_flops * cluster.compute_efficiency
+    forward = (
+        2 * s * b * h * (h + 2 * h) + 4 * s * s * b * h + 2 * s * b * h * h + 4 * s * b * h * f
+    )
+    core = 4 * s * s * b * h
+    act = 2 * s * b * h  # bf16 activations
+
+    def ring(nbytes: float, n: int, alpha: float, bandwidth: float) -> float:  # one pass
+        return (n - 1) * alpha + (n - 1) / n * nbytes / bandwidth
+
+    intra = (cluster.intra_node_latency_s, cluster.intra_node_bandwidth)
+    inter = (cluster.inter_node_latency_s, cluster.inter_node_bandwidth)
+    tp_comm = (6 + 4) * ring(act, t, *intra)  # 6 all-gathers and 4 reduce-scatters, SP
+    layer = (3 * forward + core) / t / rate + tp_comm
+    head = 3 * 2 * s * b * h * V / t / rate
+    send = inter[0] + act / t / inter[1]  # t x d x p = 16 > 8: the stages cross nodes
+    stage = L / p * layer + head + v * 2 * send
+    pipeline = (m + (p - 1) / v) * stage
+    params = (2 * L * h * h * (2 + 4 + 2 / h + 1 / (L * h)) / p + V * h) / t
+    sync = ring(4 * params, d, *intra) + ring(2 * params, d, *intra)  # t x d = 4 fits a node
+    assert megatron_step_s(shape, c, cluster) == pytest.approx(pipeline + sync, rel=1e-12)
