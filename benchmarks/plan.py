@@ -217,3 +217,61 @@ def plot(rows: list[dict[str, Any]], path: Path) -> Path:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def largest_fitting(name: str, devices: int, *, device_memory_bytes: int = 80 * 1024**3,
+                    devices_per_node: int = 8, micro_batch: int = 1) -> dict[str, Any]:  # fmt: skip
+    """The most layers at preset ``name``'s width whose least-memory configuration fits the
+    devices: for tidal's flat plans (the ILP at any speed; pipelined plans hold no less, as
+    [Note: pipeline stages] in tidal/planner/pipelines.py lets one see) and for Megatron-LM's
+    grid. Layers are added to the measured graph (one block's units, repeated), not traced
+    again."""
+    from tidal.models import preset
+    from tidal.planner.megatron import megatron_best, megatron_grid
+    from tidal.planner.pipelines import stage_graph
+
+    config = dataclasses.replace(preset(name), dropout=0.1)
+    graph = measure_gpt(config, micro_batch=micro_batch)
+    shape = GPTSpec(config=config).transformer_shape()
+    cluster = ClusterSpec(devices=devices, devices_per_node=devices_per_node,
+                          device_memory_bytes=device_memory_bytes)  # fmt: skip
+    planner = PlannerConfig(pareto=(), baselines=(), pipelines=False)
+
+    def tidal_fits(layers: int) -> bool:
+        try:
+            make_plan(stage_graph(graph, blocks=layers, first=True, last=True), cluster, planner)
+        except Infeasible:
+            return False
+        return True
+
+    def megatron_fits(layers: int) -> bool:
+        rows = megatron_grid(dataclasses.replace(shape, num_layers=layers), cluster,
+                             global_batch=devices * micro_batch)  # fmt: skip
+        return bool(rows) and megatron_best(rows, device_memory_bytes).fastest is not None
+
+    def most(fits: Any) -> int:
+        low, high = 0, 1
+        while fits(high):
+            low, high = high, 2 * high
+        while high - low > 1:
+            middle = (low + high) // 2
+            low, high = (middle, high) if fits(middle) else (low, middle)
+        return low
+
+    per_layer = sum(u.num_params for u in graph.units if graph.block_of(u))
+    outside = graph.num_params - per_layer * config.num_layers
+    tidal_layers = most(tidal_fits)  # more layers never need less memory on the same meshes
+    # Megatron's stages must divide the layers, so fitting is not monotone in them: past the
+    # bisection's answer, every count up to twice it is tried
+    found = most(megatron_fits)
+    megatron_layers = max(
+        [found] + [n for n in range(found + 1, 2 * found + 2) if megatron_fits(n)]
+    )
+    return {
+        "model": name, "devices": devices, "device_memory_bytes": device_memory_bytes,
+        "hidden": config.d_model, "tidal_layers": tidal_layers,
+        "tidal_params": outside + per_layer * tidal_layers,
+        "megatron_layers": megatron_layers,
+        "megatron_params": outside + per_layer * megatron_layers,
+        "ratio": (outside + per_layer * tidal_layers) / max(1, outside + per_layer * megatron_layers),
+    }  # fmt: skip

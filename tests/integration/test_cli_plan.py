@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import warnings
 
@@ -176,3 +177,29 @@ def test_a_plan_holding_more_than_megatrons_best_says_why() -> None:
     assert line.startswith("no plan, flat or pipelined, is as fast as Megatron-LM's fastest")
     report["megatron_best"]["plan_at_fastest_step_time"] = {**same, "saving": 0.2}
     assert _why_more_memory(report) == []
+
+
+def test_bench_plan_largest_model_that_fits(tmp_path, capsys) -> None:
+    """Issue 24: the most layers whose least-memory configuration fits, for tidal and for
+    Megatron-LM's grid; one more layer does not fit tidal's plans (checked here)."""
+    args = ["bench", "plan", "--largest", "--models", "tiny", "--devices", "2",
+            "--device-memory", "8MiB", "--results-dir", str(tmp_path)]  # fmt: skip
+    assert main(args) == 0
+    (path,) = tmp_path.glob("plan-largest-*.json")
+    (row,) = json.loads(path.read_text())["rows"]
+    assert row["tidal_layers"] >= 1 and row["megatron_layers"] >= 1
+    assert row["ratio"] == pytest.approx(row["tidal_params"] / row["megatron_params"])
+    from tidal.models import PRESETS
+    from tidal.models.gpt import measure_gpt
+    from tidal.planner import ClusterSpec, Infeasible, PlannerConfig, make_plan
+    from tidal.planner.pipelines import stage_graph
+
+    graph = measure_gpt(dataclasses.replace(PRESETS["tiny"], dropout=0.1), micro_batch=1)
+    cluster = ClusterSpec(devices=2, device_memory_bytes=8 * 1024**2)
+    config = PlannerConfig(pareto=(), baselines=(), pipelines=False)
+    layers = row["tidal_layers"]
+    make_plan(stage_graph(graph, blocks=layers, first=True, last=True), cluster, config)
+    with pytest.raises(Infeasible):
+        make_plan(stage_graph(graph, blocks=layers + 1, first=True, last=True), cluster, config)
+    printed = capsys.readouterr().out
+    assert "the largest model whose least-memory configuration fits" in printed

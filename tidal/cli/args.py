@@ -363,6 +363,11 @@ def _add_bench_plan(benches: argparse._SubParsersAction) -> None:
         "--schedules", default="1f1b,interleaved", metavar="S,S",
         help="pipeline schedules to search: 1f1b, interleaved, pipemare (asynchronous)",
     )  # fmt: skip
+    plan.add_argument(
+        "--largest", action="store_true",
+        help="instead: the most layers at each model's width whose least-memory plan fits, for "
+        "tidal and for Megatron-LM's grid (writes plan-largest-*.json)",
+    )  # fmt: skip
     plan.add_argument("--results-dir", default=None, metavar="DIR")
 
 

@@ -422,6 +422,8 @@ def _bench_plan(args: argparse.Namespace, console: Console) -> int:
     )
     from tidal.config import parse_bytes
 
+    if args.largest:
+        return _bench_plan_largest(args, console)
     rows = bench_plan(
         tuple(args.models.split(",")),
         tuple(int(n) for n in args.devices.split(",")),
@@ -447,6 +449,39 @@ def _bench_plan(args: argparse.Namespace, console: Console) -> int:
     console.print(best)
     console.print(f"results: {path}")
     console.print(f"plot: {plot(rows, path.with_suffix('.png'))}")
+    return 0
+
+
+def _bench_plan_largest(args: argparse.Namespace, console: Console) -> int:
+    from benchmarks import write_results
+    from benchmarks.plan import largest_fitting
+    from tidal.config import parse_bytes
+
+    rows = [
+        largest_fitting(
+            model,
+            int(n),
+            device_memory_bytes=parse_bytes(args.device_memory),
+            devices_per_node=args.devices_per_node,
+        )  # fmt: skip
+        for model in args.models.split(",")
+        for n in args.devices.split(",")
+    ]
+    folder = Path(args.results_dir) if args.results_dir else None
+    path = write_results("plan-largest", rows, folder=folder)
+    view = Table(title="the largest model whose least-memory configuration fits (cost model)",
+                 title_justify="left")  # fmt: skip
+    for column in ("width of", "N", "tidal layers", "tidal B params", "Megatron-LM layers",
+                   "Megatron-LM B params", "tidal / Megatron-LM"):  # fmt: skip
+        view.add_column(column, justify="left" if column == "width of" else "right")
+    for row in rows:
+        view.add_row(
+            row["model"], str(row["devices"]), str(row["tidal_layers"]),
+            f"{row['tidal_params'] / 1e9:.1f}", str(row["megatron_layers"]),
+            f"{row['megatron_params'] / 1e9:.1f}", f"{row['ratio']:.2f}x",
+        )  # fmt: skip
+    console.print(view)
+    console.print(f"results: {path}")
     return 0
 
 
