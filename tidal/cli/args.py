@@ -188,10 +188,7 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
         "--pareto", default="0,0.02,0.05,0.1,0.2,0.5,1", metavar="EPS,EPS",
         help="slowdowns at which to report the least memory (the frontier); '' for none",
     )  # fmt: skip
-    plan.add_argument(
-        "--schedules", default="1f1b,interleaved", metavar="S,S",
-        help="pipeline schedules to search: 1f1b, interleaved, pipemare (asynchronous)",
-    )  # fmt: skip
+    _add_schedules(plan)
     plan.add_argument(
         "--pipeline-pareto", default="", metavar="EPS,EPS",
         help="the same for the pipelined plans (a search over every option each; off by default)",
@@ -344,6 +341,13 @@ def _add_bench_offload(benches: argparse._SubParsersAction) -> None:
     )
 
 
+def _add_schedules(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--schedules", default="1f1b,interleaved", metavar="S,S",
+        help="pipeline schedules to search: 1f1b, interleaved, pipemare (asynchronous)",
+    )  # fmt: skip
+
+
 def _add_bench_plan(benches: argparse._SubParsersAction) -> None:
     plan = benches.add_parser(
         "plan",
@@ -359,10 +363,7 @@ def _add_bench_plan(benches: argparse._SubParsersAction) -> None:
     plan.add_argument("--devices-per-node", type=int, default=8)
     plan.add_argument("--device-memory", default="80GiB", metavar="SIZE")
     plan.add_argument("--eps", type=float, default=0.05)
-    plan.add_argument(
-        "--schedules", default="1f1b,interleaved", metavar="S,S",
-        help="pipeline schedules to search: 1f1b, interleaved, pipemare (asynchronous)",
-    )  # fmt: skip
+    _add_schedules(plan)
     plan.add_argument(
         "--largest", action="store_true",
         help="instead: the most layers at each model's width whose least-memory plan fits, for "
