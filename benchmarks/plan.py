@@ -10,18 +10,22 @@ no model is trained here.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import time
 from pathlib import Path
 from typing import Any
+
+from rich.console import Console
+from rich.table import Table
 
 from tidal.models import GPTSpec
 from tidal.models.gpt import measure_gpt
 from tidal.planner import ClusterSpec, Infeasible, PlannerConfig, make_plan
 from tidal.planner.report import plan_report
 
-__all__ = ["MODELS", "DEVICES", "MEGATRON_COLUMNS", "bench_plan", "megatron_rows", "plot",
-           "rows_table"]  # fmt: skip
+__all__ = ["MODELS", "DEVICES", "MEGATRON_COLUMNS", "bench_plan", "largest_fitting",
+           "megatron_rows", "plot", "rows_table", "run"]  # fmt: skip
 
 MODELS = ("gpt3-1.3b", "gpt3-13b", "gpt3-175b")
 DEVICES = (8, 64, 512)
@@ -275,3 +279,71 @@ def largest_fitting(name: str, devices: int, *, device_memory_bytes: int = 80 * 
         "megatron_params": outside + per_layer * megatron_layers,
         "ratio": (outside + per_layer * tidal_layers) / max(1, outside + per_layer * megatron_layers),
     }  # fmt: skip
+
+
+def run(args: argparse.Namespace, console: Console) -> int:
+    """``tidal bench plan``: the table rows, the Megatron-LM table, the JSON and the plot; with
+    ``--largest`` the largest model that fits instead."""
+    from benchmarks import write_results
+    from tidal.config import parse_bytes
+
+    if args.largest:
+        return _run_largest(args, console)
+    rows = bench_plan(
+        tuple(args.models.split(",")),
+        tuple(int(n) for n in args.devices.split(",")),
+        devices_per_node=args.devices_per_node,
+        device_memory_bytes=parse_bytes(args.device_memory),
+        eps=args.eps,
+        schedules=tuple(x.strip() for x in args.schedules.split(",") if x.strip()),
+    )
+    folder = Path(args.results_dir) if args.results_dir else None
+    path = write_results("plan", rows, folder=folder)
+    view = Table(title="tidal bench plan (cost model, H100 cluster)", title_justify="left")
+    for column in COLUMNS:
+        view.add_column(column, justify="left" if column == "model" else "right")
+    for cells in rows_table(rows):
+        view.add_row(*cells)
+    console.print(view)
+    title = "against Megatron-LM at its best (t x p x d grid, same cluster rules)"
+    best = Table(title=title, title_justify="left")
+    for column in MEGATRON_COLUMNS:
+        best.add_column(column, justify="left" if column in ("model",) else "right")
+    for cells in megatron_rows(rows):
+        best.add_row(*cells)
+    console.print(best)
+    console.print(f"results: {path}")
+    console.print(f"plot: {plot(rows, path.with_suffix('.png'))}")
+    return 0
+
+
+def _run_largest(args: argparse.Namespace, console: Console) -> int:
+    from benchmarks import write_results
+    from tidal.config import parse_bytes
+
+    rows = [
+        largest_fitting(
+            model,
+            int(n),
+            device_memory_bytes=parse_bytes(args.device_memory),
+            devices_per_node=args.devices_per_node,
+        )  # fmt: skip
+        for model in args.models.split(",")
+        for n in args.devices.split(",")
+    ]
+    folder = Path(args.results_dir) if args.results_dir else None
+    path = write_results("plan-largest", rows, folder=folder)
+    view = Table(title="the largest model whose least-memory configuration fits (cost model)",
+                 title_justify="left")  # fmt: skip
+    for column in ("width of", "N", "tidal layers", "tidal B params", "Megatron-LM layers",
+                   "Megatron-LM B params", "tidal / Megatron-LM"):  # fmt: skip
+        view.add_column(column, justify="left" if column == "width of" else "right")
+    for row in rows:
+        view.add_row(
+            row["model"], str(row["devices"]), str(row["tidal_layers"]),
+            f"{row['tidal_params'] / 1e9:.1f}", str(row["megatron_layers"]),
+            f"{row['megatron_params'] / 1e9:.1f}", f"{row['ratio']:.2f}x",
+        )  # fmt: skip
+    console.print(view)
+    console.print(f"results: {path}")
+    return 0

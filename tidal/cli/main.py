@@ -312,7 +312,9 @@ def _bench(args: argparse.Namespace, console: Console) -> int:
     if args.bench == "dp":
         return _bench_dp(args, console)
     if args.bench == "plan":
-        return _bench_plan(args, console)
+        from benchmarks.plan import run as run_plan_bench
+
+        return run_plan_bench(args, console)
     if args.bench == "pipeline":
         from benchmarks.pipeline import run as run_pipeline
 
@@ -408,81 +410,6 @@ def _fractions(text: str) -> tuple[float, ...]:
         raise ConfigError(
             "--fractions", f"expected numbers such as 0.25,0.5, got {text!r}"
         ) from None
-
-
-def _bench_plan(args: argparse.Namespace, console: Console) -> int:
-    from benchmarks import write_results
-    from benchmarks.plan import (
-        COLUMNS,
-        MEGATRON_COLUMNS,
-        bench_plan,
-        megatron_rows,
-        plot,
-        rows_table,
-    )
-    from tidal.config import parse_bytes
-
-    if args.largest:
-        return _bench_plan_largest(args, console)
-    rows = bench_plan(
-        tuple(args.models.split(",")),
-        tuple(int(n) for n in args.devices.split(",")),
-        devices_per_node=args.devices_per_node,
-        device_memory_bytes=parse_bytes(args.device_memory),
-        eps=args.eps,
-        schedules=tuple(x.strip() for x in args.schedules.split(",") if x.strip()),
-    )
-    folder = Path(args.results_dir) if args.results_dir else None
-    path = write_results("plan", rows, folder=folder)
-    view = Table(title="tidal bench plan (cost model, H100 cluster)", title_justify="left")
-    for column in COLUMNS:
-        view.add_column(column, justify="left" if column == "model" else "right")
-    for cells in rows_table(rows):
-        view.add_row(*cells)
-    console.print(view)
-    title = "against Megatron-LM at its best (t x p x d grid, same cluster rules)"
-    best = Table(title=title, title_justify="left")
-    for column in MEGATRON_COLUMNS:
-        best.add_column(column, justify="left" if column in ("model",) else "right")
-    for cells in megatron_rows(rows):
-        best.add_row(*cells)
-    console.print(best)
-    console.print(f"results: {path}")
-    console.print(f"plot: {plot(rows, path.with_suffix('.png'))}")
-    return 0
-
-
-def _bench_plan_largest(args: argparse.Namespace, console: Console) -> int:
-    from benchmarks import write_results
-    from benchmarks.plan import largest_fitting
-    from tidal.config import parse_bytes
-
-    rows = [
-        largest_fitting(
-            model,
-            int(n),
-            device_memory_bytes=parse_bytes(args.device_memory),
-            devices_per_node=args.devices_per_node,
-        )  # fmt: skip
-        for model in args.models.split(",")
-        for n in args.devices.split(",")
-    ]
-    folder = Path(args.results_dir) if args.results_dir else None
-    path = write_results("plan-largest", rows, folder=folder)
-    view = Table(title="the largest model whose least-memory configuration fits (cost model)",
-                 title_justify="left")  # fmt: skip
-    for column in ("width of", "N", "tidal layers", "tidal B params", "Megatron-LM layers",
-                   "Megatron-LM B params", "tidal / Megatron-LM"):  # fmt: skip
-        view.add_column(column, justify="left" if column == "width of" else "right")
-    for row in rows:
-        view.add_row(
-            row["model"], str(row["devices"]), str(row["tidal_layers"]),
-            f"{row['tidal_params'] / 1e9:.1f}", str(row["megatron_layers"]),
-            f"{row['megatron_params'] / 1e9:.1f}", f"{row['ratio']:.2f}x",
-        )  # fmt: skip
-    console.print(view)
-    console.print(f"results: {path}")
-    return 0
 
 
 def _bench_dp(args: argparse.Namespace, console: Console) -> int:
