@@ -169,17 +169,23 @@ class MegatronMemory:
 
 def megatron_memory(shape: TransformerShape, c: MegatronConfig) -> MegatronMemory:
     """Per-device peak of ``c``; see [Note: Megatron's memory]."""
-    t, p = c.tp, c.pp
-    embedding = shape.hidden * shape.padded_vocab(t)
-    shard = (shape.layer_params() / p + embedding) / t
-    if not shape.tied and p == 1:
-        shard += embedding / t
+    shard = _shard_params(shape, c)
     per_param = 6 + 12 / c.dp if c.distributed_optimizer else 18
     return MegatronMemory(
         weights_and_optimizer=shard * per_param,
         activations=_activation_bytes(shape, c),
         transient=_layer_bytes(shape, c) if c.recompute is Recompute.FULL else 0.0,
     )
+
+
+def _shard_params(shape: TransformerShape, c: MegatronConfig) -> float:
+    """Parameters on the most loaded rank, by the estimator: its stage's layers and the
+    embedding over ``t`` (an untied head too on a single stage)."""
+    embedding = shape.hidden * shape.padded_vocab(c.tp)
+    shard = (shape.layer_params() / c.pp + embedding) / c.tp
+    if not shape.tied and c.pp == 1:
+        shard += embedding / c.tp
+    return shard
 
 
 def _layer_bytes(shape: TransformerShape, c: MegatronConfig) -> float:
@@ -254,7 +260,7 @@ def _p2p_s(nbytes: float, c: MegatronConfig, cluster: ClusterSpec) -> float:
 def _data_sync_s(
     shape: TransformerShape, c: MegatronConfig, mesh: Mesh, cluster: ClusterSpec
 ) -> float:
-    params = (shape.layer_params() / c.pp + shape.hidden * shape.padded_vocab(c.tp)) / c.tp
+    params = _shard_params(shape, c)
 
     def dp(kind: Collective, nbytes: float) -> float:
         return collective_s(kind, nbytes, mesh, Axis.DATA, cluster)

@@ -35,14 +35,13 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
 from tidal.planner.cluster import ClusterSpec, Mesh
 from tidal.planner.cost_model import Costed, block_input, evaluate
 from tidal.planner.graph import ModelGraph, ParamInfo, Unit
-from tidal.planner.ilp import Problem, Solution
+from tidal.planner.ilp import Problem, Solution, on_threads
 from tidal.planner.strategies import TrainingSpec
 
 __all__ = [
@@ -130,10 +129,8 @@ class PipelineOption:
 
     def _each(self, solve: Callable[[Problem], Any]) -> tuple[Any, Any]:
         """``solve`` on both stages' ILPs at once (HiGHS releases the GIL)."""
-        first, last = self._problems()
-        with ThreadPoolExecutor(max_workers=2) as pool:
-            other = pool.submit(solve, last)
-            return solve(first), other.result()
+        first, last = on_threads(solve, self._problems())
+        return first, last
 
     def build(self, problem: ProblemFn) -> None:
         self.problems = tuple(  # type: ignore[assignment]

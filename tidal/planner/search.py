@@ -18,14 +18,13 @@ import dataclasses
 import math
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from tidal.config.configurable import ConfigError, format_bytes, require
 from tidal.planner.baselines import BASELINES, Baseline, baseline, megatron_tp
 from tidal.planner.cluster import ClusterSpec, Mesh
 from tidal.planner.cost_model import Assignment, Costed, evaluate
-from tidal.planner.ilp import Problem, Solution, build_problem
+from tidal.planner.ilp import Problem, Solution, build_problem, on_threads
 from tidal.planner.measure import ModelGraph
 from tidal.planner.megatron import MegatronBest, TransformerShape, megatron_best, megatron_grid
 from tidal.planner.pipelines import SCHEDULES, PipelinePlan, PipelineSearch, search_pipelines
@@ -405,7 +404,7 @@ def _smallest_within(
     """The smallest peak of any plan no slower than ``time_limit``, on any mesh, fitting or
     not (a baseline need not fit either)."""
     best = None
-    solutions = _on_threads(
+    solutions = on_threads(
         lambda r: r.problem.solve(
             objective="memory",
             time_limit=time_limit * (1 + 1e-9),
@@ -418,14 +417,6 @@ def _smallest_within(
         if solution.feasible and (best is None or solution.peak_bytes < best.peak_bytes):
             best = solution
     return best
-
-
-def _on_threads(
-    solve: Callable[[MeshResult], Solution], results: list[MeshResult]
-) -> list[Solution]:
-    """``solve`` on each mesh's ILP, two at a time (HiGHS releases the GIL), in order."""
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        return list(pool.map(solve, results))
 
 
 def _best(
