@@ -116,7 +116,9 @@ def test_the_grid_holds_only_what_megatron_accepts() -> None:
     assert any(k[2] > 1 for k in seen) and any(k[4] for k in seen)
 
 
-# Table 1 of Narayanan et al. 2021 (arXiv 2104.04473), as the Megatron-LM README gives it:
+# Table 1 of Narayanan et al. 2021 (arXiv 2104.04473), as the Megatron-LM README gives it (only
+# the 1T row's 502 PFLOP/s was checked against a stored copy; the GPU counts and batch sizes
+# match the repository's run_table_1.sh):
 # GPT on A100-80GB, sequence 2048, vocabulary 51200, full recompute, no sequence parallelism, no
 # distributed optimizer; configurations from the repository's examples/sc21/run_table_1.sh.
 # (name, heads, hidden, layers, t, p, GPUs, global batch, micro-batch, layers per virtual stage,
