@@ -29,8 +29,8 @@ bench measures.
 A section is (optimizer, m, peak LR); the delay of stage s is about ceil((p - 1 - s) / m).
 - ``sgd:1:0.2``: m = 1, so stage 0 lags 7 updates, as much as a 1F1B runtime makes it; PipeMare's
   home ground (the paper's analysis is SGD's). Naive asynchrony blows up early; LR rescheduling
-  removes that, but about 5% remains with every technique (an earlier sweep,
-  ``benchmarks/results/pipemare-sweep-*.json``: m 1/2/4, 300/600 steps, T1, D, T2).
+  removes that, but a gap of several percent remains with every technique (the section's
+  results in ``benchmarks/results/pipemare-*.json``).
 - ``adamw:4:0.001``: delays up to 2. AdamW is far more delay-sensitive than SGD (one-process AdamW
   with 2-step-stale gradients ends ~20% above, at half the LR too); correction and rescheduling
   change little, weight prediction removes most of the gap.

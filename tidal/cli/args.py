@@ -274,6 +274,21 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     _add_bench_savers(benches)
     _add_bench_pipeline(benches)
     _add_bench_compat(benches)
+    _add_bench_make(benches)
+
+
+def _add_bench_make(benches: argparse._SubParsersAction) -> None:
+    from benchmarks.make import add_arguments
+
+    make = benches.add_parser(
+        "make",
+        help="time `make run` and `make test` in a fresh clone, as a new user meets them",
+        description="Clone this checkout's HEAD into a temporary folder and run each make target "
+        "there in turn (the first pays the set-up of .venv); wall time, exit status, the last "
+        "progress line and summary of `make run`, the pytest totals of `make test`. Writes "
+        "benchmarks/results/make-*.json.",
+    )
+    add_arguments(make)
 
 
 def _add_bench_offload(benches: argparse._SubParsersAction) -> None:

@@ -335,6 +335,10 @@ def _bench(args: argparse.Namespace, console: Console) -> int:
         from benchmarks.compat import run as run_compat
 
         return run_compat(args, console)
+    if args.bench == "make":
+        from benchmarks.make import run as run_make
+
+        return run_make(args, console)
     from benchmarks import bench_train, write_results
     from tidal.config import format_bytes
 
