@@ -37,6 +37,7 @@ import ast
 import dataclasses
 import json
 import math
+import operator
 import re
 import subprocess
 from collections.abc import Iterable
@@ -317,7 +318,8 @@ def _json_problem(root: Path, path: str, expr: str, written: str, units: list[Un
 
 
 def _squeeze(text: str) -> str:
-    return re.sub(r"[\s,*]", "", text)
+    """``text`` without spaces, emphasis and thousands separators (``5,210``)."""
+    return re.sub(r"[\s*]|(?<=\d),(?=\d{3}(?!\d))", "", text)
 
 
 def _evaluate(expr: str, data: Any) -> float:
@@ -332,6 +334,10 @@ def _evaluate(expr: str, data: Any) -> float:
     return _arith(tree.body, values)
 
 
+_OPERATORS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
+              ast.Div: operator.truediv, ast.Pow: operator.pow}  # fmt: skip
+
+
 def _arith(node: ast.expr, values: list[float]) -> float:
     if isinstance(node, ast.Name) and node.id.startswith("_v"):
         return values[int(node.id[2:])]
@@ -339,15 +345,8 @@ def _arith(node: ast.expr, values: list[float]) -> float:
         return float(node.value)
     if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
         return -_arith(node.operand, values)
-    if isinstance(node, ast.BinOp):
-        a, b = _arith(node.left, values), _arith(node.right, values)
-        ops = {ast.Add: a + b, ast.Sub: a - b, ast.Mult: a * b,
-               ast.Div: a / b if b else math.inf, ast.Pow: a**b}  # fmt: skip
-        for op, result in ops.items():
-            if isinstance(node.op, op):
-                if result == math.inf:
-                    raise ZeroDivisionError("division by zero")
-                return result
+    if isinstance(node, ast.BinOp) and type(node.op) in _OPERATORS:
+        return _OPERATORS[type(node.op)](_arith(node.left, values), _arith(node.right, values))
     raise ValueError(f"only + - * / ** over {{keys}} and numbers, not {ast.dump(node)}")
 
 
