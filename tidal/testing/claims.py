@@ -23,7 +23,8 @@ docs/claims.md) differs from the code at the commit the JSON records: git names 
 changed, and a Python file counts only where its syntax tree changed (a comment, a docstring or
 formatting does not make a figure stale). A row citing a stale JSON says ``stale`` in its
 state, and its marker says so where the figure appears, ``[CE7: stale](claims.md#ce7)``; a
-re-measured row drops both.
+re-measured row drops both. A shallow clone or an unpacked archive has no history to decide
+staleness from: there the check leaves the stale marks as they are.
 
 A paragraph, list item or table row of the prose that writes a figure (a number with a unit, a
 percentage, a ratio) or a guarantee word ("equal", "exactly", "never", "within", "bit for bit"
@@ -44,7 +45,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-__all__ = ["Row", "Unit", "check", "doc_units", "parse_claims", "prose_documents"]
+__all__ = ["Row", "Unit", "check", "doc_units", "has_history", "parse_claims", "prose_documents"]
 
 CLAIMS_PATH = "docs/claims.md"
 STATES = ("holds", "weaker", "not measured", "does not hold")
@@ -182,11 +183,19 @@ def check(root: Path, *, claims_text: str | None = None, docs: Iterable[str] | N
     for doc in docs:
         for unit in doc_units(doc, (root / doc).read_text()):
             problems += _unit_problems(unit, by_id, marked)
-    stale = _Staleness(root, benches) if git else None
+    stale = _Staleness(root, benches) if git and has_history(root) else None
     for row in rows:
         if row.doc in docs:
             problems += _row_problems(root, row, marked.get(row.id, []), stale)
     return problems
+
+
+def has_history(root: Path) -> bool:
+    """Whether ``root`` is a git checkout with its whole history (a shallow clone or an
+    unpacked archive cannot tell which results are stale)."""
+    done = subprocess.run(["git", "-C", str(root), "rev-parse", "--is-shallow-repository"],
+                          capture_output=True, text=True, check=False)  # fmt: skip
+    return done.returncode == 0 and done.stdout.strip() == "false"
 
 
 def _table_problems(text: str, rows: list[Row]) -> list[str]:
