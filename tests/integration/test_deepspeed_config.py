@@ -107,3 +107,18 @@ def test_nvme_offload_needs_one_folder(zero: dict, fragment: str) -> None:
     mapped, _ = from_deepspeed({"zero_optimization": {"stage": 3, "offload_optimizer": {
         "device": "nvme", "nvme_path": "/disk"}}}, world_size=1)  # fmt: skip
     assert mapped["memory"] == {"nvme_dir": "/disk"}
+
+
+@pytest.mark.parametrize(
+    ("change", "key", "named"),
+    [
+        ({"train_batch_size": 12}, "train_batch_size", "= 2 x 2 x 2"),
+        ({"optimizer": {"type": "Lamb"}}, "optimizer.type", "'Lamb' has no tidal equivalent"),
+    ],
+)
+def test_a_batch_that_does_not_add_up_and_an_unknown_optimizer_are_refused(
+    change: dict, key: str, named: str
+) -> None:
+    with pytest.raises(tidal.ConfigError) as refused:
+        from_deepspeed({**DS, **change}, world_size=2)
+    assert refused.value.key == key and named in str(refused.value)
