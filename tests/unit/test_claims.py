@@ -13,7 +13,9 @@ from tidal.testing.claims import check, doc_units
 
 ROOT = Path(__file__).resolve().parents[2]
 
-HEADER = """# Claims
+
+def _header(commit: str = "none", state: str = "current") -> str:
+    return f"""# Claims
 
 ## What each bench measures
 
@@ -21,11 +23,20 @@ HEADER = """# Claims
 |---|---|
 | offload | `tidal/memory` |
 
+## Results cited
+
+| results | bench | commit | state |
+|---|---|---|---|
+| `benchmarks/results/o.json` | offload | `{commit}` | {state} |
+
 ## README.md
 
 | id | where | claim | evidence | state |
 |---|---|---|---|---|
 """
+
+
+HEADER = _header()
 
 
 def _repo(tmp_path: Path, prose: str, rows: str, result: dict | None = None) -> Path:
@@ -81,6 +92,17 @@ def test_a_claim_with_no_row_fails_and_a_setting_may_say_so(tmp_path: Path) -> N
     assert len(problems) == 1 and "bit for bit" in problems[0]
 
 
+def test_a_result_the_rows_cite_needs_its_line_in_results_cited(tmp_path: Path) -> None:
+    rows = ROW.replace("o.json", "p.json")
+    root = _repo(tmp_path, PROSE, rows, RESULT)
+    (root / "benchmarks" / "results" / "p.json").write_text(json.dumps(RESULT))
+    problems = check(root, git=False)
+    assert problems == [
+        "docs/claims.md: Results cited lists benchmarks/results/o.json, which no row cites",
+        "docs/claims.md: Results cited has no line for benchmarks/results/p.json",
+    ]
+
+
 def test_a_missing_test_a_marker_with_no_row_and_a_row_with_no_marker_fail(tmp_path: Path) -> None:
     prose = PROSE + "\nResume is exact [R2](docs/claims.md#r2) [R9](docs/claims.md#r9).\n"
     rows = ROW + ('| <a id="r2"></a>R2 | tidal | exact resume | test `tests/test_x.py::test_resume` '
@@ -111,6 +133,9 @@ def test_a_result_older_than_its_code_must_say_it_is_stale(tmp_path: Path) -> No
     results = root / "benchmarks" / "results"
     results.mkdir(parents=True)
     (results / "o.json").write_text(json.dumps({**RESULT, "git_commit": measured}))
+    assert check(root) == [f"docs/claims.md: Results cited says benchmarks/results/o.json was "
+                           f"measured at none; it records {measured[:7]}"]  # fmt: skip
+    (root / "docs" / "claims.md").write_text(_header(measured[:7]) + ROW)
     assert check(root) == []
     (root / "tidal" / "memory" / "store.py").write_text('"""Says why."""\n\nA = 1  # still\n')
     _git(root, "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qam", "docs")
@@ -118,12 +143,14 @@ def test_a_result_older_than_its_code_must_say_it_is_stale(tmp_path: Path) -> No
     (root / "tidal" / "memory" / "store.py").write_text("A = 2\n")
     _git(root, "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qam", "changed")
     problems = check(root)
-    assert len(problems) == 1 and "o.json is stale" in problems[0], problems
+    assert len(problems) == 2 and "o.json is stale" in problems[0], problems
+    assert problems[1].endswith("o.json is stale, not current"), problems
     (root / "README.md").write_text(PROSE.replace("[R1]", "[R1: stale]"))
     stale_row = ROW.replace("| holds |", "| holds; stale (measured before a change) |")
-    (root / "docs" / "claims.md").write_text(HEADER + stale_row)
+    (root / "docs" / "claims.md").write_text(_header(measured[:7], "stale") + stale_row)
     assert check(root) == []
     (results / "o.json").write_text(json.dumps({**RESULT, "git_commit": "0" * 40}))
+    (root / "docs" / "claims.md").write_text(_header("0000000", "stale") + stale_row)
     assert check(root) == [], "a commit git does not know is stale too"
 
 

@@ -23,7 +23,8 @@ docs/claims.md) differs from the code at the commit the JSON records: git names 
 changed, and a Python file counts only where its syntax tree changed (a comment, a docstring or
 formatting does not make a figure stale). A row citing a stale JSON says ``stale`` in its
 state, and its marker says so where the figure appears, ``[CE7: stale](claims.md#ce7)``; a
-re-measured row drops both. A shallow clone or an unpacked archive has no history to decide
+re-measured row drops both. The table "Results cited" lists every results JSON the rows cite
+with the commit it records and its state (current or stale). A shallow clone or an unpacked archive has no history to decide
 staleness from: there the check leaves the stale marks as they are.
 
 A paragraph, list item or table row of the prose that writes a figure (a number with a unit, a
@@ -45,7 +46,16 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-__all__ = ["Row", "Unit", "check", "doc_units", "has_history", "parse_claims", "prose_documents"]
+__all__ = [
+    "Claims",
+    "Row",
+    "Unit",
+    "check",
+    "doc_units",
+    "has_history",
+    "parse_claims",
+    "prose_documents",
+]
 
 CLAIMS_PATH = "docs/claims.md"
 STATES = ("holds", "weaker", "not measured", "does not hold")
@@ -147,10 +157,22 @@ def _cells(line: str) -> list[str]:
     return [c.strip() for c in _CELL.split(line.strip().strip("|"))]
 
 
-def parse_claims(text: str) -> tuple[list[Row], dict[str, list[str]]]:
-    """The rows of docs/claims.md and its table of the code each bench measures."""
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Claims:
+    """docs/claims.md read: its rows, the code each bench measures, and the results it cites
+    (path -> the short commit and the state the table gives)."""
+
+    rows: list[Row]
+    benches: dict[str, list[str]]
+    results: dict[str, tuple[str, str]]
+
+
+def parse_claims(text: str) -> Claims:
+    """The rows of docs/claims.md, its table of the code each bench measures and its table of
+    the results cited."""
     rows: list[Row] = []
     benches: dict[str, list[str]] = {}
+    results: dict[str, tuple[str, str]] = {}
     section = ""
     for number, line in enumerate(text.splitlines(), 1):
         if line.startswith("## "):
@@ -163,12 +185,16 @@ def parse_claims(text: str) -> tuple[list[Row], dict[str, list[str]]]:
             if cells[0] != "bench":
                 benches[cells[0].strip("`")] = re.findall(r"`([^`]+)`", cells[1])
             continue
+        if section == "Results cited":
+            if cells[0] != "results" and len(cells) == 4:
+                results[cells[0].strip("`")] = (cells[2].strip("`"), cells[3])
+            continue
         found = re.fullmatch(r'<a id="([a-z0-9]+)"></a>([A-Z]{1,2}\d+)', cells[0])
         if found is None or len(cells) != 5:
             continue  # a header, or a row the check reports below
         rows.append(Row(id=found.group(2), doc=section, where=cells[1], claim=cells[2],
                         evidence=cells[3], state=cells[4], line=number))  # fmt: skip
-    return rows, benches
+    return Claims(rows=rows, benches=benches, results=results)
 
 
 def check(root: Path, *, claims_text: str | None = None, docs: Iterable[str] | None = None,
@@ -176,7 +202,8 @@ def check(root: Path, *, claims_text: str | None = None, docs: Iterable[str] | N
     """Every problem found, one line each (empty: the docs and their evidence agree)."""
     claims_text = claims_text if claims_text is not None else (root / CLAIMS_PATH).read_text()
     docs = list(docs) if docs is not None else prose_documents(root)
-    rows, benches = parse_claims(claims_text)
+    claims = parse_claims(claims_text)
+    rows, benches = claims.rows, claims.benches
     problems = _table_problems(claims_text, rows)
     by_id = {row.id: row for row in rows}
     marked: dict[str, list[tuple[Unit, bool]]] = {}
@@ -187,6 +214,29 @@ def check(root: Path, *, claims_text: str | None = None, docs: Iterable[str] | N
     for row in rows:
         if row.doc in docs:
             problems += _row_problems(root, row, marked.get(row.id, []), stale)
+    if set(docs) >= set(prose_documents(root)):  # the results table lists the whole table's
+        problems += _results_problems(root, claims, stale)
+    return problems
+
+
+def _results_problems(root: Path, claims: Claims, stale: _Staleness | None) -> list[str]:
+    """Each results JSON the rows cite has a line in "Results cited" with the commit it records
+    and whether it is current or stale; no other line."""
+    cited = {path for row in claims.rows for path in re.findall(r"json `([^`]+)`", row.evidence)}
+    problems = [f"{CLAIMS_PATH}: Results cited lists {path}, which no row cites"
+                for path in sorted(set(claims.results) - cited)]  # fmt: skip
+    for path in sorted(cited):
+        if path not in claims.results or not (root / path).is_file():
+            problems.append(f"{CLAIMS_PATH}: Results cited has no line for {path}")
+            continue
+        commit, state = claims.results[path]
+        recorded = (json.loads((root / path).read_text()).get("git_commit") or "none")[:7]
+        if commit != recorded:
+            problems.append(f"{CLAIMS_PATH}: Results cited says {path} was measured at {commit}; "
+                            f"it records {recorded}")  # fmt: skip
+        if stale is not None and state != ("stale" if stale.is_stale(path) else "current"):
+            problems.append(f"{CLAIMS_PATH}: Results cited: {path} is "
+                            f"{'stale' if stale.is_stale(path) else 'current'}, not {state}")  # fmt: skip
     return problems
 
 
@@ -262,7 +312,12 @@ def _row_problems(root: Path, row: Row, units: list[tuple[Unit, bool]],
         if problem:
             problems.append(f"{place}: {problem}")
         found = re.match(r"json `([^`]+)`", item)
-        if found and stale is not None and stale.is_stale(found.group(1)):
+        if (
+            found
+            and stale is not None
+            and stale.is_stale(found.group(1))
+            and found.group(1) not in stale_files
+        ):
             stale_files.append(found.group(1))
     if stale is not None:
         says_stale = "stale" in row.state
