@@ -99,7 +99,16 @@ def check_plan_fits(
     graph = graph or structure_graph(model, seq_len=seq_len)
     blocks = {u.count for u in plan.units if "*" in u.name}
     ours = set(graph.blocks.values())
-    if plan.seq_len != seq_len or blocks != ours:
+    planned = [(u.name, u.kind) for u in plan.units]
+    if not graph.tokens and (plan.seq_len, planned) != (graph.seq_len, _units(graph)):
+        raise ConfigError(
+            "--plan",
+            f"the plan was made for another model ({plan.model!r}: {len(planned)} units, dim 1 "
+            f"of its input {plan.seq_len}); this run's {graph.name!r} has {len(graph.units)} "
+            f"and {graph.seq_len}: make the plan for it with tidal.planner.plan_for(model, "
+            f"inputs, devices={devices})",
+        )
+    if graph.tokens and (plan.seq_len != seq_len or blocks != ours):
         raise ConfigError(
             "--plan",
             f"the plan was made for another model ({plan.model!r}: {_join(blocks)} blocks, "
@@ -110,6 +119,10 @@ def check_plan_fits(
         check_plan(model, plan, graph=graph)
     except ValueError as err:
         raise ConfigError("--plan", str(err)) from None
+
+
+def _units(graph: ModelGraph) -> list[tuple[str, str]]:
+    return [(u.name, u.kind) for u in graph.units]
 
 
 def _join(items: set[int]) -> str:
@@ -188,23 +201,25 @@ class PlanLayout:
     an all-reduce (FSDP and apply's hooks average), clipping mesh by mesh, this rank's shares
     in the byte counts, and whole tensors in the state ([Note: plan runs]). ``seq_len``: the
     run's (default: the plan's); ``batch_size``: the run's global micro-batch, checked against
-    what the plan was priced for."""
+    what the plan was priced for; ``inputs``: a sample of your own model's inputs, which it is
+    traced on instead of token ids."""
 
     name = "plan"
     optimizer_by_name = True
 
-    def __init__(self, plan: Plan, *, seq_len: int | None = None,
-                 batch_size: int | None = None) -> None:  # fmt: skip
+    def __init__(self, plan: Plan, *, seq_len: int | None = None, batch_size: int | None = None,
+                 inputs: tuple[torch.Tensor, ...] | None = None) -> None:  # fmt: skip
         self.plan = plan
         self.seq_len = plan.seq_len if seq_len is None else seq_len
         self.batch_size = batch_size
+        self.inputs = inputs  # your own model's: traced on them ([Note: models without tokens])
 
     def place(self, model: nn.Module, *, device: torch.device, precision: str,
               init: ParameterValues | None) -> nn.Module:  # fmt: skip
         # The model's structure, and a meta copy to lay checkpoints out with (_load_model).
-        self._graph = structure_graph(model, seq_len=self.seq_len)
+        self._graph = structure_graph(model, seq_len=self.seq_len, inputs=self.inputs)
         self._blueprint = meta_twin(model, buffers=True)
-        check_plan_fits(self.plan, model, world_size=world_size(), seq_len=self.seq_len,
+        check_plan_fits(self.plan, model, world_size=world_size(), seq_len=self._graph.seq_len,
                         graph=self._graph)  # fmt: skip
         if precision == "fp16":
             raise ConfigError(

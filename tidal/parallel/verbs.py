@@ -65,12 +65,14 @@ def shard(model: nn.Module, *, optimizer: OptimizerConfig, training: TrainingCon
 
 def apply_plan(model: nn.Module, plan: Plan, *, optimizer: OptimizerConfig,
                training: TrainingConfig, init: ParameterValues | None = None,
-               seq_len: int | None = None) -> ReferenceEngine:  # fmt: skip
+               seq_len: int | None = None,
+               inputs: tuple[torch.Tensor, ...] | None = None) -> ReferenceEngine:  # fmt: skip
     """Shard ``model`` as ``plan`` says (DTensor on ``tp``, FSDP2 on ``dp``: [Note: plan runs]
-    in plan_layout.py); returns the reference engine that trains it in that layout."""
+    in plan_layout.py); returns the reference engine that trains it in that layout. ``inputs``:
+    for a model of your own, a sample of its inputs (as ``tidal.planner.plan_for`` took)."""
     from tidal.parallel.plan_layout import PlanLayout  # DTensor and FSDP2: for plan runs only
 
-    layout = PlanLayout(plan, seq_len=seq_len, batch_size=training.batch_size)
+    layout = PlanLayout(plan, seq_len=seq_len, batch_size=training.batch_size, inputs=inputs)
     return ReferenceEngine(model, optimizer=optimizer, training=training, init=init,
                            layout=layout)  # fmt: skip
 

@@ -11,7 +11,7 @@ from tidal.planner.apply import apply, full_state_dict, make_mesh, set_accumulat
 from tidal.planner.cluster import CLUSTER_PRESETS, ClusterSpec, Mesh
 from tidal.planner.measure import ModelGraph, Unit, measure
 from tidal.planner.plan import Layout, Plan, Recompute, StrategyName, UnitChoice
-from tidal.planner.search import Infeasible, PlannerConfig, PlanResult, make_plan
+from tidal.planner.search import Infeasible, PlannerConfig, PlanResult, make_plan, plan_for
 
 __all__ = [
     "CLUSTER_PRESETS",
@@ -32,5 +32,6 @@ __all__ = [
     "make_mesh",
     "make_plan",
     "measure",
+    "plan_for",
     "set_accumulating",
 ]

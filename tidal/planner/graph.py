@@ -91,6 +91,9 @@ class ModelGraph:
     blocks: dict[str, int] = field(default_factory=dict)  # cluster prefix ("blocks.*") -> count
     # module -> units whose outputs its own code reads the shape of ([Note: structure facts])
     shape_reads: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    # whether dim 1 of its activations is a sequence of tokens ([Note: models without tokens]
+    # in wiring.py): traced on token ids, as tidal's GPT and Hugging Face decoders are
+    tokens: bool = True
 
     def unit(self, name: str) -> Unit:
         for unit in self.units:
@@ -185,6 +188,7 @@ def cluster_blocks(graph: ModelGraph) -> ModelGraph:
         seq_len=graph.seq_len,
         blocks=blocks,
         shape_reads={m: tuple(sorted(v)) for m, v in reads.items()},
+        tokens=graph.tokens,
     )
 
 

@@ -400,9 +400,9 @@ def measure(
     batch, seq = (int(tensors[0].shape[0]), int(tensors[0].shape[1])) if tensors else (1, 1)
     kept = {u.name for u in units}
     reads = {m: tuple(sorted(v & kept)) for m, v in tracer.shape_reads.items() if v & kept}
-    graph = ModelGraph(
-        name=name, units=units, edges=edges, micro_batch=batch, seq_len=seq, shape_reads=reads
-    )
+    tokens = not tensors or (tensors[0].dim() == 2 and not tensors[0].is_floating_point())
+    graph = ModelGraph(name=name, units=units, edges=edges, micro_batch=batch, seq_len=seq,
+                       shape_reads=reads, tokens=tokens)  # fmt: skip
     return cluster_blocks(graph)
 
 

@@ -20,6 +20,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import torch
+from torch import nn
+
 from tidal.config.configurable import ConfigError, format_bytes, require
 from tidal.planner.baselines import BASELINES, Baseline, baseline, megatron_tp
 from tidal.planner.cluster import ClusterSpec, Mesh
@@ -35,8 +38,9 @@ from tidal.planner.strategies import (
     unit_options,
     valid_tensor_sizes,
 )
+from tidal.planner.wiring import structure_graph
 
-__all__ = ["Infeasible", "PlannerConfig", "PlanResult", "make_plan", "to_plan"]
+__all__ = ["Infeasible", "PlannerConfig", "PlanResult", "make_plan", "plan_for", "to_plan"]
 
 PARETO_EPS = (0.0, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0)
 
@@ -289,6 +293,29 @@ def make_plan(
         lap("megatron")
     result.solve_s = time.perf_counter() - started
     return result
+
+
+def plan_for(
+    model: nn.Module,
+    inputs: torch.Tensor | tuple[torch.Tensor, ...],
+    *,
+    devices: int,
+    cluster: ClusterSpec | None = None,
+    config: PlannerConfig | None = None,
+) -> Plan:
+    """The plan for your own ``model`` on ``devices`` devices, traced on ``inputs`` (a sample
+    of what it is called with, on any device: only shapes and dtypes are read; dim 0 is the
+    rows of one micro-batch on one data-parallel rank); train with it through
+    ``tidal.Trainer(model, config, train_data=..., plan=plan)``. ``cluster``: the devices'
+    figures (default: an H100 node's); ``config``: the search (default: the plan alone, no
+    pipelines, frontier or baselines). See [Note: models without tokens] in wiring.py."""
+    cluster = cluster or ClusterSpec(devices=devices, devices_per_node=min(devices, 8))
+    require(
+        cluster.devices == devices, "cluster", f"is for {cluster.devices} devices, not {devices}"
+    )
+    config = config or PlannerConfig(pareto=(), baselines=(), pipelines=False)
+    sample = inputs if isinstance(inputs, tuple) else (inputs,)
+    return make_plan(structure_graph(model, inputs=sample), cluster, config).plan
 
 
 def _solve_meshes(graph: ModelGraph, cluster: ClusterSpec, config: PlannerConfig, limit: float,

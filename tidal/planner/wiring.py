@@ -41,6 +41,16 @@ sequences anyway. tidal's GPT reads only its fused projection's shape, which is 
 along the sequence, so nothing changes there; in LLaMA the embedding, each input norm, the
 projections and the final norm hand on whole sequences, and in GPT-2 the embeddings, the
 dropout after them and the final norm.
+
+[Note: models without tokens]
+The layouts split an activation along dim 1 as a sequence (``S(seq)``) and along its last dim
+as features (``S(hid)``), which is what they are in a model of token ids. A model of your own
+traced on other inputs (an MLP's ``(batch, features)``, a CNN's images) has no sequence: dim 1
+is features or channels, and a split there or along an image's width would cut what a
+convolution or a pooling mixes. So in a graph traced on anything but 2-D integer ids, linears
+keep their tensor-parallel splits (colwise from whole inputs, rowwise from ``S(hid)``: exact on
+any number of leading dims) and every other unit takes whole activations; the data axis
+(ZeRO 0-3 per unit) is the same as for a decoder.
 """
 
 from __future__ import annotations
@@ -172,12 +182,24 @@ def example_inputs(model: nn.Module, *, micro_batch: int, seq_len: int) -> tuple
     return (ids,)
 
 
-def structure_graph(model: nn.Module, *, seq_len: int, micro_batch: int = 1) -> ModelGraph:
+def structure_graph(
+    model: nn.Module,
+    *,
+    seq_len: int | None = None,
+    micro_batch: int = 1,
+    inputs: tuple[torch.Tensor, ...] | None = None,
+) -> ModelGraph:
     """The graph of ``model`` (on any device; a meta twin is traced) with every dropout a unit,
-    for :func:`derive_wiring` ([Note: structure facts] in measure.py)."""
+    for :func:`derive_wiring` ([Note: structure facts] in measure.py). It is traced on token
+    ids of ``micro_batch x seq_len``, or on ``inputs`` (a sample of your own model's inputs,
+    on any device: only their shapes and dtypes are read)."""
     twin = meta_twin(model)
-    inputs = example_inputs(twin, micro_batch=micro_batch, seq_len=seq_len)
-    return measure(twin, inputs, name=type(model).__name__, dropout_units=True)
+    if inputs is not None:
+        traced = tuple(torch.empty_like(t, device="meta") for t in inputs)
+    else:
+        assert seq_len is not None, "token ids need a sequence length"
+        traced = example_inputs(twin, micro_batch=micro_batch, seq_len=seq_len)
+    return measure(twin, traced, name=type(model).__name__, dropout_units=True)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -218,7 +240,11 @@ def derive_wiring(graph: ModelGraph) -> ModelWiring:
 
 def input_layouts(graph: ModelGraph) -> dict[str, tuple[Layout, ...]]:
     """The input layouts units of ``graph`` may take, for those that cannot take them all
-    ([Note: code counts whole sequences]); the planner offers them no other."""
+    ([Note: code counts whole sequences], [Note: models without tokens]); the planner offers
+    them no other."""
+    if not graph.tokens:
+        return {u.name: (Layout.R, Layout.HID) if u.kind == "linear" else (Layout.R,)
+                for u in graph.units}  # fmt: skip
     positions = _positions(graph)
     blocks = {p: _block(graph, p, n, positions) for p, n in graph.blocks.items()}
     whole_in, sequence_whole, _ = _whole(graph, positions, blocks)
@@ -332,7 +358,11 @@ def _projections(graph: ModelGraph) -> dict[str, Projection]:
 
 
 def _hidden_size(graph: ModelGraph) -> int:
-    """The residual stream's width: the word embedding's (the largest table's) columns."""
+    """The residual stream's width: the word embedding's (the largest table's) columns; 0 for
+    a model without tokens, whose ``S(hid)`` activations are each a linear's, checked by unit
+    ([Note: models without tokens])."""
+    if not graph.tokens:
+        return 0
     tables = [u for u in graph.units if u.kind == "embedding" and u.params]
     if not tables:
         return 1

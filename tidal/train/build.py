@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+import torch
 import torch.distributed as dist
 from torch import nn
 
@@ -36,17 +37,20 @@ def build_engine(
     *,
     init: ParameterValues | None = None,
     plan: Plan | None = None,
+    inputs: tuple[torch.Tensor, ...] | None = None,
 ) -> Engine:
     """``engine = "reference"``: plain PyTorch; ``"chunk"``: parameters in chunks under budgets,
     sharded over the ranks (ZeRO-3) when a process group of several ranks is initialised, and
     on one process when ``memory.nvme_dir`` asks for the disk tier. With a ``plan`` (``tidal
-    plan``), the reference engine in the plan's layout on its ranks. ``init``: the values of a model built on the
-    meta device ([Note: deferred construction] in tidal/memory/materialize.py)."""
+    plan``), the reference engine in the plan's layout on its ranks; ``inputs``: a sample of
+    your own model's inputs to trace it on (else the job's token ids). ``init``: the values of
+    a model built on the meta device ([Note: deferred construction] in
+    tidal/memory/materialize.py)."""
     if plan is not None:
         refuse_chunk_engine(job)
-        seq_len = job.model.resolve().seq_len
+        seq_len = None if inputs is not None else job.model.resolve().seq_len
         return apply_plan(model, plan, optimizer=job.optimizer, training=job.training, init=init,
-                          seq_len=seq_len)  # fmt: skip
+                          seq_len=seq_len, inputs=inputs)  # fmt: skip
     if job.engine == "reference":
         return ReferenceEngine(model, optimizer=job.optimizer, training=job.training,
                                memory=job.memory, init=init)  # fmt: skip

@@ -109,7 +109,8 @@ class Trainer:
 
     Under torchrun every rank builds its own Trainer; see [Note: global batch]. ``plan``: a
     plan of ``tidal plan`` (or the path of its JSON file) to train with, on its ``dp x tp``
-    ranks ([Note: plan runs] in tidal/parallel/plan_engine.py). ``pipeline``: train as a
+    ranks ([Note: plan runs] in tidal/parallel/plan_layout.py); for your own model, one of
+    ``tidal.planner.plan_for(model, inputs, devices=...)``. ``pipeline``: train as a
     pipeline, one rank per stage ([Note: pipeline runs] in pipeline_part.py); by default when
     ``pipeline.stages > 1``. The loop, the run folder, checkpoints and the summary are the same
     for both; what trains is the ``part`` (engine_part.py).
@@ -154,10 +155,6 @@ class Trainer:
                                          timeout_s=self.job.distributed.timeout_s)  # fmt: skip
         self.rank, self.world_size = current_rank(), current_world_size()
         torch.manual_seed(training.seed)
-        if self.user_model is not None and self.plan is not None:
-            raise ConfigError("--plan", "a plan needs tidal's GPT or a Hugging Face decoder (the "
-                              "planner traces decoders); your own model trains on the reference, "
-                              "chunk and sharded engines, or as a pipeline")  # fmt: skip
         if self.job.pipeline.stages > 1 if pipeline is None else pipeline:
             if self.plan is not None:
                 raise ConfigError(
@@ -198,7 +195,8 @@ class Trainer:
         # model ([Note: deferred construction] in tidal/memory/materialize.py).
         if self.model_config is None:
             assert self.user_model is not None
-            engine = build_engine(self.user_model, self.job)
+            engine = build_engine(self.user_model, self.job, plan=self.plan,
+                                  inputs=self._sample_inputs() if self.plan else None)  # fmt: skip
             unique = {id(p): p for p in engine.model.parameters()}.values()
             self.num_params = sum(p.numel() for p in unique)
             self.flops_per_token = None  # not known for a model tidal did not write
@@ -223,6 +221,13 @@ class Trainer:
             grad_accum_steps=training.grad_accum_steps,
             computes_loss=spec.computes_loss,
         )
+
+    def _sample_inputs(self) -> tuple[torch.Tensor, ...]:
+        """This rank's rows of your first batch's inputs, which a plan traces your model on
+        ([Note: models without tokens] in tidal/planner/wiring.py)."""
+        batches = DataBatches(self._train_data, batch_size=self.job.training.batch_size)
+        inputs = batches.fixed_batches(1)[0][0]
+        return (inputs[self._rank_rows()],)
 
     def _pipeline_part(self) -> TrainingPart:
         from tidal.train.pipeline_part import PipelinePart
