@@ -57,8 +57,22 @@ CASES = {
 }
 
 
+def _cnn_groupnorm() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Conv2d(1, 8, 3, padding=1), nn.GroupNorm(2, 8), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Conv2d(8, 16, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+        nn.Linear(16, 10),
+    )  # fmt: skip
+
+
+# Sharded over two ranks each rank's BatchNorm normalises its own rows (as under DDP), so the
+# CNN compared with one process normalises by groups.
+TWO_RANKS = {"mlp": CASES["mlp"], "cnn-groupnorm": (_cnn_groupnorm, _images, None)}
+
+
 def _fit(run_dir: Path, case: str, engine: str, steps: int, resume: bool = False) -> dict:
-    build, data, loss_fn = CASES[case]
+    build, data, loss_fn = {**CASES, **TWO_RANKS}[case]
     config = {
         "run_dir": str(run_dir),
         "training": {"steps": steps, "batch_size": BATCH, "val_every": 2, "log_every": 1,
@@ -68,7 +82,7 @@ def _fit(run_dir: Path, case: str, engine: str, steps: int, resume: bool = False
         **ENGINES[engine],
     }  # fmt: skip
     if engine == "chunk":
-        config["memory"] = {"device_budget": BUDGETS[case]}
+        config["memory"] = {"device_budget": BUDGETS[case.split("-")[0]]}
     trainer = tidal.Trainer(build(), config, train_data=data(), val_data=data()[:2],
                             loss_fn=loss_fn)  # fmt: skip
     return trainer.fit(resume=resume)
@@ -123,21 +137,31 @@ def test_your_model_needs_your_data_and_is_exported_under_its_own_names(
     assert torch.equal(model.eval()(inputs), trained.eval()(inputs))
 
 
-def _fit_on_this_rank(run_dir: str) -> dict:
-    return _fit(Path(run_dir), "mlp", "chunk", 4)
+def _fit_on_this_rank(root: str, case: str) -> dict:
+    whole = _fit(Path(root) / "two", case, "chunk", 4)
+    _fit(Path(root) / "split", case, "chunk", 2)
+    _fit(Path(root) / "split", case, "chunk", 4, resume=True)
+    return whole
 
 
 @pytest.mark.slow
-def test_your_model_on_two_ranks_is_sharded_and_equals_one_process(tmp_path: Path) -> None:
+@pytest.mark.parametrize("case", TWO_RANKS)
+def test_your_model_on_two_ranks_is_sharded_equals_one_process_and_resumes(
+    case: str, tmp_path: Path
+) -> None:
     """Each rank its half of every batch; the chunk engine shards over the ranks (ZeRO-3)."""
     from tidal.testing import run_on_ranks
 
-    ranks = run_on_ranks(_fit_on_this_rank, world_size=2, args=(str(tmp_path / "two"),),
+    ranks = run_on_ranks(_fit_on_this_rank, world_size=2, args=(str(tmp_path), case),
                          timeout_s=120)  # fmt: skip
-    _fit(tmp_path / "one", "mlp", "chunk", 4)
+    _fit(tmp_path / "one", case, "chunk", 4)
     assert ranks[0]["engine"] == "chunk-sharded" and ranks[0]["bytes_all_gathered"] > 0
 
-    def losses(run: str) -> list[float]:
-        return [r["loss"] for r in read_metrics(tmp_path / run) if r["kind"] == "train"]
+    def records(run: str) -> list[tuple]:
+        return [(r["step"], r.get("loss"), r.get("val_loss")) for r in read_metrics(tmp_path / run)]
 
-    assert losses("two") == pytest.approx(losses("one"), rel=1e-5)
+    flat = [v for r in records("one") for v in r[1:] if v is not None]
+    assert [v for r in records("two") for v in r[1:] if v is not None] == pytest.approx(
+        flat, rel=1e-5
+    )
+    assert records("split") == records("two") and len(flat) == 6  # 4 steps, 2 vals; exact resume
