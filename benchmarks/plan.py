@@ -42,6 +42,7 @@ def bench_plan(
     micro_batch: int = 1,
     pareto: tuple[float, ...] = PARETO,
     schedules: tuple[str, ...] = ("1f1b", "interleaved"),
+    offload: tuple[float, ...] = (0.0,),
 ) -> list[dict[str, Any]]:
     from tidal.models import preset
 
@@ -64,10 +65,11 @@ def bench_plan(
                 pareto=pareto,
                 pipeline_pareto=pareto,
                 schedules=schedules,
-                baselines=("megatron", "megatron_sp", "zero3", "zero3_full"),
+                offload=offload,
+                baselines=("megatron", "megatron_sp", "zero3", "zero3_full", "zero3_offload"),
             )
             row: dict[str, Any] = {"model": name, "devices": n, "measure_s": measure_s,
-                                   "schedules": list(schedules),
+                                   "schedules": list(schedules), "offload": list(offload),
                                    "cluster_memory_bytes": device_memory_bytes}  # fmt: skip
             try:
                 result = make_plan(graph, cluster, planner, shape=shape)
@@ -228,8 +230,10 @@ def largest_fitting(name: str, devices: int, *, device_memory_bytes: int = 80 * 
     """The most layers at preset ``name``'s width whose least-memory configuration fits the
     devices: for tidal's flat plans (the ILP at any speed; pipelined plans hold no less, as
     [Note: pipeline stages] in tidal/planner/pipelines.py lets one see) and for Megatron-LM's
-    grid. Layers are added to the measured graph (one block's units, repeated), not traced
-    again."""
+    grid; and for tidal's flat plans with the optimizer state on the host too ([Note: optimizer
+    offload] in tidal/planner/strategies.py: priced, not yet run), with that plan's step time
+    beside Megatron-LM's fastest at its own largest. Layers are added to the measured graph (one
+    block's units, repeated), not traced again."""
     from tidal.models import preset
     from tidal.planner.megatron import megatron_best, megatron_grid
     from tidal.planner.pipelines import stage_graph
@@ -240,13 +244,20 @@ def largest_fitting(name: str, devices: int, *, device_memory_bytes: int = 80 * 
     cluster = ClusterSpec(devices=devices, devices_per_node=devices_per_node,
                           device_memory_bytes=device_memory_bytes)  # fmt: skip
     planner = PlannerConfig(pareto=(), baselines=(), pipelines=False)
+    offloading = dataclasses.replace(planner, offload=(0.0, 1.0))
+
+    def tidal_plan(layers: int, config: PlannerConfig) -> Any:
+        try:
+            return make_plan(stage_graph(graph, blocks=layers, first=True, last=True), cluster,
+                             config)  # fmt: skip
+        except Infeasible:
+            return None
 
     def tidal_fits(layers: int) -> bool:
-        try:
-            make_plan(stage_graph(graph, blocks=layers, first=True, last=True), cluster, planner)
-        except Infeasible:
-            return False
-        return True
+        return tidal_plan(layers, planner) is not None
+
+    def offloaded_fits(layers: int) -> bool:
+        return tidal_plan(layers, offloading) is not None
 
     def megatron_fits(layers: int) -> bool:
         rows = megatron_grid(dataclasses.replace(shape, num_layers=layers), cluster,
@@ -265,6 +276,8 @@ def largest_fitting(name: str, devices: int, *, device_memory_bytes: int = 80 * 
     per_layer = sum(u.num_params for u in graph.units if graph.block_of(u))
     outside = graph.num_params - per_layer * config.num_layers
     tidal_layers = most(tidal_fits)  # more layers never need less memory on the same meshes
+    offload_layers = most(offloaded_fits)
+    at_most = tidal_plan(offload_layers, offloading)
     # Megatron's stages must divide the layers, so fitting is not monotone in them: past the
     # bisection's answer, every count up to twice it is tried
     found = most(megatron_fits)
@@ -278,6 +291,16 @@ def largest_fitting(name: str, devices: int, *, device_memory_bytes: int = 80 * 
         "megatron_layers": megatron_layers,
         "megatron_params": outside + per_layer * megatron_layers,
         "ratio": (outside + per_layer * tidal_layers) / max(1, outside + per_layer * megatron_layers),
+        "tidal_offload_layers": offload_layers,
+        "tidal_offload_params": outside + per_layer * offload_layers,
+        "offload_ratio": (outside + per_layer * offload_layers)
+        / max(1, outside + per_layer * megatron_layers),
+        "offload_plan": None if at_most is None else {
+            "offload": at_most.plan.offload, "mesh": f"dp {at_most.plan.dp} x tp {at_most.plan.tp}",
+            "step_time_s": at_most.plan.step_time_s,
+            "peak_memory_bytes": at_most.plan.peak_memory_bytes,
+            "host_bytes_per_device": at_most.plan.memory.host,
+        },
     }  # fmt: skip
 
 
@@ -296,6 +319,7 @@ def run(args: argparse.Namespace, console: Console) -> int:
         device_memory_bytes=parse_bytes(args.device_memory),
         eps=args.eps,
         schedules=tuple(x.strip() for x in args.schedules.split(",") if x.strip()),
+        offload=tuple(float(x) for x in args.offload.split(",") if x.strip()),
     )
     folder = Path(args.results_dir) if args.results_dir else None
     path = write_results("plan", rows, folder=folder)
@@ -336,13 +360,17 @@ def _run_largest(args: argparse.Namespace, console: Console) -> int:
     view = Table(title="the largest model whose least-memory configuration fits (cost model)",
                  title_justify="left")  # fmt: skip
     for column in ("width of", "N", "tidal layers", "tidal B params", "Megatron-LM layers",
-                   "Megatron-LM B params", "tidal / Megatron-LM"):  # fmt: skip
+                   "Megatron-LM B params", "tidal / Megatron-LM", "offloaded: layers",
+                   "B params", "/ Megatron-LM", "step s"):  # fmt: skip
         view.add_column(column, justify="left" if column == "width of" else "right")
     for row in rows:
+        step = row["offload_plan"]["step_time_s"] if row["offload_plan"] else float("nan")
         view.add_row(
             row["model"], str(row["devices"]), str(row["tidal_layers"]),
             f"{row['tidal_params'] / 1e9:.1f}", str(row["megatron_layers"]),
             f"{row['megatron_params'] / 1e9:.1f}", f"{row['ratio']:.2f}x",
+            str(row["tidal_offload_layers"]), f"{row['tidal_offload_params'] / 1e9:.1f}",
+            f"{row['offload_ratio']:.2f}x", f"{step:.1f}",
         )  # fmt: skip
     console.print(view)
     console.print(f"results: {path}")

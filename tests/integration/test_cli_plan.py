@@ -85,7 +85,13 @@ def test_bench_plan_writes_results(tmp_path, capsys) -> None:
     assert data["bench"] == "plan" and data["git_commit"] and data["torch_version"]
     (row,) = data["rows"]
     assert row["model"] == "demo" and row["devices"] == 8
-    assert set(row["baselines"]) == {"megatron", "megatron_sp", "zero3", "zero3_full"}
+    assert set(row["baselines"]) == {
+        "megatron",
+        "megatron_sp",
+        "zero3",
+        "zero3_full",
+        "zero3_offload",
+    }
     best = row["megatron_best"]
     assert best["least_memory"]["peak_memory_bytes"] > 0
     # issue 24: the frontiers of the plot; each is memory falling as the step time grows
@@ -180,8 +186,9 @@ def test_a_plan_holding_more_than_megatrons_best_says_why() -> None:
 
 
 def test_bench_plan_largest_model_that_fits(tmp_path, capsys) -> None:
-    """Issue 24: the most layers whose least-memory configuration fits, for tidal and for
-    Megatron-LM's grid; one more layer does not fit tidal's plans (checked here)."""
+    """Issue 24: the most layers whose least-memory configuration fits, for tidal (with and
+    without the optimizer on the host) and for Megatron-LM's grid; one more layer does not fit
+    tidal's plans (checked here)."""
     args = ["bench", "plan", "--largest", "--models", "tiny", "--devices", "2",
             "--device-memory", "8MiB", "--results-dir", str(tmp_path)]  # fmt: skip
     assert main(args) == 0
@@ -201,5 +208,16 @@ def test_bench_plan_largest_model_that_fits(tmp_path, capsys) -> None:
     make_plan(stage_graph(graph, blocks=layers, first=True, last=True), cluster, config)
     with pytest.raises(Infeasible):
         make_plan(stage_graph(graph, blocks=layers + 1, first=True, last=True), cluster, config)
+    # the optimizer state on the host makes room for more ([Note: optimizer offload]); one
+    # more layer does not fit that either
+    assert row["tidal_offload_layers"] > layers and row["offload_plan"]["offload"] == 1.0
+    assert row["offload_plan"]["host_bytes_per_device"] > 0
+    assert row["offload_ratio"] == pytest.approx(
+        row["tidal_offload_params"] / row["megatron_params"]
+    )
+    offloading = dataclasses.replace(config, offload=(0.0, 1.0))
+    with pytest.raises(Infeasible):
+        blocks = row["tidal_offload_layers"] + 1
+        make_plan(stage_graph(graph, blocks=blocks, first=True, last=True), cluster, offloading)
     printed = capsys.readouterr().out
     assert "the largest model whose least-memory configuration fits" in printed

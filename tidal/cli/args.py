@@ -195,7 +195,8 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
     )  # fmt: skip
     plan.add_argument(
         "--baselines",
-        default="megatron,megatron_sp,megatron_no_recompute,zero1,zero2,zero3,zero3_full",
+        default="megatron,megatron_sp,megatron_no_recompute,zero1,zero2,zero3,zero3_full,"
+        "zero3_offload",
         metavar="A,B", help="layouts to price on the plan's mesh in the same cost model",
     )  # fmt: skip
     plan.add_argument("--json", default=None, metavar="PATH", help="write the plan here")
@@ -360,6 +361,11 @@ def _add_schedules(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--schedules", default="1f1b,interleaved", metavar="S,S",
         help="pipeline schedules to search: 1f1b, interleaved, pipemare (asynchronous)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--offload", default="0", metavar="F,F",
+        help="fractions of the fp32 masters and optimizer state to search on the host, updated "
+        "there (priced, not yet run by tidal train --plan), e.g. 0,0.5,1 (default 0: none)",
     )  # fmt: skip
 
 

@@ -101,6 +101,7 @@ def run_plan(args: argparse.Namespace, console: Console) -> int:
         pareto=pareto,
         pipeline_pareto=pipeline_pareto,
         schedules=tuple(x.strip() for x in args.schedules.split(",") if x.strip()),
+        offload=_numbers(args.offload, "--offload"),
         baselines=tuple(x.strip() for x in args.baselines.split(",") if x.strip()),
         recompute=modes,
     )

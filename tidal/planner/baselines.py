@@ -14,7 +14,11 @@ the planner's saving against it comes from choices the family does not have.
 - ``zero1`` / ``zero2`` / ``zero3``: data parallel on every device, no recompute;
 - ``zero3_full``: ZeRO-3 with full recompute, as DeepSpeed's docs set it up for large models
   (activation checkpointing on). FSDP2 (``fully_shard``, resharding after forward) moves the
-  same bytes as ZeRO-3 here, so it has no row of its own.
+  same bytes as ZeRO-3 here, so it has no row of its own;
+- ``zero3_offload``: ``zero3_full`` with its fp32 masters and optimizer state on the host and
+  updated there (DeepSpeed's ``offload_optimizer`` to the CPU, ZeRO-Offload / ZeRO-Infinity's
+  CPU tier), priced as [Note: optimizer offload] in strategies.py says. Offloading parameters
+  too (ZeRO-Infinity's ``offload_param``, FSDP2's ``CPUOffloadPolicy``) is not priced yet.
 
 These are layouts on the plan's own mesh (the seed paper's comparison); Megatron-LM at its real
 configuration, with pipeline stages and its distributed optimizer, is megatron.py's.
@@ -22,6 +26,7 @@ configuration, with pipeline stages and its distributed optimizer, is megatron.p
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -142,15 +147,16 @@ def _any(unit: Unit, cand: Candidate, graph: ModelGraph) -> bool:
     return True
 
 
-BASELINES: dict[str, tuple[str, bool, int, Recompute]] = {
-    # name: (family, sequence parallel, ZeRO level, recompute)
-    "megatron": ("megatron", False, 0, Recompute.SELECTIVE),
-    "megatron_sp": ("megatron", True, 0, Recompute.SELECTIVE),
-    "megatron_no_recompute": ("megatron", False, 0, Recompute.NONE),
-    "zero1": ("zero", False, 1, Recompute.NONE),
-    "zero2": ("zero", False, 2, Recompute.NONE),
-    "zero3": ("zero", False, 3, Recompute.NONE),
-    "zero3_full": ("zero", False, 3, Recompute.FULL),
+BASELINES: dict[str, tuple[str, bool, int, Recompute, float]] = {
+    # name: (family, sequence parallel, ZeRO level, recompute, optimizer state on the host)
+    "megatron": ("megatron", False, 0, Recompute.SELECTIVE, 0.0),
+    "megatron_sp": ("megatron", True, 0, Recompute.SELECTIVE, 0.0),
+    "megatron_no_recompute": ("megatron", False, 0, Recompute.NONE, 0.0),
+    "zero1": ("zero", False, 1, Recompute.NONE, 0.0),
+    "zero2": ("zero", False, 2, Recompute.NONE, 0.0),
+    "zero3": ("zero", False, 3, Recompute.NONE, 0.0),
+    "zero3_full": ("zero", False, 3, Recompute.FULL, 0.0),
+    "zero3_offload": ("zero", False, 3, Recompute.FULL, 1.0),
 }
 
 
@@ -163,11 +169,12 @@ def baseline(
 ) -> Baseline | None:
     """Baseline ``name`` (a key of :data:`BASELINES`); ``None`` when the global batch does not
     split over its mesh."""
-    family, sp, zero, recompute = BASELINES[name]
+    family, sp, zero, recompute, offload = BASELINES[name]
     t = tensor_size if family == "megatron" else 1
     mesh = Mesh(dp=cluster.devices // t, tp=t)
     spec = spec_for(mesh)
     if spec is None:
         return None
+    spec = dataclasses.replace(spec, offload=offload)
     rule = _megatron_rule(sp) if family == "megatron" else _any
     return _solve_family(name, graph, mesh, cluster, spec, rule, zero, recompute)

@@ -75,6 +75,12 @@ def check_plan(model: nn.Module, plan: Plan, *, graph: ModelGraph | None = None)
 
 def wire_plan(model: nn.Module, plan: Plan, *, graph: ModelGraph | None = None) -> PlanWiring:
     """The checked plan with its wire layouts ([Note: plan realisation] in apply.py)."""
+    if plan.offload:
+        raise ValueError(
+            f"the plan keeps {plan.offload:.0%} of the optimizer state on the host, which is "
+            f"priced but not run yet ([Note: optimizer offload] in tidal/planner/strategies.py):"
+            f" make it without --offload (or offload=(0.0,)) to train it"
+        )
     graph = graph or structure_graph(model, seq_len=plan.seq_len)
     wiring = derive_wiring(graph)
     units = _check_units(wiring, plan, model_name(model))

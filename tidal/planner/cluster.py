@@ -47,6 +47,14 @@ class ClusterSpec:
     inter_node_bandwidth: float = 50e9
     intra_node_latency_s: float = 5e-6
     inter_node_latency_s: float = 10e-6
+    # The host side, for optimizer state offloaded there ([Note: optimizer offload] in
+    # strategies.py): a DGX H100's 2 TB of memory per node, each device's own PCIe Gen5 x16
+    # link (64 GB/s a direction, 50 achieved), and the rate at which the node's CPUs run Adam
+    # over fp32 state (an assumption: memory-bound at about 16 bytes read and written a
+    # parameter on a two-socket server; no published figure is checked here).
+    host_memory_per_node_bytes: int = 2 * 1024 * GiB
+    host_link_bandwidth: float = 50e9  # bytes/s per device, each direction
+    host_adam_params_per_s: float = 2e9  # per node, all its CPUs
 
     def __post_init__(self) -> None:
         require(self.devices >= 1, "devices", f"must be >= 1, got {self.devices}")
@@ -66,13 +74,25 @@ class ClusterSpec:
             "device_memory",
             f"must be > 0, got {self.device_memory_bytes}",
         )
-        for name in ("peak_flops", "memory_bandwidth", "intra_node_bandwidth"):
+        for name in ("peak_flops", "memory_bandwidth", "intra_node_bandwidth",
+                     "host_memory_per_node_bytes", "host_link_bandwidth",
+                     "host_adam_params_per_s"):  # fmt: skip
             require(getattr(self, name) > 0, name, f"must be > 0, got {getattr(self, name)}")
         require(
             0 < self.compute_efficiency <= 1,
             "compute_efficiency",
             f"must be in (0, 1], got {self.compute_efficiency}",
         )
+
+    @property
+    def devices_on_node(self) -> int:
+        """The devices sharing one node's host memory and CPUs."""
+        return min(self.devices, self.devices_per_node)
+
+    @property
+    def host_bytes_per_device(self) -> float:
+        """Each device's share of its node's host memory."""
+        return self.host_memory_per_node_bytes / self.devices_on_node
 
 
 CLUSTER_PRESETS: dict[str, dict[str, float]] = {

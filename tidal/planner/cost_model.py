@@ -77,6 +77,7 @@ class Assignment:
     mesh: Mesh
     choice: dict[str, Candidate]
     recompute: dict[str, Recompute]
+    offload: float = 0.0  # [Note: optimizer offload] in strategies.py
 
 
 @dataclass(kw_only=True, slots=True)
@@ -122,9 +123,10 @@ def evaluate(
             activations=held * _activations(unit, cand, mode),
             transient=cand.memory.transient,
             redundant=cand.memory.redundant,
+            host=cand.memory.host,
         )
         unit_memory[unit.name] = mine
-        for name in ("params", "grads", "optimizer", "activations", "redundant"):
+        for name in ("params", "grads", "optimizer", "activations", "redundant", "host"):
             setattr(total, name, getattr(total, name) + unit.count * getattr(mine, name))
         transients.append(cand.memory.transient)
         if block is not None and mode is Recompute.FULL:

@@ -13,6 +13,9 @@ Variables, for one mesh:
 - ``M`` continuous: the peak, ``M >= base + transient_k`` for each transient ``k``
   ([Note: peak memory] in cost_model.py).
 
+With optimizer state offloaded, one row more keeps the units' host bytes within the device's
+share of its node's host memory ([Note: optimizer offload] in strategies.py).
+
 Every coefficient a product variable carries is non-negative and the products only appear on
 the cost side, so the lower bounds alone make them exact at an optimum. Objectives: minimum time
 with ``M <= device memory``, or minimum ``M`` with time ``<= (1 + eps) * T*``; each with a tiny
@@ -84,6 +87,7 @@ class Problem:
     graph: ModelGraph
     mesh: Mesh
     options: dict[str, list[Candidate]]
+    offload: float = 0.0  # the spec's ([Note: optimizer offload] in strategies.py)
     num_vars: int = 0
     integer: list[int] = field(default_factory=list)
     x: dict[tuple[str, int], int] = field(default_factory=dict)
@@ -236,7 +240,8 @@ class Problem:
         recompute = {
             b: max(_MODES, key=lambda mode: values[self.r[(b, mode)]]) for b in self.graph.blocks
         }
-        return Assignment(mesh=self.mesh, choice=choice, recompute=recompute)
+        return Assignment(mesh=self.mesh, choice=choice, recompute=recompute,
+                          offload=self.offload)  # fmt: skip
 
 
 class _StdoutSilencer:
@@ -319,7 +324,7 @@ def build_problem(
     recompute_modes: dict[str, tuple[Recompute, ...]] | None = None,
 ) -> Problem:
     """The ILP of [Note: the ILP] for ``graph`` on ``mesh`` with the candidates ``options``."""
-    problem = Problem(graph=graph, mesh=mesh, options=options)
+    problem = Problem(graph=graph, mesh=mesh, options=options, offload=spec.offload)
     for unit in graph.units:
         if not options[unit.name]:
             raise ValueError(f"unit {unit.name} has no candidate strategy on {mesh}")
@@ -345,6 +350,7 @@ def build_problem(
 def _unit_terms(problem: Problem, cluster: ClusterSpec, spec: TrainingSpec) -> None:
     graph, m, held = problem.graph, spec.slots, spec.in_flight
     full_block: dict[str, dict[int, float]] = {}
+    host: dict[int, float] = {}  # bytes on the host ([Note: optimizer offload])
     kept_src = {prefix: block_input(graph, prefix) for prefix in graph.blocks}
     for unit in graph.units:
         block, n = graph.block_of(unit), unit.count
@@ -355,6 +361,7 @@ def _unit_terms(problem: Problem, cluster: ClusterSpec, spec: TrainingSpec) -> N
             _add(problem.base_row, x, n * cand.memory.resident)
             _add(problem.time_row, x, n * (m * (cand.compute_s + cand.comm_s) + cand.sync_s))
             _add(transient, x, cand.memory.transient)
+            _add(host, x, n * cand.memory.host)
             if block is None:
                 _add(problem.base_row, x, held * n * cand.memory.activations)
                 continue
@@ -381,6 +388,8 @@ def _unit_terms(problem: Problem, cluster: ClusterSpec, spec: TrainingSpec) -> N
             problem.transient_rows.append((f"selective[{unit.name}]", selective_extra))
     for block, coeffs in full_block.items():
         problem.transient_rows.append((f"recomputed[{block}]", coeffs))
+    if host:  # the node's devices together within its host memory
+        problem.row("host_memory", host, 0.0, cluster.host_bytes_per_device)
 
 
 def _product(problem: Problem, x: int, r: int, name: str, mode: Recompute) -> int:

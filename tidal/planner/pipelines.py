@@ -34,6 +34,7 @@ step: ``tidal train --plan`` takes the flat plans only.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -210,8 +211,10 @@ class PipelinePlan:
         o = self.option
         chunks = f", v{o.vp}" if o.vp > 1 else ""
         schedule = ", PipeMare (asynchronous)" if o.schedule == "pipemare" else ""
+        offload = o.specs[0].offload
+        host = f", {offload:.0%} of the optimizer on the host" if offload else ""
         return (f"p{o.pp} x dp {o.mesh.dp} x tp {o.mesh.tp}{chunks}{schedule}, "
-                f"{o.num_microbatches} micro-batches")  # fmt: skip
+                f"{o.num_microbatches} micro-batches{host}")  # fmt: skip
 
 
 def _in_flight(p: int, v: int, m: int) -> tuple[float, float]:
@@ -235,10 +238,12 @@ def _send_s(graph: ModelGraph, mesh: Mesh, pp: int, vp: int, slots: float,
 
 def pipeline_options(graph: ModelGraph, cluster: ClusterSpec, *, global_batch: int,
                      base: TrainingSpec, meshes: Callable[[ClusterSpec], list[Mesh]],
-                     schedules: tuple[str, ...] = ("1f1b", "interleaved")) -> list[PipelineOption]:  # fmt: skip
+                     schedules: tuple[str, ...] = ("1f1b", "interleaved"),
+                     offloads: tuple[float, ...] = (0.0,)) -> list[PipelineOption]:  # fmt: skip
     """Every ``p > 1`` dividing the blocks and the devices, each mesh of the ``N / p`` devices a
     stage has (``meshes``), 1F1B and each interleaving ``v`` the micro-batches allow (``m``
-    divisible by ``p``, ``v`` dividing the ``k`` blocks a rank holds)."""
+    divisible by ``p``, ``v`` dividing the ``k`` blocks a rank holds), each offload fraction
+    ([Note: optimizer offload] in strategies.py)."""
     found = _one_block(graph)
     if found is None:
         return []
@@ -247,7 +252,7 @@ def pipeline_options(graph: ModelGraph, cluster: ClusterSpec, *, global_batch: i
     for p in range(2, count + 1):
         if count % p or cluster.devices % p:
             continue
-        stage_cluster = dataclasses.replace(cluster, devices=cluster.devices // p)
+        stage_cluster = _stage_cluster(cluster, p)
         k = count // p
         graphs = (stage_graph(graph, blocks=k, first=True, last=False),
                   stage_graph(graph, blocks=k, first=False, last=True))  # fmt: skip
@@ -259,11 +264,11 @@ def pipeline_options(graph: ModelGraph, cluster: ClusterSpec, *, global_batch: i
             chunks = [v for v in range(2, k + 1) if k % v == 0 and m % p == 0]
             runs: list[tuple[str, int]] = [(s, 1) for s in ("1f1b", "pipemare") if s in schedules]
             runs += [("interleaved", v) for v in chunks if "interleaved" in schedules]
-            for schedule, v in runs:
+            for (schedule, v), offload in itertools.product(runs, offloads):
                 slots, flights, copies = _schedule_figures(schedule, p, v, m)
                 specs = tuple(
                     dataclasses.replace(base, num_microbatches=m, in_flight=f, time_slots=slots,
-                                        weight_copies=copies)
+                                        weight_copies=copies, offload=offload)
                     for f in flights
                 )  # fmt: skip
                 options.append(PipelineOption(
@@ -275,6 +280,17 @@ def pipeline_options(graph: ModelGraph, cluster: ClusterSpec, *, global_batch: i
 
 
 SCHEDULES = ("1f1b", "interleaved", "pipemare")
+
+
+def _stage_cluster(cluster: ClusterSpec, p: int) -> ClusterSpec:
+    """A stage's ``N / p`` devices; when they are fewer than a node's, the node's host memory
+    and CPUs still serve all its devices, so a device's share of them stays as it was."""
+    stage = dataclasses.replace(cluster, devices=cluster.devices // p)
+    share = stage.devices_on_node / cluster.devices_on_node
+    return dataclasses.replace(
+        stage, host_memory_per_node_bytes=int(cluster.host_memory_per_node_bytes * share),
+        host_adam_params_per_s=cluster.host_adam_params_per_s * share,
+    )  # fmt: skip
 
 
 def _schedule_figures(
@@ -330,13 +346,13 @@ class PipelineSearch:
 def search_pipelines(graph: ModelGraph, cluster: ClusterSpec, *, global_batch: int,
                      base: TrainingSpec, meshes: Callable[[ClusterSpec], list[Mesh]],
                      problem: ProblemFn, memory_limit: float, solver_time_limit_s: float,
-                     slack: float,
-                     schedules: tuple[str, ...] = ("1f1b", "interleaved")) -> PipelineSearch:  # fmt: skip
+                     slack: float, schedules: tuple[str, ...] = ("1f1b", "interleaved"),
+                     offloads: tuple[float, ...] = (0.0,)) -> PipelineSearch:  # fmt: skip
     """Build every option, bound each one's fastest step by its LP relaxations, and solve them
     in that order until the bound passes ``1 + slack`` times the fastest found (an option
     further out cannot hold a plan within ``slack`` of the fastest)."""
     options = pipeline_options(graph, cluster, global_batch=global_batch, base=base,
-                               meshes=meshes, schedules=schedules)  # fmt: skip
+                               meshes=meshes, schedules=schedules, offloads=offloads)  # fmt: skip
     for option in options:
         option.build(problem)
     bounded = sorted((o.time_bound_s(memory_limit=memory_limit), i) for i, o in enumerate(options))

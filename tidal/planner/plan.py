@@ -72,6 +72,7 @@ class MemoryBreakdown:
     activations: float = 0.0
     transient: float = 0.0
     redundant: float = 0.0
+    host: float = 0.0  # optimizer state offloaded to the host: not in the device's total
 
     @property
     def resident(self) -> float:
@@ -162,6 +163,9 @@ class Plan:
     memory: MemoryBreakdown
     step_time_s: float
     edges: list[tuple[str, str, int]] = field(default_factory=list)
+    # the fraction of fp32 masters and optimizer state kept and updated on the host ([Note:
+    # optimizer offload] in strategies.py); priced, not yet run by `tidal train --plan`
+    offload: float = 0.0
 
     @property
     def peak_memory_bytes(self) -> float:
@@ -188,6 +192,7 @@ class Plan:
             "recompute": {k: str(v) for k, v in self.recompute.items()},
             "units": [u.to_dict() for u in self.units],
             "edges": [list(e) for e in self.edges],
+            "offload": self.offload,
         }
 
     @classmethod
@@ -210,6 +215,7 @@ class Plan:
             memory=MemoryBreakdown.from_dict(data["memory"]),
             step_time_s=float(data["step_time_s"]),
             edges=[(str(a), str(b), int(n)) for a, b, n in data.get("edges", [])],
+            offload=float(data.get("offload", 0.0)),
         )
 
     def save(self, path: str | Path, extra: dict[str, Any] | None = None) -> None:

@@ -67,6 +67,9 @@ class PlannerConfig:
     pipeline_pareto: tuple[float, ...] = ()
     # the pipeline schedules searched; "pipemare" (asynchronous) is opt-in
     schedules: tuple[str, ...] = ("1f1b", "interleaved")
+    # fractions of the optimizer state searched on the host ([Note: optimizer offload] in
+    # strategies.py): priced, not yet run by `tidal train --plan`; (0.0,) keeps it on the device
+    offload: tuple[float, ...] = (0.0,)
 
     def __post_init__(self) -> None:
         require(
@@ -83,6 +86,11 @@ class PlannerConfig:
             )
         unknown = sorted(set(self.schedules) - set(SCHEDULES))
         require(not unknown, "schedules", f"unknown {unknown}; choose from {', '.join(SCHEDULES)}")
+        require(
+            bool(self.offload) and all(0 <= f <= 1 for f in self.offload),
+            "offload",
+            f"must be fractions in [0, 1], got {self.offload!r}",
+        )
         require(
             bool(self.recompute) and all(isinstance(m, Recompute) for m in self.recompute),
             "recompute",
@@ -175,15 +183,16 @@ class PlanResult:
         return 1.0 - mine / other if math.isfinite(other) else float("nan")
 
 
-def _spec(graph: ModelGraph, mesh: Mesh, config: PlannerConfig, devices: int) -> TrainingSpec:
+def _spec(graph: ModelGraph, mesh: Mesh, config: PlannerConfig, devices: int,
+          offload: float = 0.0) -> TrainingSpec:  # fmt: skip
     """The training figures on ``mesh``, which :func:`meshes_for` kept: its batch splits."""
-    spec = _spec_if_split(graph, mesh, config, devices)
+    spec = _spec_if_split(graph, mesh, config, devices, offload)
     assert spec is not None, f"{mesh} does not split the global batch: meshes_for drops it"
     return spec
 
 
 def _spec_if_split(
-    graph: ModelGraph, mesh: Mesh, config: PlannerConfig, devices: int
+    graph: ModelGraph, mesh: Mesh, config: PlannerConfig, devices: int, offload: float = 0.0
 ) -> TrainingSpec | None:
     global_batch = config.global_batch or devices * graph.micro_batch
     per_step = graph.micro_batch * mesh.dp
@@ -194,6 +203,7 @@ def _spec_if_split(
         param_bytes=config.param_bytes,
         grad_bytes=config.grad_bytes,
         optimizer_bytes=config.optimizer_bytes,
+        offload=offload,
     )
 
 
@@ -262,7 +272,7 @@ def make_plan(
     lap("meshes")
     assignment = best.assignment
     assert assignment is not None, "_best chooses among feasible solutions only"
-    spec = _spec(graph, assignment.mesh, config, cluster.devices)
+    spec = _spec(graph, assignment.mesh, config, cluster.devices, assignment.offload)
     costed = evaluate(graph, assignment, cluster, spec)
     plan = to_plan(graph, assignment, costed, spec)
     result = PlanResult(
@@ -320,19 +330,22 @@ def plan_for(
 
 def _solve_meshes(graph: ModelGraph, cluster: ClusterSpec, config: PlannerConfig, limit: float,
                   say: Callable[[str], None]) -> list[MeshResult]:  # fmt: skip
-    """Each ``dp x tp`` mesh's ILP, solved for its fastest plan that fits."""
+    """Each ``dp x tp`` mesh's ILP (one per offload fraction), solved for its fastest plan that
+    fits."""
     results = []
     for mesh in meshes_for(graph, cluster, config):
-        say(f"solving dp {mesh.dp} x tp {mesh.tp}")
-        spec = _spec(graph, mesh, config, cluster.devices)
-        problem = _problem(graph, mesh, cluster, spec, config)
-        fastest = problem.solve(
-            objective="time",
-            memory_limit=limit,
-            solver_time_limit_s=config.solver_time_limit_s,
-            refine=config.objective == "time",
-        )
-        results.append(MeshResult(mesh=mesh, fastest=fastest, problem=problem))
+        for offload in config.offload:
+            host = f", {offload:.0%} of the optimizer on the host" if offload else ""
+            say(f"solving dp {mesh.dp} x tp {mesh.tp}{host}")
+            spec = _spec(graph, mesh, config, cluster.devices, offload)
+            problem = _problem(graph, mesh, cluster, spec, config)
+            fastest = problem.solve(
+                objective="time",
+                memory_limit=limit,
+                solver_time_limit_s=config.solver_time_limit_s,
+                refine=config.objective == "time",
+            )
+            results.append(MeshResult(mesh=mesh, fastest=fastest, problem=problem))
     return results
 
 
@@ -368,7 +381,7 @@ def _search_pipelines(result: PlanResult, graph: ModelGraph, cluster: ClusterSpe
         graph, cluster, global_batch=config.global_batch or cluster.devices * graph.micro_batch,
         base=base, meshes=meshes, problem=problem, memory_limit=limit,
         solver_time_limit_s=config.solver_time_limit_s, slack=config.eps,
-        schedules=config.schedules,
+        schedules=config.schedules, offloads=config.offload,
     )  # fmt: skip
     result.pipelines = search
     fastest = search.fastest
@@ -489,6 +502,7 @@ def _pareto(
                 "step_time_s": best.step_time_s,
                 "dp": mesh.dp,
                 "tp": mesh.tp,
+                "offload": best.assignment.offload,
             }
         )
     return frontier
@@ -521,10 +535,16 @@ def _diagnose(
         )
         if solution.feasible and (smallest is None or solution.peak_bytes < smallest.peak_bytes):
             smallest = solution
-    assert smallest is not None and smallest.assignment is not None
-    mesh = smallest.assignment.mesh
+    if smallest is None or smallest.assignment is None:  # each offload overflows the host
+        raise ConfigError(
+            "offload",
+            f"no plan's optimizer state fits the host memory of "
+            f"{format_bytes(int(cluster.host_memory_per_node_bytes))} per node at the fractions "
+            f"{', '.join(map(str, config.offload))}; add smaller ones (0 keeps it on the device)",
+        )
+    mesh, offload = smallest.assignment.mesh, smallest.assignment.offload
     costed = evaluate(
-        graph, smallest.assignment, cluster, _spec(graph, mesh, config, cluster.devices)
+        graph, smallest.assignment, cluster, _spec(graph, mesh, config, cluster.devices, offload)
     )
     held = {
         u.name: u.count
@@ -570,4 +590,5 @@ def to_plan(graph: ModelGraph, assignment: Assignment, costed: Costed, spec: Tra
         memory=costed.memory,
         step_time_s=costed.step_time_s,
         edges=[(e.src, e.dst, e.count) for e in graph.edges],
+        offload=assignment.offload,
     )

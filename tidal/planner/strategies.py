@@ -26,6 +26,23 @@ axis: level 3 keeps ``1/d`` of the weights and gathers each unit's in turn; leve
 where DeepSpeed would hold one. Level 2 reduce-scatters gradients after every micro-batch and
 keeps ``1/d`` of them; level 1 accumulates whole gradients and reduce-scatters once per step
 (``apply.set_accumulating`` between micro-batches). Optimizer state is ``1/d`` from level 1 on.
+
+[Note: optimizer offload]
+A plan may keep a fraction ``f`` (``TrainingSpec.offload``) of each device's fp32 masters and
+optimizer state on the host and run their update there, as ZeRO-Offload does with DeepSpeed's
+CPU Adam (PatrickStar places the same state by chunk). Per unit, with ``s`` the parameters whose
+update this device owns (``1/t`` of a split weight, ``1/d`` of that from ZeRO level 1 on):
+
+- device memory: ``(1 - f) s * optimizer_bytes``; host memory ``f s * optimizer_bytes``, which
+  the node's devices together must fit in its host memory (an ILP row);
+- per step: the gradients of those ``f s`` parameters go down and the updated weights come
+  back over the device's own host link, ``f s (grad_bytes + param_bytes) / host_link_bandwidth``,
+  and the node's CPUs update them, ``f s * devices_on_node / host_adam_params_per_s``, both added
+  to the step with no overlap (DeepSpeed overlaps part of the copies with the backward, so this
+  is the slower side).
+
+Parameters and gradients stay on the device (offloading them is a later step), and ``f`` is one
+figure for the whole plan, searched over ``PlannerConfig.offload``.
 """
 
 from __future__ import annotations
@@ -73,6 +90,8 @@ class TrainingSpec:
     # weight-sized copies held besides the live weights (PipeMare's delta, 1), and one more
     # built for a unit's backward (its corrected weights) while it runs
     weight_copies: float = 0.0
+    # the fraction of fp32 masters and optimizer state on the host ([Note: optimizer offload])
+    offload: float = 0.0
 
     def __post_init__(self) -> None:
         require(
@@ -82,6 +101,7 @@ class TrainingSpec:
         )
         require(self.in_flight >= 1, "in_flight", f"must be >= 1, got {self.in_flight}")
         require(self.weight_copies >= 0, "weight_copies", f"must be >= 0, got {self.weight_copies}")
+        require(0 <= self.offload <= 1, "offload", f"must be in [0, 1], got {self.offload}")
         for name in ("param_bytes", "grad_bytes", "optimizer_bytes"):
             require(getattr(self, name) >= 0, name, f"must be >= 0, got {getattr(self, name)}")
 
@@ -243,7 +263,9 @@ def _cost(
     weight_copies = params * spec.weight_copies  # copies of what this device holds
     params += weight_copies
     grads = n_params * spec.grad_bytes / (d if zero >= 2 else 1)
-    optimizer = n_params * spec.optimizer_bytes / (d if zero >= 1 else 1)
+    owned = n_params / (d if zero >= 1 else 1)  # parameters whose update this device runs
+    optimizer = owned * spec.optimizer_bytes * (1 - spec.offload)
+    host = owned * spec.optimizer_bytes * spec.offload  # [Note: optimizer offload]
     work = 1.0 / t if shape.work_split else 1.0
     in_fraction = 1.0 if shape.in_layout is Layout.R else 1.0 / t
     own_fraction = 1.0 if shape.out_layout is Layout.P else work
@@ -268,12 +290,14 @@ def _cost(
         optimizer=optimizer,
         activations=activations,
         transient=transient,
+        host=host,
     )
     ideal = unit.num_params * spec.state_bytes / mesh.devices + unit.saved_bytes / t
     memory.redundant = max(0.0, memory.resident + memory.activations - ideal)
     forward_s = _compute_s(unit, work, cluster)
     comm_s = _own_comm_s(unit, shape, in_bytes, mesh, cluster)
     sync_s = _sync_s(unit, shape, n_params, zero, mesh, cluster, spec)
+    sync_s += _offload_s(owned * spec.offload, cluster, spec)
     return Candidate(
         strategy=shape.strategy,
         in_layout=shape.in_layout,
@@ -288,6 +312,13 @@ def _cost(
         sync_s=sync_s,
         forward_s=forward_s + (comm_s / 3 if shape.gather_input else 0.0),
     )
+
+
+def _offload_s(num_params: float, cluster: ClusterSpec, spec: TrainingSpec) -> float:
+    """The step's added seconds for updating ``num_params`` on the host ([Note: optimizer
+    offload]): their gradients down and weights up, then the node's CPUs' share of Adam."""
+    moved_s = num_params * (spec.grad_bytes + spec.param_bytes) / cluster.host_link_bandwidth
+    return moved_s + num_params * cluster.devices_on_node / cluster.host_adam_params_per_s
 
 
 def _param_copies(zero: int, d: int) -> float:
