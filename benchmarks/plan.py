@@ -259,10 +259,16 @@ def largest_fitting(name: str, devices: int, *, device_memory_bytes: int = 80 * 
     def offloaded_fits(layers: int) -> bool:
         return tidal_plan(layers, offloading) is not None
 
-    def megatron_fits(layers: int) -> bool:
+    def megatron_best_at(layers: int, offloads: tuple[float, ...]) -> Any:
         rows = megatron_grid(dataclasses.replace(shape, num_layers=layers), cluster,
-                             global_batch=devices * micro_batch)  # fmt: skip
-        return bool(rows) and megatron_best(rows, device_memory_bytes).fastest is not None
+                             global_batch=devices * micro_batch, offloads=offloads)  # fmt: skip
+        return megatron_best(rows, device_memory_bytes).fastest if rows else None
+
+    def megatron_fits(layers: int) -> bool:
+        return megatron_best_at(layers, (0.0,)) is not None
+
+    def megatron_offloaded_fits(layers: int) -> bool:
+        return megatron_best_at(layers, (0.0, 1.0)) is not None
 
     def most(fits: Any) -> int:
         low, high = 0, 1
@@ -284,6 +290,11 @@ def largest_fitting(name: str, devices: int, *, device_memory_bytes: int = 80 * 
     megatron_layers = max(
         [found] + [n for n in range(found + 1, 2 * found + 2) if megatron_fits(n)]
     )
+    found = most(megatron_offloaded_fits)
+    megatron_offload_layers = max(
+        [found] + [n for n in range(found + 1, 2 * found + 2) if megatron_offloaded_fits(n)]
+    )
+    megatron_at_most = megatron_best_at(megatron_offload_layers, (0.0, 1.0))
     return {
         "model": name, "devices": devices, "device_memory_bytes": device_memory_bytes,
         "hidden": config.d_model, "tidal_layers": tidal_layers,
@@ -293,8 +304,15 @@ def largest_fitting(name: str, devices: int, *, device_memory_bytes: int = 80 * 
         "ratio": (outside + per_layer * tidal_layers) / max(1, outside + per_layer * megatron_layers),
         "tidal_offload_layers": offload_layers,
         "tidal_offload_params": outside + per_layer * offload_layers,
+        "megatron_offload_layers": megatron_offload_layers,
+        "megatron_offload_params": outside + per_layer * megatron_offload_layers,
         "offload_ratio": (outside + per_layer * offload_layers)
-        / max(1, outside + per_layer * megatron_layers),
+        / max(1, outside + per_layer * megatron_offload_layers),
+        "megatron_offload_config": None if megatron_at_most is None else {
+            "name": megatron_at_most.config.name, "step_time_s": megatron_at_most.step_time_s,
+            "peak_memory_bytes": megatron_at_most.peak_memory_bytes,
+            "host_bytes_per_device": megatron_at_most.memory.host,
+        },
         "offload_plan": None if at_most is None else {
             "offload": at_most.plan.offload, "mesh": f"dp {at_most.plan.dp} x tp {at_most.plan.tp}",
             "step_time_s": at_most.plan.step_time_s,
@@ -360,17 +378,19 @@ def _run_largest(args: argparse.Namespace, console: Console) -> int:
     view = Table(title="the largest model whose least-memory configuration fits (cost model)",
                  title_justify="left")  # fmt: skip
     for column in ("width of", "N", "tidal layers", "tidal B params", "Megatron-LM layers",
-                   "Megatron-LM B params", "tidal / Megatron-LM", "offloaded: layers",
-                   "B params", "/ Megatron-LM", "step s"):  # fmt: skip
+                   "Megatron-LM B params", "tidal / Megatron-LM", "optimizer on the host: tidal",
+                   "Megatron-LM", "ratio", "tidal step s", "Megatron-LM step s"):  # fmt: skip
         view.add_column(column, justify="left" if column == "width of" else "right")
     for row in rows:
         step = row["offload_plan"]["step_time_s"] if row["offload_plan"] else float("nan")
+        theirs = row["megatron_offload_config"]
         view.add_row(
             row["model"], str(row["devices"]), str(row["tidal_layers"]),
             f"{row['tidal_params'] / 1e9:.1f}", str(row["megatron_layers"]),
             f"{row['megatron_params'] / 1e9:.1f}", f"{row['ratio']:.2f}x",
-            str(row["tidal_offload_layers"]), f"{row['tidal_offload_params'] / 1e9:.1f}",
-            f"{row['offload_ratio']:.2f}x", f"{step:.1f}",
+            f"{row['tidal_offload_params'] / 1e9:.1f}B",
+            f"{row['megatron_offload_params'] / 1e9:.1f}B", f"{row['offload_ratio']:.2f}x",
+            f"{step:.1f}", f"{theirs['step_time_s']:.1f}" if theirs else "-",
         )  # fmt: skip
     console.print(view)
     console.print(f"results: {path}")

@@ -212,8 +212,10 @@ def test_bench_plan_largest_model_that_fits(tmp_path, capsys) -> None:
     # more layer does not fit that either
     assert row["tidal_offload_layers"] > layers and row["offload_plan"]["offload"] == 1.0
     assert row["offload_plan"]["host_bytes_per_device"] > 0
+    # ... set beside Megatron-LM's grid with its optimizer on the CPU too
+    assert row["megatron_offload_layers"] >= row["megatron_layers"]
     assert row["offload_ratio"] == pytest.approx(
-        row["tidal_offload_params"] / row["megatron_params"]
+        row["tidal_offload_params"] / row["megatron_offload_params"]
     )
     offloading = dataclasses.replace(config, offload=(0.0, 1.0))
     with pytest.raises(Infeasible):

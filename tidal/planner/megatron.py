@@ -43,6 +43,16 @@ interleaved); the pipeline takes ``(m + (p - 1) / v) T``; the gradients' collect
 data axis follow, an all-reduce of fp32 gradients, or with the distributed optimizer a
 reduce-scatter of them and an all-gather of the bf16 weights. Stages are the outermost axis
 (Megatron's rank order), so data-parallel ranks share a node while ``t d`` fits in one.
+
+[Note: Megatron's optimizer offload]
+Megatron-Core offloads a fraction ``f`` of the distributed optimizer's fp32 state to the CPU and
+updates it there (``--optimizer-cpu-offload``, ``--optimizer-offload-fraction``: its
+``HybridDeviceOptimizer``). Priced as tidal's ([Note: optimizer offload] in strategies.py): the
+device keeps ``6 + 12 (1 - f) / d`` bytes a parameter, the host ``12 f / d`` within the device's
+share of its node's memory; a step adds the ``f / d`` share's fp32 gradients down and bf16
+weights up over the host link and the node's CPU Adam over it, with no overlap (Megatron
+overlaps part of the copies, so this is its slower side, as it is tidal's). The grid searches it
+only where asked (``offloads``), with the distributed optimizer.
 """
 
 from __future__ import annotations
@@ -120,6 +130,7 @@ class MegatronConfig:
     recompute: Recompute = Recompute.SELECTIVE
     distributed_optimizer: bool = True
     vp: int = 1
+    optimizer_offload: float = 0.0  # [Note: Megatron's optimizer offload]
 
     def __post_init__(self) -> None:
         for name in ("tp", "pp", "dp", "micro_batch", "num_microbatches", "vp"):
@@ -128,6 +139,9 @@ class MegatronConfig:
                 "Megatron's grid is selective or full recompute (with fused attention no "
                 "recompute keeps what selective keeps)")  # fmt: skip
         require(not self.sequence_parallel or self.tp > 1, "sequence_parallel", "needs tp > 1")
+        require(0 <= self.optimizer_offload <= 1 and (self.distributed_optimizer
+                or not self.optimizer_offload), "optimizer_offload",
+                "is a fraction in [0, 1] of the distributed optimizer's state")  # fmt: skip
 
     @property
     def name(self) -> str:
@@ -140,13 +154,16 @@ class MegatronConfig:
         parts.append("sp" if self.sequence_parallel else "no-sp")
         parts.append(f"{self.recompute} recompute")
         parts.append("dist-opt" if self.distributed_optimizer else "ddp")
+        if self.optimizer_offload:
+            parts.append(f"{self.optimizer_offload:.0%} optimizer on the CPU")
         return ", ".join(parts)
 
     def as_dict(self) -> dict[str, object]:
         return {"tp": self.tp, "pp": self.pp, "dp": self.dp, "vp": self.vp,
                 "micro_batch": self.micro_batch, "num_microbatches": self.num_microbatches,
                 "sequence_parallel": self.sequence_parallel, "recompute": str(self.recompute),
-                "distributed_optimizer": self.distributed_optimizer}  # fmt: skip
+                "distributed_optimizer": self.distributed_optimizer,
+                "optimizer_offload": self.optimizer_offload}  # fmt: skip
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)
@@ -156,6 +173,7 @@ class MegatronMemory:
     weights_and_optimizer: float
     activations: float
     transient: float
+    host: float = 0.0  # optimizer state on the host ([Note: Megatron's optimizer offload])
 
     @property
     def estimator_bytes(self) -> float:
@@ -169,12 +187,13 @@ class MegatronMemory:
 
 def megatron_memory(shape: TransformerShape, c: MegatronConfig) -> MegatronMemory:
     """Per-device peak of ``c``; see [Note: Megatron's memory]."""
-    shard = _shard_params(shape, c)
-    per_param = 6 + 12 / c.dp if c.distributed_optimizer else 18
+    shard, f = _shard_params(shape, c), c.optimizer_offload
+    per_param = 6 + 12 * (1 - f) / c.dp if c.distributed_optimizer else 18
     return MegatronMemory(
         weights_and_optimizer=shard * per_param,
         activations=_activation_bytes(shape, c),
         transient=_layer_bytes(shape, c) if c.recompute is Recompute.FULL else 0.0,
+        host=shard * 12 * f / c.dp,
     )
 
 
@@ -266,7 +285,10 @@ def _data_sync_s(
         return collective_s(kind, nbytes, mesh, Axis.DATA, cluster)
 
     if c.distributed_optimizer:
-        return dp(Collective.REDUCE_SCATTER, 4 * params) + dp(Collective.ALL_GATHER, 2 * params)
+        seconds = dp(Collective.REDUCE_SCATTER, 4 * params) + dp(Collective.ALL_GATHER, 2 * params)
+        hosted = params * c.optimizer_offload / c.dp  # [Note: Megatron's optimizer offload]
+        seconds += hosted * 6 / cluster.host_link_bandwidth
+        return seconds + hosted * cluster.devices_on_node / cluster.host_adam_params_per_s
     return dp(Collective.ALL_REDUCE, 4 * params)
 
 
@@ -297,7 +319,8 @@ def _divisors(n: int) -> list[int]:
 
 
 def _configs(shape: TransformerShape, cluster: ClusterSpec, global_batch: int,
-             micro_batches: tuple[int, ...]) -> Iterator[MegatronConfig]:  # fmt: skip
+             micro_batches: tuple[int, ...],
+             offloads: tuple[float, ...] = (0.0,)) -> Iterator[MegatronConfig]:  # fmt: skip
     n = cluster.devices
     for t in _divisors(min(n, cluster.devices_per_node)):
         if shape.heads % t or shape.groups % t or shape.ffn % t or n % t:
@@ -317,26 +340,32 @@ def _configs(shape: TransformerShape, cluster: ClusterSpec, global_batch: int,
                     for sp in (False, True) if t > 1 else (False,):
                         for recompute in (Recompute.SELECTIVE, Recompute.FULL):
                             for dist_opt in (False, True) if d > 1 else (False,):
-                                yield MegatronConfig(
-                                    tp=t, pp=p, dp=d, micro_batch=mb, num_microbatches=m,
-                                    sequence_parallel=sp, recompute=recompute,
-                                    distributed_optimizer=dist_opt, vp=vp,
-                                )  # fmt: skip
+                                for f in offloads if dist_opt else (0.0,):
+                                    yield MegatronConfig(
+                                        tp=t, pp=p, dp=d, micro_batch=mb, num_microbatches=m,
+                                        sequence_parallel=sp, recompute=recompute,
+                                        distributed_optimizer=dist_opt, vp=vp,
+                                        optimizer_offload=f,
+                                    )  # fmt: skip
 
 
 def megatron_grid(shape: TransformerShape, cluster: ClusterSpec, *, global_batch: int,
-                  micro_batches: tuple[int, ...] = (1, 2, 4, 8)) -> list[MegatronRow]:  # fmt: skip
+                  micro_batches: tuple[int, ...] = (1, 2, 4, 8),
+                  offloads: tuple[float, ...] = (0.0,)) -> list[MegatronRow]:  # fmt: skip
     """Every configuration Megatron-LM accepts for ``shape`` on ``cluster`` with ``global_batch``
     sequences a step: ``t`` within a node dividing heads, groups and the MLP; ``p`` dividing the
-    layers; interleaving when the micro-batches divide by ``p``."""
-    return [
+    layers; interleaving when the micro-batches divide by ``p``; with the distributed optimizer,
+    each fraction of ``offloads`` on the CPU whose state fits the host ([Note: Megatron's
+    optimizer offload])."""
+    rows = [
         MegatronRow(
             config=c,
             memory=megatron_memory(shape, c),
             step_time_s=megatron_step_s(shape, c, cluster),
         )  # fmt: skip
-        for c in _configs(shape, cluster, global_batch, micro_batches)
+        for c in _configs(shape, cluster, global_batch, micro_batches, offloads)
     ]
+    return [r for r in rows if r.memory.host <= cluster.host_bytes_per_device]
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)

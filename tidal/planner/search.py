@@ -415,7 +415,7 @@ def _compare_with_megatron(result: PlanResult, shape: TransformerShape, cluster:
     say("Megatron-LM's grid (t x p x d, sequence parallel, recompute, distributed optimizer, "
         "interleaving, micro-batch)")  # fmt: skip
     global_batch = config.global_batch or cluster.devices * micro_batch
-    rows = megatron_grid(shape, cluster, global_batch=global_batch)
+    rows = megatron_grid(shape, cluster, global_batch=global_batch, offloads=config.offload)
     result.megatron = megatron_best(rows, cluster.device_memory_bytes)
     fastest = result.megatron.fastest
     found: dict[str, Compared | None] = {"at_fastest_step_time": None}

@@ -8,6 +8,7 @@ import dataclasses
 
 import pytest
 
+from tidal.config import ConfigError
 from tidal.models.gpt import PRESETS, measure_gpt
 from tidal.planner.baselines import baseline
 from tidal.planner.cluster import CLUSTER_PRESETS, ClusterSpec
@@ -233,3 +234,33 @@ def test_step_time_equals_the_documented_formula_by_hand() -> None:
     params = (2 * L * h * h * (2 + 4 + 2 / h + 1 / (L * h)) / p + V * h) / t
     sync = ring(4 * params, d, *intra) + ring(2 * params, d, *intra)  # t x d = 4 fits a node
     assert megatron_step_s(shape, c, cluster) == pytest.approx(pipeline + sync, rel=1e-12)
+
+
+def test_megatrons_optimizer_on_the_cpu_by_hand() -> None:
+    """[Note: Megatron's optimizer offload]: ``6 + 12 (1 - f) / d`` bytes a parameter on the
+    device, ``12 f / d`` on the host, and the step adds the hosted share's copies and CPU Adam;
+    the grid keeps only what fits the host."""
+    shape, cluster = gpt3_175b(), ClusterSpec(devices=256)
+    c = MegatronConfig(tp=8, pp=8, dp=4, micro_batch=1, num_microbatches=8, vp=1)
+    half = dataclasses.replace(c, optimizer_offload=0.5)
+    L, h, t, p, d = 96, 12288, 8, 8, 4
+    V = 51200
+    shard = (2 * L * h * h * (2 + 4 + 2 / h + 1 / (L * h)) / p + V * h) / t
+    memory = megatron_memory(shape, half)
+    assert memory.weights_and_optimizer == pytest.approx(shard * (6 + 12 * 0.5 / d), rel=1e-12)
+    assert memory.host == pytest.approx(shard * 12 * 0.5 / d, rel=1e-12)
+    assert megatron_memory(shape, c).host == 0
+    hosted = shard * 0.5 / d
+    added = hosted * 6 / cluster.host_link_bandwidth + hosted * 8 / cluster.host_adam_params_per_s
+    assert megatron_step_s(shape, half, cluster) - megatron_step_s(shape, c, cluster) == (
+        pytest.approx(added, rel=1e-9)
+    )
+    with pytest.raises(ConfigError, match="optimizer_offload"):
+        dataclasses.replace(c, distributed_optimizer=False, optimizer_offload=0.5)
+    rows = megatron_grid(shape, cluster, global_batch=256, offloads=(0.0, 1.0))
+    offloaded = [r for r in rows if r.config.optimizer_offload]
+    assert offloaded and all(r.config.distributed_optimizer for r in offloaded)
+    small = dataclasses.replace(cluster, host_memory_per_node_bytes=64 * GiB)
+    kept = megatron_grid(shape, small, global_batch=256, offloads=(0.0, 1.0))
+    assert all(r.memory.host <= 8 * GiB for r in kept)
+    assert len([r for r in kept if r.config.optimizer_offload]) < len(offloaded)
