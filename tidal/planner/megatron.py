@@ -339,14 +339,22 @@ def _configs(shape: TransformerShape, cluster: ClusterSpec, global_batch: int,
                 for vp in vps:
                     for sp in (False, True) if t > 1 else (False,):
                         for recompute in (Recompute.SELECTIVE, Recompute.FULL):
-                            for dist_opt in (False, True) if d > 1 else (False,):
-                                for f in offloads if dist_opt else (0.0,):
-                                    yield MegatronConfig(
-                                        tp=t, pp=p, dp=d, micro_batch=mb, num_microbatches=m,
-                                        sequence_parallel=sp, recompute=recompute,
-                                        distributed_optimizer=dist_opt, vp=vp,
-                                        optimizer_offload=f,
-                                    )  # fmt: skip
+                            for dist_opt, f in _optimizers(d, offloads):
+                                yield MegatronConfig(
+                                    tp=t, pp=p, dp=d, micro_batch=mb, num_microbatches=m,
+                                    sequence_parallel=sp, recompute=recompute,
+                                    distributed_optimizer=dist_opt, vp=vp, optimizer_offload=f,
+                                )  # fmt: skip
+
+
+def _optimizers(d: int, offloads: tuple[float, ...]) -> Iterator[tuple[bool, float]]:
+    """(distributed optimizer, fraction on the CPU) pairs: plain data parallel, and the
+    distributed optimizer with each offload fraction; over one data-parallel rank it changes
+    nothing unless it offloads (Megatron-Core's CPU offload runs inside it)."""
+    yield False, 0.0
+    for f in offloads:
+        if d > 1 or f > 0:
+            yield True, f
 
 
 def megatron_grid(shape: TransformerShape, cluster: ClusterSpec, *, global_batch: int,

@@ -260,6 +260,9 @@ def test_megatrons_optimizer_on_the_cpu_by_hand() -> None:
     rows = megatron_grid(shape, cluster, global_batch=256, offloads=(0.0, 1.0))
     offloaded = [r for r in rows if r.config.optimizer_offload]
     assert offloaded and all(r.config.distributed_optimizer for r in offloaded)
+    assert any(r.config.dp == 1 for r in offloaded)  # over one rank it offloads all the same
+    assert not any(r.config.dp == 1 and r.config.distributed_optimizer for r in rows
+                   if not r.config.optimizer_offload)  # fmt: skip
     small = dataclasses.replace(cluster, host_memory_per_node_bytes=64 * GiB)
     kept = megatron_grid(shape, small, global_batch=256, offloads=(0.0, 1.0))
     assert all(r.memory.host <= 8 * GiB for r in kept)
