@@ -9,58 +9,28 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 import torch.nn.functional as F
 from torch import nn
 
 import tidal
 from tidal.testing import run_on_ranks
+from tidal.testing.your_models import cnn, images, mlp, regression, run_config
 from tidal.train.metrics import read_metrics
 
 BATCH = 8
 TOL = 1e-5
 
 
-def _mlp() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(),
-                         nn.Linear(64, 1))  # fmt: skip
-
-
-def _cnn(norm: bool = False) -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(
-        nn.Conv2d(1, 8, 3, padding=1), nn.BatchNorm2d(8) if norm else nn.GroupNorm(2, 8),
-        nn.ReLU(), nn.MaxPool2d(2), nn.Conv2d(8, 16, 3, padding=1), nn.ReLU(),
-        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, 10),
-    )  # fmt: skip
-
-
-def _regression() -> list[tuple[torch.Tensor, torch.Tensor]]:
-    g = torch.Generator().manual_seed(1)
-    xs = [torch.randn(BATCH, 16, generator=g) for _ in range(5)]
-    return [(x, x[:, :4].sum(dim=1, keepdim=True)) for x in xs]
-
-
-def _images() -> list[tuple[torch.Tensor, torch.Tensor]]:
-    g = torch.Generator().manual_seed(2)
-    return [(torch.randn(BATCH, 1, 12, 12, generator=g), torch.randint(0, 10, (BATCH,), generator=g))
-            for _ in range(4)]  # fmt: skip
-
-
-CASES = {"mlp": (_mlp, _regression, F.mse_loss), "cnn": (_cnn, _images, None)}
+CASES = {
+    "mlp": (mlp, lambda: regression(BATCH), F.mse_loss),
+    "cnn": (lambda: cnn(batch_norm=False), lambda: images(BATCH), None),
+}
 
 
 def _fit(run_dir: Path, case: str, steps: int, *, stages: int, resume: bool = False,
          memory: dict[str, Any] | None = None) -> dict:  # fmt: skip
     build, data, loss_fn = CASES[case]
-    config: dict[str, Any] = {
-        "run_dir": str(run_dir),
-        "training": {"steps": steps, "batch_size": BATCH, "val_every": 2, "log_every": 1,
-                     "device": "cpu"},
-        "optimizer": {"lr": 3e-3, "warmup_steps": 1, "decay_steps": 6},
-        "checkpoint": {"every_steps": 2},
-    }  # fmt: skip
+    config = run_config(run_dir, steps=steps, batch=BATCH)
     if stages > 1:
         config["pipeline"] = {"stages": stages, "microbatches": 2, "schedule": "1f1b"}
     if memory is not None:  # {"device_budget": ..., "pipeline": none | auto | ...}
@@ -138,7 +108,7 @@ def test_your_sequential_model_as_a_pipeline_equals_the_reference_engine(
     ("model", "message"),
     [
         (
-            lambda: _cnn(norm=True),
+            lambda: cnn(batch_norm=True),
             "your model has buffers (1.running_mean, 1.running_var, 1.num_batches_tracked)",
         ),
         (lambda: nn.Linear(16, 1), "Linear is not one: put its layers in an nn.Sequential"),

@@ -7,17 +7,15 @@ names."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import pytest
-import torch
 import torch.nn.functional as F
-from torch import nn
 
 import tidal
 from tidal.cli.main import main
 from tidal.planner import Plan, PlannerConfig, StrategyName, plan_for
 from tidal.testing import run_on_ranks
+from tidal.testing.your_models import cnn, images, mlp, regression, run_config
 from tidal.train.metrics import read_metrics
 from tidal.train.safetensors import read_safetensors
 
@@ -25,47 +23,17 @@ BATCH = 8
 TOL = 1e-5
 
 
-def _mlp() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(),
-                         nn.Linear(64, 2))  # fmt: skip
-
-
-def _cnn() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(
-        nn.Conv2d(1, 8, 3, padding=1), nn.GroupNorm(2, 8), nn.ReLU(), nn.MaxPool2d(2),
-        nn.Conv2d(8, 16, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
-        nn.Linear(16, 10),
-    )  # fmt: skip
-
-
-def _regression() -> list[tuple[torch.Tensor, torch.Tensor]]:
-    g = torch.Generator().manual_seed(1)
-    xs = [torch.randn(BATCH, 16, generator=g) for _ in range(5)]
-    return [(x, x[:, :2] * 2) for x in xs]
-
-
-def _images() -> list[tuple[torch.Tensor, torch.Tensor]]:
-    g = torch.Generator().manual_seed(2)
-    return [(torch.randn(BATCH, 1, 12, 12, generator=g), torch.randint(0, 10, (BATCH,), generator=g))
-            for _ in range(4)]  # fmt: skip
-
-
 # model, data, loss, the tensor axis the plan is made for
-CASES = {"mlp": (_mlp, _regression, F.mse_loss, 2), "cnn": (_cnn, _images, None, 1)}
+CASES = {
+    "mlp": (lambda: mlp(outputs=2), lambda: regression(BATCH, outputs=2), F.mse_loss, 2),
+    "cnn": (lambda: cnn(batch_norm=False), lambda: images(BATCH), None, 1),
+}
 
 
 def _fit(run_dir: Path, case: str, steps: int, *, plan: Plan | None = None,
          resume: bool = False) -> dict:  # fmt: skip
     build, data, loss_fn, _ = CASES[case]
-    config: dict[str, Any] = {
-        "run_dir": str(run_dir),
-        "training": {"steps": steps, "batch_size": BATCH, "val_every": 2, "log_every": 1,
-                     "device": "cpu"},
-        "optimizer": {"lr": 3e-3, "warmup_steps": 1, "decay_steps": 6},
-        "checkpoint": {"every_steps": 2},
-    }  # fmt: skip
+    config = run_config(run_dir, steps=steps, batch=BATCH)
     trainer = tidal.Trainer(build(), config, train_data=data(), val_data=data()[:2],
                             loss_fn=loss_fn, plan=plan)  # fmt: skip
     return trainer.fit(resume=resume)

@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 import tidal
 from tidal.cli.main import main
+from tidal.testing.your_models import cnn, images, mlp, regression, run_config
 from tidal.train.checkpoint import list_checkpoints, load_model_state
 from tidal.train.metrics import read_metrics
 from tidal.train.safetensors import read_safetensors
@@ -23,64 +23,24 @@ ENGINES = {"reference": {}, "chunk": {"engine": "chunk", "chunk": {"size": 2048}
 BUDGETS = {"mlp": "96KiB", "cnn": "136KiB"}
 
 
-def _mlp() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(
-        nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 1)
-    )
-
-
-def _cnn() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(
-        nn.Conv2d(1, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.MaxPool2d(2),
-        nn.Conv2d(8, 16, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
-        nn.Linear(16, 10),
-    )  # fmt: skip
-
-
-def _regression() -> list[tuple[torch.Tensor, torch.Tensor]]:
-    g = torch.Generator().manual_seed(1)
-    xs = [torch.randn(BATCH, 16, generator=g) for _ in range(5)]
-    return [(x, x[:, :4].sum(dim=1, keepdim=True)) for x in xs]
-
-
-def _images() -> list[tuple[torch.Tensor, torch.Tensor]]:
-    g = torch.Generator().manual_seed(2)
-    return [(torch.randn(BATCH, 1, 12, 12, generator=g), torch.randint(0, 10, (BATCH,), generator=g))
-            for _ in range(4)]  # fmt: skip
-
-
 CASES = {
-    "mlp": (_mlp, _regression, F.mse_loss),
-    "cnn": (_cnn, _images, None),  # cross-entropy on the output: the default
+    "mlp": (mlp, lambda: regression(BATCH), F.mse_loss),
+    # cross-entropy on the output: the default
+    "cnn": (lambda: cnn(batch_norm=True), lambda: images(BATCH), None),
 }
-
-
-def _cnn_groupnorm() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(
-        nn.Conv2d(1, 8, 3, padding=1), nn.GroupNorm(2, 8), nn.ReLU(), nn.MaxPool2d(2),
-        nn.Conv2d(8, 16, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
-        nn.Linear(16, 10),
-    )  # fmt: skip
 
 
 # Sharded over two ranks each rank's BatchNorm normalises its own rows (as under DDP), so the
 # CNN compared with one process normalises by groups.
-TWO_RANKS = {"mlp": CASES["mlp"], "cnn-groupnorm": (_cnn_groupnorm, _images, None)}
+TWO_RANKS = {
+    "mlp": CASES["mlp"],
+    "cnn-groupnorm": (lambda: cnn(batch_norm=False), lambda: images(BATCH), None),
+}
 
 
 def _fit(run_dir: Path, case: str, engine: str, steps: int, resume: bool = False) -> dict:
     build, data, loss_fn = {**CASES, **TWO_RANKS}[case]
-    config = {
-        "run_dir": str(run_dir),
-        "training": {"steps": steps, "batch_size": BATCH, "val_every": 2, "log_every": 1,
-                     "device": "cpu"},
-        "optimizer": {"lr": 3e-3, "warmup_steps": 1, "decay_steps": 6},
-        "checkpoint": {"every_steps": 2},
-        **ENGINES[engine],
-    }  # fmt: skip
+    config = {**run_config(run_dir, steps=steps, batch=BATCH), **ENGINES[engine]}
     if engine == "chunk":
         config["memory"] = {"device_budget": BUDGETS[case.split("-")[0]]}
     trainer = tidal.Trainer(build(), config, train_data=data(), val_data=data()[:2],
@@ -115,7 +75,7 @@ def test_your_model_needs_your_data_and_is_exported_under_its_own_names(
     case: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     with pytest.raises(tidal.ConfigError, match="train_data"):
-        tidal.Trainer(_mlp(), {"run_dir": str(tmp_path / "x")})
+        tidal.Trainer(mlp(), {"run_dir": str(tmp_path / "x")})
     _fit(tmp_path / "run", case, "chunk", 2)
     out = tmp_path / "out"
     assert main(["export", str(tmp_path / "run"), "--out", str(out), "--check"]) == 0

@@ -12,8 +12,6 @@ import pytest
 from torch import nn
 
 from tidal.config import ConfigError
-from tidal.models import GPTConfig
-from tidal.models.gpt import measure_gpt
 from tidal.planner import ClusterSpec, Infeasible, Mesh, PlannerConfig, make_plan
 from tidal.planner.check import check_plan
 from tidal.planner.graph import ModelGraph
@@ -23,13 +21,6 @@ from tidal.planner.strategies import TrainingSpec, candidates, valid_tensor_size
 
 MiB = 1024**2
 FLAT = PlannerConfig(pareto=(), baselines=(), pipelines=False)
-
-
-@pytest.fixture(scope="module")
-def graph() -> ModelGraph:
-    config = GPTConfig(vocab_size=512, seq_len=128, num_layers=8, num_heads=4, d_model=128,
-                       dropout=0.1)  # fmt: skip
-    return measure_gpt(config, micro_batch=1)
 
 
 def test_a_unit_keeps_on_the_device_what_it_does_not_offload(graph: ModelGraph) -> None:

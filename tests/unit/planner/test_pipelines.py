@@ -10,7 +10,7 @@ import math
 import pytest
 
 from tidal.config import ConfigError
-from tidal.models import PRESETS, GPTConfig
+from tidal.models import PRESETS
 from tidal.models.gpt import measure_gpt
 from tidal.planner import ClusterSpec, Mesh, PlannerConfig
 from tidal.planner.cost_model import evaluate
@@ -21,13 +21,6 @@ from tidal.planner.search import _problem
 from tidal.planner.strategies import TrainingSpec, unit_options, valid_tensor_sizes
 
 GiB = 1024**3
-
-
-@pytest.fixture(scope="module")
-def graph() -> ModelGraph:
-    config = GPTConfig(vocab_size=512, seq_len=128, num_layers=8, num_heads=4, d_model=128,
-                       dropout=0.1)  # fmt: skip
-    return measure_gpt(config, micro_batch=1)
 
 
 def test_stage_graphs_split_the_blocks_and_the_ends(graph: ModelGraph) -> None:
