@@ -77,6 +77,21 @@ def test_plan_bad_input_is_one_line_and_exit_2(capsys) -> None:
     assert "no plan fits in 2.00GiB per device: the least any plan needs is" in err
 
 
+def test_plan_with_the_optimizer_on_the_host_says_so(tmp_path, capsys) -> None:
+    """--offload: at 1 MiB a device only a plan with its optimizer on the host fits; the line
+    says so and the JSON records it, and such a plan is refused for training in one line."""
+    args = ["plan", "--model", "tiny", "--devices", "2", "--device-memory", "1MiB",
+            "--pareto", "", "--baselines", "", "--json", str(tmp_path / "p.json")]  # fmt: skip
+    assert main(args) == 2  # nothing fits without offload
+    assert "no plan fits in 1.00MiB per device" in capsys.readouterr().err
+    assert main([*args, "--offload", "0,1"]) == 0
+    assert "with 100% of the optimizer on the host (" in capsys.readouterr().out
+    plan = Plan.load(tmp_path / "p.json")
+    assert plan.offload == 1.0 and plan.memory.host > 0 and plan.peak_memory_bytes <= 1024**2
+    assert main(["plan", "--model", "tiny", "--devices", "2", "--offload", "0,x"]) == 2
+    assert "--offload: expected numbers" in capsys.readouterr().err
+
+
 def test_bench_plan_writes_results(tmp_path, capsys) -> None:
     args = ["bench", "plan", "--models", "demo", "--devices", "8", "--results-dir"]
     assert main([*args, str(tmp_path)]) == 0

@@ -329,9 +329,13 @@ def summary_line(report: dict, cluster) -> str:
     gap = report["lp_gap"]
     timing = report["timing_s"]
     phases = ", ".join(f"{name} {seconds:.1f} s" for name, seconds in timing["phases"].items())
+    host = ""
+    if report.get("offload"):  # [Note: optimizer offload] in tidal/planner/strategies.py
+        host = (f" with {report['offload']:.0%} of the optimizer on the host "
+                f"({format_bytes(report['memory']['host'])} a device; priced, not run)")  # fmt: skip
     return (
         f"peak {format_bytes(report['peak_memory_bytes'])} of "
-        f"{format_bytes(cluster.device_memory_bytes)} per device, step "
+        f"{format_bytes(cluster.device_memory_bytes)} per device{host}, step "
         f"{_seconds(report['step_time_s'])} s (fastest that fits "
         f"{_seconds(report['fastest_step_time_s'])} s), "
         f"planned in {timing['total']:.1f} s ({phases}), LP gap "
