@@ -94,3 +94,47 @@ def test_the_cli_trains_it_and_says_what_it_cannot_do(
     said = capsys.readouterr().out
     assert "loads strictly into the model of the recipe's factory user_lm:build" in said, said
     assert export_info(tmp_path / "out")["kind"] == "factory"
+
+
+def _records(run_dir: Path) -> list[tuple]:
+    return [(r["step"], r.get("loss"), r.get("val_loss")) for r in read_metrics(run_dir)]
+
+
+@pytest.mark.parametrize("engine", ["reference", "chunk"])
+def test_a_recipe_trains_a_model_that_is_not_a_language_model(
+    engine: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``tidal train --recipe cnn-tiny``: ``[custom] factory`` gives a CNN and its image
+    batches; the run validates, checkpoints, resumes exactly and exports under its own names."""
+    sets = ["--set", f"engine={engine}", "--set", "chunk.size=512"]
+    if engine == "chunk":
+        sets += ["--set", "memory.device_budget=136KiB"]
+
+    def train(run: str, *extra: str) -> int:
+        args = ["train", "--recipe", "cnn-tiny", "--no-plots", "--set", f"run_dir={tmp_path / run}"]
+        return main([*args, *sets, *extra])
+
+    assert train("whole") == 0
+    assert train("split", "--set", "training.steps=4") == 0
+    assert train("split", "--resume") == 0
+    whole = _records(tmp_path / "whole")
+    assert _records(tmp_path / "split") == whole and len(whole) == 9  # 6 steps, 3 validations
+    out = tmp_path / "out"
+    assert main(["export", str(tmp_path / "whole"), "--out", str(out), "--check"]) == 0
+    assert "11 tensors equal to" in capsys.readouterr().out
+
+
+def test_a_custom_run_misconfigured_is_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    base = ["train", "--recipe", "cnn-tiny", "--no-plots", "--set", f"run_dir={tmp_path / 'x'}"]
+    cases = [
+        ("model.factory=pkg:fn,model.seq_len=16", "custom.factory: builds the model itself"),
+        ("custom.loss=hinge", "custom.loss: expected one of cross_entropy, mse"),
+        ("custom.factory=tidal.testing.your_models:mlp", "must return (model, train_batches"),
+    ]
+    for settings, said in cases:
+        sets = [arg for setting in settings.split(",") for arg in ("--set", setting)]
+        assert main([*base, *sets]) == 2, settings
+        err = capsys.readouterr().err
+        assert said in err and "Traceback" not in err, (settings, err)

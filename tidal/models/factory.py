@@ -37,21 +37,22 @@ class FactoryConfig:
     vocab_size: int
 
 
-def load_factory(spec: str) -> Callable[[], nn.Module]:
-    """The function ``"package.module:function"`` names; a ConfigError saying what is wrong."""
+def load_factory(spec: str, *, key: str = "model.factory") -> Callable[[], Any]:
+    """The function ``"package.module:function"`` names; a ConfigError naming ``key`` saying
+    what is wrong."""
     module_name, _, attr = spec.partition(":")
     if not module_name or not attr:
-        raise ConfigError("model.factory", f"expected 'package.module:function', got {spec!r}")
+        raise ConfigError(key, f"expected 'package.module:function', got {spec!r}")
     try:
         module = importlib.import_module(module_name)
     except ImportError as err:
         raise ConfigError(
-            "model.factory",
+            key,
             f"cannot import {module_name!r} ({err}); put its folder on PYTHONPATH or install it",
         ) from None
     fn = getattr(module, attr, None)
     if not callable(fn):
-        raise ConfigError("model.factory", f"{module_name} has no function {attr!r}")
+        raise ConfigError(key, f"{module_name} has no function {attr!r}")
     return fn
 
 

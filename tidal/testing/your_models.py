@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["cnn", "images", "mlp", "regression", "run_config"]
+__all__ = ["cnn", "cnn_run", "images", "mlp", "regression", "run_config"]
 
 Batches = list[tuple[torch.Tensor, torch.Tensor]]
 
@@ -58,3 +58,9 @@ def run_config(run_dir: Path, *, steps: int, batch: int) -> dict[str, Any]:
         "optimizer": {"lr": 3e-3, "warmup_steps": 1, "decay_steps": 6},
         "checkpoint": {"every_steps": 2},
     }  # fmt: skip
+
+
+def cnn_run() -> tuple[nn.Module, Batches, Batches]:
+    """The shipped recipe ``cnn-tiny``'s ``[custom] factory``: the CNN with BatchNorm, its
+    training batches of 8 images and two of them for validation."""
+    return cnn(batch_norm=True), images(8), images(8)[:2]

@@ -1,4 +1,4 @@
-"""Configs owned by the training loop: checkpoints and metrics."""
+"""Configs owned by the training loop: checkpoints, metrics, and a run of your own."""
 
 from __future__ import annotations
 
@@ -6,7 +6,9 @@ from dataclasses import dataclass
 
 from tidal.config import require
 
-__all__ = ["CheckpointConfig", "MetricsConfig"]
+__all__ = ["CheckpointConfig", "CustomConfig", "MetricsConfig"]
+
+LOSSES = ("cross_entropy", "mse")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -29,6 +31,29 @@ class CheckpointConfig:
     def __post_init__(self) -> None:
         require(self.every_steps >= 0, "every_steps", f"must be >= 0, got {self.every_steps}")
         require(self.keep >= 1, "keep", f"must be >= 1, got {self.keep}")
+
+
+@dataclass(kw_only=True, slots=True)
+class CustomConfig:
+    """Your own model and data from a recipe ([Note: your own model] in
+    tidal/train/engine_part.py), in place of ``[model]`` and ``[data]``.
+
+    Attributes:
+        factory: "package.module:function" taking no arguments and returning ``(model,
+            train_batches, val_batches)``: an ``nn.Module`` and two re-iterables of ``(inputs,
+            targets)`` pairs of ``training.batch_size`` rows (``val_batches`` may be None).
+            The function runs after ``torch.manual_seed(training.seed)``.
+        loss: what the trainer takes of ``model(inputs)`` and the targets: ``cross_entropy``
+            or ``mse``.
+    """
+
+    factory: str | None = None
+    loss: str = "cross_entropy"
+
+    def __post_init__(self) -> None:
+        require(
+            self.loss in LOSSES, "loss", f"expected one of {', '.join(LOSSES)}, got {self.loss!r}"
+        )
 
 
 @dataclass(kw_only=True, slots=True)

@@ -24,7 +24,7 @@ from tidal.models import ModelConfig
 from tidal.parallel.config import MemoryConfig, OptimizerConfig, TrainingConfig
 from tidal.pipeline.config import PipelineConfig
 from tidal.sharding.config import ShardingConfig
-from tidal.train.config import CheckpointConfig, MetricsConfig
+from tidal.train.config import CheckpointConfig, CustomConfig, MetricsConfig
 from tidal.train.deepspeed_config import from_deepspeed, is_deepspeed_config
 
 logger = logging.getLogger(__name__)
@@ -52,6 +52,7 @@ class JobConfig:
     training: TrainingConfig = field(default_factory=TrainingConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    custom: CustomConfig = field(default_factory=CustomConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     memory: MemoryConfig = field(default_factory=MemoryConfig)
     chunk: ChunkConfig = field(default_factory=ChunkConfig)
@@ -76,6 +77,12 @@ class JobConfig:
             "pipeline.stages",
             "a pipeline runs each stage with the reference engine; set engine = 'reference' "
             "(chunk offload of pipeline stages is not supported yet)",
+        )
+        require(
+            self.custom.factory is None
+            or (self.model.factory is None and self.model.hf_config is None),
+            "custom.factory",
+            "builds the model itself: drop model.factory and model.hf_config",
         )
         seq_len = self.model.resolve().seq_len
         require(seq_len >= 2, "model.seq_len", f"must be >= 2, got {seq_len}")
