@@ -19,17 +19,39 @@ a model of its own through ``[model] factory`` instead ([Note: factory models]).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
+from tidal.config import ConfigError
 from tidal.data import Batch, Batches
 from tidal.distributed import all_reduce_mean
+from tidal.models.factory import load_factory
 from tidal.parallel.protocol import Checkpointable, Engine
 
-__all__ = ["EnginePart", "TrainingPart"]
+__all__ = ["LOSSES", "EnginePart", "TrainingPart", "custom_run"]
+
+# the losses a recipe's ``[custom] loss`` names
+LOSSES: dict[str, Callable[[Any, Any], torch.Tensor]] = {
+    "cross_entropy": F.cross_entropy,
+    "mse": F.mse_loss,
+}
+
+
+def custom_run(factory: str, *, seed: int) -> tuple[nn.Module, Iterable[Any], Iterable[Any] | None]:
+    """A recipe's ``[custom] factory``: your model and batches, built after seeding with
+    ``seed`` ([Note: your own model])."""
+    torch.manual_seed(seed)
+    made = load_factory(factory, key="custom.factory")()
+    if not (isinstance(made, tuple) and len(made) == 3 and isinstance(made[0], nn.Module)):
+        raise ConfigError(
+            "custom.factory",
+            f"{factory} must return (model, train_batches, val_batches), got {type(made).__name__}",
+        )
+    return made
 
 
 class TrainingPart(Protocol):

@@ -60,7 +60,6 @@ from tidal.distributed.device import (
 )
 from tidal.distributed.faults import maybe_inject
 from tidal.models import spec_for
-from tidal.models.factory import load_factory
 from tidal.parallel.accumulation import split_rows
 from tidal.train.build import build_engine, build_samplers
 from tidal.train.callbacks import Callback, LogCallback
@@ -70,7 +69,7 @@ from tidal.train.checkpoint import (
     load_checkpoint,
 )
 from tidal.train.checkpoint import save_checkpoint as write_checkpoint
-from tidal.train.engine_part import EnginePart, TrainingPart
+from tidal.train.engine_part import LOSSES, EnginePart, TrainingPart, custom_run
 from tidal.train.integrity import choose_checkpoint
 from tidal.train.interrupts import Interrupted, StopFlag
 from tidal.train.job import JobConfig, load_job
@@ -146,9 +145,10 @@ class Trainer:
         assert not isinstance(job, nn.Module)
         self.job = load_job(job, overrides)
         if self.user_model is None and self.job.custom.factory is not None:
-            self.user_model, train_data, val_data = _custom_run(self.job)
+            made = custom_run(self.job.custom.factory, seed=self.job.training.seed)
+            self.user_model, train_data, val_data = made
             self._train_data = train_data
-            loss_fn = loss_fn or _LOSSES[self.job.custom.loss]
+            loss_fn = loss_fn or LOSSES[self.job.custom.loss]
             self._loss_fn = loss_fn
         if self.job.metrics.tensorboard:
             check_tensorboard()  # before any process group or step, in one line
@@ -446,14 +446,8 @@ class Trainer:
 
     def _reset_run_dir(self, *, overwrite: bool, resume: bool) -> None:
         if overwrite:
-            for name in (
-                "checkpoints",
-                "metrics.jsonl",
-                "summary.json",
-                "loss.png",
-                "memory.png",
-                "tensorboard",
-            ):
+            for name in ("checkpoints", "metrics.jsonl", "summary.json", "loss.png", "memory.png",
+                         "tensorboard"):  # fmt: skip
                 path = self.run_dir / name
                 if path.is_dir():
                     shutil.rmtree(path)
@@ -583,26 +577,6 @@ class Trainer:
             "git_commit": git_commit(),
             "finished_at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         }
-
-
-_LOSSES: dict[str, Callable[[Any, Any], torch.Tensor]] = {
-    "cross_entropy": torch.nn.functional.cross_entropy,
-    "mse": torch.nn.functional.mse_loss,
-}
-
-
-def _custom_run(job: JobConfig) -> tuple[nn.Module, Iterable[Any], Iterable[Any] | None]:
-    """``[custom] factory``'s model and batches, built from the run's seed."""
-    assert job.custom.factory is not None
-    torch.manual_seed(job.training.seed)
-    made = load_factory(job.custom.factory, key="custom.factory")()
-    if not (isinstance(made, tuple) and len(made) == 3 and isinstance(made[0], nn.Module)):
-        raise ConfigError(
-            "custom.factory",
-            f"{job.custom.factory} must return (model, train_batches, val_batches), got "
-            f"{type(made).__name__}",
-        )
-    return made
 
 
 def _load_plan(path: str | Path) -> Plan:
