@@ -30,6 +30,9 @@ __all__ = ["MODELS", "DEVICES", "MEGATRON_COLUMNS", "bench_plan", "largest_fitti
 MODELS = ("gpt3-1.3b", "gpt3-13b", "gpt3-175b")
 DEVICES = (8, 64, 512)
 PARETO = (0.0, 0.1, 0.25, 0.5, 1.0)  # slowdowns over the fastest plan the frontier is taken at
+# the layout baselines priced on the plan's mesh (zero_infinity only where the nodes have a disk)
+BASELINES = ("megatron", "megatron_sp", "zero3", "zero3_full", "zero3_offload",
+             "fsdp2_cpu_offload", "zero_infinity")  # fmt: skip
 
 
 def bench_plan(
@@ -43,6 +46,8 @@ def bench_plan(
     pareto: tuple[float, ...] = PARETO,
     schedules: tuple[str, ...] = ("1f1b", "interleaved"),
     offload: tuple[float, ...] = (0.0,),
+    offload_params: tuple[float, ...] = (0.0,),
+    nvme_bytes_per_node: int = 0,
 ) -> list[dict[str, Any]]:
     from tidal.models import preset
 
@@ -59,6 +64,7 @@ def bench_plan(
                 devices=n,
                 devices_per_node=devices_per_node,
                 device_memory_bytes=device_memory_bytes,
+                nvme_bytes_per_node=nvme_bytes_per_node,
             )
             planner = PlannerConfig(
                 eps=eps,
@@ -66,10 +72,14 @@ def bench_plan(
                 pipeline_pareto=pareto,
                 schedules=schedules,
                 offload=offload,
-                baselines=("megatron", "megatron_sp", "zero3", "zero3_full", "zero3_offload"),
+                offload_params=offload_params,
+                offload_nvme=(0.0, 1.0) if nvme_bytes_per_node else (0.0,),
+                baselines=BASELINES,
             )
             row: dict[str, Any] = {"model": name, "devices": n, "measure_s": measure_s,
                                    "schedules": list(schedules), "offload": list(offload),
+                                   "offload_params": list(offload_params),
+                                   "nvme_bytes_per_node": nvme_bytes_per_node,
                                    "cluster_memory_bytes": device_memory_bytes}  # fmt: skip
             try:
                 result = make_plan(graph, cluster, planner, shape=shape)
@@ -226,14 +236,17 @@ def plot(rows: list[dict[str, Any]], path: Path) -> Path:
 
 
 def largest_fitting(name: str, devices: int, *, device_memory_bytes: int = 80 * 1024**3,
-                    devices_per_node: int = 8, micro_batch: int = 1) -> dict[str, Any]:  # fmt: skip
+                    devices_per_node: int = 8, micro_batch: int = 1,
+                    nvme_bytes_per_node: int = 0) -> dict[str, Any]:  # fmt: skip
     """The most layers at preset ``name``'s width whose least-memory configuration fits the
     devices: for tidal's flat plans (the ILP at any speed; pipelined plans hold no less, as
     [Note: pipeline stages] in tidal/planner/pipelines.py lets one see) and for Megatron-LM's
-    grid; and for tidal's flat plans with the optimizer state on the host too ([Note: optimizer
-    offload] in tidal/planner/strategies.py: priced, not yet run), with that plan's step time
-    beside Megatron-LM's fastest at its own largest. Layers are added to the measured graph (one
-    block's units, repeated), not traced again."""
+    grid; and for tidal's flat plans with model data off the device too ([Note: model data
+    offload] in tidal/planner/strategies.py: the optimizer state and parameters on the host, and
+    that state on the nodes' NVMe when they have one; priced, not yet run) beside Megatron-LM's
+    grid with its optimizer on the CPU (all it can offload), each with the step time at its
+    largest. Layers are added to the measured graph (one block's units, repeated), not traced
+    again."""
     from tidal.models import preset
     from tidal.planner.megatron import megatron_best, megatron_grid
     from tidal.planner.pipelines import stage_graph
@@ -242,9 +255,11 @@ def largest_fitting(name: str, devices: int, *, device_memory_bytes: int = 80 * 
     graph = measure_gpt(config, micro_batch=micro_batch)
     shape = GPTSpec(config=config).transformer_shape()
     cluster = ClusterSpec(devices=devices, devices_per_node=devices_per_node,
-                          device_memory_bytes=device_memory_bytes)  # fmt: skip
+                          device_memory_bytes=device_memory_bytes,
+                          nvme_bytes_per_node=nvme_bytes_per_node)  # fmt: skip
     planner = PlannerConfig(pareto=(), baselines=(), pipelines=False)
-    offloading = dataclasses.replace(planner, offload=(0.0, 1.0))
+    offloading = dataclasses.replace(planner, offload=(0.0, 1.0), offload_params=(0.0, 1.0),
+                                     offload_nvme=(0.0, 1.0) if nvme_bytes_per_node else (0.0,))  # fmt: skip
 
     def tidal_plan(layers: int, config: PlannerConfig) -> Any:
         try:
@@ -313,11 +328,14 @@ def largest_fitting(name: str, devices: int, *, device_memory_bytes: int = 80 * 
             "peak_memory_bytes": megatron_at_most.peak_memory_bytes,
             "host_bytes_per_device": megatron_at_most.memory.host,
         },
+        "nvme_bytes_per_node": nvme_bytes_per_node,
         "offload_plan": None if at_most is None else {
-            "offload": at_most.plan.offload, "mesh": f"dp {at_most.plan.dp} x tp {at_most.plan.tp}",
+            "offload": at_most.plan.offload.to_dict(),
+            "mesh": f"dp {at_most.plan.dp} x tp {at_most.plan.tp}",
             "step_time_s": at_most.plan.step_time_s,
             "peak_memory_bytes": at_most.plan.peak_memory_bytes,
             "host_bytes_per_device": at_most.plan.memory.host,
+            "nvme_bytes_per_device": at_most.plan.memory.nvme,
         },
     }  # fmt: skip
 
@@ -338,6 +356,8 @@ def run(args: argparse.Namespace, console: Console) -> int:
         eps=args.eps,
         schedules=tuple(x.strip() for x in args.schedules.split(",") if x.strip()),
         offload=tuple(float(x) for x in args.offload.split(",") if x.strip()),
+        offload_params=tuple(float(x) for x in args.offload_params.split(",") if x.strip()),
+        nvme_bytes_per_node=parse_bytes(args.nvme) if args.nvme else 0,
     )
     folder = Path(args.results_dir) if args.results_dir else None
     path = write_results("plan", rows, folder=folder)
@@ -369,6 +389,7 @@ def _run_largest(args: argparse.Namespace, console: Console) -> int:
             int(n),
             device_memory_bytes=parse_bytes(args.device_memory),
             devices_per_node=args.devices_per_node,
+            nvme_bytes_per_node=parse_bytes(args.nvme) if args.nvme else 0,
         )  # fmt: skip
         for model in args.models.split(",")
         for n in args.devices.split(",")
@@ -378,7 +399,7 @@ def _run_largest(args: argparse.Namespace, console: Console) -> int:
     view = Table(title="the largest model whose least-memory configuration fits (cost model)",
                  title_justify="left")  # fmt: skip
     for column in ("width of", "N", "tidal layers", "tidal B params", "Megatron-LM layers",
-                   "Megatron-LM B params", "tidal / Megatron-LM", "optimizer on the host: tidal",
+                   "Megatron-LM B params", "tidal / Megatron-LM", "offloaded: tidal",
                    "Megatron-LM", "ratio", "tidal step s", "Megatron-LM step s"):  # fmt: skip
         view.add_column(column, justify="left" if column == "width of" else "right")
     for row in rows:

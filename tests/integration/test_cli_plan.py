@@ -10,6 +10,7 @@ import pytest
 
 from tidal.cli.main import main
 from tidal.planner import Plan
+from tidal.planner.plan import Offload
 
 
 def test_plan_writes_the_json_the_issue_names(tmp_path, capsys) -> None:
@@ -87,9 +88,22 @@ def test_plan_with_the_optimizer_on_the_host_says_so(tmp_path, capsys) -> None:
     assert main([*args, "--offload", "0,1"]) == 0
     assert "with 100% of the optimizer on the host (" in capsys.readouterr().out
     plan = Plan.load(tmp_path / "p.json")
-    assert plan.offload == 1.0 and plan.memory.host > 0 and plan.peak_memory_bytes <= 1024**2
+    assert plan.offload == Offload(optimizer=1.0) and plan.memory.host > 0
+    assert plan.peak_memory_bytes <= 1024**2
     assert main(["plan", "--model", "tiny", "--devices", "2", "--offload", "0,x"]) == 2
     assert "--offload: expected numbers" in capsys.readouterr().err
+    # the parameters too, and the optimizer state on a disk the nodes have
+    disk = [*args, "--offload", "1", "--offload-params", "0,1", "--nvme", "1GiB", "--device-memory",
+            "400KiB"]  # fmt: skip
+    assert main(disk) == 0
+    out = capsys.readouterr().out
+    assert "with 100% of the optimizer on the host, 100% of the parameters" in out
+    plan = Plan.load(tmp_path / "p.json")
+    assert plan.offload.params == 1.0 and plan.peak_memory_bytes <= 400 * 1024
+    assert main([*args, "--offload", "0.5", "--offload-params", "1"]) == 2
+    assert "offload_params: each of (1.0,) exceeds every optimizer fraction" in (
+        capsys.readouterr().err
+    )
 
 
 def test_bench_plan_writes_results(tmp_path, capsys) -> None:
@@ -106,6 +120,7 @@ def test_bench_plan_writes_results(tmp_path, capsys) -> None:
         "zero3",
         "zero3_full",
         "zero3_offload",
+        "fsdp2_cpu_offload",  # zero_infinity: only where the nodes have a disk
     }
     best = row["megatron_best"]
     assert best["least_memory"]["peak_memory_bytes"] > 0
@@ -223,16 +238,17 @@ def test_bench_plan_largest_model_that_fits(tmp_path, capsys) -> None:
     make_plan(stage_graph(graph, blocks=layers, first=True, last=True), cluster, config)
     with pytest.raises(Infeasible):
         make_plan(stage_graph(graph, blocks=layers + 1, first=True, last=True), cluster, config)
-    # the optimizer state on the host makes room for more ([Note: optimizer offload]); one
+    # the optimizer state on the host makes room for more ([Note: model data offload]); one
     # more layer does not fit that either
-    assert row["tidal_offload_layers"] > layers and row["offload_plan"]["offload"] == 1.0
+    assert row["tidal_offload_layers"] > layers
+    assert row["offload_plan"]["offload"]["optimizer"] == 1.0
     assert row["offload_plan"]["host_bytes_per_device"] > 0
     # ... set beside Megatron-LM's grid with its optimizer on the CPU too
     assert row["megatron_offload_layers"] >= row["megatron_layers"]
     assert row["offload_ratio"] == pytest.approx(
         row["tidal_offload_params"] / row["megatron_offload_params"]
     )
-    offloading = dataclasses.replace(config, offload=(0.0, 1.0))
+    offloading = dataclasses.replace(config, offload=(0.0, 1.0), offload_params=(0.0, 1.0))
     with pytest.raises(Infeasible):
         blocks = row["tidal_offload_layers"] + 1
         make_plan(stage_graph(graph, blocks=blocks, first=True, last=True), cluster, offloading)

@@ -196,7 +196,7 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
     plan.add_argument(
         "--baselines",
         default="megatron,megatron_sp,megatron_no_recompute,zero1,zero2,zero3,zero3_full,"
-        "zero3_offload",
+        "zero3_offload,fsdp2_cpu_offload,zero_infinity",
         metavar="A,B", help="layouts to price on the plan's mesh in the same cost model",
     )  # fmt: skip
     plan.add_argument("--json", default=None, metavar="PATH", help="write the plan here")
@@ -366,6 +366,16 @@ def _add_schedules(parser: argparse.ArgumentParser) -> None:
         "--offload", default="0", metavar="F,F",
         help="fractions of the fp32 masters and optimizer state to search on the host, updated "
         "there (priced, not yet run by tidal train --plan), e.g. 0,0.5,1 (default 0: none)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--offload-params", default="0", metavar="F,F",
+        help="fractions of a ZeRO-3 unit's parameters (and gradients) to search on the host, "
+        "each with at least as much of the optimizer (--offload), e.g. 0,1 (default 0: none)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--nvme", default=None, metavar="SIZE",
+        help="each node's NVMe for offloaded optimizer state, e.g. 30TB (a DGX H100's eight "
+        "drives); the search then also puts all of that state on the disk (default: no disk)",
     )  # fmt: skip
 
 

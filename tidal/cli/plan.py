@@ -15,6 +15,7 @@ from rich.console import Console
 from rich.table import Table
 
 from tidal.config.configurable import ConfigError, format_bytes, parse_bytes
+from tidal.planner.plan import Offload
 
 __all__ = ["is_hf_config", "run_plan"]
 
@@ -33,6 +34,8 @@ def _cluster(args: argparse.Namespace):
     values: dict[str, Any] = dict(CLUSTER_PRESETS[args.cluster])
     if args.device_memory is not None:
         values["device_memory_bytes"] = parse_bytes(args.device_memory)
+    if args.nvme is not None:
+        values["nvme_bytes_per_node"] = parse_bytes(args.nvme)
     return ClusterSpec(devices=args.devices, devices_per_node=args.devices_per_node, **values)
 
 
@@ -102,6 +105,8 @@ def run_plan(args: argparse.Namespace, console: Console) -> int:
         pipeline_pareto=pipeline_pareto,
         schedules=tuple(x.strip() for x in args.schedules.split(",") if x.strip()),
         offload=_numbers(args.offload, "--offload"),
+        offload_params=_numbers(args.offload_params, "--offload-params"),
+        offload_nvme=(0.0, 1.0) if args.nvme else (0.0,),
         baselines=tuple(x.strip() for x in args.baselines.split(",") if x.strip()),
         recompute=modes,
     )
@@ -330,9 +335,12 @@ def summary_line(report: dict, cluster) -> str:
     timing = report["timing_s"]
     phases = ", ".join(f"{name} {seconds:.1f} s" for name, seconds in timing["phases"].items())
     host = ""
-    if report.get("offload"):  # [Note: optimizer offload] in tidal/planner/strategies.py
-        host = (f" with {report['offload']:.0%} of the optimizer on the host "
-                f"({format_bytes(report['memory']['host'])} a device; priced, not run)")  # fmt: skip
+    offload = Offload.from_json(report.get("offload"))
+    if offload:  # [Note: model data offload] in tidal/planner/strategies.py
+        memory = report["memory"]
+        disk = f", {format_bytes(memory['nvme'])} on NVMe" if memory.get("nvme") else ""
+        host = (f" with {offload.describe()} ({format_bytes(memory['host'])} a device on the "
+                f"host{disk}; priced, not run)")  # fmt: skip
     return (
         f"peak {format_bytes(report['peak_memory_bytes'])} of "
         f"{format_bytes(cluster.device_memory_bytes)} per device{host}, step "

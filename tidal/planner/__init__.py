@@ -10,7 +10,7 @@ here is pure except ``apply`` (apply.py), which realises a plan on a model with 
 from tidal.planner.apply import apply, full_state_dict, make_mesh, set_accumulating
 from tidal.planner.cluster import CLUSTER_PRESETS, ClusterSpec, Mesh
 from tidal.planner.measure import ModelGraph, Unit, measure
-from tidal.planner.plan import Layout, Plan, Recompute, StrategyName, UnitChoice
+from tidal.planner.plan import Layout, Offload, Plan, Recompute, StrategyName, UnitChoice
 from tidal.planner.search import Infeasible, PlannerConfig, PlanResult, make_plan, plan_for
 
 __all__ = [
@@ -20,6 +20,7 @@ __all__ = [
     "Layout",
     "Mesh",
     "ModelGraph",
+    "Offload",
     "Plan",
     "PlanResult",
     "PlannerConfig",

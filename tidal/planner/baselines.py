@@ -16,9 +16,15 @@ the planner's saving against it comes from choices the family does not have.
   (activation checkpointing on). FSDP2 (``fully_shard``, resharding after forward) moves the
   same bytes as ZeRO-3 here, so it has no row of its own;
 - ``zero3_offload``: ``zero3_full`` with its fp32 masters and optimizer state on the host and
-  updated there (DeepSpeed's ``offload_optimizer`` to the CPU, ZeRO-Offload / ZeRO-Infinity's
-  CPU tier), priced as [Note: optimizer offload] in strategies.py says. Offloading parameters
-  too (ZeRO-Infinity's ``offload_param``, FSDP2's ``CPUOffloadPolicy``) is not priced yet.
+  updated there (DeepSpeed's ``offload_optimizer`` to the CPU, ZeRO-Offload), priced as [Note:
+  model data offload] in strategies.py says;
+- ``fsdp2_cpu_offload``: ``zero3_full`` with its parameters, gradients and optimizer state on
+  the host and the step run there (FSDP2's ``CPUOffloadPolicy``; DeepSpeed's ``offload_param``
+  and ``offload_optimizer`` to the CPU price the same here). FSDP2 steps with torch's CPU
+  AdamW, slower than DeepSpeed's CPU Adam, whose rate is the one priced: this row is FSDP2's
+  faster side;
+- ``zero_infinity``: ``fsdp2_cpu_offload`` with the optimizer state on the nodes' NVMe
+  (DeepSpeed's ``offload_optimizer`` to ``nvme``); only where the cluster has a disk.
 
 These are layouts on the plan's own mesh (the seed paper's comparison); Megatron-LM at its real
 configuration, with pipeline stages and its distributed optimizer, is megatron.py's.
@@ -34,7 +40,7 @@ from tidal.planner.cluster import ClusterSpec, Mesh
 from tidal.planner.cost_model import Costed, evaluate
 from tidal.planner.ilp import Solution, build_problem
 from tidal.planner.measure import ModelGraph, Unit
-from tidal.planner.plan import Layout, Recompute, StrategyName
+from tidal.planner.plan import NO_OFFLOAD, Layout, Offload, Recompute, StrategyName
 from tidal.planner.strategies import Candidate, TrainingSpec, unit_options
 from tidal.planner.wiring import input_layouts
 
@@ -147,16 +153,20 @@ def _any(unit: Unit, cand: Candidate, graph: ModelGraph) -> bool:
     return True
 
 
-BASELINES: dict[str, tuple[str, bool, int, Recompute, float]] = {
-    # name: (family, sequence parallel, ZeRO level, recompute, optimizer state on the host)
-    "megatron": ("megatron", False, 0, Recompute.SELECTIVE, 0.0),
-    "megatron_sp": ("megatron", True, 0, Recompute.SELECTIVE, 0.0),
-    "megatron_no_recompute": ("megatron", False, 0, Recompute.NONE, 0.0),
-    "zero1": ("zero", False, 1, Recompute.NONE, 0.0),
-    "zero2": ("zero", False, 2, Recompute.NONE, 0.0),
-    "zero3": ("zero", False, 3, Recompute.NONE, 0.0),
-    "zero3_full": ("zero", False, 3, Recompute.FULL, 0.0),
-    "zero3_offload": ("zero", False, 3, Recompute.FULL, 1.0),
+_ON_HOST = Offload(optimizer=1.0, params=1.0)
+
+BASELINES: dict[str, tuple[str, bool, int, Recompute, Offload]] = {
+    # name: (family, sequence parallel, ZeRO level, recompute, model data off the device)
+    "megatron": ("megatron", False, 0, Recompute.SELECTIVE, NO_OFFLOAD),
+    "megatron_sp": ("megatron", True, 0, Recompute.SELECTIVE, NO_OFFLOAD),
+    "megatron_no_recompute": ("megatron", False, 0, Recompute.NONE, NO_OFFLOAD),
+    "zero1": ("zero", False, 1, Recompute.NONE, NO_OFFLOAD),
+    "zero2": ("zero", False, 2, Recompute.NONE, NO_OFFLOAD),
+    "zero3": ("zero", False, 3, Recompute.NONE, NO_OFFLOAD),
+    "zero3_full": ("zero", False, 3, Recompute.FULL, NO_OFFLOAD),
+    "zero3_offload": ("zero", False, 3, Recompute.FULL, Offload(optimizer=1.0)),
+    "fsdp2_cpu_offload": ("zero", False, 3, Recompute.FULL, _ON_HOST),
+    "zero_infinity": ("zero", False, 3, Recompute.FULL, dataclasses.replace(_ON_HOST, nvme=1.0)),
 }
 
 
@@ -168,8 +178,10 @@ def baseline(
     tensor_size: int,
 ) -> Baseline | None:
     """Baseline ``name`` (a key of :data:`BASELINES`); ``None`` when the global batch does not
-    split over its mesh."""
+    split over its mesh, or it needs a disk the cluster does not have."""
     family, sp, zero, recompute, offload = BASELINES[name]
+    if offload.nvme and not cluster.nvme_bytes_per_node:
+        return None
     t = tensor_size if family == "megatron" else 1
     mesh = Mesh(dp=cluster.devices // t, tp=t)
     spec = spec_for(mesh)

@@ -77,9 +77,9 @@ def wire_plan(model: nn.Module, plan: Plan, *, graph: ModelGraph | None = None) 
     """The checked plan with its wire layouts ([Note: plan realisation] in apply.py)."""
     if plan.offload:
         raise ValueError(
-            f"the plan keeps {plan.offload:.0%} of the optimizer state on the host, which is "
-            f"priced but not run yet ([Note: optimizer offload] in tidal/planner/strategies.py):"
-            f" make it without --offload (or offload=(0.0,)) to train it"
+            f"the plan keeps {plan.offload.describe()}, which is priced but not run yet ([Note: "
+            f"model data offload] in tidal/planner/strategies.py): make it without --offload "
+            f"(or offload=(0.0,)) to train it"
         )
     graph = graph or structure_graph(model, seq_len=plan.seq_len)
     wiring = derive_wiring(graph)

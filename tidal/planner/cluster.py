@@ -47,7 +47,7 @@ class ClusterSpec:
     inter_node_bandwidth: float = 50e9
     intra_node_latency_s: float = 5e-6
     inter_node_latency_s: float = 10e-6
-    # The host side, for optimizer state offloaded there ([Note: optimizer offload] in
+    # The host side, for model data offloaded there ([Note: model data offload] in
     # strategies.py): a DGX H100's 2 TB of memory per node, each device's own PCIe Gen5 x16
     # link (64 GB/s a direction, 50 achieved), and the rate at which the node's CPUs run Adam
     # over fp32 state (an assumption: memory-bound at about 16 bytes read and written a
@@ -55,6 +55,12 @@ class ClusterSpec:
     host_memory_per_node_bytes: int = 2 * 1024 * GiB
     host_link_bandwidth: float = 50e9  # bytes/s per device, each direction
     host_adam_params_per_s: float = 2e9  # per node, all its CPUs
+    # A disk for offloaded optimizer state ([Note: model data offload] in strategies.py): none
+    # unless given (`tidal plan --nvme 30TB`: a DGX H100 has eight 3.84 TB drives), read and
+    # written at ``nvme_bandwidth`` by the node's drives together (an assumption: a few GB/s a
+    # drive in RAID 0; no published figure is checked here).
+    nvme_bytes_per_node: int = 0
+    nvme_bandwidth: float = 25e9  # bytes/s per node, each direction
 
     def __post_init__(self) -> None:
         require(self.devices >= 1, "devices", f"must be >= 1, got {self.devices}")
@@ -76,8 +82,13 @@ class ClusterSpec:
         )
         for name in ("peak_flops", "memory_bandwidth", "intra_node_bandwidth",
                      "host_memory_per_node_bytes", "host_link_bandwidth",
-                     "host_adam_params_per_s"):  # fmt: skip
+                     "host_adam_params_per_s", "nvme_bandwidth"):  # fmt: skip
             require(getattr(self, name) > 0, name, f"must be > 0, got {getattr(self, name)}")
+        require(
+            self.nvme_bytes_per_node >= 0,
+            "nvme_bytes_per_node",
+            f"must be >= 0, got {self.nvme_bytes_per_node}",
+        )
         require(
             0 < self.compute_efficiency <= 1,
             "compute_efficiency",
@@ -93,6 +104,11 @@ class ClusterSpec:
     def host_bytes_per_device(self) -> float:
         """Each device's share of its node's host memory."""
         return self.host_memory_per_node_bytes / self.devices_on_node
+
+    @property
+    def nvme_bytes_per_device(self) -> float:
+        """Each device's share of its node's NVMe."""
+        return self.nvme_bytes_per_node / self.devices_on_node
 
 
 CLUSTER_PRESETS: dict[str, dict[str, float]] = {

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 from tidal.planner.cluster import Axis, ClusterSpec, Collective, Mesh, collective_s
 from tidal.planner.measure import ModelGraph, Unit
-from tidal.planner.plan import Layout, MemoryBreakdown, Recompute
+from tidal.planner.plan import NO_OFFLOAD, Layout, MemoryBreakdown, Offload, Recompute
 from tidal.planner.strategies import Candidate, TrainingSpec
 
 __all__ = ["Assignment", "Costed", "block_input", "convert_s", "edge_s", "evaluate"]
@@ -77,7 +77,7 @@ class Assignment:
     mesh: Mesh
     choice: dict[str, Candidate]
     recompute: dict[str, Recompute]
-    offload: float = 0.0  # [Note: optimizer offload] in strategies.py
+    offload: Offload = NO_OFFLOAD  # [Note: model data offload] in strategies.py
 
 
 @dataclass(kw_only=True, slots=True)
@@ -124,9 +124,10 @@ def evaluate(
             transient=cand.memory.transient,
             redundant=cand.memory.redundant,
             host=cand.memory.host,
+            nvme=cand.memory.nvme,
         )
         unit_memory[unit.name] = mine
-        for name in ("params", "grads", "optimizer", "activations", "redundant", "host"):
+        for name in ("params", "grads", "optimizer", "activations", "redundant", "host", "nvme"):
             setattr(total, name, getattr(total, name) + unit.count * getattr(mine, name))
         transients.append(cand.memory.transient)
         if block is not None and mode is Recompute.FULL:

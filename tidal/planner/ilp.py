@@ -13,8 +13,9 @@ Variables, for one mesh:
 - ``M`` continuous: the peak, ``M >= base + transient_k`` for each transient ``k``
   ([Note: peak memory] in cost_model.py).
 
-With optimizer state offloaded, one row more keeps the units' host bytes within the device's
-share of its node's host memory ([Note: optimizer offload] in strategies.py).
+With model data offloaded, a row more keeps the units' host bytes within the device's share of
+its node's host memory, and one its NVMe bytes within its share of the node's disk ([Note:
+model data offload] in strategies.py).
 
 Every coefficient a product variable carries is non-negative and the products only appear on
 the cost side, so the lower bounds alone make them exact at an optimum. Objectives: minimum time
@@ -42,7 +43,7 @@ from scipy.sparse import csr_array
 from tidal.planner.cluster import ClusterSpec, Mesh
 from tidal.planner.cost_model import Assignment, block_input, edge_s
 from tidal.planner.measure import ModelGraph
-from tidal.planner.plan import Layout, Recompute
+from tidal.planner.plan import NO_OFFLOAD, Layout, Offload, Recompute
 from tidal.planner.strategies import Candidate, TrainingSpec
 
 __all__ = ["Problem", "Solution", "build_problem", "on_threads"]
@@ -87,7 +88,7 @@ class Problem:
     graph: ModelGraph
     mesh: Mesh
     options: dict[str, list[Candidate]]
-    offload: float = 0.0  # the spec's ([Note: optimizer offload] in strategies.py)
+    offload: Offload = NO_OFFLOAD  # the spec's ([Note: model data offload] in strategies.py)
     num_vars: int = 0
     integer: list[int] = field(default_factory=list)
     x: dict[tuple[str, int], int] = field(default_factory=dict)
@@ -350,7 +351,8 @@ def build_problem(
 def _unit_terms(problem: Problem, cluster: ClusterSpec, spec: TrainingSpec) -> None:
     graph, m, held = problem.graph, spec.slots, spec.in_flight
     full_block: dict[str, dict[int, float]] = {}
-    host: dict[int, float] = {}  # bytes on the host ([Note: optimizer offload])
+    host: dict[int, float] = {}  # bytes on the host ([Note: model data offload])
+    nvme: dict[int, float] = {}  # ... and on the node's disk
     kept_src = {prefix: block_input(graph, prefix) for prefix in graph.blocks}
     for unit in graph.units:
         block, n = graph.block_of(unit), unit.count
@@ -362,6 +364,7 @@ def _unit_terms(problem: Problem, cluster: ClusterSpec, spec: TrainingSpec) -> N
             _add(problem.time_row, x, n * (m * (cand.compute_s + cand.comm_s) + cand.sync_s))
             _add(transient, x, cand.memory.transient)
             _add(host, x, n * cand.memory.host)
+            _add(nvme, x, n * cand.memory.nvme)
             if block is None:
                 _add(problem.base_row, x, held * n * cand.memory.activations)
                 continue
@@ -390,6 +393,8 @@ def _unit_terms(problem: Problem, cluster: ClusterSpec, spec: TrainingSpec) -> N
         problem.transient_rows.append((f"recomputed[{block}]", coeffs))
     if host:  # the node's devices together within its host memory
         problem.row("host_memory", host, 0.0, cluster.host_bytes_per_device)
+    if nvme:  # ... and its disk (none: a plan that puts bytes there is infeasible)
+        problem.row("nvme", nvme, 0.0, cluster.nvme_bytes_per_device)
 
 
 def _product(problem: Problem, x: int, r: int, name: str, mode: Recompute) -> int:

@@ -47,7 +47,7 @@ reduce-scatter of them and an all-gather of the bf16 weights. Stages are the out
 [Note: Megatron's optimizer offload]
 Megatron-Core offloads a fraction ``f`` of the distributed optimizer's fp32 state to the CPU and
 updates it there (``--optimizer-cpu-offload``, ``--optimizer-offload-fraction``: its
-``HybridDeviceOptimizer``). Priced as tidal's ([Note: optimizer offload] in strategies.py): the
+``HybridDeviceOptimizer``). Priced as tidal's ([Note: model data offload] in strategies.py): the
 device keeps ``6 + 12 (1 - f) / d`` bytes a parameter, the host ``12 f / d`` within the device's
 share of its node's memory; a step adds the ``f / d`` share's fp32 gradients down and bf16
 weights up over the host link and the node's CPU Adam over it, with no overlap (Megatron

@@ -43,6 +43,7 @@ from tidal.planner.cluster import ClusterSpec, Mesh
 from tidal.planner.cost_model import Costed, block_input, evaluate
 from tidal.planner.graph import ModelGraph, ParamInfo, Unit
 from tidal.planner.ilp import Problem, Solution, on_threads
+from tidal.planner.plan import NO_OFFLOAD, Offload
 from tidal.planner.strategies import TrainingSpec
 
 __all__ = [
@@ -212,7 +213,7 @@ class PipelinePlan:
         chunks = f", v{o.vp}" if o.vp > 1 else ""
         schedule = ", PipeMare (asynchronous)" if o.schedule == "pipemare" else ""
         offload = o.specs[0].offload
-        host = f", {offload:.0%} of the optimizer on the host" if offload else ""
+        host = f", {offload.describe()}" if offload else ""
         return (f"p{o.pp} x dp {o.mesh.dp} x tp {o.mesh.tp}{chunks}{schedule}, "
                 f"{o.num_microbatches} micro-batches{host}")  # fmt: skip
 
@@ -239,11 +240,11 @@ def _send_s(graph: ModelGraph, mesh: Mesh, pp: int, vp: int, slots: float,
 def pipeline_options(graph: ModelGraph, cluster: ClusterSpec, *, global_batch: int,
                      base: TrainingSpec, meshes: Callable[[ClusterSpec], list[Mesh]],
                      schedules: tuple[str, ...] = ("1f1b", "interleaved"),
-                     offloads: tuple[float, ...] = (0.0,)) -> list[PipelineOption]:  # fmt: skip
+                     offloads: tuple[Offload, ...] = (NO_OFFLOAD,)) -> list[PipelineOption]:  # fmt: skip
     """Every ``p > 1`` dividing the blocks and the devices, each mesh of the ``N / p`` devices a
     stage has (``meshes``), 1F1B and each interleaving ``v`` the micro-batches allow (``m``
-    divisible by ``p``, ``v`` dividing the ``k`` blocks a rank holds), each offload fraction
-    ([Note: optimizer offload] in strategies.py)."""
+    divisible by ``p``, ``v`` dividing the ``k`` blocks a rank holds), each offload ([Note:
+    model data offload] in strategies.py)."""
     found = _one_block(graph)
     if found is None:
         return []
@@ -283,13 +284,15 @@ SCHEDULES = ("1f1b", "interleaved", "pipemare")
 
 
 def _stage_cluster(cluster: ClusterSpec, p: int) -> ClusterSpec:
-    """A stage's ``N / p`` devices; when they are fewer than a node's, the node's host memory
-    and CPUs still serve all its devices, so a device's share of them stays as it was."""
+    """A stage's ``N / p`` devices; when they are fewer than a node's, the node's host memory,
+    CPUs and disk still serve all its devices, so a device's share of them stays as it was."""
     stage = dataclasses.replace(cluster, devices=cluster.devices // p)
     share = stage.devices_on_node / cluster.devices_on_node
     return dataclasses.replace(
         stage, host_memory_per_node_bytes=int(cluster.host_memory_per_node_bytes * share),
         host_adam_params_per_s=cluster.host_adam_params_per_s * share,
+        nvme_bytes_per_node=int(cluster.nvme_bytes_per_node * share),
+        nvme_bandwidth=cluster.nvme_bandwidth * share,
     )  # fmt: skip
 
 
@@ -347,7 +350,7 @@ def search_pipelines(graph: ModelGraph, cluster: ClusterSpec, *, global_batch: i
                      base: TrainingSpec, meshes: Callable[[ClusterSpec], list[Mesh]],
                      problem: ProblemFn, memory_limit: float, solver_time_limit_s: float,
                      slack: float, schedules: tuple[str, ...] = ("1f1b", "interleaved"),
-                     offloads: tuple[float, ...] = (0.0,)) -> PipelineSearch:  # fmt: skip
+                     offloads: tuple[Offload, ...] = (NO_OFFLOAD,)) -> PipelineSearch:  # fmt: skip
     """Build every option, bound each one's fastest step by its LP relaxations, and solve them
     in that order until the bound passes ``1 + slack`` times the fastest found (an option
     further out cannot hold a plan within ``slack`` of the fastest)."""

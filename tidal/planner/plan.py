@@ -28,7 +28,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["Layout", "MemoryBreakdown", "Plan", "Recompute", "StrategyName", "UnitChoice"]
+from tidal.config.configurable import require
+
+__all__ = [
+    "Layout",
+    "MemoryBreakdown",
+    "Offload",
+    "Plan",
+    "Recompute",
+    "StrategyName",
+    "UnitChoice",
+]
 
 PLAN_FORMAT = 1
 
@@ -62,6 +72,64 @@ class Recompute(enum.StrEnum):
     FULL = "full"  # keep the block's input, recompute everything in backward
 
 
+@dataclass(kw_only=True, frozen=True, slots=True)
+class Offload:
+    """What of each device's model data a plan keeps off the device, as fractions ([Note: model
+    data offload] in strategies.py). Nested: parameters go to the host only where their
+    optimizer state is there too (their update runs there), and the disk takes only offloaded
+    optimizer state."""
+
+    optimizer: float = 0.0  # fp32 masters and optimizer state, updated on the host
+    params: float = 0.0  # of a ZeRO-3 unit's parameter shard, with its gradient
+    nvme: float = 0.0  # of the offloaded optimizer state, on the node's NVMe, not in host memory
+
+    def __post_init__(self) -> None:
+        for name in ("optimizer", "params", "nvme"):
+            value = getattr(self, name)
+            require(
+                0 <= value <= 1, f"offload.{name}", f"must be a fraction in [0, 1], got {value}"
+            )
+        require(
+            self.params <= self.optimizer,
+            "offload.params",
+            f"{self.params} exceeds the optimizer's {self.optimizer}: parameters on the host are "
+            "updated there, with their optimizer state; offload at least as much of the optimizer",
+        )
+        require(
+            not self.nvme or self.optimizer > 0,
+            "offload.nvme",
+            "holds offloaded optimizer state, and none is offloaded",
+        )
+
+    def __bool__(self) -> bool:
+        return bool(self.optimizer or self.params or self.nvme)
+
+    def describe(self) -> str:
+        """``"50% of the optimizer on the host"``, and what else it moves; ``""`` for none."""
+        if not self:
+            return ""
+        parts = [f"{self.optimizer:.0%} of the optimizer on the host"]
+        if self.params:
+            parts.append(f"{self.params:.0%} of the parameters")
+        if self.nvme:
+            parts.append(f"{self.nvme:.0%} of that state on NVMe")
+        return ", ".join(parts)
+
+    def to_dict(self) -> dict[str, float]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, data: float | dict[str, Any] | None) -> Offload:
+        """A plan file's ``offload``: a dict, or one number (the optimizer's fraction, as plans
+        wrote it before parameters could be offloaded)."""
+        if data is None or isinstance(data, int | float):
+            return cls(optimizer=float(data or 0.0))
+        return cls(**{f.name: float(data.get(f.name, 0.0)) for f in dataclasses.fields(cls)})
+
+
+NO_OFFLOAD = Offload()
+
+
 @dataclass(kw_only=True, slots=True)
 class MemoryBreakdown:
     """Bytes per device; ``redundant`` is the part above a perfect 1/N split of the same data."""
@@ -72,7 +140,9 @@ class MemoryBreakdown:
     activations: float = 0.0
     transient: float = 0.0
     redundant: float = 0.0
-    host: float = 0.0  # optimizer state offloaded to the host: not in the device's total
+    # offloaded model data ([Note: model data offload] in strategies.py): not in the device's total
+    host: float = 0.0  # bytes in the node's host memory
+    nvme: float = 0.0  # bytes on the node's NVMe
 
     @property
     def resident(self) -> float:
@@ -163,9 +233,9 @@ class Plan:
     memory: MemoryBreakdown
     step_time_s: float
     edges: list[tuple[str, str, int]] = field(default_factory=list)
-    # the fraction of fp32 masters and optimizer state kept and updated on the host ([Note:
-    # optimizer offload] in strategies.py); priced, not yet run by `tidal train --plan`
-    offload: float = 0.0
+    # the model data kept off the device ([Note: model data offload] in strategies.py);
+    # priced, not yet run by `tidal train --plan`
+    offload: Offload = NO_OFFLOAD
 
     @property
     def peak_memory_bytes(self) -> float:
@@ -192,7 +262,7 @@ class Plan:
             "recompute": {k: str(v) for k, v in self.recompute.items()},
             "units": [u.to_dict() for u in self.units],
             "edges": [list(e) for e in self.edges],
-            "offload": self.offload,
+            "offload": self.offload.to_dict(),
         }
 
     @classmethod
@@ -215,7 +285,7 @@ class Plan:
             memory=MemoryBreakdown.from_dict(data["memory"]),
             step_time_s=float(data["step_time_s"]),
             edges=[(str(a), str(b), int(n)) for a, b, n in data.get("edges", [])],
-            offload=float(data.get("offload", 0.0)),
+            offload=Offload.from_json(data.get("offload")),
         )
 
     def save(self, path: str | Path, extra: dict[str, Any] | None = None) -> None:

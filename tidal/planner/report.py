@@ -56,7 +56,7 @@ def plan_report(result: PlanResult, cluster: ClusterSpec) -> dict[str, Any]:
             {
                 "dp": r.mesh.dp,
                 "tp": r.mesh.tp,
-                "offload": r.problem.offload,
+                "offload": r.problem.offload.to_dict(),
                 "fastest_step_time_s": _finite(r.fastest.step_time_s),
                 "status": r.fastest.status,
             }

@@ -15,10 +15,12 @@ device memory that would work, with the units holding most of it ([`Infeasible`]
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
@@ -31,7 +33,7 @@ from tidal.planner.ilp import Problem, Solution, build_problem, on_threads
 from tidal.planner.measure import ModelGraph
 from tidal.planner.megatron import MegatronBest, TransformerShape, megatron_best, megatron_grid
 from tidal.planner.pipelines import SCHEDULES, PipelinePlan, PipelineSearch, search_pipelines
-from tidal.planner.plan import Plan, Recompute, UnitChoice
+from tidal.planner.plan import NO_OFFLOAD, Offload, Plan, Recompute, UnitChoice
 from tidal.planner.strategies import (
     TrainingSpec,
     indivisible,
@@ -67,9 +69,14 @@ class PlannerConfig:
     pipeline_pareto: tuple[float, ...] = ()
     # the pipeline schedules searched; "pipemare" (asynchronous) is opt-in
     schedules: tuple[str, ...] = ("1f1b", "interleaved")
-    # fractions of the optimizer state searched on the host ([Note: optimizer offload] in
-    # strategies.py): priced, not yet run by `tidal train --plan`; (0.0,) keeps it on the device
+    # model data searched off the device ([Note: model data offload] in strategies.py), as
+    # fractions: of the optimizer state on the host, of a ZeRO-3 unit's parameters there (at
+    # most the optimizer's), and of the offloaded state on the node's NVMe (the cluster's
+    # disk); every combination is searched (offloads()). Priced, not yet run by `tidal train
+    # --plan`; (0.0,) keeps it all on the device
     offload: tuple[float, ...] = (0.0,)
+    offload_params: tuple[float, ...] = (0.0,)
+    offload_nvme: tuple[float, ...] = (0.0,)
 
     def __post_init__(self) -> None:
         require(
@@ -86,16 +93,33 @@ class PlannerConfig:
             )
         unknown = sorted(set(self.schedules) - set(SCHEDULES))
         require(not unknown, "schedules", f"unknown {unknown}; choose from {', '.join(SCHEDULES)}")
+        for name in ("offload", "offload_params", "offload_nvme"):
+            fractions = getattr(self, name)
+            require(
+                bool(fractions) and all(0 <= f <= 1 for f in fractions),
+                name,
+                f"must be fractions in [0, 1], got {fractions!r}",
+            )
         require(
-            bool(self.offload) and all(0 <= f <= 1 for f in self.offload),
-            "offload",
-            f"must be fractions in [0, 1], got {self.offload!r}",
+            bool(self.offloads()),
+            "offload_params",
+            f"each of {self.offload_params} exceeds every optimizer fraction {self.offload}: "
+            "parameters go to the host only with their optimizer state; add 0",
         )
         require(
             bool(self.recompute) and all(isinstance(m, Recompute) for m in self.recompute),
             "recompute",
             f"must be some of {', '.join(Recompute)}, got {self.recompute!r}",
         )
+
+    def offloads(self) -> tuple[Offload, ...]:
+        """Every combination of the three fractions that [Note: model data offload] allows."""
+        found = [
+            Offload(optimizer=f, params=g, nvme=h)
+            for f, g, h in itertools.product(self.offload, self.offload_params, self.offload_nvme)
+            if g <= f and (f > 0 or h == 0)
+        ]
+        return tuple(dict.fromkeys(found))
 
 
 class Infeasible(ValueError):
@@ -184,7 +208,7 @@ class PlanResult:
 
 
 def _spec(graph: ModelGraph, mesh: Mesh, config: PlannerConfig, devices: int,
-          offload: float = 0.0) -> TrainingSpec:  # fmt: skip
+          offload: Offload = NO_OFFLOAD) -> TrainingSpec:  # fmt: skip
     """The training figures on ``mesh``, which :func:`meshes_for` kept: its batch splits."""
     spec = _spec_if_split(graph, mesh, config, devices, offload)
     assert spec is not None, f"{mesh} does not split the global batch: meshes_for drops it"
@@ -192,7 +216,11 @@ def _spec(graph: ModelGraph, mesh: Mesh, config: PlannerConfig, devices: int,
 
 
 def _spec_if_split(
-    graph: ModelGraph, mesh: Mesh, config: PlannerConfig, devices: int, offload: float = 0.0
+    graph: ModelGraph,
+    mesh: Mesh,
+    config: PlannerConfig,
+    devices: int,
+    offload: Offload = NO_OFFLOAD,
 ) -> TrainingSpec | None:
     global_batch = config.global_batch or devices * graph.micro_batch
     per_step = graph.micro_batch * mesh.dp
@@ -262,6 +290,12 @@ def make_plan(
         phases_s[phase] = now - clock
         clock = now
 
+    require(
+        cluster.nvme_bytes_per_node > 0 or not any(o.nvme for o in config.offloads()),
+        "offload_nvme",
+        "puts optimizer state on the nodes' NVMe, and the cluster has none: give its size "
+        "(tidal plan --nvme 30TB, ClusterSpec.nvme_bytes_per_node)",
+    )
     limit = float(cluster.device_memory_bytes)
     results = _solve_meshes(graph, cluster, config, limit, say)
     feasible = [r for r in results if r.fastest.feasible]
@@ -330,12 +364,11 @@ def plan_for(
 
 def _solve_meshes(graph: ModelGraph, cluster: ClusterSpec, config: PlannerConfig, limit: float,
                   say: Callable[[str], None]) -> list[MeshResult]:  # fmt: skip
-    """Each ``dp x tp`` mesh's ILP (one per offload fraction), solved for its fastest plan that
-    fits."""
+    """Each ``dp x tp`` mesh's ILP (one per offload), solved for its fastest plan that fits."""
     results = []
     for mesh in meshes_for(graph, cluster, config):
-        for offload in config.offload:
-            host = f", {offload:.0%} of the optimizer on the host" if offload else ""
+        for offload in config.offloads():
+            host = f", {offload.describe()}" if offload else ""
             say(f"solving dp {mesh.dp} x tp {mesh.tp}{host}")
             spec = _spec(graph, mesh, config, cluster.devices, offload)
             problem = _problem(graph, mesh, cluster, spec, config)
@@ -381,7 +414,7 @@ def _search_pipelines(result: PlanResult, graph: ModelGraph, cluster: ClusterSpe
         graph, cluster, global_batch=config.global_batch or cluster.devices * graph.micro_batch,
         base=base, meshes=meshes, problem=problem, memory_limit=limit,
         solver_time_limit_s=config.solver_time_limit_s, slack=config.eps,
-        schedules=config.schedules, offloads=config.offload,
+        schedules=config.schedules, offloads=config.offloads(),
     )  # fmt: skip
     result.pipelines = search
     fastest = search.fastest
@@ -415,7 +448,9 @@ def _compare_with_megatron(result: PlanResult, shape: TransformerShape, cluster:
     say("Megatron-LM's grid (t x p x d, sequence parallel, recompute, distributed optimizer, "
         "interleaving, micro-batch)")  # fmt: skip
     global_batch = config.global_batch or cluster.devices * micro_batch
-    rows = megatron_grid(shape, cluster, global_batch=global_batch, offloads=config.offload)
+    # Megatron-Core offloads its optimizer only ([Note: Megatron's optimizer offload])
+    offloads = tuple(sorted({o.optimizer for o in config.offloads()}))
+    rows = megatron_grid(shape, cluster, global_batch=global_batch, offloads=offloads)
     result.megatron = megatron_best(rows, cluster.device_memory_bytes)
     fastest = result.megatron.fastest
     found: dict[str, Compared | None] = {"at_fastest_step_time": None}
@@ -488,7 +523,7 @@ def _pareto(
     config: PlannerConfig,
     limit: float,
     fastest_s: float,
-) -> list[dict[str, float]]:
+) -> list[dict[str, Any]]:
     frontier = []
     for eps in config.pareto:
         sweep = dataclasses.replace(config, objective="memory")
@@ -502,7 +537,7 @@ def _pareto(
                 "step_time_s": best.step_time_s,
                 "dp": mesh.dp,
                 "tp": mesh.tp,
-                "offload": best.assignment.offload,
+                "offload": best.assignment.offload.to_dict(),
             }
         )
     return frontier
@@ -536,11 +571,14 @@ def _diagnose(
         if solution.feasible and (smallest is None or solution.peak_bytes < smallest.peak_bytes):
             smallest = solution
     if smallest is None or smallest.assignment is None:  # each offload overflows the host
+        disk = (f" and {format_bytes(cluster.nvme_bytes_per_node)} of NVMe"
+                if cluster.nvme_bytes_per_node else "")  # fmt: skip
         raise ConfigError(
             "offload",
-            f"no plan's optimizer state fits the host memory of "
-            f"{format_bytes(int(cluster.host_memory_per_node_bytes))} per node at the fractions "
-            f"{', '.join(map(str, config.offload))}; add smaller ones (0 keeps it on the device)",
+            f"no plan's offloaded model data fits the host memory of "
+            f"{format_bytes(int(cluster.host_memory_per_node_bytes))}{disk} per node at the "
+            f"fractions {', '.join(map(str, config.offload))}; add smaller ones (0 keeps it on "
+            "the device)",
         )
     mesh, offload = smallest.assignment.mesh, smallest.assignment.offload
     costed = evaluate(

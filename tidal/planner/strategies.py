@@ -27,22 +27,33 @@ where DeepSpeed would hold one. Level 2 reduce-scatters gradients after every mi
 keeps ``1/d`` of them; level 1 accumulates whole gradients and reduce-scatters once per step
 (``apply.set_accumulating`` between micro-batches). Optimizer state is ``1/d`` from level 1 on.
 
-[Note: optimizer offload]
-A plan may keep a fraction ``f`` (``TrainingSpec.offload``) of each device's fp32 masters and
-optimizer state on the host and run their update there, as ZeRO-Offload does with DeepSpeed's
-CPU Adam (PatrickStar places the same state by chunk). Per unit, with ``s`` the parameters whose
-update this device owns (``1/t`` of a split weight, ``1/d`` of that from ZeRO level 1 on):
+[Note: model data offload]
+A plan may keep part of each device's model data off the device (``TrainingSpec.offload``, an
+:class:`~tidal.planner.plan.Offload` of three fractions), as ZeRO-Offload / ZeRO-Infinity and
+FSDP2's ``CPUOffloadPolicy`` do (PatrickStar places the same data by chunk). Per unit, with
+``s`` the parameters whose update this device owns (``1/t`` of a split weight, ``1/d`` of that
+from ZeRO level 1 on), ``m`` micro-batches a step and ``n`` devices on the node:
 
-- device memory: ``(1 - f) s * optimizer_bytes``; host memory ``f s * optimizer_bytes``, which
-  the node's devices together must fit in its host memory (an ILP row);
-- per step: the gradients of those ``f s`` parameters go down and the updated weights come
-  back over the device's own host link, ``f s (grad_bytes + param_bytes) / host_link_bandwidth``,
-  and the node's CPUs update them, ``f s * devices_on_node / host_adam_params_per_s``, both added
-  to the step with no overlap (DeepSpeed overlaps part of the copies with the backward, so this
-  is the slower side).
+- ``optimizer = f``: ``f s`` of the fp32 masters and optimizer state live on the host and are
+  updated there by the node's CPUs. Device ``(1 - f) s * optimizer_bytes``, host ``f s *
+  optimizer_bytes``. Where gradients are sharded (ZeRO >= 2) the gradients of those ``f s``
+  parameters go to the host as each micro-batch reduces them and stay there (host ``f s *
+  grad_bytes``, device the rest); below ZeRO 2 whole gradients stay on the device until the step
+  reduces them, and then ``f s`` of them go down once;
+- ``params = g`` (``g <= f``: such parameters are updated on the host), ZeRO-3 units only: ``g``
+  of the device's parameter shard lives on the host (host ``g s * param_bytes``), copied up for
+  the gathers of every forward and backward, ``2 m g s * param_bytes`` a step; its update
+  stays on the host, so the weights that go back up after the step are ``(f - g) s``;
+- ``nvme = h``: ``h`` of the offloaded optimizer state is on the node's NVMe instead of in host
+  memory (``h f s * optimizer_bytes``), read and written once a step by the node's drives, which
+  all ``n`` devices share: ``2 n h f s * optimizer_bytes / nvme_bandwidth``.
 
-Parameters and gradients stay on the device (offloading them is a later step), and ``f`` is one
-figure for the whole plan, searched over ``PlannerConfig.offload``.
+Host and NVMe bytes count against each device's share of its node's (an ILP row each). Added
+to the step, with no overlap (DeepSpeed overlaps part of the copies with the backward, so this
+is the slower side): the copies over the device's own host link, ``(grads down + weights up +
+parameters up) / host_link_bandwidth``, the node's CPU Adam, ``f s * n /
+host_adam_params_per_s``, and the disk's time. The fractions are one figure each for the whole
+plan, searched over ``PlannerConfig.offloads()``.
 """
 
 from __future__ import annotations
@@ -53,7 +64,7 @@ from dataclasses import dataclass, field
 from tidal.config.configurable import require
 from tidal.planner.cluster import Axis, ClusterSpec, Collective, Mesh, collective_s
 from tidal.planner.measure import ModelGraph, Unit
-from tidal.planner.plan import Layout, MemoryBreakdown, StrategyName
+from tidal.planner.plan import NO_OFFLOAD, Layout, MemoryBreakdown, Offload, StrategyName
 from tidal.planner.wiring import input_layouts
 
 PLANNED_ZERO_LEVELS = (0, 1, 2, 3)
@@ -90,8 +101,8 @@ class TrainingSpec:
     # weight-sized copies held besides the live weights (PipeMare's delta, 1), and one more
     # built for a unit's backward (its corrected weights) while it runs
     weight_copies: float = 0.0
-    # the fraction of fp32 masters and optimizer state on the host ([Note: optimizer offload])
-    offload: float = 0.0
+    # the model data kept off the device ([Note: model data offload])
+    offload: Offload = NO_OFFLOAD
 
     def __post_init__(self) -> None:
         require(
@@ -101,7 +112,6 @@ class TrainingSpec:
         )
         require(self.in_flight >= 1, "in_flight", f"must be >= 1, got {self.in_flight}")
         require(self.weight_copies >= 0, "weight_copies", f"must be >= 0, got {self.weight_copies}")
-        require(0 <= self.offload <= 1, "offload", f"must be in [0, 1], got {self.offload}")
         for name in ("param_bytes", "grad_bytes", "optimizer_bytes"):
             require(getattr(self, name) >= 0, name, f"must be >= 0, got {getattr(self, name)}")
 
@@ -261,11 +271,12 @@ def _cost(
     n_params = unit.num_params * weight_fraction  # elements this device is responsible for
     params = n_params * spec.param_bytes * _param_copies(zero, d)
     weight_copies = params * spec.weight_copies  # copies of what this device holds
-    params += weight_copies
     grads = n_params * spec.grad_bytes / (d if zero >= 2 else 1)
     owned = n_params / (d if zero >= 1 else 1)  # parameters whose update this device runs
-    optimizer = owned * spec.optimizer_bytes * (1 - spec.offload)
-    host = owned * spec.optimizer_bytes * spec.offload  # [Note: optimizer offload]
+    off = _offloaded(spec.offload, owned, zero, spec)  # [Note: model data offload]
+    params += weight_copies - off.params
+    grads -= off.grads
+    optimizer = owned * spec.optimizer_bytes - off.optimizer
     work = 1.0 / t if shape.work_split else 1.0
     in_fraction = 1.0 if shape.in_layout is Layout.R else 1.0 / t
     own_fraction = 1.0 if shape.out_layout is Layout.P else work
@@ -290,14 +301,15 @@ def _cost(
         optimizer=optimizer,
         activations=activations,
         transient=transient,
-        host=host,
+        host=off.params + off.grads + off.optimizer - off.nvme,
+        nvme=off.nvme,
     )
     ideal = unit.num_params * spec.state_bytes / mesh.devices + unit.saved_bytes / t
     memory.redundant = max(0.0, memory.resident + memory.activations - ideal)
     forward_s = _compute_s(unit, work, cluster)
     comm_s = _own_comm_s(unit, shape, in_bytes, mesh, cluster)
     sync_s = _sync_s(unit, shape, n_params, zero, mesh, cluster, spec)
-    sync_s += _offload_s(owned * spec.offload, cluster, spec)
+    sync_s += _offload_s(owned, zero, cluster, spec)
     return Candidate(
         strategy=shape.strategy,
         in_layout=shape.in_layout,
@@ -314,11 +326,43 @@ def _cost(
     )
 
 
-def _offload_s(num_params: float, cluster: ClusterSpec, spec: TrainingSpec) -> float:
-    """The step's added seconds for updating ``num_params`` on the host ([Note: optimizer
-    offload]): their gradients down and weights up, then the node's CPUs' share of Adam."""
-    moved_s = num_params * (spec.grad_bytes + spec.param_bytes) / cluster.host_link_bandwidth
-    return moved_s + num_params * cluster.devices_on_node / cluster.host_adam_params_per_s
+@dataclass(frozen=True, slots=True)
+class _Offloaded:
+    """Bytes of one unit's model data a device keeps off itself: ``params``, ``grads`` and
+    ``optimizer`` on the host or disk, ``nvme`` of the optimizer's on the disk."""
+
+    params: float
+    grads: float
+    optimizer: float
+    nvme: float
+
+
+def _offloaded(offload: Offload, owned: float, zero: int, spec: TrainingSpec) -> _Offloaded:
+    """What [Note: model data offload] takes off the device of ``owned`` parameters' data."""
+    state = owned * offload.optimizer * spec.optimizer_bytes
+    return _Offloaded(
+        params=owned * offload.params * spec.param_bytes if zero >= 3 else 0.0,
+        grads=owned * offload.optimizer * spec.grad_bytes if zero >= 2 else 0.0,
+        optimizer=state,
+        nvme=state * offload.nvme,
+    )
+
+
+def _offload_s(owned: float, zero: int, cluster: ClusterSpec, spec: TrainingSpec) -> float:
+    """The step's added seconds for the offloaded share of ``owned`` parameters ([Note: model
+    data offload]): copies over the host link, the node's CPU Adam, the disk."""
+    off, m, n = spec.offload, spec.num_microbatches, cluster.devices_on_node
+    if not off:
+        return 0.0
+    hosted = owned * off.optimizer  # parameters updated on the host
+    on_host = owned * off.params if zero >= 3 else 0.0  # ... whose weights stay there
+    copied = (
+        hosted * spec.grad_bytes * (m if zero >= 2 else 1)  # gradients down
+        + (hosted - on_host) * spec.param_bytes  # updated weights up
+        + 2 * m * on_host * spec.param_bytes  # the shard up for every gather
+    )
+    disk = 2 * n * hosted * off.nvme * spec.optimizer_bytes / cluster.nvme_bandwidth
+    return copied / cluster.host_link_bandwidth + hosted * n / cluster.host_adam_params_per_s + disk
 
 
 def _param_copies(zero: int, d: int) -> float:

@@ -1,7 +1,8 @@
-"""Optimizer state on the host in the planner's search ([Note: optimizer offload] in
-tidal/planner/strategies.py): what a unit keeps and adds, the host-memory row, a search over the
-fractions equal to solving each one, the ZeRO-3 offload baseline, and plans with offload priced,
-not run."""
+"""Model data off the device in the planner's search ([Note: model data offload] in
+tidal/planner/strategies.py): what a unit keeps, moves and adds under each fraction (optimizer
+state, parameters, NVMe), the host and disk rows, a search over the fractions equal to solving
+each one, the offload baselines (ZeRO-3 offload, FSDP2 CPU offload, ZeRO-Infinity), and plans
+with offload priced, not run."""
 
 from __future__ import annotations
 
@@ -16,29 +17,112 @@ from tidal.planner import ClusterSpec, Infeasible, Mesh, PlannerConfig, make_pla
 from tidal.planner.check import check_plan
 from tidal.planner.graph import ModelGraph
 from tidal.planner.pipelines import pipeline_options, search_pipelines
+from tidal.planner.plan import Offload, Plan
 from tidal.planner.search import _problem, _spec, meshes_for
-from tidal.planner.strategies import TrainingSpec, candidates, valid_tensor_sizes
+from tidal.planner.strategies import Candidate, TrainingSpec, candidates, valid_tensor_sizes
 
 MiB = 1024**2
+TiB = 1024**4
 FLAT = PlannerConfig(pareto=(), baselines=(), pipelines=False)
 
 
-def test_a_unit_keeps_on_the_device_what_it_does_not_offload(graph: ModelGraph) -> None:
+def _pairs(graph: ModelGraph, offload: Offload, m: int = 1) -> list[tuple[Candidate, Candidate]]:
+    """blocks.*.mlp.fc's candidates on dp 4 x tp 2 without and with ``offload``, paired."""
     cluster, mesh = ClusterSpec(devices=8), Mesh(dp=4, tp=2)
     unit = graph.unit("blocks.*.mlp.fc")
-    kept = candidates(unit, mesh, cluster, TrainingSpec())
-    half = candidates(unit, mesh, cluster, TrainingSpec(offload=0.5))
-    assert len(kept) == len(half) > 4
-    for a, b in zip(kept, half, strict=True):
+    kept = candidates(unit, mesh, cluster, TrainingSpec(num_microbatches=m))
+    moved = candidates(unit, mesh, cluster, TrainingSpec(num_microbatches=m, offload=offload))
+    assert len(kept) == len(moved) > 4 and {c.zero for c in kept} == {0, 1, 2, 3}
+    for a, b in zip(kept, moved, strict=True):
         assert (a.strategy, a.zero) == (b.strategy, b.zero)
-        owned = a.memory.optimizer / 12  # parameters whose update this device runs
-        assert owned == pytest.approx(unit.num_params / (2 if a.placements[0] != "R" else 1)
-                                      / (4 if a.zero >= 1 else 1))  # fmt: skip
-        assert b.memory.optimizer == pytest.approx(a.memory.optimizer / 2)
-        assert b.memory.host == pytest.approx(a.memory.optimizer / 2) and a.memory.host == 0
-        assert (b.memory.params, b.memory.grads) == (a.memory.params, a.memory.grads)
-        added = owned / 2 * (4 / cluster.host_link_bandwidth + 8 / cluster.host_adam_params_per_s)
+    return list(zip(kept, moved, strict=True))
+
+
+def _owned(graph: ModelGraph, cand: Candidate) -> float:
+    """The parameters whose update this device runs."""
+    unit = graph.unit("blocks.*.mlp.fc")
+    split = 2 if cand.placements[0] != "R" else 1
+    return unit.num_params / split / (4 if cand.zero >= 1 else 1)
+
+
+def test_the_optimizer_on_the_host_takes_its_state_and_sharded_gradients(graph: ModelGraph) -> None:
+    cluster, m = ClusterSpec(devices=8), 3
+    for a, b in _pairs(graph, Offload(optimizer=0.5), m=m):
+        owned = _owned(graph, a)
+        assert a.memory.optimizer == pytest.approx(12 * owned) and a.memory.host == 0
+        assert b.memory.optimizer == pytest.approx(6 * owned)
+        # sharded gradients (ZeRO >= 2) go down as each micro-batch reduces them; whole ones stay
+        moved_grads = 2 * owned / 2 if a.zero >= 2 else 0.0
+        assert b.memory.grads == pytest.approx(a.memory.grads - moved_grads)
+        assert b.memory.host == pytest.approx(6 * owned + moved_grads)
+        assert b.memory.params == a.memory.params and b.memory.nvme == 0
+        down = 2 * owned / 2 * (m if a.zero >= 2 else 1)
+        up = 2 * owned / 2
+        added = (
+            down + up
+        ) / cluster.host_link_bandwidth + owned / 2 * 8 / cluster.host_adam_params_per_s
         assert b.sync_s - a.sync_s == pytest.approx(added)
+
+
+def test_parameters_on_the_host_leave_a_zero3_unit_only_its_gathers(graph: ModelGraph) -> None:
+    cluster, m = ClusterSpec(devices=8), 3
+    optimizer_only = [b for _, b in _pairs(graph, Offload(optimizer=1.0), m=m)]
+    moved = _pairs(graph, Offload(optimizer=1.0, params=1.0), m=m)
+    for (a, b), base in zip(moved, optimizer_only, strict=True):
+        owned = _owned(graph, a)
+        if a.zero < 3:  # whole weights on every data rank: nothing of them moves
+            assert b.memory == base.memory and b.sync_s == pytest.approx(base.sync_s)
+            continue
+        assert b.memory.params == 0 and b.memory.grads == 0 and b.memory.optimizer == 0
+        assert b.memory.host == pytest.approx(owned * (2 + 2 + 12))
+        assert b.memory.transient == a.memory.transient  # the gathered weights still come in
+        # the shard goes up for each forward's and backward's gather; no weights go up after the
+        # step, since they stay where they were updated
+        extra = (2 * m * 2 * owned - 2 * owned) / cluster.host_link_bandwidth
+        assert b.sync_s - base.sync_s == pytest.approx(extra)
+
+
+def test_nvme_holds_the_offloaded_state_and_is_read_and_written_each_step(
+    graph: ModelGraph,
+) -> None:
+    cluster = ClusterSpec(devices=8)
+    host = [b for _, b in _pairs(graph, Offload(optimizer=1.0))]
+    for (a, b), base in zip(_pairs(graph, Offload(optimizer=1.0, nvme=0.5)), host, strict=True):
+        owned = _owned(graph, a)
+        assert b.memory.nvme == pytest.approx(6 * owned)
+        assert b.memory.host == pytest.approx(base.memory.host - 6 * owned)
+        assert b.memory.total == base.memory.total
+        disk = 2 * 8 * 6 * owned / cluster.nvme_bandwidth  # the node's 8 devices share the drives
+        assert b.sync_s - base.sync_s == pytest.approx(disk)
+
+
+def test_offload_fractions_are_checked_and_combined() -> None:
+    with pytest.raises(ConfigError, match="offload.params: 1.0 exceeds the optimizer's 0.5"):
+        Offload(optimizer=0.5, params=1.0)
+    with pytest.raises(ConfigError, match="offload.nvme: holds offloaded optimizer state"):
+        Offload(nvme=1.0)
+    with pytest.raises(ConfigError, match="offload.optimizer: must be a fraction"):
+        Offload(optimizer=1.5)
+    config = PlannerConfig(offload=(0.0, 0.5, 1.0), offload_params=(0.0, 1.0),
+                           offload_nvme=(0.0, 1.0))  # fmt: skip
+    assert set(config.offloads()) == {
+        Offload(), Offload(optimizer=0.5), Offload(optimizer=0.5, nvme=1.0), Offload(optimizer=1.0),
+        Offload(optimizer=1.0, nvme=1.0), Offload(optimizer=1.0, params=1.0),
+        Offload(optimizer=1.0, params=1.0, nvme=1.0),
+    }  # fmt: skip
+    with pytest.raises(ConfigError, match="offload_params: each of"):
+        PlannerConfig(offload=(0.5,), offload_params=(1.0,))
+    # a plan file of before: one number, the optimizer's
+    assert Offload.from_json(0.5) == Offload(optimizer=0.5) and Offload.from_json(None) == Offload()
+    assert Offload.from_json(Offload(optimizer=1, params=1).to_dict()) == Offload(
+        optimizer=1, params=1
+    )
+
+
+def test_nvme_without_a_disk_is_one_line(graph: ModelGraph) -> None:
+    config = dataclasses.replace(FLAT, offload=(1.0,), offload_nvme=(0.0, 1.0))
+    with pytest.raises(ConfigError, match=r"offload_nvme: .* the cluster has none: .*--nvme"):
+        make_plan(graph, ClusterSpec(devices=8), config)
 
 
 def test_offload_makes_room_within_the_host_memory(graph: ModelGraph) -> None:
@@ -47,30 +131,58 @@ def test_offload_makes_room_within_the_host_memory(graph: ModelGraph) -> None:
         make_plan(graph, cluster, FLAT)
     result = make_plan(graph, cluster, dataclasses.replace(FLAT, offload=(0.0, 0.5, 1.0)))
     plan = result.plan
-    assert plan.offload > 0 and plan.peak_memory_bytes <= 3 * MiB
+    assert plan.offload.optimizer > 0 and plan.peak_memory_bytes <= 3 * MiB
     assert 0 < plan.memory.host <= cluster.host_bytes_per_device
     # a host too small for the state: each offloaded problem is infeasible, said in one line
     small = dataclasses.replace(cluster, host_memory_per_node_bytes=8 * MiB)
-    with pytest.raises(ConfigError, match=r"offload: no plan's optimizer state fits the host"):
+    with pytest.raises(ConfigError, match=r"offload: no plan's offloaded model data fits the host"):
         make_plan(graph, small, dataclasses.replace(FLAT, offload=(1.0,)))
     roomy = dataclasses.replace(cluster, device_memory_bytes=8 * MiB)
-    assert make_plan(graph, roomy, dataclasses.replace(FLAT, offload=(0.0, 1.0))).plan.offload == 0
+    assert not make_plan(graph, roomy, dataclasses.replace(FLAT, offload=(0.0, 1.0))).plan.offload
 
 
-@pytest.mark.parametrize("memory", [5 * MiB, 3 * MiB])
+def test_parameters_and_nvme_make_room_where_the_optimizer_alone_does_not(
+    graph: ModelGraph,
+) -> None:
+    """A device too small for any plan with its optimizer on the host fits one with its
+    parameters there too; a host too small for that fits it with the state on the disk, within
+    the disk's share."""
+    memory = 600_000
+    cluster = ClusterSpec(devices=8, device_memory_bytes=memory)
+    with pytest.raises(Infeasible):
+        make_plan(graph, cluster, dataclasses.replace(FLAT, offload=(1.0,)))
+    config = dataclasses.replace(FLAT, offload=(1.0,), offload_params=(0.0, 1.0))
+    plan = make_plan(graph, cluster, config).plan
+    assert plan.offload == Offload(optimizer=1.0, params=1.0) and plan.peak_memory_bytes <= memory
+    zero3 = [u for u in plan.units if u.zero == 3]  # whose parameters move
+    assert zero3 and all(u.memory.params == 0 for u in zero3)
+    host = plan.memory.host
+    small = dataclasses.replace(cluster, host_memory_per_node_bytes=int(8 * host * 0.6),
+                                nvme_bytes_per_node=64 * MiB)  # fmt: skip
+    with pytest.raises(ConfigError, match="no plan's offloaded model data fits"):
+        make_plan(graph, small, config)
+    disk = make_plan(graph, small, dataclasses.replace(config, offload_nvme=(0.0, 1.0))).plan
+    assert disk.offload.nvme == 1.0
+    assert disk.memory.host <= small.host_bytes_per_device
+    assert 0 < disk.memory.nvme <= small.nvme_bytes_per_device
+
+
+@pytest.mark.parametrize("memory", [5 * MiB, 600_000])
 def test_the_search_over_offload_equals_solving_each_fraction(
     graph: ModelGraph, memory: int
 ) -> None:
-    """The flat search with offload fractions against every (mesh, fraction) solved alone: the
+    """The flat search with offload fractions against every (mesh, offload) solved alone: the
     fastest fitting step, then the least memory within eps of it."""
-    cluster = ClusterSpec(devices=8, device_memory_bytes=memory)
-    config = dataclasses.replace(FLAT, offload=(0.0, 0.5, 1.0))
+    cluster = ClusterSpec(devices=8, device_memory_bytes=memory, nvme_bytes_per_node=TiB)
+    config = dataclasses.replace(FLAT, offload=(0.0, 0.5, 1.0), offload_params=(0.0, 1.0),
+                                 offload_nvme=(0.0, 1.0))  # fmt: skip
     result = make_plan(graph, cluster, config)
     problems = [
-        _problem(graph, mesh, cluster, _spec(graph, mesh, config, 8, f), config)
+        _problem(graph, mesh, cluster, _spec(graph, mesh, config, 8, offload), config)
         for mesh in meshes_for(graph, cluster, config)
-        for f in config.offload
+        for offload in config.offloads()
     ]
+    assert len(problems) == 7 * len(meshes_for(graph, cluster, config))
     # solved as the search solves them (no second solve for ties: the memory objective's)
     fastest = min(
         p.solve(objective="time", memory_limit=memory, refine=False).step_time_s for p in problems
@@ -97,7 +209,7 @@ def test_the_pipeline_search_with_offload_finds_what_solving_every_option_finds(
     def problem(g, mesh, stage, spec):  # noqa: ANN001, ANN202
         return _problem(g, mesh, stage, spec, FLAT)
 
-    offloads = (0.0, 1.0)
+    offloads = (Offload(), Offload(optimizer=1.0), Offload(optimizer=1.0, params=1.0))
     search = search_pipelines(graph, cluster, global_batch=16, base=TrainingSpec(),
                               meshes=meshes, problem=problem, memory_limit=memory,
                               solver_time_limit_s=60, slack=0.05, offloads=offloads)  # fmt: skip
@@ -126,20 +238,41 @@ def test_the_pipeline_search_with_offload_finds_what_solving_every_option_finds(
     )
 
 
-def test_the_zero3_offload_baseline_moves_its_optimizer_state_to_the_host(
-    graph: ModelGraph,
-) -> None:
-    config = dataclasses.replace(FLAT, baselines=("zero3_full", "zero3_offload"))
+def test_the_offload_baselines_move_what_their_systems_move(graph: ModelGraph) -> None:
+    """ZeRO-3 offload: optimizer state and sharded gradients; FSDP2's CPU offload: parameters
+    too; ZeRO-Infinity: the optimizer state on NVMe, only where the cluster has a disk."""
+    names = ("zero3_full", "zero3_offload", "fsdp2_cpu_offload", "zero_infinity")
+    config = dataclasses.replace(FLAT, baselines=names)
     result = make_plan(graph, ClusterSpec(devices=8), config)
-    full, offload = result.baselines["zero3_full"], result.baselines["zero3_offload"]
-    assert full.costed is not None and offload.costed is not None
-    assert offload.costed.memory.optimizer == 0 and full.costed.memory.host == 0
-    assert offload.costed.memory.host == pytest.approx(full.costed.memory.optimizer)
-    assert offload.costed.memory.params == pytest.approx(full.costed.memory.params)
-    assert offload.step_time_s > full.step_time_s
+    assert "zero_infinity" not in result.baselines  # no disk
+    full, zero_offload, fsdp2 = (result.baselines[n].costed for n in names[:3])
+    assert full is not None and zero_offload is not None and fsdp2 is not None
+    f = full.memory
+    assert zero_offload.memory.optimizer == 0 and zero_offload.memory.grads == 0 and f.host == 0
+    assert zero_offload.memory.host == pytest.approx(f.optimizer + f.grads)
+    assert zero_offload.memory.params == pytest.approx(f.params)
+    assert fsdp2.memory.resident == 0
+    assert fsdp2.memory.host == pytest.approx(f.resident)
+    assert fsdp2.memory.transient == pytest.approx(f.transient)  # a unit's gathered weights
+    assert full.step_time_s < zero_offload.step_time_s < fsdp2.step_time_s
+    disk = ClusterSpec(devices=8, nvme_bytes_per_node=TiB)
+    infinity = make_plan(graph, disk, config).baselines["zero_infinity"].costed
+    assert infinity is not None and infinity.memory.nvme == pytest.approx(f.optimizer)
+    assert infinity.memory.host == pytest.approx(f.params + f.grads)
+    assert infinity.step_time_s > fsdp2.step_time_s
 
 
-def test_a_plan_with_offload_is_priced_not_run(graph: ModelGraph) -> None:
+def test_a_plan_with_offload_is_priced_not_run_and_its_file_says_what_moves(
+    graph: ModelGraph, tmp_path
+) -> None:
     plan = make_plan(graph, ClusterSpec(devices=8), FLAT).plan
-    with pytest.raises(ValueError, match="priced but not run yet"):
-        check_plan(nn.Linear(2, 2), dataclasses.replace(plan, offload=0.5))
+    offload = Offload(optimizer=1.0, params=0.5, nvme=1.0)
+    moved = dataclasses.replace(plan, offload=offload)
+    with pytest.raises(
+        ValueError,
+        match="keeps 100% of the optimizer on the host, 50% of the "
+        "parameters, 100% of that state on NVMe, which is priced but not run yet",
+    ):
+        check_plan(nn.Linear(2, 2), moved)  # fmt: skip
+    moved.save(tmp_path / "plan.json")
+    assert Plan.load(tmp_path / "plan.json").offload == offload
