@@ -9,9 +9,10 @@ here is pure except ``apply`` (apply.py), which realises a plan on a model with 
 
 from tidal.planner.apply import apply, full_state_dict, make_mesh, set_accumulating
 from tidal.planner.cluster import CLUSTER_PRESETS, ClusterSpec, Mesh
+from tidal.planner.config import PlannerConfig
 from tidal.planner.measure import ModelGraph, Unit, measure
 from tidal.planner.plan import Layout, Offload, Plan, Recompute, StrategyName, UnitChoice
-from tidal.planner.search import Infeasible, PlannerConfig, PlanResult, make_plan, plan_for
+from tidal.planner.search import Infeasible, PlanResult, make_plan, plan_for
 
 __all__ = [
     "CLUSTER_PRESETS",
