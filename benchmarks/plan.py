@@ -21,7 +21,7 @@ from rich.table import Table
 
 from tidal.models import GPTSpec
 from tidal.models.gpt import measure_gpt
-from tidal.planner import ClusterSpec, Infeasible, PlannerConfig, make_plan
+from tidal.planner import ClusterSpec, Infeasible, PlannerConfig, Recompute, make_plan
 from tidal.planner.report import plan_report
 
 __all__ = ["MODELS", "DEVICES", "MEGATRON_COLUMNS", "bench_plan", "largest_fitting",
@@ -48,6 +48,7 @@ def bench_plan(
     offload: tuple[float, ...] = (0.0,),
     offload_params: tuple[float, ...] = (0.0,),
     nvme_bytes_per_node: int = 0,
+    swap: bool = False,
 ) -> list[dict[str, Any]]:
     from tidal.models import preset
 
@@ -75,11 +76,12 @@ def bench_plan(
                 offload_params=offload_params,
                 offload_nvme=(0.0, 1.0) if nvme_bytes_per_node else (0.0,),
                 baselines=BASELINES,
+                recompute=(*PlannerConfig().recompute, *([Recompute.SWAP] if swap else [])),
             )
             row: dict[str, Any] = {"model": name, "devices": n, "measure_s": measure_s,
                                    "schedules": list(schedules), "offload": list(offload),
                                    "offload_params": list(offload_params),
-                                   "nvme_bytes_per_node": nvme_bytes_per_node,
+                                   "nvme_bytes_per_node": nvme_bytes_per_node, "swap": swap,
                                    "cluster_memory_bytes": device_memory_bytes}  # fmt: skip
             try:
                 result = make_plan(graph, cluster, planner, shape=shape)
@@ -358,6 +360,7 @@ def run(args: argparse.Namespace, console: Console) -> int:
         offload=tuple(float(x) for x in args.offload.split(",") if x.strip()),
         offload_params=tuple(float(x) for x in args.offload_params.split(",") if x.strip()),
         nvme_bytes_per_node=parse_bytes(args.nvme) if args.nvme else 0,
+        swap=args.swap,
     )
     folder = Path(args.results_dir) if args.results_dir else None
     path = write_results("plan", rows, folder=folder)

@@ -373,6 +373,11 @@ def _add_schedules(parser: argparse.ArgumentParser) -> None:
         "each with at least as much of the optimizer (--offload), e.g. 0,1 (default 0: none)",
     )  # fmt: skip
     parser.add_argument(
+        "--swap", action="store_true",
+        help="also search keeping a block's saved activations on the host between its forward "
+        "and backward (MPress's host swap; priced, not yet run by tidal train --plan)",
+    )  # fmt: skip
+    parser.add_argument(
         "--nvme", default=None, metavar="SIZE",
         help="each node's NVMe for offloaded optimizer state, e.g. 30TB (a DGX H100's eight "
         "drives); the search then also puts all of that state on the disk (default: no disk)",

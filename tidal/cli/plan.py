@@ -95,7 +95,9 @@ def run_plan(args: argparse.Namespace, console: Console) -> int:
     # A line per stage of the search, the long part; the first comes once the meshes are
     # known, so a bad input still fails in one line.
     say = _progress(started)
-    modes = tuple(Recompute) if selective else (Recompute.NONE, Recompute.FULL)
+    modes = (Recompute.NONE, *([Recompute.SELECTIVE] if selective else []), Recompute.FULL)
+    if args.swap:  # [Note: activations on the host] in tidal/planner/ilp.py
+        modes = (*modes, Recompute.SWAP)
     config = PlannerConfig(
         objective=args.objective,
         eps=args.eps,

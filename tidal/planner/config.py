@@ -30,7 +30,7 @@ class PlannerConfig:
     solver_time_limit_s: float = 60.0
     # blocks' recomputation modes to choose from; a model whose attention core cannot be
     # recomputed alone (a Hugging Face one) leaves out selective
-    recompute: tuple[Recompute, ...] = tuple(Recompute)
+    recompute: tuple[Recompute, ...] = (Recompute.NONE, Recompute.SELECTIVE, Recompute.FULL)
     # also search pipeline stages ([Note: pipeline stages] in pipelines.py): priced, reported
     # beside the plan and compared with Megatron-LM, not yet run by `tidal train --plan`
     pipelines: bool = True

@@ -89,7 +89,7 @@ class Costed:
 
 
 def _activations(unit: Unit, cand: Candidate, mode: Recompute) -> float:
-    if mode is Recompute.FULL:
+    if mode in (Recompute.FULL, Recompute.SWAP):
         return 0.0
     if mode is Recompute.SELECTIVE:
         return cand.selective_activations
@@ -112,6 +112,8 @@ def evaluate(
     unit_time: dict[str, float] = {}
     transients = [0.0]
     recomputed: dict[str, float] = {}
+    swapped: dict[str, float] = {}  # [Note: activations on the host] in ilp.py
+    excess: dict[str, float] = {}
     for unit in graph.units:
         cand = choice[unit.name]
         block = graph.block_of(unit)
@@ -126,6 +128,12 @@ def evaluate(
             host=cand.memory.host,
             nvme=cand.memory.nvme,
         )
+        if block is not None and mode is Recompute.SWAP:
+            act = cand.memory.activations
+            mine.host += held * act
+            swapped[block] = swapped.get(block, 0.0) + 2 * act
+            copy_s = 2 * act / cluster.host_link_bandwidth - cand.compute_s
+            excess[block] = excess.get(block, 0.0) + copy_s
         unit_memory[unit.name] = mine
         for name in ("params", "grads", "optimizer", "activations", "redundant", "host", "nvme"):
             setattr(total, name, getattr(total, name) + unit.count * getattr(mine, name))
@@ -143,10 +151,12 @@ def evaluate(
             kept = nbytes / (mesh.tp if layout in (Layout.SEQ, Layout.HID) else 1)
             total.activations += held * graph.blocks[prefix] * kept
     transients.extend(recomputed.values())
+    transients.extend(swapped.values())
     total.transient = max(transients)
     edges_s = sum(
         e.count * m * edge_s(choice[e.src], choice[e.dst], e.nbytes, mesh, cluster)
         for e in graph.edges
     )
-    step = sum(unit_time.values()) + edges_s
+    swap_s = sum(graph.blocks[b] * m * max(0.0, seconds) for b, seconds in excess.items())
+    step = sum(unit_time.values()) + edges_s + swap_s
     return Costed(memory=total, step_time_s=step, unit_memory=unit_memory, unit_time_s=unit_time)

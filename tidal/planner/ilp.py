@@ -17,6 +17,19 @@ With model data offloaded, a row more keeps the units' host bytes within the dev
 its node's host memory, and one its NVMe bytes within its share of the node's disk ([Note:
 model data offload] in strategies.py).
 
+[Note: activations on the host]
+A block may also keep its saved tensors on the host (``Recompute.SWAP``, MPress's host swap,
+searched only where asked): each goes down after the block's forward and comes back before its
+backward, on a side stream, so the device holds none of the block's activations between the
+two, but the block input full recomputation keeps is not kept either. Per micro-batch the
+device holds at most two blocks' worth (one in use, the next coming back: a transient), and
+the host ``in_flight`` micro-batches' worth of every swapped block (the host row). The copies,
+``2 * activations / host_link_bandwidth`` a block and micro-batch, overlap the block's own
+forward and backward (``compute_s`` of its units): only what exceeds them adds to the step,
+``z_b >= sum over the block's units (copy - compute)``, ``z_b >= 0`` (a continuous variable per
+block, exact at an optimum since it only costs time). The host link is also what offloaded
+model data crosses; the two are priced as if each had it alone.
+
 Every coefficient a product variable carries is non-negative and the products only appear on
 the cost side, so the lower bounds alone make them exact at an optimum. Objectives: minimum time
 with ``M <= device memory``, or minimum ``M`` with time ``<= (1 + eps) * T*``; each with a tiny
@@ -89,6 +102,9 @@ class Problem:
     mesh: Mesh
     options: dict[str, list[Candidate]]
     offload: Offload = NO_OFFLOAD  # the spec's ([Note: model data offload] in strategies.py)
+    # the blocks' modes with a variable: SWAP only where some block may take it
+    modes: tuple[Recompute, ...] = (Recompute.NONE, Recompute.SELECTIVE, Recompute.FULL)
+    seconds: list[int] = field(default_factory=list)  # continuous variables not within [0, 1]
     num_vars: int = 0
     integer: list[int] = field(default_factory=list)
     x: dict[tuple[str, int], int] = field(default_factory=dict)
@@ -230,6 +246,7 @@ class Problem:
     def _bounds(self, peak: int):
         upper = np.ones(self.num_vars)
         upper[peak] = np.inf
+        upper[self.seconds] = np.inf
         return Bounds(np.zeros(self.num_vars), upper)
 
     def _assignment(self, values: np.ndarray) -> Assignment:
@@ -239,7 +256,8 @@ class Problem:
             k = max(range(len(opts)), key=lambda i: values[self.x[(unit.name, i)]])
             choice[unit.name] = opts[k]
         recompute = {
-            b: max(_MODES, key=lambda mode: values[self.r[(b, mode)]]) for b in self.graph.blocks
+            b: max(self.modes, key=lambda mode: values[self.r[(b, mode)]])
+            for b in self.graph.blocks
         }
         return Assignment(mesh=self.mesh, choice=choice, recompute=recompute,
                           offload=self.offload)  # fmt: skip
@@ -326,6 +344,8 @@ def build_problem(
 ) -> Problem:
     """The ILP of [Note: the ILP] for ``graph`` on ``mesh`` with the candidates ``options``."""
     problem = Problem(graph=graph, mesh=mesh, options=options, offload=spec.offload)
+    if any(Recompute.SWAP in modes for modes in (recompute_modes or {}).values()):
+        problem.modes = (*_MODES, Recompute.SWAP)
     for unit in graph.units:
         if not options[unit.name]:
             raise ValueError(f"unit {unit.name} has no candidate strategy on {mesh}")
@@ -335,8 +355,8 @@ def build_problem(
         problem.row(f"one_strategy[{unit.name}]", dict.fromkeys(cols, 1.0), 1.0, 1.0)
     for prefix in graph.blocks:
         allowed = (recompute_modes or {}).get(prefix, _MODES)
-        cols = [problem.var(integer=True) for _ in _MODES]
-        for mode, col in zip(_MODES, cols, strict=True):
+        cols = [problem.var(integer=True) for _ in problem.modes]
+        for mode, col in zip(problem.modes, cols, strict=True):
             problem.r[(prefix, mode)] = col
             if mode not in allowed:
                 problem.row(f"recompute_not_allowed[{prefix},{mode}]", {col: 1.0}, 0.0, 0.0)
@@ -353,6 +373,8 @@ def _unit_terms(problem: Problem, cluster: ClusterSpec, spec: TrainingSpec) -> N
     full_block: dict[str, dict[int, float]] = {}
     host: dict[int, float] = {}  # bytes on the host ([Note: model data offload])
     nvme: dict[int, float] = {}  # ... and on the node's disk
+    swapped: dict[str, dict[int, float]] = {}  # [Note: activations on the host]
+    excess: dict[str, dict[int, float]] = {}  # ... its copies' seconds past the compute
     kept_src = {prefix: block_input(graph, prefix) for prefix in graph.blocks}
     for unit in graph.units:
         block, n = graph.block_of(unit), unit.count
@@ -370,7 +392,7 @@ def _unit_terms(problem: Problem, cluster: ClusterSpec, spec: TrainingSpec) -> N
                 continue
             y = {
                 mode: _product(problem, x, problem.r[(block, mode)], unit.name, mode)
-                for mode in _MODES
+                for mode in problem.modes
             }
             _add(problem.base_row, y[Recompute.NONE], held * n * cand.memory.activations)
             _add(problem.base_row, y[Recompute.SELECTIVE], held * n * cand.selective_activations)
@@ -381,6 +403,17 @@ def _unit_terms(problem: Problem, cluster: ClusterSpec, spec: TrainingSpec) -> N
                 _add(problem.time_row, y[Recompute.SELECTIVE], n * m * cand.forward_s)
                 extra = cand.memory.activations - cand.selective_activations
                 _add(selective_extra, y[Recompute.SELECTIVE], extra)
+            if Recompute.SWAP in y:
+                # the excess row gives some products negative coefficients: bound them above too
+                swap = y[Recompute.SWAP]
+                problem.row(f"swap<=x[{unit.name},{k}]", {swap: 1.0, x: -1.0}, -np.inf, 0.0)
+                r = problem.r[(block, Recompute.SWAP)]
+                problem.row(f"swap<=r[{unit.name},{k}]", {swap: 1.0, r: -1.0}, -np.inf, 0.0)
+                act = cand.memory.activations
+                _add(host, y[Recompute.SWAP], held * n * act)
+                _add(swapped.setdefault(block, {}), y[Recompute.SWAP], 2 * act)
+                copy_s = 2 * act / cluster.host_link_bandwidth - cand.compute_s
+                _add(excess.setdefault(block, {}), y[Recompute.SWAP], copy_s)
             src, nbytes = kept_src[block]
             if unit.name == src:
                 split = cand.out_layout in (Layout.SEQ, Layout.HID)
@@ -391,6 +424,14 @@ def _unit_terms(problem: Problem, cluster: ClusterSpec, spec: TrainingSpec) -> N
             problem.transient_rows.append((f"selective[{unit.name}]", selective_extra))
     for block, coeffs in full_block.items():
         problem.transient_rows.append((f"recomputed[{block}]", coeffs))
+    for block, coeffs in swapped.items():
+        problem.transient_rows.append((f"swapped[{block}]", coeffs))
+    for block, coeffs in excess.items():
+        z = problem.var()
+        problem.seconds.append(z)
+        problem.row(f"swap_excess[{block}]", {z: 1.0, **{c: -v for c, v in coeffs.items()}},
+                    0.0, np.inf)  # fmt: skip
+        _add(problem.time_row, z, graph.blocks[block] * m)
     if host:  # the node's devices together within its host memory
         problem.row("host_memory", host, 0.0, cluster.host_bytes_per_device)
     if nvme:  # ... and its disk (none: a plan that puts bytes there is infeasible)

@@ -65,11 +65,13 @@ class StrategyName(enum.StrEnum):
 
 
 class Recompute(enum.StrEnum):
-    """Activation recomputation of a repeated block."""
+    """What a repeated block does with the tensors its backward needs: keep them, recompute
+    them, or keep them on the host ([Note: activations on the host] in ilp.py)."""
 
     NONE = "none"
     SELECTIVE = "selective"  # recompute the attention core only (Megatron's selective)
     FULL = "full"  # keep the block's input, recompute everything in backward
+    SWAP = "swap"  # every saved tensor to the host after the forward, back for the backward
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)

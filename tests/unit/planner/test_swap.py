@@ -1,0 +1,96 @@
+"""A block's activations on the host between its forward and backward ([Note: activations on
+the host] in tidal/planner/ilp.py): priced by hand, chosen where it is the fastest way to fit,
+searched only where asked, and priced, not run."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from torch import nn
+
+from tidal.planner import ClusterSpec, Infeasible, Mesh, PlannerConfig, Recompute, make_plan
+from tidal.planner.check import check_plan
+from tidal.planner.cost_model import Assignment, evaluate
+from tidal.planner.graph import ModelGraph
+from tidal.planner.search import _problem, _spec
+
+FLAT = PlannerConfig(pareto=(), baselines=(), pipelines=False)
+WITH_SWAP = dataclasses.replace(FLAT, recompute=(*FLAT.recompute, Recompute.SWAP))
+MiB = 1024**2
+
+
+def _priced(graph: ModelGraph, cluster: ClusterSpec, mode: Recompute, in_flight: float = 1.0):
+    """One assignment (each unit's first candidate on dp 4 x tp 2) evaluated with ``mode``."""
+    mesh = Mesh(dp=4, tp=2)
+    spec = dataclasses.replace(_spec(graph, mesh, FLAT, 8), in_flight=in_flight)
+    options = _problem(graph, mesh, cluster, spec, FLAT).options
+    choice = {u.name: options[u.name][0] for u in graph.units}
+    assignment = Assignment(mesh=mesh, choice=choice, recompute={"blocks.*": mode})
+    return choice, spec, evaluate(graph, assignment, cluster, spec)
+
+
+@pytest.mark.parametrize("link", [1e14, 1e8])
+def test_swapped_activations_are_priced_by_hand(graph: ModelGraph, link: float) -> None:
+    cluster = ClusterSpec(devices=8, host_link_bandwidth=link)
+    held = 3.0  # micro-batches in flight, as a pipeline stage holds them
+    choice, spec, kept = _priced(graph, cluster, Recompute.NONE, held)
+    _, _, swapped = _priced(graph, cluster, Recompute.SWAP, held)
+    inside = [u for u in graph.units if graph.block_of(u) == "blocks.*"]
+    blocks = graph.blocks["blocks.*"]
+    act = {u.name: choice[u.name].memory.activations for u in inside}
+    # the blocks' activations leave the device for the host, in_flight micro-batches of each
+    assert kept.memory.activations - swapped.memory.activations == pytest.approx(
+        held * blocks * sum(act.values())
+    )
+    assert swapped.memory.host == pytest.approx(held * blocks * sum(act.values()))
+    assert kept.memory.host == 0
+    # two blocks' worth at once on the device: one in use, the next coming back
+    assert swapped.memory.transient >= 2 * sum(act.values()) - 1e-6
+    # the copies add only what the block's compute does not cover
+    copies = sum(2 * a / link for a in act.values())
+    compute = sum(choice[u.name].compute_s for u in inside)
+    added = blocks * spec.slots * max(0.0, copies - compute)
+    assert swapped.step_time_s - kept.step_time_s == pytest.approx(added, abs=1e-12)
+    # a slow link shows; a fast one hides behind compute (this small model's compute is short:
+    # at an H100's 50 GB/s its copies show too)
+    assert (added > 0) == (link < 1e9)
+
+
+def test_a_fast_host_link_makes_swap_the_fastest_plan_that_fits(graph: ModelGraph) -> None:
+    """At a budget the blocks' activations do not fit in, keeping them on the host beats
+    recomputing them when the link is fast; a slow link makes recompute the faster again."""
+    fast = ClusterSpec(devices=8, device_memory_bytes=8 * MiB, host_link_bandwidth=1e14)
+    no_swap = make_plan(graph, fast, dataclasses.replace(FLAT, objective="time"))
+    assert no_swap.plan.recompute["blocks.*"] is not Recompute.NONE
+    swap = make_plan(graph, fast, dataclasses.replace(WITH_SWAP, objective="time"))
+    assert swap.plan.recompute["blocks.*"] is Recompute.SWAP
+    assert swap.plan.step_time_s < no_swap.plan.step_time_s
+    assert swap.plan.memory.host > 0 and swap.plan.peak_memory_bytes <= 8 * MiB
+    # the solver's figures are the cost model's
+    assignment = swap.solution.assignment
+    assert assignment is not None
+    again = evaluate(graph, assignment, fast, _spec(graph, assignment.mesh, WITH_SWAP, 8))
+    assert again.step_time_s == pytest.approx(swap.plan.step_time_s, rel=1e-6)
+    assert again.memory.total == pytest.approx(swap.plan.peak_memory_bytes, rel=1e-6)
+    slow = dataclasses.replace(fast, host_link_bandwidth=1e6)
+    plan = make_plan(graph, slow, dataclasses.replace(WITH_SWAP, objective="time")).plan
+    assert plan.recompute["blocks.*"] is not Recompute.SWAP
+
+
+def test_swap_within_the_host_memory_and_only_where_asked(graph: ModelGraph) -> None:
+    cluster = ClusterSpec(devices=8, device_memory_bytes=8 * MiB, host_link_bandwidth=1e14)
+    assert Recompute.SWAP not in PlannerConfig().recompute  # opt-in: priced, not run
+    tiny_host = dataclasses.replace(cluster, host_memory_per_node_bytes=8)
+    plan = make_plan(graph, tiny_host, dataclasses.replace(WITH_SWAP, objective="time")).plan
+    assert plan.recompute["blocks.*"] is not Recompute.SWAP and plan.memory.host == 0
+    with pytest.raises(Infeasible):
+        make_plan(graph, dataclasses.replace(cluster, device_memory_bytes=MiB), WITH_SWAP)
+
+
+def test_a_plan_that_swaps_is_priced_not_run(graph: ModelGraph) -> None:
+    plan = make_plan(graph, ClusterSpec(devices=8), FLAT).plan
+    swapped = dataclasses.replace(plan, recompute={"blocks.*": Recompute.SWAP})
+    with pytest.raises(ValueError, match=r"keeps blocks\.\*'s activations on the host, which is "
+                       "priced but not run yet"):  # fmt: skip
+        check_plan(nn.Linear(2, 2), swapped)
