@@ -9,7 +9,7 @@ import warnings
 import pytest
 
 from tidal.cli.main import main
-from tidal.planner import Plan
+from tidal.planner import Plan, Recompute
 from tidal.planner.plan import Offload
 
 
@@ -104,6 +104,27 @@ def test_plan_with_the_optimizer_on_the_host_says_so(tmp_path, capsys) -> None:
     assert "offload_params: each of (1.0,) exceeds every optimizer fraction" in (
         capsys.readouterr().err
     )
+
+
+def test_swap_reaches_the_search_only_when_asked(tmp_path, monkeypatch) -> None:
+    """--swap adds the host swap to the blocks' modes the search chooses among; without it the
+    search never sees it ([Note: activations on the host] in tidal/planner/ilp.py)."""
+    import tidal.planner as planner
+
+    seen = []
+    real = planner.make_plan
+
+    def spy(graph, cluster, config, **kwargs):  # noqa: ANN001, ANN003, ANN202
+        seen.append(config.recompute)
+        return real(graph, cluster, config, **kwargs)
+
+    monkeypatch.setattr(planner, "make_plan", spy)
+    args = ["plan", "--model", "tiny", "--devices", "2", "--pareto", "", "--baselines", "",
+            "--json", str(tmp_path / "p.json")]  # fmt: skip
+    assert main(args) == 0 and main([*args, "--swap"]) == 0
+    without, with_swap = seen
+    assert Recompute.SWAP not in without and Recompute.SWAP in with_swap
+    assert set(with_swap) - set(without) == {Recompute.SWAP}
 
 
 def test_bench_plan_writes_results(tmp_path, capsys) -> None:
