@@ -273,10 +273,14 @@ def _cost(
     weight_copies = params * spec.weight_copies  # copies of what this device holds
     grads = n_params * spec.grad_bytes / (d if zero >= 2 else 1)
     owned = n_params / (d if zero >= 1 else 1)  # parameters whose update this device runs
-    off = _offloaded(spec.offload, owned, zero, spec)  # [Note: model data offload]
-    params += weight_copies - off.params
-    grads -= off.grads
-    optimizer = owned * spec.optimizer_bytes - off.optimizer
+    # [Note: model data offload]: parameters updated on the host, and those whose weights stay
+    updated, on_host = _offloaded(spec.offload, owned, zero)
+    host_params = on_host * spec.param_bytes
+    host_grads = updated * spec.grad_bytes if zero >= 2 else 0.0
+    host_state = updated * spec.optimizer_bytes
+    params += weight_copies - host_params
+    grads -= host_grads
+    optimizer = owned * spec.optimizer_bytes - host_state
     work = 1.0 / t if shape.work_split else 1.0
     in_fraction = 1.0 if shape.in_layout is Layout.R else 1.0 / t
     own_fraction = 1.0 if shape.out_layout is Layout.P else work
@@ -301,15 +305,15 @@ def _cost(
         optimizer=optimizer,
         activations=activations,
         transient=transient,
-        host=off.params + off.grads + off.optimizer - off.nvme,
-        nvme=off.nvme,
+        host=host_params + host_grads + host_state * (1 - spec.offload.nvme),
+        nvme=host_state * spec.offload.nvme,
     )
     ideal = unit.num_params * spec.state_bytes / mesh.devices + unit.saved_bytes / t
     memory.redundant = max(0.0, memory.resident + memory.activations - ideal)
     forward_s = _compute_s(unit, work, cluster)
     comm_s = _own_comm_s(unit, shape, in_bytes, mesh, cluster)
     sync_s = _sync_s(unit, shape, n_params, zero, mesh, cluster, spec)
-    sync_s += _offload_s(owned, zero, cluster, spec)
+    sync_s += _offload_s(updated, on_host, zero, cluster, spec)
     return Candidate(
         strategy=shape.strategy,
         in_layout=shape.in_layout,
@@ -326,43 +330,30 @@ def _cost(
     )
 
 
-@dataclass(frozen=True, slots=True)
-class _Offloaded:
-    """Bytes of one unit's model data a device keeps off itself: ``params``, ``grads`` and
-    ``optimizer`` on the host or disk, ``nvme`` of the optimizer's on the disk."""
-
-    params: float
-    grads: float
-    optimizer: float
-    nvme: float
+def _offloaded(offload: Offload, owned: float, zero: int) -> tuple[float, float]:
+    """Of ``owned`` parameters, those updated on the host and those whose weights stay there
+    (ZeRO-3 units only); see [Note: model data offload]."""
+    return owned * offload.optimizer, (owned * offload.params if zero >= 3 else 0.0)
 
 
-def _offloaded(offload: Offload, owned: float, zero: int, spec: TrainingSpec) -> _Offloaded:
-    """What [Note: model data offload] takes off the device of ``owned`` parameters' data."""
-    state = owned * offload.optimizer * spec.optimizer_bytes
-    return _Offloaded(
-        params=owned * offload.params * spec.param_bytes if zero >= 3 else 0.0,
-        grads=owned * offload.optimizer * spec.grad_bytes if zero >= 2 else 0.0,
-        optimizer=state,
-        nvme=state * offload.nvme,
-    )
-
-
-def _offload_s(owned: float, zero: int, cluster: ClusterSpec, spec: TrainingSpec) -> float:
-    """The step's added seconds for the offloaded share of ``owned`` parameters ([Note: model
-    data offload]): copies over the host link, the node's CPU Adam, the disk."""
-    off, m, n = spec.offload, spec.num_microbatches, cluster.devices_on_node
-    if not off:
+def _offload_s(
+    updated: float, on_host: float, zero: int, cluster: ClusterSpec, spec: TrainingSpec
+) -> float:
+    """The step's added seconds for ``updated`` parameters updated on the host, ``on_host`` of
+    them kept there ([Note: model data offload]): copies over the host link, the node's CPU
+    Adam, the disk."""
+    if not updated:
         return 0.0
-    hosted = owned * off.optimizer  # parameters updated on the host
-    on_host = owned * off.params if zero >= 3 else 0.0  # ... whose weights stay there
+    m, n = spec.num_microbatches, cluster.devices_on_node
     copied = (
-        hosted * spec.grad_bytes * (m if zero >= 2 else 1)  # gradients down
-        + (hosted - on_host) * spec.param_bytes  # updated weights up
+        updated * spec.grad_bytes * (m if zero >= 2 else 1)  # gradients down
+        + (updated - on_host) * spec.param_bytes  # updated weights up
         + 2 * m * on_host * spec.param_bytes  # the shard up for every gather
     )
-    disk = 2 * n * hosted * off.nvme * spec.optimizer_bytes / cluster.nvme_bandwidth
-    return copied / cluster.host_link_bandwidth + hosted * n / cluster.host_adam_params_per_s + disk
+    disk = 2 * n * updated * spec.offload.nvme * spec.optimizer_bytes / cluster.nvme_bandwidth
+    return (
+        copied / cluster.host_link_bandwidth + updated * n / cluster.host_adam_params_per_s + disk
+    )
 
 
 def _param_copies(zero: int, d: int) -> float:
