@@ -80,10 +80,6 @@ def check_plan_fits(
     the meta device or not) on ``world_size`` ranks with ``seq_len``-token sequences; ``graph``:
     the model's structure graph, traced here when not given."""
     devices = plan.dp * plan.tp
-    if devices == 1:
-        raise ConfigError(
-            "--plan", "the plan is for one device, which needs no plan: train without --plan"
-        )
     if devices != world_size:
         ranks, other = "1 rank is", ""
         if world_size > 1:

@@ -71,8 +71,11 @@ from tidal.planner.tensor_axis import REORDERED, parallelize_tensor_axis
 __all__ = ["apply", "check_plan", "full_state_dict", "make_mesh", "set_accumulating"]
 
 
-def make_mesh(plan: Plan, device_type: str) -> DeviceMesh:
-    """The ``(dp, tp)`` mesh ``plan`` runs on, over the default process group."""
+def make_mesh(plan: Plan, device_type: str) -> DeviceMesh | None:
+    """The ``(dp, tp)`` mesh ``plan`` runs on, over the default process group; none for a plan
+    of one device (its choices are recomputation alone, which needs no process group)."""
+    if plan.dp * plan.tp == 1:
+        return None
     if dist.get_world_size() != plan.dp * plan.tp:
         raise ValueError(
             f"the plan's mesh is dp {plan.dp} x tp {plan.tp}, but {dist.get_world_size()} ranks "
@@ -82,7 +85,7 @@ def make_mesh(plan: Plan, device_type: str) -> DeviceMesh:
 
 
 def apply(
-    model: nn.Module, plan: Plan, mesh: DeviceMesh, *, graph: ModelGraph | None = None
+    model: nn.Module, plan: Plan, mesh: DeviceMesh | None, *, graph: ModelGraph | None = None
 ) -> nn.Module:
     """Realise ``plan`` on ``model`` in place and return it; see [Note: plan realisation].
 
@@ -92,7 +95,11 @@ def apply(
     axis's DTensors.
     """
     wiring = wire_plan(model, plan, graph=graph)
-    if mesh.mesh_dim_names != ("dp", "tp") or tuple(mesh.shape) != (plan.dp, plan.tp):
+    if mesh is None and plan.dp * plan.tp > 1:
+        raise ValueError(f"a plan of dp {plan.dp} x tp {plan.tp} needs its mesh: make_mesh(plan)")
+    if mesh is not None and (
+        mesh.mesh_dim_names != ("dp", "tp") or tuple(mesh.shape) != (plan.dp, plan.tp)
+    ):
         raise ValueError(
             f"the plan needs a mesh ('dp', 'tp') of shape ({plan.dp}, {plan.tp}), not "
             f"{mesh.mesh_dim_names} of shape {tuple(mesh.shape)}: make it with make_mesh(plan)"
@@ -100,11 +107,14 @@ def apply(
     modes = {p: Recompute(plan.recompute.get(p, Recompute.NONE)) for p in wiring.model.blocks}
     if plan.tp > 1:
         full = {p for p, mode in modes.items() if mode is Recompute.FULL}
+        assert mesh is not None
         parallelize_tensor_axis(model, wiring, mesh["tp"], full)
     _recompute(model, wiring, modes)
+    dp_group = None
     if plan.dp > 1:
+        assert mesh is not None
         _shard_data_axis(model, wiring, mesh["dp"])
-    dp_group = mesh.get_group("dp") if plan.dp > 1 else None
+        dp_group = mesh.get_group("dp")
     for param in {id(p): p for p in model.parameters()}.values():
         axes = param.device_mesh.mesh_dim_names if isinstance(param, DTensor) else None
         if "dp" in (axes or ()) or (dp_group is None and axes is None):
