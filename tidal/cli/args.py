@@ -273,6 +273,7 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     _add_bench_pipemare(benches)
     _add_bench_mpress(benches)
     _add_bench_savers(benches)
+    _add_bench_plan_check(benches)
     _add_bench_pipeline(benches)
     _add_bench_compat(benches)
     _add_bench_make(benches)
@@ -449,6 +450,20 @@ def _add_bench_savers(benches: argparse._SubParsersAction) -> None:
         "benchmarks/results/savers-*.json and a PNG beside it.",
     )
     add_arguments(savers)
+
+
+def _add_bench_plan_check(benches: argparse._SubParsersAction) -> None:
+    from benchmarks.plan_check import add_arguments
+
+    check = benches.add_parser(
+        "plan-check",
+        help="the planner's predicted peak and step time against its plan trained on this device",
+        description="For each model and device budget, solve for the plan on one device (the "
+        "cluster preset's figures), train the recipe with it for a few steps in a process of "
+        "its own, and compare the allocator's peak and the median steady step with the plan's "
+        "prediction. Writes benchmarks/results/plan-check-*.json.",
+    )
+    add_arguments(check)
 
 
 def _add_bench_pipeline(benches: argparse._SubParsersAction) -> None:

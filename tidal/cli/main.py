@@ -331,6 +331,10 @@ def _bench(args: argparse.Namespace, console: Console) -> int:
         from benchmarks.savers import run as run_savers
 
         return run_savers(args, console)
+    if args.bench == "plan-check":
+        from benchmarks.plan_check import run as run_plan_check
+
+        return run_plan_check(args, console)
     if args.bench == "compat":
         from benchmarks.compat import run as run_compat
 
