@@ -49,6 +49,7 @@ def bench_plan(
     offload_params: tuple[float, ...] = (0.0,),
     nvme_bytes_per_node: int = 0,
     swap: bool = False,
+    peer: bool = False,
 ) -> list[dict[str, Any]]:
     from tidal.models import preset
 
@@ -77,11 +78,13 @@ def bench_plan(
                 offload_nvme=(0.0, 1.0) if nvme_bytes_per_node else (0.0,),
                 baselines=BASELINES,
                 recompute=(*PlannerConfig().recompute, *([Recompute.SWAP] if swap else [])),
+                peer=peer,
             )
             row: dict[str, Any] = {"model": name, "devices": n, "measure_s": measure_s,
                                    "schedules": list(schedules), "offload": list(offload),
                                    "offload_params": list(offload_params),
                                    "nvme_bytes_per_node": nvme_bytes_per_node, "swap": swap,
+                                   "peer": peer,
                                    "cluster_memory_bytes": device_memory_bytes}  # fmt: skip
             try:
                 result = make_plan(graph, cluster, planner, shape=shape)
@@ -361,6 +364,7 @@ def run(args: argparse.Namespace, console: Console) -> int:
         offload_params=tuple(float(x) for x in args.offload_params.split(",") if x.strip()),
         nvme_bytes_per_node=parse_bytes(args.nvme) if args.nvme else 0,
         swap=args.swap,
+        peer=args.peer,
     )
     folder = Path(args.results_dir) if args.results_dir else None
     path = write_results("plan", rows, folder=folder)

@@ -379,6 +379,12 @@ def _add_schedules(parser: argparse.ArgumentParser) -> None:
         "and backward (MPress's host swap; priced, not yet run by tidal train --plan)",
     )  # fmt: skip
     parser.add_argument(
+        "--peer", action="store_true",
+        help="also search keeping a block's saved activations on the mirror pipeline stage's "
+        "device, the first stages lending to the last (MPress's peer swap; pipelined plans "
+        "only, priced)",
+    )  # fmt: skip
+    parser.add_argument(
         "--nvme", default=None, metavar="SIZE",
         help="each node's NVMe for offloaded optimizer state, e.g. 30TB (a DGX H100's eight "
         "drives); the search then also puts all of that state on the disk (default: no disk)",

@@ -111,6 +111,7 @@ def run_plan(args: argparse.Namespace, console: Console) -> int:
         offload_nvme=(0.0, 1.0) if args.nvme else (0.0,),
         baselines=tuple(x.strip() for x in args.baselines.split(",") if x.strip()),
         recompute=modes,
+        peer=args.peer,  # [Note: activations on a peer] in tidal/planner/ilp.py
     )
     result = make_plan(graph, cluster, config, progress=say, shape=shape)
     report = plan_report(result, cluster)
@@ -289,6 +290,9 @@ def pipeline_line(pipeline: dict) -> str:
         f"{name} stage {_gib(stage['peak_memory_bytes'])} GiB, {_seconds(stage['step_time_s'])} s"
         for name, stage in pipeline["stages"].items()
     )
+    if pipeline.get("lent_bytes"):
+        stages += (f"; the first lends {_gib(pipeline['lent_bytes'])} GiB to the last, middle "
+                   f"stages at most {_gib(pipeline['middle_peak_bytes'])} GiB")  # fmt: skip
     return (
         f"with pipeline stages ({pipeline['options_solved']} of {pipeline['options']} "
         f"p x dp x tp x v options solved, the rest bounded out): {pipeline['layout']}, "

@@ -46,6 +46,9 @@ class PlannerConfig:
     offload: tuple[float, ...] = (0.0,)
     offload_params: tuple[float, ...] = (0.0,)
     offload_nvme: tuple[float, ...] = (0.0,)
+    # pipelined plans' first stages may keep activations on their mirror stages' devices
+    # ([Note: activations on a peer] in ilp.py); priced, not run
+    peer: bool = False
 
     def __post_init__(self) -> None:
         require(

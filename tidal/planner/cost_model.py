@@ -28,7 +28,7 @@ from tidal.planner.measure import ModelGraph, Unit
 from tidal.planner.plan import NO_OFFLOAD, Layout, MemoryBreakdown, Offload, Recompute
 from tidal.planner.strategies import Candidate, TrainingSpec
 
-__all__ = ["Assignment", "Costed", "block_input", "convert_s", "edge_s", "evaluate"]
+__all__ = ["Assignment", "Costed", "block_input", "convert_s", "edge_s", "evaluate", "mirror_peaks"]
 
 
 def convert_s(src: Layout, dst: Layout, nbytes: float, mesh: Mesh, cluster: ClusterSpec) -> float:
@@ -78,6 +78,9 @@ class Assignment:
     choice: dict[str, Candidate]
     recompute: dict[str, Recompute]
     offload: Offload = NO_OFFLOAD  # [Note: model data offload] in strategies.py
+    # bytes of each micro-batch's saved activations kept on the mirror stage's device
+    # ([Note: activations on a peer] in ilp.py)
+    lent_bytes: float = 0.0
 
 
 @dataclass(kw_only=True, slots=True)
@@ -152,11 +155,40 @@ def evaluate(
             total.activations += held * graph.blocks[prefix] * kept
     transients.extend(recomputed.values())
     transients.extend(swapped.values())
+    lend_s = 0.0
+    if assignment.lent_bytes:  # [Note: activations on a peer] in ilp.py
+        lent = assignment.lent_bytes
+        assert spec.peer_stages and lent <= total.activations / held * (1 + 1e-6), (
+            f"lends {lent} bytes a micro-batch, of {total.activations / held} it keeps, to "
+            f"{'a' if spec.peer_stages else 'no'} mirror"
+        )
+        total.activations -= held * lent
+        total.lent = held * lent
+        transients.append(2 * lent / sum(graph.blocks.values()))
+        compute_s = sum(u.count * choice[u.name].compute_s for u in graph.units)
+        lend_s = m * max(0.0, 2 * lent / spec.peer_bandwidth - compute_s)
     total.transient = max(transients)
     edges_s = sum(
         e.count * m * edge_s(choice[e.src], choice[e.dst], e.nbytes, mesh, cluster)
         for e in graph.edges
     )
     swap_s = sum(graph.blocks[b] * m * max(0.0, seconds) for b, seconds in excess.items())
-    step = sum(unit_time.values()) + edges_s + swap_s
+    step = sum(unit_time.values()) + edges_s + swap_s + lend_s
     return Costed(memory=total, step_time_s=step, unit_memory=unit_memory, unit_time_s=unit_time)
+
+
+def mirror_peaks(memory: MemoryBreakdown, spec: TrainingSpec) -> list[float]:
+    """The device peaks of the stages that take the first stage's choices when it lends
+    ([Note: activations on a peer] in ilp.py): the first's own, and the middle stages' at the
+    two ends of their range (each holds its own kept activations and what its mirror lends).
+    One peak, the first's, for a stage that does not lend or a pipeline of two."""
+    peaks = [memory.total]
+    p = spec.peer_stages
+    if p < 3:
+        return peaks
+    kept = memory.activations / spec.in_flight  # per micro-batch in flight
+    lent = memory.lent / spec.in_flight
+    for s in sorted({1, p - 2}):  # it holds s * step fewer; its mirror s * step more than the last
+        fewer = s * spec.in_flight_step
+        peaks.append(memory.total - fewer * kept + (spec.mirror_in_flight + fewer) * lent)
+    return peaks

@@ -30,6 +30,37 @@ forward and backward (``compute_s`` of its units): only what exceeds them adds t
 block, exact at an optimum since it only costs time). The host link is also what offloaded
 model data crosses; the two are priced as if each had it alone.
 
+[Note: activations on a peer]
+MPress's swap to a lightly loaded device, in a pipeline: stage ``s`` of ``p`` holds ``f(s)``
+micro-batches in flight, falling linearly from the first stage's ``f(0)`` to the last's (1F1B
+with ``m >= p`` and PipeMare: ``p - s``; interleaved: ``p + (p - 1 - 2 s) / v``), so the first
+stages overflow while the last have room. Stages pair as MPress pairs them, ``s`` with its
+mirror ``p - 1 - s`` (``f(s) + f(p - 1 - s)`` in flight between the two, the same for every
+pair), laid out on one node where
+two stages' devices fit in it (then the pair's link is the node's, else the inter-node one;
+the sends between neighbouring stages cross nodes either way once the pipeline spans more
+than one). The first stage may keep ``l`` bytes of each micro-batch's saved activations (any
+of its tensors: MPress moves tensors, not whole blocks) on its mirror's device: a continuous
+variable, at most what the stage keeps, ``a`` a micro-batch. They go after the forward and
+come back before the backward, spread over the stage's ``k`` blocks: the device holds two
+blocks' worth coming back (``2 l / k``, a transient), and the copies (``2 l`` a micro-batch
+over the pair's link) add only what the stage's compute does not cover (an excess variable).
+Every stage but the last takes the first stage's choices ([Note: pipeline stages] in
+pipelines.py), so each middle stage both lends and holds what its mirror lends; the last
+lends nothing. With ``D`` the first stage's model data and ``t`` its largest transient:
+
+- the first stage holds ``D + f(0) (a - l) + t``;
+- its mirror, the last stage, holds its own peak plus ``f(0) l``: a row more, ``M >=
+  peak_last + f(0) l`` (the last stage is solved first, its choices its own: MPress lends what
+  the light stages have spare; so ``M``, within the device, covers the lender too);
+- middle stage ``s`` holds at most ``D + f(s) (a - l) + f(p - 1 - s) l + t`` (no embedding:
+  ``D`` over-counts it), linear in ``s``, so the peak rows for ``s = 1`` and ``s = p - 2``
+  bound them all (1F1B under a clipped ``min(p - s, m)``, ``m < p``, is not linear: no lending
+  there).
+
+So the peak ``M`` has a row per transient for each of the three. Opt-in (``--peer``), for
+pipelined plans only (a flat plan's devices are alike: none has room to lend).
+
 Every coefficient a product variable carries is non-negative and the products only appear on
 the cost side, so the lower bounds alone make them exact at an optimum. Objectives: minimum time
 with ``M <= device memory``, or minimum ``M`` with time ``<= (1 + eps) * T*``; each with a tiny
@@ -111,6 +142,12 @@ class Problem:
     r: dict[tuple[str, Recompute], int] = field(default_factory=dict)
     time_row: dict[int, float] = field(default_factory=dict)
     base_row: dict[int, float] = field(default_factory=dict)
+    # [Note: activations on a peer]: the column of the bytes a micro-batch lends (in GiB; None:
+    # no mirror), the bytes on the mirror's device, the middle stages' peaks as shifts of
+    # base_row (name, coefficients)
+    lend: int | None = None
+    lent_row: dict[int, float] = field(default_factory=dict)
+    base_shifts: list[tuple[str, dict[int, float]]] = field(default_factory=list)
     transient_rows: list[tuple[str, dict[int, float]]] = field(default_factory=list)
     rows: list[tuple[str, dict[int, float], float, float]] = field(default_factory=list)
     # the constraint matrix with its bounds, built at the first solve ([Note: the ILP])
@@ -135,12 +172,16 @@ class Problem:
         solver_time_limit_s: float = 60.0,
         refine: bool = True,
         gap: float = MIP_REL_GAP,
+        mirror_peak: float = -float("inf"),
     ) -> Solution:
         """``objective="time"``: fastest under ``memory_limit``; ``"memory"``: smallest peak
         under ``time_limit`` (seconds per step). With ``refine``, ties in the objective go to
         the other term: a second solve holds the first optimum and minimises the other. ``gap``:
-        HiGHS stops within this relative gap of its bound."""
-        first = self._solve(objective, memory_limit, time_limit, solver_time_limit_s, gap)
+        HiGHS stops within this relative gap of its bound. ``mirror_peak``: the peak of the
+        stage that holds what this one lends, before it does; the peak covers it with the lent
+        bytes ([Note: activations on a peer])."""
+        first = self._solve(objective, memory_limit, time_limit, solver_time_limit_s, gap,
+                            mirror_peak)  # fmt: skip
         if not first.feasible or not refine:
             return first
         slack = 1 + 1e-6
@@ -149,7 +190,7 @@ class Problem:
         else:
             limits = (first.peak_bytes * slack + 1.0, time_limit)
         other = "memory" if objective == "time" else "time"
-        second = self._solve(other, *limits, solver_time_limit_s, gap)
+        second = self._solve(other, *limits, solver_time_limit_s, gap, mirror_peak)
         if not second.feasible:  # numerically at the edge: keep the first optimum
             return first
         second.lp_bound, second.objective = first.lp_bound, first.objective
@@ -162,12 +203,14 @@ class Problem:
         objective: str,
         memory_limit: float = float("inf"),
         time_limit: float = float("inf"),
+        mirror_peak: float = -float("inf"),
     ) -> float:
         """A lower bound on :meth:`solve`'s optimum for ``objective`` (step seconds, or peak
         bytes): the LP relaxation without the tie-break term; inf where even it is infeasible.
         Cheaper than a solve, so a search over many problems solves only those it cannot rule
         out."""
-        c, constraint, peak = self._program(objective, memory_limit, time_limit, tie=0.0)
+        c, constraint, peak = self._program(objective, memory_limit, time_limit, mirror_peak,
+                                            tie=0.0)  # fmt: skip
         with _native_stdout_silenced():
             relaxed = milp(c, constraints=constraint, bounds=self._bounds(peak))
         self.num_vars -= 1
@@ -176,11 +219,12 @@ class Problem:
         return float(relaxed.fun) * (GiB if objective == "memory" else 1.0)
 
     def _program(
-        self, objective: str, memory_limit: float, time_limit: float, *, tie: float = _TIE
-    ) -> tuple[np.ndarray, LinearConstraint, int]:
+        self, objective: str, memory_limit: float, time_limit: float,
+        mirror_peak: float = -float("inf"), *, tie: float = _TIE,
+    ) -> tuple[np.ndarray, LinearConstraint, int]:  # fmt: skip
         """The objective vector, the constraints and the peak's column of one solve (the peak
         variable is this solve's: the caller gives it back). The rows are built once per
-        problem; a solve changes only the two limits, the last two rows."""
+        problem; a solve changes only the limits, the last three rows."""
         peak = self.var()  # in GiB: byte-sized coefficients would upset HiGHS's tolerances
         c = np.zeros(self.num_vars)
         for col, v in self.time_row.items():
@@ -189,18 +233,26 @@ class Problem:
         if self._rows is None:
             self._rows = self._limit_rows(peak)
         matrix, lo, hi = self._rows
-        hi = hi.copy()
+        lo, hi = lo.copy(), hi.copy()
+        lo[-3] = mirror_peak / GiB
         hi[-2], hi[-1] = memory_limit / GiB, time_limit
         return c, LinearConstraint(matrix, lo, hi), peak
 
     def _limit_rows(self, peak: int) -> tuple[Any, np.ndarray, np.ndarray]:
         rows = list(self.rows)
-        for name, transient in self.transient_rows:
-            coeffs = {col: -v / GiB for col, v in self.base_row.items()}
-            for col, v in transient.items():
-                coeffs[col] = coeffs.get(col, 0.0) - v / GiB
-            coeffs[peak] = 1.0
-            rows.append((f"peak>={name}", coeffs, 0.0, np.inf))
+        for shift_name, shift in [("", {}), *self.base_shifts]:
+            base = dict(self.base_row)
+            for col, v in shift.items():
+                base[col] = base.get(col, 0.0) + v
+            for name, transient in self.transient_rows:
+                coeffs = {col: -v / GiB for col, v in base.items()}
+                for col, v in transient.items():
+                    coeffs[col] = coeffs.get(col, 0.0) - v / GiB
+                coeffs[peak] = 1.0
+                rows.append((f"peak{shift_name}>={name}", coeffs, 0.0, np.inf))
+        mirror = {col: -v / GiB for col, v in self.lent_row.items()}
+        mirror[peak] = 1.0
+        rows.append(("peak>=mirror+lent", mirror, -np.inf, np.inf))
         rows.append(("peak<=device_memory", {peak: 1.0}, -np.inf, np.inf))
         rows.append(("time<=limit", dict(self.time_row), -np.inf, np.inf))
         built = _constraints(rows, self.num_vars)
@@ -213,9 +265,10 @@ class Problem:
         time_limit: float,
         solver_time_limit_s: float,
         gap: float = MIP_REL_GAP,
+        mirror_peak: float = -float("inf"),
     ) -> Solution:
         started = time.perf_counter()
-        c, constraint, peak = self._program(objective, memory_limit, time_limit)
+        c, constraint, peak = self._program(objective, memory_limit, time_limit, mirror_peak)
         integrality = np.zeros(self.num_vars)
         options = {"time_limit": solver_time_limit_s, "mip_rel_gap": gap}
         with _native_stdout_silenced():
@@ -259,8 +312,9 @@ class Problem:
             b: max(self.modes, key=lambda mode: values[self.r[(b, mode)]])
             for b in self.graph.blocks
         }
+        lent = 0.0 if self.lend is None else max(0.0, float(values[self.lend])) * GiB
         return Assignment(mesh=self.mesh, choice=choice, recompute=recompute,
-                          offload=self.offload)  # fmt: skip
+                          offload=self.offload, lent_bytes=lent)  # fmt: skip
 
 
 class _StdoutSilencer:
@@ -375,6 +429,8 @@ def _unit_terms(problem: Problem, cluster: ClusterSpec, spec: TrainingSpec) -> N
     nvme: dict[int, float] = {}  # ... and on the node's disk
     swapped: dict[str, dict[int, float]] = {}  # [Note: activations on the host]
     excess: dict[str, dict[int, float]] = {}  # ... its copies' seconds past the compute
+    kept: dict[int, float] = {}  # [Note: activations on a peer]: a micro-batch's on the device
+    compute: dict[int, float] = {}  # ... and its compute seconds
     kept_src = {prefix: block_input(graph, prefix) for prefix in graph.blocks}
     for unit in graph.units:
         block, n = graph.block_of(unit), unit.count
@@ -383,12 +439,14 @@ def _unit_terms(problem: Problem, cluster: ClusterSpec, spec: TrainingSpec) -> N
         for k, cand in enumerate(problem.options[unit.name]):
             x = problem.x[(unit.name, k)]
             _add(problem.base_row, x, n * cand.memory.resident)
+            _add(compute, x, n * cand.compute_s)
             _add(problem.time_row, x, n * (m * (cand.compute_s + cand.comm_s) + cand.sync_s))
             _add(transient, x, cand.memory.transient)
             _add(host, x, n * cand.memory.host)
             _add(nvme, x, n * cand.memory.nvme)
             if block is None:
                 _add(problem.base_row, x, held * n * cand.memory.activations)
+                _add(kept, x, n * cand.memory.activations)
                 continue
             y = {
                 mode: _product(problem, x, problem.r[(block, mode)], unit.name, mode)
@@ -396,6 +454,8 @@ def _unit_terms(problem: Problem, cluster: ClusterSpec, spec: TrainingSpec) -> N
             }
             _add(problem.base_row, y[Recompute.NONE], held * n * cand.memory.activations)
             _add(problem.base_row, y[Recompute.SELECTIVE], held * n * cand.selective_activations)
+            _add(kept, y[Recompute.NONE], n * cand.memory.activations)
+            _add(kept, y[Recompute.SELECTIVE], n * cand.selective_activations)
             _add(problem.time_row, y[Recompute.FULL], n * m * cand.forward_s)
             full_block.setdefault(block, {})
             _add(full_block[block], y[Recompute.FULL], cand.memory.activations)
@@ -417,8 +477,9 @@ def _unit_terms(problem: Problem, cluster: ClusterSpec, spec: TrainingSpec) -> N
             src, nbytes = kept_src[block]
             if unit.name == src:
                 split = cand.out_layout in (Layout.SEQ, Layout.HID)
-                kept = nbytes / (problem.mesh.tp if split else 1)
-                _add(problem.base_row, y[Recompute.FULL], held * graph.blocks[block] * kept)
+                kept_in = nbytes / (problem.mesh.tp if split else 1)
+                _add(problem.base_row, y[Recompute.FULL], held * graph.blocks[block] * kept_in)
+                _add(kept, y[Recompute.FULL], graph.blocks[block] * kept_in)
         problem.transient_rows.append((unit.name, transient))
         if selective_extra:
             problem.transient_rows.append((f"selective[{unit.name}]", selective_extra))
@@ -432,10 +493,35 @@ def _unit_terms(problem: Problem, cluster: ClusterSpec, spec: TrainingSpec) -> N
         problem.row(f"swap_excess[{block}]", {z: 1.0, **{c: -v for c, v in coeffs.items()}},
                     0.0, np.inf)  # fmt: skip
         _add(problem.time_row, z, graph.blocks[block] * m)
+    if spec.peer_stages:
+        _lend_terms(problem, spec, kept, compute)
     if host:  # the node's devices together within its host memory
         problem.row("host_memory", host, 0.0, cluster.host_bytes_per_device)
     if nvme:  # ... and its disk (none: a plan that puts bytes there is infeasible)
         problem.row("nvme", nvme, 0.0, cluster.nvme_bytes_per_device)
+
+
+def _lend_terms(problem: Problem, spec: TrainingSpec, kept: dict[int, float],
+                compute: dict[int, float]) -> None:  # fmt: skip
+    """The first stage's lending to its mirror: [Note: activations on a peer]."""
+    lend = problem.lend = problem.var()  # GiB a micro-batch: bytes would upset HiGHS
+    problem.seconds.append(lend)
+    held, p, blocks = spec.in_flight, spec.peer_stages, sum(problem.graph.blocks.values())
+    _add(problem.base_row, lend, -held * GiB)
+    problem.row("lent<=kept", {**{c: v / GiB for c, v in kept.items()}, lend: -1.0}, 0.0, np.inf)
+    problem.transient_rows.append(("lent_coming_back", {lend: 2 * GiB / blocks}))
+    z = problem.var()  # the copies' seconds a micro-batch past the stage's compute
+    problem.seconds.append(z)
+    problem.row("lend_excess", {z: 1.0, lend: -2 * GiB / spec.peer_bandwidth, **compute},
+                0.0, np.inf)  # fmt: skip
+    _add(problem.time_row, z, spec.slots)
+    problem.lent_row = {lend: held * GiB}
+    for s in sorted({1, p - 2}) if p >= 3 else ():
+        # f(s) (a - l) + f(p - 1 - s) l against f(0) (a - l): f(s) = f(0) - s step
+        fewer = s * spec.in_flight_step
+        shift = {c: -fewer * v for c, v in kept.items()}
+        shift[lend] = (2 * fewer + spec.mirror_in_flight) * GiB
+        problem.base_shifts.append((f"[stage {s}]", shift))
 
 
 def _product(problem: Problem, x: int, r: int, name: str, mode: Recompute) -> int:

@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tidal.planner.cluster import ClusterSpec, Mesh
-from tidal.planner.cost_model import Costed, block_input, evaluate
+from tidal.planner.cost_model import Costed, block_input, evaluate, mirror_peaks
 from tidal.planner.graph import ModelGraph, ParamInfo, Unit
 from tidal.planner.ilp import Problem, Solution, on_threads
 from tidal.planner.plan import NO_OFFLOAD, Offload
@@ -129,10 +129,25 @@ class PipelineOption:
     problems: tuple[Problem, Problem] | None = None
     fastest: tuple[Solution, Solution] | None = None
 
+    @property
+    def lends(self) -> bool:
+        """Whether the first stage may keep activations on its mirror ([Note: activations on
+        a peer] in ilp.py)."""
+        return bool(self._problems()[0].lent_row)
+
     def _each(self, solve: Callable[[Problem], Any]) -> tuple[Any, Any]:
         """``solve`` on both stages' ILPs at once (HiGHS releases the GIL)."""
         first, last = on_threads(solve, self._problems())
         return first, last
+
+    def _lending(self, solve: Callable[..., Solution]) -> tuple[Solution, Solution]:
+        """``solve`` on the last stage, then on the first, whose peak covers the last's with
+        what it lends: the lender's plan first ([Note: activations on a peer] in ilp.py)."""
+        first, last = self._problems()
+        last_solved = solve(last)
+        if not last_solved.feasible:
+            return Solution(assignment=None, status="the last stage does not fit"), last_solved
+        return solve(first, mirror_peak=last_solved.peak_bytes), last_solved
 
     def build(self, problem: ProblemFn) -> None:
         self.problems = tuple(  # type: ignore[assignment]
@@ -163,10 +178,13 @@ class PipelineOption:
         return max(s.step_time_s for s in self.fastest) + self.send_s
 
     def solve_fastest(self, *, memory_limit: float, solver_time_limit_s: float) -> float:
-        self.fastest = self._each(
-            lambda p: p.solve(objective="time", memory_limit=memory_limit,
-                              solver_time_limit_s=solver_time_limit_s, refine=False)
-        )  # fmt: skip
+        def solve(problem: Problem, mirror_peak: float = -float("inf")) -> Solution:
+            return problem.solve(objective="time", memory_limit=memory_limit,
+                                 solver_time_limit_s=solver_time_limit_s, refine=False,
+                                 mirror_peak=mirror_peak)  # fmt: skip
+
+        self.fastest = (self._lending(solve) if self.lends
+                        else self._each(solve))  # fmt: skip
         return self.fastest_s
 
     def smallest(self, *, memory_limit: float, time_limit: float,
@@ -175,11 +193,15 @@ class PipelineOption:
         budget = time_limit - self.send_s
         if budget <= 0:
             return None
-        solved = self._each(
-            lambda p: p.solve(objective="memory", memory_limit=memory_limit,
-                              time_limit=budget * (1 + 1e-9),
-                              solver_time_limit_s=solver_time_limit_s, refine=False)
-        )  # fmt: skip
+
+        def solve(problem: Problem, mirror_peak: float = -float("inf")) -> Solution:
+            return problem.solve(objective="memory", memory_limit=memory_limit,
+                                 time_limit=budget * (1 + 1e-9),
+                                 solver_time_limit_s=solver_time_limit_s, refine=False,
+                                 mirror_peak=mirror_peak)  # fmt: skip
+
+        solved = (self._lending(solve) if self.lends
+                  else self._each(solve))  # fmt: skip
         if not all(s.feasible for s in solved):
             return None
         return self.plan(solved)
@@ -202,7 +224,23 @@ class PipelinePlan:
 
     @property
     def peak_memory_bytes(self) -> float:
-        return max(c.memory.total for c in self.costed)
+        return max(self.stage_peaks().values())
+
+    def stage_peaks(self) -> dict[str, float]:
+        """Each kind of stage's device peak: the first (and, when it lends, the middle stages
+        at the two ends of their range), and the last with what the first lends it ([Note:
+        activations on a peer] in ilp.py)."""
+        first, last = self.costed
+        peaks = {"first": first.memory.total, "last": last.memory.total + first.memory.lent}
+        middle = mirror_peaks(first.memory, self.option.specs[0])[1:]
+        if middle:
+            peaks["middle"] = max(middle)
+        return peaks
+
+    @property
+    def lent_bytes(self) -> float:
+        """What a first-stage device keeps on its mirror's (none unless it lends)."""
+        return self.costed[0].memory.lent
 
     @property
     def step_time_s(self) -> float:
@@ -214,8 +252,9 @@ class PipelinePlan:
         schedule = ", PipeMare (asynchronous)" if o.schedule == "pipemare" else ""
         offload = o.specs[0].offload
         host = f", {offload.describe()}" if offload else ""
+        lent = ", activations lent to the mirror stage" if self.lent_bytes else ""
         return (f"p{o.pp} x dp {o.mesh.dp} x tp {o.mesh.tp}{chunks}{schedule}, "
-                f"{o.num_microbatches} micro-batches{host}")  # fmt: skip
+                f"{o.num_microbatches} micro-batches{host}{lent}")  # fmt: skip
 
 
 def _in_flight(p: int, v: int, m: int) -> tuple[float, float]:
@@ -237,14 +276,25 @@ def _send_s(graph: ModelGraph, mesh: Mesh, pp: int, vp: int, slots: float,
     return slots * vp * 2 * (alpha + nbytes / mesh.tp / bandwidth)
 
 
+def _peer_bandwidth(mesh: Mesh, cluster: ClusterSpec) -> float:
+    """A stage's link to its mirror: the node's where two stages' devices fit in one
+    ([Note: activations on a peer] in ilp.py), else the inter-node one."""
+    if 2 * mesh.devices <= cluster.devices_per_node:
+        return cluster.intra_node_bandwidth
+    return cluster.inter_node_bandwidth
+
+
 def pipeline_options(graph: ModelGraph, cluster: ClusterSpec, *, global_batch: int,
                      base: TrainingSpec, meshes: Callable[[ClusterSpec], list[Mesh]],
                      schedules: tuple[str, ...] = ("1f1b", "interleaved"),
-                     offloads: tuple[Offload, ...] = (NO_OFFLOAD,)) -> list[PipelineOption]:  # fmt: skip
+                     offloads: tuple[Offload, ...] = (NO_OFFLOAD,),
+                     peer: bool = False) -> list[PipelineOption]:  # fmt: skip
     """Every ``p > 1`` dividing the blocks and the devices, each mesh of the ``N / p`` devices a
     stage has (``meshes``), 1F1B and each interleaving ``v`` the micro-batches allow (``m``
     divisible by ``p``, ``v`` dividing the ``k`` blocks a rank holds), each offload ([Note:
-    model data offload] in strategies.py)."""
+    model data offload] in strategies.py). ``peer``: the first stage may lend to its mirror
+    where the stages' micro-batches in flight fall linearly (all but 1F1B with ``m < p``:
+    [Note: activations on a peer] in ilp.py)."""
     found = _one_block(graph)
     if found is None:
         return []
@@ -272,6 +322,11 @@ def pipeline_options(graph: ModelGraph, cluster: ClusterSpec, *, global_batch: i
                                         weight_copies=copies, offload=offload)
                     for f in flights
                 )  # fmt: skip
+                if peer and (schedule != "1f1b" or m >= p):  # in flight linear in the stage
+                    lender = dataclasses.replace(specs[0], peer_stages=p,
+                                                 mirror_in_flight=flights[1],
+                                                 peer_bandwidth=_peer_bandwidth(mesh, cluster))  # fmt: skip
+                    specs = (lender, specs[1])
                 options.append(PipelineOption(
                     pp=p, vp=v, schedule=schedule, mesh=mesh, cluster=stage_cluster,
                     num_microbatches=m, graphs=graphs, specs=specs,  # type: ignore[arg-type]
@@ -350,12 +405,14 @@ def search_pipelines(graph: ModelGraph, cluster: ClusterSpec, *, global_batch: i
                      base: TrainingSpec, meshes: Callable[[ClusterSpec], list[Mesh]],
                      problem: ProblemFn, memory_limit: float, solver_time_limit_s: float,
                      slack: float, schedules: tuple[str, ...] = ("1f1b", "interleaved"),
-                     offloads: tuple[Offload, ...] = (NO_OFFLOAD,)) -> PipelineSearch:  # fmt: skip
+                     offloads: tuple[Offload, ...] = (NO_OFFLOAD,),
+                     peer: bool = False) -> PipelineSearch:  # fmt: skip
     """Build every option, bound each one's fastest step by its LP relaxations, and solve them
     in that order until the bound passes ``1 + slack`` times the fastest found (an option
     further out cannot hold a plan within ``slack`` of the fastest)."""
     options = pipeline_options(graph, cluster, global_batch=global_batch, base=base,
-                               meshes=meshes, schedules=schedules, offloads=offloads)  # fmt: skip
+                               meshes=meshes, schedules=schedules, offloads=offloads,
+                               peer=peer)  # fmt: skip
     for option in options:
         option.build(problem)
     bounded = sorted((o.time_bound_s(memory_limit=memory_limit), i) for i, o in enumerate(options))

@@ -104,10 +104,13 @@ def _pipeline(result: PlanResult) -> dict[str, Any] | None:
         return None
     o = plan.option
     stages = {}
+    # a device's peak: the last stage's with what the first lends it ([Note: activations on a
+    # peer] in tidal/planner/ilp.py)
+    peaks = plan.stage_peaks()
     for name, costed, solution in zip(("first", "last"), plan.costed, plan.stages, strict=True):
         assert solution.assignment is not None
         stages[name] = {
-            "peak_memory_bytes": costed.memory.total,
+            "peak_memory_bytes": peaks[name],
             "memory": costed.memory.to_dict(),
             "step_time_s": costed.step_time_s,
             "recompute": {k: str(v) for k, v in solution.assignment.recompute.items()},
@@ -120,6 +123,8 @@ def _pipeline(result: PlanResult) -> dict[str, Any] | None:
         "step_time_s": plan.step_time_s,
         "send_s": o.send_s,
         "stages": stages,
+        "lent_bytes": plan.lent_bytes,
+        "middle_peak_bytes": peaks.get("middle"),
         "pareto": [
             {"eps": eps, "peak_memory_bytes": p.peak_memory_bytes, "step_time_s": p.step_time_s,
              "layout": p.describe()}

@@ -338,6 +338,7 @@ def _search_pipelines(result: PlanResult, graph: ModelGraph, cluster: ClusterSpe
         base=base, meshes=meshes, problem=problem, memory_limit=limit,
         solver_time_limit_s=config.solver_time_limit_s, slack=config.eps,
         schedules=config.schedules, offloads=config.offloads(),
+        peer=config.peer,
     )  # fmt: skip
     result.pipelines = search
     fastest = search.fastest

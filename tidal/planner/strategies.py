@@ -103,6 +103,12 @@ class TrainingSpec:
     weight_copies: float = 0.0
     # the model data kept off the device ([Note: model data offload])
     offload: Offload = NO_OFFLOAD
+    # the first of ``peer_stages`` pipeline stages may keep activations on its mirror (the
+    # last) stage's device, which holds ``mirror_in_flight`` micro-batches, over a link of
+    # ``peer_bandwidth`` bytes/s each way ([Note: activations on a peer] in ilp.py); 0: none
+    peer_stages: int = 0
+    mirror_in_flight: float = 0.0
+    peer_bandwidth: float = 0.0
 
     def __post_init__(self) -> None:
         require(
@@ -112,6 +118,18 @@ class TrainingSpec:
         )
         require(self.in_flight >= 1, "in_flight", f"must be >= 1, got {self.in_flight}")
         require(self.weight_copies >= 0, "weight_copies", f"must be >= 0, got {self.weight_copies}")
+        require(self.peer_stages == 0 or (self.peer_stages >= 2 and self.peer_bandwidth > 0),
+                "peer_stages", f"a peer needs 2 or more stages and a link, got "
+                f"{self.peer_stages} stages at {self.peer_bandwidth} B/s")  # fmt: skip
+        require(self.peer_stages == 0 or 0 < self.mirror_in_flight <= self.in_flight,
+                "mirror_in_flight", f"the mirror holds fewer micro-batches than the stage that "
+                f"lends to it ({self.in_flight}), and some: got {self.mirror_in_flight}")  # fmt: skip
+
+    @property
+    def in_flight_step(self) -> float:
+        """How many fewer micro-batches each next stage holds, when this one lends ([Note:
+        activations on a peer] in ilp.py): in-flight counts fall linearly to the mirror's."""
+        return (self.in_flight - self.mirror_in_flight) / (self.peer_stages - 1)
         for name in ("param_bytes", "grad_bytes", "optimizer_bytes"):
             require(getattr(self, name) >= 0, name, f"must be >= 0, got {getattr(self, name)}")
 

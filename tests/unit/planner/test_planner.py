@@ -15,7 +15,7 @@ from tidal.models import PRESETS, GPTConfig, GPTSpec
 from tidal.models.gpt import measure_gpt
 from tidal.planner import ClusterSpec, Infeasible, Mesh, Plan, PlannerConfig, make_plan
 from tidal.planner.baselines import baseline
-from tidal.planner.cost_model import Assignment, evaluate
+from tidal.planner.cost_model import Assignment, evaluate, mirror_peaks
 from tidal.planner.ilp import MIP_REL_GAP, build_problem
 from tidal.planner.measure import Edge, ModelGraph, ParamInfo, Unit
 from tidal.planner.plan import Recompute
@@ -246,6 +246,104 @@ def test_ilp_matches_brute_force(seed: int) -> None:
     again = evaluate(graph, fit.assignment, cluster, spec)
     assert again.memory.total <= budget * (1 + 1e-9)
     assert again.step_time_s == pytest.approx(fit.step_time_s, rel=TOLERANCE)
+
+
+def _argmin_over(f, hi: float) -> float:
+    """Where a convex piecewise-linear ``f`` is least on [0, hi] (ternary search)."""
+    lo = 0.0
+    for _ in range(60):
+        a, b = lo + (hi - lo) / 3, hi - (hi - lo) / 3
+        lo, hi = (lo, b) if f(a) <= f(b) else (a, hi)
+    return 0.0 if f(0.0) <= f(lo) else lo
+
+
+def _first_within(f, hi: float, budget: float) -> float | None:
+    """The least point of [0, hi] where a convex ``f`` is within ``budget`` (None: nowhere)."""
+    best = _argmin_over(f, hi)
+    if f(best) > budget:
+        return None
+    if f(0.0) <= budget:
+        return 0.0
+    lo, up = 0.0, best  # f falls on [0, best]: bisect for where it meets the budget
+    for _ in range(60):
+        mid = (lo + up) / 2
+        lo, up = (lo, mid) if f(mid) <= budget else (mid, up)
+    return up
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_lending_ilp_matches_brute_force(seed: int) -> None:
+    """A first pipeline stage that lends to its mirror ([Note: activations on a peer] in
+    ilp.py), against every discrete choice and the bytes lent (the peak is convex and
+    piecewise linear in them, the step time rises with them): the least peak of the first,
+    middle and mirror stages keeping every activation, and the fastest plan under a budget
+    that keeping all of them does not meet."""
+    rng = np.random.default_rng(100 + seed)
+    graph = toy_graph(rng, count=4)
+    cluster = ClusterSpec(devices=4, devices_per_node=4, inter_node_bandwidth=10e9)
+    mesh = Mesh(dp=2, tp=2)
+    p = (2, 3, 4, 6)[seed]  # no middle stage; one, its own mirror; middles at both ends
+    spec = TrainingSpec(num_microbatches=8, in_flight=float(p), time_slots=8.0 + p - 1,
+                        peer_stages=p, mirror_in_flight=1.0,
+                        peer_bandwidth=float(rng.choice([1e8, 1e9, 400e9])))  # fmt: skip
+    # two candidates for the block's linear units, one for the rest: the bytes lent are the
+    # search's continuous part, priced below at some 60 points per discrete choice
+    options = {n: opts[: 2 if n.endswith(("up", "down")) else 1]
+               for n, opts in _options(graph, mesh, cluster, spec, rng).items()}  # fmt: skip
+    names = [u.name for u in graph.units]
+    first = evaluate(graph, Assignment(mesh=mesh, choice={n: options[n][0] for n in names},
+                                       recompute={"blocks.*": Recompute.NONE}), cluster, spec)  # fmt: skip
+    # the last stage's own peak: lighter than the first by most of its activations
+    mirror_peak = first.memory.total - float(rng.uniform(0.5, 1.0)) * first.memory.activations
+
+    def costed(a: Assignment, lent: float) -> tuple[float, float]:
+        c = evaluate(graph, dataclasses.replace(a, lent_bytes=lent), cluster, spec)
+        peak = max(*mirror_peaks(c.memory, spec), mirror_peak + c.memory.lent)
+        return peak, c.step_time_s
+
+    def assignments(modes):
+        for combo in itertools.product(*(options[n] for n in names)):
+            for mode in modes:
+                a = Assignment(mesh=mesh, choice=dict(zip(names, combo, strict=True)),
+                               recompute={"blocks.*": mode})  # fmt: skip
+                yield a, evaluate(graph, a, cluster, spec).memory.activations / spec.in_flight
+
+    def solve(modes, **limits):
+        problem = build_problem(graph, mesh, options, cluster, spec,
+                                recompute_modes=dict.fromkeys(graph.blocks, modes))  # fmt: skip
+        assert problem.lend is not None
+        solved = problem.solve(mirror_peak=mirror_peak, **limits)
+        peak, step_s = costed(solved.assignment, solved.assignment.lent_bytes)
+        assert peak == pytest.approx(solved.peak_bytes, rel=TOLERANCE)  # costs what it says
+        assert step_s == pytest.approx(solved.step_time_s, rel=TOLERANCE)
+        return solved
+
+    # every activation kept: only lending lowers the peak
+    keep = (Recompute.NONE,)
+    least = min(costed(a, _argmin_over(lambda x, a=a: costed(a, x)[0], hi))[0]
+                for a, hi in assignments(keep))  # fmt: skip
+    smallest = solve(keep, objective="memory")
+    assert smallest.peak_bytes == pytest.approx(least, rel=TOLERANCE)
+    assert smallest.assignment.lent_bytes > 0
+    # the fastest within a budget between that and keeping all without lending: lend, or recompute
+    unlent = min(costed(a, 0.0)[0] for a, _ in assignments(keep))
+    budget = least + float(rng.uniform(0.2, 0.8)) * (unlent - least)
+    modes = (Recompute.NONE, Recompute.SELECTIVE, Recompute.FULL)
+    fastest = float("inf")
+    for a, hi in assignments(modes):
+        lent = _first_within(lambda x, a=a: costed(a, x)[0], hi, budget)
+        if lent is not None:
+            fastest = min(fastest, costed(a, lent)[1])
+    fit = solve(modes, objective="time", memory_limit=budget)
+    assert fit.step_time_s == pytest.approx(fastest, rel=TOLERANCE)
+    print(
+        "LENT",
+        seed,
+        p,
+        smallest.assignment.lent_bytes,
+        fit.assignment.lent_bytes,
+        fit.assignment.recompute,
+    )
 
 
 # ---------------------------------------------------------------------------------------------
