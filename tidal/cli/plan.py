@@ -111,7 +111,7 @@ def run_plan(args: argparse.Namespace, console: Console) -> int:
         offload_nvme=(0.0, 1.0) if args.nvme else (0.0,),
         baselines=tuple(x.strip() for x in args.baselines.split(",") if x.strip()),
         recompute=modes,
-        peer=args.peer,  # [Note: activations on a peer] in tidal/planner/ilp.py
+        peer=args.peer,  # [Note: activations on a peer] in tidal/planner/pipelines.py
     )
     result = make_plan(graph, cluster, config, progress=say, shape=shape)
     report = plan_report(result, cluster)

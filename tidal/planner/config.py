@@ -47,7 +47,7 @@ class PlannerConfig:
     offload_params: tuple[float, ...] = (0.0,)
     offload_nvme: tuple[float, ...] = (0.0,)
     # pipelined plans' first stages may keep activations on their mirror stages' devices
-    # ([Note: activations on a peer] in ilp.py); priced, not run
+    # ([Note: activations on a peer] in pipelines.py); priced, not run
     peer: bool = False
 
     def __post_init__(self) -> None:

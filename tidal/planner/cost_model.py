@@ -79,7 +79,7 @@ class Assignment:
     recompute: dict[str, Recompute]
     offload: Offload = NO_OFFLOAD  # [Note: model data offload] in strategies.py
     # bytes of each micro-batch's saved activations kept on the mirror stage's device
-    # ([Note: activations on a peer] in ilp.py)
+    # ([Note: activations on a peer] in pipelines.py)
     lent_bytes: float = 0.0
 
 
@@ -156,7 +156,7 @@ def evaluate(
     transients.extend(recomputed.values())
     transients.extend(swapped.values())
     lend_s = 0.0
-    if assignment.lent_bytes:  # [Note: activations on a peer] in ilp.py
+    if assignment.lent_bytes:  # [Note: activations on a peer] in pipelines.py
         lent = assignment.lent_bytes
         assert spec.peer_stages and lent <= total.activations / held * (1 + 1e-6), (
             f"lends {lent} bytes a micro-batch, of {total.activations / held} it keeps, to "
@@ -179,7 +179,7 @@ def evaluate(
 
 def mirror_peaks(memory: MemoryBreakdown, spec: TrainingSpec) -> list[float]:
     """The device peaks of the stages that take the first stage's choices when it lends
-    ([Note: activations on a peer] in ilp.py): the first's own, and the middle stages' at the
+    ([Note: activations on a peer] in pipelines.py): the first's own, and the middle stages' at the
     two ends of their range (each holds its own kept activations and what its mirror lends).
     One peak, the first's, for a stage that does not lend or a pipeline of two."""
     peaks = [memory.total]

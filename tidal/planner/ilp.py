@@ -30,37 +30,6 @@ forward and backward (``compute_s`` of its units): only what exceeds them adds t
 block, exact at an optimum since it only costs time). The host link is also what offloaded
 model data crosses; the two are priced as if each had it alone.
 
-[Note: activations on a peer]
-MPress's swap to a lightly loaded device, in a pipeline: stage ``s`` of ``p`` holds ``f(s)``
-micro-batches in flight, falling linearly from the first stage's ``f(0)`` to the last's (1F1B
-with ``m >= p`` and PipeMare: ``p - s``; interleaved: ``p + (p - 1 - 2 s) / v``), so the first
-stages overflow while the last have room. Stages pair as MPress pairs them, ``s`` with its
-mirror ``p - 1 - s`` (``f(s) + f(p - 1 - s)`` in flight between the two, the same for every
-pair), laid out on one node where
-two stages' devices fit in it (then the pair's link is the node's, else the inter-node one;
-the sends between neighbouring stages cross nodes either way once the pipeline spans more
-than one). The first stage may keep ``l`` bytes of each micro-batch's saved activations (any
-of its tensors: MPress moves tensors, not whole blocks) on its mirror's device: a continuous
-variable, at most what the stage keeps, ``a`` a micro-batch. They go after the forward and
-come back before the backward, spread over the stage's ``k`` blocks: the device holds two
-blocks' worth coming back (``2 l / k``, a transient), and the copies (``2 l`` a micro-batch
-over the pair's link) add only what the stage's compute does not cover (an excess variable).
-Every stage but the last takes the first stage's choices ([Note: pipeline stages] in
-pipelines.py), so each middle stage both lends and holds what its mirror lends; the last
-lends nothing. With ``D`` the first stage's model data and ``t`` its largest transient:
-
-- the first stage holds ``D + f(0) (a - l) + t``;
-- its mirror, the last stage, holds its own peak plus ``f(0) l``: a row more, ``M >=
-  peak_last + f(0) l`` (the last stage is solved first, its choices its own: MPress lends what
-  the light stages have spare; so ``M``, within the device, covers the lender too);
-- middle stage ``s`` holds at most ``D + f(s) (a - l) + f(p - 1 - s) l + t`` (no embedding:
-  ``D`` over-counts it), linear in ``s``, so the peak rows for ``s = 1`` and ``s = p - 2``
-  bound them all (1F1B under a clipped ``min(p - s, m)``, ``m < p``, is not linear: no lending
-  there).
-
-So the peak ``M`` has a row per transient for each of the three. Opt-in (``--peer``), for
-pipelined plans only (a flat plan's devices are alike: none has room to lend).
-
 Every coefficient a product variable carries is non-negative and the products only appear on
 the cost side, so the lower bounds alone make them exact at an optimum. Objectives: minimum time
 with ``M <= device memory``, or minimum ``M`` with time ``<= (1 + eps) * T*``; each with a tiny
@@ -142,9 +111,9 @@ class Problem:
     r: dict[tuple[str, Recompute], int] = field(default_factory=dict)
     time_row: dict[int, float] = field(default_factory=dict)
     base_row: dict[int, float] = field(default_factory=dict)
-    # [Note: activations on a peer]: the column of the bytes a micro-batch lends (in GiB; None:
-    # no mirror), the bytes on the mirror's device, the middle stages' peaks as shifts of
-    # base_row (name, coefficients)
+    # [Note: activations on a peer] in pipelines.py: the column of the bytes a micro-batch
+    # lends (in GiB; None: no mirror), the bytes on the mirror's device, the middle stages'
+    # peaks as shifts of base_row (name, coefficients)
     lend: int | None = None
     lent_row: dict[int, float] = field(default_factory=dict)
     base_shifts: list[tuple[str, dict[int, float]]] = field(default_factory=list)
@@ -179,7 +148,7 @@ class Problem:
         the other term: a second solve holds the first optimum and minimises the other. ``gap``:
         HiGHS stops within this relative gap of its bound. ``mirror_peak``: the peak of the
         stage that holds what this one lends, before it does; the peak covers it with the lent
-        bytes ([Note: activations on a peer])."""
+        bytes ([Note: activations on a peer] in pipelines.py)."""
         first = self._solve(objective, memory_limit, time_limit, solver_time_limit_s, gap,
                             mirror_peak)  # fmt: skip
         if not first.feasible or not refine:
@@ -429,7 +398,8 @@ def _unit_terms(problem: Problem, cluster: ClusterSpec, spec: TrainingSpec) -> N
     nvme: dict[int, float] = {}  # ... and on the node's disk
     swapped: dict[str, dict[int, float]] = {}  # [Note: activations on the host]
     excess: dict[str, dict[int, float]] = {}  # ... its copies' seconds past the compute
-    kept: dict[int, float] = {}  # [Note: activations on a peer]: a micro-batch's on the device
+    # [Note: activations on a peer] in pipelines.py: a micro-batch's kept on the device
+    kept: dict[int, float] = {}
     compute: dict[int, float] = {}  # ... and its compute seconds
     kept_src = {prefix: block_input(graph, prefix) for prefix in graph.blocks}
     for unit in graph.units:
@@ -503,7 +473,7 @@ def _unit_terms(problem: Problem, cluster: ClusterSpec, spec: TrainingSpec) -> N
 
 def _lend_terms(problem: Problem, spec: TrainingSpec, kept: dict[int, float],
                 compute: dict[int, float]) -> None:  # fmt: skip
-    """The first stage's lending to its mirror: [Note: activations on a peer]."""
+    """The first stage's lending to its mirror: [Note: activations on a peer] in pipelines.py."""
     lend = problem.lend = problem.var()  # GiB a micro-batch: bytes would upset HiGHS
     problem.seconds.append(lend)
     held, p, blocks = spec.in_flight, spec.peer_stages, sum(problem.graph.blocks.values())

@@ -29,6 +29,37 @@ gradient back, ``v`` times interleaved), over a node's links while the whole mes
 node, else the inter-node ones; the gradient collectives of each stage are its own (its
 parameters over its data axis). The peak is the larger stage's. Running such a plan is a later
 step: ``tidal train --plan`` takes the flat plans only.
+
+[Note: activations on a peer]
+MPress's swap to a lightly loaded device, in a pipeline: stage ``s`` of ``p`` holds ``f(s)``
+micro-batches in flight, falling linearly from the first stage's ``f(0)`` to the last's (1F1B
+with ``m >= p`` and PipeMare: ``p - s``; interleaved: ``p + (p - 1 - 2 s) / v``), so the first
+stages overflow while the last have room. Stages pair as MPress pairs them, ``s`` with its
+mirror ``p - 1 - s`` (``f(s) + f(p - 1 - s)`` in flight between the two, the same for every
+pair), laid out on one node where two stages' devices fit in it (then the pair's link is the
+node's, else the inter-node one; the sends between neighbouring stages cross nodes either way
+once the pipeline spans more than one). The first stage may keep ``l`` bytes of each
+micro-batch's saved activations (any of its tensors: MPress moves tensors, not whole blocks) on
+its mirror's device: a continuous variable, at most what the stage keeps, ``a`` a micro-batch.
+They go after the forward and come back before the backward, spread over the stage's ``k``
+blocks: the device holds two blocks' worth coming back (``2 l / k``, a transient), and the
+copies (``2 l`` a micro-batch over the pair's link) add only what the stage's compute does not
+cover (an excess variable). Every stage but the last takes the first stage's choices ([Note:
+pipeline stages]), so each middle stage both lends and holds what its mirror lends; the last
+lends nothing. With ``D`` the first stage's model data and ``t`` its largest transient:
+
+- the first stage holds ``D + f(0) (a - l) + t``;
+- its mirror, the last stage, holds its own peak plus ``f(0) l``: a row more, ``M >=
+  peak_last + f(0) l`` (the last stage is solved first, its choices its own: MPress lends what
+  the light stages have spare; so ``M``, within the device, covers the lender too);
+- middle stage ``s`` holds at most ``D + f(s) (a - l) + f(p - 1 - s) l + t`` (no embedding:
+  ``D`` over-counts it), linear in ``s``, so the peak rows for ``s = 1`` and ``s = p - 2``
+  bound them all (1F1B under a clipped ``min(p - s, m)``, ``m < p``, is not linear: no lending
+  there).
+
+So the ILP's peak ``M`` has a row per transient for each of the three (``lend``, ``lent_row``
+and ``base_shifts`` of its ``Problem``, ``_lend_terms`` in ilp.py). Opt-in (``--peer``), for
+pipelined plans only (a flat plan's devices are alike: none has room to lend).
 """
 
 from __future__ import annotations
@@ -132,7 +163,7 @@ class PipelineOption:
     @property
     def lends(self) -> bool:
         """Whether the first stage may keep activations on its mirror ([Note: activations on
-        a peer] in ilp.py)."""
+        a peer])."""
         return bool(self._problems()[0].lent_row)
 
     def _each(self, solve: Callable[[Problem], Any]) -> tuple[Any, Any]:
@@ -142,7 +173,7 @@ class PipelineOption:
 
     def _lending(self, solve: Callable[..., Solution]) -> tuple[Solution, Solution]:
         """``solve`` on the last stage, then on the first, whose peak covers the last's with
-        what it lends: the lender's plan first ([Note: activations on a peer] in ilp.py)."""
+        what it lends: the lender's plan first ([Note: activations on a peer])."""
         first, last = self._problems()
         last_solved = solve(last)
         if not last_solved.feasible:
@@ -229,7 +260,7 @@ class PipelinePlan:
     def stage_peaks(self) -> dict[str, float]:
         """Each kind of stage's device peak: the first (and, when it lends, the middle stages
         at the two ends of their range), and the last with what the first lends it ([Note:
-        activations on a peer] in ilp.py)."""
+        activations on a peer])."""
         first, last = self.costed
         peaks = {"first": first.memory.total, "last": last.memory.total + first.memory.lent}
         middle = mirror_peaks(first.memory, self.option.specs[0])[1:]
@@ -278,7 +309,7 @@ def _send_s(graph: ModelGraph, mesh: Mesh, pp: int, vp: int, slots: float,
 
 def _peer_bandwidth(mesh: Mesh, cluster: ClusterSpec) -> float:
     """A stage's link to its mirror: the node's where two stages' devices fit in one
-    ([Note: activations on a peer] in ilp.py), else the inter-node one."""
+    ([Note: activations on a peer]), else the inter-node one."""
     if 2 * mesh.devices <= cluster.devices_per_node:
         return cluster.intra_node_bandwidth
     return cluster.inter_node_bandwidth
@@ -294,7 +325,7 @@ def pipeline_options(graph: ModelGraph, cluster: ClusterSpec, *, global_batch: i
     divisible by ``p``, ``v`` dividing the ``k`` blocks a rank holds), each offload ([Note:
     model data offload] in strategies.py). ``peer``: the first stage may lend to its mirror
     where the stages' micro-batches in flight fall linearly (all but 1F1B with ``m < p``:
-    [Note: activations on a peer] in ilp.py)."""
+    [Note: activations on a peer])."""
     found = _one_block(graph)
     if found is None:
         return []

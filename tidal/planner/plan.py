@@ -145,7 +145,7 @@ class MemoryBreakdown:
     # offloaded model data ([Note: model data offload] in strategies.py): not in the device's total
     host: float = 0.0  # bytes in the node's host memory
     nvme: float = 0.0  # bytes on the node's NVMe
-    # activations kept on the mirror stage's device ([Note: activations on a peer] in ilp.py)
+    # activations kept on the mirror stage's device ([Note: activations on a peer] in pipelines.py)
     lent: float = 0.0
 
     @property

@@ -105,7 +105,7 @@ class TrainingSpec:
     offload: Offload = NO_OFFLOAD
     # the first of ``peer_stages`` pipeline stages may keep activations on its mirror (the
     # last) stage's device, which holds ``mirror_in_flight`` micro-batches, over a link of
-    # ``peer_bandwidth`` bytes/s each way ([Note: activations on a peer] in ilp.py); 0: none
+    # ``peer_bandwidth`` bytes/s each way ([Note: activations on a peer] in pipelines.py); 0: none
     peer_stages: int = 0
     mirror_in_flight: float = 0.0
     peer_bandwidth: float = 0.0
@@ -128,7 +128,8 @@ class TrainingSpec:
     @property
     def in_flight_step(self) -> float:
         """How many fewer micro-batches each next stage holds, when this one lends ([Note:
-        activations on a peer] in ilp.py): in-flight counts fall linearly to the mirror's."""
+        activations on a peer] in pipelines.py): in-flight counts fall linearly to the
+        mirror's."""
         return (self.in_flight - self.mirror_in_flight) / (self.peer_stages - 1)
         for name in ("param_bytes", "grad_bytes", "optimizer_bytes"):
             require(getattr(self, name) >= 0, name, f"must be >= 0, got {getattr(self, name)}")

@@ -1,5 +1,5 @@
 """Activations lent to the mirror pipeline stage (MPress's peer swap in the planner's search):
-[Note: activations on a peer] in tidal/planner/ilp.py."""
+[Note: activations on a peer] in tidal/planner/pipelines.py."""
 
 from __future__ import annotations
 

@@ -274,7 +274,7 @@ def _first_within(f, hi: float, budget: float) -> float | None:
 @pytest.mark.parametrize("seed", range(4))
 def test_lending_ilp_matches_brute_force(seed: int) -> None:
     """A first pipeline stage that lends to its mirror ([Note: activations on a peer] in
-    ilp.py), against every discrete choice and the bytes lent (the peak is convex and
+    pipelines.py), against every discrete choice and the bytes lent (the peak is convex and
     piecewise linear in them, the step time rises with them): the least peak of the first,
     middle and mirror stages keeping every activation, and the fastest plan under a budget
     that keeping all of them does not meet."""
