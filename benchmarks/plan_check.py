@@ -26,7 +26,7 @@ from rich.table import Table
 
 from tidal.config import parse_bytes
 
-__all__ = ["add_arguments", "bench_plan_check", "run"]
+__all__ = ["add_arguments", "add_parser", "bench_plan_check", "run"]
 
 _RUN_OVERRIDES = (
     "checkpoint.every_steps=0",
@@ -35,6 +35,19 @@ _RUN_OVERRIDES = (
     "training.val_batches=1",
     "engine=reference",
 )
+
+
+def add_parser(benches: argparse._SubParsersAction) -> None:
+    """``tidal bench plan-check`` among the benches of the command line."""
+    check = benches.add_parser(
+        "plan-check",
+        help="the planner's predicted peak and step time against its plan trained on this device",
+        description="For each model and device budget, solve for the plan on one device (the "
+        "cluster preset's figures), train the recipe with it for a few steps in a process of "
+        "its own, and compare the allocator's peak and the median steady step with the plan's "
+        "prediction. Writes benchmarks/results/plan-check-*.json.",
+    )
+    add_arguments(check)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -459,17 +459,9 @@ def _add_bench_savers(benches: argparse._SubParsersAction) -> None:
 
 
 def _add_bench_plan_check(benches: argparse._SubParsersAction) -> None:
-    from benchmarks.plan_check import add_arguments
+    from benchmarks.plan_check import add_parser
 
-    check = benches.add_parser(
-        "plan-check",
-        help="the planner's predicted peak and step time against its plan trained on this device",
-        description="For each model and device budget, solve for the plan on one device (the "
-        "cluster preset's figures), train the recipe with it for a few steps in a process of "
-        "its own, and compare the allocator's peak and the median steady step with the plan's "
-        "prediction. Writes benchmarks/results/plan-check-*.json.",
-    )
-    add_arguments(check)
+    add_parser(benches)
 
 
 def _add_bench_pipeline(benches: argparse._SubParsersAction) -> None:
