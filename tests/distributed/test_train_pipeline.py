@@ -11,6 +11,7 @@ the same losses bit for bit.
 from __future__ import annotations
 
 import copy
+import re
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +19,7 @@ import pytest
 import torch
 
 from tidal.cli.main import main
-from tidal.config import ConfigError
+from tidal.config import ConfigError, parse_bytes
 from tidal.testing import run_on_ranks
 from tidal.train import Trainer
 from tidal.train.metrics import read_metrics
@@ -148,6 +149,19 @@ def _worker(root: str, reference: tuple[list[float], list[float]]) -> None:
         stashing["model"]["tie_embeddings"] = False
         Trainer(stashing).fit()
     assert _losses(root_path / "pipedream-recompute") == _losses(root_path / "pipedream-none")
+    # At the least budget the refusal names, PipeDream's stashed versions must leave the device
+    # too: they wait in the host tier ([Note: stashes on the host]), the same losses.
+    tight = _job(root_path / "pipedream-tight", schedule="pipedream", memory="auto")
+    tight["model"]["tie_embeddings"] = False
+    tight["memory"] = {"device_budget": "1KiB"}
+    with pytest.raises(ConfigError, match=r"needs at least ([\d.]+\w+) with every") as refused:
+        Trainer(tight).fit()
+    least = re.search(r"needs at least ([\d.]+\w+) with every", str(refused.value))
+    assert least is not None
+    tight["memory"] = {"device_budget": int(parse_bytes(least.group(1)) * 1.01)}
+    figures = Trainer(tight).fit()["pipeline"]["memory"]
+    assert _losses(root_path / "pipedream-tight") == _losses(root_path / "pipedream-none")
+    assert figures["stashes_on_host"] == ([0] if dist.get_rank() == 0 else [])
     expected = simulate(make_schedule("pipemare", stages=2, microbatches=2, steps=2)).delay
     measured = summary["pipeline"]["max_delay_per_stage"]
     rank = dist.get_rank()

@@ -104,6 +104,9 @@ class Saved:
     path: str = ""  # the submodule of its stage that saves it, where training carries it out
     recompute_keeps_bytes: int = 0  # of one copy: the inputs a recompute of it starts from
     fixed: bool = False  # saved outside every submodule a saver wraps (a loss): always kept
+    # it may wait on the host, not on a peer: a stashed weight version ([Note: stashes on the
+    # host] in tidal/pipeline/weights.py), which no lending action carries
+    host_only: bool = False
 
     def __post_init__(self) -> None:
         require(self.num_bytes >= 0 and self.copies >= 0 and self.uses_per_step >= 0,
@@ -198,6 +201,8 @@ def _options(item: Saved, links: Links) -> list[Choice]:
     if item.recompute_s is not None:
         out.append((Saver.RECOMPUTE, None))
     out.append((Saver.HOST, None))
+    if item.host_only:
+        return out
     out += [(Saver.PEER, lender) for lender in range(links.num_ranks)
             if lender != rank and links.peer_bandwidth[rank][lender] > 0]  # fmt: skip
     return out

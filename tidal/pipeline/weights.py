@@ -53,6 +53,18 @@ update is legal. Unpacking a token in backward rebuilds the view with ``as_strid
   (O(1); the parameter objects and the optimizer's state stay the same) and back. The batch's
   version is kept until the next batch starts, so at most one copy is held; a schedule that
   would need two (fewer microbatches per update than in flight) raises.
+
+[Note: stashes on the host]
+PipeDream's stashed versions are read only by the backward (and a recompute inside it) of the
+microbatches that ran on them, so between an update and those backwards they can wait in the
+host tier (``stash_to``, MPress's host swap for weight versions: the saver planner chooses it
+per stage, [Note: pipeline memory] in tidal/train/pipeline_memory.py). Each copy is allocated
+there with the parameter's strides (byte-budgeted: past the budget the tier raises before
+anything is copied) and given back when no microbatch in flight needs its version. On the CPU
+the host tier is the device's memory, so the backward reads the copy in place; on CUDA it
+copies the version it needs to the device for the duration of its backward (one at a time:
+a stage runs one backward at once) and drops it after. The values are the same bytes, so the
+gradients are bit for bit those of a stash kept on the device.
 """
 
 from __future__ import annotations
@@ -62,7 +74,7 @@ import enum
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -70,6 +82,9 @@ from torch import nn
 from tidal.config import require
 from tidal.pipeline.lookahead import next_update
 from tidal.pipeline.redirect import Packer, ParamToken, clone_like, storage_ptr
+
+if TYPE_CHECKING:
+    from tidal.memory.tiers import Tier
 
 __all__ = ["AsyncConfig", "StageWeights", "WeightMode", "correction_gamma", "lr_scale"]
 
@@ -201,6 +216,8 @@ class StageWeights:
         self._forward_copy: list[torch.Tensor] = []  # the predicted weights during a forward
         self._warned = False
         self._batch_version = 0  # 2BW: the version the current batch's forwards use
+        self._stash_tier: Tier | None = None  # [Note: stashes on the host]
+        self._fetched: tuple[int, list[torch.Tensor]] | None = None  # a host stash on the device
 
     @property
     def stashed_bytes(self) -> int:
@@ -246,7 +263,7 @@ class StageWeights:
                 f"{self.version}: with weights='2bw' an update needs at least as many microbatches "
                 "as are in flight (m >= number of stages)"
             )
-        stash = None if fwd_version == self.version else self._stash(fwd_version)
+        stash = None if fwd_version == self.version else self._usable(fwd_version)
         self.version_at_forward[microbatch] = fwd_version
         self._batch_version = fwd_version
         self._release()  # a 2BW batch's first forward frees the previous batch's copy
@@ -316,6 +333,43 @@ class StageWeights:
             )
         return stash
 
+    def stash_to(self, tier: Tier) -> None:
+        """Keep PipeDream's stashed versions in ``tier`` (the host's) from now on: [Note:
+        stashes on the host]."""
+        if self.config.weights is not WeightMode.STASH:
+            raise ValueError(
+                f"only PipeDream's stashed versions wait on the host (weights='stash'), not "
+                f"weights={self.config.weights.value!r}: 2BW runs its forwards on its copy"
+            )
+        self._stash_tier = tier
+        for version, copies in list(self._stashes.items()):  # a resumed stage's
+            self._stashes[version] = [self._stash_copy(t) for t in copies]
+
+    def _stash_copy(self, p: torch.Tensor) -> torch.Tensor:
+        if self._stash_tier is None:
+            return clone_like(p)
+        span = 1 + sum((n - 1) * s for n, s in zip(p.size(), p.stride(), strict=True))
+        flat = self._stash_tier.allocate(span if p.numel() else 0, p.dtype)
+        return flat.as_strided(p.size(), p.stride()).copy_(p.detach())
+
+    def _drop(self, version: int) -> None:
+        for copy in self._stashes.pop(version):
+            if self._stash_tier is not None and self._stash_tier.holds(copy):
+                self._stash_tier.free(copy)
+
+    def _usable(self, version: int) -> list[torch.Tensor]:
+        """The stash of ``version`` where the parameters are (a copy of a host stash on CUDA,
+        kept until the backward ends)."""
+        stash = self._stash(version)
+        device = self.params[0].device if self.params else None
+        if not stash or stash[0].device == device:
+            return stash
+        if self._fetched is None or self._fetched[0] != version:
+            fetched = [torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, device=device)
+                       .copy_(t) for t in stash]  # fmt: skip
+            self._fetched = (version, fetched)
+        return self._fetched[1]
+
     def note_unredirected(self) -> None:
         self.num_unredirected_saves += 1
         if not self._warned:
@@ -350,6 +404,7 @@ class StageWeights:
         finally:
             self._active = None
             self._corrected.clear()
+            self._fetched = None
         if microbatch not in self._pending:
             self._pending.append(microbatch)
         if last:
@@ -372,7 +427,7 @@ class StageWeights:
                 f"copy), which weights='current' does not keep: a recompute would run on other "
                 "weights; recompute only under synchronous or stashing schedules"
             )
-        live = self._swap_in(self._stash(version))
+        live = self._swap_in(self._usable(version))
         try:
             yield
         finally:
@@ -382,7 +437,7 @@ class StageWeights:
         live = self.params[index].detach()
         mode = self.config.weights
         if mode is not WeightMode.CURRENT:
-            return live if version == self.version else self._stash(version)[index]
+            return live if version == self.version else self._usable(version)[index]
         tau = self.version - version
         if self._delta is None or tau == 0 or not self.config.correction:
             return live
@@ -446,14 +501,14 @@ class StageWeights:
         # Dropping the copies this update makes useless first keeps 2BW at one copy throughout.
         needed = self._needed_versions()
         for version in [v for v in self._stashes if v not in needed]:
-            del self._stashes[version]
+            self._drop(version)
         if self.version in needed and self.version not in self._stashes:
-            self._stashes[self.version] = [clone_like(p) for p in self.params]
+            self._stashes[self.version] = [self._stash_copy(p) for p in self.params]
 
     def _release(self) -> None:
         needed = self._needed_versions()
         for version in [v for v in self._stashes if v not in needed]:
-            del self._stashes[version]
+            self._drop(version)
         if self.config.weights is WeightMode.TWO_VERSIONS and len(self._stashes) > 1:
             raise RuntimeError(
                 f"weights='2bw' would hold versions {sorted(self._stashes)} besides the live "
@@ -501,7 +556,10 @@ class StageWeights:
         self.version = int(state["version"])
         if delta is not None:
             self._delta = [clone_like(d) for d in delta]
-        self._stashes = {int(v): [clone_like(t) for t in ts] for v, ts in state["stashes"].items()}
+        for version in list(self._stashes):
+            self._drop(version)
+        self._stashes = {int(v): [self._stash_copy(t) for t in ts]
+                         for v, ts in state["stashes"].items()}  # fmt: skip
         self.version_at_forward = {int(k): int(v) for k, v in state["version_at_forward"].items()}
         self.delays = {int(k): int(v) for k, v in state["delays"].items()}
         self._pending = [int(mb) for mb in state["pending"]]

@@ -57,7 +57,7 @@ from tidal.activations.runtime import (
 )
 from tidal.config import ConfigError, format_bytes
 from tidal.memory.activations import SavedTensorMeter
-from tidal.memory.tiers import TierKind, make_tiers, resolve_budget
+from tidal.memory.tiers import Tier, TierKind, make_tiers, resolve_budget
 from tidal.pipeline.lending import Lending
 from tidal.pipeline.savers import measure_units, saved_tensors, whole_blocks
 from tidal.pipeline.schedules import make_schedule
@@ -82,11 +82,19 @@ class PipelineMemory:
     lending: Lending | None = None
     forward_weights: dict[int, _ForwardWeights] = dataclasses.field(default_factory=dict)
     reclaims: _Reclaims | None = None
+    # this rank's stages whose stashed weight versions wait in the host tier ([Note: stashes
+    # on the host] in tidal/pipeline/weights.py)
+    stashes_on_host: tuple[int, ...] = ()
+    host: Tier | None = None
 
     def bind(self, weights: Mapping[int, Any]) -> None:
-        """The stages' weights, once built: a stashing schedule's recomputes run on them."""
+        """The stages' weights, once built: a stashing schedule's recomputes run on them, and
+        the stashes the plan puts on the host go there."""
         for s, holder in self.forward_weights.items():
             holder.weights = weights[s]
+        for s in self.stashes_on_host:
+            assert self.host is not None, "stashes on the host need the host tier"
+            weights[s].stash_to(self.host)
 
     def figures(self, rank: int) -> dict[str, Any]:
         hosts = [h.host for h in self.handles if h.host is not None]
@@ -97,6 +105,7 @@ class PipelineMemory:
             "tensors_to_host": sum(h.tensors_out for h in hosts),
             "peak_host_bytes": max((h.tier.peak_bytes for h in hosts), default=0),
             "blocks_lent": sum(len(h.lent) for h in self.handles),
+            "stashes_on_host": list(self.stashes_on_host),
         }
         if self.lending is not None:
             out["lends_to"] = sorted({r for s in self.lending.swaps
@@ -181,9 +190,11 @@ def plan_pipeline_memory(job: JobConfig, stages: Sequence[PipelineStage], *, min
         reclaims = _Reclaims()
         lending = Lending(lenders=lenders, swaps=swaps, on_reclaim=reclaims.add,
                           on_hold=None if guard is None else guard.hold)  # fmt: skip
+    on_host = {i.stage for i, (saver, _) in zip(plan.saved, plan.choices, strict=True)
+               if i.tensor_class is TensorClass.WEIGHTS and saver is Saver.HOST} if plan else set()  # fmt: skip
     return PipelineMemory(mode=mode, plan=plan, handles=handles, guard=guard, budget_bytes=budget,
-                          lending=lending, forward_weights=forward_weights,
-                          reclaims=reclaims)  # fmt: skip
+                          lending=lending, forward_weights=forward_weights, reclaims=reclaims,
+                          stashes_on_host=tuple(sorted(on_host & set(mine))), host=host)  # fmt: skip
 
 
 @dataclass(slots=True)
@@ -251,9 +262,11 @@ def _plan(job: JobConfig, stages: Sequence[PipelineStage], probe: MemoryProbe, *
     saved = saved_tensors(sim, units, weight_bytes=weight_bytes)
     if peer_only or (pipe.asynchronous and not pipe.stashes):  # [Note: savers in place]
         saved = [dataclasses.replace(i, recompute_s=None) for i in saved]
-    # A stashed weight version is not a submodule's save: training keeps it where it is.
-    saved = [dataclasses.replace(i, fixed=True) if i.tensor_class is TensorClass.WEIGHTS else i
-             for i in saved]  # fmt: skip
+    # A stashed weight version is no submodule's save: PipeDream's may wait in the host tier
+    # ([Note: stashes on the host] in tidal/pipeline/weights.py), the others stay where they are.
+    movable = pipe.schedule == "pipedream" and not peer_only
+    saved = [dataclasses.replace(i, host_only=movable, fixed=not movable)
+             if i.tensor_class is TensorClass.WEIGHTS else i for i in saved]  # fmt: skip
     if fixed is not None:  # every block gets the one saver, as one unit
         saved = whole_blocks(saved)
         choices: list[Choice] = [(fixed if i.block >= 0 and not i.fixed else Saver.KEEP, None)
@@ -289,7 +302,8 @@ def _runnable(plan: SaverPlan) -> SaverPlan:
     a stage's loss have no submodule to lend from: they stay with asynchronous schedules and
     are never moved)."""
     for item, (saver, _) in zip(plan.saved, plan.choices, strict=True):
-        assert saver is Saver.KEEP or item.path, f"a saver on {item}, which training cannot move"
+        movable = item.path or (item.tensor_class is TensorClass.WEIGHTS and saver is Saver.HOST)
+        assert saver is Saver.KEEP or movable, f"a saver on {item}, which training cannot move"
     return plan
 
 

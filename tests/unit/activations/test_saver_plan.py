@@ -4,6 +4,7 @@ and the greedy against the exact program on random small instances."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import random
 
@@ -235,3 +236,20 @@ def test_fetching_ahead_a_rank_holds_its_largest_host_swapped_copy_beside_the_la
     ahead = evaluate(units, choices, Links(**{**{f: getattr(links, f) for f in Links.__slots__},
                                               "host_prefetch": True}), "")  # fmt: skip
     assert plain.peak_bytes == (40 * MiB,) and ahead.peak_bytes == (64 * MiB,)
+
+
+@pytest.mark.parametrize("exact", [True, False])
+def test_a_stashed_version_may_wait_on_the_host_never_on_a_peer(exact: bool) -> None:
+    """[Note: stashes on the host] in tidal/pipeline/weights.py: a PipeDream weight version
+    over budget goes to the host even where a peer has room (no lending action carries it)."""
+    # three versions of 8 MiB over a 4 MiB base: 28 MiB kept, 12 with one coming back at a time
+    weights = Saved(stage=0, block=-1, tensor_class=TensorClass.WEIGHTS, num_bytes=8 * MiB,
+                    copies=3, uses_per_step=4, recompute_s=None, idle_s=1.0, host_only=True)  # fmt: skip
+    links = _links([16 * MiB, 100 * MiB], peer_gbps=100.0, base=[4 * MiB, 0])
+    plan = (plan_exact if exact else plan_greedy)([weights], links)
+    assert plan.fits and list(plan.choices) == [(Saver.HOST, None)]
+    # the same bytes, free to go anywhere, may take the peer: the flag is what keeps them home
+    free = dataclasses.replace(weights, host_only=False)
+    slow_host = _links([16 * MiB, 100 * MiB], peer_gbps=100.0, host_gbps=0.001, base=[4 * MiB, 0])
+    assert (plan_exact if exact else plan_greedy)([free], slow_host).choices[0][0] is Saver.PEER
+    assert (plan_exact if exact else plan_greedy)([weights], slow_host).choices[0][0] is Saver.HOST

@@ -257,3 +257,54 @@ def test_a_recompute_cannot_find_weights_pipemare_did_not_keep() -> None:
         with weights.forward_weights():
             pass
     del loss
+
+
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_pipedream_stashes_on_the_host_train_as_on_the_device(ranks: int) -> None:
+    """[Note: stashes on the host] in tidal/pipeline/weights.py: PipeDream's weight versions in
+    the host tier give the same training bit for bit, with recompute reading them too, and
+    every copy is given back once no microbatch needs it."""
+
+    def run(host: Tier | None) -> tuple[list[torch.Tensor], list[float]]:
+        schedule = make_schedule("pipedream", stages=ranks, microbatches=4, steps=3)
+        stages = split_gpt(build_gpt(CONFIG, seed=0), even_ranges(4, ranks))
+        weights = [StageWeights(s, torch.optim.SGD(s.parameters(), lr=0.5),
+                                AsyncConfig(weights=WeightMode.STASH)) for s in stages]  # fmt: skip
+        for s in range(ranks - 1):  # the loaded stages: stashes and recomputes
+            apply_savers(stages[s], {"layers.0": Saver.RECOMPUTE},
+                         recompute_context=weights[s].forward_weights)  # fmt: skip
+            if host is not None:
+                weights[s].stash_to(host)
+        return _trained(stages, run_local(schedule, stages, weights, _batch, lambda _: 0.5))
+
+    host = Tier(TierKind.HOST, torch.device("cpu"), budget_bytes=None)
+    on_device = run(None)
+    _assert_same(run(host), on_device)
+    stage_bytes = sum(p.numel() * 4 for p in split_gpt(build_gpt(CONFIG, seed=0),
+                                                        even_ranges(4, ranks))[0].parameters())  # fmt: skip
+    assert host.peak_bytes >= stage_bytes  # at least the first stage's one version waited there
+    assert host.held_bytes == 0  # and was given back
+
+
+def test_a_stash_over_the_host_budget_is_refused_before_it_is_copied() -> None:
+    stage = split_gpt(build_gpt(CONFIG, seed=0), [(0, 4)])[0]
+    weights = StageWeights(stage, torch.optim.SGD(stage.parameters(), lr=0.5),
+                           AsyncConfig(weights=WeightMode.STASH))  # fmt: skip
+    host = Tier(TierKind.HOST, torch.device("cpu"), budget_bytes=256)
+    weights.stash_to(host)
+    with weights.forward(0):
+        loss = stage(*_batch(0))
+    with pytest.raises(TierBudgetError):  # the update must keep version 0 for microbatch 0
+        weights.step(lr=0.5, step=0)
+    assert host.held_bytes <= 256
+    del loss
+
+
+def test_only_pipedream_stashes_go_to_the_host() -> None:
+    stage = split_gpt(build_gpt(CONFIG, seed=0), [(0, 4)])[0]
+    host = Tier(TierKind.HOST, torch.device("cpu"), budget_bytes=None)
+    for mode in (WeightMode.TWO_VERSIONS, WeightMode.CURRENT):
+        weights = StageWeights(stage, torch.optim.SGD(stage.parameters(), lr=0.5),
+                               AsyncConfig(weights=mode, microbatches_per_update=4))  # fmt: skip
+        with pytest.raises(ValueError, match="only PipeDream's stashed versions wait on the host"):
+            weights.stash_to(host)
