@@ -2,18 +2,18 @@
 this device.
 
 For each (model, device budget): trace the model as ``tidal plan`` does, solve for the plan on
-the devices of this machine's world (one by default) under that budget, then train the recipe
-with it (``tidal train --plan``) for a few steps in a process of its own, and compare the
-plan's predicted peak memory and step time with the allocator's peak and the median steady
-step. Each plan is the fastest that fits its budget: budgets below what the model needs without
-recompute make the planner choose recompute, so one model gives several plans. The cluster figures are the preset's (``--cluster``), not
-measured: the ratio is the cost model's error on this device.
+one device under that budget, then train the recipe with it (``tidal train --plan``) for a few
+steps in a process of its own, and compare the plan's predicted peak memory and step time with
+the allocator's peak and the median steady step. Each plan is the fastest that fits its
+budget: budgets below what the model needs without recompute make the planner choose
+recompute, so one model gives several plans. The cluster figures are the preset's
+(``--cluster``), not measured: the ratio is the cost model's error on this device. The defaults
+are the run docs/planner.md quotes ("Checked on a GPU").
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import multiprocessing
 import statistics
 import tempfile
@@ -51,10 +51,10 @@ def add_parser(benches: argparse._SubParsersAction) -> None:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--models", default="gpt2-medium,gpt3-1.3b",
-                        help="GPT presets, comma-separated (gpt2-medium,gpt3-1.3b)")  # fmt: skip
-    parser.add_argument("--device-memory", default="80GiB,40GiB,24GiB", metavar="SIZE,SIZE",
-                        help="budgets to plan each model under (80GiB,40GiB,24GiB)")  # fmt: skip
+    parser.add_argument("--models", default="gpt3-1.3b,gpt3-2.7b",
+                        help="GPT presets, comma-separated (gpt3-1.3b,gpt3-2.7b)")  # fmt: skip
+    parser.add_argument("--device-memory", default="80GiB,46GiB,30GiB", metavar="SIZE,SIZE",
+                        help="budgets to plan each model under (80GiB,46GiB,30GiB)")  # fmt: skip
     parser.add_argument("--micro-batch", type=int, default=4, help="rows per step (4)")
     parser.add_argument("--cluster", default="h100", help="the cost model's device figures (h100)")
     parser.add_argument(
@@ -62,7 +62,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="K=V",
                         help="an override for every run, e.g. training.device=cpu")  # fmt: skip
-    parser.add_argument("--steps", type=int, default=12, help="steps per plan (12)")
+    parser.add_argument("--steps", type=int, default=10, help="steps per plan (10)")
     parser.add_argument("--warmup-steps", type=int, default=4,
                         help="leading steps left out of the figures (4)")  # fmt: skip
     parser.add_argument("--results-dir", default=None, metavar="DIR")
@@ -106,7 +106,7 @@ def _plan(job: Any, budget: int, args: argparse.Namespace, path: Path) -> dict[s
 
     values: dict[str, Any] = {**CLUSTER_PRESETS[args.cluster], "device_memory_bytes": budget}
     cluster = ClusterSpec(devices=1, devices_per_node=1, **values)
-    spec = GPTSpec(config=dataclasses.replace(job.model.resolve()))
+    spec = GPTSpec(config=job.model.resolve())
     graph = spec.graph(micro_batch=args.micro_batch)
     config = PlannerConfig(objective="time", pareto=(), baselines=(), pipelines=False)
     try:

@@ -18,7 +18,8 @@ model), so all ranks make the same plan. ``pipeline.memory``:
   peer swap to later stages' ranks, [Note: lending] in tidal/pipeline/lending.py) and the links
   measured on the ranks ([Note: measured links] in tidal/train/links.py), and carries out its
   choices on this rank's stages; ``peer`` the same with peer swap only; no plan fits: one line
-  naming the least budget.
+  naming the least budget. PipeDream's stashed weight versions may go to the host tier too
+  ([Note: stashes on the host] in tidal/pipeline/weights.py), never to a peer.
 
 While a synchronous schedule trains, a saved-tensor meter around each of this rank's stage
 forwards counts what they save (a host-swapped, lent or recomputed tensor is not there, and is
@@ -298,9 +299,9 @@ def _plan(job: JobConfig, stages: Sequence[PipelineStage], probe: MemoryProbe, *
 
 
 def _runnable(plan: SaverPlan) -> SaverPlan:
-    """``plan``, whose lent tensors must be what a stage's submodules save (weight versions and
-    a stage's loss have no submodule to lend from: they stay with asynchronous schedules and
-    are never moved)."""
+    """``plan``, whose moved tensors must be what a stage's submodules save, or PipeDream's
+    weight versions on the host (a stage's loss has no submodule to move it from; weight
+    versions go to no peer: [Note: stashes on the host] in tidal/pipeline/weights.py)."""
     for item, (saver, _) in zip(plan.saved, plan.choices, strict=True):
         movable = item.path or (item.tensor_class is TensorClass.WEIGHTS and saver is Saver.HOST)
         assert saver is Saver.KEEP or movable, f"a saver on {item}, which training cannot move"
