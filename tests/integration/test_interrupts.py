@@ -117,3 +117,18 @@ def test_sigint_or_sigterm_at_random_moments_exits_130_in_one_line_and_resumes_e
             resume=True
         )
         assert _losses(run_dir) == want, step  # bit for bit, floats compared with ==
+
+
+def test_ctrl_c_while_the_command_imports_is_one_line(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """After parsing, the command imports what it handles errors with; a Ctrl-C landing there
+    (a random-moment trial once did) is still one line and exit 130, not a traceback."""
+    from tidal.cli import main as cli
+
+    def interrupted(_args: object) -> tuple[type[Exception], ...]:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "_plan_errors", interrupted)
+    assert cli.main(["models"]) == 130
+    assert capsys.readouterr().err.strip() == "tidal: interrupted before anything started"

@@ -37,20 +37,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parse(argv)
     if args is None:
         return EXIT_INTERRUPTED
-    console = Console(highlight=False)
-    if not console.is_terminal:  # logs and CI: rich would fold tables at 80 columns
-        console = Console(highlight=False, width=160)
-    from tidal.config import ConfigError
-    from tidal.distributed.launch import say_once
-    from tidal.distributed.watchdog import EXIT_CODE as RANK_DIED_EXIT_CODE
-    from tidal.distributed.watchdog import RankDiedError
-    from tidal.memory.store import DeviceBudgetTooSmall
-    from tidal.train.checkpoint import CheckpointWriteError
-    from tidal.train.interrupts import Interrupted
+    try:  # the imports take a moment: Ctrl-C there is still "before anything started"
+        console = Console(highlight=False)
+        if not console.is_terminal:  # logs and CI: rich would fold tables at 80 columns
+            console = Console(highlight=False, width=160)
+        from tidal.config import ConfigError
+        from tidal.distributed.launch import say_once
+        from tidal.distributed.watchdog import EXIT_CODE as RANK_DIED_EXIT_CODE
+        from tidal.distributed.watchdog import RankDiedError
+        from tidal.memory.store import DeviceBudgetTooSmall
+        from tidal.train.checkpoint import CheckpointWriteError
+        from tidal.train.interrupts import Interrupted
 
-    bad_input: tuple[type[Exception], ...] = (
-        ConfigError, DeviceBudgetTooSmall, FileNotFoundError, *_plan_errors(args)
-    )  # fmt: skip
+        bad_input: tuple[type[Exception], ...] = (
+            ConfigError, DeviceBudgetTooSmall, FileNotFoundError, *_plan_errors(args)
+        )  # fmt: skip
+    except KeyboardInterrupt:
+        print("tidal: interrupted before anything started", file=sys.stderr)
+        return EXIT_INTERRUPTED
 
     try:
         if args.command == "train":
