@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import time
 from pathlib import Path
 from typing import Any
@@ -19,9 +20,10 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from tidal.models import GPTSpec
+from tidal.models import GPTConfig, GPTSpec
 from tidal.models.gpt import measure_gpt
 from tidal.planner import ClusterSpec, Infeasible, PlannerConfig, Recompute, make_plan
+from tidal.planner.graph import ModelGraph
 from tidal.planner.report import plan_report
 
 __all__ = ["MODELS", "DEVICES", "MEGATRON_COLUMNS", "bench_plan", "largest_fitting",
@@ -50,6 +52,8 @@ def bench_plan(
     nvme_bytes_per_node: int = 0,
     swap: bool = False,
     peer: bool = False,
+    stage_splits: tuple[str, ...] = ("even",),
+    micro_batches: tuple[int, ...] = (),
 ) -> list[dict[str, Any]]:
     from tidal.models import preset
 
@@ -79,15 +83,19 @@ def bench_plan(
                 baselines=BASELINES,
                 recompute=(*PlannerConfig().recompute, *([Recompute.SWAP] if swap else [])),
                 peer=peer,
+                stage_splits=stage_splits,
+                micro_batches=micro_batches,
             )
             row: dict[str, Any] = {"model": name, "devices": n, "measure_s": measure_s,
                                    "schedules": list(schedules), "offload": list(offload),
                                    "offload_params": list(offload_params),
                                    "nvme_bytes_per_node": nvme_bytes_per_node, "swap": swap,
-                                   "peer": peer,
+                                   "peer": peer, "stage_splits": list(stage_splits),
+                                   "micro_batches": list(micro_batches),
                                    "cluster_memory_bytes": device_memory_bytes}  # fmt: skip
             try:
-                result = make_plan(graph, cluster, planner, shape=shape)
+                result = make_plan(graph, cluster, planner, shape=shape,
+                                   retrace=functools.partial(_trace, config))  # fmt: skip
             except Infeasible as err:
                 rows.append({**row, "infeasible": str(err), "needed_bytes": err.needed_bytes})
                 continue
@@ -110,6 +118,10 @@ def bench_plan(
             )
             rows.append(row)
     return rows
+
+
+def _trace(config: GPTConfig, micro_batch: int) -> ModelGraph:
+    return measure_gpt(config, micro_batch=micro_batch)
 
 
 def _gib(value: float | None) -> str:
@@ -365,6 +377,8 @@ def run(args: argparse.Namespace, console: Console) -> int:
         nvme_bytes_per_node=parse_bytes(args.nvme) if args.nvme else 0,
         swap=args.swap,
         peer=args.peer,
+        stage_splits=tuple(x.strip() for x in args.stage_splits.split(",") if x.strip()),
+        micro_batches=tuple(int(x) for x in args.micro_batches.split(",") if x.strip()),
     )
     folder = Path(args.results_dir) if args.results_dir else None
     path = write_results("plan", rows, folder=folder)

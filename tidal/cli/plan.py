@@ -46,8 +46,8 @@ def is_hf_config(model: str) -> bool:
 
 def _graph(args: argparse.Namespace):
     """The measured graph of ``--model``, whether its attention core can be recomputed alone
-    (tidal's GPT's can; a Hugging Face model's is code inside its attention forward), and its
-    sizes for Megatron-LM's grid."""
+    (tidal's GPT's can; a Hugging Face model's is code inside its attention forward), its
+    sizes for Megatron-LM's grid, and its tracer at other micro-batch sizes."""
     if is_hf_config(args.model):
         return _hf_graph(args)
     from tidal.models import PRESETS, GPTSpec, preset
@@ -63,9 +63,13 @@ def _graph(args: argparse.Namespace):
     if args.seq_len is not None:
         overrides["seq_len"] = args.seq_len
     spec = GPTSpec(config=dataclasses.replace(config, **overrides))
-    graph = spec.graph(micro_batch=args.micro_batch)
-    graph.name = args.model
-    return graph, True, spec.transformer_shape()
+
+    def trace(micro_batch: int):  # noqa: ANN202
+        graph = spec.graph(micro_batch=micro_batch)
+        graph.name = args.model
+        return graph
+
+    return trace(args.micro_batch), True, spec.transformer_shape(), trace
 
 
 def _hf_graph(args: argparse.Namespace):
@@ -77,7 +81,11 @@ def _hf_graph(args: argparse.Namespace):
         args.model, seq_len=args.seq_len, key="--model", seq_len_key="--seq-len"
     )
     spec = HFSpec(config=config)
-    return spec.graph(micro_batch=args.micro_batch), False, spec.transformer_shape()
+
+    def trace(micro_batch: int):  # noqa: ANN202
+        return spec.graph(micro_batch=micro_batch)
+
+    return trace(args.micro_batch), False, spec.transformer_shape(), trace
 
 
 def run_plan(args: argparse.Namespace, console: Console) -> int:
@@ -90,7 +98,7 @@ def run_plan(args: argparse.Namespace, console: Console) -> int:
         _numbers(args.pipeline_pareto, "--pipeline-pareto"),
     )
     started = time.perf_counter()
-    graph, selective, shape = _graph(args)
+    graph, selective, shape, retrace = _graph(args)
     traced_s = time.perf_counter() - started
     # A line per stage of the search, the long part; the first comes once the meshes are
     # known, so a bad input still fails in one line.
@@ -112,8 +120,10 @@ def run_plan(args: argparse.Namespace, console: Console) -> int:
         baselines=tuple(x.strip() for x in args.baselines.split(",") if x.strip()),
         recompute=modes,
         peer=args.peer,  # [Note: activations on a peer] in tidal/planner/pipelines.py
+        stage_splits=_names(args.stage_splits),
+        micro_batches=_sizes(args.micro_batches, "--micro-batches"),
     )
-    result = make_plan(graph, cluster, config, progress=say, shape=shape)
+    result = make_plan(graph, cluster, config, progress=say, shape=shape, retrace=retrace)
     report = plan_report(result, cluster)
     # The whole command's wall time, Python's start and the imports (torch, scipy) included
     # where the process can tell its age; each phase listed, what is left being the report.
@@ -161,6 +171,17 @@ def _numbers(text: str, key: str) -> tuple[float, ...]:
         return tuple(float(x) for x in text.split(",") if x.strip())
     except ValueError:
         raise ConfigError(key, f"expected numbers such as 0,0.1, got {text!r}") from None
+
+
+def _names(text: str) -> tuple[str, ...]:
+    return tuple(x.strip() for x in text.split(",") if x.strip())
+
+
+def _sizes(text: str, key: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in _names(text))
+    except ValueError:
+        raise ConfigError(key, f"expected whole numbers such as 1,2,4, got {text!r}") from None
 
 
 def _process_age_s(since_start_s: float) -> float:

@@ -10,6 +10,7 @@ from tidal.config.configurable import require
 from tidal.planner.baselines import BASELINES
 from tidal.planner.pipelines import SCHEDULES
 from tidal.planner.plan import Offload, Recompute
+from tidal.planner.stage_split import SPLITS
 
 __all__ = ["PARETO_EPS", "PlannerConfig"]
 
@@ -49,6 +50,11 @@ class PlannerConfig:
     # pipelined plans' first stages may keep activations on their mirror stages' devices
     # ([Note: activations on a peer] in pipelines.py); priced, not run
     peer: bool = False
+    # how pipelined plans split the blocks into stages ([Note: stage splits] in stage_split.py)
+    stage_splits: tuple[str, ...] = ("even",)
+    # pipelined plans' micro-batch sizes, the graph's scaled to each ([Note: micro-batch
+    # scaling] in graph.py); () keeps the traced one
+    micro_batches: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         require(
@@ -65,6 +71,11 @@ class PlannerConfig:
             )
         unknown = sorted(set(self.schedules) - set(SCHEDULES))
         require(not unknown, "schedules", f"unknown {unknown}; choose from {', '.join(SCHEDULES)}")
+        unknown = sorted(set(self.stage_splits) - set(SPLITS))
+        require(bool(self.stage_splits) and not unknown, "stage_splits",
+                f"must be some of {', '.join(SPLITS)}, got {self.stage_splits!r}")  # fmt: skip
+        require(all(b >= 1 for b in self.micro_batches), "micro_batches",
+                f"must be sizes >= 1, got {self.micro_batches!r}")  # fmt: skip
         for name in ("offload", "offload_params", "offload_nvme"):
             fractions = getattr(self, name)
             require(

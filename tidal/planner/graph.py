@@ -3,11 +3,12 @@ them, the repeated blocks, and the folding of identical blocks into one unit per
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["Edge", "ModelGraph", "ParamInfo", "Unit", "cluster_blocks"]
+__all__ = ["Edge", "ModelGraph", "ParamInfo", "Unit", "cluster_blocks", "with_micro_batch"]
 
 
 @dataclass(kw_only=True, slots=True)
@@ -115,6 +116,33 @@ class ModelGraph:
     @property
     def flops(self) -> float:
         return sum(u.flops * u.count for u in self.units)
+
+
+def with_micro_batch(graph: ModelGraph, micro_batch: int) -> ModelGraph:
+    """``graph`` at micro-batches of ``micro_batch`` rows: every unit's flops, bytes moved and
+    saved, and every edge, scaled by the rows; the parameters as they are.
+
+    [Note: micro-batch scaling]
+    Exact where each op's work and tensors grow with the rows, as nearly all of a decoder's do
+    (matmuls, attention within each sequence, norms, elementwise ops, the embedding's lookup).
+    What one sequence shares with the others does not: the position ids, a learned position
+    embedding's output, the loss's scalar; scaling over-counts them (for tidal's GPT a few KiB
+    before the blocks, the test says how few). So the planner traces the model again at each
+    size where its caller can (``make_plan(retrace=...)``: `tidal plan` and `tidal bench plan`
+    do), and scales where it cannot (a model of your own, traced on your inputs)."""
+    assert micro_batch >= 1, micro_batch
+    r = micro_batch / graph.micro_batch
+    units = [
+        dataclasses.replace(u, params=list(u.params), flops=u.flops * r, io_bytes=u.io_bytes * r,
+                            saved_input_bytes=u.saved_input_bytes * r,
+                            saved_output_bytes=u.saved_output_bytes * r,
+                            saved_internal_bytes=u.saved_internal_bytes * r,
+                            out_bytes=u.out_bytes * r, shared_saved_bytes=u.shared_saved_bytes * r)
+        for u in graph.units
+    ]  # fmt: skip
+    edges = [dataclasses.replace(e, nbytes=e.nbytes * r) for e in graph.edges]
+    return dataclasses.replace(graph, units=units, edges=edges, micro_batch=micro_batch,
+                               blocks=dict(graph.blocks), shape_reads=dict(graph.shape_reads))  # fmt: skip
 
 
 def _numel(shape: tuple[int, ...]) -> int:

@@ -72,9 +72,10 @@ from typing import Any
 
 from tidal.planner.cluster import ClusterSpec, Mesh
 from tidal.planner.cost_model import Costed, block_input, evaluate, mirror_peaks
-from tidal.planner.graph import ModelGraph, ParamInfo, Unit
+from tidal.planner.graph import ModelGraph, ParamInfo, Unit, with_micro_batch
 from tidal.planner.ilp import Problem, Solution, on_threads
 from tidal.planner.plan import NO_OFFLOAD, Offload
+from tidal.planner.stage_split import StageSplit, repeated_block, stage_splits
 from tidal.planner.strategies import TrainingSpec
 
 __all__ = [
@@ -87,18 +88,10 @@ __all__ = [
 ]
 
 
-def _one_block(graph: ModelGraph) -> tuple[str, int] | None:
-    """The model's repeated block and its count, when it has exactly one."""
-    if len(graph.blocks) != 1:
-        return None
-    ((prefix, count),) = graph.blocks.items()
-    return (prefix, count) if count >= 2 else None
-
-
 def stage_graph(graph: ModelGraph, *, blocks: int, first: bool, last: bool) -> ModelGraph:
     """The graph of one stage: ``blocks`` of the repeated block, with the units before them if
     ``first`` and those after them if ``last``; see [Note: pipeline stages]."""
-    found = _one_block(graph)
+    found = repeated_block(graph)
     assert found is not None, "stage_graph needs a model with one repeated block"
     prefix, count = found
     assert blocks >= 1  # more than the model has: the same block repeated further
@@ -141,12 +134,15 @@ def _untie(unit: Unit, present: set[str]) -> Unit:
 
 
 ProblemFn = Callable[[ModelGraph, Mesh, ClusterSpec, TrainingSpec], Problem]
+Retrace = Callable[[int], ModelGraph]  # the model's graph at micro-batches of that many rows
 
 
 @dataclass(kw_only=True, slots=True)
 class PipelineOption:
-    """One point of the pipeline search: ``pp`` stages of ``mesh``, ``vp`` chunks a rank, and
-    the ILPs of its first and last stage (built by :meth:`build`)."""
+    """One point of the pipeline search: ``pp`` stages of ``mesh`` split as ``split``, ``vp``
+    chunks a rank, and the ILPs of its first and last stage, and of a middle one where the
+    first does not bound them ([Note: stage splits] in stage_split.py), in that order (built by
+    :meth:`build`)."""
 
     pp: int
     vp: int
@@ -154,11 +150,16 @@ class PipelineOption:
     mesh: Mesh
     cluster: ClusterSpec  # a stage's: N / p devices
     num_microbatches: int
-    graphs: tuple[ModelGraph, ModelGraph]
-    specs: tuple[TrainingSpec, TrainingSpec]
+    split: StageSplit
+    graphs: tuple[ModelGraph, ...]  # first, last[, middle]
+    specs: tuple[TrainingSpec, ...]
     send_s: float  # the sends between stages over the whole step
-    problems: tuple[Problem, Problem] | None = None
-    fastest: tuple[Solution, Solution] | None = None
+    problems: tuple[Problem, ...] | None = None
+    fastest: tuple[Solution, ...] | None = None
+
+    @property
+    def micro_batch(self) -> int:
+        return self.graphs[0].micro_batch
 
     @property
     def lends(self) -> bool:
@@ -166,14 +167,14 @@ class PipelineOption:
         a peer])."""
         return bool(self._problems()[0].lent_row)
 
-    def _each(self, solve: Callable[[Problem], Any]) -> tuple[Any, Any]:
-        """``solve`` on both stages' ILPs at once (HiGHS releases the GIL)."""
-        first, last = on_threads(solve, self._problems())
-        return first, last
+    def _each(self, solve: Callable[[Problem], Any]) -> tuple[Any, ...]:
+        """``solve`` on every stage's ILP at once (HiGHS releases the GIL)."""
+        return tuple(on_threads(solve, self._problems()))
 
     def _lending(self, solve: Callable[..., Solution]) -> tuple[Solution, Solution]:
         """``solve`` on the last stage, then on the first, whose peak covers the last's with
-        what it lends: the lender's plan first ([Note: activations on a peer])."""
+        what it lends: the lender's plan first ([Note: activations on a peer]; even splits
+        only, so two stages)."""
         first, last = self._problems()
         last_solved = solve(last)
         if not last_solved.feasible:
@@ -181,12 +182,12 @@ class PipelineOption:
         return solve(first, mirror_peak=last_solved.peak_bytes), last_solved
 
     def build(self, problem: ProblemFn) -> None:
-        self.problems = tuple(  # type: ignore[assignment]
+        self.problems = tuple(
             problem(g, self.mesh, self.cluster, s)
             for g, s in zip(self.graphs, self.specs, strict=True)
         )
 
-    def _problems(self) -> tuple[Problem, Problem]:
+    def _problems(self) -> tuple[Problem, ...]:
         assert self.problems is not None, "build() first"
         return self.problems
 
@@ -237,21 +238,22 @@ class PipelineOption:
             return None
         return self.plan(solved)
 
-    def plan(self, solved: tuple[Solution, Solution]) -> PipelinePlan:
+    def plan(self, solved: tuple[Solution, ...]) -> PipelinePlan:
         costed = tuple(
             evaluate(graph, solution.assignment, self.cluster, spec)  # type: ignore[arg-type]
             for graph, solution, spec in zip(self.graphs, solved, self.specs, strict=True)
         )
-        return PipelinePlan(option=self, stages=solved, costed=costed)  # type: ignore[arg-type]
+        return PipelinePlan(option=self, stages=solved, costed=costed)
 
 
 @dataclass(kw_only=True, slots=True)
 class PipelinePlan:
-    """A pipelined plan: the first stage's choices for every stage but the last."""
+    """A pipelined plan: the first stage's choices for every stage but the last, or the middle
+    stage's for every middle one where it is solved ([Note: stage splits] in stage_split.py)."""
 
     option: PipelineOption
-    stages: tuple[Solution, Solution]
-    costed: tuple[Costed, Costed]
+    stages: tuple[Solution, ...]  # first, last[, middle]
+    costed: tuple[Costed, ...]
 
     @property
     def peak_memory_bytes(self) -> float:
@@ -261,9 +263,10 @@ class PipelinePlan:
         """Each kind of stage's device peak: the first (and, when it lends, the middle stages
         at the two ends of their range), and the last with what the first lends it ([Note:
         activations on a peer])."""
-        first, last = self.costed
+        first, last = self.costed[:2]
         peaks = {"first": first.memory.total, "last": last.memory.total + first.memory.lent}
-        middle = mirror_peaks(first.memory, self.option.specs[0])[1:]
+        middle = [c.memory.total for c in self.costed[2:]]
+        middle += mirror_peaks(first.memory, self.option.specs[0])[1:]
         if middle:
             peaks["middle"] = max(middle)
         return peaks
@@ -284,20 +287,21 @@ class PipelinePlan:
         offload = o.specs[0].offload
         host = f", {offload.describe()}" if offload else ""
         lent = ", activations lent to the mirror stage" if self.lent_bytes else ""
+        split = "" if o.split.is_even else f", blocks {o.split.describe()}"
         return (f"p{o.pp} x dp {o.mesh.dp} x tp {o.mesh.tp}{chunks}{schedule}, "
-                f"{o.num_microbatches} micro-batches{host}{lent}")  # fmt: skip
+                f"{o.num_microbatches} micro-batches of {o.micro_batch}{split}{host}{lent}")  # fmt: skip
 
 
-def _in_flight(p: int, v: int, m: int) -> tuple[float, float]:
-    """(first, last) stage's micro-batches in flight; see [Note: pipeline stages]."""
+def _in_flight(p: int, v: int, m: int) -> tuple[float, float, float]:
+    """(first, last, second) stage's micro-batches in flight; see [Note: pipeline stages]."""
     if v == 1:
-        return float(min(p, m)), 1.0
-    return p + (p - 1) / v, p - (p - 1) / v
+        return float(min(p, m)), 1.0, float(min(p - 1, m))
+    return p + (p - 1) / v, p - (p - 1) / v, p + (p - 3) / v
 
 
 def _send_s(graph: ModelGraph, mesh: Mesh, pp: int, vp: int, slots: float,
             cluster: ClusterSpec) -> float:  # fmt: skip
-    found = _one_block(graph)
+    found = repeated_block(graph)
     assert found is not None
     _, nbytes = block_input(graph, found[0])
     if mesh.devices * pp <= cluster.devices_per_node:
@@ -319,51 +323,92 @@ def pipeline_options(graph: ModelGraph, cluster: ClusterSpec, *, global_batch: i
                      base: TrainingSpec, meshes: Callable[[ClusterSpec], list[Mesh]],
                      schedules: tuple[str, ...] = ("1f1b", "interleaved"),
                      offloads: tuple[Offload, ...] = (NO_OFFLOAD,),
-                     peer: bool = False) -> list[PipelineOption]:  # fmt: skip
-    """Every ``p > 1`` dividing the blocks and the devices, each mesh of the ``N / p`` devices a
-    stage has (``meshes``), 1F1B and each interleaving ``v`` the micro-batches allow (``m``
-    divisible by ``p``, ``v`` dividing the ``k`` blocks a rank holds), each offload ([Note:
-    model data offload] in strategies.py). ``peer``: the first stage may lend to its mirror
+                     peer: bool = False, splits: tuple[str, ...] = ("even",),
+                     micro_batches: tuple[int, ...] = (),
+                     retrace: Retrace | None = None) -> list[PipelineOption]:  # fmt: skip
+    """Every ``p > 1`` dividing the devices, each split of the blocks into ``p`` stages
+    (``splits``: [Note: stage splits] in stage_split.py), each mesh of the ``N / p`` devices a
+    stage has (``meshes``), each micro-batch size (``micro_batches``, default the graph's; the
+    model traced at that size by ``retrace``, else the graph scaled: [Note: micro-batch
+    scaling] in graph.py) whose micro-batches split the global batch, 1F1B
+    and, on even splits, each interleaving ``v`` the micro-batches allow (``m`` divisible by
+    ``p``, ``v`` dividing the ``k`` blocks a rank holds), each offload ([Note: model data
+    offload] in strategies.py). ``peer``: on even splits the first stage may lend to its mirror
     where the stages' micro-batches in flight fall linearly (all but 1F1B with ``m < p``:
     [Note: activations on a peer])."""
-    found = _one_block(graph)
-    if found is None:
+    if repeated_block(graph) is None:
         return []
     options = []
-    _, count = found
-    for p in range(2, count + 1):
-        if count % p or cluster.devices % p:
+    for b in micro_batches or (graph.micro_batch,):
+        scaled = graph
+        if b != graph.micro_batch:
+            traced = retrace(b) if retrace is not None else with_micro_batch(graph, b)
+            scaled = dataclasses.replace(traced, name=graph.name)
+        options += _options_at(scaled, cluster, global_batch=global_batch, base=base,
+                               meshes=meshes, schedules=schedules, offloads=offloads, peer=peer,
+                               splits=splits)  # fmt: skip
+    return options
+
+
+def _options_at(graph: ModelGraph, cluster: ClusterSpec, *, global_batch: int,
+                base: TrainingSpec, meshes: Callable[[ClusterSpec], list[Mesh]],
+                schedules: tuple[str, ...], offloads: tuple[Offload, ...], peer: bool,
+                splits: tuple[str, ...]) -> list[PipelineOption]:  # fmt: skip
+    """:func:`pipeline_options` at the graph's micro-batch size."""
+    options = []
+    for p in range(2, cluster.devices + 1):
+        if cluster.devices % p:
             continue
         stage_cluster = _stage_cluster(cluster, p)
-        k = count // p
-        graphs = (stage_graph(graph, blocks=k, first=True, last=False),
-                  stage_graph(graph, blocks=k, first=False, last=True))  # fmt: skip
-        for mesh in meshes(stage_cluster):
-            per_step = graph.micro_batch * mesh.dp
-            if global_batch % per_step:
-                continue
-            m = global_batch // per_step
-            chunks = [v for v in range(2, k + 1) if k % v == 0 and m % p == 0]
-            runs: list[tuple[str, int]] = [(s, 1) for s in ("1f1b", "pipemare") if s in schedules]
-            runs += [("interleaved", v) for v in chunks if "interleaved" in schedules]
-            for (schedule, v), offload in itertools.product(runs, offloads):
-                slots, flights, copies = _schedule_figures(schedule, p, v, m)
-                specs = tuple(
-                    dataclasses.replace(base, num_microbatches=m, in_flight=f, time_slots=slots,
-                                        weight_copies=copies, offload=offload)
-                    for f in flights
-                )  # fmt: skip
-                if peer and (schedule != "1f1b" or m >= p):  # in flight linear in the stage
-                    lender = dataclasses.replace(specs[0], peer_stages=p,
-                                                 mirror_in_flight=flights[1],
-                                                 peer_bandwidth=_peer_bandwidth(mesh, cluster))  # fmt: skip
-                    specs = (lender, specs[1])
-                options.append(PipelineOption(
-                    pp=p, vp=v, schedule=schedule, mesh=mesh, cluster=stage_cluster,
-                    num_microbatches=m, graphs=graphs, specs=specs,  # type: ignore[arg-type]
-                    send_s=_send_s(graph, mesh, p, v, slots, cluster),
-                ))  # fmt: skip
+        for split in stage_splits(graph, p, kinds=splits, spec=base, cluster=cluster):
+            graphs = _stage_graphs(graph, split)
+            for mesh in meshes(stage_cluster):
+                per_step = graph.micro_batch * mesh.dp
+                if global_batch % per_step:
+                    continue
+                m = global_batch // per_step
+                runs = _runs(schedules, split, m)
+                for (schedule, v), offload in itertools.product(runs, offloads):
+                    slots, flights, copies = _schedule_figures(schedule, p, v, m)
+                    specs = tuple(
+                        dataclasses.replace(base, num_microbatches=m, in_flight=f,
+                                            time_slots=slots, weight_copies=copies,
+                                            offload=offload)
+                        for f in flights[: len(graphs)]
+                    )  # fmt: skip
+                    if peer and split.is_even and (schedule != "1f1b" or m >= p):
+                        lender = dataclasses.replace(specs[0], peer_stages=p,
+                                                     mirror_in_flight=flights[1],
+                                                     peer_bandwidth=_peer_bandwidth(mesh, cluster))  # fmt: skip
+                        specs = (lender, *specs[1:])
+                    options.append(PipelineOption(
+                        pp=p, vp=v, schedule=schedule, mesh=mesh, cluster=stage_cluster,
+                        num_microbatches=m, split=split, graphs=graphs, specs=specs,
+                        send_s=_send_s(graph, mesh, p, v, slots, cluster),
+                    ))  # fmt: skip
     return options
+
+
+def _stage_graphs(graph: ModelGraph, split: StageSplit) -> tuple[ModelGraph, ...]:
+    """The first and last stage's graphs, and the middle one's where it is solved ([Note:
+    stage splits] in stage_split.py)."""
+    graphs: tuple[ModelGraph, ...] = (
+        stage_graph(graph, blocks=split.first, first=True, last=False),
+        stage_graph(graph, blocks=split.last, first=False, last=True),
+    )
+    if split.needs_middle:
+        graphs += (stage_graph(graph, blocks=split.middle, first=False, last=False),)
+    return graphs
+
+
+def _runs(schedules: tuple[str, ...], split: StageSplit, m: int) -> list[tuple[str, int]]:
+    """(schedule, v) of each schedule searched: interleaving only on even splits, its ``v``
+    dividing the blocks a rank holds, with ``m`` divisible by ``p``."""
+    runs: list[tuple[str, int]] = [(s, 1) for s in ("1f1b", "pipemare") if s in schedules]
+    if "interleaved" in schedules and split.is_even and m % len(split.blocks) == 0:
+        k = split.first
+        runs += [("interleaved", v) for v in range(2, k + 1) if k % v == 0]
+    return runs
 
 
 SCHEDULES = ("1f1b", "interleaved", "pipemare")
@@ -384,11 +429,11 @@ def _stage_cluster(cluster: ClusterSpec, p: int) -> ClusterSpec:
 
 def _schedule_figures(
     schedule: str, p: int, v: int, m: int
-) -> tuple[float, tuple[float, float], float]:
-    """(time slots, (first, last) stage's micro-batches in flight, weight copies) of a schedule;
-    see [Note: pipeline stages]."""
+) -> tuple[float, tuple[float, float, float], float]:
+    """(time slots, (first, last, second) stage's micro-batches in flight, weight copies) of a
+    schedule; see [Note: pipeline stages]."""
     if schedule == "pipemare":
-        return float(m), (float(p), 1.0), 1.0
+        return float(m), (float(p), 1.0, float(max(p - 1, 1))), 1.0
     return m + (p - 1) / v, _in_flight(p, v, m), 0.0
 
 
@@ -437,13 +482,16 @@ def search_pipelines(graph: ModelGraph, cluster: ClusterSpec, *, global_batch: i
                      problem: ProblemFn, memory_limit: float, solver_time_limit_s: float,
                      slack: float, schedules: tuple[str, ...] = ("1f1b", "interleaved"),
                      offloads: tuple[Offload, ...] = (NO_OFFLOAD,),
-                     peer: bool = False) -> PipelineSearch:  # fmt: skip
+                     peer: bool = False, splits: tuple[str, ...] = ("even",),
+                     micro_batches: tuple[int, ...] = (),
+                     retrace: Retrace | None = None) -> PipelineSearch:  # fmt: skip
     """Build every option, bound each one's fastest step by its LP relaxations, and solve them
     in that order until the bound passes ``1 + slack`` times the fastest found (an option
     further out cannot hold a plan within ``slack`` of the fastest)."""
     options = pipeline_options(graph, cluster, global_batch=global_batch, base=base,
                                meshes=meshes, schedules=schedules, offloads=offloads,
-                               peer=peer)  # fmt: skip
+                               peer=peer, splits=splits, micro_batches=micro_batches,
+                               retrace=retrace)  # fmt: skip
     for option in options:
         option.build(problem)
     bounded = sorted((o.time_bound_s(memory_limit=memory_limit), i) for i, o in enumerate(options))

@@ -107,7 +107,8 @@ def _pipeline(result: PlanResult) -> dict[str, Any] | None:
     # a device's peak: the last stage's with what the first lends it ([Note: activations on a
     # peer] in tidal/planner/ilp.py)
     peaks = plan.stage_peaks()
-    for name, costed, solution in zip(("first", "last"), plan.costed, plan.stages, strict=True):
+    names = ("first", "last", "middle")[: len(plan.costed)]
+    for name, costed, solution in zip(names, plan.costed, plan.stages, strict=True):
         assert solution.assignment is not None
         stages[name] = {
             "peak_memory_bytes": peaks[name],
@@ -118,7 +119,8 @@ def _pipeline(result: PlanResult) -> dict[str, Any] | None:
     return {
         "layout": plan.describe(),
         "pp": o.pp, "vp": o.vp, "dp": o.mesh.dp, "tp": o.mesh.tp, "schedule": o.schedule,
-        "num_microbatches": o.num_microbatches,
+        "num_microbatches": o.num_microbatches, "micro_batch": o.micro_batch,
+        "split": o.split.kind, "stage_blocks": list(o.split.blocks),
         "peak_memory_bytes": plan.peak_memory_bytes,
         "step_time_s": plan.step_time_s,
         "send_s": o.send_s,

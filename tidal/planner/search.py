@@ -32,7 +32,7 @@ from tidal.planner.cost_model import Assignment, Costed, evaluate
 from tidal.planner.ilp import Problem, Solution, build_problem, on_threads
 from tidal.planner.measure import ModelGraph
 from tidal.planner.megatron import MegatronBest, TransformerShape, megatron_best, megatron_grid
-from tidal.planner.pipelines import PipelinePlan, PipelineSearch, search_pipelines
+from tidal.planner.pipelines import PipelinePlan, PipelineSearch, Retrace, search_pipelines
 from tidal.planner.plan import NO_OFFLOAD, Offload, Plan, UnitChoice
 from tidal.planner.strategies import (
     TrainingSpec,
@@ -199,10 +199,13 @@ def make_plan(
     *,
     progress: Callable[[str], None] | None = None,
     shape: TransformerShape | None = None,
+    retrace: Retrace | None = None,
 ) -> PlanResult:
     """The best plan for ``config.objective``; raises :class:`Infeasible` when none fits.
     ``progress`` is told each stage of the search as it starts (a mesh, a baseline). ``shape``:
-    the decoder's sizes, to price Megatron-LM's whole grid beside the layout baselines."""
+    the decoder's sizes, to price Megatron-LM's whole grid beside the layout baselines.
+    ``retrace``: the model's graph at another micro-batch size, for ``config.micro_batches``
+    (default: ``graph`` scaled, [Note: micro-batch scaling] in graph.py)."""
     say = progress or (lambda _line: None)
     started = clock = time.perf_counter()
     phases_s: dict[str, float] = {}
@@ -242,7 +245,7 @@ def make_plan(
         phases_s=phases_s,
     )
     if config.pipelines:
-        _search_pipelines(result, graph, cluster, config, limit, say)
+        _search_pipelines(result, graph, cluster, config, limit, say, retrace)
         lap("pipelines")
     if config.pareto:
         say("the memory-time frontier")
@@ -319,7 +322,8 @@ def _compare_with_baselines(result: PlanResult, graph: ModelGraph, cluster: Clus
 
 
 def _search_pipelines(result: PlanResult, graph: ModelGraph, cluster: ClusterSpec,
-                      config: PlannerConfig, limit: float, say: Callable[[str], None]) -> None:  # fmt: skip
+                      config: PlannerConfig, limit: float, say: Callable[[str], None],
+                      retrace: Retrace | None) -> None:  # fmt: skip
     """Pipeline stages of the model's repeated block, the best chosen as the flat plan is."""
 
     def meshes(stage: ClusterSpec) -> list[Mesh]:
@@ -338,7 +342,8 @@ def _search_pipelines(result: PlanResult, graph: ModelGraph, cluster: ClusterSpe
         base=base, meshes=meshes, problem=problem, memory_limit=limit,
         solver_time_limit_s=config.solver_time_limit_s, slack=config.eps,
         schedules=config.schedules, offloads=config.offloads(),
-        peer=config.peer,
+        peer=config.peer, splits=config.stage_splits, micro_batches=config.micro_batches,
+        retrace=retrace,
     )  # fmt: skip
     result.pipelines = search
     fastest = search.fastest
