@@ -3,9 +3,10 @@ interleaved with ``v`` model chunks a rank, each stage priced by the per-unit IL
 
 [Note: pipeline stages]
 A model with one repeated block of ``L`` layers splits into ``p`` stages of ``k = L / p`` blocks
-(Megatron's even split): the first stage also holds what comes before the blocks (the
-embeddings), the last what comes after (the final norm, the head, the loss); a weight tied
-across them (GPT's embedding and head) is a copy on each, as Megatron keeps it. Each stage is
+(Megatron's even split; others in [Note: stage splits] in stage_split.py): the first stage also
+holds what comes before the blocks (the embeddings), the last what comes after (the final norm,
+the head, the loss); a weight tied across them (GPT's embedding and head) is a copy on each, as
+Megatron keeps it. Each stage is
 the ILP of its own graph ([Note: the ILP] in ilp.py) with two figures of the schedule:
 
 - ``in_flight``, the micro-batches whose activations a rank holds at once: under 1F1B ``min(p,
