@@ -275,3 +275,21 @@ def test_bench_plan_largest_model_that_fits(tmp_path, capsys) -> None:
         make_plan(stage_graph(graph, blocks=blocks, first=True, last=True), cluster, offloading)
     printed = capsys.readouterr().out
     assert "the largest model whose least-memory configuration fits" in printed
+
+
+def test_the_plan_near_megatrons_fastest_step_time(tmp_path) -> None:
+    """Issue 24's comparison, GPT-3 175B on 64 devices (tensor axis 4, to keep it short): the
+    smallest plan within 5% of Megatron-LM's fastest fitting step time, its saving against that
+    configuration, and no larger than the smallest at that step time itself."""
+    path = tmp_path / "plan.json"
+    argv = ["plan", "--model", "gpt3-175b", "--devices", "64", "--tp", "4", "--pareto", "",
+            "--baselines", "", "--json", str(path)]  # fmt: skip
+    assert main(argv) == 0
+    best = json.loads(path.read_text())["megatron_best"]
+    near, same = best["plan_near_fastest_step_time"], best["plan_at_fastest_step_time"]
+    assert best["slack"] == 0.05 and near is not None
+    assert 1.0 < near["step_time_ratio"] <= 1.05 * (1 + 1e-6)
+    fastest = best["fastest"]["peak_memory_bytes"]
+    assert near["saving"] == pytest.approx(1 - near["peak_memory_bytes"] / fastest)
+    assert near["saving"] > 0 and near["layout"].startswith("p")  # a pipelined plan
+    assert same is None or near["peak_memory_bytes"] <= same["peak_memory_bytes"] * (1 + 1e-6)

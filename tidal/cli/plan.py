@@ -229,6 +229,14 @@ def _why_more_memory(report: dict) -> list[str]:
             f"that fits ({fastest['name']}: {_seconds(fastest['step_time_s'])} s, "
             f"{_gib(fastest['peak_memory_bytes'])} GiB)"
         )
+    near = best.get("plan_near_fastest_step_time")
+    if fastest and near:
+        lines.append(
+            f"within {best['slack']:.0%} of Megatron-LM's fastest step time the smallest plan "
+            f"({near['layout']}) holds {_gib(near['peak_memory_bytes'])} GiB, "
+            f"{_percent(near['saving'])} less than its {_gib(fastest['peak_memory_bytes'])}, at "
+            f"{near['step_time_ratio']:.2f}x its step time"
+        )
     same = best.get("plan_at_fastest_step_time")
     if fastest and same and same["saving"] < 0:
         lines.append(

@@ -15,7 +15,7 @@ from typing import Any
 from tidal.planner.cluster import ClusterSpec
 from tidal.planner.megatron import MegatronRow
 from tidal.planner.pipelines import PipelinePlan
-from tidal.planner.search import Compared, PlanResult
+from tidal.planner.search import MEGATRON_SLACK, Compared, PlanResult
 
 __all__ = ["plan_report"]
 
@@ -165,6 +165,10 @@ def _megatron(result: PlanResult, cluster: ClusterSpec) -> dict[str, Any] | None
         },
         "plan_at_fastest_step_time": _compared(
             result.against_megatron.get("at_fastest_step_time"), best.fastest
+        ),
+        "slack": MEGATRON_SLACK,
+        "plan_near_fastest_step_time": _compared(
+            result.against_megatron.get("within_slack_of_fastest"), best.fastest
         ),
         "plan_least_memory": _compared(
             result.against_megatron.get("least_memory"), best.least_memory
