@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 
@@ -18,7 +20,7 @@ from tidal.planner.graph import ModelGraph
 from tidal.planner.pipelines import pipeline_options, search_pipelines, stage_graph
 from tidal.planner.plan import Recompute
 from tidal.planner.search import _problem
-from tidal.planner.strategies import TrainingSpec, unit_options, valid_tensor_sizes
+from tidal.planner.strategies import TrainingSpec, unit_options
 
 GiB = 1024**3
 
@@ -80,27 +82,16 @@ def test_in_flight_and_time_slots_scale_activations_and_per_microbatch_time(
     assert unit_options(stage, mesh, cluster, piped) == unit_options(stage, mesh, cluster, plain)
 
 
-def _options(graph: ModelGraph, cluster: ClusterSpec, global_batch: int, config: PlannerConfig):
-    def meshes(stage: ClusterSpec) -> list[Mesh]:
-        sizes = valid_tensor_sizes(graph.units, stage.devices, stage.devices_per_node)
-        return [Mesh(dp=stage.devices // t, tp=t) for t in sizes]
-
-    def problem(g, mesh, stage, spec):  # noqa: ANN001, ANN202
-        return _problem(g, mesh, stage, spec, config)
-
-    return meshes, problem
-
-
 @pytest.mark.parametrize("memory", [64 * 1024**2, 24 * 1024**2])
 def test_the_bounded_search_finds_what_solving_every_option_finds(
-    graph: ModelGraph, memory: int
+    graph: ModelGraph, memory: int, search_parts: Callable[..., Any]
 ) -> None:
     """Every (p, dp, tp, v) of an 8-block model on 8 devices solved exhaustively against the
     search that solves only what its LP bounds cannot rule out: the same fastest step, and the
     same smallest plan at a step-time limit and at any speed."""
     cluster = ClusterSpec(devices=8, device_memory_bytes=memory)
     config = PlannerConfig(pareto=(), baselines=())
-    meshes, problem = _options(graph, cluster, 16, config)
+    meshes, problem = search_parts(graph, config)
     base = TrainingSpec()
     search = search_pipelines(graph, cluster, global_batch=16, base=base, meshes=meshes,
                               problem=problem, memory_limit=memory, solver_time_limit_s=60,
@@ -127,11 +118,13 @@ def test_the_bounded_search_finds_what_solving_every_option_finds(
         assert found.peak_memory_bytes <= memory * (1 + 1e-6)
 
 
-def test_interleaving_holds_more_micro_batches_and_shrinks_the_bubble(graph: ModelGraph) -> None:
+def test_interleaving_holds_more_micro_batches_and_shrinks_the_bubble(
+    graph: ModelGraph, search_parts: Callable[..., Any]
+) -> None:
     """[Note: pipeline stages]: 1F1B holds min(p, m) on the first stage and one on the last;
     v chunks hold p + (p - 1)/v and p - (p - 1)/v, and the bubble is (p - 1)/v."""
     cluster = ClusterSpec(devices=8)
-    meshes, _ = _options(graph, cluster, 16, PlannerConfig(pareto=(), baselines=()))
+    meshes, _ = search_parts(graph, PlannerConfig(pareto=(), baselines=()))
     options = pipeline_options(graph, cluster, global_batch=16, base=TrainingSpec(),
                                meshes=meshes)  # fmt: skip
     four = {o.vp: o for o in options if o.pp == 4 and o.mesh == Mesh(dp=2, tp=1)}
@@ -143,7 +136,9 @@ def test_interleaving_holds_more_micro_batches_and_shrinks_the_bubble(graph: Mod
     assert one.specs[0].slots == 8 + 3 and two.specs[0].slots == 8 + 3 / 2
 
 
-def test_gpt3_175b_on_64_devices_pipelined_against_megatrons_best() -> None:
+def test_gpt3_175b_on_64_devices_pipelined_against_megatrons_best(
+    search_parts: Callable[..., Any],
+) -> None:
     """The pipelined search on GPT-3 175B's stages at 64 devices, restricted to Megatron's
     fastest fitting layout (t4 x p16, interleaved): the stages' ILP finds a plan within 5% of
     its step time that holds less (the whole search's figures are in docs/planner.md)."""
@@ -158,7 +153,7 @@ def test_gpt3_175b_on_64_devices_pipelined_against_megatrons_best() -> None:
     graph = measure_gpt(config, micro_batch=1)
     cluster = ClusterSpec(devices=64)
     planner = PlannerConfig(pareto=(), baselines=())
-    meshes, problem = _options(graph, cluster, 64, planner)
+    meshes, problem = search_parts(graph, planner)
     options = [
         o
         for o in pipeline_options(
@@ -182,14 +177,16 @@ def test_gpt3_175b_on_64_devices_pipelined_against_megatrons_best() -> None:
     assert plan.peak_memory_bytes < 0.95 * their_bytes
 
 
-def test_pipemare_never_drains_and_holds_a_weight_copy_more(graph: ModelGraph) -> None:
+def test_pipemare_never_drains_and_holds_a_weight_copy_more(
+    graph: ModelGraph, search_parts: Callable[..., Any]
+) -> None:
     """[Note: pipeline stages]: PipeMare (opt-in) takes m slots and p micro-batches in flight on
     the first stage whatever m is; each stage holds its delta, one weight-sized copy more, and
     builds a unit's corrected weights in its backward. On the same stages it is faster than
     1F1B and holds more."""
     cluster = ClusterSpec(devices=8)
     config = PlannerConfig(pareto=(), baselines=())
-    meshes, problem = _options(graph, cluster, 2, config)
+    meshes, problem = search_parts(graph, config)
     options = pipeline_options(graph, cluster, global_batch=2, base=TrainingSpec(),
                                meshes=meshes, schedules=("1f1b", "pipemare"))  # fmt: skip
     pair = {o.schedule: o for o in options if o.pp == 4 and o.mesh == Mesh(dp=1, tp=2)}

@@ -6,7 +6,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -18,24 +20,12 @@ from tidal.planner import ClusterSpec, Mesh, PlannerConfig
 from tidal.planner.cost_model import evaluate
 from tidal.planner.graph import ModelGraph, with_micro_batch
 from tidal.planner.pipelines import PipelineOption, pipeline_options, search_pipelines, stage_graph
-from tidal.planner.search import _problem
 from tidal.planner.stage_split import _shapes, stage_splits
-from tidal.planner.strategies import TrainingSpec, valid_tensor_sizes
+from tidal.planner.strategies import TrainingSpec
 
 SPLITS = ("even", "time", "memory")
 WIDE_HEAD = GPTConfig(vocab_size=1024, seq_len=128, num_layers=12, num_heads=4, d_model=64,
                       dropout=0.0)  # fmt: skip
-
-
-def _search_parts(graph: ModelGraph, config: PlannerConfig):  # noqa: ANN202
-    def meshes(stage: ClusterSpec) -> list[Mesh]:
-        sizes = valid_tensor_sizes(graph.units, stage.devices, stage.devices_per_node)
-        return [Mesh(dp=stage.devices // t, tp=t) for t in sizes]
-
-    def problem(g, mesh, stage, spec):  # noqa: ANN001, ANN202
-        return _problem(g, mesh, stage, spec, config)
-
-    return meshes, problem
 
 
 def test_the_shapes_are_every_split_with_alike_middle_stages() -> None:
@@ -85,13 +75,15 @@ def _real_stages(option: PipelineOption, graph: ModelGraph) -> list[tuple[ModelG
     ]
 
 
-def test_the_priced_stages_bound_every_stage_of_the_split(wide_head: ModelGraph) -> None:
+def test_the_priced_stages_bound_every_stage_of_the_split(
+    wide_head: ModelGraph, search_parts: Callable[..., Any]
+) -> None:
     """[Note: stage splits]: every stage of a split, given the choices of the stage that prices
     it (the last its own; a middle one the middle stage's where it is solved, else the first's),
     needs no more memory and time than that stage's plan says."""
     cluster = ClusterSpec(devices=8, device_memory_bytes=64 * 1024**2)
     config = PlannerConfig(pareto=(), baselines=())
-    meshes, problem = _search_parts(wide_head, config)
+    meshes, problem = search_parts(wide_head, config)
     options = [o for o in pipeline_options(wide_head, cluster, global_batch=32, base=TrainingSpec(),
                                            meshes=meshes, schedules=("1f1b",), splits=SPLITS)
                if o.pp in (2, 4) and o.mesh.tp == 2]  # fmt: skip
@@ -118,14 +110,14 @@ def test_the_priced_stages_bound_every_stage_of_the_split(wide_head: ModelGraph)
 
 
 def test_the_bounded_search_over_splits_finds_what_solving_every_option_finds(
-    wide_head: ModelGraph,
+    wide_head: ModelGraph, search_parts: Callable[..., Any]
 ) -> None:
     """Every (p, split, dp, tp, micro-batch) option of a 12-block model on 4 devices solved
     against the search that solves only what its LP bounds cannot rule out."""
     memory = 24 * 1024**2
     cluster = ClusterSpec(devices=4, device_memory_bytes=memory)
     config = PlannerConfig(pareto=(), baselines=())
-    meshes, problem = _search_parts(wide_head, config)
+    meshes, problem = search_parts(wide_head, config)
     kwargs = dict(global_batch=8, base=TrainingSpec(), meshes=meshes, schedules=("1f1b",),
                   splits=SPLITS, micro_batches=(1, 2))  # fmt: skip
     search = search_pipelines(
@@ -180,7 +172,9 @@ def test_a_trace_at_more_rows_is_the_trace_scaled_but_for_what_sequences_share()
     assert one.micro_batch == 1  # the original is untouched
 
 
-def test_the_search_traces_again_where_it_can(wide_head: ModelGraph) -> None:
+def test_the_search_traces_again_where_it_can(
+    wide_head: ModelGraph, search_parts: Callable[..., Any]
+) -> None:
     """``retrace`` gives the graph at each other size; without it the graph is scaled."""
     asked: list[int] = []
 
@@ -189,7 +183,7 @@ def test_the_search_traces_again_where_it_can(wide_head: ModelGraph) -> None:
         return measure_gpt(WIDE_HEAD, micro_batch=b)
 
     cluster = ClusterSpec(devices=2)
-    meshes, _ = _search_parts(wide_head, PlannerConfig(pareto=(), baselines=()))
+    meshes, _ = search_parts(wide_head, PlannerConfig(pareto=(), baselines=()))
     kwargs = dict(global_batch=4, base=TrainingSpec(), meshes=meshes, schedules=("1f1b",),
                   micro_batches=(1, 2))  # fmt: skip
     traced = pipeline_options(wide_head, cluster, retrace=retrace, **kwargs)  # type: ignore[arg-type]
@@ -201,12 +195,14 @@ def test_the_search_traces_again_where_it_can(wide_head: ModelGraph) -> None:
     assert first_scaled == 2 * wide_head.units[0].io_bytes
 
 
-def test_smaller_micro_batches_fit_where_larger_do_not(wide_head: ModelGraph) -> None:
+def test_smaller_micro_batches_fit_where_larger_do_not(
+    wide_head: ModelGraph, search_parts: Callable[..., Any]
+) -> None:
     """Micro-batches of 4 rows hold four times a micro-batch of 1's activations: under a budget
     only the smaller fits, and each size's count of micro-batches follows the global batch."""
     cluster = ClusterSpec(devices=4)
     config = PlannerConfig(pareto=(), baselines=())
-    meshes, _ = _search_parts(wide_head, config)
+    meshes, _ = search_parts(wide_head, config)
     options = pipeline_options(wide_head, cluster, global_batch=8, base=TrainingSpec(),
                                meshes=meshes, schedules=("1f1b",), micro_batches=(1, 4, 3))  # fmt: skip
     sizes = {(o.micro_batch, o.mesh.dp, o.num_microbatches) for o in options}
@@ -216,11 +212,13 @@ def test_smaller_micro_batches_fit_where_larger_do_not(wide_head: ModelGraph) ->
     (b1,) = [o for o in options if (o.pp, o.micro_batch, o.mesh) == (4, 1, Mesh(dp=1, tp=1))]
     acts = [g.units[5].saved_bytes for g in (b1.graphs[0], b4.graphs[0])]
     assert acts[1] == 4 * acts[0]
-    assert "8 micro-batches of 1" in _describe(b1) and "2 micro-batches of 4" in _describe(b4)
+    assert "8 micro-batches of 1" in _describe(
+        b1, search_parts
+    ) and "2 micro-batches of 4" in _describe(b4, search_parts)
 
 
-def _describe(option: PipelineOption) -> str:
-    _, problem = _search_parts(option.graphs[0], PlannerConfig(pareto=(), baselines=()))
+def _describe(option: PipelineOption, search_parts: Callable[..., Any]) -> str:
+    _, problem = search_parts(option.graphs[0], PlannerConfig(pareto=(), baselines=()))
     option.build(problem)
     option.solve_fastest(memory_limit=math.inf, solver_time_limit_s=60)
     assert option.fastest is not None
