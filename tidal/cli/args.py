@@ -384,16 +384,10 @@ def _add_schedules(parser: argparse.ArgumentParser) -> None:
         "device, the first stages lending to the last (MPress's peer swap; pipelined plans "
         "only, priced)",
     )  # fmt: skip
-    parser.add_argument(
-        "--stage-splits", default="even", metavar="S,S",
-        help="how pipelined plans split the blocks into stages: even (Megatron's), time (the "
-        "partitioner's least bottleneck), memory (its least largest stage), e.g. even,time,memory",
-    )  # fmt: skip
-    parser.add_argument(
-        "--micro-batches", default="", metavar="B,B",
-        help="micro-batch sizes to search for pipelined plans, e.g. 1,2,4,8 (default: "
-        "--micro-batch's alone)",
-    )  # fmt: skip
+    parser.add_argument("--stage-splits", default="even", metavar="S,S",
+                        help="pipeline stage splits to search: even, time, memory")  # fmt: skip
+    parser.add_argument("--micro-batches", default="", metavar="B,B",
+                        help="pipelined plans' micro-batch sizes to search, e.g. 1,2,4")  # fmt: skip
     parser.add_argument(
         "--nvme", default=None, metavar="SIZE",
         help="each node's NVMe for offloaded optimizer state, e.g. 30TB (a DGX H100's eight "
