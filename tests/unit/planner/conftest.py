@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import math
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import pytest
@@ -42,3 +43,31 @@ def search_parts() -> Callable[[ModelGraph, PlannerConfig], SearchParts]:
         return meshes, problem
 
     return parts
+
+
+@pytest.fixture(scope="session")
+def matches_every_option() -> Callable[..., float]:
+    """Asserts that a bounded pipeline search finds what solving every option finds: the same
+    fastest step, and the same smallest plan at each time limit (``slowdowns`` times the
+    fastest; inf: at any speed), within 1e-3. Returns the fastest step."""
+
+    def check(search: Any, every: Sequence[Any], problem: Callable[..., Any], memory: float,
+              slowdowns: Sequence[float] = (math.inf,)) -> float:  # fmt: skip
+        for option in every:
+            option.build(problem)
+            option.solve_fastest(memory_limit=memory, solver_time_limit_s=60)
+        fastest = min(o.fastest_s for o in every)
+        assert math.isfinite(fastest) and search.fastest is not None
+        assert search.fastest.fastest_s == pytest.approx(fastest, rel=1e-3)
+        for slowdown in slowdowns:
+            limit = slowdown * fastest
+            plans = [o.smallest(memory_limit=memory, time_limit=limit, solver_time_limit_s=60)
+                     for o in every]  # fmt: skip
+            found = search.smallest(time_limit=limit)
+            assert found is not None
+            assert found.peak_memory_bytes == pytest.approx(
+                min(p.peak_memory_bytes for p in plans if p is not None), rel=1e-3
+            )
+        return fastest
+
+    return check

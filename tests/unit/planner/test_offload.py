@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 from torch import nn
@@ -197,7 +199,7 @@ def test_the_search_over_offload_equals_solving_each_fraction(
 
 
 def test_the_pipeline_search_with_offload_finds_what_solving_every_option_finds(
-    graph: ModelGraph,
+    graph: ModelGraph, matches_every_option: Callable[..., Any]
 ) -> None:
     memory = 3 * MiB
     cluster = ClusterSpec(devices=8, device_memory_bytes=memory)
@@ -216,19 +218,7 @@ def test_the_pipeline_search_with_offload_finds_what_solving_every_option_finds(
     every = pipeline_options(graph, cluster, global_batch=16, base=TrainingSpec(), meshes=meshes,
                              offloads=offloads)  # fmt: skip
     assert {o.specs[0].offload for o in every} == set(offloads)
-    for option in every:
-        option.build(problem)
-        option.solve_fastest(memory_limit=memory, solver_time_limit_s=60)
-    fastest = min(o.fastest_s for o in every)
-    assert math.isfinite(fastest) and search.fastest is not None
-    assert search.fastest.fastest_s == pytest.approx(fastest, rel=1e-3)
-    plans = [o.smallest(memory_limit=memory, time_limit=math.inf, solver_time_limit_s=60)
-             for o in every]  # fmt: skip
-    found = search.smallest(time_limit=math.inf)
-    assert found is not None
-    assert found.peak_memory_bytes == pytest.approx(
-        min(p.peak_memory_bytes for p in plans if p is not None), rel=1e-3
-    )
+    matches_every_option(search, every, problem, memory)
     # without the host, nothing fits these stages' devices
     plain = pipeline_options(graph, cluster, global_batch=16, base=TrainingSpec(), meshes=meshes)
     for option in plain:

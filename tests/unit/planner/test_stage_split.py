@@ -110,7 +110,9 @@ def test_the_priced_stages_bound_every_stage_of_the_split(
 
 
 def test_the_bounded_search_over_splits_finds_what_solving_every_option_finds(
-    wide_head: ModelGraph, search_parts: Callable[..., Any]
+    wide_head: ModelGraph,
+    search_parts: Callable[..., Any],
+    matches_every_option: Callable[..., Any],
 ) -> None:
     """Every (p, split, dp, tp, micro-batch) option of a 12-block model on 4 devices solved
     against the search that solves only what its LP bounds cannot rule out."""
@@ -133,20 +135,7 @@ def test_the_bounded_search_over_splits_finds_what_solving_every_option_finds(
     assert {(o.split.kind, o.micro_batch) for o in every} >= {
         (k, b) for k in SPLITS for b in (1, 2)
     }
-    for option in every:
-        option.build(problem)
-        option.solve_fastest(memory_limit=memory, solver_time_limit_s=60)
-    fastest = min(o.fastest_s for o in every)
-    assert math.isfinite(fastest) and search.fastest is not None
-    assert search.fastest.fastest_s == pytest.approx(fastest, rel=1e-3)
-    for limit in (1.2 * fastest, math.inf):
-        plans = [o.smallest(memory_limit=memory, time_limit=limit, solver_time_limit_s=60)
-                 for o in every]  # fmt: skip
-        found = search.smallest(time_limit=limit)
-        assert found is not None
-        assert found.peak_memory_bytes == pytest.approx(
-            min(p.peak_memory_bytes for p in plans if p is not None), rel=1e-3
-        )
+    matches_every_option(search, every, problem, memory, slowdowns=(1.2, math.inf))
 
 
 def test_a_trace_at_more_rows_is_the_trace_scaled_but_for_what_sequences_share() -> None:
