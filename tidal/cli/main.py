@@ -57,35 +57,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_INTERRUPTED
 
     try:
-        if args.command == "train":
-            from tidal.distributed.slurm import adopt_slurm
-
-            if args.nproc == 1 and args.nnodes == 1:  # else each task launches ranks itself
-                adopt_slurm()  # under srun every task is a rank ([Note: srun tasks])
-            _pipeline_flags(args)
-            if args.nproc != 1 or args.nnodes != 1 or args.max_restarts:
-                return _launch(args, argv)
-            return _train(args, console, argv)
-        if args.command == "plan":
-            from tidal.cli.plan import run_plan
-
-            return run_plan(args, console)
-        if args.command == "simulate":
-            from tidal.cli.simulate import run as run_simulate
-
-            return run_simulate(args, console)
-        if args.command == "report":
-            return _report(args.run_dir, console)
-        if args.command == "checkpoints":
-            return _checkpoints(args.run_dir, console)
-        if args.command == "config":
-            return _config_show(args)
-        if args.command == "models":
-            return _models(console)
-        if args.command == "bench":
-            return _bench(args, console)
-        if args.command == "export":
-            return _export(args, console)
+        return _run_command(args, console, argv)
     # Ranks failing alike say so once ([Note: one line per run] in tidal/distributed/launch.py).
     except bad_input as err:
         say_once(f"tidal: error: {err}")
@@ -114,6 +86,39 @@ def main(argv: Sequence[str] | None = None) -> int:
                 file=sys.stderr,
             )
         return EXIT_INTERRUPTED
+
+
+def _run_command(args: argparse.Namespace, console: Console, argv: list[str]) -> int:
+    """The command ``args`` names, run; :func:`main` turns its errors into exit codes."""
+    if args.command == "train":
+        from tidal.distributed.slurm import adopt_slurm
+
+        if args.nproc == 1 and args.nnodes == 1:  # else each task launches ranks itself
+            adopt_slurm()  # under srun every task is a rank ([Note: srun tasks])
+        _pipeline_flags(args)
+        if args.nproc != 1 or args.nnodes != 1 or args.max_restarts:
+            return _launch(args, argv)
+        return _train(args, console, argv)
+    if args.command == "plan":
+        from tidal.cli.plan import run_plan
+
+        return run_plan(args, console)
+    if args.command == "simulate":
+        from tidal.cli.simulate import run as run_simulate
+
+        return run_simulate(args, console)
+    if args.command == "report":
+        return _report(args.run_dir, console)
+    if args.command == "checkpoints":
+        return _checkpoints(args.run_dir, console)
+    if args.command == "config":
+        return _config_show(args)
+    if args.command == "models":
+        return _models(console)
+    if args.command == "bench":
+        return _bench(args, console)
+    if args.command == "export":
+        return _export(args, console)
     raise AssertionError(f"unhandled command {args.command!r}")
 
 
