@@ -42,7 +42,10 @@ class ClusterSpec:
     device_memory_bytes: int = 80 * GiB
     peak_flops: float = 989e12
     memory_bandwidth: float = 3.35e12  # bytes/s
-    compute_efficiency: float = 0.5  # achieved fraction of peak FLOP/s and of memory bandwidth
+    # The achieved fractions of peak FLOP/s (in matmuls) and of memory bandwidth (in the
+    # element-wise ops): figures of a device *and* the kernels run on it; see CLUSTER_PRESETS.
+    flops_efficiency: float = 0.5
+    bandwidth_efficiency: float = 0.5
     intra_node_bandwidth: float = 300e9  # bytes/s per device in a ring
     inter_node_bandwidth: float = 50e9
     intra_node_latency_s: float = 5e-6
@@ -89,11 +92,9 @@ class ClusterSpec:
             "nvme_bytes_per_node",
             f"must be >= 0, got {self.nvme_bytes_per_node}",
         )
-        require(
-            0 < self.compute_efficiency <= 1,
-            "compute_efficiency",
-            f"must be in (0, 1], got {self.compute_efficiency}",
-        )
+        for name in ("flops_efficiency", "bandwidth_efficiency"):
+            value = getattr(self, name)
+            require(0 < value <= 1, name, f"must be in (0, 1], got {value}")
 
     @property
     def devices_on_node(self) -> int:
@@ -111,12 +112,23 @@ class ClusterSpec:
         return self.nvme_bytes_per_node / self.devices_on_node
 
 
+# [Note: efficiencies]
+# An efficiency belongs to a device and the kernels that run on it, so each preset says whose
+# runs its two figures stand for. ``h100``: tidal's own (PyTorch, bf16 autocast, SDPA) runs,
+# 0.5 and 0.5, which `tidal bench plan-check` sets beside one H100's measured steps.
+# ``a100``: Megatron-LM's (cuBLAS matmuls, fused softmax, bias-GeLU and bias-dropout-add
+# kernels) on Selene's A100s, 0.70 and 0.80: chosen against Table 1 of Narayanan et al. 2021
+# (ten runs), then checked on Table 5 of Korthikanti et al. 2022 (four runs, two recompute
+# modes each), which played no part in the choice (docs/planner.md, "Checked against the
+# published runs"; tests/unit/planner/test_megatron.py).
 CLUSTER_PRESETS: dict[str, dict[str, float]] = {
     "h100": {},
     "a100": {
         "device_memory_bytes": 80 * GiB,
         "peak_flops": 312e12,
         "memory_bandwidth": 2.0e12,
+        "flops_efficiency": 0.70,
+        "bandwidth_efficiency": 0.80,
         "intra_node_bandwidth": 230e9,
         "inter_node_bandwidth": 25e9,
     },

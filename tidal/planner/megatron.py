@@ -30,14 +30,22 @@ Per device, on the most loaded rank (the first pipeline stage), the sum of:
   transient the estimator has no term for).
 
 [Note: Megatron's step time]
-With the planner's cluster rules (FLOPs at ``peak x efficiency``, alpha-beta ring collectives,
-no overlap of communication with compute, as in cost_model.py): a layer's forward is ``2 s b h
-(h + 2 h g / a) + 4 s^2 b h + 2 s b h^2 + 2 s b h f (2, or 3 gated)`` FLOPs, its backward twice
-that, plus the attention core's ``4 s^2 b h`` again under selective recompute or the whole
-forward again under full recompute, all over ``t``; its tensor-parallel collectives on the ``2 s b
-h`` activations are 4 all-reduces (6 with full recompute) or, with sequence parallelism, 6
-all-gathers and 4 reduce-scatters (8 and 6). The last stage adds the head's ``2 s b h V`` x 3
-FLOPs over ``t``. A stage's micro-batch time ``T`` is its layers plus the heavier end (the head)
+With the planner's cluster rules (matmul FLOPs at ``peak x flops_efficiency``, element-wise
+bytes at ``bandwidth x bandwidth_efficiency``, alpha-beta ring collectives, no overlap of
+communication with compute, as in cost_model.py): a layer's forward is ``2 s b h (h + 2 h g / a)
++ 4 s^2 b h + 2 s b h^2 + 2 s b h f (2, or 3 gated)`` FLOPs, its backward twice that, plus the
+attention core's ``4 s^2 b h`` again under selective recompute or the whole forward again under
+full recompute, all over ``t``. Its memory-bound kernels, as Megatron fuses them, move in the
+forward ``22 s b h`` bytes outside the tensor-parallel regions (two LayerNorms reading and
+writing 2 bytes an element, two bias-dropout-adds reading two inputs and writing an output and a
+mask: 4 + 4 + 7 + 7; over ``t`` with sequence parallelism), ``4 s b f / t`` in the bias-GeLU
+(``6 s b f / t`` gated: two inputs), and without flash attention ``9 a s^2 b / t`` on the
+attention scores (the fused softmax reads and writes them, dropout reads, writes and keeps a
+mask); the backward moves twice the forward's bytes (each kernel reads its saved input and the
+incoming gradient and writes a gradient), a recompute the recomputed part's once more. Its
+tensor-parallel collectives on the ``2 s b h`` activations are 4 all-reduces (6 with full
+recompute) or, with sequence parallelism, 6 all-gathers and 4 reduce-scatters (8 and 6). The
+last stage adds the head's ``2 s b h V`` x 3 FLOPs over ``t``. A stage's micro-batch time ``T`` is its layers plus the heavier end (the head)
 plus its send and receive of ``2 s b h / t`` bytes each way to the next stage (``v`` of them
 interleaved); the pipeline takes ``(m + (p - 1) / v) T``; the gradients' collectives over the
 data axis follow, an all-reduce of fp32 gradients, or with the distributed optimizer a
@@ -131,6 +139,9 @@ class MegatronConfig:
     distributed_optimizer: bool = True
     vp: int = 1
     optimizer_offload: float = 0.0  # [Note: Megatron's optimizer offload]
+    # Megatron-Core's fused attention never writes the scores; the published A100 runs of
+    # 2021-22 (fused softmax) did ([Note: Megatron's step time])
+    flash_attention: bool = True
 
     def __post_init__(self) -> None:
         for name in ("tp", "pp", "dp", "micro_batch", "num_microbatches", "vp"):
@@ -156,6 +167,8 @@ class MegatronConfig:
         parts.append("dist-opt" if self.distributed_optimizer else "ddp")
         if self.optimizer_offload:
             parts.append(f"{self.optimizer_offload:.0%} optimizer on the CPU")
+        if not self.flash_attention:
+            parts.append("softmax attention")
         return ", ".join(parts)
 
     def as_dict(self) -> dict[str, object]:
@@ -163,7 +176,8 @@ class MegatronConfig:
                 "micro_batch": self.micro_batch, "num_microbatches": self.num_microbatches,
                 "sequence_parallel": self.sequence_parallel, "recompute": str(self.recompute),
                 "distributed_optimizer": self.distributed_optimizer,
-                "optimizer_offload": self.optimizer_offload}  # fmt: skip
+                "optimizer_offload": self.optimizer_offload,
+                "flash_attention": self.flash_attention}  # fmt: skip
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)
@@ -241,10 +255,21 @@ def _layer_forward_flops(shape: TransformerShape, b: int) -> tuple[float, float]
     return qkv + core + 2 * s * b * h * h + mlp, core
 
 
+def _layer_memory_bound_bytes(shape: TransformerShape, c: MegatronConfig) -> float:
+    """Bytes a layer's fused element-wise kernels move per micro-batch on one device, forward,
+    backward and recompute; see [Note: Megatron's step time]."""
+    s, b, h, t = shape.seq_len, c.micro_batch, shape.hidden, c.tp
+    outside = t if c.sequence_parallel else 1
+    forward = s * b * (22 * h / outside + (6 if shape.gated else 4) * shape.ffn / t)
+    scores = 0.0 if c.flash_attention else 9 * shape.heads * s * s * b / t
+    full = c.recompute is Recompute.FULL
+    return (3 + full) * forward + 4 * scores  # selective recompute redoes the scores
+
+
 def megatron_step_s(shape: TransformerShape, c: MegatronConfig, cluster: ClusterSpec) -> float:
     """Seconds per step of ``c`` on ``cluster``; see [Note: Megatron's step time]."""
     s, b, h, t, p = shape.seq_len, c.micro_batch, shape.hidden, c.tp, c.pp
-    rate = cluster.peak_flops * cluster.compute_efficiency
+    rate = cluster.peak_flops * cluster.flops_efficiency
     mesh = Mesh(dp=c.dp, tp=t)
     activation = _ACT_BYTES * s * b * h
 
@@ -260,6 +285,9 @@ def megatron_step_s(shape: TransformerShape, c: MegatronConfig, cluster: Cluster
     else:
         comm = tp(Collective.ALL_REDUCE, 6 if full else 4)
     layer_s = (3 * forward + again) / t / rate + comm
+    layer_s += _layer_memory_bound_bytes(shape, c) / (
+        cluster.memory_bandwidth * cluster.bandwidth_efficiency
+    )
     head_s = 3 * 2 * s * b * h * shape.padded_vocab(t) / t / rate
     stage_s = shape.num_layers / p * layer_s + head_s
     if p > 1:

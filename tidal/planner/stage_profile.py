@@ -36,9 +36,9 @@ from tidal.planner.wiring import meta_twin, takes_targets
 __all__ = ["DEFAULT_FLOPS_PER_S", "DEFAULT_MEMORY_BYTES_PER_S", "profile_model"]
 
 _H100 = ClusterSpec(devices=1)
-# Achieved, not peak: the planner's H100 defaults times its compute efficiency.
-DEFAULT_FLOPS_PER_S = _H100.peak_flops * _H100.compute_efficiency
-DEFAULT_MEMORY_BYTES_PER_S = _H100.memory_bandwidth * _H100.compute_efficiency
+# Achieved, not peak: the planner's H100 defaults times their efficiencies.
+DEFAULT_FLOPS_PER_S = _H100.peak_flops * _H100.flops_efficiency
+DEFAULT_MEMORY_BYTES_PER_S = _H100.memory_bandwidth * _H100.bandwidth_efficiency
 # Backward computes the input and the weight gradient, each about one forward's work.
 _BACKWARD_PER_FORWARD = 2.0
 

@@ -142,8 +142,8 @@ class _Priced:
     def of(cls, graph: ModelGraph, prefix: str, count: int, spec: TrainingSpec,
            cluster: ClusterSpec) -> _Priced:  # fmt: skip
         inside = [i for i, u in enumerate(graph.units) if graph.block_of(u) == prefix]
-        rate = cluster.peak_flops * cluster.compute_efficiency
-        bandwidth = cluster.memory_bandwidth * cluster.compute_efficiency
+        rate = cluster.peak_flops * cluster.flops_efficiency
+        bandwidth = cluster.memory_bandwidth * cluster.bandwidth_efficiency
         per_param = spec.param_bytes + spec.grad_bytes + spec.optimizer_bytes
 
         def figures(units: list[Unit], share: float) -> tuple[float, float, float]:

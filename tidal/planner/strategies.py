@@ -392,8 +392,8 @@ def _input_bytes(unit: Unit) -> float:
 
 
 def _compute_s(unit: Unit, work: float, cluster: ClusterSpec) -> float:
-    flops_s = unit.flops * work / (cluster.peak_flops * cluster.compute_efficiency)
-    bytes_s = unit.io_bytes * work / (cluster.memory_bandwidth * cluster.compute_efficiency)
+    flops_s = unit.flops * work / (cluster.peak_flops * cluster.flops_efficiency)
+    bytes_s = unit.io_bytes * work / (cluster.memory_bandwidth * cluster.bandwidth_efficiency)
     return max(flops_s, bytes_s)
 
 

@@ -136,31 +136,79 @@ PUBLISHED = [
     ("530B", 128, 20480, 105, 8, 35, 2520, 2520, 1, 1, 163),
     ("1T", 160, 25600, 128, 8, 64, 3072, 3072, 1, None, 163),
 ]
-# Where the step-time model is more than 15% slower than the published run (docs/planner.md):
-# one compute efficiency for every matmul size, so the widest layers' higher efficiency is missed.
-SLOWER_THAN_PUBLISHED = {"145B": 0.85, "310B": 0.84, "530B": 0.81, "1T": 0.76}
+# The model's throughput over the published one, to two places (docs/planner.md's table).
+MODEL_OVER_PUBLISHED = {"1.7B": 0.94, "3.6B": 0.92, "7.5B": 0.90, "18B": 0.96, "39B": 0.96,
+                        "76B": 1.04, "145B": 1.01, "310B": 1.04, "530B": 1.03, "1T": 0.98}  # fmt: skip
+
+
+def a100(devices: int) -> ClusterSpec:
+    return ClusterSpec(devices=devices, **CLUSTER_PRESETS["a100"])  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("row", PUBLISHED, ids=[r[0] for r in PUBLISHED])
 def test_published_megatron_runs(row: tuple) -> None:
     """Every published configuration fits an 80 GB A100 by the memory model (they ran), and the
-    step-time model's throughput is within 15% of the published one, except where the docs say
-    it is not (and by how much)."""
+    step-time model's throughput is within 15% of the published one (the a100 preset's two
+    efficiencies were chosen against these ten runs: [Note: efficiencies] in cluster.py)."""
     name, heads, hidden, layers, t, p, gpus, batch, mb, per_virtual, published = row
     shape = TransformerShape(num_layers=layers, hidden=hidden, heads=heads, ffn=4 * hidden,
                              seq_len=2048, vocab=51200)  # fmt: skip
     d = gpus // (t * p)
     c = MegatronConfig(tp=t, pp=p, dp=d, micro_batch=mb, num_microbatches=batch // (d * mb),
                        sequence_parallel=False, recompute=FULL, distributed_optimizer=False,
-                       vp=layers // p // per_virtual if per_virtual else 1)  # fmt: skip
-    cluster = ClusterSpec(devices=gpus, **CLUSTER_PRESETS["a100"])  # type: ignore[arg-type]
+                       vp=layers // p // per_virtual if per_virtual else 1,
+                       flash_attention=False)  # fmt: skip
     assert megatron_memory(shape, c).total <= 80e9
     flops = megatron_flops_per_step(shape, batch, full_recompute=True)
-    ratio = flops / gpus / megatron_step_s(shape, c, cluster) / 1e12 / published
-    if name in SLOWER_THAN_PUBLISHED:
-        assert ratio == pytest.approx(SLOWER_THAN_PUBLISHED[name], abs=0.01)
-    else:
-        assert ratio == pytest.approx(1.0, abs=0.15)
+    ratio = flops / gpus / megatron_step_s(shape, c, a100(gpus)) / 1e12 / published
+    assert ratio == pytest.approx(MODEL_OVER_PUBLISHED[name], abs=0.0051)
+    assert abs(ratio - 1) <= 0.15
+
+
+# Tables 3 and 5 of Korthikanti et al. 2022 (arXiv 2205.05198), read from a stored summary of the
+# paper (its figures agree with each other: see the test): A100-80GB, sequence 2048, vocabulary
+# 51200, one data-parallel rank, interleaved in 3 for 175B and 530B. Seconds a step with full
+# recompute (tensor parallel only) and with sequence parallelism and selective recompute, and
+# the model FLOPs utilisation of the second.
+# (name, heads, hidden, layers, t, p, GPUs = global batch / micro-batch x t x p, micro-batch, vp,
+# full recompute s, selective s, MFU)
+SELECTIVE_RUNS = [
+    ("22B", 64, 6144, 48, 8, 1, 4, 4, 1, 1.42, 1.10, 0.415),
+    ("175B", 96, 12288, 96, 8, 8, 64, 1, 3, 18.13, 13.75, 0.514),
+    ("530B", 128, 20480, 105, 8, 35, 280, 1, 3, 49.05, 37.83, 0.560),
+    ("1T", 160, 25600, 128, 8, 64, 512, 1, 1, 94.42, 71.49, 0.563),
+]
+# model seconds over published seconds' inverse: the model's throughput over the published one
+SELECTIVE_MODEL_OVER_PUBLISHED = {"22B": (1.01, 1.07), "175B": (0.98, 1.00),
+                                  "530B": (0.94, 0.96), "1T": (0.91, 0.91)}  # fmt: skip
+
+
+@pytest.mark.parametrize("row", SELECTIVE_RUNS, ids=[r[0] for r in SELECTIVE_RUNS])
+def test_published_runs_the_efficiencies_were_not_chosen_on(row: tuple) -> None:
+    """Held out from the choice of the a100 preset's efficiencies: both recompute modes of each
+    run within 15% of the published step; the published MFU follows from the published seconds
+    by the paper's own FLOPs formula (so the figures were read consistently)."""
+    name, heads, hidden, layers, t, p, batch, mb, vp, full_s, selective_s, mfu = row
+    shape = TransformerShape(num_layers=layers, hidden=hidden, heads=heads, ffn=4 * hidden,
+                             seq_len=2048, vocab=51200)  # fmt: skip
+    gpus = t * p
+    correction = 1 + 2048 / (6 * hidden) + 51200 / (12 * hidden * layers)
+    model_flops = 72 * batch * layers * 2048 * hidden**2 * correction  # the paper's eq. 7
+    # the seconds are given to two places, the MFU to three
+    lowest, highest = (model_flops / (gpus * (selective_s + e) * 312e12) for e in (0.005, -0.005))
+    assert lowest - 0.0005 <= mfu <= highest + 0.0005
+    selective = MegatronConfig(tp=t, pp=p, dp=1, micro_batch=mb, num_microbatches=batch // mb,
+                               vp=vp, sequence_parallel=True, recompute=SELECTIVE,
+                               distributed_optimizer=False, flash_attention=False)  # fmt: skip
+    full = dataclasses.replace(selective, sequence_parallel=False, recompute=FULL)
+    cluster = a100(max(gpus, 8))
+    ratios = tuple(
+        published / megatron_step_s(shape, c, cluster)
+        for c, published in ((full, full_s), (selective, selective_s))
+    )
+    assert ratios == pytest.approx(SELECTIVE_MODEL_OVER_PUBLISHED[name], abs=0.0051)
+    assert all(abs(r - 1) <= 0.15 for r in ratios)
+    assert megatron_memory(shape, selective).total <= 80e9
 
 
 def test_the_paper_flops_formula() -> None:
@@ -175,11 +223,11 @@ def test_the_paper_flops_formula() -> None:
 def test_the_analytic_model_agrees_with_the_traced_layout_baseline() -> None:
     """Megatron on t8 x p1 (one node, no pipeline, no sequence parallelism, selective recompute)
     priced two ways: analytically here, and by the planner's own cost model over the traced GPT-3
-    layers with Megatron's layouts (baselines.py), with the same fp32 gradients. The analytic
-    model counts matmul FLOPs and collectives; the traced one also charges the memory-bound ops
-    (norms, dropout, residual adds, the activation), which Megatron fuses in part: without them
-    the two agree, and with them the traced step is that much slower ([Note: Megatron's step
-    time]: the comparison leans toward Megatron)."""
+    layers with Megatron's layouts (baselines.py), with the same fp32 gradients. Less their
+    memory-bound parts (the analytic one's fused kernels, the traced one's norms, dropouts,
+    residual adds, activation, embedding and loss, each a kernel of its own) the two agree; with
+    them the traced step is that much slower, its element-wise ops moving 3.3 times the bytes of
+    Megatron's fused kernels ([Note: Megatron's step time])."""
     config = dataclasses.replace(PRESETS["gpt3-175b"], num_layers=4, dropout=0.1)
     graph = measure_gpt(config, micro_batch=1)
     cluster = ClusterSpec(devices=8)
@@ -190,9 +238,13 @@ def test_the_analytic_model_agrees_with_the_traced_layout_baseline() -> None:
                        sequence_parallel=False, recompute=SELECTIVE, distributed_optimizer=False)  # fmt: skip
     shape = gpt3_175b(num_layers=4)
     memory_bound = sum(traced.costed.unit_time_s[u.name] for u in graph.units if u.flops == 0)
+    s, b, h, m, L = 2048, 1, 12288, 2, 4
+    fused_bytes = m * L * 3 * s * b * (22 * h + 4 * 4 * h / 8)  # flash attention: no scores
+    fused_s = fused_bytes / (cluster.memory_bandwidth * cluster.bandwidth_efficiency)
     analytic_s = megatron_step_s(shape, c, cluster)
-    assert analytic_s == pytest.approx(traced.step_time_s - memory_bound, rel=0.05)
-    assert traced.step_time_s / analytic_s == pytest.approx(1.49, abs=0.02)
+    assert analytic_s - fused_s == pytest.approx(traced.step_time_s - memory_bound, rel=0.05)
+    assert memory_bound / fused_s == pytest.approx(3.34, abs=0.02)
+    assert traced.step_time_s / analytic_s == pytest.approx(1.31, abs=0.02)
     analytic = megatron_memory(shape, c)
     traced_states = traced.costed.memory.params + traced.costed.memory.grads
     traced_states += traced.costed.memory.optimizer
@@ -213,7 +265,7 @@ def test_step_time_equals_the_documented_formula_by_hand() -> None:
     cluster = ClusterSpec(devices=16)
     s, b, h, f, t, p, d, v, m, L = 512, 2, 1024, 4096, 2, 4, 2, 2, 8, 8
     V = 1024  # 1000 padded to a multiple of 128 t
-    rate = cluster.peak_flops * cluster.compute_efficiency
+    rate = cluster.peak_flops * cluster.flops_efficiency
     forward = (
         2 * s * b * h * (h + 2 * h) + 4 * s * s * b * h + 2 * s * b * h * h + 4 * s * b * h * f
     )
@@ -226,7 +278,10 @@ def test_step_time_equals_the_documented_formula_by_hand() -> None:
     intra = (cluster.intra_node_latency_s, cluster.intra_node_bandwidth)
     inter = (cluster.inter_node_latency_s, cluster.inter_node_bandwidth)
     tp_comm = (6 + 4) * ring(act, t, *intra)  # 6 all-gathers and 4 reduce-scatters, SP
+    # fused element-wise kernels (flash attention: no scores), forward and twice that backward
+    elementwise = 3 * s * b * (22 * h / t + 4 * f / t)
     layer = (3 * forward + core) / t / rate + tp_comm
+    layer += elementwise / (cluster.memory_bandwidth * cluster.bandwidth_efficiency)
     head = 3 * 2 * s * b * h * V / t / rate
     send = inter[0] + act / t / inter[1]  # t x d x p = 16 > 8: the stages cross nodes
     stage = L / p * layer + head + v * 2 * send
