@@ -11,23 +11,25 @@ are all it needs, and every figure is a formula a reader can redo by hand (docs/
 [Note: Megatron's memory]
 Per device, on the most loaded rank (the first pipeline stage), the sum of:
 
-- weights and optimizer: Megatron's own estimator (``theoretical_memory_usage``): its parameter
-  count of the transformer layers ``2 L h^2 ((1 + g/a) + (f/h) x + 2/h + 1/(L h))`` (``g`` query
-  groups of ``a`` heads, ``x`` = 3/2 for a gated MLP, else 1), the most loaded shard ``(P_L / p
-  + V h) / t`` (plus ``V h / t`` for an untied head when ``p = 1``), times 18 bytes per parameter
-  (bf16 weights, fp32 gradients, fp32 masters and two moments), or ``6 + 12 / d`` with the
+- weights and optimizer: Megatron's own estimator (``theoretical_memory_usage``): the
+  transformer layers' ``P_t = 2 L h^2 ((1 + g/a) + (f/h) x)`` weights split over the tensor
+  ranks (``g`` query groups of ``a`` heads, ``x`` = 3/2 for a gated MLP, else 1) and ``P_r = 4 L
+  h + 2 h`` LayerNorm weights whole on each, the most loaded shard ``(P_t / p + V h) / t + P_r /
+  p`` (plus ``V h / t`` for an untied head when ``p = 1``), times 18 bytes per parameter (bf16
+  weights, fp32 gradients, fp32 masters and two moments), or ``6 + 12 / d`` with the
   distributed optimizer;
 - activations: the estimator's formula for sequence parallelism with selective recompute
   (Korthikanti et al. 2022, Table 2): ``s b h (18 + 4 f / h)`` per layer times ``L`` (``L / p``
   layers a stage, ``p`` micro-batches in flight), plus ``8 s b p`` (the embedding's input) and
   ``s b h p`` (its dropout mask), times the interleaved schedule's ``1 + (p - 1) / (p v)``, or
   ``min(1, m / p)`` without interleaving, plus ``4 s b h (1 + V / h)`` (the head and the loss)
-  when ``p = 1``, all over ``t``. The estimator covers only that case; the others keep its
-  structure with Table 2's terms: without sequence parallelism the ``10 s b h`` a layer keeps
-  outside its tensor-parallel regions (norm inputs, dropout masks) and the embedding's mask are
-  not split by ``t``; full recompute keeps a layer's ``2 s b h`` input (split by ``t`` under
-  sequence parallelism) and brings one layer's activations back during its backward (a
-  transient the estimator has no term for).
+  when ``p = 1``, all over ``t``. Without sequence parallelism, its second formula: ``s b h (10
+  + 24 / t)`` a layer (``10 + (8 + 4 f / h) / t`` here, for any MLP width), the embedding's ``8 s
+  b p + s b h p`` whole, the same factor, ``2 s b (V / t + h)`` when ``p = 1``, and 5% more for
+  temporaries. The estimator has no full recompute (it counts what selective recompute keeps);
+  here full recompute keeps its first formula's structure with a layer's ``2 s b h`` input
+  (split by ``t`` under sequence parallelism) in place of the layer's terms, and brings one
+  layer's activations back during its backward (a transient the estimator has no term for).
 
 [Note: Megatron's step time]
 With the planner's cluster rules (matmul FLOPs at ``peak x flops_efficiency``, element-wise
@@ -117,11 +119,13 @@ class TransformerShape:
         multiple = 128 * tp
         return -(-self.vocab // multiple) * multiple
 
-    def layer_params(self) -> float:
-        """Megatron's estimator's parameter count of the transformer layers (final norm in)."""
+    def layer_params(self) -> tuple[float, float]:
+        """Megatron's estimator's parameter count of the transformer layers: (split over the
+        tensor-parallel ranks: attention and MLP weights; whole on each: the LayerNorms, the
+        final one included)."""
         L, h = self.num_layers, self.hidden
         mlp = self.ffn / h * (1.5 if self.gated else 1.0)
-        return 2 * L * h * h * ((1 + self.groups / self.heads) + mlp + 2 / h + 1 / (L * h))
+        return 2 * L * h * h * ((1 + self.groups / self.heads) + mlp), 4 * L * h + 2 * h
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)
@@ -215,7 +219,8 @@ def _shard_params(shape: TransformerShape, c: MegatronConfig) -> float:
     """Parameters on the most loaded rank, by the estimator: its stage's layers and the
     embedding over ``t`` (an untied head too on a single stage)."""
     embedding = shape.hidden * shape.padded_vocab(c.tp)
-    shard = (shape.layer_params() / c.pp + embedding) / c.tp
+    split, whole = shape.layer_params()
+    shard = (split / c.pp + embedding) / c.tp + whole / c.pp
     if not shape.tied and c.pp == 1:
         shard += embedding / c.tp
     return shard
@@ -229,21 +234,34 @@ def _layer_bytes(shape: TransformerShape, c: MegatronConfig) -> float:
 
 
 def _activation_bytes(shape: TransformerShape, c: MegatronConfig) -> float:
-    """Megatron's estimator's activation formula, generalised as [Note: Megatron's memory] says;
-    written in its order (the interleaving factor applies to the embedding terms too)."""
+    """Megatron's estimator's activation formulas, extended to full recompute as [Note:
+    Megatron's memory] says; written in its order (the schedule's factor applies to the
+    embedding terms too)."""
     s, b, h, t, p = shape.seq_len, c.micro_batch, shape.hidden, c.tp, c.pp
+    V = shape.padded_vocab(t)
     outside = t if c.sequence_parallel else 1
     full = c.recompute is Recompute.FULL
     layer = 2 * s * b * h / outside if full else _layer_bytes(shape, c)
-    total = layer * shape.num_layers
-    total += 8 * s * b * p / t + s * b * h * p / outside
-    if c.vp > 1:
-        total *= 1 + (p - 1) / (p * c.vp)
-    elif p > 1:
-        total *= min(1.0, c.num_microbatches / p)
+    if c.sequence_parallel or full:
+        total = layer * shape.num_layers + 8 * s * b * p / t + s * b * h * p / outside
+        total *= _schedule_factor(c)
+        if p == 1:
+            total += 4 * s * b * h / outside + 4 * s * b * V / t
+        return total
+    # its formula without sequence parallelism (selective recompute)
+    total = layer * shape.num_layers + 8 * s * b * p + s * b * h * p
+    total *= _schedule_factor(c)
     if p == 1:
-        total += 4 * s * b * h / outside + 4 * s * b * shape.padded_vocab(t) / t
-    return total
+        total += 2 * (s * b * V / t + s * b * h)
+    return total * 1.05
+
+
+def _schedule_factor(c: MegatronConfig) -> float:
+    """The estimator's in-flight factor: ``1 + (p - 1) / (p v)`` interleaved, else ``min(1, m /
+    p)`` for a pipeline (``p`` micro-batches' worth of layers are counted already)."""
+    if c.vp > 1:
+        return 1 + (c.pp - 1) / (c.pp * c.vp)
+    return min(1.0, c.num_microbatches / c.pp) if c.pp > 1 else 1.0
 
 
 def _layer_forward_flops(shape: TransformerShape, b: int) -> tuple[float, float]:
