@@ -12,8 +12,9 @@ heaviest first (what each holds with nothing moved, over its budget), to the ran
 largest budgets first, taking the host links in turn among equals; then, from the better of the
 two, it swaps the stages of two ranks while a swap gives a better plan (one that fits where none
 did, else a shorter step, else a lower highest fill), at most ``max_rounds`` passes over the
-pairs. The cost model divides a host link's bandwidth among all the ranks behind it, used or not
-([Note: saver costs] in plan.py), so sharing a link is priced alike under every map.
+pairs. The cost model divides a host link's bandwidth among the ranks behind it that swap over
+it ([Note: saver costs] in plan.py), so a map that puts the ranks that must host-swap behind
+links of their own prices faster than one that crowds them behind one.
 
 Training keeps the schedule's map (rank r runs stage r): its ranks have one budget and the links
 it measures are the same for every rank and pair, so every map prices alike there; the map is for

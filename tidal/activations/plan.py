@@ -17,8 +17,10 @@ step (microbatches) and ``c`` copies live at the stage's peak:
                is an item of its own, a block's input) and runs the forward again in its
                backward: n x recompute_s added to the rank's backward
     host swap  out after the last forward use, back before the first backward use, over the rank's
-               host link (shared by the ranks on it): each use costs 2 x bytes / bandwidth, of
-               which the idle window between those uses hides idle_s; the host holds c x bytes
+               host link (its bandwidth split evenly among the ranks behind it that host-swap
+               anything: a rank that swaps nothing takes none of it): each use costs 2 x bytes /
+               bandwidth, of which the idle window between those uses hides idle_s; the host
+               holds c x bytes
     peer swap  the same over the link to a lender rank, which holds c x bytes in its own budget
 
 A tensor that is not kept is back on its rank for its block's backward, one block at a time: a
@@ -208,8 +210,23 @@ def _options(item: Saved, links: Links) -> list[Choice]:
     return out
 
 
-def _added_s(item: Saved, choice: Choice, links: Links) -> float:
-    """Seconds ``choice`` adds to ``item``'s rank per step."""
+def _host_ranks(saved: Sequence[Saved], choices: Sequence[Choice], links: Links) -> frozenset[int]:
+    """The ranks that host-swap anything under ``choices``."""
+    return frozenset(links.stage_rank[item.stage]
+                     for item, (saver, _) in zip(saved, choices, strict=True)
+                     if saver is Saver.HOST)  # fmt: skip
+
+
+def _host_users(links: Links, host_ranks: frozenset[int], rank: int) -> int:
+    """How many ranks share ``rank``'s host link when ``rank`` host-swaps: those of
+    ``host_ranks`` behind the same link, ``rank`` included."""
+    link = links.host_link[rank]
+    return len({r for r in host_ranks if links.host_link[r] == link} | {rank})
+
+
+def _added_s(item: Saved, choice: Choice, links: Links, host_users: int = 1) -> float:
+    """Seconds ``choice`` adds to ``item``'s rank per step; a host swap shares its link's
+    bandwidth with ``host_users`` ranks, its own included."""
     saver, lender = choice
     rank = links.stage_rank[item.stage]
     if saver is Saver.KEEP:
@@ -218,8 +235,7 @@ def _added_s(item: Saved, choice: Choice, links: Links) -> float:
         assert item.recompute_s is not None
         return item.uses_per_step * item.recompute_s
     if saver is Saver.HOST:
-        link = links.host_link[rank]
-        bandwidth = links.host_bandwidth[link] / links.sharers(link)
+        bandwidth = links.host_bandwidth[links.host_link[rank]] / host_users
     else:
         assert lender is not None
         bandwidth = links.peer_bandwidth[rank][lender]
@@ -236,8 +252,10 @@ def evaluate(saved: Sequence[Saved], choices: Sequence[Choice], links: Links,
     kept, lent = list(links.base_bytes), [0] * n
     host = [0] * len(links.host_bandwidth)
     added = [0.0] * n
+    hosting = _host_ranks(saved, choices, links)
     per_item = tuple(
-        _added_s(item, choice, links) for item, choice in zip(saved, choices, strict=True)
+        _added_s(item, choice, links, _host_users(links, hosting, links.stage_rank[item.stage]))
+        for item, choice in zip(saved, choices, strict=True)
     )
     for item, choice, item_added in zip(saved, choices, per_item, strict=True):
         rank = links.stage_rank[item.stage]
@@ -300,13 +318,14 @@ def _cheaper(saved: Sequence[Saved], links: Links, plan: SaverPlan) -> SaverPlan
     (to a cheaper saver, keep included), or that and one more of its tensors; None if none."""
     slowest = max(range(links.num_ranks), key=lambda r: plan.added_s[r])
     mine = [i for i, item in enumerate(saved) if links.stage_rank[item.stage] == slowest]
+    users = _host_users(links, _host_ranks(saved, plan.choices, links), slowest)
     for index in mine:
         now = plan.choices[index]
         if now[0] is Saver.KEEP:
             continue
-        cost = _added_s(saved[index], now, links)
+        cost = plan.item_added_s[index]
         for choice in _options(saved[index], links):
-            if _added_s(saved[index], choice, links) >= cost:
+            if _added_s(saved[index], choice, links, users) >= cost:  # the plan prices it whole
                 continue
             changes = [[(index, choice)]]
             if len(mine) <= PAIR_SEARCH_MAX_ITEMS:  # pairs cost len(mine)^2 plans
@@ -324,12 +343,49 @@ def _try(saved: Sequence[Saved], links: Links, plan: SaverPlan,
     choices = list(plan.choices)
     for index, choice in change:
         choices[index] = choice
-    for _, (saver, lender) in change:
+    for index, (saver, lender) in change:
         if saver is Saver.PEER:
             assert lender is not None
             choices = _make_room(saved, links, choices, lender)
+        if saver is Saver.HOST:
+            link = links.host_link[links.stage_rank[saved[index].stage]]
+            choices = _make_host_room(saved, links, choices, link, {i for i, _ in change})
     trial = evaluate(saved, choices, links, plan.solver)
     return trial if trial.fits and _step_key(trial) < _step_key(plan) else None
+
+
+def _make_host_room(saved: Sequence[Saved], links: Links, choices: list[Choice], link: int,
+                    changed: set[int]) -> list[Choice]:  # fmt: skip
+    """``choices`` with other tensors on ``link``'s host moved back (kept, lent or recomputed,
+    the fewest added seconds per byte first, each where its rank and lender still fit) until
+    the host holds at most its budget, if it can."""
+    cap = links.host_budget_bytes[link]
+    choices = list(choices)
+    while True:
+        plan = evaluate(saved, choices, links, "")
+        if cap is None or plan.host_bytes[link] <= cap:
+            return choices
+        moves = []
+        for index, item in enumerate(saved):
+            rank = links.stage_rank[item.stage]
+            if index in changed or choices[index][0] is not Saver.HOST or not item.held_bytes:
+                continue
+            if links.host_link[rank] != link:
+                continue
+            for choice in _options(item, links):
+                if choice[0] is Saver.HOST:
+                    continue
+                trial = evaluate(
+                    saved, [*choices[:index], choice, *choices[index + 1 :]], links, ""
+                )
+                if all(trial.peak_bytes[r] <= links.budget_bytes[r] for r in range(links.num_ranks)
+                       if trial.peak_bytes[r] > plan.peak_bytes[r]):  # fmt: skip
+                    added = trial.item_added_s[index] - plan.item_added_s[index]
+                    moves.append((added / item.held_bytes, -item.held_bytes, index, choice))
+        if not moves:
+            return choices
+        _, _, index, choice = min(moves)
+        choices[index] = choice
 
 
 def _make_room(saved: Sequence[Saved], links: Links, choices: list[Choice],
@@ -341,8 +397,9 @@ def _make_room(saved: Sequence[Saved], links: Links, choices: list[Choice],
         plan = evaluate(saved, choices, links, "")
         if plan.peak_bytes[lender] <= links.budget_bytes[lender]:
             return choices
+        users = _host_users(links, _host_ranks(saved, choices, links), lender)
         moves = [
-            (_added_s(item, choice, links) / (item.held_bytes - item.held_under(choice[0])),
+            (_added_s(item, choice, links, users) / (item.held_bytes - item.held_under(choice[0])),
              index, choice)
             for index, item in enumerate(saved)
             if links.stage_rank[item.stage] == lender and choices[index][0] is Saver.KEEP
@@ -400,6 +457,15 @@ def _best_move(saved: Sequence[Saved], choices: list[Choice], links: Links, plan
     spare = [b - p for b, p in zip(links.budget_bytes, plan.peak_bytes, strict=True)]
     host_room = [math.inf if cap is None else cap - held
                  for cap, held in zip(links.host_budget_bytes, plan.host_bytes, strict=True)]  # fmt: skip
+    # A host swap is priced with this rank on its link, plus, if the rank joins the link, what
+    # the ranks already swapping over it then add: a second user halves everyone's bandwidth.
+    hosting = _host_ranks(saved, choices, links)
+    users = _host_users(links, hosting, rank)
+    joining_s = 0.0 if rank in hosting else sum(
+        _added_s(item, choice, links, users) - plan.item_added_s[index]
+        for index, (item, choice) in enumerate(zip(saved, choices, strict=True))
+        if choice[0] is Saver.HOST and links.host_link[links.stage_rank[item.stage]] == links.host_link[rank]
+    )  # fmt: skip
     best: tuple[tuple[float, float], int, Choice] | None = None
     for index, item in enumerate(saved):
         now = choices[index]
@@ -423,7 +489,8 @@ def _best_move(saved: Sequence[Saved], choices: list[Choice], links: Links, plan
                 continue
             if saver is Saver.PEER and (lender is None or spare[lender] < item.held_bytes):
                 continue
-            added = _added_s(item, choice, links) - _added_s(item, now, links)
+            added = _added_s(item, choice, links, users) - plan.item_added_s[index]
+            added += joining_s if saver is Saver.HOST else 0.0
             key = (added / freed, -freed)  # s per byte freed; free ones by size
             if best is None or key < best[0]:
                 best = (key, index, choice)
@@ -441,17 +508,25 @@ def _transient(saved: Sequence[Saved], choices: Sequence[Choice], links: Links, 
 
 
 def plan_exact(saved: Sequence[Saved], links: Links) -> SaverPlan:
-    """The least added step time over every assignment, as a MILP (``fits`` False if none)."""
+    """The least added step time over every assignment, as a MILP (``fits`` False if none).
+
+    A host swap's price depends on how many ranks share its link ([Note: saver costs]), so each
+    host option is offered once per possible count ``k`` of users of its link, priced at ``k``:
+    a binary per rank says it host-swaps anything, and choosing an option at ``k`` caps its
+    link's users at ``k``. The least step takes, per item, the count that is the link's own."""
     import numpy as np
     from scipy.optimize import Bounds, LinearConstraint, milp
 
-    options = [_options(item, links) for item in saved]
+    options = [[(choice, users) for choice in _options(item, links)
+                for users in (range(1, links.sharers(links.host_link[links.stage_rank[item.stage]]) + 1)
+                              if choice[0] is Saver.HOST else (1,))]
+               for item in saved]  # fmt: skip
     index = [(i, o) for i, opts in enumerate(options) for o in range(len(opts))]
     n, num_x = links.num_ranks, len(index)
     # Variables: x (one per item and option), then t (transient per rank), h (host-swapped
-    # copy fetched ahead, per rank), then z (step).
-    num_vars = num_x + 2 * n + 1
-    t0, h0, z = num_x, num_x + n, num_x + 2 * n
+    # copy fetched ahead, per rank), u (the rank host-swaps anything), then z (step).
+    num_vars = num_x + 3 * n + 1
+    t0, h0, u0, z = num_x, num_x + n, num_x + 2 * n, num_x + 3 * n
     rows: list[np.ndarray] = []
     bounds: list[tuple[float, float]] = []
 
@@ -470,10 +545,10 @@ def plan_exact(saved: Sequence[Saved], links: Links) -> SaverPlan:
     for rank in range(n):  # peak within the budget; added seconds below z
         mem, time = row(), row()
         for k, (i, o) in enumerate(index):
-            item, (saver, lender) = saved[i], options[i][o]
+            item, ((saver, lender), users) = saved[i], options[i][o]
             owner = links.stage_rank[item.stage]
             if owner == rank:
-                time[k] = _added_s(item, options[i][o], links)
+                time[k] = _added_s(item, (saver, lender), links, users)
                 mem[k] = item.held_under(saver)
             if saver is Saver.PEER and lender == rank:
                 mem[k] += item.held_bytes
@@ -482,16 +557,29 @@ def plan_exact(saved: Sequence[Saved], links: Links) -> SaverPlan:
         add(mem, -np.inf, links.budget_bytes[rank] - links.base_bytes[rank])
         time[z] = -1.0
         add(time, -np.inf, 0.0)
-    for k, (i, o) in enumerate(index):  # a moved copy is back for its block's backward
-        item, (saver, _) = saved[i], options[i][o]
-        if saver is not Saver.KEEP and item.copies:
+    for k, (i, o) in enumerate(index):
+        item, ((saver, _), users) = saved[i], options[i][o]
+        owner = links.stage_rank[item.stage]
+        if saver is not Saver.KEEP and item.copies:  # a moved copy is back for its backward
             r = row()
-            r[k], r[t0 + links.stage_rank[item.stage]] = item.num_bytes, -1.0
+            r[k], r[t0 + owner] = item.num_bytes, -1.0
             add(r, -np.inf, 0.0)
         if saver is Saver.HOST and item.copies and links.host_prefetch:
             r = row()
-            r[k], r[h0 + links.stage_rank[item.stage]] = item.num_bytes, -1.0
+            r[k], r[h0 + owner] = item.num_bytes, -1.0
             add(r, -np.inf, 0.0)
+        if saver is Saver.HOST:  # its rank uses the link, whose users are then at most `users`
+            r = row()
+            r[k], r[u0 + owner] = 1.0, -1.0
+            add(r, -np.inf, 0.0)
+            link = links.host_link[owner]
+            sharers = links.sharers(link)
+            r = row()
+            for other in range(n):
+                if links.host_link[other] == link:
+                    r[u0 + other] = 1.0
+            r[k] = float(sharers)
+            add(r, -np.inf, float(users + sharers))
     for link, cap in enumerate(links.host_budget_bytes):
         if cap is None:
             continue
@@ -499,25 +587,25 @@ def plan_exact(saved: Sequence[Saved], links: Links) -> SaverPlan:
         for k, (i, o) in enumerate(index):
             item = saved[i]
             if (
-                options[i][o][0] is Saver.HOST
+                options[i][o][0][0] is Saver.HOST
                 and links.host_link[links.stage_rank[item.stage]] == link
             ):
                 r[k] = item.held_bytes
         add(r, -np.inf, float(cap))
     cost = row()
     cost[z] = 1.0
-    integrality = np.concatenate([np.ones(num_x), np.zeros(2 * n + 1)])
-    upper = np.concatenate([np.ones(num_x), np.full(2 * n + 1, np.inf)])
+    binary = np.concatenate([np.ones(num_x), np.zeros(2 * n), np.ones(n), np.zeros(1)])
+    upper = np.concatenate([np.ones(num_x), np.full(2 * n, np.inf), np.ones(n), [np.inf]])
     low, high = zip(*bounds, strict=True)
     result = milp(cost, constraints=LinearConstraint(np.array(rows), low, high),
-                  integrality=integrality, bounds=Bounds(np.zeros(num_vars), upper))  # fmt: skip
+                  integrality=binary, bounds=Bounds(np.zeros(num_vars), upper))  # fmt: skip
     if result.x is None:  # infeasible: no assignment fits
         kept = evaluate(saved, [(Saver.KEEP, None)] * len(saved), links, "exact")
         return dataclasses.replace(kept, fits=False)
     choices: list[Choice] = [(Saver.KEEP, None)] * len(saved)
     for k, (i, o) in enumerate(index):
         if result.x[k] > 0.5:
-            choices[i] = options[i][o]
+            choices[i] = options[i][o][0]
     return evaluate(saved, choices, links, "exact")
 
 

@@ -253,3 +253,38 @@ def test_a_stashed_version_may_wait_on_the_host_never_on_a_peer(exact: bool) -> 
     slow_host = _links([16 * MiB, 100 * MiB], peer_gbps=100.0, host_gbps=0.001, base=[4 * MiB, 0])
     assert (plan_exact if exact else plan_greedy)([free], slow_host).choices[0][0] is Saver.PEER
     assert (plan_exact if exact else plan_greedy)([weights], slow_host).choices[0][0] is Saver.HOST
+
+
+def test_a_host_link_is_shared_only_by_the_ranks_that_swap_over_it() -> None:
+    # Two ranks behind one 10 GB/s link, one 8 MiB tensor each, 4 uses a step, no idle window.
+    # Rank 0 alone swapping: 4 x 2 x 8 MiB / 10 GB/s. Both swapping: each at 5 GB/s.
+    saved = [Saved(stage=s, block=0, tensor_class=TensorClass.MLP, num_bytes=8 * MiB, copies=1,
+                   uses_per_step=4, recompute_s=1.0) for s in range(2)]  # fmt: skip
+    links = _links([1 << 30, 1 << 30], host_gbps=10.0)
+    alone = 4 * 2 * 8 * MiB / 10e9
+    one = evaluate(saved, [(Saver.HOST, None), (Saver.KEEP, None)], links, "")
+    assert one.added_s == pytest.approx((alone, 0.0), rel=1e-12)
+    both = evaluate(saved, [(Saver.HOST, None), (Saver.HOST, None)], links, "")
+    assert both.added_s == pytest.approx((2 * alone, 2 * alone), rel=1e-12)
+    # A recompute of rank 1 does not take the link from rank 0.
+    other = evaluate(saved, [(Saver.HOST, None), (Saver.RECOMPUTE, None)], links, "")
+    assert other.added_s == pytest.approx((alone, 4.0), rel=1e-12)
+
+
+def test_the_planners_keep_a_second_rank_off_a_link_when_sharing_costs_more() -> None:
+    # Both ranks must move their 8 MiB tensor (12 MiB budgets, two copies). Rank 1's is a block
+    # input: only the host takes it. Rank 0's recompute adds 1.5 x what a swap alone on the link
+    # adds; a swap beside rank 1's adds 2 x. The least step recomputes on rank 0, leaving the
+    # link to rank 1: 1.5 x (pricing the link as shared whether used or not gave 2 x for any plan).
+    alone = 4 * 2 * 8 * MiB / 10e9
+    saved = [Saved(stage=0, block=0, tensor_class=TensorClass.MLP, num_bytes=8 * MiB, copies=2,
+                   uses_per_step=4, recompute_s=1.5 * alone / 4),
+             Saved(stage=1, block=0, tensor_class=TensorClass.BLOCK_INPUT, num_bytes=8 * MiB,
+                   copies=2, uses_per_step=4, recompute_s=None)]  # fmt: skip
+    links = _links([12 * MiB, 12 * MiB], host_gbps=10.0)
+    both_host = evaluate(saved, [(Saver.HOST, None)] * 2, links, "")
+    assert both_host.fits and both_host.added_step_s == pytest.approx(2 * alone, rel=1e-12)
+    for plan in (plan_exact(saved, links), plan_greedy(saved, links)):
+        assert plan.fits, plan.solver
+        assert plan.choices == ((Saver.RECOMPUTE, None), (Saver.HOST, None)), plan.solver
+        assert plan.added_s == pytest.approx((1.5 * alone, alone), rel=1e-9)

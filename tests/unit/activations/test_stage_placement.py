@@ -96,3 +96,16 @@ def test_moving_stages_moves_their_model_data() -> None:
     moved = with_stage_ranks(links, [3, 2, 1, 0])
     assert moved.stage_rank == (3, 2, 1, 0) and moved.base_bytes == (40, 30, 20, 10)
     assert moved.budget_bytes == links.budget_bytes and moved.host_link == links.host_link
+
+
+def test_the_ranks_that_host_swap_go_behind_links_of_their_own() -> None:
+    # Stages hold 320 / 240 / 160 / 80 MiB with nothing moved, 200 MiB each: stages 0 and 1
+    # must swap to the host (recompute costs 2 s), 2 and 3 move nothing. Behind one link (the
+    # given map) they share its bandwidth; the placed map puts them behind different links.
+    saved = _saved(4, num_bytes=8 * MiB, recompute_s=2.0)
+    links = _paired_links(200 * MiB, host_gbps=10.0, base=[0] * 4)
+    given = plan_greedy(saved, links)
+    placed, plan = place_stages(saved, links)
+    assert given.fits and plan.fits
+    assert placed.host_link[placed.stage_rank[0]] != placed.host_link[placed.stage_rank[1]]
+    assert plan.added_step_s < 0.6 * given.added_step_s  # about half: the link is its own

@@ -64,7 +64,8 @@ def test_a_recompute_or_a_swap_the_window_cannot_hide_lengthens_the_step() -> No
     kept = keep_all(saved, _links(1 << 40))
     assert step_with_savers(sim, kept).makespan_s == sim.makespan_s
     # Stage 0 holds 4 x 4 MiB: a 10 MiB budget needs savers there.
-    slow = plan_savers(saved, _links(10 * MiB, host_bandwidth=1e6))  # a host link too slow
+    # A host link too slow: 2 x 3 MiB at 100 kB/s is 63 s a use, over stage 0's 9 s window.
+    slow = plan_savers(saved, _links(10 * MiB, host_bandwidth=1e5))
     assert {c[0] for i, c in zip(slow.saved, slow.choices, strict=True) if i.stage == 0} >= {
         Saver.RECOMPUTE
     }
