@@ -34,7 +34,8 @@ planners minimise that.
 [Note: the saver planners]
 ``greedy`` (MPress): while some rank is over its budget, take the most overloaded one and apply,
 among its kept tensors and the savers that fit (a lender's spare bytes, the host link's), the
-one that saves the most bytes per added second (free ones first, largest first); a recomputed
+one that saves the most bytes per added second (free ones first, largest first; a host swap
+that brings a rank onto its link also pays what the ranks already on it then add); a recomputed
 tensor that still keeps its inputs may move on to the host or a peer the same way. ``exact``: the
 same model as a mixed-integer program on scipy's HiGHS (``scipy.optimize.milp``), for small
 instances and to bound the greedy's gap in tests. :func:`plan_savers` runs the greedy and,
@@ -304,7 +305,8 @@ def _step_key(plan: SaverPlan) -> tuple[float, float]:
 def _refine(saved: Sequence[Saved], links: Links, plan: SaverPlan) -> SaverPlan:
     """Lower the slowest rank's added seconds one tensor at a time: give one of its moved
     tensors a cheaper saver (making room on a lender by moving the lender's own tensors to
-    recompute or the host), while the plan fits and its step gets shorter (at most 64 times)."""
+    recompute or the host, and on a full host by moving other tensors back from it), while the
+    plan fits and its step gets shorter (at most 64 times)."""
     for _ in range(min(4 * len(saved), 64)):
         better = _cheaper(saved, links, plan)
         if better is None:
