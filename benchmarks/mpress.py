@@ -8,7 +8,10 @@ sequences a microbatch; each shape can be set; blocks added ``--step-layers`` at
 into ``--stages`` pipeline stages, one GPU each, on a DGX-class server: ``--device-memory`` per
 GPU, a PCIe host link shared by each pair of GPUs (``--host-gbps`` each way), every pair of GPUs
 joined by NVSwitch (``--peer-gbps``). Under 1F1B and PipeDream, each strategy is asked for the
-largest model it fits and, at the largest model recompute-only fits, the simulated step:
+largest model it fits and, at the largest model recompute-only fits, the simulated step.
+PipeDream updates its weights after every microbatch, as PipeDream does (``--pipedream-updates
+microbatch``: stage s stashes p - s versions), or once per ``--microbatches`` (``step``, as
+``tidal train --schedule pipedream`` does: at most two versions live). The strategies:
 
 - ``none``: keep everything;
 - ``recompute``: every block recomputed (its input kept); ``selective``: the attention
@@ -22,8 +25,16 @@ Writes ``benchmarks/results/mpress-*.json``, a table, and a PNG beside the JSON.
 Everything here is the simulator's and the planner's: layer profiles traced on the meta device
 at H100-like rates (bf16), each block's saved bytes split by class with Megatron's count
 (``models.gpt_saved_shares``), model data at 16 bytes per parameter (bf16 weights, fp32
-gradients, masters and AdamW moments), the stage split balanced by time. No model is trained.
-ZeRO-3 over chunks at the same memory is in the measured section only.
+gradients, masters and AdamW moments). No model is trained. ZeRO-3 over chunks at the same
+memory is in the measured section only.
+
+Every strategy is priced on two stage splits and keeps the better: the split balanced by time
+(the least bottleneck stage, what MPress starts from), and the fastest split whose stages fit
+the budget with recompute-only's memory (model data, stashed versions and each block's input for
+every microbatch in flight: [Note: stage memory] in tidal/pipeline/partition.py), which moves
+blocks off the early stages, as a memory-aware partitioner would for a baseline that cannot move
+what piles up there. A strategy fits a model if it fits on either split; its step at
+recompute-only's largest model is the faster split's that fits.
 """
 
 from __future__ import annotations
@@ -51,7 +62,8 @@ from tidal.activations import (
 from tidal.config import ConfigError, format_bytes, parse_bytes
 from tidal.models import gpt_saved_shares, profile_gpt
 from tidal.models.gpt import GPTConfig
-from tidal.pipeline.partition import LayerProfile, partition
+from tidal.pipeline.ir import Schedule
+from tidal.pipeline.partition import LayerProfile, Partition, PartitionInfeasible, partition
 from tidal.pipeline.savers import BlockSaves, saved_tensors, step_with_savers
 from tidal.pipeline.schedules import make_schedule
 from tidal.pipeline.simulate import Simulation, StageCosts, simulate
@@ -60,6 +72,7 @@ __all__ = ["STRATEGIES", "add_arguments", "bench_mpress", "run"]
 
 STRATEGIES = ("none", "recompute", "selective", "host", "peer", "mpress")
 SCHEDULES = ("1f1b", "pipedream")
+SPLITS = ("time", "memory")  # [Note: what the bench predicts]
 BYTES_PER_PARAM = 16  # bf16 weights; fp32 gradients, masters, AdamW's two moments
 
 
@@ -72,6 +85,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--micro-batch", type=int, default=None, help="sequences a microbatch")
     parser.add_argument("--stages", type=int, default=8, help="GPUs, one stage each (8)")
     parser.add_argument("--microbatches", type=int, default=8)
+    parser.add_argument("--pipedream-updates", choices=("microbatch", "step"), default="microbatch",
+                        help="PipeDream updates after every microbatch (PipeDream's own: p - s "
+                        "stashed versions on stage s) or once per --microbatches (step)")  # fmt: skip
     parser.add_argument("--device-memory", default="80GiB", metavar="SIZE")
     parser.add_argument("--host-gbps", type=float, default=25.0)
     parser.add_argument("--peer-gbps", type=float, default=300.0)
@@ -121,15 +137,44 @@ def _family(args: argparse.Namespace) -> _Family:
     return _Family(config, embed, block, head)
 
 
+def _schedule(schedule_name: str, args: argparse.Namespace) -> Schedule:
+    """The schedule simulated: three steps of an asynchronous one (its steady state), where
+    PipeDream's per-microbatch updates make each microbatch a step of its own."""
+    if schedule_name != "pipedream":
+        return make_schedule(schedule_name, stages=args.stages, microbatches=args.microbatches)
+    if args.pipedream_updates == "microbatch":
+        return make_schedule("pipedream", stages=args.stages, microbatches=1,
+                             steps=3 * args.microbatches)  # fmt: skip
+    return make_schedule("pipedream", stages=args.stages, microbatches=args.microbatches, steps=3)
+
+
+def _split(family: _Family, profiles: list[LayerProfile], shape: Simulation, split_by: str,
+           args: argparse.Namespace) -> Partition | None:  # fmt: skip
+    """The stage split ``split_by`` names ([Note: what the bench predicts]); None if no split
+    fits the budget with recompute-only's memory."""
+    in_flight = shape.peak_activations
+    versions = [v - 1 for v in shape.weight_versions]
+    if split_by == "time":
+        return partition(profiles, args.stages, in_flight=in_flight, weight_versions=versions)
+    share = gpt_saved_shares(family.config, seq_len=family.config.seq_len)[TensorClass.BLOCK_INPUT]
+    kept = [dataclasses.replace(p, activation_bytes=int(p.activation_bytes * share))
+            if p.name.startswith("blocks.") else p for p in profiles]  # fmt: skip
+    try:
+        return partition(kept, args.stages, in_flight=in_flight, weight_versions=versions,
+                         memory_limit_bytes=parse_bytes(args.device_memory, key="--device-memory"),
+                         state_bytes_per_param_byte=BYTES_PER_PARAM // 2)  # fmt: skip
+    except PartitionInfeasible:
+        return None
+
+
 def _case(family: _Family, layers: int, schedule_name: str, args: argparse.Namespace,
-          ) -> tuple[Simulation, list[Saved], Links]:  # fmt: skip
-    steps = 3 if schedule_name == "pipedream" else 1
-    schedule = make_schedule(schedule_name, stages=args.stages, microbatches=args.microbatches,
-                             steps=steps)  # fmt: skip
+          split_by: str = "time") -> tuple[Simulation, list[Saved], Links] | None:  # fmt: skip
+    schedule = _schedule(schedule_name, args)
     shape = simulate(schedule)
     profiles = family.profiles(layers)
-    split = partition(profiles, args.stages, in_flight=shape.peak_activations,
-                      weight_versions=[v - 1 for v in shape.weight_versions])  # fmt: skip
+    split = _split(family, profiles, shape, split_by, args)
+    if split is None:
+        return None
 
     def per_stage(field: str) -> tuple[float, ...]:
         return tuple(sum(getattr(p, field) for p in profiles[a:b]) for a, b in split.unit_ranges)
@@ -160,6 +205,25 @@ def _case(family: _Family, layers: int, schedule_name: str, args: argparse.Names
     return sim, saved_tensors(sim, blocks, weight_bytes=weight_bytes), links
 
 
+def _priced(family: _Family, layers: int, schedule: str, name: str,
+            args: argparse.Namespace) -> tuple[str, Simulation, SaverPlan] | None:  # fmt: skip
+    """``name``'s plan on the split where its step is shortest, with the split's name and the
+    simulated step; None if it fits on neither."""
+    best = None
+    for split_by in SPLITS:
+        case = _case(family, layers, schedule, args, split_by)
+        if case is None:
+            continue
+        sim, saved, links = case
+        plan = _strategy(name, saved, links)
+        if not plan.fits:
+            continue
+        stepped = step_with_savers(sim, plan)
+        if best is None or stepped.makespan_s < best[1].makespan_s:
+            best = (split_by, stepped, plan)
+    return best
+
+
 def _strategy(name: str, saved: list[Saved], links: Links) -> SaverPlan:
     """``name``'s plan (``fits`` False when it cannot fit)."""
     if name in ("peer", "mpress"):
@@ -179,12 +243,13 @@ def _strategy(name: str, saved: list[Saved], links: Links) -> SaverPlan:
     return evaluate(saved, choices, links, name)
 
 
-def _largest(family: _Family, schedule: str, name: str, args: argparse.Namespace) -> int:
-    """The most blocks (a multiple of --step-layers) ``name`` fits; 0 if none."""
+def _largest(family: _Family, schedule: str, name: str, split_by: str,
+             args: argparse.Namespace) -> int:  # fmt: skip
+    """The most blocks (a multiple of --step-layers) ``name`` fits on ``split_by``; 0 if none."""
 
     def fits(layers: int) -> bool:
-        _, saved, links = _case(family, layers, schedule, args)
-        return _strategy(name, saved, links).fits
+        case = _case(family, layers, schedule, args, split_by)
+        return case is not None and _strategy(name, case[1], case[2]).fits
 
     low, high = 0, args.max_layers // args.step_layers  # in steps: low fits (or 0), high not
     if fits(high * args.step_layers):
@@ -200,22 +265,31 @@ def bench_mpress(args: argparse.Namespace) -> list[dict[str, Any]]:
     params_per_block = family.block.param_bytes // 2
     rows = []
     for schedule in SCHEDULES:
-        largest = {name: _largest(family, schedule, name, args) for name in STRATEGIES}
-        at = largest["recompute"]
+        by_split = {name: {split_by: _largest(family, schedule, name, split_by, args)
+                           for split_by in SPLITS} for name in STRATEGIES}  # fmt: skip
+        largest = {name: max(by_split[name].values()) for name in STRATEGIES}
+        at, on_time = largest["recompute"], by_split["recompute"]["time"]
         for name in STRATEGIES:
             row: dict[str, Any] = {"section": "predicted", "family": args.family,
                                    "micro_batch": _shape(args, "micro_batch"),
                                    "schedule": schedule, "strategy": name,
+                                   "pipedream_updates": (args.pipedream_updates
+                                                         if schedule == "pipedream" else None),
                                    "largest_layers": largest[name],
                                    "largest_params": largest[name] * params_per_block,
-                                   "vs_recompute": (largest[name] / at) if at else None}  # fmt: skip
-            if at:
-                sim, saved, links = _case(family, at, schedule, args)
-                plan = _strategy(name, saved, links)
-                row["step_s_at_recompute_largest"] = (
-                    step_with_savers(sim, plan).makespan_s if plan.fits else None
-                )
-                row["peak_bytes_at_recompute_largest"] = max(plan.peak_bytes)
+                                   "vs_recompute": (largest[name] / at) if at else None,
+                                   # against recompute-only held to the split by time, as MPress
+                                   "vs_recompute_time_split": (largest[name] / on_time)
+                                   if on_time else None,
+                                   "largest_split": max(SPLITS, key=lambda by: by_split[name][by])
+                                   if largest[name] else None,
+                                   "largest_layers_by_split": by_split[name]}  # fmt: skip
+            priced = _priced(family, at, schedule, name, args) if at else None
+            row["split_at_recompute_largest"] = None if priced is None else priced[0]
+            row["step_s_at_recompute_largest"] = None if priced is None else priced[1].makespan_s
+            row["peak_bytes_at_recompute_largest"] = (
+                None if priced is None else max(priced[2].peak_bytes)
+            )
             rows.append(row)
     return rows
 
@@ -263,17 +337,22 @@ def run(args: argparse.Namespace, console: Console) -> int:
     if "predicted" not in sections:
         return 0
     table = Table(title=f"tidal bench mpress (predicted, {args.family}, {args.stages} GPUs of "
-                        f"{args.device_memory}) -> {path}", title_justify="left")  # fmt: skip
-    for column in ("schedule", "strategy", "largest blocks", "params", "x recompute",
-                   "step s at recompute's largest", "peak there"):  # fmt: skip
+                        f"{args.device_memory}, PipeDream updates every "
+                        f"{args.pipedream_updates}) -> {path}", title_justify="left")  # fmt: skip
+    for column in ("schedule", "strategy", "largest blocks", "params", "x recompute", "split",
+                   "x recompute on the time split",
+                   "step s at recompute's largest", "split there", "peak there"):  # fmt: skip
         table.add_column(column, justify="right")
     for r in (r for r in rows if r["section"] == "predicted"):
         step = r.get("step_s_at_recompute_largest")
         table.add_row(
             r["schedule"], r["strategy"], str(r["largest_layers"]), f"{r['largest_params']:,}",
             "-" if r["vs_recompute"] is None else f"{r['vs_recompute']:.2f}",
+            r["largest_split"] or "-",
+            "-" if r["vs_recompute_time_split"] is None else f"{r['vs_recompute_time_split']:.2f}",
             "does not fit" if step is None else f"{step:.4g}",
-            format_bytes(r.get("peak_bytes_at_recompute_largest", 0)),
+            r["split_at_recompute_largest"] or "-",
+            "-" if step is None else format_bytes(r["peak_bytes_at_recompute_largest"]),
         )  # fmt: skip
     console.print(table)
     return 0

@@ -35,6 +35,9 @@ def test_bench_mpress_writes_rows_and_the_plan_fits_what_one_saver_fits(
         assert at["step_s_at_recompute_largest"] is not None
         assert at["peak_bytes_at_recompute_largest"] <= 512 << 20
     assert {r["family"] for r in data["rows"]} == {"gpt"}
+    for r in data["rows"]:  # the largest is the better split's
+        assert r["largest_layers"] == max(r["largest_layers_by_split"].values()), r
+        assert r["pipedream_updates"] == ("microbatch" if r["schedule"] == "pipedream" else None)
     # The BERT-like family at a small shape: its vocabulary and microbatch, the same strategies.
     assert main(["bench", "mpress", "--section", "predicted", "--family", "bert", "--width", "128",
                  "--heads", "2", "--seq-len", "128", "--stages", "4", "--max-layers", "16",
@@ -96,3 +99,34 @@ def test_bench_mpress_measured_trains_more_blocks_with_savers_under_the_same_bud
     assert "rank 0 needs" in rows["none"]["refused_above"]  # the check before the first step
     assert rows["recompute"]["step_s_at_recompute_largest"] > 0
     assert rows["none"]["step_s_at_recompute_largest"] is None  # it does not train that model
+
+
+def test_pipedream_stashes_a_version_per_microbatch_in_flight_and_the_memory_split_unloads_it(
+) -> None:  # fmt: skip
+    # PipeDream updating after every microbatch (its own setting): stage s stashes p - s
+    # versions; updating once per 8 microbatches keeps at most two. The split that fits
+    # recompute-only's memory gives the first stage (the most versions) fewer blocks than the
+    # split by time. 24 GPT blocks 1024 wide on 4 stages of 2 GiB.
+    import argparse
+
+    from benchmarks import mpress
+    from tidal.activations import TensorClass
+
+    parser = argparse.ArgumentParser()
+    mpress.add_arguments(parser)
+    args = parser.parse_args(["--width", "1024", "--heads", "8", "--seq-len", "512",
+                              "--stages", "4", "--device-memory", "2GiB"])  # fmt: skip
+    family = mpress._family(args)
+    by_microbatch = mpress._case(family, 24, "pipedream", args, "time")
+    assert by_microbatch is not None
+    assert by_microbatch[0].weight_versions == (4, 3, 2, 1)
+    step_args = argparse.Namespace(**{**vars(args), "pipedream_updates": "step"})
+    by_step = mpress._case(family, 24, "pipedream", step_args, "time")
+    assert by_step is not None and max(by_step[0].weight_versions) == 2
+    first = {}
+    for split_by in mpress.SPLITS:
+        case = mpress._case(family, 24, "pipedream", args, split_by)
+        assert case is not None, split_by
+        first[split_by] = sum(1 for i in case[1]
+                              if i.stage == 0 and i.tensor_class is TensorClass.BLOCK_INPUT)  # fmt: skip
+    assert first["memory"] < first["time"], first
