@@ -289,11 +289,12 @@ def keep_all(saved: Sequence[Saved], links: Links) -> SaverPlan:
 def plan_greedy(saved: Sequence[Saved], links: Links) -> SaverPlan:
     """MPress's greedy, with every saver open to every tensor and with recomputable tensors
     only recomputed (which leaves the host and the lenders to the tensors that cannot be), each
-    reserving the whole of a rank's largest copy back, then half and a quarter of it (a rank
-    whose moves are all small holds less; the plan is evaluated as it is, so a smaller reserve
-    only ever adds plans); the fastest plan that fits, else the first (``fits`` False)."""
+    reserving the whole of a rank's largest copy back, then half, a quarter and none of it (a
+    rank whose moves are all small holds less, and one whose largest copy is a stashed weight
+    version it need not move holds none of it back; the plan is evaluated as it is, so a smaller
+    reserve only ever adds plans); the fastest plan that fits, else the first (``fits`` False)."""
     plans = [_greedy(saved, links, scarce_for_all=all_, reserve_share=share)
-             for all_ in (True, False) for share in (1.0, 0.5, 0.25)]  # fmt: skip
+             for all_ in (True, False) for share in (1.0, 0.5, 0.25, 0.0)]  # fmt: skip
     fitting = [_refine(saved, links, p) for p in plans if p.fits]
     return min(fitting, key=_step_key) if fitting else plans[0]
 
