@@ -5,7 +5,7 @@ per-rank budget, the largest GPT each strategy trains and its step.
 A GPT family (the ``tiny`` preset's width, ``--measured-seq-len`` tokens, blocks added one at a
 time) trains as a pipeline of ``--measured-ranks`` gloo processes (one thread each) under
 ``memory.device_budget = --measured-budget`` per rank, for each schedule (1F1B, PipeDream) and
-each ``pipeline.memory`` (none, recompute, host, peer, auto). "Trains" means what ``tidal train``
+each ``pipeline.memory`` (none, recompute, selective, host, peer, auto). "Trains" means what ``tidal train``
 does with a budget ([Note: pipeline memory] in tidal/train/pipeline_memory.py): the check before
 the first step passes, and the saved-tensor meter, with what a rank holds for others, stays
 within the budget at every change for every step (synchronous schedules; an asynchronous one is
@@ -31,7 +31,7 @@ from tidal.memory.shortfall import DeviceBudgetTooSmall
 
 __all__ = ["MEASURED", "add_measured_arguments", "bench_measured"]
 
-MEASURED = ("none", "recompute", "host", "peer", "auto", "zero3")
+MEASURED = ("none", "recompute", "selective", "host", "peer", "auto", "zero3")
 SCHEDULES = ("1f1b", "pipedream")
 
 

@@ -4,8 +4,8 @@ A synchronous pipeline (1F1B, 2 stages on 2 gloo ranks) of the tiny GPT must log
 engine's losses and validation losses (global clipping and the tied embedding included), and a
 run stopped at a checkpoint and resumed must continue exactly as the unbroken run. An
 asynchronous PipeMare run records its measured delays, which must be the simulator's, and
-resumes exactly too. With ``pipeline.memory`` recompute or host swap the synchronous run logs
-the same losses bit for bit.
+resumes exactly too. With ``pipeline.memory`` recompute, selective recompute or host swap the
+synchronous run logs the same losses bit for bit.
 """
 
 from __future__ import annotations
@@ -71,8 +71,9 @@ def _worker(root: str, reference: tuple[list[float], list[float]]) -> None:
     assert train == pytest.approx(reference[0], abs=TOL), (train, reference[0])
     assert val == pytest.approx(reference[1], abs=TOL), (val, reference[1])
 
-    # MPress's savers on every block (issue 18): the same numbers, bit for bit.
-    for mode in ("recompute", "host"):
+    # MPress's savers on every block, or on its attention part (selective): the same numbers,
+    # bit for bit.
+    for mode in ("recompute", "selective", "host"):
         summary = Trainer(_job(root_path / mode, schedule="1f1b", memory=mode)).fit()
         assert _losses(root_path / mode) == (train, val), mode
         figures: list[Any] = [None, None]
@@ -99,6 +100,16 @@ def _worker(root: str, reference: tuple[list[float], list[float]]) -> None:
     assert all(f["predicted_peak_bytes"] <= 2 << 20 for f in figures), figures
     assert figures[0]["blocks_recomputed"] + figures[0]["blocks_swapped"] > 0, figures
     assert all(f["measured_peak_bytes"] > f["model_data_bytes"] for f in figures)  # it counted
+    # Selective recompute (each block's attention part) also fits rank 0 into 2 MiB, holding
+    # more than auto's plan needs but within the budget, the same numbers.
+    selective = _job(root_path / "selective-2MiB", schedule="1f1b", memory="selective")
+    selective["memory"] = {"device_budget": "2MiB"}
+    summary = Trainer(selective).fit()
+    assert _losses(root_path / "selective-2MiB") == (train, val)
+    figures = [None, None]
+    dist.all_gather_object(figures, summary["pipeline"]["memory"])
+    assert all(f["measured_peak_bytes"] <= f["predicted_peak_bytes"] <= 2 << 20 for f in figures)
+    assert sum(f["blocks_recomputed"] for f in figures) == 2, figures
 
     # Peer swap only (MPress's device-to-device swap): rank 0 lends to rank 1 what it cannot
     # hold, rank 1 holds it within the same budget, the numbers are the same bit for bit.
@@ -194,6 +205,11 @@ def test_bad_pipeline_input_exits_2_in_one_line(capsys: pytest.CaptureFixture[st
                  "--set", "pipeline.memory=recompute"]) == 2  # fmt: skip
     err = capsys.readouterr().err
     assert "pipeline.memory: recompute runs under synchronous and stashing schedules" in err
+    assert main([*argv, "--schedule", "pipemare", "--set", "model.tie_embeddings=false",
+                 "--set", "pipeline.memory=selective"]) == 2  # fmt: skip
+    err = capsys.readouterr().err
+    assert "pipeline.memory: selective runs under synchronous and stashing schedules" in err
+    assert len(err.strip().splitlines()) == 1
     interleaved = ["--schedule", "interleaved", "--set", "pipeline.virtual_stages=2"]
     assert main([*argv, *interleaved, "--set", "pipeline.memory=peer"]) == 2
     assert "'peer' plans peer swaps, which need one stage per rank" in capsys.readouterr().err

@@ -225,7 +225,7 @@ def _host_users(links: Links, host_ranks: frozenset[int], rank: int) -> int:
     return len({r for r in host_ranks if links.host_link[r] == link} | {rank})
 
 
-def _added_s(item: Saved, choice: Choice, links: Links, host_users: int = 1) -> float:
+def _added_s(item: Saved, choice: Choice, links: Links, host_users: int) -> float:
     """Seconds ``choice`` adds to ``item``'s rank per step; a host swap shares its link's
     bandwidth with ``host_users`` ranks, its own included."""
     saver, lender = choice
@@ -464,10 +464,11 @@ def _best_move(saved: Sequence[Saved], choices: list[Choice], links: Links, plan
     # the ranks already swapping over it then add: a second user halves everyone's bandwidth.
     hosting = _host_ranks(saved, choices, links)
     users = _host_users(links, hosting, rank)
+    link = links.host_link[rank]
     joining_s = 0.0 if rank in hosting else sum(
         _added_s(item, choice, links, users) - plan.item_added_s[index]
         for index, (item, choice) in enumerate(zip(saved, choices, strict=True))
-        if choice[0] is Saver.HOST and links.host_link[links.stage_rank[item.stage]] == links.host_link[rank]
+        if choice[0] is Saver.HOST and links.host_link[links.stage_rank[item.stage]] == link
     )  # fmt: skip
     best: tuple[tuple[float, float], int, Choice] | None = None
     for index, item in enumerate(saved):
@@ -488,7 +489,7 @@ def _best_move(saved: Sequence[Saved], choices: list[Choice], links: Links, plan
                 and now[0] is Saver.KEEP
             ):
                 continue
-            if saver is Saver.HOST and host_room[links.host_link[rank]] < item.held_bytes:
+            if saver is Saver.HOST and host_room[link] < item.held_bytes:
                 continue
             if saver is Saver.PEER and (lender is None or spare[lender] < item.held_bytes):
                 continue
@@ -520,10 +521,12 @@ def plan_exact(saved: Sequence[Saved], links: Links) -> SaverPlan:
     import numpy as np
     from scipy.optimize import Bounds, LinearConstraint, milp
 
+    def user_counts(item: Saved, choice: Choice) -> range:
+        sharers = links.sharers(links.host_link[links.stage_rank[item.stage]])
+        return range(1, sharers + 1) if choice[0] is Saver.HOST else range(1, 2)
+
     options = [[(choice, users) for choice in _options(item, links)
-                for users in (range(1, links.sharers(links.host_link[links.stage_rank[item.stage]]) + 1)
-                              if choice[0] is Saver.HOST else (1,))]
-               for item in saved]  # fmt: skip
+                for users in user_counts(item, choice)] for item in saved]  # fmt: skip
     index = [(i, o) for i, opts in enumerate(options) for o in range(len(opts))]
     n, num_x = links.num_ranks, len(index)
     # Variables: x (one per item and option), then t (transient per rank), h (host-swapped

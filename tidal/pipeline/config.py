@@ -49,7 +49,8 @@ class PipelineConfig:
             versions and the activations of its in-flight microbatches under the schedule);
             the balanced partition respects it or says the least any split needs.
         memory: MPress's savers: ``recompute`` on every block (each keeps its input and runs
-            its forward again in its backward), ``host`` on every block (what each saves goes
+            its forward again in its backward), ``selective`` (recompute on each block's
+            attention part only, Megatron's selective recompute), ``host`` on every block (what each saves goes
             to the host tier, ``memory.host_budget``, and comes back for its backward), ``peer``
             (the saver planner with peer swap only: what a rank cannot hold is lent to a later
             stage's rank, [Note: lending] in tidal/pipeline/lending.py), ``auto`` (the saver
@@ -74,7 +75,7 @@ class PipelineConfig:
     prediction: bool = False
     sync_steps: int = 10
     stage_memory: ByteSize | None = None
-    memory: Literal["none", "recompute", "host", "peer", "auto"] = "none"
+    memory: Literal["none", "recompute", "selective", "host", "peer", "auto"] = "none"
 
     def __post_init__(self) -> None:
         require(self.stages >= 1, "stages", f"must be >= 1, got {self.stages}")
@@ -117,11 +118,13 @@ class PipelineConfig:
         )
         require(self.sync_steps >= 0, "sync_steps", f"must be >= 0, got {self.sync_steps}")
         require(
-            self.memory != "recompute" or self.schedule not in _KEEPS_NO_VERSIONS,
+            self.memory not in ("recompute", "selective")
+            or self.schedule not in _KEEPS_NO_VERSIONS,
             "memory",
-            f"recompute runs under synchronous and stashing schedules (gpipe, 1f1b, interleaved, "
-            f"pipedream, 2bw), not {self.schedule!r}: it would run the forward again on weights "
-            f"the forward did not use; host, peer and auto (without recompute) run under it",
+            f"{self.memory} runs under synchronous and stashing schedules (gpipe, 1f1b, "
+            f"interleaved, pipedream, 2bw), not {self.schedule!r}: it would run the forward again "
+            f"on weights the forward did not use; host, peer and auto (without recompute) run "
+            f"under it",
         )
         require(
             self.memory not in ("peer", "auto") or self.virtual_stages == 1,

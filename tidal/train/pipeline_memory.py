@@ -13,6 +13,8 @@ model), so all ranks make the same plan. ``pipeline.memory``:
 
 - ``none`` refuses a run that does not fit, in one line that names ``auto``;
 - ``recompute`` / ``host`` put that saver on every block of every stage;
+- ``selective`` recomputes each block's attention part only (``attn`` / ``self_attn``: Megatron's
+  selective recompute, the part whose saved bytes grow with the sequence) and keeps the rest;
 - ``auto`` runs the saver planner over the units ([Note: the saver planners] in
   tidal/activations/plan.py) with every saver (recompute only where the schedule allows it;
   peer swap to later stages' ranks, [Note: lending] in tidal/pipeline/lending.py) and the links
@@ -60,7 +62,13 @@ from tidal.config import ConfigError, format_bytes
 from tidal.memory.activations import SavedTensorMeter
 from tidal.memory.tiers import Tier, TierKind, make_tiers, resolve_budget
 from tidal.pipeline.lending import Lending
-from tidal.pipeline.savers import measure_units, saved_tensors, whole_blocks
+from tidal.pipeline.savers import (
+    measure_units,
+    saved_tensors,
+    stage_units,
+    unit_class,
+    whole_blocks,
+)
 from tidal.pipeline.schedules import make_schedule
 from tidal.pipeline.simulate import simulate
 from tidal.pipeline.split import PipelineStage
@@ -153,12 +161,16 @@ def plan_pipeline_memory(job: JobConfig, stages: Sequence[PipelineStage], *, min
     if budget is None and mode in ("auto", "peer"):
         raise ConfigError("pipeline.memory", f"{mode!r} plans against memory.device_budget; set "
                           "it (each rank's bytes, e.g. 2GiB)")  # fmt: skip
-    fixed = {"recompute": Saver.RECOMPUTE, "host": Saver.HOST}.get(mode)
+    fixed = {"recompute": Saver.RECOMPUTE, "selective": Saver.RECOMPUTE,
+             "host": Saver.HOST}.get(mode)  # fmt: skip
+    if mode == "selective":
+        _check_attention(stages)
     plan, base = None, [0] * world_size
     if budget is not None:
         assert probe is not None, "a device budget needs a probe to measure the stages on"
         plan, base = _plan(job, stages, probe, budget=budget, world_size=world_size,
-                           device=device, fixed=fixed, peer_only=mode == "peer")  # fmt: skip
+                           device=device, fixed=fixed, peer_only=mode == "peer",
+                           attention_only=mode == "selective")  # fmt: skip
     _, host = make_tiers(device=device, device_budget=None, host_budget=job.memory.host_budget)
     handles, swaps = [], {}
     forward_weights: dict[int, _ForwardWeights] = {}
@@ -170,6 +182,8 @@ def plan_pipeline_memory(job: JobConfig, stages: Sequence[PipelineStage], *, min
                       if i.stage == s and i.path and c[0] is not Saver.KEEP]  # fmt: skip
             savers = {path: saver for path, (saver, _) in chosen}
             lent_to = {path: lender for path, (_, lender) in chosen if lender is not None}
+        elif mode == "selective":
+            savers = {path: Saver.RECOMPUTE for path in _attention_units(stages[s])}
         elif fixed is not None:
             savers = {f"layers.{k}": fixed for k in range(len(stages[s].layers))}
         if lent_to:
@@ -233,9 +247,26 @@ def _lenders(plan: SaverPlan | None) -> dict[int, tuple[int, ...]]:
     return {s: tuple(sorted(ranks)) for s, ranks in out.items()}
 
 
+def _attention_units(stage: PipelineStage) -> list[str]:
+    """The attention parts of ``stage``'s blocks, what ``selective`` recomputes."""
+    return [path for path, block in stage_units(stage)
+            if block >= 0 and unit_class(path) is TensorClass.ATTENTION]  # fmt: skip
+
+
+def _check_attention(stages: Sequence[PipelineStage]) -> None:
+    for s, stage in enumerate(stages):
+        if len(stage.layers) and not _attention_units(stage):
+            raise ConfigError(
+                "pipeline.memory",
+                f"'selective' recomputes each block's attention part (a child named attn, "
+                f"self_attn or attention), and stage {s}'s blocks have none; use 'recompute' "
+                f"(whole blocks) or 'auto'",
+            )
+
+
 def _plan(job: JobConfig, stages: Sequence[PipelineStage], probe: MemoryProbe, *, budget: int,
-          world_size: int, device: torch.device, fixed: Saver | None,
-          peer_only: bool) -> tuple[SaverPlan, list[int]]:  # fmt: skip
+          world_size: int, device: torch.device, fixed: Saver | None, peer_only: bool,
+          attention_only: bool = False) -> tuple[SaverPlan, list[int]]:  # fmt: skip
     pipe = job.pipeline
     steps = 3 if pipe.asynchronous else 1
     schedule = make_schedule(pipe.schedule, stages=pipe.stages, microbatches=pipe.num_microbatches,
@@ -268,16 +299,21 @@ def _plan(job: JobConfig, stages: Sequence[PipelineStage], probe: MemoryProbe, *
     movable = pipe.schedule == "pipedream" and not peer_only
     saved = [dataclasses.replace(i, host_only=movable, fixed=not movable)
              if i.tensor_class is TensorClass.WEIGHTS else i for i in saved]  # fmt: skip
-    if fixed is not None:  # every block gets the one saver, as one unit
-        saved = whole_blocks(saved)
-        choices: list[Choice] = [(fixed if i.block >= 0 and not i.fixed else Saver.KEEP, None)
-                                 for i in saved]  # fmt: skip
-        plan = evaluate(saved, choices, links, f"every block: {fixed.value}")
+    if fixed is not None:  # every block (or its attention part) gets the one saver
+        if attention_only:
+            label = "selective recompute"
+            chosen = [i.block >= 0 and not i.fixed and i.tensor_class is TensorClass.ATTENTION
+                      for i in saved]  # fmt: skip
+        else:
+            label, saved = fixed.value, whole_blocks(saved)  # each block as one unit
+            chosen = [i.block >= 0 and not i.fixed for i in saved]
+        choices: list[Choice] = [(fixed if c else Saver.KEEP, None) for c in chosen]
+        plan = evaluate(saved, choices, links, f"every block: {label}")
         if not plan.fits:
             worst = max(range(world_size), key=lambda r: plan.peak_bytes[r] - budget)
             raise ConfigError(
                 "memory.device_budget",
-                f"with {fixed.value} on every block rank {worst} still needs "
+                f"with {label} on every block rank {worst} still needs "
                 f"{format_bytes(plan.peak_bytes[worst])} over its budget of {format_bytes(budget)};"
                 f" set pipeline.memory = 'auto', or raise the budget",
             )
