@@ -138,8 +138,8 @@ def _family(args: argparse.Namespace) -> _Family:
 
 
 def _schedule(schedule_name: str, args: argparse.Namespace) -> Schedule:
-    """The schedule simulated: three steps of an asynchronous one (its steady state), where
-    PipeDream's per-microbatch updates make each microbatch a step of its own."""
+    """The schedule simulated: one step of 1F1B; PipeDream over three steps' microbatches (its
+    steady state), with an update after each microbatch or after each step's."""
     if schedule_name != "pipedream":
         return make_schedule(schedule_name, stages=args.stages, microbatches=args.microbatches)
     if args.pipedream_updates == "microbatch":
