@@ -42,6 +42,13 @@ instances and to bound the greedy's gap in tests. :func:`plan_savers` runs the g
 when it finds no plan and the instance is small, the exact program: a greedy can spend a host
 link or a lender on tensors that could have been recomputed and then find nowhere to put one
 that cannot.
+
+[Note: one file for the model and both planners]
+This module is over 600 lines on purpose: the greedy and the exact program price a choice with
+the same private helpers (``_options``, ``_added_s``, ``_host_users``, ``_transient``), and a
+second module could only reach them as private imports, which tests/unit/test_layers.py
+forbids. Splitting them means making the cost model a public module of its own first; until
+then one file keeps one implementation of every price.
 """
 
 from __future__ import annotations
