@@ -50,11 +50,12 @@ class PipelineConfig:
             the balanced partition respects it or says the least any split needs.
         memory: MPress's savers: ``recompute`` on every block (each keeps its input and runs
             its forward again in its backward), ``selective`` (recompute on each block's
-            attention part only, Megatron's selective recompute), ``host`` on every block (what each saves goes
-            to the host tier, ``memory.host_budget``, and comes back for its backward), ``peer``
-            (the saver planner with peer swap only: what a rank cannot hold is lent to a later
-            stage's rank, [Note: lending] in tidal/pipeline/lending.py), ``auto`` (the saver
-            planner's choice per part of each block among all three), both against
+            attention part only, Megatron's selective recompute), ``host`` on every block (what
+            each saves goes to the host tier, ``memory.host_budget``, and comes back for its
+            backward), ``peer`` (the saver planner with peer swap only: what a rank cannot hold
+            is lent to a later stage's rank, [Note: lending] in tidal/pipeline/lending.py),
+            ``auto`` (the saver planner's choice per part of each block among all three), both
+            against
             ``memory.device_budget`` per rank, ``none`` (keep everything). Savers give the same
             numbers as ``none``, bit for bit; recompute runs under synchronous schedules only
             (``auto`` under an asynchronous one plans without it).
