@@ -17,7 +17,9 @@ microbatch``: stage s stashes p - s versions), or once per ``--microbatches`` (`
 - ``recompute``: every block recomputed (its input kept); ``selective``: the attention
   internals only (Megatron's selective recompute);
 - ``host``: everything a block saves, and stashed weight versions, swapped to the host;
-- ``peer``: the saver planner with peer swap only; ``mpress``: the planner with every saver.
+- ``peer``: the saver planner with peer swap only; ``mpress``: the planner with every saver;
+- ``zero3`` and ``zero3-offload``: no pipeline, data parallel over every GPU, model data sharded
+  (and on the host), benchmarks/mpress_zero3.py.
 
 Writes ``benchmarks/results/mpress-*.json``, a table, and a PNG beside the JSON.
 
@@ -25,8 +27,9 @@ Writes ``benchmarks/results/mpress-*.json``, a table, and a PNG beside the JSON.
 Everything here is the simulator's and the planner's: layer profiles traced on the meta device
 at H100-like rates (bf16), each block's saved bytes split by class with Megatron's count
 (``models.gpt_saved_shares``), model data at 16 bytes per parameter (bf16 weights, fp32
-gradients, masters and AdamW moments). No model is trained. ZeRO-3 over chunks at the same
-memory is in the measured section only.
+gradients, masters and AdamW moments). No model is trained. ZeRO-3 at the same memory is the
+planner's cost model's, on the same graph and rates ([Note: ZeRO-3 in the predicted table] in
+benchmarks/mpress_zero3.py).
 
 Every strategy is priced on two stage splits and keeps the better: the split balanced by time
 (the least bottleneck stage, what MPress starts from), and the fastest split whose stages fit
@@ -49,6 +52,7 @@ from rich.console import Console
 from rich.table import Table
 
 from benchmarks.mpress_measured import add_measured_arguments, bench_measured
+from benchmarks.mpress_zero3 import ZERO3_ROWS, Zero3Pricer
 from tidal.activations import (
     Links,
     Saved,
@@ -260,9 +264,27 @@ def _largest(family: _Family, schedule: str, name: str, split_by: str,
     return low * args.step_layers
 
 
+def _base_row(args: argparse.Namespace, schedule: str, name: str, most: int, at: int,
+              on_time: int, params_per_block: int) -> dict[str, Any]:  # fmt: skip
+    """What every predicted row records: ``most`` blocks against recompute-only's ``at`` (its
+    best split) and ``on_time`` (the split by time, as MPress compares)."""
+    return {"section": "predicted", "family": args.family,
+            "micro_batch": _shape(args, "micro_batch"), "schedule": schedule, "strategy": name,
+            "pipedream_updates": args.pipedream_updates if schedule == "pipedream" else None,
+            "largest_layers": most, "largest_params": most * params_per_block,
+            "vs_recompute": (most / at) if at else None,
+            "vs_recompute_time_split": (most / on_time) if on_time else None}  # fmt: skip
+
+
 def bench_mpress(args: argparse.Namespace) -> list[dict[str, Any]]:
     family = _family(args)
     params_per_block = family.block.param_bytes // 2
+    sequences = args.microbatches * _shape(args, "micro_batch")
+    zero3 = Zero3Pricer(family.config, sequences_per_step=sequences, gpus=args.stages,
+                        device_memory_bytes=parse_bytes(args.device_memory, key="--device-memory"),
+                        host_gbps=args.host_gbps, peer_gbps=args.peer_gbps)  # fmt: skip
+    zero3_largest = {name: zero3.largest(name, step_layers=args.step_layers,
+                                         max_layers=args.max_layers) for name in ZERO3_ROWS}  # fmt: skip
     rows = []
     for schedule in SCHEDULES:
         by_split = {name: {split_by: _largest(family, schedule, name, split_by, args)
@@ -270,26 +292,33 @@ def bench_mpress(args: argparse.Namespace) -> list[dict[str, Any]]:
         largest = {name: max(by_split[name].values()) for name in STRATEGIES}
         at, on_time = largest["recompute"], by_split["recompute"]["time"]
         for name in STRATEGIES:
-            row: dict[str, Any] = {"section": "predicted", "family": args.family,
-                                   "micro_batch": _shape(args, "micro_batch"),
-                                   "schedule": schedule, "strategy": name,
-                                   "pipedream_updates": (args.pipedream_updates
-                                                         if schedule == "pipedream" else None),
-                                   "largest_layers": largest[name],
-                                   "largest_params": largest[name] * params_per_block,
-                                   "vs_recompute": (largest[name] / at) if at else None,
-                                   # against recompute-only held to the split by time, as MPress
-                                   "vs_recompute_time_split": (largest[name] / on_time)
-                                   if on_time else None,
-                                   "largest_split": max(SPLITS, key=lambda by: by_split[name][by])
-                                   if largest[name] else None,
-                                   "largest_layers_by_split": by_split[name]}  # fmt: skip
+            row = _base_row(args, schedule, name, largest[name], at, on_time, params_per_block)
+            row["largest_split"] = (max(SPLITS, key=lambda by: by_split[name][by])
+                                    if largest[name] else None)  # fmt: skip
+            row["largest_layers_by_split"] = by_split[name]
             priced = _priced(family, at, schedule, name, args) if at else None
             row["split_at_recompute_largest"] = None if priced is None else priced[0]
             row["step_s_at_recompute_largest"] = None if priced is None else priced[1].makespan_s
             row["peak_bytes_at_recompute_largest"] = (
                 None if priced is None else max(priced[2].peak_bytes)
             )
+            rows.append(row)
+        spanned = _schedule(schedule, args)  # [Note: ZeRO-3 in the predicted table]
+        steps = spanned.num_microbatches * spanned.num_steps / args.microbatches
+        for name in ZERO3_ROWS:
+            row = _base_row(
+                args, schedule, name, zero3_largest[name], at, on_time, params_per_block
+            )
+            biggest = zero3.fastest(name, zero3_largest[name]) if zero3_largest[name] else None
+            there = zero3.fastest(name, at) if at else None
+            row.update(largest_split=None, largest_layers_by_split=None,
+                       split_at_recompute_largest=None, zero3_steps_in_span=steps,
+                       zero3_at_largest=None if biggest is None else biggest.to_json(),
+                       zero3_at_recompute_largest=None if there is None else there.to_json(),
+                       step_s_at_recompute_largest=None if there is None else steps * there.step_s,
+                       step_s_floor_at_recompute_largest=(None if there is None
+                                                          else steps * there.step_s_floor),
+                       peak_bytes_at_recompute_largest=None if there is None else there.peak_bytes)  # fmt: skip
             rows.append(row)
     return rows
 
@@ -350,7 +379,9 @@ def run(args: argparse.Namespace, console: Console) -> int:
             "-" if r["vs_recompute"] is None else f"{r['vs_recompute']:.2f}",
             r["largest_split"] or "-",
             "-" if r["vs_recompute_time_split"] is None else f"{r['vs_recompute_time_split']:.2f}",
-            "does not fit" if step is None else f"{step:.4g}",
+            "does not fit" if step is None else f"{step:.4g}" + (
+                f" (floor {r['step_s_floor_at_recompute_largest']:.4g})"
+                if r["strategy"] in ZERO3_ROWS else ""),
             r["split_at_recompute_largest"] or "-",
             "-" if step is None else format_bytes(r["peak_bytes_at_recompute_largest"]),
         )  # fmt: skip

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks.mpress import STRATEGIES
+from benchmarks.mpress_zero3 import ZERO3_ROWS
 from tidal.cli.main import main
 
 
@@ -26,7 +27,7 @@ def test_bench_mpress_writes_rows_and_the_plan_fits_what_one_saver_fits(
     data = json.loads(path.read_text())
     assert "torch_version" in data and "git_commit" in data
     rows = {(r["schedule"], r["strategy"]): r for r in data["rows"]}
-    assert set(rows) == {(s, n) for s in ("1f1b", "pipedream") for n in STRATEGIES}
+    assert set(rows) == {(s, n) for s in ("1f1b", "pipedream") for n in (*STRATEGIES, *ZERO3_ROWS)}
     for schedule in ("1f1b", "pipedream"):
         largest = {n: rows[schedule, n]["largest_layers"] for n in STRATEGIES}
         assert largest["recompute"] > largest["none"] > 0, largest  # activations bind here
@@ -36,8 +37,17 @@ def test_bench_mpress_writes_rows_and_the_plan_fits_what_one_saver_fits(
         assert at["peak_bytes_at_recompute_largest"] <= 512 << 20
     assert {r["family"] for r in data["rows"]} == {"gpt"}
     for r in data["rows"]:  # the largest is the better split's
-        assert r["largest_layers"] == max(r["largest_layers_by_split"].values()), r
         assert r["pipedream_updates"] == ("microbatch" if r["schedule"] == "pipedream" else None)
+        if r["strategy"] in ZERO3_ROWS:  # no pipeline, no split
+            continue
+        assert r["largest_layers"] == max(r["largest_layers_by_split"].values()), r
+    # ZeRO-3 is priced for the sequences each schedule's span trains: 1F1B one step, PipeDream
+    # three ([Note: ZeRO-3 in the predicted table])
+    for name in ZERO3_ROWS:
+        one, three = rows["1f1b", name], rows["pipedream", name]
+        assert (one["zero3_steps_in_span"], three["zero3_steps_in_span"]) == (1, 3)
+        assert one["largest_layers"] == three["largest_layers"] > 0
+        assert three["step_s_floor_at_recompute_largest"] < three["step_s_at_recompute_largest"]
     # The BERT-like family at a small shape: its vocabulary and microbatch, the same strategies.
     assert main(["bench", "mpress", "--section", "predicted", "--family", "bert", "--width", "128",
                  "--heads", "2", "--seq-len", "128", "--stages", "4", "--max-layers", "16",
@@ -130,3 +140,37 @@ def test_pipedream_stashes_a_version_per_microbatch_in_flight_and_the_memory_spl
         first[split_by] = sum(1 for i in case[1]
                               if i.stage == 0 and i.tensor_class is TensorClass.BLOCK_INPUT)  # fmt: skip
     assert first["memory"] < first["time"], first
+
+
+def test_zero3_is_priced_at_the_pipelines_rates_and_fits_what_its_peak_says() -> None:
+    # ZeRO-3 beside the pipelines ([Note: ZeRO-3 in the predicted table]): its floor (links
+    # free) with full recompute is the same compute the layer profiles price a pipeline at; the
+    # largest model it reports fits and one step more does not; offloading fits more.
+
+    import torch
+
+    from benchmarks.mpress_zero3 import Zero3Pricer
+    from tidal.models import profile_gpt
+    from tidal.models.gpt import GPTConfig
+
+    config = GPTConfig(vocab_size=1000, seq_len=256, num_layers=1, num_heads=4, d_model=256)
+    budget = 96 << 20
+    pricer = Zero3Pricer(config, sequences_per_step=8, gpus=4, device_memory_bytes=budget,
+                         host_gbps=25.0, peer_gbps=300.0)  # fmt: skip
+    embed, block, head = profile_gpt(config, micro_batch=2, seq_len=256, dtype=torch.bfloat16)
+    full = [
+        s for s in pricer.fitting("zero3", 8) if s.variant == "zero3_full" and s.micro_batch == 2
+    ]
+    (setting,) = full  # 2 sequences a GPU, as one micro-batch
+    profiled = (embed.forward_s + embed.backward_s + head.forward_s + head.backward_s
+                + 8 * (2 * block.forward_s + block.backward_s))  # fmt: skip
+    assert setting.step_s_floor == pytest.approx(profiled, rel=1e-6)
+    assert setting.step_s > setting.step_s_floor  # the gathers and reductions cost something
+    most = pricer.largest("zero3", step_layers=4, max_layers=4096)
+    assert 0 < most < 4096
+    assert all(s.peak_bytes <= budget for s in pricer.fitting("zero3", most))
+    assert pricer.fitting("zero3", most) and not pricer.fitting("zero3", most + 4)
+    assert pricer.largest("zero3-offload", step_layers=4, max_layers=4096) > most
+    with pytest.raises(ValueError, match="multiple of --stages"):
+        Zero3Pricer(config, sequences_per_step=6, gpus=4,
+                    device_memory_bytes=budget, host_gbps=25.0, peer_gbps=300.0)  # fmt: skip
