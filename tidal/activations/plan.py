@@ -45,7 +45,7 @@ that cannot.
 
 [Note: one file for the model and both planners]
 This module is over 600 lines on purpose: the greedy and the exact program price a choice with
-the same private helpers (``_options``, ``_added_s``, ``_host_users``, ``_transient``), and a
+the same private helpers (``_options``, ``_added_s``, ``_host_users``, ``_transients``), and a
 second module could only reach them as private imports, which tests/unit/test_layers.py
 forbids. Splitting them means making the cost model a public module of its own first; until
 then one file keeps one implementation of every price.
@@ -261,10 +261,9 @@ def evaluate(saved: Sequence[Saved], choices: Sequence[Choice], links: Links,
     host = [0] * len(links.host_bandwidth)
     added = [0.0] * n
     hosting = _host_ranks(saved, choices, links)
-    per_item = tuple(
-        _added_s(item, choice, links, _host_users(links, hosting, links.stage_rank[item.stage]))
-        for item, choice in zip(saved, choices, strict=True)
-    )
+    users = [_host_users(links, hosting, rank) for rank in range(n)]
+    per_item = tuple(_added_s(item, choice, links, users[links.stage_rank[item.stage]])
+                     for item, choice in zip(saved, choices, strict=True))  # fmt: skip
     for item, choice, item_added in zip(saved, choices, per_item, strict=True):
         rank = links.stage_rank[item.stage]
         saver, lender = choice
@@ -275,7 +274,7 @@ def evaluate(saved: Sequence[Saved], choices: Sequence[Choice], links: Links,
         elif saver is Saver.PEER:
             assert lender is not None
             lent[lender] += item.held_bytes
-    transient = [_transient(saved, choices, links, rank) for rank in range(n)]
+    transient = _transients(saved, choices, links)
     peak = tuple(k + lent_ + t for k, lent_, t in zip(kept, lent, transient, strict=True))
     fits = all(p <= b for p, b in zip(peak, links.budget_bytes, strict=True)) and all(
         cap is None or held <= cap for held, cap in zip(host, links.host_budget_bytes, strict=True)
@@ -385,17 +384,34 @@ def _make_host_room(saved: Sequence[Saved], links: Links, choices: list[Choice],
             for choice in _options(item, links):
                 if choice[0] is Saver.HOST:
                     continue
-                trial = evaluate(
-                    saved, [*choices[:index], choice, *choices[index + 1 :]], links, ""
-                )
-                if all(trial.peak_bytes[r] <= links.budget_bytes[r] for r in range(links.num_ranks)
-                       if trial.peak_bytes[r] > plan.peak_bytes[r]):  # fmt: skip
-                    added = trial.item_added_s[index] - plan.item_added_s[index]
+                if _still_fits(saved, links, choices, plan, index, choice):
+                    # off the host, its price does not depend on who shares the link
+                    added = _added_s(item, choice, links, 1) - plan.item_added_s[index]
                     moves.append((added / item.held_bytes, -item.held_bytes, index, choice))
         if not moves:
             return choices
         _, _, index, choice = min(moves)
         choices[index] = choice
+
+
+def _still_fits(saved: Sequence[Saved], links: Links, choices: list[Choice], plan: SaverPlan,
+                index: int, choice: Choice) -> bool:  # fmt: skip
+    """Whether moving host-swapped tensor ``index`` to ``choice`` leaves every rank whose peak
+    grows within its budget: its own rank (what it keeps; its transient copy can only shrink)
+    and, lent, the lender. Priced without the shrinking first; only a rank that then looks over
+    budget is priced exactly (evaluating every candidate move whole made the greedy quadratic)."""
+    item = saved[index]
+    rank = links.stage_rank[item.stage]
+    grown = {rank: item.held_under(choice[0]) - item.held_under(Saver.HOST)}
+    if choice[0] is Saver.PEER:
+        assert choice[1] is not None
+        grown[choice[1]] = item.held_bytes  # a lender is never the rank itself
+    if plan.peak_bytes[rank] + grown[rank] > links.budget_bytes[rank]:
+        after = [*choices[:index], choice, *choices[index + 1 :]]
+        shrunk = _transients(saved, after, links)[rank] - _transients(saved, choices, links)[rank]
+        grown[rank] += shrunk
+    return all(plan.peak_bytes[r] + more <= links.budget_bytes[r]
+               for r, more in grown.items() if more > 0)  # fmt: skip
 
 
 def _make_room(saved: Sequence[Saved], links: Links, choices: list[Choice],
@@ -459,7 +475,7 @@ def _largest_copy(saved: Sequence[Saved], links: Links, rank: int) -> int:
 def _kept_peak(plan: SaverPlan, saved: Sequence[Saved], choices: Sequence[Choice], links: Links,
                rank: int) -> int:  # fmt: skip
     """``rank``'s peak without its transient copy."""
-    return plan.peak_bytes[rank] - _transient(saved, choices, links, rank)
+    return plan.peak_bytes[rank] - _transients(saved, choices, links)[rank]
 
 
 def _best_move(saved: Sequence[Saved], choices: list[Choice], links: Links, plan: SaverPlan,
@@ -508,14 +524,18 @@ def _best_move(saved: Sequence[Saved], choices: list[Choice], links: Links, plan
     return None if best is None else (best[1], best[2])
 
 
-def _transient(saved: Sequence[Saved], choices: Sequence[Choice], links: Links, rank: int) -> int:
-    """What ``rank`` holds back at once: its largest moved copy (and, fetching ahead, its
+def _transients(saved: Sequence[Saved], choices: Sequence[Choice], links: Links) -> list[int]:
+    """What each rank holds back at once: its largest moved copy (and, fetching ahead, its
     largest host-swapped one beside it)."""
-    moved = [(item.num_bytes, saver) for item, (saver, _) in zip(saved, choices, strict=True)
-             if saver is not Saver.KEEP and item.copies
-             and links.stage_rank[item.stage] == rank]  # fmt: skip
-    ahead = max((b for b, saver in moved if saver is Saver.HOST), default=0)
-    return max((b for b, _ in moved), default=0) + (ahead if links.host_prefetch else 0)
+    moved, ahead = [0] * links.num_ranks, [0] * links.num_ranks
+    for item, (saver, _) in zip(saved, choices, strict=True):
+        if saver is Saver.KEEP or not item.copies:
+            continue
+        rank = links.stage_rank[item.stage]
+        moved[rank] = max(moved[rank], item.num_bytes)
+        if saver is Saver.HOST and links.host_prefetch:
+            ahead[rank] = max(ahead[rank], item.num_bytes)
+    return [m + a for m, a in zip(moved, ahead, strict=True)]
 
 
 def plan_exact(saved: Sequence[Saved], links: Links) -> SaverPlan:

@@ -16,6 +16,7 @@ from tidal.activations.plan import (
     Saver,
     TensorClass,
     _options,
+    _still_fits,
     evaluate,
     least_peak_bytes,
     plan_exact,
@@ -194,6 +195,36 @@ def test_the_greedy_is_within_10_percent_of_the_exact_step_and_never_infeasible_
                 exact.added_step_s, saved, links
             )
     assert compared >= 20  # most instances exercise the comparison
+
+
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_moving_a_tensor_off_the_host_is_priced_as_evaluating_the_whole_plan_prices_it(
+    prefetch: bool,
+) -> None:
+    # The greedy frees host room by moving host-swapped tensors back; it checks each candidate
+    # with the few ranks it changes, not by evaluating the whole plan: the two must agree on
+    # whether every rank whose peak grows stays within its budget.
+    rng = random.Random(5)
+    checked = {True: 0, False: 0}
+    for _ in range(40):
+        saved, links = _random_instance(rng, prefetch)
+        choices = [rng.choice(_options(item, links)) for item in saved]
+        plan = evaluate(saved, choices, links, "")
+        for index, (saver, _) in enumerate(choices):
+            if saver is not Saver.HOST:
+                continue
+            for choice in _options(saved[index], links):
+                if choice[0] is Saver.HOST:
+                    continue
+                after = evaluate(
+                    saved, [*choices[:index], choice, *choices[index + 1 :]], links, ""
+                )
+                whole = all(after.peak_bytes[r] <= links.budget_bytes[r]
+                            for r in range(links.num_ranks)
+                            if after.peak_bytes[r] > plan.peak_bytes[r])  # fmt: skip
+                assert _still_fits(saved, links, choices, plan, index, choice) is whole
+                checked[whole] += 1
+    assert min(checked.values()) >= 20, checked  # both answers are exercised
 
 
 def test_a_recompute_keeps_its_inputs_and_the_greedy_moves_them_on_to_the_host() -> None:
