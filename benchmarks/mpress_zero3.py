@@ -33,14 +33,15 @@ recompute and, offloaded, the host's Adam), which the rows record too.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tidal.models.gpt import GPTConfig, measure_gpt
-from tidal.planner.baselines import Baseline, baseline
-from tidal.planner.cluster import ClusterSpec
-from tidal.planner.graph import ModelGraph
-from tidal.planner.pipelines import stage_graph
-from tidal.planner.strategies import TrainingSpec
+
+if TYPE_CHECKING:  # the planner (scipy) loads when ZeRO-3 is priced, not when the CLI starts
+    from tidal.planner.baselines import Baseline
+    from tidal.planner.cluster import ClusterSpec
+    from tidal.planner.graph import ModelGraph
+    from tidal.planner.strategies import TrainingSpec
 
 __all__ = ["ZERO3_ROWS", "Zero3Pricer", "Zero3Setting"]
 
@@ -69,6 +70,8 @@ class Zero3Setting:
 def _price(variant: str, model: ModelGraph, cluster: ClusterSpec,
            spec: TrainingSpec) -> Baseline | None:  # fmt: skip
     """Baseline ``variant`` on one data-parallel mesh over every GPU (no tensor parallelism)."""
+    from tidal.planner.baselines import baseline
+
     return baseline(variant, model, cluster, lambda mesh: spec, 1)
 
 
@@ -81,6 +84,8 @@ class Zero3Pricer:
             raise ValueError(f"ZeRO-3 splits a step's {sequences_per_step} sequences over "
                              f"{gpus} GPUs: make --microbatches x the micro-batch a multiple "
                              f"of --stages")  # fmt: skip
+        from tidal.planner.cluster import ClusterSpec
+
         per_gpu = sequences_per_step // gpus
         two_blocks = dataclasses.replace(config, num_layers=2)  # the block it repeats
         self._graphs: dict[int, ModelGraph] = {
@@ -97,6 +102,9 @@ class Zero3Pricer:
 
     def fitting(self, row: str, layers: int) -> list[Zero3Setting]:
         """Every setting of ``row`` that fits ``layers`` blocks."""
+        from tidal.planner.pipelines import stage_graph
+        from tidal.planner.strategies import TrainingSpec
+
         found = []
         for size, graph in self._graphs.items():
             model = stage_graph(graph, blocks=layers, first=True, last=True)
