@@ -53,6 +53,21 @@ def _job(run_dir: Path, *, steps: int = STEPS, **pipeline: Any) -> dict[str, Any
     return job
 
 
+def _fit_in_2mib(run_dir: Path, memory: str,
+                 losses: tuple[list[float], list[float]]) -> list[dict[str, Any]]:  # fmt: skip
+    """Train 1F1B with ``pipeline.memory = memory`` under a 2 MiB budget a rank; assert it logs
+    ``losses`` bit for bit and return every rank's memory figures from its summary."""
+    import torch.distributed as dist
+
+    job = _job(run_dir, schedule="1f1b", memory=memory)
+    job["memory"] = {"device_budget": "2MiB"}
+    summary = Trainer(job).fit()
+    assert _losses(run_dir) == losses
+    figures: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(figures, summary["pipeline"]["memory"])
+    return figures
+
+
 def _losses(run_dir: Path) -> tuple[list[float], list[float]]:
     records = read_metrics(run_dir)
     train = [r["loss"] for r in records if r["kind"] == "train"]
@@ -90,35 +105,20 @@ def _worker(root: str, reference: tuple[list[float], list[float]]) -> None:
     squeezed["memory"] = {"device_budget": "2MiB"}
     with pytest.raises(ConfigError, match=r"rank 0 needs 2.09MiB .* set pipeline.memory = 'auto'"):
         Trainer(squeezed).fit()
-    auto = _job(root_path / "auto", schedule="1f1b", memory="auto")
-    auto["memory"] = {"device_budget": "2MiB"}
-    summary = Trainer(auto).fit()
-    assert _losses(root_path / "auto") == (train, val)
-    figures = [None, None]
-    dist.all_gather_object(figures, summary["pipeline"]["memory"])
+    figures = _fit_in_2mib(root_path / "auto", "auto", (train, val))
     assert all(f["measured_peak_bytes"] <= f["budget_bytes"] == 2 << 20 for f in figures), figures
     assert all(f["predicted_peak_bytes"] <= 2 << 20 for f in figures), figures
     assert figures[0]["blocks_recomputed"] + figures[0]["blocks_swapped"] > 0, figures
     assert all(f["measured_peak_bytes"] > f["model_data_bytes"] for f in figures)  # it counted
     # Selective recompute (each block's attention part) also fits rank 0 into 2 MiB: measured
     # within the predicted peak, within the budget, the same numbers.
-    selective = _job(root_path / "selective-2MiB", schedule="1f1b", memory="selective")
-    selective["memory"] = {"device_budget": "2MiB"}
-    summary = Trainer(selective).fit()
-    assert _losses(root_path / "selective-2MiB") == (train, val)
-    figures = [None, None]
-    dist.all_gather_object(figures, summary["pipeline"]["memory"])
+    figures = _fit_in_2mib(root_path / "selective-2MiB", "selective", (train, val))
     assert all(f["measured_peak_bytes"] <= f["predicted_peak_bytes"] <= 2 << 20 for f in figures)
     assert sum(f["blocks_recomputed"] for f in figures) == 2, figures
 
     # Peer swap only (MPress's device-to-device swap): rank 0 lends to rank 1 what it cannot
     # hold, rank 1 holds it within the same budget, the numbers are the same bit for bit.
-    lent = _job(root_path / "peer", schedule="1f1b", memory="peer")
-    lent["memory"] = {"device_budget": "2MiB"}
-    summary = Trainer(lent).fit()
-    assert _losses(root_path / "peer") == (train, val)
-    figures = [None, None]
-    dist.all_gather_object(figures, summary["pipeline"]["memory"])
+    figures = _fit_in_2mib(root_path / "peer", "peer", (train, val))
     assert figures[0]["blocks_lent"] > 0 and figures[0]["lends_to"] == [1], figures
     assert figures[0]["bytes_lent"] > 0 and figures[1]["blocks_lent"] == 0, figures
     assert figures[1]["peak_held_bytes"] > 0 == figures[0]["peak_held_bytes"], figures
