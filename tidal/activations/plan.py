@@ -21,7 +21,24 @@ step (microbatches) and ``c`` copies live at the stage's peak:
                anything: a rank that swaps nothing takes none of it): each use costs 2 x bytes /
                bandwidth, of which the idle window between those uses hides idle_s; the host
                holds c x bytes
-    peer swap  the same over the link to a lender rank, which holds c x bytes in its own budget
+    peer swap  the same over the links to one or more lender ranks (a stripe), which hold the
+               c x bytes in their own budgets, split in proportion to their links' bandwidths
+               so that every part arrives at once: a use costs 2 x bytes / the stripe's
+               bandwidth (the sum of its links', at most what the rank sends at once,
+               ``Links.peer_egress``), less its idle window as a host swap's does
+
+[Note: stripes]
+A peer swap may split a tensor over several lenders (MPress sends over several NVLinks at
+once). Two things a stripe buys: time, where a rank's links to its peers are separate (a
+DGX-1's hybrid cube mesh: one or two 25 GB/s NVLinks to each of four peers, 150 GB/s in all),
+and room, where no one lender has spare enough for a tensor that several together have (on
+an NVSwitch every pair already gets the whole of a rank's links: no time, only room). Every
+subset of lenders would be an option, exponential in the ranks; the options are each linked
+lender alone and, per k >= 2, the k fastest (ties to the later stage's rank: under every
+schedule tidal runs a later stage keeps fewer copies, so it has the room), which covers both:
+more links is faster, and the k most likely to have room come first. The lenders' shares are
+fixed by the links (:class:`Stripe`), so the planners price a stripe as they price one lender.
+The model does not charge a lender's link for what two borrowers send it at once.
 
 A tensor that is not kept is back on its rank for its block's backward, one block at a time: a
 rank holds, beside what it keeps, the largest single copy of what it does not keep (``transient``);
@@ -67,6 +84,7 @@ __all__ = [
     "Saved",
     "Saver",
     "SaverPlan",
+    "Stripe",
     "TensorClass",
     "evaluate",
     "keep_all",
@@ -152,6 +170,9 @@ class Links:
     host_bandwidth: tuple[float, ...]
     host_budget_bytes: tuple[int | None, ...]
     peer_bandwidth: tuple[tuple[float, ...], ...]
+    # per rank, the most bytes/s it sends to (or takes from) its peers at once (None: the sum of
+    # its links; an NVSwitch gives one pair all of a rank's links: a stripe is then no faster)
+    peer_egress: tuple[float, ...] | None = None
     # Host swaps fetch the next group back while a backward reads one ([Note: host swap
     # prefetch] in runtime.py): a rank then also holds its largest host-swapped item.
     host_prefetch: bool = False
@@ -167,6 +188,9 @@ class Links:
         links = len(self.host_bandwidth)
         require(all(0 <= h < links for h in self.host_link) and len(self.host_budget_bytes) == links,
                 "links", f"host links {self.host_link} outside the {links} given")  # fmt: skip
+        require(self.peer_egress is None or (len(self.peer_egress) == n
+                                              and all(e > 0 for e in self.peer_egress)),
+                "links", f"one positive peer egress per rank: {self.peer_egress}")  # fmt: skip
 
     @property
     def num_ranks(self) -> int:
@@ -175,8 +199,43 @@ class Links:
     def sharers(self, link: int) -> int:
         return sum(1 for h in self.host_link if h == link)
 
+    def stripe(self, rank: int, lenders: tuple[int, ...]) -> Stripe:
+        """How ``rank``'s peer swaps to ``lenders`` split ([Note: stripes])."""
+        return Stripe(lenders=lenders, weights=tuple(self.peer_bandwidth[rank][r] for r in lenders))
 
-Choice = tuple[Saver, int | None]  # (saver, lender rank for PEER)
+    def stripe_bandwidth(self, rank: int, lenders: tuple[int, ...]) -> float:
+        """Bytes/s a peer swap from ``rank`` to ``lenders`` moves: its links', at most the
+        rank's egress."""
+        total = sum(self.peer_bandwidth[rank][r] for r in lenders)
+        return total if self.peer_egress is None else min(total, self.peer_egress[rank])
+
+
+@dataclass(frozen=True, slots=True)
+class Stripe:
+    """The lenders a peer-swapped tensor is split over, with each one's share of its bytes in
+    proportion to ``weights`` (its link's bandwidth: every part arrives at once)."""
+
+    lenders: tuple[int, ...]
+    weights: tuple[float, ...]
+
+    def __post_init__(self) -> None:
+        require(len(self.lenders) == len(self.weights) > 0 and all(w > 0 for w in self.weights),
+                "links", f"a stripe needs one link per lender, each above 0 bytes/s: {self}")  # fmt: skip
+
+    def split(self, num_bytes: int) -> tuple[int, ...]:
+        """``num_bytes`` in one share per lender, in proportion (largest remainders first),
+        summing to it exactly: the planner's held bytes and the runtime's message sizes."""
+        total = sum(self.weights)
+        exact = [num_bytes * w / total for w in self.weights]
+        shares = [min(int(x), num_bytes) for x in exact]
+        rest = num_bytes - sum(shares)
+        assert 0 <= rest <= len(shares), (num_bytes, self)
+        for i in sorted(range(len(shares)), key=lambda i: (shares[i] - exact[i], i))[:rest]:
+            shares[i] += 1
+        return tuple(shares)
+
+
+Choice = tuple[Saver, tuple[int, ...] | None]  # (saver, its lenders for PEER: [Note: stripes])
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)
@@ -192,12 +251,21 @@ class SaverPlan:
     added_s: tuple[float, ...]
     item_added_s: tuple[float, ...]  # per saved tensor, what its saver adds to its rank's step
     solver: str
+    links: Links
     fits: bool = field(default=True)
 
     @property
     def added_step_s(self) -> float:
         """What the savers add to a step: the slowest rank's added seconds."""
         return max(self.added_s, default=0.0)
+
+    def stripe(self, index: int) -> Stripe | None:
+        """How saved tensor ``index`` splits over its lenders (None: it is not lent)."""
+        saver, lenders = self.choices[index]
+        if saver is not Saver.PEER:
+            return None
+        assert lenders is not None
+        return self.links.stripe(self.links.stage_rank[self.saved[index].stage], lenders)
 
 
 # -- the model of [Note: saver costs] ----------------------------------------------------------
@@ -213,9 +281,28 @@ def _options(item: Saved, links: Links) -> list[Choice]:
     out.append((Saver.HOST, None))
     if item.host_only:
         return out
-    out += [(Saver.PEER, lender) for lender in range(links.num_ranks)
-            if lender != rank and links.peer_bandwidth[rank][lender] > 0]  # fmt: skip
+    linked = _linked(links, rank)
+    out += [(Saver.PEER, (lender,)) for lender in sorted(linked)]
+    out += [(Saver.PEER, tuple(sorted(linked[:k]))) for k in range(2, len(linked) + 1)]
     return out
+
+
+def _linked(links: Links, rank: int) -> list[int]:
+    """``rank``'s peers with a link, fastest first, ties to the later stage's ([Note: stripes])."""
+    last_stage = {r: s for s, r in enumerate(links.stage_rank)}
+    return sorted((r for r in range(links.num_ranks)
+                   if r != rank and links.peer_bandwidth[rank][r] > 0),
+                  key=lambda r: (-links.peer_bandwidth[rank][r], -last_stage.get(r, -1), -r))  # fmt: skip
+
+
+def _lent_shares(item: Saved, lenders: tuple[int, ...] | None,
+                 links: Links) -> list[tuple[int, int]]:  # fmt: skip
+    """What each lender of ``item``'s stripe holds of it: its share of each copy."""
+    assert lenders is not None
+    stripe = links.stripe(links.stage_rank[item.stage], lenders)
+    return [
+        (to, item.copies * b) for to, b in zip(lenders, stripe.split(item.num_bytes), strict=True)
+    ]
 
 
 def _host_ranks(saved: Sequence[Saved], choices: Sequence[Choice], links: Links) -> frozenset[int]:
@@ -246,7 +333,7 @@ def _added_s(item: Saved, choice: Choice, links: Links, host_users: int) -> floa
         bandwidth = links.host_bandwidth[links.host_link[rank]] / host_users
     else:
         assert lender is not None
-        bandwidth = links.peer_bandwidth[rank][lender]
+        bandwidth = links.stripe_bandwidth(rank, lender)
     if item.num_bytes == 0:
         return 0.0
     per_use = 2 * item.num_bytes / bandwidth
@@ -272,8 +359,8 @@ def evaluate(saved: Sequence[Saved], choices: Sequence[Choice], links: Links,
         if saver is Saver.HOST:
             host[links.host_link[rank]] += item.held_bytes
         elif saver is Saver.PEER:
-            assert lender is not None
-            lent[lender] += item.held_bytes
+            for to, num_bytes in _lent_shares(item, lender, links):
+                lent[to] += num_bytes
     transient = _transients(saved, choices, links)
     peak = tuple(k + lent_ + t for k, lent_, t in zip(kept, lent, transient, strict=True))
     fits = all(p <= b for p, b in zip(peak, links.budget_bytes, strict=True)) and all(
@@ -281,7 +368,7 @@ def evaluate(saved: Sequence[Saved], choices: Sequence[Choice], links: Links,
     )
     return SaverPlan(saved=tuple(saved), choices=tuple(choices), peak_bytes=peak,
                      lent_bytes=tuple(lent), host_bytes=tuple(host), added_s=tuple(added),
-                     item_added_s=per_item, solver=solver, fits=fits)  # fmt: skip
+                     item_added_s=per_item, solver=solver, links=links, fits=fits)  # fmt: skip
 
 
 # -- the planners ([Note: the saver planners]) ---------------------------------------------------
@@ -352,10 +439,11 @@ def _try(saved: Sequence[Saved], links: Links, plan: SaverPlan,
     choices = list(plan.choices)
     for index, choice in change:
         choices[index] = choice
-    for index, (saver, lender) in change:
+    for index, (saver, lenders) in change:
         if saver is Saver.PEER:
-            assert lender is not None
-            choices = _make_room(saved, links, choices, lender)
+            assert lenders is not None
+            for lender in lenders:
+                choices = _make_room(saved, links, choices, lender)
         if saver is Saver.HOST:
             link = links.host_link[links.stage_rank[saved[index].stage]]
             choices = _make_host_room(saved, links, choices, link, {i for i, _ in change})
@@ -404,8 +492,7 @@ def _still_fits(saved: Sequence[Saved], links: Links, choices: list[Choice], pla
     rank = links.stage_rank[item.stage]
     grown = {rank: item.held_under(choice[0]) - item.held_under(Saver.HOST)}
     if choice[0] is Saver.PEER:
-        assert choice[1] is not None
-        grown[choice[1]] = item.held_bytes  # a lender is never the rank itself
+        grown.update(_lent_shares(item, choice[1], links))  # a lender is never the rank itself
     if plan.peak_bytes[rank] + grown[rank] > links.budget_bytes[rank]:
         after = [*choices[:index], choice, *choices[index + 1 :]]
         shrunk = _transients(saved, after, links)[rank] - _transients(saved, choices, links)[rank]
@@ -514,7 +601,9 @@ def _best_move(saved: Sequence[Saved], choices: list[Choice], links: Links, plan
                 continue
             if saver is Saver.HOST and host_room[link] < item.held_bytes:
                 continue
-            if saver is Saver.PEER and (lender is None or spare[lender] < item.held_bytes):
+            if saver is Saver.PEER and any(
+                spare[to] < num_bytes for to, num_bytes in _lent_shares(item, lender, links)
+            ):
                 continue
             added = _added_s(item, choice, links, users) - plan.item_added_s[index]
             added += joining_s if saver is Saver.HOST else 0.0
@@ -544,7 +633,9 @@ def plan_exact(saved: Sequence[Saved], links: Links) -> SaverPlan:
     A host swap's price depends on how many ranks share its link ([Note: saver costs]), so each
     host option is offered once per possible count ``k`` of users of its link, priced at ``k``:
     a binary per rank says it host-swaps anything, and choosing an option at ``k`` caps its
-    link's users at ``k``. The least step takes, per item, the count that is the link's own."""
+    link's users at ``k``. The least step takes, per item, the count that is the link's own.
+    Bytes count in units of the largest budget and seconds in units of the dearest option: rows
+    in bytes beside rows in seconds once made HiGHS return, as optimal, twice the best step."""
     import numpy as np
     from scipy.optimize import Bounds, LinearConstraint, milp
 
@@ -562,6 +653,9 @@ def plan_exact(saved: Sequence[Saved], links: Links) -> SaverPlan:
     t0, h0, u0, z = num_x, num_x + n, num_x + 2 * n, num_x + 3 * n
     rows: list[np.ndarray] = []
     bounds: list[tuple[float, float]] = []
+    per_byte = 1.0 / max(max(links.budget_bytes), 1)
+    priced = [_added_s(saved[i], options[i][o][0], links, options[i][o][1]) for i, o in index]
+    per_s = 1.0 / max(max(priced, default=0.0), 1e-12)
 
     def row() -> np.ndarray:
         return np.zeros(num_vars)
@@ -581,13 +675,14 @@ def plan_exact(saved: Sequence[Saved], links: Links) -> SaverPlan:
             item, ((saver, lender), users) = saved[i], options[i][o]
             owner = links.stage_rank[item.stage]
             if owner == rank:
-                time[k] = _added_s(item, (saver, lender), links, users)
+                time[k] = per_s * priced[k]
                 mem[k] = item.held_under(saver)
-            if saver is Saver.PEER and lender == rank:
-                mem[k] += item.held_bytes
+            if saver is Saver.PEER:
+                mem[k] += dict(_lent_shares(item, lender, links)).get(rank, 0)
+        mem[:num_x] *= per_byte
         mem[t0 + rank] = 1.0
         mem[h0 + rank] = 1.0 if links.host_prefetch else 0.0
-        add(mem, -np.inf, links.budget_bytes[rank] - links.base_bytes[rank])
+        add(mem, -np.inf, per_byte * (links.budget_bytes[rank] - links.base_bytes[rank]))
         time[z] = -1.0
         add(time, -np.inf, 0.0)
     for k, (i, o) in enumerate(index):
@@ -595,11 +690,11 @@ def plan_exact(saved: Sequence[Saved], links: Links) -> SaverPlan:
         owner = links.stage_rank[item.stage]
         if saver is not Saver.KEEP and item.copies:  # a moved copy is back for its backward
             r = row()
-            r[k], r[t0 + owner] = item.num_bytes, -1.0
+            r[k], r[t0 + owner] = per_byte * item.num_bytes, -1.0
             add(r, -np.inf, 0.0)
         if saver is Saver.HOST and item.copies and links.host_prefetch:
             r = row()
-            r[k], r[h0 + owner] = item.num_bytes, -1.0
+            r[k], r[h0 + owner] = per_byte * item.num_bytes, -1.0
             add(r, -np.inf, 0.0)
         if saver is Saver.HOST:  # its rank uses the link, whose users are then at most `users`
             r = row()
@@ -623,8 +718,8 @@ def plan_exact(saved: Sequence[Saved], links: Links) -> SaverPlan:
                 options[i][o][0][0] is Saver.HOST
                 and links.host_link[links.stage_rank[item.stage]] == link
             ):
-                r[k] = item.held_bytes
-        add(r, -np.inf, float(cap))
+                r[k] = per_byte * item.held_bytes
+        add(r, -np.inf, per_byte * cap)
     cost = row()
     cost[z] = 1.0
     binary = np.concatenate([np.ones(num_x), np.zeros(2 * n), np.ones(n), np.zeros(1)])

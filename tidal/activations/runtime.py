@@ -71,7 +71,7 @@ import torch
 from torch import nn
 from torch.distributed._composable import checkpoint
 
-from tidal.activations.plan import Saver
+from tidal.activations.plan import Saver, Stripe
 from tidal.config import ConfigError
 from tidal.memory.tiers import Tier
 
@@ -348,31 +348,34 @@ class _OnHost:
 
 class PeerSwap:
     """A stage's ``PEER`` savers ([Note: lending] in tidal/pipeline/lending.py): while a lent
-    submodule's forward runs, its saved tensors' storages join the open bundle of its lender;
-    the schedule's ``LO`` closes the bundle into one flat message (the device tensors go with
-    it), its ``LI`` restores it, and the backward reads views of what came back."""
+    submodule's forward runs, its saved tensors' storages join the open bundle of its stripe
+    (its lenders, [Note: stripes] in plan.py); the schedule's ``LO`` to a lender closes every
+    open bundle that lender is in into one flat buffer (the device tensors go with it) and sends
+    the lender its share of each as one message; its ``LI`` brings the share back, and once
+    every share of a bundle is back the backward reads views of them joined."""
 
     _ALIGN = 64  # each storage starts on a multiple of this in the message: any dtype can view it
 
     def __init__(self) -> None:
-        self._open: dict[int, dict[tuple[torch.device, int], _LentStorage]] = {}
+        self._open: dict[Stripe, dict[tuple[torch.device, int], _LentStorage]] = {}
+        self._shares: dict[int, list[tuple[_Bundle, int, torch.Tensor]]] = {}  # lender -> unsent
         self.storages_lent = 0
         self.bytes_lent = 0
 
     def swapping(
-        self, lender: int, params: frozenset[int]
+        self, stripe: Stripe, params: frozenset[int]
     ) -> contextlib.AbstractContextManager[None]:
         outer = outer_saved_tensor_hooks()
         return torch.autograd.graph.saved_tensors_hooks(
-            lambda t: self.pack(t, lender, params, outer), self.unpack
+            lambda t: self.pack(t, stripe, params, outer), self.unpack
         )
 
-    def pack(self, tensor: torch.Tensor, lender: int, params: frozenset[int],
+    def pack(self, tensor: torch.Tensor, stripe: Stripe, params: frozenset[int],
              outer: SavedHooks | None = None) -> Any:  # fmt: skip
         storage = tensor.untyped_storage()
         if storage.data_ptr() in params or tensor.layout is not torch.strided:
             return _stays(tensor, outer)
-        bundle = self._open.setdefault(lender, {})
+        bundle = self._open.setdefault(stripe, {})
         key = (tensor.device, storage.data_ptr())  # held until the bundle closes: no reuse
         if key not in bundle:
             bundle[key] = _LentStorage(torch.empty(0, dtype=torch.uint8,
@@ -384,32 +387,73 @@ class PeerSwap:
         if not isinstance(packed, _Lent):
             return _back(packed)
         flat, start = packed.storage.back()
-        assert start % packed.dtype.itemsize == 0
+        assert start % packed.dtype.itemsize == 0 and flat.storage_offset() == 0
         return torch.empty(0, dtype=packed.dtype, device=flat.device).set_(
             flat.untyped_storage(), start // packed.dtype.itemsize + packed.offset, packed.shape,
             packed.stride,
         )  # fmt: skip
 
     def close(self, lender: int) -> tuple[torch.Tensor, object]:
-        """The open bundle for ``lender`` as one uint8 message, and the bundle to restore."""
-        entries = list(self._open.pop(lender, {}).values())
+        """What ``lender`` takes now as one uint8 message (its share of every open bundle it is
+        a lender of), and what :meth:`restore` needs when it comes back."""
+        for stripe in [stripe for stripe in self._open if lender in stripe.lenders]:
+            self._seal(stripe)
+        shares = self._shares.pop(lender, [])
+        parts = [part for _, _, part in shares]
+        device = parts[0].device if parts else torch.device("cpu")
+        if len(parts) == 1:
+            message = parts[0]
+        else:
+            message = (
+                torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8, device=device)
+            )
+        return message, [(bundle, index, part.numel()) for bundle, index, part in shares]
+
+    def _seal(self, stripe: Stripe) -> None:
+        """The open bundle of ``stripe`` in one flat buffer, split into its lenders' shares."""
+        entries = list(self._open.pop(stripe).values())
         starts, size = [], 0
         for entry in entries:
             starts.append(size)
             size += -(-entry.num_bytes // self._ALIGN) * self._ALIGN
-        device = entries[0].source.device if entries else torch.device("cpu")
-        flat = torch.empty(size, dtype=torch.uint8, device=device)
+        flat = torch.empty(size, dtype=torch.uint8, device=entries[0].source.device)
         for entry, start in zip(entries, starts, strict=True):
             flat[start : start + entry.num_bytes].copy_(entry.source)
             entry.leave(start)
         self.storages_lent += len(entries)
         self.bytes_lent += size
-        return flat, entries
+        bundle = _Bundle(entries, len(stripe.lenders))
+        for index, (to, part) in enumerate(
+            zip(stripe.lenders, flat.split(list(stripe.split(size))), strict=True)
+        ):
+            self._shares.setdefault(to, []).append((bundle, index, part))
 
     def restore(self, bundle: object, flat: torch.Tensor) -> None:
         assert isinstance(bundle, list)
-        for entry in bundle:
-            entry.home = flat
+        for (whole, index, _), part in zip(bundle, flat.split([n for _, _, n in bundle]),
+                                           strict=True):  # fmt: skip
+            whole.arrive(index, part)
+
+
+class _Bundle:
+    """What one stripe of a stage lent for one microbatch: its storages, and its shares as they
+    come back; whole, the storages read from them joined."""
+
+    def __init__(self, entries: list[_LentStorage], num_shares: int) -> None:
+        self.entries = entries
+        self.shares: list[torch.Tensor | None] = [None] * num_shares
+
+    def arrive(self, index: int, share: torch.Tensor) -> None:
+        assert self.shares[index] is None, "a share of a lent bundle came back twice"
+        self.shares[index] = share
+        if any(s is None for s in self.shares):
+            return
+        parts = [s for s in self.shares if s is not None]
+        home = parts[0] if len(parts) == 1 else torch.cat(parts)
+        if home.storage_offset():  # a view into a message carrying other bundles too
+            home = home.clone()
+        for entry in self.entries:
+            entry.home = home
 
 
 class _LentStorage:
@@ -461,12 +505,12 @@ class SaverHandles:
 
 
 def apply_savers(model: nn.Module, savers: Mapping[str, Saver], *, host: Tier | None = None,
-                 peer: PeerSwap | None = None, lenders: Mapping[str, int] | None = None,
+                 peer: PeerSwap | None = None, lenders: Mapping[str, Stripe] | None = None,
                  recompute_context: Callable[[], contextlib.AbstractContextManager[Any]] | None
                  = None) -> SaverHandles:  # fmt: skip
     """Recompute, host-swap or lend the submodules ``savers`` names ([Note: savers in place]);
     ``host``: the tier host swaps use (needed when any is asked); ``peer`` and ``lenders[path]``
-    (the rank each lent submodule lends to): what peer swaps use; ``recompute_context()``: held
+    (the ranks each lent submodule lends to): what peer swaps use; ``recompute_context()``: held
     open around each recompute (a stashing stage's forward weights)."""
     unknown = sorted(set(savers) - {name for name, _ in model.named_modules()})
     if unknown:

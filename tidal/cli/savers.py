@@ -94,8 +94,7 @@ def _per_rank(plan: SaverPlan, rank: int, links: Links) -> dict[str, Any]:
     for item, (saver, lender) in zip(plan.saved, plan.choices, strict=True):
         if links.stage_rank[item.stage] == rank:
             held[saver] += item.held_bytes
-            if lender is not None:
-                lent_to.add(lender)
+            lent_to.update(lender or ())
     return {"rank": rank, "stages": [s for s, r in enumerate(links.stage_rank) if r == rank],
             "peak_bytes": plan.peak_bytes[rank], "kept_bytes": held[Saver.KEEP],
             "recomputed_bytes": held[Saver.RECOMPUTE], "host_bytes": held[Saver.HOST],
@@ -148,7 +147,7 @@ def saver_json(before: Simulation, kept: SaverPlan, plan: SaverPlan, after: Simu
                 "class": i.tensor_class.value,
                 "bytes": i.held_bytes,
                 "saver": s.value,
-                "lender": lender,
+                "lenders": None if lender is None else list(lender),
             }
             for i, (s, lender) in zip(plan.saved, plan.choices, strict=True)
         ],  # fmt: skip

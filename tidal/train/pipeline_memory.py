@@ -45,6 +45,7 @@ from tidal.activations import (
     Links,
     Saver,
     SaverPlan,
+    Stripe,
     TensorClass,
     evaluate,
     keep_all,
@@ -176,12 +177,13 @@ def plan_pipeline_memory(job: JobConfig, stages: Sequence[PipelineStage], *, min
     forward_weights: dict[int, _ForwardWeights] = {}
     for s in mine:
         savers: dict[str, Saver] = {}
-        lent_to: dict[str, int] = {}
+        lent_to: dict[str, Stripe] = {}
         if plan is not None:
-            chosen = [(i.path, c) for i, c in zip(plan.saved, plan.choices, strict=True)
-                      if i.stage == s and i.path and c[0] is not Saver.KEEP]  # fmt: skip
-            savers = {path: saver for path, (saver, _) in chosen}
-            lent_to = {path: lender for path, (_, lender) in chosen if lender is not None}
+            chosen = [(item.path, saver, plan.stripe(k))
+                      for k, (item, (saver, _)) in enumerate(zip(plan.saved, plan.choices, strict=True))
+                      if item.stage == s and item.path and saver is not Saver.KEEP]  # fmt: skip
+            savers = {path: saver for path, saver, _ in chosen}
+            lent_to = {path: stripe for path, _, stripe in chosen if stripe is not None}
         elif mode == "selective":
             savers = {path: Saver.RECOMPUTE for path in _attention_units(stages[s])}
         elif fixed is not None:
@@ -243,7 +245,7 @@ def _lenders(plan: SaverPlan | None) -> dict[int, tuple[int, ...]]:
     for item, (saver, lender) in zip(plan.saved if plan else (), plan.choices if plan else (),
                                      strict=True):  # fmt: skip
         if saver is Saver.PEER and lender is not None:
-            out.setdefault(item.stage, set()).add(lender)
+            out.setdefault(item.stage, set()).update(lender)
     return {s: tuple(sorted(ranks)) for s, ranks in out.items()}
 
 

@@ -14,6 +14,7 @@ from tidal.activations.plan import (
     Links,
     Saved,
     Saver,
+    Stripe,
     TensorClass,
     _options,
     _still_fits,
@@ -68,7 +69,7 @@ def test_the_loaded_first_rank_borrows_from_the_light_last_one() -> None:
     moved = [(item, choice) for item, choice in zip(plan.saved, plan.choices, strict=True)
              if choice[0] is not Saver.KEEP]  # fmt: skip
     assert moved and all(item.stage == 0 for item, _ in moved)
-    assert {choice for _, choice in moved} <= {(Saver.PEER, 1), (Saver.HOST, None)}
+    assert {choice for _, choice in moved} <= {(Saver.PEER, (1,)), (Saver.HOST, None)}
     assert plan.added_step_s == 0.0
     lent = sum(i.held_bytes for i, choice in moved if choice[0] is Saver.PEER)
     assert lent > 0 and plan.lent_bytes == (0, lent)
@@ -144,7 +145,9 @@ def _random_instance(rng: random.Random, prefetch: bool = False) -> tuple[list[S
                   base_bytes=(0,) * num_ranks, host_link=(0,) * num_ranks,
                   host_bandwidth=(rng.choice([2e9, 10e9]),),
                   host_budget_bytes=(rng.choice([None, 16 * MiB, 48 * MiB]),), peer_bandwidth=peer,
-                  host_prefetch=prefetch)  # fmt: skip
+                  host_prefetch=prefetch,
+                  # an egress binds only on a stripe (one link is at most 50 GB/s): from 3 ranks
+                  peer_egress=None if num_ranks < 3 else (60e9,) * num_ranks)  # fmt: skip
     return saved, links
 
 
@@ -319,3 +322,55 @@ def test_the_planners_keep_a_second_rank_off_a_link_when_sharing_costs_more() ->
         assert plan.fits, plan.solver
         assert plan.choices == ((Saver.RECOMPUTE, None), (Saver.HOST, None)), plan.solver
         assert plan.added_s == pytest.approx((1.5 * alone, alone), rel=1e-9)
+
+
+def _cube_links(budgets: list[int], *, egress: float | None = None) -> Links:
+    """Rank 0 linked to ranks 1-3 at 25 GB/s each (one NVLink each, as in a DGX-1's mesh), no
+    other links; a slow host."""
+    n = len(budgets)
+    peer = tuple(tuple(25e9 if a == 0 and b > 0 else 0.0 for b in range(n)) for a in range(n))
+    return Links(stage_rank=tuple(range(n)), budget_bytes=tuple(budgets), base_bytes=(0,) * n,
+                 host_link=(0,) * n, host_bandwidth=(1e9,), host_budget_bytes=(None,),
+                 peer_bandwidth=peer, peer_egress=None if egress is None else (egress,) * n)  # fmt: skip
+
+
+def _two_blocks_inputs() -> list[Saved]:
+    """Two 64 MiB block inputs of stage 0, out and back 4 times a step with no idle window:
+    under a 64 MiB budget both must move (one comes back at a time for its backward)."""
+    return [Saved(stage=0, block=b, tensor_class=TensorClass.BLOCK_INPUT, num_bytes=64 * MiB,
+                  copies=1, uses_per_step=4, recompute_s=None) for b in range(2)]  # fmt: skip
+
+
+@pytest.mark.parametrize("exact", [True, False])
+def test_a_stripe_over_separate_links_is_as_many_times_faster(exact: bool) -> None:
+    """[Note: stripes]: one lender at 25 GB/s costs 4 x 2 x 64 MiB / 25 GB/s a tensor, three at
+    once a third of it, each holding a third; an egress of one link's bandwidth takes that back
+    (as on an NVSwitch: a stripe buys room there, not time)."""
+    saved = _two_blocks_inputs()
+    one_lender_s = 4 * 2 * 64 * MiB / 25e9
+    links = _cube_links([64 * MiB, 1 << 30, 1 << 30, 1 << 30])
+    plan = (plan_exact if exact else plan_greedy)(saved, links)
+    assert plan.fits and plan.choices == ((Saver.PEER, (1, 2, 3)),) * 2
+    assert plan.added_step_s == pytest.approx(2 * one_lender_s / 3, rel=1e-12)
+    shares = links.stripe(0, (1, 2, 3)).split(64 * MiB)
+    assert plan.lent_bytes == (0, *(2 * b for b in shares)) and sum(shares) == 64 * MiB
+    assert plan.stripe(0) == links.stripe(0, (1, 2, 3)) == Stripe(lenders=(1, 2, 3),
+                                                                  weights=(25e9,) * 3)  # fmt: skip
+    capped = _cube_links([64 * MiB, 1 << 30, 1 << 30, 1 << 30], egress=25e9)
+    striped = evaluate(saved, [(Saver.PEER, (1, 2, 3))] * 2, capped, "")
+    assert striped.added_step_s == pytest.approx(2 * one_lender_s, rel=1e-12)
+
+
+@pytest.mark.parametrize("exact", [True, False])
+def test_tensors_no_one_lender_has_room_for_are_striped_over_those_that_do(exact: bool) -> None:
+    """Each lender has 48 MiB to spare, each tensor is 64 MiB and can neither be recomputed nor
+    go to the host (it has no room): they fit only split over all three lenders, which the
+    plan does, each lender within its budget."""
+    saved = _two_blocks_inputs()
+    links = dataclasses.replace(_cube_links([64 * MiB] + [48 * MiB] * 3), host_budget_bytes=(0,))
+    for lender in (1, 2, 3):
+        assert not evaluate(saved, [(Saver.PEER, (lender,))] * 2, links, "").fits
+    plan = (plan_exact if exact else plan_greedy)(saved, links)
+    assert plan.fits and plan.choices == ((Saver.PEER, (1, 2, 3)),) * 2
+    assert plan.peak_bytes[0] == 64 * MiB  # one copy back at a time
+    assert all(p <= b for p, b in zip(plan.peak_bytes, links.budget_bytes, strict=True))

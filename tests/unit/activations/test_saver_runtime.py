@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 
-from tidal.activations import Saver
+from tidal.activations import Saver, Stripe
 from tidal.activations.runtime import apply_savers, check_schedule
 from tidal.config import ConfigError
 from tidal.memory.tiers import Tier, TierBudgetError, TierKind
@@ -197,16 +197,19 @@ def test_lending_and_host_swap_equal_the_plain_pipeline(name: str, ranks: int,
         schedule = make_schedule(name, stages=ranks, microbatches=4, steps=2)
         stages = split_gpt(build_gpt(CONFIG, seed=0), even_ranges(4, ranks))
         lending, swaps = None, {}
-        if lend:  # stage 0 lends its first block's attention to the last rank, its MLP to
-            # rank 1; stage 1 (with 4 ranks) its whole first block to the last rank
+        if lend:  # stage 0 lends its first block's attention striped over rank 1 and the
+            # last (a quarter and three quarters: [Note: stripes]), its MLP to rank 1, so rank 1's
+            # message carries shares of two bundles; stage 1 (with 4 ranks) its whole first
+            # block to the last rank
             swaps = {0: PeerSwap(), 1: PeerSwap()}
             last = ranks - 1
+            stripe = Stripe(lenders=(1, last), weights=(1.0, 3.0)) if last != 1 else _to(1)
             apply_savers(stages[0], {"layers.0.attn": Saver.PEER, "layers.0.mlp": Saver.PEER},
-                         peer=swaps[0], lenders={"layers.0.attn": last, "layers.0.mlp": 1})  # fmt: skip
+                         peer=swaps[0], lenders={"layers.0.attn": stripe, "layers.0.mlp": _to(1)})  # fmt: skip
             lenders = {0: (1, last) if last != 1 else (1,)}
             if ranks > 2:
                 apply_savers(stages[1], {"layers.0": Saver.PEER}, peer=swaps[1],
-                             lenders={"layers.0": last})  # fmt: skip
+                             lenders={"layers.0": _to(last)})  # fmt: skip
                 lenders[1] = (last,)
             lending = Lending(lenders=lenders, swaps=swaps)
             host = Tier(TierKind.HOST, torch.device("cpu"), budget_bytes=None)
@@ -220,6 +223,23 @@ def test_lending_and_host_swap_equal_the_plain_pipeline(name: str, ranks: int,
     _assert_same(lent, run(False)[0])
     assert swaps[0].storages_lent > 0 and result.peak_held_bytes[ranks - 1] > 0
     assert result.peak_held_bytes[0] == 0  # the first rank lends, holds nothing
+    assert result.peak_held_bytes[1] > 0  # a lender of both of stage 0's units
+
+
+def _to(lender: int) -> Stripe:
+    return Stripe(lenders=(lender,), weights=(1.0,))
+
+
+def test_a_stripe_splits_its_bytes_by_its_links_exactly() -> None:
+    """[Note: stripes]: the shares sum to the bytes, follow the weights, and a remainder goes to
+    the largest fractions; the planner's held bytes and the runtime's messages both use it."""
+    assert Stripe(lenders=(1, 2), weights=(1.0, 3.0)).split(100) == (25, 75)
+    assert Stripe(lenders=(1, 2, 3), weights=(1.0, 1.0, 1.0)).split(100) == (34, 33, 33)
+    assert Stripe(lenders=(5,), weights=(2.0,)).split(7) == (7,)
+    for num_bytes in (0, 1, 2, 63, 4097):
+        assert sum(Stripe(lenders=(1, 2, 3), weights=(1.0, 2.5, 0.5)).split(num_bytes)) == num_bytes
+    with pytest.raises(ConfigError, match="one link per lender"):
+        Stripe(lenders=(1, 2), weights=(1.0, 0.0))
 
 
 @pytest.mark.parametrize("ranks", [2, 4])
