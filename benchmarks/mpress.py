@@ -7,7 +7,9 @@ A model family (``--family gpt``: GPT-3-like, 4096 wide, sequence 2048, one sequ
 sequences a microbatch; each shape can be set; blocks added ``--step-layers`` at a time) is cut
 into ``--stages`` pipeline stages, one GPU each, on a DGX-class server: ``--device-memory`` per
 GPU, a PCIe host link shared by each pair of GPUs (``--host-gbps`` each way), every pair of GPUs
-joined by NVSwitch (``--peer-gbps``). Under 1F1B and PipeDream, each strategy is asked for the
+joined by NVSwitch (``--peer-gbps``), or (``--topology dgx1``) the NVLink mesh of a DGX-1, where
+a peer swap striped over several peers is faster than to one ([Note: two server topologies] in
+tidal/activations/topology.py). Under 1F1B and PipeDream, each strategy is asked for the
 largest model it fits and, at the largest model recompute-only fits, the simulated step.
 PipeDream updates its weights after every microbatch, as PipeDream does (``--pipedream-updates
 microbatch``: stage s stashes p - s versions), or once per ``--microbatches`` (``step``, as
@@ -63,6 +65,7 @@ from tidal.activations import (
     keep_all,
     plan_savers,
 )
+from tidal.activations.topology import TOPOLOGIES, peer_links
 from tidal.config import ConfigError, format_bytes, parse_bytes
 from tidal.models import gpt_saved_shares, profile_gpt
 from tidal.models.gpt import GPTConfig
@@ -94,7 +97,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "stashed versions on stage s) or once per --microbatches (step)")  # fmt: skip
     parser.add_argument("--device-memory", default="80GiB", metavar="SIZE")
     parser.add_argument("--host-gbps", type=float, default=25.0)
-    parser.add_argument("--peer-gbps", type=float, default=300.0)
+    parser.add_argument(
+        "--peer-gbps",
+        type=float,
+        default=300.0,
+        help="--topology nvswitch: any pair of GPUs, GB/s each way",
+    )
+    parser.add_argument(
+        "--topology",
+        choices=TOPOLOGIES,
+        default="nvswitch",
+        help="how the GPUs are linked ([Note: two server topologies])",
+    )
+    parser.add_argument(
+        "--nvlink-gbps", type=float, default=25.0, help="--topology dgx1: one NVLink, GB/s each way"
+    )
     parser.add_argument("--step-layers", type=int, default=8, help="blocks added per size")
     parser.add_argument("--max-layers", type=int, default=320)
     parser.add_argument("--results-dir", default=None, metavar="DIR")
@@ -199,13 +216,14 @@ def _case(family: _Family, layers: int, schedule_name: str, args: argparse.Names
     per_param_byte = BYTES_PER_PARAM // 2  # the profile's weights are bf16
     budget = parse_bytes(args.device_memory, key="--device-memory")
     n = args.stages
+    peer, egress = peer_links(args.topology, n, pair_gbps=args.peer_gbps,
+                              nvlink_gbps=args.nvlink_gbps)  # fmt: skip
     links = Links(stage_rank=tuple(range(n)), budget_bytes=(budget,) * n,
                   base_bytes=tuple(per_param_byte * w for w in weight_bytes),
                   host_link=tuple(r // 2 for r in range(n)),
                   host_bandwidth=(args.host_gbps * 1e9,) * ((n + 1) // 2),
                   host_budget_bytes=(None,) * ((n + 1) // 2),
-                  peer_bandwidth=tuple(tuple(0.0 if a == b else args.peer_gbps * 1e9
-                                             for b in range(n)) for a in range(n)))  # fmt: skip
+                  peer_bandwidth=peer, peer_egress=egress)  # fmt: skip
     return sim, saved_tensors(sim, blocks, weight_bytes=weight_bytes), links
 
 
@@ -268,12 +286,26 @@ def _base_row(args: argparse.Namespace, schedule: str, name: str, most: int, at:
               on_time: int, params_per_block: int) -> dict[str, Any]:  # fmt: skip
     """What every predicted row records: ``most`` blocks against recompute-only's ``at`` (its
     best split) and ``on_time`` (the split by time, as MPress compares)."""
-    return {"section": "predicted", "family": args.family,
+    return {"section": "predicted", "family": args.family, "topology": args.topology,
             "micro_batch": _shape(args, "micro_batch"), "schedule": schedule, "strategy": name,
             "pipedream_updates": args.pipedream_updates if schedule == "pipedream" else None,
             "largest_layers": most, "largest_params": most * params_per_block,
             "vs_recompute": (most / at) if at else None,
             "vs_recompute_time_split": (most / on_time) if on_time else None}  # fmt: skip
+
+
+def _lent(plan: SaverPlan) -> dict[str, int]:
+    """How many tensors ``plan`` lends, and how many of them it stripes over several lenders."""
+    lent = [lenders for saver, lenders in plan.choices if saver is Saver.PEER and lenders]
+    return {"tensors": len(lent), "striped": sum(1 for lenders in lent if len(lenders) > 1)}
+
+
+def _collective_gbps(args: argparse.Namespace) -> float:
+    """What ZeRO-3's collectives get per GPU: a pair's bandwidth on an NVSwitch; on a DGX-1 all
+    six links of a GPU (NCCL's rings over the mesh use them all: the most ZeRO-3 could get)."""
+    _, egress = peer_links(args.topology, args.stages, pair_gbps=args.peer_gbps,
+                           nvlink_gbps=args.nvlink_gbps)  # fmt: skip
+    return egress[0] / 1e9
 
 
 def bench_mpress(args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -282,7 +314,7 @@ def bench_mpress(args: argparse.Namespace) -> list[dict[str, Any]]:
     sequences = args.microbatches * _shape(args, "micro_batch")
     zero3 = Zero3Pricer(family.config, sequences_per_step=sequences, gpus=args.stages,
                         device_memory_bytes=parse_bytes(args.device_memory, key="--device-memory"),
-                        host_gbps=args.host_gbps, peer_gbps=args.peer_gbps)  # fmt: skip
+                        host_gbps=args.host_gbps, peer_gbps=_collective_gbps(args))  # fmt: skip
     zero3_largest = {name: zero3.largest(name, step_layers=args.step_layers,
                                          max_layers=args.max_layers) for name in ZERO3_ROWS}  # fmt: skip
     rows = []
@@ -302,6 +334,7 @@ def bench_mpress(args: argparse.Namespace) -> list[dict[str, Any]]:
             row["peak_bytes_at_recompute_largest"] = (
                 None if priced is None else max(priced[2].peak_bytes)
             )
+            row["lent_at_recompute_largest"] = None if priced is None else _lent(priced[2])
             rows.append(row)
         spanned = _schedule(schedule, args)  # [Note: ZeRO-3 in the predicted table]
         steps = spanned.num_microbatches * spanned.num_steps / args.microbatches
@@ -366,7 +399,7 @@ def run(args: argparse.Namespace, console: Console) -> int:
     if "predicted" not in sections:
         return 0
     table = Table(title=f"tidal bench mpress (predicted, {args.family}, {args.stages} GPUs of "
-                        f"{args.device_memory}, PipeDream updates every "
+                        f"{args.device_memory}, {args.topology}, PipeDream updates every "
                         f"{args.pipedream_updates}) -> {path}", title_justify="left")  # fmt: skip
     for column in ("schedule", "strategy", "largest blocks", "params", "x recompute", "split",
                    "x recompute on the time split",

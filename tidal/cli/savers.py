@@ -20,6 +20,7 @@ from rich.table import Table
 
 from tidal.activations import Links, Saver, SaverPlan, TensorClass, keep_all, plan_savers
 from tidal.activations.placement import place_stages
+from tidal.activations.topology import peer_links
 from tidal.config import ConfigError, format_bytes, parse_bytes
 from tidal.pipeline.partition import LayerProfile, Partition
 from tidal.pipeline.savers import BlockSaves, saved_tensors, step_with_savers
@@ -58,7 +59,8 @@ def plan_stage_savers(args: argparse.Namespace, sim: Simulation, split: Partitio
     base = [0] * num_ranks
     for stage, num_bytes in enumerate(weight_bytes):
         base[schedule.rank_of(stage)] += MODEL_DATA_PER_WEIGHT_BYTE * num_bytes
-    peer = args.peer_gbps * 1e9
+    peer, egress = peer_links(args.topology, num_ranks, pair_gbps=args.peer_gbps,
+                              nvlink_gbps=args.nvlink_gbps)  # fmt: skip
     links = Links(
         stage_rank=tuple(schedule.rank_of(s) for s in range(schedule.num_stages)),
         budget_bytes=rank_budgets(args.device_memory, num_ranks),
@@ -66,9 +68,8 @@ def plan_stage_savers(args: argparse.Namespace, sim: Simulation, split: Partitio
         host_link=tuple(range(num_ranks)),
         host_bandwidth=(args.host_gbps * 1e9,) * num_ranks,
         host_budget_bytes=(None,) * num_ranks,
-        peer_bandwidth=tuple(
-            tuple(0.0 if a == b else peer for b in range(num_ranks)) for a in range(num_ranks)
-        ),  # fmt: skip
+        peer_bandwidth=peer,
+        peer_egress=egress,
     )
     given = links
     links, plan = place_stages(saved, given)

@@ -11,6 +11,7 @@ from typing import TypeVar
 from rich.console import Console
 from rich.table import Table
 
+from tidal.activations.topology import TOPOLOGIES
 from tidal.config import ConfigError, format_bytes, parse_bytes
 
 __all__ = ["add_arguments", "run"]
@@ -76,6 +77,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="with --device-memory: each rank's host link, GB/s each way")  # fmt: skip
     parser.add_argument("--peer-gbps", type=float, default=300.0,
                         help="with --device-memory: between any two ranks, GB/s (0: no link)")  # fmt: skip
+    parser.add_argument("--topology", choices=TOPOLOGIES, default="nvswitch",
+                        help="with --device-memory: how the GPUs are linked: nvswitch (any pair "
+                        "at --peer-gbps) or dgx1 (8 GPUs, a DGX-1's NVLink mesh at --nvlink-gbps "
+                        "a link; a peer swap may stripe over several peers)")  # fmt: skip
+    parser.add_argument("--nvlink-gbps", type=float, default=25.0,
+                        help="with --topology dgx1: one NVLink, GB/s each way")  # fmt: skip
     parser.add_argument("--json", default=None, metavar="PATH", help="write the results here")
     parser.add_argument("--png", default=None, metavar="PATH", help="draw the timeline here")
     parser.add_argument("--programs", action="store_true", help="print each rank's program")

@@ -292,7 +292,10 @@ def _plan(job: JobConfig, stages: Sequence[PipelineStage], probe: MemoryProbe, *
                   budget_bytes=(budget,) * world_size, base_bytes=tuple(base),
                   host_link=(0,) * world_size, host_bandwidth=(rates.host_bytes_per_s,),
                   host_budget_bytes=(0 if peer_only else host_budget,),
-                  peer_bandwidth=peer, host_prefetch=device.type == "cuda")  # fmt: skip
+                  peer_bandwidth=peer, host_prefetch=device.type == "cuda",
+                  # one pair's rate measured, not several at once: a rank sends no faster by
+                  # striping ([Note: stripes] in tidal/activations/plan.py), only spreads bytes
+                  peer_egress=(max(rates.peer_bytes_per_s, 1.0),) * world_size)  # fmt: skip
     saved = saved_tensors(sim, units, weight_bytes=weight_bytes)
     if peer_only or (pipe.asynchronous and not pipe.stashes):  # [Note: savers in place]
         saved = [dataclasses.replace(i, recompute_s=None) for i in saved]

@@ -24,6 +24,7 @@ from tidal.activations.plan import (
     plan_greedy,
     plan_savers,
 )
+from tidal.activations.topology import peer_links
 from tidal.config import ConfigError
 
 MiB = 1 << 20
@@ -374,3 +375,14 @@ def test_tensors_no_one_lender_has_room_for_are_striped_over_those_that_do(exact
     assert plan.fits and plan.choices == ((Saver.PEER, (1, 2, 3)),) * 2
     assert plan.peak_bytes[0] == 64 * MiB  # one copy back at a time
     assert all(p <= b for p, b in zip(plan.peak_bytes, links.budget_bytes, strict=True))
+
+
+def test_a_dgx1_gives_each_gpu_six_nvlinks_to_four_peers() -> None:
+    """[Note: two server topologies]: the mesh is symmetric, each GPU has one link to two peers
+    and two to two more, and its egress is all six; on an NVSwitch the egress is one pair's."""
+    matrix, egress = peer_links("dgx1", 8, pair_gbps=300.0, nvlink_gbps=25.0)
+    assert all(matrix[a][b] == matrix[b][a] for a in range(8) for b in range(8))
+    for row, out in zip(matrix, egress, strict=True):
+        assert sorted(x / 25e9 for x in row if x) == [1, 1, 2, 2] and out == 6 * 25e9
+    matrix, egress = peer_links("nvswitch", 4, pair_gbps=300.0, nvlink_gbps=25.0)
+    assert egress == (300e9,) * 4 and matrix[0] == (0.0, 300e9, 300e9, 300e9)

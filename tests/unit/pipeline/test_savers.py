@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from tidal.activations import Links, Saver, TensorClass, keep_all, plan_savers
+from tidal.activations.topology import peer_links
 from tidal.cli.main import main
 from tidal.pipeline.savers import BlockSaves, idle_windows, saved_tensors, step_with_savers
 from tidal.pipeline.schedules import make_schedule
@@ -107,6 +108,26 @@ def test_simulate_prints_and_records_the_saver_plan(
                                                     strict=True))  # fmt: skip
 
 
+def test_simulate_on_a_dgx1_stripes_only_over_nvlink_peers(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """[Note: two server topologies]: on a DGX-1's mesh the plan lends over several NVLinks at
+    once ([Note: stripes]), and never to a GPU its borrower has no NVLink to."""
+    out = tmp_path / "sim.json"
+    argv = ["simulate", "--schedule", "1f1b", "--stages", "8", "--microbatches", "16",
+            "--model", "gpt2-small", "--micro-batch", "4", "--device-memory", "2GiB",
+            "--topology", "dgx1", "--host-gbps", "2", "--json", str(out)]  # fmt: skip
+    assert main(argv) == 0
+    report = json.loads(out.read_text())["savers"]
+    rank_of = {s: r["rank"] for r in report["ranks"] for s in r["stages"]}
+    links, _ = peer_links("dgx1", 8, pair_gbps=0.0, nvlink_gbps=25.0)
+    lent = [c for c in report["choices"] if c["saver"] == "peer"]
+    assert any(len(c["lenders"]) > 1 for c in lent)
+    assert all(links[rank_of[c["stage"]]][to] > 0 for c in lent for to in c["lenders"])
+    assert all(r["peak_bytes"] <= 2 << 30 for r in report["ranks"])
+    assert max(report["peak_bytes_before"]) > 2 << 30  # the savers were needed
+
+
 def test_saver_input_errors_are_one_line(capsys: pytest.CaptureFixture[str]) -> None:
     base = ["simulate", "--schedule", "1f1b", "--stages", "2", "--microbatches", "4"]
     assert main([*base, "--device-memory", "1GiB"]) == 2
@@ -116,6 +137,9 @@ def test_saver_input_errors_are_one_line(capsys: pytest.CaptureFixture[str]) -> 
     assert len(err) == 1 and "no saver plan fits: rank" in err[0] and "needs at least" in err[0]
     assert main([*base, "--model", "tiny", "--device-memory", "1GiB,1GiB,1GiB"]) == 2
     assert "3 sizes for 2 ranks" in capsys.readouterr().err
+    assert main([*base, "--model", "tiny", "--device-memory", "1GiB", "--topology", "dgx1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "a DGX-1 has 8 GPUs, not 2" in err[0]
 
 
 def test_units_are_each_blocks_parts_named_by_class() -> None:
