@@ -72,6 +72,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import heapq
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -176,6 +177,13 @@ class Links:
     # Host swaps fetch the next group back while a backward reads one ([Note: host swap
     # prefetch] in runtime.py): a rank then also holds its largest host-swapped item.
     host_prefetch: bool = False
+    # derived once from the fields above: per rank, the lenders of each peer option, and each
+    # stripe's shares of a size ([Note: stripes]; the planners ask for them millions of times)
+    _peer_options: tuple[tuple[tuple[int, ...], ...], ...] = field(init=False, repr=False,
+                                                                   compare=False)  # fmt: skip
+    _shares: dict[tuple[int, tuple[int, ...], int], tuple[int, ...]] = field(
+        init=False, repr=False, compare=False, default_factory=dict
+    )
 
     def __post_init__(self) -> None:
         n = len(self.budget_bytes)
@@ -191,6 +199,28 @@ class Links:
         require(self.peer_egress is None or (len(self.peer_egress) == n
                                               and all(e > 0 for e in self.peer_egress)),
                 "links", f"one positive peer egress per rank: {self.peer_egress}")  # fmt: skip
+        object.__setattr__(self, "_peer_options", tuple(self._stripes_of(r) for r in range(n)))
+
+    def _stripes_of(self, rank: int) -> tuple[tuple[int, ...], ...]:
+        """``rank``'s peer options: each linked lender alone, then the k fastest together, ties
+        to the later stage's rank ([Note: stripes])."""
+        last_stage = {r: s for s, r in enumerate(self.stage_rank)}
+        row = self.peer_bandwidth[rank]
+        linked = sorted((r for r in range(self.num_ranks) if r != rank and row[r] > 0),
+                        key=lambda r: (-row[r], -last_stage.get(r, -1), -r))  # fmt: skip
+        return (*((r,) for r in sorted(linked)),
+                *(tuple(sorted(linked[:k])) for k in range(2, len(linked) + 1)))  # fmt: skip
+
+    def peer_options(self, rank: int) -> tuple[tuple[int, ...], ...]:
+        """The lenders of each peer swap ``rank`` may make."""
+        return self._peer_options[rank]
+
+    def shares(self, rank: int, lenders: tuple[int, ...], num_bytes: int) -> tuple[int, ...]:
+        """What each of ``lenders`` holds of ``num_bytes`` ``rank`` lends them."""
+        key = (rank, lenders, num_bytes)
+        if key not in self._shares:
+            self._shares[key] = self.stripe(rank, lenders).split(num_bytes)
+        return self._shares[key]
 
     @property
     def num_ranks(self) -> int:
@@ -281,28 +311,16 @@ def _options(item: Saved, links: Links) -> list[Choice]:
     out.append((Saver.HOST, None))
     if item.host_only:
         return out
-    linked = _linked(links, rank)
-    out += [(Saver.PEER, (lender,)) for lender in sorted(linked)]
-    out += [(Saver.PEER, tuple(sorted(linked[:k]))) for k in range(2, len(linked) + 1)]
+    out += [(Saver.PEER, lenders) for lenders in links.peer_options(rank)]
     return out
-
-
-def _linked(links: Links, rank: int) -> list[int]:
-    """``rank``'s peers with a link, fastest first, ties to the later stage's ([Note: stripes])."""
-    last_stage = {r: s for s, r in enumerate(links.stage_rank)}
-    return sorted((r for r in range(links.num_ranks)
-                   if r != rank and links.peer_bandwidth[rank][r] > 0),
-                  key=lambda r: (-links.peer_bandwidth[rank][r], -last_stage.get(r, -1), -r))  # fmt: skip
 
 
 def _lent_shares(item: Saved, lenders: tuple[int, ...] | None,
                  links: Links) -> list[tuple[int, int]]:  # fmt: skip
     """What each lender of ``item``'s stripe holds of it: its share of each copy."""
     assert lenders is not None
-    stripe = links.stripe(links.stage_rank[item.stage], lenders)
-    return [
-        (to, item.copies * b) for to, b in zip(lenders, stripe.split(item.num_bytes), strict=True)
-    ]
+    shares = links.shares(links.stage_rank[item.stage], lenders, item.num_bytes)
+    return [(to, item.copies * b) for to, b in zip(lenders, shares, strict=True)]
 
 
 def _host_ranks(saved: Sequence[Saved], choices: Sequence[Choice], links: Links) -> frozenset[int]:
@@ -504,25 +522,40 @@ def _still_fits(saved: Sequence[Saved], links: Links, choices: list[Choice], pla
 def _make_room(saved: Sequence[Saved], links: Links, choices: list[Choice],
                lender: int) -> list[Choice]:  # fmt: skip
     """``choices`` with the lender's own kept tensors moved (cheapest seconds per byte first,
-    to recompute or the host) until it is within its budget, if it can be."""
+    to recompute or the host) until it is within its budget, if it can be. Its peak is priced
+    once and then moved by what each move changes (its kept bytes and its transient copy: what
+    others lend it stays), not evaluated whole again."""
     choices = list(choices)
-    while True:
-        plan = evaluate(saved, choices, links, "")
-        if plan.peak_bytes[lender] <= links.budget_bytes[lender]:
-            return choices
-        users = _host_users(links, _host_ranks(saved, choices, links), lender)
-        moves = [
-            (_added_s(item, choice, links, users) / (item.held_bytes - item.held_under(choice[0])),
-             index, choice)
-            for index, item in enumerate(saved)
-            if links.stage_rank[item.stage] == lender and choices[index][0] is Saver.KEEP
-            for choice in _options(item, links)[1:]
-            if choice[0] is not Saver.PEER and item.held_under(choice[0]) < item.held_bytes
-        ]  # fmt: skip
+    peak = evaluate(saved, choices, links, "").peak_bytes[lender]
+    mine = [i for i, item in enumerate(saved) if links.stage_rank[item.stage] == lender]
+    transient = _transient(saved, choices, links, mine)
+    hosting = _host_ranks(saved, choices, links)
+    moves: list[tuple[float, int, Choice]] = []
+    priced_for = 0  # the host users the moves are priced for (0: not yet priced)
+    while peak > links.budget_bytes[lender]:
+        users = _host_users(links, hosting, lender)
+        if users != priced_for:  # a move's price changes only with its link's users
+            moves = [
+                (_added_s(saved[index], choice, links, users)
+                 / (saved[index].held_bytes - saved[index].held_under(choice[0])), index, choice)
+                for index in mine if choices[index][0] is Saver.KEEP
+                for choice in _options(saved[index], links)[1:]
+                if choice[0] is not Saver.PEER
+                and saved[index].held_under(choice[0]) < saved[index].held_bytes
+            ]  # fmt: skip
+            heapq.heapify(moves)
+            priced_for = users
+        while moves and choices[moves[0][1]][0] is not Saver.KEEP:  # moved already
+            heapq.heappop(moves)
         if not moves:
             return choices
-        _, index, choice = min(moves)
+        _, index, choice = heapq.heappop(moves)
         choices[index] = choice
+        if choice[0] is Saver.HOST:
+            hosting |= {lender}
+        before, transient = transient, _transient(saved, choices, links, mine)
+        peak += transient - before - (saved[index].held_bytes - saved[index].held_under(choice[0]))
+    return choices
 
 
 def _greedy(saved: Sequence[Saved], links: Links, *, scarce_for_all: bool,
@@ -613,18 +646,28 @@ def _best_move(saved: Sequence[Saved], choices: list[Choice], links: Links, plan
     return None if best is None else (best[1], best[2])
 
 
+def _transient(saved: Sequence[Saved], choices: Sequence[Choice], links: Links,
+               mine: Sequence[int]) -> int:  # fmt: skip
+    """What one rank, whose saved tensors are ``mine``, holds back at once: its largest moved
+    copy (and, fetching ahead, its largest host-swapped one beside it)."""
+    moved = ahead = 0
+    for index in mine:
+        item, saver = saved[index], choices[index][0]
+        if saver is Saver.KEEP or not item.copies:
+            continue
+        moved = max(moved, item.num_bytes)
+        if saver is Saver.HOST and links.host_prefetch:
+            ahead = max(ahead, item.num_bytes)
+    return moved + ahead
+
+
 def _transients(saved: Sequence[Saved], choices: Sequence[Choice], links: Links) -> list[int]:
     """What each rank holds back at once: its largest moved copy (and, fetching ahead, its
     largest host-swapped one beside it)."""
-    moved, ahead = [0] * links.num_ranks, [0] * links.num_ranks
-    for item, (saver, _) in zip(saved, choices, strict=True):
-        if saver is Saver.KEEP or not item.copies:
-            continue
-        rank = links.stage_rank[item.stage]
-        moved[rank] = max(moved[rank], item.num_bytes)
-        if saver is Saver.HOST and links.host_prefetch:
-            ahead[rank] = max(ahead[rank], item.num_bytes)
-    return [m + a for m, a in zip(moved, ahead, strict=True)]
+    mine: list[list[int]] = [[] for _ in range(links.num_ranks)]
+    for index, item in enumerate(saved):
+        mine[links.stage_rank[item.stage]].append(index)
+    return [_transient(saved, choices, links, indices) for indices in mine]
 
 
 def plan_exact(saved: Sequence[Saved], links: Links) -> SaverPlan:

@@ -16,6 +16,7 @@ from tidal.activations.plan import (
     Saver,
     Stripe,
     TensorClass,
+    _make_room,
     _options,
     _still_fits,
     evaluate,
@@ -85,8 +86,7 @@ def test_recompute_or_host_swap_whichever_costs_less(host_gbps: float, wanted: S
     saved = [Saved(stage=0, block=0, tensor_class=TensorClass.MLP, num_bytes=32 * MiB, copies=4,
                    uses_per_step=8, recompute_s=0.001, idle_s=0.0)]  # fmt: skip
     links = _links([100 * MiB])
-    links = Links(**{**{f: getattr(links, f) for f in links.__slots__},
-                     "host_bandwidth": (host_gbps * 1e9,)})  # fmt: skip
+    links = dataclasses.replace(links, host_bandwidth=(host_gbps * 1e9,))
     plan = plan_savers(saved, links)
     assert plan.choices == ((wanted, None),)
     assert plan.peak_bytes == (32 * MiB,)  # one copy back for the block's backward
@@ -119,8 +119,7 @@ def test_links_that_do_not_match_the_ranks_are_refused() -> None:
         Links(stage_rank=(0, 1), budget_bytes=(1, 1), base_bytes=(0, 0), host_link=(0, 0),
               host_bandwidth=(1.0,), host_budget_bytes=(None,), peer_bandwidth=((0.0,),))  # fmt: skip
     with pytest.raises(ConfigError, match="2 ranks"):
-        _links([1, 1]).__class__(**{**{f: getattr(_links([1, 1]), f) for f in Links.__slots__},
-                                    "stage_rank": (0, 2)})  # fmt: skip
+        dataclasses.replace(_links([1, 1]), stage_rank=(0, 2))
 
 
 def _random_instance(rng: random.Random, prefetch: bool = False) -> tuple[list[Saved], Links]:
@@ -231,6 +230,41 @@ def test_moving_a_tensor_off_the_host_is_priced_as_evaluating_the_whole_plan_pri
     assert min(checked.values()) >= 20, checked  # both answers are exercised
 
 
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_making_room_on_a_lender_stops_where_evaluating_the_whole_plan_says_it_fits(
+    prefetch: bool,
+) -> None:
+    # _make_room prices the lender's peak once and then moves it by each move's change: it must
+    # stop at the first move after which the whole plan's evaluation puts the lender within
+    # its budget, or run out of the lender's kept tensors trying.
+    rng = random.Random(7)
+    stopped = {"fits": 0, "out of moves": 0}
+    for _ in range(40):
+        saved, links = _random_instance(rng, prefetch)
+        choices = [rng.choice(_options(item, links)) for item in saved]
+        for lender in range(links.num_ranks):
+            room = _make_room(saved, links, choices, lender)
+            moved = [i for i, (a, b) in enumerate(zip(choices, room, strict=True)) if a != b]
+            assert all(links.stage_rank[saved[i].stage] == lender and choices[i][0] is Saver.KEEP
+                       and room[i][0] in (Saver.RECOMPUTE, Saver.HOST) for i in moved)  # fmt: skip
+            peak = evaluate(saved, room, links, "").peak_bytes[lender]
+            if peak <= links.budget_bytes[lender]:
+                stopped["fits"] += bool(moved)
+                if moved:  # the last move was needed: some move before it left it over
+                    assert any(
+                        evaluate(saved, [choices[k] if k == i else c for k, c in enumerate(room)],
+                                 links, "").peak_bytes[lender] > links.budget_bytes[lender]
+                        for i in moved
+                    )  # fmt: skip
+            else:
+                stopped["out of moves"] += 1
+                assert not any(c[0] is Saver.KEEP and not saved[i].fixed
+                               for i, c in enumerate(room)
+                               if links.stage_rank[saved[i].stage] == lender
+                               and saved[i].held_bytes)  # fmt: skip
+    assert min(stopped.values()) >= 5, stopped  # both ends are exercised
+
+
 def test_a_recompute_keeps_its_inputs_and_the_greedy_moves_them_on_to_the_host() -> None:
     # Two units of 40 MiB a copy, 4 copies in flight; a recompute keeps a 10 MiB input a copy.
     # Both recomputed: 2 x 40 kept + the loss 8 (which no saver moves) + one copy back 40 = 128
@@ -268,8 +302,7 @@ def test_fetching_ahead_a_rank_holds_its_largest_host_swapped_copy_beside_the_la
     choices = [(Saver.RECOMPUTE, None), (Saver.HOST, None), (Saver.HOST, None)]
     plain = evaluate(units, choices, _links([1 << 30]), "")
     links = _links([1 << 30])
-    ahead = evaluate(units, choices, Links(**{**{f: getattr(links, f) for f in Links.__slots__},
-                                              "host_prefetch": True}), "")  # fmt: skip
+    ahead = evaluate(units, choices, dataclasses.replace(links, host_prefetch=True), "")
     assert plain.peak_bytes == (40 * MiB,) and ahead.peak_bytes == (64 * MiB,)
 
 
