@@ -20,6 +20,7 @@ microbatch``: stage s stashes p - s versions), or once per ``--microbatches`` (`
   internals only (Megatron's selective recompute);
 - ``host``: everything a block saves, and stashed weight versions, swapped to the host;
 - ``peer``: the saver planner with peer swap only; ``mpress``: the planner with every saver;
+  ``mpress-unstriped``: the same, each lent tensor to one lender (what stripes buy);
 - ``zero3`` and ``zero3-offload``: no pipeline, data parallel over every GPU, model data sharded
   (and on the host), benchmarks/mpress_zero3.py.
 
@@ -77,7 +78,7 @@ from tidal.pipeline.simulate import Simulation, StageCosts, simulate
 
 __all__ = ["STRATEGIES", "add_arguments", "bench_mpress", "run"]
 
-STRATEGIES = ("none", "recompute", "selective", "host", "peer", "mpress")
+STRATEGIES = ("none", "recompute", "selective", "host", "peer", "mpress", "mpress-unstriped")
 SCHEDULES = ("1f1b", "pipedream")
 SPLITS = ("time", "memory")  # [Note: what the bench predicts]
 BYTES_PER_PARAM = 16  # bf16 weights; fp32 gradients, masters, AdamW's two moments
@@ -248,7 +249,9 @@ def _priced(family: _Family, layers: int, schedule: str, name: str,
 
 def _strategy(name: str, saved: list[Saved], links: Links) -> SaverPlan:
     """``name``'s plan (``fits`` False when it cannot fit)."""
-    if name in ("peer", "mpress"):
+    if name in ("peer", "mpress", "mpress-unstriped"):
+        if name == "mpress-unstriped":  # each tensor to one lender ([Note: stripes])
+            links = dataclasses.replace(links, max_stripe=1)
         if name == "peer":  # nothing recomputed, nothing on the host: only lending is left
             saved = [dataclasses.replace(s, recompute_s=None) for s in saved]
             links = dataclasses.replace(links, host_budget_bytes=(0,) * len(links.host_bandwidth))

@@ -57,6 +57,16 @@ def test_bench_mpress_writes_rows_and_the_plan_fits_what_one_saver_fits(
     bert = json.loads(path.read_text())["rows"]
     assert {(r["family"], r["micro_batch"]) for r in bert} == {("bert", 8)}
     assert {(r["schedule"], r["strategy"]) for r in bert} == set(rows)
+    # A DGX-1's mesh ([Note: two server topologies]): the plan stripes, the unstriped one never.
+    assert main([*argv[:-1], str(tmp_path / "dgx1"), "--topology", "dgx1", "--host-gbps", "4"]) == 0
+    (path,) = (tmp_path / "dgx1").glob("mpress-*.json")
+    dgx1 = {(r["schedule"], r["strategy"]): r for r in json.loads(path.read_text())["rows"]}
+    assert set(dgx1) == set(rows) and {r["topology"] for r in dgx1.values()} == {"dgx1"}
+    lent = {key: r["lent_at_recompute_largest"] for key, r in dgx1.items()
+            if key[1] in STRATEGIES and r["lent_at_recompute_largest"]}  # fmt: skip
+    assert all(0 <= n["striped"] <= n["tensors"] for n in lent.values())
+    assert max(n["striped"] for key, n in lent.items() if key[1] == "mpress") > 0
+    assert all(n["striped"] == 0 for key, n in lent.items() if key[1] == "mpress-unstriped")
 
 
 def test_bench_savers_meter_matches_the_model_and_every_saver_gives_the_same_gradients(

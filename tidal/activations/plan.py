@@ -177,6 +177,7 @@ class Links:
     # Host swaps fetch the next group back while a backward reads one ([Note: host swap
     # prefetch] in runtime.py): a rank then also holds its largest host-swapped item.
     host_prefetch: bool = False
+    max_stripe: int | None = None  # the most lenders a tensor is split over (None: every linked)
     # derived once from the fields above: per rank, the lenders of each peer option, and each
     # stripe's shares of a size ([Note: stripes]; the planners ask for them millions of times)
     _peer_options: tuple[tuple[tuple[int, ...], ...], ...] = field(init=False, repr=False,
@@ -199,6 +200,8 @@ class Links:
         require(self.peer_egress is None or (len(self.peer_egress) == n
                                               and all(e > 0 for e in self.peer_egress)),
                 "links", f"one positive peer egress per rank: {self.peer_egress}")  # fmt: skip
+        require(self.max_stripe is None or self.max_stripe >= 1, "links",
+                f"a stripe has at least one lender, not {self.max_stripe}")  # fmt: skip
         object.__setattr__(self, "_peer_options", tuple(self._stripes_of(r) for r in range(n)))
 
     def _stripes_of(self, rank: int) -> tuple[tuple[int, ...], ...]:
@@ -208,8 +211,9 @@ class Links:
         row = self.peer_bandwidth[rank]
         linked = sorted((r for r in range(self.num_ranks) if r != rank and row[r] > 0),
                         key=lambda r: (-row[r], -last_stage.get(r, -1), -r))  # fmt: skip
+        widest = len(linked) if self.max_stripe is None else min(len(linked), self.max_stripe)
         return (*((r,) for r in sorted(linked)),
-                *(tuple(sorted(linked[:k])) for k in range(2, len(linked) + 1)))  # fmt: skip
+                *(tuple(sorted(linked[:k])) for k in range(2, widest + 1)))  # fmt: skip
 
     def peer_options(self, rank: int) -> tuple[tuple[int, ...], ...]:
         """The lenders of each peer swap ``rank`` may make."""
