@@ -282,6 +282,38 @@ def _refuses_tied_async(group: dist.ProcessGroup) -> str:
     return ""
 
 
+def _stripe_case(group: dist.ProcessGroup) -> dict[str, Any]:
+    """[Note: stripes] over gloo: stage 0 lends its first block's attention striped over ranks 1
+    and 3 (a quarter, three quarters) and its MLP to rank 1, so rank 1's message carries shares
+    of two bundles; against the same pipeline without lending."""
+    from tidal.activations import Saver, Stripe
+    from tidal.activations.runtime import PeerSwap, apply_savers
+    from tidal.pipeline.lending import Lending
+
+    def run(lend: bool) -> tuple[list[nn.Module], list[float], int]:
+        mine = my_stages(split_gpt(tiny_gpt(4), even_ranges(4, 4)), group)
+        held: list[int] = []
+        lending = None
+        if lend:
+            swaps = {}
+            if dist.get_rank(group) == 0:
+                swaps[0] = PeerSwap()
+                apply_savers(mine[0], {"layers.0.attn": Saver.PEER, "layers.0.mlp": Saver.PEER},
+                             peer=swaps[0],
+                             lenders={"layers.0.attn": Stripe(lenders=(1, 3), weights=(1.0, 3.0)),
+                                      "layers.0.mlp": Stripe(lenders=(1,), weights=(1.0,))})  # fmt: skip
+            lending = Lending(lenders={0: (1, 3)}, swaps=swaps, on_hold=held.append)
+        runtime = PipelineRuntime(RuntimeConfig(schedule="1f1b", microbatches=4), stages=mine,
+                                  weights=sgd_weights(mine), group=group, lending=lending)  # fmt: skip
+        losses = runtime.train(2, batch, lambda _: LR)
+        return list(runtime.modules.values()), losses, max(held, default=0)
+
+    lent, lent_losses, held = run(True)
+    plain, plain_losses, _ = run(False)
+    return {"params_equal": all_equal(lent, plain), "losses_equal": lent_losses == plain_losses,
+            "peak_held_bytes": held}  # fmt: skip
+
+
 # ---------------------------------------------------------------------------------------------
 # the spawn: 4 ranks run the 4-rank cases on the world and, at the same time, the 2-rank cases on
 # the pairs {0, 1} and {2, 3} (so also on a pipeline group that is not the world)
@@ -305,6 +337,8 @@ def _cases(world: int, group: dist.ProcessGroup, folder: str) -> dict[str, Any]:
     if world == 2:
         out["clip_resume"] = _clip_resume_case(folder, group)
         out["tied_async"] = _refuses_tied_async(group)
+    else:
+        out["stripes"] = _stripe_case(group)
     return out
 
 
@@ -360,3 +394,12 @@ def test_variable_length_tied_clipping_and_resume(results):
 def test_async_refuses_tied_weights(results):
     for rank_result in results[2]:
         assert "tie_embeddings=false" in rank_result["tied_async"]
+
+
+def test_stripes_lent_over_gloo_equal_the_plain_pipeline(results):
+    """The runtime half of [Note: stripes] over real point-to-point messages: bit for bit, and
+    both lenders of the stripe held bytes, the borrower none."""
+    for rank, rank_result in enumerate(results[4]):
+        r = rank_result["stripes"]
+        assert r["params_equal"] and r["losses_equal"], (rank, r)
+        assert (r["peak_held_bytes"] > 0) == (rank in (1, 3)), (rank, r)
