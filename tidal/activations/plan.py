@@ -61,11 +61,15 @@ link or a lender on tensors that could have been recomputed and then find nowher
 that cannot.
 
 [Note: one file for the model and both planners]
-This module is over 600 lines on purpose: the greedy and the exact program price a choice with
-the same private helpers (``_options``, ``_added_s``, ``_host_users``, ``_transients``), and a
-second module could only reach them as private imports, which tests/unit/test_layers.py
-forbids. Splitting them means making the cost model a public module of its own first; until
-then one file keeps one implementation of every price.
+This module is over 600 lines (about 830 with stripes) on purpose: the greedy and the exact
+program price a choice with the same private helpers (``_options``, ``_added_s``,
+``_host_users``, ``_transients``, ``_lent_shares``), and a second module could only reach them
+as private imports, which tests/unit/test_layers.py forbids. The split it now wants: the data
+(``Saved``, ``Links``, ``Stripe``, ``SaverPlan``) and :func:`evaluate` with those helpers made
+public in a cost-model module, the greedy and its refinement in one module and the exact
+program in another. It was not made with the stripes because moving the code stales every
+saver and MPress figure measured on it (the claims check's rule), which a session then has to
+measure again; until then one file keeps one implementation of every price.
 """
 
 from __future__ import annotations
