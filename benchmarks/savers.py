@@ -46,8 +46,8 @@ from rich.console import Console
 from rich.table import Table
 
 from tidal.activations import Links, Saved, Saver, SaverPlan, TensorClass, evaluate, plan_savers
+from tidal.activations.costs import Choice, least_peak_bytes
 from tidal.activations.measure import backward_temporary_bytes
-from tidal.activations.plan import Choice, least_peak_bytes
 from tidal.activations.runtime import apply_savers, around_forward
 from tidal.config import ConfigError, format_bytes
 from tidal.memory.activations import SavedTensorMeter

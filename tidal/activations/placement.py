@@ -7,13 +7,13 @@ that link may hold) and its peer links stay with the rank, while the stage bring
 and its model data. Under 1F1B and PipeDream the early stages hold the most, so on ranks that
 differ (a device with more memory, lenders with faster links to some ranks than to others) the
 identity map can waste them. With one stage per rank, :func:`place_stages` prices maps with the
-greedy (:func:`~tidal.activations.plan.plan_greedy`): the given map; one that deals the stages,
+greedy (:func:`~tidal.activations.greedy.plan_greedy`): the given map; one that deals the stages,
 heaviest first (what each holds with nothing moved, over its budget), to the ranks with the
 largest budgets first, taking the host links in turn among equals; then, from the better of the
 two, it swaps the stages of two ranks while a swap gives a better plan (one that fits where none
 did, else a shorter step, else a lower highest fill), at most ``max_rounds`` passes over the
 pairs. The cost model divides a host link's bandwidth among the ranks behind it that swap over
-it ([Note: saver costs] in plan.py), so a map that puts the ranks that must host-swap behind
+it ([Note: saver costs] in costs.py), so a map that puts the ranks that must host-swap behind
 links of their own prices faster than one that crowds them behind one.
 
 Training keeps the schedule's map (rank r runs stage r): its ranks have one budget and the links
@@ -27,7 +27,8 @@ import dataclasses
 import itertools
 from collections.abc import Sequence
 
-from tidal.activations.plan import Links, Saved, SaverPlan, keep_all, plan_greedy
+from tidal.activations.costs import Links, Saved, SaverPlan, keep_all
+from tidal.activations.greedy import plan_greedy
 
 __all__ = ["place_stages", "with_stage_ranks"]
 

@@ -71,7 +71,7 @@ import torch
 from torch import nn
 from torch.distributed._composable import checkpoint
 
-from tidal.activations.plan import Saver, Stripe
+from tidal.activations.costs import Saver, Stripe
 from tidal.config import ConfigError
 from tidal.memory.tiers import Tier
 
@@ -349,7 +349,7 @@ class _OnHost:
 class PeerSwap:
     """A stage's ``PEER`` savers ([Note: lending] in tidal/pipeline/lending.py): while a lent
     submodule's forward runs, its saved tensors' storages join the open bundle of its stripe
-    (its lenders, [Note: stripes] in plan.py); the schedule's ``LO`` to a lender closes every
+    (its lenders, [Note: stripes] in costs.py); the schedule's ``LO`` to a lender closes every
     open bundle that lender is in into one flat buffer (the device tensors go with it) and sends
     the lender its share of each as one message; its ``LI`` brings the share back, and once
     every share of a bundle is back the backward reads views of them joined."""

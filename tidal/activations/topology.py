@@ -1,5 +1,5 @@
 """The peer links of a server's GPUs, as the saver planner reads them (``Links.peer_bandwidth``
-and ``Links.peer_egress``, [Note: stripes] in plan.py).
+and ``Links.peer_egress``, [Note: stripes] in costs.py).
 
 [Note: two server topologies]
 ``nvswitch``: every GPU's NVLinks go to switches, so any pair may use all of a GPU's links at once

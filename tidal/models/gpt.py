@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from tidal.activations.plan import TensorClass
+from tidal.activations.costs import TensorClass
 from tidal.config.configurable import ConfigError, require
 from tidal.models.factory import FactoryConfig
 from tidal.models.hf import HFModelConfig

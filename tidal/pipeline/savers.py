@@ -24,8 +24,8 @@ from dataclasses import dataclass
 
 import torch
 
+from tidal.activations.costs import Saved, SaverPlan, TensorClass
 from tidal.activations.measure import measure_saves
-from tidal.activations.plan import Saved, SaverPlan, TensorClass
 from tidal.config import require
 from tidal.pipeline.ir import Kind, parse_action
 from tidal.pipeline.simulate import Simulation, simulate

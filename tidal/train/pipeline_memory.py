@@ -51,7 +51,7 @@ from tidal.activations import (
     keep_all,
     plan_savers,
 )
-from tidal.activations.plan import Choice
+from tidal.activations.costs import Choice
 from tidal.activations.runtime import (
     PeerSwap,
     SaverHandles,
@@ -294,7 +294,7 @@ def _plan(job: JobConfig, stages: Sequence[PipelineStage], probe: MemoryProbe, *
                   host_budget_bytes=(0 if peer_only else host_budget,),
                   peer_bandwidth=peer, host_prefetch=device.type == "cuda",
                   # one pair's rate measured, not several at once: a rank sends no faster by
-                  # striping ([Note: stripes] in tidal/activations/plan.py), only spreads bytes
+                  # striping ([Note: stripes] in tidal/activations/costs.py), only spreads bytes
                   peer_egress=(max(rates.peer_bytes_per_s, 1.0),) * world_size)  # fmt: skip
     saved = saved_tensors(sim, units, weight_bytes=weight_bytes)
     if peer_only or (pipe.asynchronous and not pipe.stashes):  # [Note: savers in place]

@@ -1,5 +1,5 @@
-"""The MPress saver planners ([Note: saver costs], [Note: the saver planners] in
-tidal/activations/plan.py): hand-checked choices, the exact program against every assignment,
+"""The MPress saver planners ([Note: saver costs] in tidal/activations/costs.py, [Note: the saver
+planners] in tidal/activations/plan.py): hand-checked choices, the exact program against every assignment,
 and the greedy against the exact program on random small instances."""
 
 from __future__ import annotations
@@ -10,21 +10,19 @@ import random
 
 import pytest
 
-from tidal.activations.plan import (
+from tidal.activations.costs import (
     Links,
     Saved,
     Saver,
     Stripe,
     TensorClass,
-    _make_room,
-    _options,
-    _still_fits,
     evaluate,
     least_peak_bytes,
-    plan_exact,
-    plan_greedy,
-    plan_savers,
+    saver_options,
 )
+from tidal.activations.exact import plan_exact
+from tidal.activations.greedy import _make_room, _still_fits, plan_greedy
+from tidal.activations.plan import plan_savers
 from tidal.activations.topology import peer_links
 from tidal.config import ConfigError
 
@@ -166,7 +164,7 @@ def test_the_exact_program_is_the_best_assignment(prefetch: bool) -> None:
     for _ in range(6):
         saved, links = _random_instance(rng, prefetch)
         saved = saved[:5]  # every assignment: at most 6^5
-        options = [_options(item, links) for item in saved]
+        options = [saver_options(item, links) for item in saved]
         best = None
         for choices in itertools.product(*options):
             plan = evaluate(saved, list(choices), links, "all")
@@ -211,12 +209,12 @@ def test_moving_a_tensor_off_the_host_is_priced_as_evaluating_the_whole_plan_pri
     checked = {True: 0, False: 0}
     for _ in range(40):
         saved, links = _random_instance(rng, prefetch)
-        choices = [rng.choice(_options(item, links)) for item in saved]
+        choices = [rng.choice(saver_options(item, links)) for item in saved]
         plan = evaluate(saved, choices, links, "")
         for index, (saver, _) in enumerate(choices):
             if saver is not Saver.HOST:
                 continue
-            for choice in _options(saved[index], links):
+            for choice in saver_options(saved[index], links):
                 if choice[0] is Saver.HOST:
                     continue
                 after = evaluate(
@@ -241,7 +239,7 @@ def test_making_room_on_a_lender_stops_where_evaluating_the_whole_plan_says_it_f
     stopped = {"fits": 0, "out of moves": 0}
     for _ in range(40):
         saved, links = _random_instance(rng, prefetch)
-        choices = [rng.choice(_options(item, links)) for item in saved]
+        choices = [rng.choice(saver_options(item, links)) for item in saved]
         for lender in range(links.num_ranks):
             room = _make_room(saved, links, choices, lender)
             moved = [i for i, (a, b) in enumerate(zip(choices, room, strict=True)) if a != b]
@@ -277,7 +275,7 @@ def test_a_recompute_keeps_its_inputs_and_the_greedy_moves_them_on_to_the_host()
                    uses_per_step=8, recompute_s=1e-3, recompute_keeps_bytes=10 * MiB)  # fmt: skip
     saved, links = [unit, second, loss], _links([100 * MiB], host_gbps=1.0)
     assert unit.held_under(Saver.RECOMPUTE) == 40 * MiB and unit.held_under(Saver.HOST) == 0
-    assert _options(loss, links) == [(Saver.KEEP, None)]
+    assert saver_options(loss, links) == [(Saver.KEEP, None)]
     both = evaluate(saved, [(Saver.RECOMPUTE, None)] * 2 + [(Saver.KEEP, None)], links, "")
     assert both.peak_bytes == (40 * MiB + 40 * MiB + 8 * MiB + 40 * MiB,)  # kept + transient
     assert not both.fits
