@@ -23,6 +23,7 @@ from tidal.activations.costs import (
     evaluate,
     host_ranks,
     host_users,
+    least_peak_bytes,
     lent_shares,
     price_s,
     saver_options,
@@ -33,6 +34,7 @@ from tidal.activations.costs import (
 __all__ = ["plan_greedy"]
 
 PAIR_SEARCH_MAX_ITEMS = 24  # the refinement tries pairs of a rank's tensors up to this many
+EXCHANGE_MAX_TRIALS = 16  # the most moves a stuck greedy tries making room for
 
 
 def plan_greedy(saved: Sequence[Saved], links: Links) -> SaverPlan:
@@ -209,19 +211,83 @@ def _greedy(saved: Sequence[Saved], links: Links, *, scarce_for_all: bool,
     for rank in range(links.num_ranks):
         if start.peak_bytes[rank] > links.budget_bytes[rank]:
             reserve[rank] = math.ceil(reserve_share * _largest_copy(saved, links, rank))
+    least = least_peak_bytes(saved, links)
     while True:
         plan = evaluate(saved, choices, links, "greedy")
-        over = [_kept_peak(plan, saved, choices, links, r) + reserve[r] - links.budget_bytes[r]
-                if reserve[r] else plan.peak_bytes[r] - links.budget_bytes[r]
-                for r in range(links.num_ranks)]  # fmt: skip
+        over = _overloads(plan, saved, choices, links, reserve)
         rank = max(range(links.num_ranks), key=lambda r: over[r])
         if over[rank] <= 0:
             return plan
         best = _best_move(saved, choices, links, plan, rank, scarce_for_all=scarce_for_all)
-        if best is None:
+        if best is not None:
+            index, choice = best
+            choices[index] = choice
+            continue
+        exchanged = None if least[rank] > links.budget_bytes[rank] else _exchange(
+            saved, links, choices, plan, rank, reserve
+        )  # fmt: skip
+        if exchanged is None:
             return plan  # fits is False: over budget with nothing left to move
-        index, choice = best
-        choices[index] = choice
+        choices = exchanged
+
+
+def _overloads(plan: SaverPlan, saved: Sequence[Saved], choices: Sequence[Choice], links: Links,
+               reserve: Sequence[int]) -> list[int]:  # fmt: skip
+    """Per rank, the bytes it is over its budget (a reserving rank: with its reserve in place
+    of its transient copy)."""
+    return [_kept_peak(plan, saved, choices, links, r) + reserve[r] - links.budget_bytes[r]
+            if reserve[r] else plan.peak_bytes[r] - links.budget_bytes[r]
+            for r in range(links.num_ranks)]  # fmt: skip
+
+
+def _exchange(saved: Sequence[Saved], links: Links, choices: list[Choice], plan: SaverPlan,
+              rank: int, reserve: Sequence[int]) -> list[Choice] | None:  # fmt: skip
+    """Where no move fits ``rank``: one to the host or a peer that fits once room is made for
+    it (other tensors moved back from a full host, a lender's own tensors moved), kept if it
+    lowers ``rank``'s overload and no other rank's overload or host grows past its budget; of
+    those the least overloaded and then the fastest plan (None: none). A small tensor that is
+    free on the host can take the room a larger one needs that has nowhere else to go. Only the
+    moves that would free the most are tried (each trial makes room: tens of evaluations)."""
+    candidates = sorted(
+        (-(item.held_under(choices[index][0]) - item.held_under(choice[0])), index, choice)
+        for index, item in enumerate(saved)
+        if links.stage_rank[item.stage] == rank
+        and choices[index][0] in (Saver.KEEP, Saver.RECOMPUTE)
+        for choice in saver_options(item, links)
+        if choice[0] in (Saver.HOST, Saver.PEER)
+        and item.held_under(choice[0]) < item.held_under(choices[index][0])
+    )  # fmt: skip
+    before = _overloads(plan, saved, choices, links, reserve)
+    best: tuple[tuple[int, float], list[Choice]] | None = None
+    for _, index, choice in candidates[:EXCHANGE_MAX_TRIALS]:
+        trial = _with_room(saved, links, choices, index, choice)
+        after_plan = evaluate(saved, trial, links, "greedy")
+        if any(cap is not None and held > cap for held, cap
+               in zip(after_plan.host_bytes, links.host_budget_bytes, strict=True)):  # fmt: skip
+            continue
+        after = _overloads(after_plan, saved, trial, links, reserve)
+        if after[rank] >= before[rank] or any(
+            after[r] > max(before[r], 0) for r in range(links.num_ranks) if r != rank
+        ):
+            continue
+        key = (sum(max(o, 0) for o in after), after_plan.added_step_s)
+        if best is None or key < best[0]:
+            best = (key, trial)
+    return None if best is None else best[1]
+
+
+def _with_room(saved: Sequence[Saved], links: Links, choices: list[Choice], index: int,
+               choice: Choice) -> list[Choice]:  # fmt: skip
+    """``choices`` with tensor ``index`` moved to ``choice`` and room made for it where it went."""
+    trial = [*choices[:index], choice, *choices[index + 1 :]]
+    saver, lenders = choice
+    if saver is Saver.HOST:
+        link = links.host_link[links.stage_rank[saved[index].stage]]
+        return _make_host_room(saved, links, trial, link, {index})
+    assert saver is Saver.PEER and lenders is not None
+    for lender in lenders:
+        trial = _make_room(saved, links, trial, lender)
+    return trial
 
 
 def _largest_copy(saved: Sequence[Saved], links: Links, rank: int) -> int:

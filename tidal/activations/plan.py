@@ -15,12 +15,15 @@ parts, each pure (plain numbers in, plain data out; nothing touches a tensor or 
 among its kept tensors and the savers that fit (a lender's spare bytes, the host link's), the
 one that saves the most bytes per added second (free ones first, largest first; a host swap
 that brings a rank onto its link also pays what the ranks already on it then add); a recomputed
-tensor that still keeps its inputs may move on to the host or a peer the same way. ``exact``: the
-same model as a mixed-integer program on scipy's HiGHS (``scipy.optimize.milp``), for small
-instances and to bound the greedy's gap in tests. :func:`plan_savers` runs the greedy and,
-when it finds no plan and the instance is small, the exact program: a greedy can spend a host
-link or a lender on tensors that could have been recomputed and then find nowhere to put one
-that cannot.
+tensor that still keeps its inputs may move on to the host or a peer the same way. A rank that
+still cannot move anything tries the moves that free the most once room is made for them (a
+full host gives back tensors, a lender moves its own): the cheapest-per-byte order can give
+the host's room to a small free tensor that a large one with nowhere else to go needed.
+``exact``: the same model as a mixed-integer program on scipy's HiGHS
+(``scipy.optimize.milp``), for small instances and to bound the greedy's gap in tests.
+:func:`plan_savers` runs the greedy and, when it finds no plan and the instance is small, the
+exact program: a greedy can still miss a plan that takes several ranks lending to each other
+at once (deciding whether any plan fits packs bytes into bins, which no greedy always does).
 """
 
 from __future__ import annotations

@@ -198,6 +198,25 @@ def test_the_greedy_is_within_10_percent_of_the_exact_step_and_never_infeasible_
     assert compared >= 20  # most instances exercise the comparison
 
 
+def test_a_free_small_tensor_gives_its_host_room_to_a_large_one_with_nowhere_else_to_go() -> None:
+    # One rank, 16 MiB of host room, no peers. Cheapest per byte first, the greedy puts the small
+    # block input (3 MiB x 2, free: its idle window hides the swap) on the host, then finds no
+    # room there for the large one (8 MiB x 2, not free), which nothing else can take; the MLP
+    # recomputed, the rank is still over. The exchange moves the large one to the host and the
+    # small one back: 6 kept + 8 back for its backward + the recompute's nothing = 14 MiB.
+    small = Saved(stage=0, block=0, tensor_class=TensorClass.BLOCK_INPUT, num_bytes=3 * MiB,
+                  copies=2, uses_per_step=4, recompute_s=None, idle_s=1.0)  # fmt: skip
+    mlp = Saved(stage=0, block=0, tensor_class=TensorClass.MLP, num_bytes=7 * MiB, copies=2,
+                uses_per_step=4, recompute_s=0.017, idle_s=0.0)  # fmt: skip
+    large = Saved(stage=0, block=1, tensor_class=TensorClass.BLOCK_INPUT, num_bytes=8 * MiB,
+                  copies=2, uses_per_step=4, recompute_s=None, idle_s=0.0)  # fmt: skip
+    links = _links([21 * MiB], host_budget=16 * MiB)
+    plan = plan_greedy([small, mlp, large], links)
+    assert plan.fits
+    assert [saver for saver, _ in plan.choices] == [Saver.KEEP, Saver.RECOMPUTE, Saver.HOST]
+    assert plan.peak_bytes == (14 * MiB,) and plan.host_bytes == (16 * MiB,)
+
+
 @pytest.mark.parametrize("prefetch", [False, True])
 def test_moving_a_tensor_off_the_host_is_priced_as_evaluating_the_whole_plan_prices_it(
     prefetch: bool,
