@@ -314,6 +314,43 @@ def _stripe_case(group: dist.ProcessGroup) -> dict[str, Any]:
             "peak_held_bytes": held}  # fmt: skip
 
 
+def _virtual_lending_case(group: dist.ProcessGroup) -> dict[str, Any]:
+    """[Note: lending] with virtual stages over gloo: 2 ranks, 2 chunks; stage 0 lends its first
+    block to rank 1, stage 1 its attention back to rank 0 (held at stage 2), stage 2 its block
+    to rank 1; against the same pipeline without lending."""
+    from tidal.activations import Saver, Stripe
+    from tidal.activations.runtime import PeerSwap, apply_savers
+    from tidal.pipeline.lending import Lending
+
+    lenders = {0: 1, 1: 0, 2: 1}
+
+    def run(lend: bool) -> tuple[list[nn.Module], list[float], int]:
+        stages = split_gpt(tiny_gpt(4), even_ranges(4, 4))
+        mine = my_stages(stages, group)
+        held: list[int] = []
+        lending = None
+        if lend:
+            swaps = {}
+            for s, lender in lenders.items():
+                if s % 2 == dist.get_rank(group):
+                    swaps[s] = PeerSwap()
+                    unit = "layers.0.attn" if s == 1 else "layers.0"
+                    apply_savers(stages[s], {unit: Saver.PEER}, peer=swaps[s],
+                                 lenders={unit: Stripe(lenders=(lender,), weights=(1.0,))})  # fmt: skip
+            lending = Lending(lenders={s: (r,) for s, r in lenders.items()}, swaps=swaps,
+                              on_hold=held.append)  # fmt: skip
+        config = RuntimeConfig(schedule="interleaved", microbatches=4, virtual_stages=2)
+        runtime = PipelineRuntime(config, stages=mine, weights=sgd_weights(mine), group=group,
+                                  lending=lending)  # fmt: skip
+        losses = runtime.train(2, batch, lambda _: LR)
+        return list(runtime.modules.values()), losses, max(held, default=0)
+
+    lent, lent_losses, held = run(True)
+    plain, plain_losses, _ = run(False)
+    return {"params_equal": all_equal(lent, plain), "losses_equal": lent_losses == plain_losses,
+            "peak_held_bytes": held}  # fmt: skip
+
+
 # ---------------------------------------------------------------------------------------------
 # the spawn: 4 ranks run the 4-rank cases on the world and, at the same time, the 2-rank cases on
 # the pairs {0, 1} and {2, 3} (so also on a pipeline group that is not the world)
@@ -337,6 +374,7 @@ def _cases(world: int, group: dist.ProcessGroup, folder: str) -> dict[str, Any]:
     if world == 2:
         out["clip_resume"] = _clip_resume_case(folder, group)
         out["tied_async"] = _refuses_tied_async(group)
+        out["virtual_lending"] = _virtual_lending_case(group)
     else:
         out["stripes"] = _stripe_case(group)
     return out
@@ -403,3 +441,12 @@ def test_stripes_lent_over_gloo_equal_the_plain_pipeline(results):
         r = rank_result["stripes"]
         assert r["params_equal"] and r["losses_equal"], (rank, r)
         assert (r["peak_held_bytes"] > 0) == (rank in (1, 3)), (rank, r)
+
+
+def test_lending_under_virtual_stages_over_gloo_equals_the_plain_pipeline(results):
+    """[Note: lending] with 2 chunks on each pair of ranks: bit for bit, and each rank (a
+    borrower and a lender at once) held bytes."""
+    for rank, rank_result in enumerate(results[2]):
+        r = rank_result["virtual_lending"]
+        assert r["params_equal"] and r["losses_equal"], (rank, r)
+        assert r["peak_held_bytes"] > 0, (rank, r)

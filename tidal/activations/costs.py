@@ -159,7 +159,11 @@ class Links:
     # prefetch] in runtime.py): a rank then also holds its largest host-swapped item.
     host_prefetch: bool = False
     max_stripe: int | None = None  # the most lenders a tensor is split over (None: every linked)
-    # derived once from the fields above: per rank, the lenders of each peer option, and each
+    # per stage, the ranks it may lend to (None: every linked rank): a lender holds a stage's
+    # bytes from one of its own later stages' forward to its backward ([Note: lending] in
+    # tidal/pipeline/lending.py), so with virtual stages it depends on the stage, not the rank
+    stage_lenders: tuple[tuple[int, ...], ...] | None = None
+    # derived once from the fields above: per stage, the lenders of each peer option, and each
     # stripe's shares of a size ([Note: stripes]; the planners ask for them millions of times)
     _peer_options: tuple[tuple[tuple[int, ...], ...], ...] = field(init=False, repr=False,
                                                                    compare=False)  # fmt: skip
@@ -183,22 +187,28 @@ class Links:
                 "links", f"one positive peer egress per rank: {self.peer_egress}")  # fmt: skip
         require(self.max_stripe is None or self.max_stripe >= 1, "links",
                 f"a stripe has at least one lender, not {self.max_stripe}")  # fmt: skip
-        object.__setattr__(self, "_peer_options", tuple(self._stripes_of(r) for r in range(n)))
+        stages = len(self.stage_rank)
+        require(self.stage_lenders is None or (len(self.stage_lenders) == stages and all(
+                    0 <= r < n for lenders in self.stage_lenders for r in lenders)),
+                "links", f"one tuple of lender ranks below {n} per stage ({stages})")  # fmt: skip
+        object.__setattr__(self, "_peer_options", tuple(self._stripes_of(s) for s in range(stages)))
 
-    def _stripes_of(self, rank: int) -> tuple[tuple[int, ...], ...]:
-        """``rank``'s peer options: each linked lender alone, then the k fastest together, ties
-        to the later stage's rank ([Note: stripes])."""
+    def _stripes_of(self, stage: int) -> tuple[tuple[int, ...], ...]:
+        """``stage``'s peer options: each linked lender it may lend to alone, then the k fastest
+        together, ties to the later stage's rank ([Note: stripes])."""
+        rank = self.stage_rank[stage]
         last_stage = {r: s for s, r in enumerate(self.stage_rank)}
         row = self.peer_bandwidth[rank]
-        linked = sorted((r for r in range(self.num_ranks) if r != rank and row[r] > 0),
+        allowed = range(self.num_ranks) if self.stage_lenders is None else self.stage_lenders[stage]
+        linked = sorted((r for r in allowed if r != rank and row[r] > 0),
                         key=lambda r: (-row[r], -last_stage.get(r, -1), -r))  # fmt: skip
         widest = len(linked) if self.max_stripe is None else min(len(linked), self.max_stripe)
         return (*((r,) for r in sorted(linked)),
                 *(tuple(sorted(linked[:k])) for k in range(2, widest + 1)))  # fmt: skip
 
-    def peersaver_options(self, rank: int) -> tuple[tuple[int, ...], ...]:
-        """The lenders of each peer swap ``rank`` may make."""
-        return self._peer_options[rank]
+    def peer_options(self, stage: int) -> tuple[tuple[int, ...], ...]:
+        """The lenders of each peer swap ``stage`` may make."""
+        return self._peer_options[stage]
 
     def shares(self, rank: int, lenders: tuple[int, ...], num_bytes: int) -> tuple[int, ...]:
         """What each of ``lenders`` holds of ``num_bytes`` ``rank`` lends them."""
@@ -287,7 +297,6 @@ class SaverPlan:
 
 
 def saver_options(item: Saved, links: Links) -> list[Choice]:
-    rank = links.stage_rank[item.stage]
     out: list[Choice] = [(Saver.KEEP, None)]
     if item.fixed:
         return out
@@ -296,7 +305,7 @@ def saver_options(item: Saved, links: Links) -> list[Choice]:
     out.append((Saver.HOST, None))
     if item.host_only:
         return out
-    out += [(Saver.PEER, lenders) for lenders in links.peersaver_options(rank)]
+    out += [(Saver.PEER, lenders) for lenders in links.peer_options(item.stage)]
     return out
 
 

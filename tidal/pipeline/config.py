@@ -127,12 +127,6 @@ class PipelineConfig:
             f"on weights the forward did not use; host, peer and auto (without recompute) run "
             f"under it",
         )
-        require(
-            self.memory not in ("peer", "auto") or self.virtual_stages == 1,
-            "memory",
-            f"{self.memory!r} plans peer swaps, which need one stage per rank; set "
-            f"virtual_stages = 1 or pipeline.memory = 'recompute' or 'host'",
-        )
 
     @property
     def num_microbatches(self) -> int:

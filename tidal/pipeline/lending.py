@@ -1,26 +1,29 @@
 """MPress's peer swap as schedule actions: a stage lends what it saves to a lightly loaded rank.
 
 [Note: lending]
-A borrower stage ``s`` with lender rank ``L`` (a later stage's rank, one stage per rank) gets,
-for each microbatch ``j``, four actions placed by :func:`with_lending` in the programs that
-already have their sends and receives:
+A borrower stage ``s`` with lender rank ``L`` gets, for each microbatch ``j``, four actions
+placed by :func:`with_lending` in the programs that already have their sends and receives. ``t``
+is the lender's first stage after ``s`` (one stage per rank: ``L`` itself, a later stage; with
+virtual stages, the lender's stage in ``s``'s chunk when ``L`` is a later rank, else in the next
+chunk; a stage with no stage of ``L`` after it cannot lend to ``L``):
 
 - the borrower's ``LO`` right after ``F(s, j)`` (and its send forward): what the stage's lent
   units saved for ``j``, one message to ``L``; its device memory goes with the message;
-- the lender's ``HI`` right before it receives (or, with no receive, computes) ``F(L, j)``:
+- the lender's ``HI`` right before it receives (or, with no receive, computes) ``F(t, j)``:
   it receives that message and holds it in its own budget;
-- the lender's ``HO`` right after ``B(L, j)``, before it sends that gradient back: it sends the
+- the lender's ``HO`` right after ``B(t, j)``, before it sends that gradient back: it sends the
   bytes home;
 - the borrower's ``LI`` right before ``B(s, j)``: it receives them back.
 
-No new wait is added: ``F(s, j)`` already happens before ``F(L, j)`` (the activation flows
-through every stage between), and ``B(L, j)`` before ``B(s, j)``. So each new receive waits
+No new wait is added: ``F(s, j)`` already happens before ``F(t, j)`` (the activation flows
+through every stage between), and ``B(t, j)`` before ``B(s, j)``. So each new receive waits
 on a send its peer makes before an action the receiver was already waiting for, and programs
 that could not deadlock still cannot. A pair's messages keep the sender's program order
 ([Note: point-to-point protocol] in tidal/pipeline/p2p.py): the bytes come home with the
 gradient the borrower needs next, not earlier, so they are not parked on the borrower.
-The same holds under asynchronous schedules (their microbatch ids never repeat); not with
-virtual stages (a rank's stages would need an order of their own).
+The same holds under asynchronous schedules (their microbatch ids never repeat) and with
+virtual stages: the messages are keyed by the borrower's stage, so two stages of one rank
+lending to one lender never take each other's.
 """
 
 from __future__ import annotations
@@ -67,26 +70,28 @@ def with_lending(schedule: Schedule, lenders: Mapping[int, Sequence[int]]) -> Sc
     given = {s: tuple(ranks) for s, ranks in lenders.items() if ranks}
     if not given:
         return schedule
-    _check(schedule, given)
     programs = [list(p) for p in schedule.programs]
     for s, ranks in given.items():
         borrower = schedule.rank_of(s)
+        anchors = [_anchor(schedule, s, lender) for lender in ranks]
         programs[borrower] = _borrow(programs[borrower], s, ranks)
-        for lender in ranks:
-            programs[lender] = _hold(programs[lender], s, borrower, lender)
+        for lender, t in zip(ranks, anchors, strict=True):
+            programs[lender] = _hold(programs[lender], s, borrower, t)
     return replace_programs(schedule, programs)
 
 
-def _check(schedule: Schedule, lenders: Mapping[int, tuple[int, ...]]) -> None:
-    if schedule.num_stages != schedule.num_ranks:
-        raise ConfigError("pipeline.memory", f"peer swap runs under schedules of one stage per "
-                          f"rank, not {schedule.name!r} with virtual stages")  # fmt: skip
-    for s, ranks in lenders.items():
-        for lender in ranks:
-            if not schedule.rank_of(s) < lender < schedule.num_ranks:
-                raise ConfigError("pipeline.memory", f"stage {s} cannot lend to rank {lender}: "
-                                  f"a lender is a later stage's rank, below "
-                                  f"{schedule.num_ranks}")  # fmt: skip
+def _anchor(schedule: Schedule, s: int, lender: int) -> int:
+    """The lender's first stage after ``s``: it holds ``s``'s bytes for each microbatch from
+    that stage's forward to its backward."""
+    if not 0 <= lender < schedule.num_ranks or lender == schedule.rank_of(s):
+        raise ConfigError("pipeline.memory", f"stage {s} cannot lend to rank {lender}: a lender "
+                          f"is another rank, below {schedule.num_ranks}")  # fmt: skip
+    later = [t for t in schedule.stages_of(lender) if t > s]
+    if not later:
+        raise ConfigError("pipeline.memory", f"stage {s} cannot lend to rank {lender}: a lender "
+                          f"is a later stage's rank, and no stage of rank {lender} comes after "
+                          f"stage {s}")  # fmt: skip
+    return later[0]
 
 
 def _borrow(program: list[Action], s: int, lenders: tuple[int, ...]) -> list[Action]:
@@ -106,16 +111,16 @@ def _borrow(program: list[Action], s: int, lenders: tuple[int, ...]) -> list[Act
     return out
 
 
-def _hold(program: list[Action], s: int, borrower: int, lender: int) -> list[Action]:
+def _hold(program: list[Action], s: int, borrower: int, t: int) -> list[Action]:
     out: list[Action] = []
     received: set[int] = set()
     for a in program:
         j = a.microbatch
-        starts = a.stage == lender and a.kind in (Kind.RECV_FORWARD, Kind.FORWARD)
+        starts = a.stage == t and a.kind in (Kind.RECV_FORWARD, Kind.FORWARD)
         if starts and j not in received:
             out.append(Action(stage=s, kind=Kind.HOLD, microbatch=j, peer=borrower))
             received.add(j)
-        if a.stage == lender and a.kind is Kind.SEND_BACKWARD:  # a lender is never stage 0
+        if a.stage == t and a.kind is Kind.SEND_BACKWARD:  # t > s >= 0: t sends gradients
             out.append(Action(stage=s, kind=Kind.GIVE_BACK, microbatch=j, peer=borrower))
         out.append(a)
     return out

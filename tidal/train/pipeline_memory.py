@@ -283,11 +283,17 @@ def _plan(job: JobConfig, stages: Sequence[PipelineStage], probe: MemoryProbe, *
         base[schedule.rank_of(s)] += per_weight_byte * num_bytes
     host_budget = resolve_budget(job.memory.host_budget, kind=TierKind.HOST, device=device,
                                  key="memory.host_budget")  # fmt: skip
-    # [Note: lending]: a stage lends to later stages' ranks, one stage per rank
-    lends = pipe.memory in ("auto", "peer") and pipe.virtual_stages == 1
+    # [Note: lending]: a stage lends to the ranks with a stage after it (one stage per rank: the
+    # later ranks; with virtual stages an earlier rank too, from every chunk but the last)
+    lends = pipe.memory in ("auto", "peer")
     rates = measure_links(device)  # [Note: measured links] in tidal/train/links.py
-    peer = tuple(tuple(rates.peer_bytes_per_s if lends and lender > r else 0.0
+    peer = tuple(tuple(rates.peer_bytes_per_s if lends and lender != r else 0.0
                        for lender in range(world_size)) for r in range(world_size))  # fmt: skip
+    stage_lenders = tuple(
+        tuple(sorted({schedule.rank_of(t) for t in range(s + 1, schedule.num_stages)}
+                     - {schedule.rank_of(s)}))
+        for s in range(schedule.num_stages)
+    )  # fmt: skip
     links = Links(stage_rank=tuple(schedule.rank_of(s) for s in range(schedule.num_stages)),
                   budget_bytes=(budget,) * world_size, base_bytes=tuple(base),
                   host_link=(0,) * world_size, host_bandwidth=(rates.host_bytes_per_s,),
@@ -295,7 +301,8 @@ def _plan(job: JobConfig, stages: Sequence[PipelineStage], probe: MemoryProbe, *
                   peer_bandwidth=peer, host_prefetch=device.type == "cuda",
                   # one pair's rate measured, not several at once: a rank sends no faster by
                   # striping ([Note: stripes] in tidal/activations/costs.py), only spreads bytes
-                  peer_egress=(max(rates.peer_bytes_per_s, 1.0),) * world_size)  # fmt: skip
+                  peer_egress=(max(rates.peer_bytes_per_s, 1.0),) * world_size,
+                  stage_lenders=stage_lenders)  # fmt: skip
     saved = saved_tensors(sim, units, weight_bytes=weight_bytes)
     if peer_only or (pipe.asynchronous and not pipe.stashes):  # [Note: savers in place]
         saved = [dataclasses.replace(i, recompute_s=None) for i in saved]

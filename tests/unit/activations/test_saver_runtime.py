@@ -226,6 +226,35 @@ def test_lending_and_host_swap_equal_the_plain_pipeline(name: str, ranks: int,
     assert result.peak_held_bytes[1] > 0  # a lender of both of stage 0's units
 
 
+def test_lending_under_virtual_stages_equals_the_plain_pipeline() -> None:
+    """[Note: lending] with 2 chunks on 2 ranks: stage 0 lends to rank 1, stage 1 back to rank 0
+    (held at stage 2, the next chunk), stage 2 to rank 1; bit for bit, both ranks hold bytes."""
+    from tidal.activations.runtime import PeerSwap
+    from tidal.pipeline.lending import Lending
+
+    def run(lend: bool) -> tuple[tuple[list[torch.Tensor], list[float]], Any]:
+        schedule = make_schedule("interleaved", stages=2, microbatches=4, virtual=2, steps=2)
+        stages = split_gpt(build_gpt(CONFIG, seed=0), even_ranges(4, 4))
+        lending, swaps = None, {}
+        if lend:
+            lenders = {0: 1, 1: 0, 2: 1}
+            for s, lender in lenders.items():
+                swaps[s] = PeerSwap()
+                unit = "layers.0.attn" if s == 1 else "layers.0"
+                apply_savers(stages[s], {unit: Saver.PEER}, peer=swaps[s],
+                             lenders={unit: _to(lender)})  # fmt: skip
+            lending = Lending(lenders={s: (r,) for s, r in lenders.items()}, swaps=swaps)
+        weights = [StageWeights(s, torch.optim.SGD(s.parameters(), lr=0.5), AsyncConfig())
+                   for s in stages]  # fmt: skip
+        result = run_local(schedule, stages, weights, _batch, lambda _: 0.5, lending=lending)
+        return _trained(stages, result), (result, swaps)
+
+    lent, (result, swaps) = run(True)
+    _assert_same(lent, run(False)[0])
+    assert all(swap.storages_lent > 0 for swap in swaps.values())
+    assert result.peak_held_bytes[0] > 0 and result.peak_held_bytes[1] > 0
+
+
 def _to(lender: int) -> Stripe:
     return Stripe(lenders=(lender,), weights=(1.0,))
 

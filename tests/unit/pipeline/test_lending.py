@@ -30,13 +30,37 @@ def test_each_microbatch_goes_out_after_its_forward_and_home_before_its_backward
     assert with_lending(base, {}) is base
 
 
+def test_with_virtual_stages_the_lender_holds_at_its_first_stage_after_the_borrower() -> None:
+    # 2 ranks, 2 chunks: rank 0 runs stages 0 and 2, rank 1 stages 1 and 3. Stage 0 lends to
+    # rank 1 (held at stage 1), stage 1 to rank 0 (at stage 2, the next chunk), stage 2 to
+    # rank 1 (at stage 3): each rank borrows and lends at once.
+    base = with_communication(make_schedule("interleaved", stages=2, microbatches=4, virtual=2))
+    lent = with_lending(base, {0: (1,), 1: (0,), 2: (1,)})
+    for s, lender, t in ((0, 1, 1), (1, 0, 2), (2, 1, 3)):
+        borrower = [str(a) for a in lent.programs[base.rank_of(s)]]
+        holder = [str(a) for a in lent.programs[lender]]
+        for j in range(4):
+            assert borrower.index(f"{s}F{j}v0") < borrower.index(f"{s}LO{j}p{lender}")
+            assert borrower.index(f"{s}LI{j}p{lender}") == borrower.index(f"{s}B{j}v0") - 1
+            held_in = holder.index(f"{s}HI{j}p{base.rank_of(s)}")
+            assert held_in == holder.index(f"{t}RF{j}") - 1
+            held_out = holder.index(f"{s}HO{j}p{base.rank_of(s)}")
+            assert holder.index(f"{t}B{j}v0") < held_out == holder.index(f"{t}SB{j}") - 1
+    for rank in range(2):
+        untouched = [a for a in lent.programs[rank] if not a.kind.is_lending]
+        assert untouched == list(base.programs[rank])
+
+
 def test_lending_that_cannot_run_is_refused() -> None:
     base = with_communication(make_schedule("1f1b", stages=3, microbatches=3))
     with pytest.raises(ConfigError, match="stage 1 cannot lend to rank 0: a lender is a later"):
         with_lending(base, {1: (0,)})
-    with pytest.raises(ConfigError, match="schedules of one stage per rank, not 'interleaved'"):
-        with_lending(with_communication(make_schedule("interleaved", stages=2, microbatches=4,
-                                                      virtual=2)), {0: (1,)})  # fmt: skip
+    with pytest.raises(ConfigError, match="stage 1 cannot lend to rank 1: a lender is another"):
+        with_lending(base, {1: (1,)})
+    interleaved = with_communication(make_schedule("interleaved", stages=2, microbatches=4,
+                                                   virtual=2))  # fmt: skip
+    with pytest.raises(ConfigError, match="no stage of rank 0 comes after stage 3"):
+        with_lending(interleaved, {3: (0,)})
     with pytest.raises(ValueError, match="names its peer rank"):
         parse_action("0LO3")
     assert str(parse_action("1HI4p0")) == "1HI4p0"
