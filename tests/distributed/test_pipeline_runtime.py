@@ -351,6 +351,35 @@ def _virtual_lending_case(group: dist.ProcessGroup) -> dict[str, Any]:
             "peak_held_bytes": held}  # fmt: skip
 
 
+def _earlier_lending_case(group: dist.ProcessGroup) -> dict[str, Any]:
+    """[Note: lending]'s earlier lender over gloo: under 1F1B on 2 ranks the last stage lends
+    its first block to rank 0; against the same pipeline without lending."""
+    from tidal.activations import Saver, Stripe
+    from tidal.activations.runtime import PeerSwap, apply_savers
+    from tidal.pipeline.lending import Lending
+
+    def run(lend: bool) -> tuple[list[nn.Module], list[float], int]:
+        mine = my_stages(split_gpt(tiny_gpt(4), even_ranges(4, 2)), group)
+        held: list[int] = []
+        lending = None
+        if lend:
+            swaps = {}
+            if dist.get_rank(group) == 1:
+                swaps[1] = PeerSwap()
+                apply_savers(mine[0], {"layers.0": Saver.PEER}, peer=swaps[1],
+                             lenders={"layers.0": Stripe(lenders=(0,), weights=(1.0,))})  # fmt: skip
+            lending = Lending(lenders={1: (0,)}, swaps=swaps, on_hold=held.append)
+        runtime = PipelineRuntime(RuntimeConfig(schedule="1f1b", microbatches=4), stages=mine,
+                                  weights=sgd_weights(mine), group=group, lending=lending)  # fmt: skip
+        losses = runtime.train(2, batch, lambda _: LR)
+        return list(runtime.modules.values()), losses, max(held, default=0)
+
+    lent, lent_losses, held = run(True)
+    plain, plain_losses, _ = run(False)
+    return {"params_equal": all_equal(lent, plain), "losses_equal": lent_losses == plain_losses,
+            "peak_held_bytes": held}  # fmt: skip
+
+
 # ---------------------------------------------------------------------------------------------
 # the spawn: 4 ranks run the 4-rank cases on the world and, at the same time, the 2-rank cases on
 # the pairs {0, 1} and {2, 3} (so also on a pipeline group that is not the world)
@@ -375,6 +404,7 @@ def _cases(world: int, group: dist.ProcessGroup, folder: str) -> dict[str, Any]:
         out["clip_resume"] = _clip_resume_case(folder, group)
         out["tied_async"] = _refuses_tied_async(group)
         out["virtual_lending"] = _virtual_lending_case(group)
+        out["earlier_lending"] = _earlier_lending_case(group)
     else:
         out["stripes"] = _stripe_case(group)
     return out
@@ -450,3 +480,12 @@ def test_lending_under_virtual_stages_over_gloo_equals_the_plain_pipeline(result
         r = rank_result["virtual_lending"]
         assert r["params_equal"] and r["losses_equal"], (rank, r)
         assert r["peak_held_bytes"] > 0, (rank, r)
+
+
+def test_an_earlier_lender_over_gloo_equals_the_plain_pipeline(results):
+    """[Note: lending]'s earlier lender over real point-to-point messages: bit for bit, rank 0
+    (the lender) held bytes, rank 1 (the borrower) none."""
+    for index, rank_result in enumerate(results[2]):
+        r = rank_result["earlier_lending"]
+        assert r["params_equal"] and r["losses_equal"], (index, r)
+        assert (r["peak_held_bytes"] > 0) == (index % 2 == 0), (index, r)

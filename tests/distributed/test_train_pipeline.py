@@ -144,6 +144,23 @@ def _worker(root: str, reference: tuple[list[float], list[float]]) -> None:
     assert figures[1]["lends_to"] == [0] and figures[0]["peak_held_bytes"] > 0, figures
     assert all(f["measured_peak_bytes"] <= f["predicted_peak_bytes"] <= f["budget_bytes"]
                for f in figures), figures  # fmt: skip
+    # Under GPipe (4 microbatches, all in flight) the last rank is the heavier too: at 2350 KiB
+    # it lends to rank 0, an earlier rank ([Note: lending]'s earlier lender).
+    gpipe = {"schedule": "gpipe", "microbatches": 4}
+    Trainer(_job(root_path / "gpipe", **gpipe)).fit()
+    squeezed = _job(root_path / "gpipe-none", memory="none", **gpipe)
+    squeezed["memory"] = {"device_budget": "2350KiB"}
+    with pytest.raises(ConfigError, match=r"rank 1 needs .* set pipeline.memory = 'auto'"):
+        Trainer(squeezed).fit()
+    lent = _job(root_path / "gpipe-peer", memory="peer", **gpipe)
+    lent["memory"] = {"device_budget": "2350KiB"}
+    summary = Trainer(lent).fit()
+    assert _losses(root_path / "gpipe-peer") == _losses(root_path / "gpipe")
+    dist.all_gather_object(figures, summary["pipeline"]["memory"])
+    assert figures[1]["lends_to"] == [0] and figures[0]["peak_held_bytes"] > 0, figures
+    assert figures[0]["blocks_lent"] == 0, figures
+    assert all(f["measured_peak_bytes"] <= f["predicted_peak_bytes"] <= f["budget_bytes"]
+               for f in figures), figures  # fmt: skip
     # The links it priced were measured, and every rank planned with the same figures.
     from tidal.train.links import measure_links
 

@@ -22,6 +22,7 @@ from tidal.activations import Links, Saver, SaverPlan, TensorClass, keep_all, pl
 from tidal.activations.placement import place_stages
 from tidal.activations.topology import peer_links
 from tidal.config import ConfigError, format_bytes, parse_bytes
+from tidal.pipeline.lending import lender_ranks
 from tidal.pipeline.partition import LayerProfile, Partition
 from tidal.pipeline.savers import BlockSaves, saved_tensors, step_with_savers
 from tidal.pipeline.simulate import Simulation
@@ -70,6 +71,12 @@ def plan_stage_savers(args: argparse.Namespace, sim: Simulation, split: Partitio
         host_budget_bytes=(None,) * num_ranks,
         peer_bandwidth=peer,
         peer_egress=egress,
+        # what the runtime can carry out ([Note: lending] in tidal/pipeline/lending.py): one
+        # stage per rank, any other rank (so any stage-to-rank map); with virtual stages, the
+        # ranks with a stage after the borrower
+        stage_lenders=None
+        if schedule.num_virtual == 1
+        else tuple(lender_ranks(schedule, s) for s in range(schedule.num_stages)),
     )
     given = links
     links, plan = place_stages(saved, given)

@@ -17,7 +17,7 @@ model), so all ranks make the same plan. ``pipeline.memory``:
   selective recompute, the part whose saved bytes grow with the sequence) and keeps the rest;
 - ``auto`` runs the saver planner over the units ([Note: the saver planners] in
   tidal/activations/plan.py) with every saver (recompute only where the schedule allows it;
-  peer swap to later stages' ranks, [Note: lending] in tidal/pipeline/lending.py) and the links
+  peer swap to other ranks, [Note: lending] in tidal/pipeline/lending.py) and the links
   measured on the ranks ([Note: measured links] in tidal/train/links.py), and carries out its
   choices on this rank's stages; ``peer`` the same with peer swap only; no plan fits: one line
   naming the least budget. PipeDream's stashed weight versions may go to the host tier too
@@ -62,7 +62,7 @@ from tidal.activations.runtime import (
 from tidal.config import ConfigError, format_bytes
 from tidal.memory.activations import SavedTensorMeter
 from tidal.memory.tiers import Tier, TierKind, make_tiers, resolve_budget
-from tidal.pipeline.lending import Lending
+from tidal.pipeline.lending import Lending, lender_ranks
 from tidal.pipeline.savers import (
     measure_units,
     saved_tensors,
@@ -283,17 +283,13 @@ def _plan(job: JobConfig, stages: Sequence[PipelineStage], probe: MemoryProbe, *
         base[schedule.rank_of(s)] += per_weight_byte * num_bytes
     host_budget = resolve_budget(job.memory.host_budget, kind=TierKind.HOST, device=device,
                                  key="memory.host_budget")  # fmt: skip
-    # [Note: lending]: a stage lends to the ranks with a stage after it (one stage per rank: the
-    # later ranks; with virtual stages an earlier rank too, from every chunk but the last)
+    # [Note: lending]: one stage per rank, a stage lends to any other rank; with virtual stages,
+    # to the ranks with a stage after it
     lends = pipe.memory in ("auto", "peer")
     rates = measure_links(device)  # [Note: measured links] in tidal/train/links.py
     peer = tuple(tuple(rates.peer_bytes_per_s if lends and lender != r else 0.0
                        for lender in range(world_size)) for r in range(world_size))  # fmt: skip
-    stage_lenders = tuple(
-        tuple(sorted({schedule.rank_of(t) for t in range(s + 1, schedule.num_stages)}
-                     - {schedule.rank_of(s)}))
-        for s in range(schedule.num_stages)
-    )  # fmt: skip
+    stage_lenders = tuple(lender_ranks(schedule, s) for s in range(schedule.num_stages))
     links = Links(stage_rank=tuple(schedule.rank_of(s) for s in range(schedule.num_stages)),
                   budget_bytes=(budget,) * world_size, base_bytes=tuple(base),
                   host_link=(0,) * world_size, host_bandwidth=(rates.host_bytes_per_s,),

@@ -226,6 +226,48 @@ def test_lending_and_host_swap_equal_the_plain_pipeline(name: str, ranks: int,
     assert result.peak_held_bytes[1] > 0  # a lender of both of stage 0's units
 
 
+@pytest.mark.parametrize(("name", "ranks", "mode"),
+                         [("gpipe", 2, WeightMode.CURRENT), ("1f1b", 2, WeightMode.CURRENT),
+                          ("1f1b", 4, WeightMode.CURRENT), ("pipedream", 4, WeightMode.STASH),
+                          ("pipemare", 4, WeightMode.CURRENT)])  # fmt: skip
+def test_lending_to_earlier_ranks_equals_the_plain_pipeline(name: str, ranks: int,
+                                                            mode: WeightMode) -> None:  # fmt: skip
+    """[Note: lending]'s earlier lenders: the last stage (the head's logits) lends its block to
+    rank 0; with 4 ranks stage 2 also lends its attention striped over ranks 0 and 1 and its MLP
+    to rank 3 (later and earlier lenders at once). Bit for bit, every lender held bytes."""
+    from tidal.activations.runtime import PeerSwap
+    from tidal.pipeline.lending import Lending
+
+    def run(lend: bool) -> tuple[tuple[list[torch.Tensor], list[float]], Any]:
+        schedule = make_schedule(name, stages=ranks, microbatches=4, steps=2)
+        stages = split_gpt(build_gpt(CONFIG, seed=0), even_ranges(4, ranks))
+        lending, swaps = None, {}
+        if lend:
+            last = ranks - 1
+            swaps = {last: PeerSwap()}
+            apply_savers(stages[last], {"layers.0": Saver.PEER}, peer=swaps[last],
+                         lenders={"layers.0": _to(0)})  # fmt: skip
+            lenders = {last: (0,)}
+            if ranks > 2:
+                swaps[2] = PeerSwap()
+                stripe = Stripe(lenders=(0, 1), weights=(1.0, 1.0))
+                apply_savers(stages[2], {"layers.0.attn": Saver.PEER, "layers.0.mlp": Saver.PEER},
+                             peer=swaps[2], lenders={"layers.0.attn": stripe,
+                                                     "layers.0.mlp": _to(3)})  # fmt: skip
+                lenders[2] = (0, 1, 3)
+            lending = Lending(lenders=lenders, swaps=swaps)
+        weights = [StageWeights(s, torch.optim.SGD(s.parameters(), lr=0.5),
+                                AsyncConfig(weights=mode)) for s in stages]  # fmt: skip
+        result = run_local(schedule, stages, weights, _batch, lambda _: 0.5, lending=lending)
+        return _trained(stages, result), (result, swaps)
+
+    lent, (result, swaps) = run(True)
+    _assert_same(lent, run(False)[0])
+    assert all(swap.storages_lent > 0 for swap in swaps.values())
+    holders = (0, 1, 3) if ranks > 2 else (0,)
+    assert all(result.peak_held_bytes[r] > 0 for r in holders), result.peak_held_bytes
+
+
 def test_lending_under_virtual_stages_equals_the_plain_pipeline() -> None:
     """[Note: lending] with 2 chunks on 2 ranks: stage 0 lends to rank 1, stage 1 back to rank 0
     (held at stage 2, the next chunk), stage 2 to rank 1; bit for bit, both ranks hold bytes."""

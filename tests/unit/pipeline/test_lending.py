@@ -51,12 +51,32 @@ def test_with_virtual_stages_the_lender_holds_at_its_first_stage_after_the_borro
         assert untouched == list(base.programs[rank])
 
 
+@pytest.mark.parametrize("name", ["gpipe", "1f1b"])
+def test_an_earlier_lender_holds_between_two_gradients_it_already_waits_for(name: str) -> None:
+    # Stage 2 of 3 lends to rank 0: HI(j) right before rank 0 receives the gradient of the
+    # borrower's first backward after F(2, j), HO(j) right before it receives the gradient of j.
+    base = with_communication(make_schedule(name, stages=3, microbatches=4))
+    lent = with_lending(base, {2: (0,)})
+    borrower = [str(a) for a in lent.programs[2]]
+    lender = [str(a) for a in lent.programs[0]]
+    for j in range(4):
+        after = [b for b in borrower[borrower.index(f"2F{j}v0") :] if b.startswith("2B")][0]
+        i = int(after[2:].split("v")[0])
+        after_hold = lender[lender.index(f"2HI{j}p2") :]
+        assert [a for a in after_hold if "H" not in a][0] == f"0RB{i}"
+        assert lender[lender.index(f"0RB{j}") - 1] == f"2HO{j}p2"
+        assert borrower.index(f"2LO{j}p0") < borrower.index(after)
+    assert [a for a in lent.programs[0] if not a.kind.is_lending] == list(base.programs[0])
+    if name == "gpipe":  # every forward before the first backward: all held before any is back
+        assert lender.index("2HI3p2") < lender.index("2HO0p2") < lender.index("0RB0")
+
+
 def test_lending_that_cannot_run_is_refused() -> None:
     base = with_communication(make_schedule("1f1b", stages=3, microbatches=3))
-    with pytest.raises(ConfigError, match="stage 1 cannot lend to rank 0: a lender is a later"):
-        with_lending(base, {1: (0,)})
     with pytest.raises(ConfigError, match="stage 1 cannot lend to rank 1: a lender is another"):
         with_lending(base, {1: (1,)})
+    with pytest.raises(ConfigError, match="stage 1 cannot lend to rank 3: a lender is another"):
+        with_lending(base, {1: (3,)})
     interleaved = with_communication(make_schedule("interleaved", stages=2, microbatches=4,
                                                    virtual=2))  # fmt: skip
     with pytest.raises(ConfigError, match="no stage of rank 0 comes after stage 3"):
