@@ -399,15 +399,9 @@ class PeerSwap:
         for stripe in [stripe for stripe in self._open if lender in stripe.lenders]:
             self._seal(stripe)
         shares = self._shares.pop(lender, [])
-        parts = [part for _, _, part in shares]
-        device = parts[0].device if parts else torch.device("cpu")
-        if len(parts) == 1:
-            message = parts[0]
-        else:
-            message = (
-                torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8, device=device)
-            )
-        return message, [(bundle, index, part.numel()) for bundle, index, part in shares]
+        return _joined([part for _, _, part in shares]), [
+            (bundle, index, part.numel()) for bundle, index, part in shares
+        ]
 
     def _seal(self, stripe: Stripe) -> None:
         """The open bundle of ``stripe`` in one flat buffer, split into its lenders' shares."""
@@ -596,3 +590,11 @@ def check_schedule(savers: Mapping[str, Saver], *, asynchronous: bool, stashes: 
             "would run the forward again on weights the forward did not use (host and peer "
             "swap run under it)",
         )
+
+
+def _joined(parts: list[torch.Tensor]) -> torch.Tensor:
+    """``parts`` (flat uint8) as one message: the one part itself, else their concatenation
+    (an empty message where there are none)."""
+    if len(parts) == 1:
+        return parts[0]
+    return torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8)
