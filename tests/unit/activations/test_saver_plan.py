@@ -198,6 +198,31 @@ def test_the_greedy_is_within_10_percent_of_the_exact_step_and_never_infeasible_
     assert compared >= 20  # most instances exercise the comparison
 
 
+@pytest.mark.parametrize("exact", [False, True])
+def test_a_stage_lends_only_to_the_ranks_links_allow_it(exact: bool) -> None:
+    # 2 ranks, 2 chunks (stages 0-3 on ranks 0, 1, 0, 1), no host room. Rank 1 is over unless it
+    # lends its large tensor: stage 1's may go to rank 0 (which runs stage 2, after it), the last
+    # stage's may not
+    # (no stage of rank 0 comes after stage 3: [Note: lending] in tidal/pipeline/lending.py).
+    def saved(stage: int, mib: int, copies: int) -> Saved:
+        return Saved(stage=stage, block=stage, tensor_class=TensorClass.BLOCK_INPUT,
+                     num_bytes=mib * MiB, copies=copies, uses_per_step=4, recompute_s=None)  # fmt: skip
+
+    # rank 1 holds 16 + 4 MiB; lending the first leaves 4 kept + 8 back for its backward
+    links = dataclasses.replace(_links([64 * MiB, 14 * MiB], peer_gbps=50.0, host_budget=0),
+                                stage_rank=(0, 1, 0, 1))  # fmt: skip
+    planner = plan_exact if exact else plan_greedy
+    allowed = dataclasses.replace(links, stage_lenders=((1,), (0,), (1,), ()))
+    for lender_stage in (1, 3):
+        items = [saved(lender_stage, 8, 2), saved(4 - lender_stage, 4, 1)]  # both on rank 1
+        free = planner(items, links)
+        assert free.fits and free.choices[0] == (Saver.PEER, (0,)), free.choices
+        held = planner(items, allowed)
+        assert held.fits == (lender_stage == 1), held.choices
+    with pytest.raises(ConfigError, match="one tuple of lender ranks"):
+        dataclasses.replace(links, stage_lenders=((1,),))
+
+
 def test_a_free_small_tensor_gives_its_host_room_to_a_large_one_with_nowhere_else_to_go() -> None:
     # One rank, 16 MiB of host room, no peers. Cheapest per byte first, the greedy puts the small
     # block input (3 MiB x 2, free: its idle window hides the swap) on the host, then finds no

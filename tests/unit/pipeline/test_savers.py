@@ -128,6 +128,25 @@ def test_simulate_on_a_dgx1_stripes_only_over_nvlink_peers(
     assert max(report["peak_bytes_before"]) > 2 << 30  # the savers were needed
 
 
+def test_simulate_with_virtual_stages_lends_only_where_the_runtime_can(tmp_path: Path) -> None:
+    """[Note: lending]: with virtual stages a stage lends to the ranks with a stage after it,
+    so the last chunk's stages lend only to later ranks; the plan's lenders are those."""
+    from tidal.pipeline.lending import lender_ranks
+    from tidal.pipeline.schedules import make_schedule
+
+    out = tmp_path / "sim.json"
+    argv = ["simulate", "--schedule", "interleaved", "--stages", "4", "--virtual", "2",
+            "--microbatches", "8", "--model", "gpt2-small", "--micro-batch", "4",
+            "--device-memory", "3GiB", "--peer-gbps", "100", "--json", str(out)]  # fmt: skip
+    assert main(argv) == 0
+    report = json.loads(out.read_text())["savers"]
+    schedule = make_schedule("interleaved", stages=4, microbatches=8, virtual=2)
+    lent = [c for c in report["choices"] if c["saver"] == "peer"]
+    assert lent  # the plan lends
+    assert all(set(c["lenders"]) <= set(lender_ranks(schedule, c["stage"])) for c in lent)
+    assert lender_ranks(schedule, 7) == () and lender_ranks(schedule, 3) == (0, 1, 2)
+
+
 def test_saver_input_errors_are_one_line(capsys: pytest.CaptureFixture[str]) -> None:
     base = ["simulate", "--schedule", "1f1b", "--stages", "2", "--microbatches", "4"]
     assert main([*base, "--device-memory", "1GiB"]) == 2
