@@ -282,102 +282,65 @@ def _refuses_tied_async(group: dist.ProcessGroup) -> str:
     return ""
 
 
-def _stripe_case(group: dist.ProcessGroup) -> dict[str, Any]:
-    """[Note: stripes] over gloo: stage 0 lends its first block's attention striped over ranks 1
-    and 3 (a quarter, three quarters) and its MLP to rank 1, so rank 1's message carries shares
-    of two bundles; against the same pipeline without lending."""
+def _lent_against_plain(group: dist.ProcessGroup, num_stages: int, config: RuntimeConfig,
+                        lent: dict[int, dict[str, tuple[int, ...]]]) -> dict[str, Any]:  # fmt: skip
+    """[Note: lending] over gloo: ``lent[s]``, per stage, each unit it lends and the ranks it
+    lends to (several: a stripe, a quarter and three quarters when two); the same pipeline
+    trained with and without lending, and the most bytes this rank held for others."""
     from tidal.activations import Saver, Stripe
     from tidal.activations.runtime import PeerSwap, apply_savers
     from tidal.pipeline.lending import Lending
 
     def run(lend: bool) -> tuple[list[nn.Module], list[float], int]:
-        mine = my_stages(split_gpt(tiny_gpt(4), even_ranges(4, 4)), group)
-        held: list[int] = []
-        lending = None
-        if lend:
-            swaps = {}
-            if dist.get_rank(group) == 0:
-                swaps[0] = PeerSwap()
-                apply_savers(mine[0], {"layers.0.attn": Saver.PEER, "layers.0.mlp": Saver.PEER},
-                             peer=swaps[0],
-                             lenders={"layers.0.attn": Stripe(lenders=(1, 3), weights=(1.0, 3.0)),
-                                      "layers.0.mlp": Stripe(lenders=(1,), weights=(1.0,))})  # fmt: skip
-            lending = Lending(lenders={0: (1, 3)}, swaps=swaps, on_hold=held.append)
-        runtime = PipelineRuntime(RuntimeConfig(schedule="1f1b", microbatches=4), stages=mine,
-                                  weights=sgd_weights(mine), group=group, lending=lending)  # fmt: skip
-        losses = runtime.train(2, batch, lambda _: LR)
-        return list(runtime.modules.values()), losses, max(held, default=0)
-
-    lent, lent_losses, held = run(True)
-    plain, plain_losses, _ = run(False)
-    return {"params_equal": all_equal(lent, plain), "losses_equal": lent_losses == plain_losses,
-            "peak_held_bytes": held}  # fmt: skip
-
-
-def _virtual_lending_case(group: dist.ProcessGroup) -> dict[str, Any]:
-    """[Note: lending] with virtual stages over gloo: 2 ranks, 2 chunks; stage 0 lends its first
-    block to rank 1, stage 1 its attention back to rank 0 (held at stage 2), stage 2 its block
-    to rank 1; against the same pipeline without lending."""
-    from tidal.activations import Saver, Stripe
-    from tidal.activations.runtime import PeerSwap, apply_savers
-    from tidal.pipeline.lending import Lending
-
-    lenders = {0: 1, 1: 0, 2: 1}
-
-    def run(lend: bool) -> tuple[list[nn.Module], list[float], int]:
-        stages = split_gpt(tiny_gpt(4), even_ranges(4, 4))
+        stages = split_gpt(tiny_gpt(4), even_ranges(4, num_stages))
         mine = my_stages(stages, group)
         held: list[int] = []
         lending = None
         if lend:
             swaps = {}
-            for s, lender in lenders.items():
-                if s % 2 == dist.get_rank(group):
+            for s, units in lent.items():
+                if s % dist.get_world_size(group) == dist.get_rank(group):
                     swaps[s] = PeerSwap()
-                    unit = "layers.0.attn" if s == 1 else "layers.0"
-                    apply_savers(stages[s], {unit: Saver.PEER}, peer=swaps[s],
-                                 lenders={unit: Stripe(lenders=(lender,), weights=(1.0,))})  # fmt: skip
-            lending = Lending(lenders={s: (r,) for s, r in lenders.items()}, swaps=swaps,
-                              on_hold=held.append)  # fmt: skip
-        config = RuntimeConfig(schedule="interleaved", microbatches=4, virtual_stages=2)
+                    stripes = {unit: Stripe(lenders=ranks, weights=(1.0, 3.0)[: len(ranks)])
+                               for unit, ranks in units.items()}  # fmt: skip
+                    apply_savers(stages[s], dict.fromkeys(units, Saver.PEER), peer=swaps[s],
+                                 lenders=stripes)  # fmt: skip
+            lenders = {s: tuple(sorted({r for ranks in units.values() for r in ranks}))
+                       for s, units in lent.items()}  # fmt: skip
+            lending = Lending(lenders=lenders, swaps=swaps, on_hold=held.append)
         runtime = PipelineRuntime(config, stages=mine, weights=sgd_weights(mine), group=group,
                                   lending=lending)  # fmt: skip
         losses = runtime.train(2, batch, lambda _: LR)
         return list(runtime.modules.values()), losses, max(held, default=0)
 
-    lent, lent_losses, held = run(True)
+    lent_modules, lent_losses, held = run(True)
     plain, plain_losses, _ = run(False)
-    return {"params_equal": all_equal(lent, plain), "losses_equal": lent_losses == plain_losses,
-            "peak_held_bytes": held}  # fmt: skip
+    return {"params_equal": all_equal(lent_modules, plain),
+            "losses_equal": lent_losses == plain_losses, "peak_held_bytes": held}  # fmt: skip
+
+
+def _stripe_case(group: dist.ProcessGroup) -> dict[str, Any]:
+    """[Note: stripes] over gloo: stage 0 lends its first block's attention striped over ranks 1
+    and 3 (a quarter, three quarters) and its MLP to rank 1, so rank 1's message carries shares
+    of two bundles."""
+    config = RuntimeConfig(schedule="1f1b", microbatches=4)
+    return _lent_against_plain(group, 4, config,
+                               {0: {"layers.0.attn": (1, 3), "layers.0.mlp": (1,)}})  # fmt: skip
+
+
+def _virtual_lending_case(group: dist.ProcessGroup) -> dict[str, Any]:
+    """With virtual stages: 2 ranks, 2 chunks; stage 0 lends its first block to rank 1, stage 1
+    its attention back to rank 0 (held at stage 2), stage 2 its block to rank 1."""
+    config = RuntimeConfig(schedule="interleaved", microbatches=4, virtual_stages=2)
+    return _lent_against_plain(group, 4, config, {0: {"layers.0": (1,)},
+                                                  1: {"layers.0.attn": (0,)},
+                                                  2: {"layers.0": (1,)}})  # fmt: skip
 
 
 def _earlier_lending_case(group: dist.ProcessGroup) -> dict[str, Any]:
-    """[Note: lending]'s earlier lender over gloo: under 1F1B on 2 ranks the last stage lends
-    its first block to rank 0; against the same pipeline without lending."""
-    from tidal.activations import Saver, Stripe
-    from tidal.activations.runtime import PeerSwap, apply_savers
-    from tidal.pipeline.lending import Lending
-
-    def run(lend: bool) -> tuple[list[nn.Module], list[float], int]:
-        mine = my_stages(split_gpt(tiny_gpt(4), even_ranges(4, 2)), group)
-        held: list[int] = []
-        lending = None
-        if lend:
-            swaps = {}
-            if dist.get_rank(group) == 1:
-                swaps[1] = PeerSwap()
-                apply_savers(mine[0], {"layers.0": Saver.PEER}, peer=swaps[1],
-                             lenders={"layers.0": Stripe(lenders=(0,), weights=(1.0,))})  # fmt: skip
-            lending = Lending(lenders={1: (0,)}, swaps=swaps, on_hold=held.append)
-        runtime = PipelineRuntime(RuntimeConfig(schedule="1f1b", microbatches=4), stages=mine,
-                                  weights=sgd_weights(mine), group=group, lending=lending)  # fmt: skip
-        losses = runtime.train(2, batch, lambda _: LR)
-        return list(runtime.modules.values()), losses, max(held, default=0)
-
-    lent, lent_losses, held = run(True)
-    plain, plain_losses, _ = run(False)
-    return {"params_equal": all_equal(lent, plain), "losses_equal": lent_losses == plain_losses,
-            "peak_held_bytes": held}  # fmt: skip
+    """An earlier lender: under 1F1B on 2 ranks the last stage lends its first block to rank 0."""
+    config = RuntimeConfig(schedule="1f1b", microbatches=4)
+    return _lent_against_plain(group, 2, config, {1: {"layers.0": (0,)}})
 
 
 # ---------------------------------------------------------------------------------------------

@@ -68,6 +68,30 @@ def _fit_in_2mib(run_dir: Path, memory: str,
     return figures
 
 
+def _last_rank_lends_to_the_first(run_dir: Path, budget: str,
+                                  **pipeline: Any) -> list[dict[str, Any]]:  # fmt: skip
+    """Under ``budget`` a rank, ``none`` is refused naming rank 1 and ``peer`` trains the losses
+    of the same pipeline without a budget bit for bit, rank 1 lending to rank 0, every rank
+    within its predicted peak within the budget; every rank's memory figures."""
+    import torch.distributed as dist
+
+    Trainer(_job(run_dir / "free", **pipeline)).fit()
+    squeezed = _job(run_dir / "none", memory="none", **pipeline)
+    squeezed["memory"] = {"device_budget": budget}
+    with pytest.raises(ConfigError, match=r"rank 1 needs .* set pipeline.memory = 'auto'"):
+        Trainer(squeezed).fit()
+    lent = _job(run_dir / "peer", memory="peer", **pipeline)
+    lent["memory"] = {"device_budget": budget}
+    summary = Trainer(lent).fit()
+    assert _losses(run_dir / "peer") == _losses(run_dir / "free")
+    figures: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(figures, summary["pipeline"]["memory"])
+    assert figures[1]["lends_to"] == [0] and figures[0]["peak_held_bytes"] > 0, figures
+    assert all(f["measured_peak_bytes"] <= f["predicted_peak_bytes"] <= f["budget_bytes"]
+               for f in figures), figures  # fmt: skip
+    return figures
+
+
 def _losses(run_dir: Path) -> tuple[list[float], list[float]]:
     records = read_metrics(run_dir)
     train = [r["loss"] for r in records if r["kind"] == "train"]
@@ -128,39 +152,13 @@ def _worker(root: str, reference: tuple[list[float], list[float]]) -> None:
     assert "reclaims" not in figures[1] or figures[1]["reclaims"] == 0, figures
     assert all(f["measured_peak_bytes"] <= f["predicted_peak_bytes"] <= 2 << 20 for f in figures)
     # With virtual stages (2 chunks, 4 microbatches) the last rank is the heavier (the head's
-    # logits) and lends to rank 0, an earlier rank: stage 1's bytes are held at stage 2.
-    virtual = {"schedule": "interleaved", "virtual_stages": 2, "microbatches": 4}
-    Trainer(_job(root_path / "virtual", **virtual)).fit()
-    squeezed = _job(root_path / "virtual-none", memory="none", **virtual)
-    squeezed["memory"] = {"device_budget": "1880KiB"}
-    with pytest.raises(ConfigError, match=r"rank 1 needs .* set pipeline.memory = 'auto'"):
-        Trainer(squeezed).fit()
-    lent = _job(root_path / "virtual-peer", memory="peer", **virtual)
-    lent["memory"] = {"device_budget": "1880KiB"}
-    summary = Trainer(lent).fit()
-    assert _losses(root_path / "virtual-peer") == _losses(root_path / "virtual")
-    figures = [None, None]
-    dist.all_gather_object(figures, summary["pipeline"]["memory"])
-    assert figures[1]["lends_to"] == [0] and figures[0]["peak_held_bytes"] > 0, figures
-    assert all(f["measured_peak_bytes"] <= f["predicted_peak_bytes"] <= f["budget_bytes"]
-               for f in figures), figures  # fmt: skip
-    # Under GPipe (4 microbatches, all in flight) the last rank is the heavier too: at 2350 KiB
-    # it lends to rank 0, an earlier rank ([Note: lending]'s earlier lender).
-    gpipe = {"schedule": "gpipe", "microbatches": 4}
-    Trainer(_job(root_path / "gpipe", **gpipe)).fit()
-    squeezed = _job(root_path / "gpipe-none", memory="none", **gpipe)
-    squeezed["memory"] = {"device_budget": "2350KiB"}
-    with pytest.raises(ConfigError, match=r"rank 1 needs .* set pipeline.memory = 'auto'"):
-        Trainer(squeezed).fit()
-    lent = _job(root_path / "gpipe-peer", memory="peer", **gpipe)
-    lent["memory"] = {"device_budget": "2350KiB"}
-    summary = Trainer(lent).fit()
-    assert _losses(root_path / "gpipe-peer") == _losses(root_path / "gpipe")
-    dist.all_gather_object(figures, summary["pipeline"]["memory"])
-    assert figures[1]["lends_to"] == [0] and figures[0]["peak_held_bytes"] > 0, figures
+    # logits) and lends to rank 0, an earlier rank: stage 1's bytes are held at stage 2. Under
+    # GPipe (4 microbatches, all in flight) too, to rank 0 as [Note: lending]'s earlier lender.
+    _last_rank_lends_to_the_first(root_path / "virtual", "1880KiB", schedule="interleaved",
+                                  virtual_stages=2, microbatches=4)  # fmt: skip
+    figures = _last_rank_lends_to_the_first(root_path / "gpipe", "2350KiB", schedule="gpipe",
+                                            microbatches=4)  # fmt: skip
     assert figures[0]["blocks_lent"] == 0, figures
-    assert all(f["measured_peak_bytes"] <= f["predicted_peak_bytes"] <= f["budget_bytes"]
-               for f in figures), figures  # fmt: skip
     # The links it priced were measured, and every rank planned with the same figures.
     from tidal.train.links import measure_links
 

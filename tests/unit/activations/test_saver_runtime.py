@@ -235,66 +235,52 @@ def test_lending_to_earlier_ranks_equals_the_plain_pipeline(name: str, ranks: in
     """[Note: lending]'s earlier lenders: the last stage (the head's logits) lends its block to
     rank 0; with 4 ranks stage 2 also lends its attention striped over ranks 0 and 1 and its MLP
     to rank 3 (later and earlier lenders at once). Bit for bit, every lender held bytes."""
-    from tidal.activations.runtime import PeerSwap
-    from tidal.pipeline.lending import Lending
-
-    def run(lend: bool) -> tuple[tuple[list[torch.Tensor], list[float]], Any]:
-        schedule = make_schedule(name, stages=ranks, microbatches=4, steps=2)
-        stages = split_gpt(build_gpt(CONFIG, seed=0), even_ranges(4, ranks))
-        lending, swaps = None, {}
-        if lend:
-            last = ranks - 1
-            swaps = {last: PeerSwap()}
-            apply_savers(stages[last], {"layers.0": Saver.PEER}, peer=swaps[last],
-                         lenders={"layers.0": _to(0)})  # fmt: skip
-            lenders = {last: (0,)}
-            if ranks > 2:
-                swaps[2] = PeerSwap()
-                stripe = Stripe(lenders=(0, 1), weights=(1.0, 1.0))
-                apply_savers(stages[2], {"layers.0.attn": Saver.PEER, "layers.0.mlp": Saver.PEER},
-                             peer=swaps[2], lenders={"layers.0.attn": stripe,
-                                                     "layers.0.mlp": _to(3)})  # fmt: skip
-                lenders[2] = (0, 1, 3)
-            lending = Lending(lenders=lenders, swaps=swaps)
-        weights = [StageWeights(s, torch.optim.SGD(s.parameters(), lr=0.5),
-                                AsyncConfig(weights=mode)) for s in stages]  # fmt: skip
-        result = run_local(schedule, stages, weights, _batch, lambda _: 0.5, lending=lending)
-        return _trained(stages, result), (result, swaps)
-
-    lent, (result, swaps) = run(True)
-    _assert_same(lent, run(False)[0])
-    assert all(swap.storages_lent > 0 for swap in swaps.values())
-    holders = (0, 1, 3) if ranks > 2 else (0,)
-    assert all(result.peak_held_bytes[r] > 0 for r in holders), result.peak_held_bytes
+    lent = {ranks - 1: {"layers.0": _to(0)}}
+    if ranks > 2:
+        lent[2] = {"layers.0.attn": Stripe(lenders=(0, 1), weights=(1.0, 1.0)),
+                   "layers.0.mlp": _to(3)}  # fmt: skip
+    held = _lent_equals_plain(make_schedule(name, stages=ranks, microbatches=4, steps=2),
+                              ranks, lent, AsyncConfig(weights=mode))  # fmt: skip
+    assert all(held[r] > 0 for r in ((0, 1, 3) if ranks > 2 else (0,))), held
 
 
 def test_lending_under_virtual_stages_equals_the_plain_pipeline() -> None:
     """[Note: lending] with 2 chunks on 2 ranks: stage 0 lends to rank 1, stage 1 back to rank 0
     (held at stage 2, the next chunk), stage 2 to rank 1; bit for bit, both ranks hold bytes."""
+    schedule = make_schedule("interleaved", stages=2, microbatches=4, virtual=2, steps=2)
+    lent = {0: {"layers.0": _to(1)}, 1: {"layers.0.attn": _to(0)}, 2: {"layers.0": _to(1)}}
+    held = _lent_equals_plain(schedule, 4, lent, AsyncConfig())
+    assert held[0] > 0 and held[1] > 0, held
+
+
+def _lent_equals_plain(schedule: Any, num_stages: int, lent: dict[int, dict[str, Stripe]],
+                       config: AsyncConfig) -> list[int]:  # fmt: skip
+    """Train ``schedule`` with ``lent[s]`` (per stage, each unit it lends and its stripe) and
+    without; assert the two bit for bit and that every lending stage lent; each rank's most
+    bytes held for others."""
     from tidal.activations.runtime import PeerSwap
     from tidal.pipeline.lending import Lending
 
     def run(lend: bool) -> tuple[tuple[list[torch.Tensor], list[float]], Any]:
-        schedule = make_schedule("interleaved", stages=2, microbatches=4, virtual=2, steps=2)
-        stages = split_gpt(build_gpt(CONFIG, seed=0), even_ranges(4, 4))
+        stages = split_gpt(build_gpt(CONFIG, seed=0), even_ranges(4, num_stages))
         lending, swaps = None, {}
         if lend:
-            lenders = {0: 1, 1: 0, 2: 1}
-            for s, lender in lenders.items():
+            for s, units in lent.items():
                 swaps[s] = PeerSwap()
-                unit = "layers.0.attn" if s == 1 else "layers.0"
-                apply_savers(stages[s], {unit: Saver.PEER}, peer=swaps[s],
-                             lenders={unit: _to(lender)})  # fmt: skip
-            lending = Lending(lenders={s: (r,) for s, r in lenders.items()}, swaps=swaps)
-        weights = [StageWeights(s, torch.optim.SGD(s.parameters(), lr=0.5), AsyncConfig())
+                apply_savers(stages[s], dict.fromkeys(units, Saver.PEER), peer=swaps[s],
+                             lenders=units)  # fmt: skip
+            lenders = {s: tuple(sorted({r for stripe in units.values() for r in stripe.lenders}))
+                       for s, units in lent.items()}  # fmt: skip
+            lending = Lending(lenders=lenders, swaps=swaps)
+        weights = [StageWeights(s, torch.optim.SGD(s.parameters(), lr=0.5), config)
                    for s in stages]  # fmt: skip
         result = run_local(schedule, stages, weights, _batch, lambda _: 0.5, lending=lending)
         return _trained(stages, result), (result, swaps)
 
-    lent, (result, swaps) = run(True)
-    _assert_same(lent, run(False)[0])
+    trained, (result, swaps) = run(True)
+    _assert_same(trained, run(False)[0])
     assert all(swap.storages_lent > 0 for swap in swaps.values())
-    assert result.peak_held_bytes[0] > 0 and result.peak_held_bytes[1] > 0
+    return list(result.peak_held_bytes)
 
 
 def _to(lender: int) -> Stripe:
