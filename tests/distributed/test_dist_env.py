@@ -14,6 +14,7 @@ from tidal.config import ConfigError
 from tidal.distributed import (
     all_reduce_mean,
     barrier,
+    decided_on_main,
     gather_ints,
     init_from_env,
     install_watchdog,
@@ -35,6 +36,7 @@ def test_one_process_is_rank_0_of_a_world_of_one(monkeypatch: pytest.MonkeyPatch
     assert (rank(), world_size(), is_main()) == (0, 1, True)
     assert all_reduce_mean(2.5) == 2.5
     assert gather_ints(7) == [7]
+    assert decided_on_main(lambda: "mine") == "mine"
     barrier()
 
 
@@ -63,12 +65,21 @@ def test_a_fixed_gpu_index_on_several_ranks_names_the_key(monkeypatch: pytest.Mo
     assert not dist.is_initialized()
 
 
-def _helpers_on_ranks() -> tuple[bool, int, int, bool, float, list[int]]:
+def _refused() -> str:
+    raise ConfigError("memory.device_budget", f"refused on rank {rank()}")
+
+
+def _helpers_on_ranks() -> tuple[bool, int, int, bool, float, list[int], list[int], str]:
     # The harness already made the group: init_from_env keeps it and says "distributed".
     distributed = init_from_env(device=CPU)
     assert init_from_env(device=CPU) is distributed  # idempotent
     barrier()
     r = rank()
+    called: list[int] = []
+    decided = decided_on_main(lambda: called.append(r) or [r, 7])  # only rank 0 decides
+    assert called == ([0] if r == 0 else [])
+    with pytest.raises(ConfigError) as refused:
+        decided_on_main(_refused)
     return (
         distributed,
         r,
@@ -76,14 +87,16 @@ def _helpers_on_ranks() -> tuple[bool, int, int, bool, float, list[int]]:
         is_main(),
         all_reduce_mean(1.0 + 2 * r),
         gather_ints(10 * r + 3),
+        decided,
+        refused.value.message,
     )
 
 
-def test_two_ranks_reduce_and_gather() -> None:
+def test_two_ranks_reduce_gather_and_take_rank_0s_decision() -> None:
     results = run_on_ranks(_helpers_on_ranks, world_size=2, timeout_s=60)
     assert results == [
-        (True, 0, 2, True, 2.0, [3, 13]),
-        (True, 1, 2, False, 2.0, [3, 13]),
+        (True, 0, 2, True, 2.0, [3, 13], [0, 7], "refused on rank 0"),
+        (True, 1, 2, False, 2.0, [3, 13], [0, 7], "refused on rank 0"),
     ]
 
 

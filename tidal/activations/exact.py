@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -53,7 +54,7 @@ class _Program:
     saved: Sequence[Saved]
     links: Links
     offers: list[_Offer]
-    rows: list[np.ndarray] = field(default_factory=list)
+    rows: list[dict[int, float]] = field(default_factory=list)  # sparse: column -> coefficient
     bounds: list[tuple[float, float]] = field(default_factory=list)
 
     @property
@@ -81,20 +82,33 @@ class _Program:
     def per_s(self) -> float:
         return 1.0 / max(max((o.price_s for o in self.offers), default=0.0), 1e-12)
 
-    def row(self) -> np.ndarray:
-        return np.zeros(self.z + 1)
-
-    def add(self, r: np.ndarray, low: float, high: float) -> None:
+    def add(self, r: dict[int, float], low: float, high: float) -> None:
         self.rows.append(r)
         self.bounds.append((low, high))
+
+    def matrix(self) -> Any:
+        """The rows as one sparse matrix (a dense one of a few thousand tensors' offers takes
+        gigabytes)."""
+        from scipy.sparse import csr_array
+
+        cols = [c for r in self.rows for c in r]
+        values = [v for r in self.rows for v in r.values()]
+        row_of = [i for i, r in enumerate(self.rows) for _ in r]
+        return csr_array((values, (row_of, cols)), shape=(len(self.rows), self.z + 1))
 
     def owner(self, offer: _Offer) -> int:
         return self.links.stage_rank[self.saved[offer.item].stage]
 
 
-def plan_exact(saved: Sequence[Saved], links: Links) -> SaverPlan:
-    """The least added step time over every assignment, as a MILP ([Note: the exact program];
-    ``fits`` False if none)."""
+def plan_exact(saved: Sequence[Saved], links: Links, *, time_limit_s: float | None = None,
+               rel_gap: float | None = None) -> SaverPlan:  # fmt: skip
+    """The least added step time over every assignment, as a MILP ([Note: the exact program]).
+
+    ``rel_gap``: stop once the plan is within that share of the least (HiGHS's default: 1e-4).
+    ``time_limit_s``: stop then with the best plan found; ``solver`` says so ("exact: time
+    limit"). ``fits`` False: no assignment fits (``solver`` "exact"), or none was found in the
+    time (``solver`` "exact: time limit"), or HiGHS failed (``solver`` "exact: " its message).
+    """
     from scipy.optimize import Bounds, LinearConstraint, milp
 
     program = _Program(saved=saved, links=links, offers=_offers(saved, links))
@@ -103,21 +117,31 @@ def plan_exact(saved: Sequence[Saved], links: Links) -> SaverPlan:
     _transients_and_host_users(program)
     _host_budgets(program)
     n, num_x = links.num_ranks, program.num_x
-    cost = program.row()
+    cost = np.zeros(program.z + 1)
     cost[program.z] = 1.0
     binary = np.concatenate([np.ones(num_x), np.zeros(2 * n), np.ones(n), np.zeros(1)])
     upper = np.concatenate([np.ones(num_x), np.full(2 * n, np.inf), np.ones(n), [np.inf]])
     low, high = zip(*program.bounds, strict=True)
-    result = milp(cost, constraints=LinearConstraint(np.array(program.rows), low, high),
-                  integrality=binary, bounds=Bounds(np.zeros(program.z + 1), upper))  # fmt: skip
-    if result.x is None:  # infeasible: no assignment fits
-        kept = evaluate(saved, [(Saver.KEEP, None)] * len(saved), links, "exact")
+    options: dict[str, float] = {}
+    if time_limit_s is not None:
+        options["time_limit"] = time_limit_s
+    if rel_gap is not None:
+        options["mip_rel_gap"] = rel_gap
+    result = milp(cost, constraints=LinearConstraint(program.matrix(), low, high),
+                  integrality=binary, bounds=Bounds(np.zeros(program.z + 1), upper),
+                  options=options)  # fmt: skip
+    # scipy's statuses: 0 solved, 1 a limit reached (maybe with a plan), 2 infeasible
+    solver = {0: "exact", 1: "exact: time limit", 2: "exact"}.get(
+        result.status, f"exact: {result.message}"
+    )
+    if result.x is None:
+        kept = evaluate(saved, [(Saver.KEEP, None)] * len(saved), links, solver)
         return dataclasses.replace(kept, fits=False)
     choices: list[Choice] = [(Saver.KEEP, None)] * len(saved)
     for k, offer in enumerate(program.offers):
         if result.x[k] > 0.5:
             choices[offer.item] = offer.choice
-    return evaluate(saved, choices, links, "exact")
+    return evaluate(saved, choices, links, solver)
 
 
 def _offers(saved: Sequence[Saved], links: Links) -> list[_Offer]:
@@ -133,10 +157,10 @@ def _offers(saved: Sequence[Saved], links: Links) -> list[_Offer]:
 
 
 def _one_offer_per_item(program: _Program) -> None:
-    for i in range(len(program.saved)):
-        r = program.row()
-        for k, offer in enumerate(program.offers):
-            r[k] = 1.0 if offer.item == i else 0.0
+    offered: list[dict[int, float]] = [{} for _ in program.saved]
+    for k, offer in enumerate(program.offers):
+        offered[offer.item][k] = 1.0
+    for r in offered:
         program.add(r, 1.0, 1.0)
 
 
@@ -144,21 +168,24 @@ def _ranks_within_budget_and_step(program: _Program) -> None:
     """Per rank: its peak (what it keeps and is lent, its transient copies) within its budget,
     and its added seconds at most z."""
     links, per_byte, per_s = program.links, program.per_byte, program.per_s
+    mem: list[dict[int, float]] = [{} for _ in range(links.num_ranks)]
+    time: list[dict[int, float]] = [{} for _ in range(links.num_ranks)]
+    for k, offer in enumerate(program.offers):
+        item, (saver, lenders) = program.saved[offer.item], offer.choice
+        owner = program.owner(offer)
+        time[owner][k] = per_s * offer.price_s
+        mem[owner][k] = per_byte * item.held_under(saver)
+        if saver is Saver.PEER:
+            for to, num_bytes in lent_shares(item, lenders, links):
+                mem[to][k] = mem[to].get(k, 0.0) + per_byte * num_bytes
     for rank in range(links.num_ranks):
-        mem, time = program.row(), program.row()
-        for k, offer in enumerate(program.offers):
-            item, (saver, lenders) = program.saved[offer.item], offer.choice
-            if program.owner(offer) == rank:
-                time[k] = per_s * offer.price_s
-                mem[k] = item.held_under(saver)
-            if saver is Saver.PEER:
-                mem[k] += dict(lent_shares(item, lenders, links)).get(rank, 0)
-        mem[: program.num_x] *= per_byte
-        mem[program.t(rank)] = 1.0
-        mem[program.h(rank)] = 1.0 if links.host_prefetch else 0.0
-        program.add(mem, -np.inf, per_byte * (links.budget_bytes[rank] - links.base_bytes[rank]))
-        time[program.z] = -1.0
-        program.add(time, -np.inf, 0.0)
+        mem[rank][program.t(rank)] = 1.0
+        if links.host_prefetch:
+            mem[rank][program.h(rank)] = 1.0
+        program.add(mem[rank], -np.inf,
+                    per_byte * (links.budget_bytes[rank] - links.base_bytes[rank]))  # fmt: skip
+        time[rank][program.z] = -1.0
+        program.add(time[rank], -np.inf, 0.0)
 
 
 def _transients_and_host_users(program: _Program) -> None:
@@ -168,23 +195,15 @@ def _transients_and_host_users(program: _Program) -> None:
     for k, offer in enumerate(program.offers):
         item, saver, owner = program.saved[offer.item], offer.choice[0], program.owner(offer)
         if saver is not Saver.KEEP and item.copies:
-            r = program.row()
-            r[k], r[program.t(owner)] = per_byte * item.num_bytes, -1.0
-            program.add(r, -np.inf, 0.0)
+            program.add({k: per_byte * item.num_bytes, program.t(owner): -1.0}, -np.inf, 0.0)
         if saver is Saver.HOST and item.copies and links.host_prefetch:
-            r = program.row()
-            r[k], r[program.h(owner)] = per_byte * item.num_bytes, -1.0
-            program.add(r, -np.inf, 0.0)
+            program.add({k: per_byte * item.num_bytes, program.h(owner): -1.0}, -np.inf, 0.0)
         if saver is Saver.HOST:
-            r = program.row()
-            r[k], r[program.u(owner)] = 1.0, -1.0
-            program.add(r, -np.inf, 0.0)
+            program.add({k: 1.0, program.u(owner): -1.0}, -np.inf, 0.0)
             link = links.host_link[owner]
             sharers = links.sharers(link)
-            r = program.row()
-            for other in range(links.num_ranks):
-                if links.host_link[other] == link:
-                    r[program.u(other)] = 1.0
+            r = {program.u(other): 1.0 for other in range(links.num_ranks)
+                 if links.host_link[other] == link}  # fmt: skip
             r[k] = float(sharers)
             program.add(r, -np.inf, float(offer.num_host_users + sharers))
 
@@ -195,9 +214,7 @@ def _host_budgets(program: _Program) -> None:
     for link, cap in enumerate(links.host_budget_bytes):
         if cap is None:
             continue
-        r = program.row()
-        for k, offer in enumerate(program.offers):
-            item = program.saved[offer.item]
-            if offer.choice[0] is Saver.HOST and links.host_link[program.owner(offer)] == link:
-                r[k] = per_byte * item.held_bytes
+        r = {k: per_byte * program.saved[offer.item].held_bytes
+             for k, offer in enumerate(program.offers)
+             if offer.choice[0] is Saver.HOST and links.host_link[program.owner(offer)] == link}  # fmt: skip
         program.add(r, -np.inf, per_byte * cap)

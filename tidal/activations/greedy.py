@@ -94,19 +94,27 @@ def _cheaper(saved: Sequence[Saved], links: Links, plan: SaverPlan) -> SaverPlan
 
 def _try(saved: Sequence[Saved], links: Links, plan: SaverPlan,
          change: list[tuple[int, Choice]]) -> SaverPlan | None:  # fmt: skip
-    choices = list(plan.choices)
+    trial = evaluate(saved, _with_room(saved, links, plan.choices, change), links, plan.solver)
+    return trial if trial.fits and _step_key(trial) < _step_key(plan) else None
+
+
+def _with_room(saved: Sequence[Saved], links: Links, choices: Sequence[Choice],
+               change: list[tuple[int, Choice]]) -> list[Choice]:  # fmt: skip
+    """``choices`` with ``change`` made and room made for it where it went: on each lender of a
+    peer swap (the lender's own tensors moved), on the host of a host swap (other tensors moved
+    back from it)."""
+    trial = list(choices)
     for index, choice in change:
-        choices[index] = choice
+        trial[index] = choice
     for index, (saver, lenders) in change:
         if saver is Saver.PEER:
             assert lenders is not None
             for lender in lenders:
-                choices = _make_room(saved, links, choices, lender)
+                trial = _make_room(saved, links, trial, lender)
         if saver is Saver.HOST:
             link = links.host_link[links.stage_rank[saved[index].stage]]
-            choices = _make_host_room(saved, links, choices, link, {i for i, _ in change})
-    trial = evaluate(saved, choices, links, plan.solver)
-    return trial if trial.fits and _step_key(trial) < _step_key(plan) else None
+            trial = _make_host_room(saved, links, trial, link, {i for i, _ in change})
+    return trial
 
 
 def _make_host_room(saved: Sequence[Saved], links: Links, choices: list[Choice], link: int,
@@ -260,7 +268,7 @@ def _exchange(saved: Sequence[Saved], links: Links, choices: list[Choice], plan:
     before = _overloads(plan, saved, choices, links, reserve)
     best: tuple[tuple[int, float], list[Choice]] | None = None
     for _, index, choice in candidates[:EXCHANGE_MAX_TRIALS]:
-        trial = _with_room(saved, links, choices, index, choice)
+        trial = _with_room(saved, links, choices, [(index, choice)])
         after_plan = evaluate(saved, trial, links, "greedy")
         if any(cap is not None and held > cap for held, cap
                in zip(after_plan.host_bytes, links.host_budget_bytes, strict=True)):  # fmt: skip
@@ -274,20 +282,6 @@ def _exchange(saved: Sequence[Saved], links: Links, choices: list[Choice], plan:
         if best is None or key < best[0]:
             best = (key, trial)
     return None if best is None else best[1]
-
-
-def _with_room(saved: Sequence[Saved], links: Links, choices: list[Choice], index: int,
-               choice: Choice) -> list[Choice]:  # fmt: skip
-    """``choices`` with tensor ``index`` moved to ``choice`` and room made for it where it went."""
-    trial = [*choices[:index], choice, *choices[index + 1 :]]
-    saver, lenders = choice
-    if saver is Saver.HOST:
-        link = links.host_link[links.stage_rank[saved[index].stage]]
-        return _make_host_room(saved, links, trial, link, {index})
-    assert saver is Saver.PEER and lenders is not None
-    for lender in lenders:
-        trial = _make_room(saved, links, trial, lender)
-    return trial
 
 
 def _largest_copy(saved: Sequence[Saved], links: Links, rank: int) -> int:

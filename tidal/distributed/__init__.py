@@ -4,6 +4,7 @@ that stops the job when a rank dies (watchdog.py), which only a program starts (
 from tidal.distributed.env import (
     all_reduce_mean,
     barrier,
+    decided_on_main,
     explain_failure,
     gather_ints,
     init_from_env,
@@ -26,6 +27,7 @@ __all__ = [
     "WatchdogConfig",
     "all_reduce_mean",
     "barrier",
+    "decided_on_main",
     "explain_failure",
     "gather_ints",
     "init_from_env",

@@ -21,8 +21,9 @@ wants one does the same, or wraps its work in ``start_watchdog()``.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from datetime import timedelta
+from typing import Any, TypeVar, cast
 
 import torch
 import torch.distributed as dist
@@ -37,9 +38,12 @@ from tidal.distributed.watchdog import (
     start_watchdog,
 )
 
+T = TypeVar("T")
+
 __all__ = [
     "all_reduce_mean",
     "barrier",
+    "decided_on_main",
     "explain_failure",
     "gather_ints",
     "init_from_env",
@@ -163,6 +167,24 @@ def barrier() -> None:
     """Wait for every rank; nothing to wait for in a world of one."""
     if world_size() > 1:
         dist.barrier()
+
+
+def decided_on_main(decide: Callable[[], T]) -> T:
+    """Rank 0's ``decide()`` on every rank (a collective with a process group of several; the
+    other ranks do not call it): for a decision the ranks could otherwise make differently. A
+    :class:`~tidal.config.ConfigError` it raises is raised on every rank."""
+    if world_size() == 1:
+        return decide()
+    box: list[Any] = [None]
+    if dist.get_rank() == 0:
+        try:
+            box[0] = decide()
+        except ConfigError as err:
+            box[0] = err
+    dist.broadcast_object_list(box, src=0)
+    if isinstance(box[0], ConfigError):
+        raise box[0]
+    return cast(T, box[0])
 
 
 def _collective_device() -> torch.device:

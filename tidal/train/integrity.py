@@ -23,9 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch.distributed as dist
-
 from tidal.config import ConfigError
+from tidal.distributed import decided_on_main
 
 __all__ = [
     "CheckpointState",
@@ -149,16 +148,5 @@ def choose_checkpoint(
 ) -> tuple[Path, list[str]]:
     """Rank 0's :func:`_choose`, on every rank (a collective under torch.distributed); its
     ConfigError is raised on every rank."""
-    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
-        return _choose(checkpoints, step)
-    box: list[Any] = [None]
-    if dist.get_rank() == 0:
-        try:
-            box[0] = _choose(checkpoints, step)
-        except ConfigError as err:
-            box[0] = err
-    dist.broadcast_object_list(box, src=0)
-    if isinstance(box[0], ConfigError):
-        raise box[0]
-    path, skipped = box[0]
+    path, skipped = decided_on_main(lambda: _choose(checkpoints, step))
     return Path(path), skipped

@@ -9,7 +9,8 @@ embedding, the head: :func:`~tidal.pipeline.savers.stage_units`), one microbatch
 times the microbatches the schedule keeps in flight there. The bytes are measured on one
 microbatch before training (a :class:`MemoryProbe`: zeros for tidal's models, the first batch of
 your data for your own ``nn.Sequential``), by every rank for every stage (each builds the whole
-model), so all ranks make the same plan. ``pipeline.memory``:
+model), and every rank carries out rank 0's plan (the exact planner stops at a time limit, so
+ranks planning alone could choose differently). ``pipeline.memory``:
 
 - ``none`` refuses a run that does not fit, in one line that names ``auto``;
 - ``recompute`` / ``host`` put that saver on every block of every stage;
@@ -60,6 +61,7 @@ from tidal.activations.runtime import (
     check_schedule,
 )
 from tidal.config import ConfigError, format_bytes
+from tidal.distributed import decided_on_main
 from tidal.memory.activations import SavedTensorMeter
 from tidal.memory.tiers import Tier, TierKind, make_tiers, resolve_budget
 from tidal.pipeline.lending import Lending, lender_ranks
@@ -339,7 +341,9 @@ def _plan(job: JobConfig, stages: Sequence[PipelineStage], probe: MemoryProbe, *
                 f"or raise the budget",
             )
         return kept, base
-    return _runnable(plan_savers(saved, links)), base
+    # the exact planner stops at a time limit, so ranks planning alone could pick differently
+    agreed = decided_on_main(lambda: plan_savers(saved, links).choices)
+    return _runnable(evaluate(saved, list(agreed), links, "auto")), base
 
 
 def _runnable(plan: SaverPlan) -> SaverPlan:
