@@ -78,10 +78,11 @@ def plan_stage_savers(args: argparse.Namespace, sim: Simulation, split: Partitio
         if schedule.num_virtual == 1
         else tuple(lender_ranks(schedule, s) for s in range(schedule.num_stages)),
     )
-    given = links
-    links, plan = place_stages(saved, given)
-    if not plan.fits:  # the exact program's plan on the given map, or the one-line error
-        links, plan = given, plan_savers(saved, given)
+    placed, priced = place_stages(saved, links)  # the map, priced with the greedy
+    if priced.fits:
+        links = placed
+    # on it, the faster of the greedy's and the exact program's plans, or the one-line error
+    plan = plan_savers(saved, links)
     return sim, keep_all(saved, links), plan, step_with_savers(sim, plan), links
 
 
