@@ -1,6 +1,6 @@
 """The exact saver planner: the cost model of ``costs.py`` ([Note: saver costs]) as a mixed-integer
-program on scipy's HiGHS (``scipy.optimize.milp``), for small instances and to bound the greedy's
-gap in tests ([Note: the saver planners] in ``plan.py``).
+program on scipy's HiGHS (``scipy.optimize.milp``): beside the greedy in ``plan_savers`` (within a
+time limit) and in tests to bound the greedy's gap ([Note: the saver planners] in ``plan.py``).
 
 [Note: the exact program]
 A host swap's price depends on how many ranks share its link ([Note: saver costs]), so each host
