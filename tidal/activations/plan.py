@@ -26,8 +26,8 @@ program for at most ``EXACT_TIME_LIMIT_S`` and within ``EXACT_REL_GAP`` of its b
 alone is enough. The greedy misses plans that take several ranks lending to each other at once
 (deciding whether any plan fits packs bytes into bins, which no greedy always does) and can be
 far from the best on large instances: on the DGX-1 PipeDream case of ``tidal bench mpress`` (56
-blocks, 233 tensors) it adds 0.84 s to a step where the exact program's plan adds 0.30 s, found
-in half a second. The exact program does not always finish in its time on a thousand tensors,
+blocks split by time, 233 tensors) its plan adds 0.84 s to each update where the exact program's
+adds 0.30 s, found in half a second. The exact program does not always finish in its time on a thousand tensors,
 where its best plan so far can be slower than the greedy's. With the time limit the exact plan
 may depend on the machine's speed: a run whose ranks plan alone takes rank 0's plan
 ([Note: pipeline memory] in tidal/train/pipeline_memory.py).
