@@ -21,7 +21,8 @@ full host gives back tensors, a lender moves its own): the cheapest-per-byte ord
 the host's room to a small free tensor that a large one with nowhere else to go needed.
 ``exact``: the same model as a mixed-integer program on scipy's HiGHS
 (``scipy.optimize.milp``; [Note: the exact program] in ``exact.py``).
-:func:`plan_savers` runs both and keeps the faster plan that fits: the greedy, then the exact
+:func:`plan_savers` runs both and keeps the faster plan that fits (by ``pipeline_added_s``,
+which the exact program minimises: [Note: the exact program]): the greedy, then the exact
 program for at most ``EXACT_TIME_LIMIT_S`` and within ``EXACT_REL_GAP`` of its best. Neither
 alone is enough. The greedy misses plans that take several ranks lending to each other at once
 (deciding whether any plan fits packs bytes into bins, which no greedy always does) and can be
@@ -56,7 +57,7 @@ def plan_savers(saved: Sequence[Saved], links: Links, *,
     plan = plan_greedy(saved, links)
     if exact_time_limit_s > 0:
         exact = plan_exact(saved, links, time_limit_s=exact_time_limit_s, rel_gap=EXACT_REL_GAP)
-        if exact.fits and (not plan.fits or exact.added_step_s < plan.added_step_s):
+        if exact.fits and (not plan.fits or exact.pipeline_added_s < plan.pipeline_added_s):
             plan = exact
         elif not plan.fits and exact.solver != "exact":  # not proven: say why
             raise ConfigError("memory.device_budget", _no_plan(saved, links, exact.solver))

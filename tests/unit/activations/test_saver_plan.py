@@ -14,6 +14,7 @@ from tidal.activations.costs import (
     Links,
     Saved,
     Saver,
+    SaverPlan,
     Stripe,
     TensorClass,
     evaluate,
@@ -158,8 +159,12 @@ def _step_s(plan_added_s: float, saved: list[Saved], links: Links) -> float:
     return max(compute) + plan_added_s
 
 
+@pytest.mark.parametrize("slowest_only", [False, True])
 @pytest.mark.parametrize("prefetch", [False, True])
-def test_the_exact_program_is_the_best_assignment(prefetch: bool) -> None:
+def test_the_exact_program_is_the_best_assignment(prefetch: bool, slowest_only: bool) -> None:
+    def step(plan: SaverPlan) -> float:
+        return plan.added_step_s if slowest_only else plan.pipeline_added_s
+
     rng = random.Random(3)
     for _ in range(6):
         saved, links = _random_instance(rng, prefetch)
@@ -168,12 +173,12 @@ def test_the_exact_program_is_the_best_assignment(prefetch: bool) -> None:
         best = None
         for choices in itertools.product(*options):
             plan = evaluate(saved, list(choices), links, "all")
-            if plan.fits and (best is None or plan.added_step_s < best):
-                best = plan.added_step_s
-        exact = plan_exact(saved, links)
+            if plan.fits and (best is None or step(plan) < best):
+                best = step(plan)
+        exact = plan_exact(saved, links, slowest_only=slowest_only)
         assert exact.fits == (best is not None)
         if best is not None:
-            assert exact.added_step_s == pytest.approx(best, rel=1e-6, abs=1e-12)
+            assert step(exact) == pytest.approx(best, rel=1e-6, abs=1e-12)
 
 
 @pytest.mark.parametrize("prefetch", [False, True])
@@ -184,7 +189,9 @@ def test_the_greedy_is_within_10_percent_of_the_exact_step_and_plan_savers_takes
     compared = 0
     for _ in range(30):
         saved, links = _random_instance(rng, prefetch)
-        exact, greedy = plan_exact(saved, links), plan_greedy(saved, links)
+        # the greedy lowers the slowest rank's seconds: bounded by the program that does too
+        exact = plan_exact(saved, links, slowest_only=True)
+        greedy = plan_greedy(saved, links)
         assert greedy.fits == exact.fits  # on these 30; not on every instance (the test below)
         if not exact.fits:
             continue
@@ -193,9 +200,10 @@ def test_the_greedy_is_within_10_percent_of_the_exact_step_and_plan_savers_takes
         assert _step_s(greedy.added_step_s, saved, links) <= 1.1 * _step_s(
             exact.added_step_s, saved, links
         )
-        planned = plan_savers(saved, links)  # the faster of the two
-        assert planned.added_step_s <= greedy.added_step_s
-        assert planned.added_step_s <= exact.added_step_s * (1 + EXACT_REL_GAP) + 1e-12
+        planned = plan_savers(saved, links)  # the faster of the two, as the pipeline counts
+        best = plan_exact(saved, links)
+        assert planned.pipeline_added_s <= greedy.pipeline_added_s
+        assert planned.pipeline_added_s <= best.pipeline_added_s * (1 + EXACT_REL_GAP) + 1e-12
     assert compared >= 20  # most instances exercise the comparison
 
 
