@@ -114,15 +114,18 @@ class Saved:
     path: str = ""  # the submodule of its stage that saves it, where training carries it out
     recompute_keeps_bytes: int = 0  # of one copy: the inputs a recompute of it starts from
     fixed: bool = False  # saved outside every submodule a saver wraps (a loss): always kept
-    # it may wait on the host, not on a peer: a stashed weight version ([Note: stashes on the
-    # host] in tidal/pipeline/weights.py), which no lending action carries
-    host_only: bool = False
+    # the copies a lender holds of it, where that is not ``copies``: a stashed weight version
+    # leaves with its forward's microbatch, so a lender holds one per microbatch in flight
+    # ([Note: stashes on a peer] in tidal/pipeline/weights.py)
+    copies_lent: int | None = None
 
     def __post_init__(self) -> None:
         require(self.num_bytes >= 0 and self.copies >= 0 and self.uses_per_step >= 0,
                 "saved tensors", f"bytes, copies and uses must be >= 0: {self}")  # fmt: skip
         require(0 <= self.recompute_keeps_bytes <= self.num_bytes, "saved tensors",
                 f"a recompute keeps at most what is saved: {self}")  # fmt: skip
+        require(self.copies_lent is None or self.copies_lent >= 0, "saved tensors",
+                f"copies lent must be >= 0: {self}")  # fmt: skip
         if self.fixed or self.tensor_class in (TensorClass.BLOCK_INPUT, TensorClass.WEIGHTS):
             require(self.recompute_s is None, "saved tensors",
                     f"{self.tensor_class} cannot be recomputed: {self}")  # fmt: skip
@@ -318,8 +321,6 @@ def saver_options(item: Saved, links: Links) -> list[Choice]:
     if item.recompute_s is not None:
         out.append((Saver.RECOMPUTE, None))
     out.append((Saver.HOST, None))
-    if item.host_only:
-        return out
     out += [(Saver.PEER, lenders) for lenders in links.peer_options(item.stage)]
     return out
 
@@ -329,7 +330,8 @@ def lent_shares(item: Saved, lenders: tuple[int, ...] | None,
     """What each lender of ``item``'s stripe holds of it: its share of each copy."""
     assert lenders is not None
     shares = links.shares(links.stage_rank[item.stage], lenders, item.num_bytes)
-    return [(to, item.copies * b) for to, b in zip(lenders, shares, strict=True)]
+    copies = item.copies if item.copies_lent is None else item.copies_lent
+    return [(to, copies * b) for to, b in zip(lenders, shares, strict=True)]
 
 
 def host_ranks(saved: Sequence[Saved], choices: Sequence[Choice], links: Links) -> frozenset[int]:

@@ -63,7 +63,7 @@ import collections
 import contextlib
 import itertools
 import weakref
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -382,6 +382,14 @@ class PeerSwap:
                                                    device=tensor.device).set_(storage))  # fmt: skip
         return _Lent(bundle[key], tensor.dtype, tuple(tensor.shape), tensor.stride(),
                      int(tensor.storage_offset()))  # fmt: skip
+
+    def lend(self, tensors: Sequence[torch.Tensor],
+             stripe: Stripe) -> Callable[[], list[torch.Tensor]]:  # fmt: skip
+        """``tensors`` (a forward's weight version: [Note: stashes on a peer] in
+        tidal/pipeline/weights.py) join the open bundle of ``stripe``, whose ``LO`` copies their
+        bytes as they are then; returns what reads them back once it has come home."""
+        packed = [self.pack(t.detach(), stripe, frozenset()) for t in tensors]
+        return lambda: [self.unpack(x) for x in packed]
 
     def unpack(self, packed: Any) -> torch.Tensor:
         if not isinstance(packed, _Lent):

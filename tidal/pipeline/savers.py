@@ -118,7 +118,8 @@ def saved_tensors(sim: Simulation, units: Sequence[UnitSaves | BlockSaves], *,
         if extra > 0 and num_bytes > 0:
             out.append(Saved(stage=stage, block=-1, tensor_class=TensorClass.WEIGHTS,
                              num_bytes=num_bytes, copies=extra, uses_per_step=uses,
-                             recompute_s=None, idle_s=idle[stage]))  # fmt: skip
+                             recompute_s=None, idle_s=idle[stage],
+                             copies_lent=sim.peak_activations[stage]))  # fmt: skip
     return out
 
 

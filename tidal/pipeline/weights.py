@@ -65,6 +65,19 @@ the host tier is the device's memory, so the backward reads the copy in place; o
 copies the version it needs to the device for the duration of its backward (one at a time:
 a stage runs one backward at once) and drops it after. The values are the same bytes, so the
 gradients are bit for bit those of a stash kept on the device.
+
+[Note: stashes on a peer]
+MPress's peer swap for PipeDream's weight versions (updating after every microbatch,
+``microbatches = 1``, stage s holds p - s of them). ``lend_with`` hands each forward's
+parameters to the stage's lending ([Note: lending] in tidal/pipeline/lending.py): their bytes join what the microbatch lends and leave with the
+``LO`` right after its forward, before any update (the forward's version exactly), and come
+back with the ``LI`` before its backward, which reads them in place of a stash. An update keeps
+no copy of a version that only lent microbatches need, so the stage holds no stashed version,
+only the one that came back, for its backward. The lender holds a copy per microbatch in
+flight, one more than a stash would (the newest version is still the live one when it leaves):
+``Saved.copies_lent``. Where a version serves several microbatches (an update every ``m > 1``)
+each sends its own copy: the planner prices that (a copy per microbatch in flight on the
+lender, a send and a fetch per microbatch), so it lends them only where that pays.
 """
 
 from __future__ import annotations
@@ -72,7 +85,7 @@ from __future__ import annotations
 import contextlib
 import enum
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -86,7 +99,11 @@ from tidal.pipeline.redirect import Packer, ParamToken, clone_like, storage_ptr
 if TYPE_CHECKING:
     from tidal.memory.tiers import Tier
 
-__all__ = ["AsyncConfig", "StageWeights", "WeightMode", "correction_gamma", "lr_scale"]
+__all__ = ["AsyncConfig", "Lend", "StageWeights", "WeightMode", "correction_gamma", "lr_scale"]
+
+# given a stage's parameters at a forward, sends their bytes with the microbatch's lent ones and
+# returns what reads them back in its backward ([Note: stashes on a peer])
+Lend = Callable[[list[nn.Parameter]], Callable[[], list[torch.Tensor]]]
 
 
 class WeightMode(enum.StrEnum):
@@ -218,6 +235,8 @@ class StageWeights:
         self._batch_version = 0  # 2BW: the version the current batch's forwards use
         self._stash_tier: Tier | None = None  # [Note: stashes on the host]
         self._fetched: tuple[int, list[torch.Tensor]] | None = None  # a host stash on the device
+        self._lend: Lend | None = None  # [Note: stashes on a peer]
+        self._lent: dict[int, Callable[[], list[torch.Tensor]]] = {}  # microbatch -> its version
 
     @property
     def stashed_bytes(self) -> int:
@@ -265,6 +284,8 @@ class StageWeights:
             )
         stash = None if fwd_version == self.version else self._usable(fwd_version)
         self.version_at_forward[microbatch] = fwd_version
+        if self._lend is not None:
+            self._lent[microbatch] = self._lend(self.params)
         self._batch_version = fwd_version
         self._release()  # a 2BW batch's first forward frees the previous batch's copy
         if stash is None and self.config.prediction:
@@ -277,6 +298,7 @@ class StageWeights:
                 yield
         except BaseException:
             del self.version_at_forward[microbatch]
+            self._lent.pop(microbatch, None)
             raise
         finally:
             if live is not None:
@@ -345,6 +367,17 @@ class StageWeights:
         for version, copies in list(self._stashes.items()):  # a resumed stage's
             self._stashes[version] = [self._stash_copy(t) for t in copies]
 
+    def lend_with(self, lend: Lend) -> None:
+        """Send each forward's version to a peer with the microbatch's lent bytes, and read it
+        from there in its backward: [Note: stashes on a peer]."""
+        if self.config.weights is not WeightMode.STASH:
+            raise ValueError(
+                f"only PipeDream's stashed versions go to a peer (weights='stash'), not "
+                f"weights={self.config.weights.value!r}"
+            )
+        assert not self.version_at_forward, "lending starts with no microbatch in flight"
+        self._lend = lend
+
     def _stash_copy(self, p: torch.Tensor) -> torch.Tensor:
         if self._stash_tier is None:
             return clone_like(p)
@@ -360,6 +393,12 @@ class StageWeights:
     def _usable(self, version: int) -> list[torch.Tensor]:
         """The stash of ``version`` where the parameters are (a copy of a host stash on CUDA,
         kept until the backward ends)."""
+        active = self._active
+        lent = None if active is None else self._lent.get(active)
+        if lent is not None and active is not None and self.version_at_forward[active] == version:
+            if self._fetched is None or self._fetched[0] != version:
+                self._fetched = (version, lent())  # views of the bytes the peer sent back
+            return self._fetched[1]
         stash = self._stash(version)
         device = self.params[0].device if self.params else None
         if not stash or stash[0].device == device:
@@ -409,6 +448,7 @@ class StageWeights:
             self._pending.append(microbatch)
         if last:
             del self.version_at_forward[microbatch]
+            self._lent.pop(microbatch, None)
             self._release()
 
     @contextlib.contextmanager
@@ -490,7 +530,9 @@ class StageWeights:
         return lr_used
 
     def _needed_versions(self) -> set[int]:
-        needed = set(self.version_at_forward.values())
+        """The versions a stash must keep: those of microbatches in flight whose copy is not on
+        a peer."""
+        needed = {v for mb, v in self.version_at_forward.items() if mb not in self._lent}
         if self.config.weights is WeightMode.TWO_VERSIONS:
             needed.add(self._batch_version)  # the current batch's forwards still to come
         return needed
@@ -534,6 +576,7 @@ class StageWeights:
 
     def state_dict(self) -> dict[str, Any]:
         """Version, delta, stashes and measured delays, for checkpoints (tensors not copied)."""
+        assert not self._lent, "a checkpoint is a flush point: no version is away on a peer"
         return {
             "version": self.version,
             "delta": None if self._delta is None else list(self._delta),

@@ -21,8 +21,9 @@ ranks planning alone could choose differently). ``pipeline.memory``:
   peer swap to other ranks, [Note: lending] in tidal/pipeline/lending.py) and the links
   measured on the ranks ([Note: measured links] in tidal/train/links.py), and carries out its
   choices on this rank's stages; ``peer`` the same with peer swap only; no plan fits: one line
-  naming the least budget. PipeDream's stashed weight versions may go to the host tier too
-  ([Note: stashes on the host] in tidal/pipeline/weights.py), never to a peer.
+  naming the least budget. PipeDream's stashed weight versions may go to the host tier or a
+  peer too ([Note: stashes on the host], [Note: stashes on a peer] in
+  tidal/pipeline/weights.py).
 
 While a synchronous schedule trains, a saved-tensor meter around each of this rank's stage
 forwards counts what they save (a host-swapped, lent or recomputed tensor is not there, and is
@@ -36,6 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -44,6 +46,7 @@ import torch
 
 from tidal.activations import (
     Links,
+    Saved,
     Saver,
     SaverPlan,
     Stripe,
@@ -75,6 +78,7 @@ from tidal.pipeline.savers import (
 from tidal.pipeline.schedules import make_schedule
 from tidal.pipeline.simulate import simulate
 from tidal.pipeline.split import PipelineStage
+from tidal.pipeline.weights import Lend
 from tidal.train.job import JobConfig
 from tidal.train.links import measure_links
 
@@ -94,19 +98,22 @@ class PipelineMemory:
     lending: Lending | None = None
     forward_weights: dict[int, _ForwardWeights] = dataclasses.field(default_factory=dict)
     reclaims: _Reclaims | None = None
-    # this rank's stages whose stashed weight versions wait in the host tier ([Note: stashes
-    # on the host] in tidal/pipeline/weights.py)
+    # this rank's stages whose stashed weight versions wait in the host tier or on a peer
+    # ([Note: stashes on the host], [Note: stashes on a peer] in tidal/pipeline/weights.py)
     stashes_on_host: tuple[int, ...] = ()
+    stashes_lent: dict[int, Lend] = dataclasses.field(default_factory=dict)
     host: Tier | None = None
 
     def bind(self, weights: Mapping[int, Any]) -> None:
         """The stages' weights, once built: a stashing schedule's recomputes run on them, and
-        the stashes the plan puts on the host go there."""
+        the stashes the plan puts on the host or a peer go there."""
         for s, holder in self.forward_weights.items():
             holder.weights = weights[s]
         for s in self.stashes_on_host:
             assert self.host is not None, "stashes on the host need the host tier"
             weights[s].stash_to(self.host)
+        for s, lend in self.stashes_lent.items():
+            weights[s].lend_with(lend)
 
     def figures(self, rank: int) -> dict[str, Any]:
         hosts = [h.host for h in self.handles if h.host is not None]
@@ -118,6 +125,7 @@ class PipelineMemory:
             "peak_host_bytes": max((h.tier.peak_bytes for h in hosts), default=0),
             "blocks_lent": sum(len(h.lent) for h in self.handles),
             "stashes_on_host": list(self.stashes_on_host),
+            "stashes_lent": sorted(self.stashes_lent),
         }
         if self.lending is not None:
             out["lends_to"] = sorted({r for s in self.lending.swaps
@@ -177,6 +185,8 @@ def plan_pipeline_memory(job: JobConfig, stages: Sequence[PipelineStage], *, min
     _, host = make_tiers(device=device, device_budget=None, host_budget=job.memory.host_budget)
     handles, swaps = [], {}
     forward_weights: dict[int, _ForwardWeights] = {}
+    stashes_lent = {item.stage: stripe for item, stripe in _weights(plan, Saver.PEER)
+                    if item.stage in mine and stripe is not None}  # fmt: skip
     for s in mine:
         savers: dict[str, Saver] = {}
         lent_to: dict[str, Stripe] = {}
@@ -190,7 +200,7 @@ def plan_pipeline_memory(job: JobConfig, stages: Sequence[PipelineStage], *, min
             savers = {path: Saver.RECOMPUTE for path in _attention_units(stages[s])}
         elif fixed is not None:
             savers = {f"layers.{k}": fixed for k in range(len(stages[s].layers))}
-        if lent_to:
+        if lent_to or s in stashes_lent:
             swaps[s] = PeerSwap()
         check_schedule(savers, asynchronous=pipe.asynchronous, stashes=pipe.stashes,
                        schedule=pipe.schedule)  # fmt: skip
@@ -209,11 +219,22 @@ def plan_pipeline_memory(job: JobConfig, stages: Sequence[PipelineStage], *, min
         reclaims = _Reclaims()
         lending = Lending(lenders=lenders, swaps=swaps, on_reclaim=reclaims.add,
                           on_hold=None if guard is None else guard.hold)  # fmt: skip
-    on_host = {i.stage for i, (saver, _) in zip(plan.saved, plan.choices, strict=True)
-               if i.tensor_class is TensorClass.WEIGHTS and saver is Saver.HOST} if plan else set()  # fmt: skip
+    on_host = {item.stage for item, _ in _weights(plan, Saver.HOST)}
     return PipelineMemory(mode=mode, plan=plan, handles=handles, guard=guard, budget_bytes=budget,
                           lending=lending, forward_weights=forward_weights, reclaims=reclaims,
-                          stashes_on_host=tuple(sorted(on_host & set(mine))), host=host)  # fmt: skip
+                          stashes_on_host=tuple(sorted(on_host & set(mine))),
+                          stashes_lent={s: functools.partial(swaps[s].lend, stripe=stripe)
+                                        for s, stripe in stashes_lent.items()},
+                          host=host)  # fmt: skip
+
+
+def _weights(plan: SaverPlan | None, saver: Saver) -> list[tuple[Saved, Stripe | None]]:
+    """The stashed weight versions ``plan`` gives ``saver``, with their stripes."""
+    if plan is None:
+        return []
+    return [(item, plan.stripe(k)) for k, (item, (chosen, _)) in
+            enumerate(zip(plan.saved, plan.choices, strict=True))
+            if item.tensor_class is TensorClass.WEIGHTS and chosen is saver]  # fmt: skip
 
 
 @dataclass(slots=True)
@@ -272,7 +293,9 @@ def _plan(job: JobConfig, stages: Sequence[PipelineStage], probe: MemoryProbe, *
           world_size: int, device: torch.device, fixed: Saver | None, peer_only: bool,
           attention_only: bool = False) -> tuple[SaverPlan, list[int]]:  # fmt: skip
     pipe = job.pipeline
-    steps = 3 if pipe.asynchronous else 1
+    # an asynchronous schedule's steady state: at least 2 x stages microbatches (with an update
+    # after every microbatch, stage 0 keeps one per stage in flight)
+    steps = max(3, -(-2 * pipe.stages // pipe.num_microbatches)) if pipe.asynchronous else 1
     schedule = make_schedule(pipe.schedule, stages=pipe.stages, microbatches=pipe.num_microbatches,
                              virtual=pipe.virtual_stages, steps=steps,
                              sync_steps=min(pipe.sync_steps, steps))  # fmt: skip
@@ -304,10 +327,10 @@ def _plan(job: JobConfig, stages: Sequence[PipelineStage], probe: MemoryProbe, *
     saved = saved_tensors(sim, units, weight_bytes=weight_bytes)
     if peer_only or (pipe.asynchronous and not pipe.stashes):  # [Note: savers in place]
         saved = [dataclasses.replace(i, recompute_s=None) for i in saved]
-    # A stashed weight version is no submodule's save: PipeDream's may wait in the host tier
-    # ([Note: stashes on the host] in tidal/pipeline/weights.py), the others stay where they are.
-    movable = pipe.schedule == "pipedream" and not peer_only
-    saved = [dataclasses.replace(i, host_only=movable, fixed=not movable)
+    # A stashed weight version is no submodule's save: PipeDream's may wait in the host tier or
+    # on a peer ([Note: stashes on the host], [Note: stashes on a peer] in
+    # tidal/pipeline/weights.py), the others stay where they are.
+    saved = [dataclasses.replace(i, fixed=pipe.schedule != "pipedream")
              if i.tensor_class is TensorClass.WEIGHTS else i for i in saved]  # fmt: skip
     if fixed is not None:  # every block (or its attention part) gets the one saver
         if attention_only:
@@ -348,10 +371,11 @@ def _plan(job: JobConfig, stages: Sequence[PipelineStage], probe: MemoryProbe, *
 
 def _runnable(plan: SaverPlan) -> SaverPlan:
     """``plan``, whose moved tensors must be what a stage's submodules save, or PipeDream's
-    weight versions on the host (a stage's loss has no submodule to move it from; weight
-    versions go to no peer: [Note: stashes on the host] in tidal/pipeline/weights.py)."""
+    weight versions (a stage's loss has no submodule to move it from)."""
     for item, (saver, _) in zip(plan.saved, plan.choices, strict=True):
-        movable = item.path or (item.tensor_class is TensorClass.WEIGHTS and saver is Saver.HOST)
+        movable = item.path or (
+            item.tensor_class is TensorClass.WEIGHTS and saver in (Saver.HOST, Saver.PEER)
+        )
         assert saver is Saver.KEEP or movable, f"a saver on {item}, which training cannot move"
     return plan
 

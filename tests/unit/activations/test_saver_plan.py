@@ -375,20 +375,25 @@ def test_fetching_ahead_a_rank_holds_its_largest_host_swapped_copy_beside_the_la
 
 
 @pytest.mark.parametrize("exact", [True, False])
-def test_a_stashed_version_may_wait_on_the_host_never_on_a_peer(exact: bool) -> None:
-    """[Note: stashes on the host] in tidal/pipeline/weights.py: a PipeDream weight version
-    over budget goes to the host even where a peer has room (no lending action carries it)."""
-    # three versions of 8 MiB over a 4 MiB base: 28 MiB kept, 12 with one coming back at a time
+def test_a_lent_weight_version_holds_a_copy_per_microbatch_in_flight_on_its_lender(
+    exact: bool,
+) -> None:
+    """[Note: stashes on a peer] in tidal/pipeline/weights.py: three stashed versions of 8 MiB,
+    lent with each of the four microbatches in flight, take four copies of the lender's room."""
     weights = Saved(stage=0, block=-1, tensor_class=TensorClass.WEIGHTS, num_bytes=8 * MiB,
-                    copies=3, uses_per_step=4, recompute_s=None, idle_s=1.0, host_only=True)  # fmt: skip
-    links = _links([16 * MiB, 100 * MiB], peer_gbps=100.0, base=[4 * MiB, 0])
-    plan = (plan_exact if exact else plan_greedy)([weights], links)
-    assert plan.fits and list(plan.choices) == [(Saver.HOST, None)]
-    # the same bytes, free to go anywhere, may take the peer: the flag is what keeps them home
-    free = dataclasses.replace(weights, host_only=False)
-    slow_host = _links([16 * MiB, 100 * MiB], peer_gbps=100.0, host_gbps=0.001, base=[4 * MiB, 0])
-    assert (plan_exact if exact else plan_greedy)([free], slow_host).choices[0][0] is Saver.PEER
-    assert (plan_exact if exact else plan_greedy)([weights], slow_host).choices[0][0] is Saver.HOST
+                    copies=3, uses_per_step=1, recompute_s=None, idle_s=1.0, copies_lent=4)  # fmt: skip
+    planner = plan_exact if exact else plan_greedy
+    # the host's link is too slow to pay, so the version goes to the peer where four copies fit
+    roomy = _links([16 * MiB, 40 * MiB], peer_gbps=100.0, host_gbps=0.001, base=[4 * MiB, 0])
+    plan = planner([weights], roomy)
+    assert plan.fits and plan.choices[0][0] is Saver.PEER
+    assert plan.peak_bytes[1] == 4 * 8 * MiB
+    # room for the three stashes, not the four lent copies: the host it must be
+    tight = dataclasses.replace(roomy, budget_bytes=(16 * MiB, 28 * MiB))
+    assert planner([weights], tight).choices[0][0] is Saver.HOST
+    # with copies_lent unset the lender holds what a stash would: three copies fit
+    stash_like = dataclasses.replace(weights, copies_lent=None)
+    assert planner([stash_like], tight).choices[0][0] is Saver.PEER
 
 
 def test_a_host_link_is_shared_only_by_the_ranks_that_swap_over_it() -> None:

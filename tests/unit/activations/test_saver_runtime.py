@@ -363,6 +363,52 @@ def test_pipedream_stashes_on_the_host_train_as_on_the_device(ranks: int) -> Non
     assert host.held_bytes == 0  # and was given back
 
 
+@pytest.mark.parametrize(("ranks", "microbatches"), [(2, 1), (4, 1), (4, 4)])
+def test_pipedream_stashes_on_a_peer_train_as_on_the_device(ranks: int, microbatches: int) -> None:
+    """[Note: stashes on a peer] in tidal/pipeline/weights.py: every stage but the last sends
+    each forward's weight version to the last rank with the microbatch's lent bytes (stage 0's
+    first block too, and recomputes read the version); bit for bit the same training, no stage
+    keeps a stashed copy (the plain run does), and the lender held the versions."""
+    from tidal.activations.runtime import PeerSwap
+    from tidal.pipeline.lending import Lending
+
+    schedule = make_schedule("pipedream", stages=ranks, microbatches=microbatches,
+                             steps=12 // microbatches)  # fmt: skip
+    last = ranks - 1
+
+    def run(lend: bool) -> tuple[tuple[list[torch.Tensor], list[float]], Any, int]:
+        stages = split_gpt(build_gpt(CONFIG, seed=0), even_ranges(4, ranks))
+        weights = [StageWeights(s, torch.optim.SGD(s.parameters(), lr=0.5),
+                                AsyncConfig(weights=WeightMode.STASH)) for s in stages]  # fmt: skip
+        swaps = {s: PeerSwap() for s in range(last)}
+        for s in range(1, last):
+            apply_savers(stages[s], {"layers.0": Saver.RECOMPUTE},
+                         recompute_context=weights[s].forward_weights)  # fmt: skip
+        if lend:
+            apply_savers(stages[0], {"layers.0": Saver.PEER}, peer=swaps[0],
+                         lenders={"layers.0": _to(last)})  # fmt: skip
+            for s in range(last):
+                weights[s].lend_with(lambda params, swap=swaps[s]: swap.lend(params, _to(last)))
+        stashed = [0]
+
+        def lr(_: int) -> float:  # called at every update, before it stashes
+            stashed[0] = max(stashed[0], *(w.stashed_bytes for w in weights[:last]))
+            return 0.5
+
+        lending = Lending(lenders=dict.fromkeys(range(last), (last,)), swaps=swaps) if lend else None
+        result = run_local(schedule, stages, weights, _batch, lr, lending=lending)
+        return _trained(stages, result), result, stashed[0]
+
+    lent, result, stashed = run(True)
+    plain, _, stashed_plain = run(False)
+    _assert_same(lent, plain)
+    assert stashed == 0 and stashed_plain > 0
+    stage_bytes = sum(p.numel() * 4 for p in split_gpt(build_gpt(CONFIG, seed=0),
+                                                        even_ranges(4, ranks))[0].parameters())  # fmt: skip
+    assert result.peak_held_bytes[last] >= stage_bytes  # stage 0's version, held on the lender
+    assert result.peak_held_bytes[0] == 0
+
+
 def test_a_stash_over_the_host_budget_is_refused_before_it_is_copied() -> None:
     stage = split_gpt(build_gpt(CONFIG, seed=0), [(0, 4)])[0]
     weights = StageWeights(stage, torch.optim.SGD(stage.parameters(), lr=0.5),
