@@ -73,6 +73,7 @@ __all__ = [
     "keep_all",
     "least_peak_bytes",
     "lent_shares",
+    "microbatches_per_step",
     "price_s",
     "saver_options",
     "transient_bytes",
@@ -295,7 +296,7 @@ class SaverPlan:
         each adds to one microbatch counts too. Two plans of one slowest rank are not alike: on
         ``tidal bench mpress``'s GPT (1F1B, 200 blocks) one that added 0.098 s on its slowest
         rank and 0.645 s over all simulated 3% slower than one adding 0.109 s on one rank."""
-        return self.added_step_s + sum(self.added_s) / _microbatches(self.saved)
+        return self.added_step_s + sum(self.added_s) / microbatches_per_step(self.saved)
 
     def stripe(self, index: int) -> Stripe | None:
         """How saved tensor ``index`` splits over its lenders (None: it is not lent)."""
@@ -306,7 +307,7 @@ class SaverPlan:
         return self.links.stripe(self.links.stage_rank[self.saved[index].stage], lenders)
 
 
-def _microbatches(saved: Sequence[Saved]) -> int:
+def microbatches_per_step(saved: Sequence[Saved]) -> int:
     """The microbatches of a step: the most uses per step of any saved tensor (at least 1)."""
     return max((item.uses_per_step for item in saved), default=1) or 1
 

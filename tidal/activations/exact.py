@@ -31,6 +31,7 @@ from tidal.activations.costs import (
     SaverPlan,
     evaluate,
     lent_shares,
+    microbatches_per_step,
     price_s,
     saver_options,
 )
@@ -124,7 +125,7 @@ def plan_exact(saved: Sequence[Saved], links: Links, *, time_limit_s: float | No
     n, num_x = links.num_ranks, program.num_x
     cost = np.zeros(program.z + 1)
     cost[program.z] = 1.0
-    per_microbatch = program.per_s / max(max((i.uses_per_step for i in saved), default=1), 1)
+    per_microbatch = program.per_s / microbatches_per_step(saved)
     for k, offer in enumerate(program.offers):
         cost[k] = 0.0 if slowest_only else per_microbatch * offer.price_s
     binary = np.concatenate([np.ones(num_x), np.zeros(2 * n), np.ones(n), np.zeros(1)])

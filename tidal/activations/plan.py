@@ -31,7 +31,10 @@ blocks split by time, 233 tensors) its plan adds 0.84 s to each update where the
 adds 0.30 s, found in half a second. The exact program does not always finish in its time on a thousand tensors,
 where its best plan so far can be slower than the greedy's. With the time limit the exact plan
 may depend on the machine's speed: a run whose ranks plan alone takes rank 0's plan
-([Note: pipeline memory] in tidal/train/pipeline_memory.py).
+([Note: pipeline memory] in tidal/train/pipeline_memory.py). A node limit would not make it
+depend on the instance alone: on the bench's largest instances (585 to 1353 tensors) HiGHS is
+still in its first or second node when the 10 s pass, and ``scipy.optimize.milp`` offers no
+other limit on the work.
 """
 
 from __future__ import annotations
