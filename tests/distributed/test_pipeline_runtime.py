@@ -11,6 +11,7 @@ Workers return what they measured and the tests assert on it.
 from __future__ import annotations
 
 import copy
+import functools
 from typing import Any
 
 import pytest
@@ -283,40 +284,70 @@ def _refuses_tied_async(group: dist.ProcessGroup) -> str:
 
 
 def _lent_against_plain(group: dist.ProcessGroup, num_stages: int, config: RuntimeConfig,
-                        lent: dict[int, dict[str, tuple[int, ...]]]) -> dict[str, Any]:  # fmt: skip
+                        lent: dict[int, dict[str, tuple[int, ...]]], *,
+                        versions: dict[int, tuple[int, ...]] | None = None,
+                        steps: int = 2) -> dict[str, Any]:  # fmt: skip
     """[Note: lending] over gloo: ``lent[s]``, per stage, each unit it lends and the ranks it
-    lends to (several: a stripe, a quarter and three quarters when two); the same pipeline
-    trained with and without lending, and the most bytes this rank held for others."""
+    lends to (several: a stripe, a quarter and three quarters when two); ``versions[s]``, the
+    ranks a PipeDream stage's weight versions go to ([Note: stashes on a peer]). The same
+    pipeline trained with and without lending, the most bytes this rank held for others and the
+    most its stages kept stashed."""
     from tidal.activations import Saver, Stripe
     from tidal.activations.runtime import PeerSwap, apply_savers
     from tidal.pipeline.lending import Lending
 
-    def run(lend: bool) -> tuple[list[nn.Module], list[float], int]:
+    versions = versions or {}
+    stash = WeightMode.STASH if versions else WeightMode.CURRENT
+
+    def stripe(ranks: tuple[int, ...]) -> Stripe:
+        return Stripe(lenders=ranks, weights=(1.0, 3.0)[: len(ranks)])
+
+    def run(lend: bool) -> tuple[list[nn.Module], list[float], int, int]:
         stages = split_gpt(tiny_gpt(4), even_ranges(4, num_stages))
         mine = my_stages(stages, group)
+        weights = sgd_weights(mine, AsyncConfig(weights=stash))
         held: list[int] = []
         lending = None
         if lend:
             swaps = {}
-            for s, units in lent.items():
+            for s in set(lent) | set(versions):
                 if s % dist.get_world_size(group) == dist.get_rank(group):
                     swaps[s] = PeerSwap()
-                    stripes = {unit: Stripe(lenders=ranks, weights=(1.0, 3.0)[: len(ranks)])
-                               for unit, ranks in units.items()}  # fmt: skip
+                    units = lent.get(s, {})
                     apply_savers(stages[s], dict.fromkeys(units, Saver.PEER), peer=swaps[s],
-                                 lenders=stripes)  # fmt: skip
-            lenders = {s: tuple(sorted({r for ranks in units.values() for r in ranks}))
-                       for s, units in lent.items()}  # fmt: skip
+                                 lenders={unit: stripe(r) for unit, r in units.items()})  # fmt: skip
+                    if s in versions:
+                        lend_version = functools.partial(swaps[s].lend, stripe=stripe(versions[s]))
+                        weights[mine.index(stages[s])].lend_with(lend_version)
+            lenders = {s: tuple(sorted({r for ranks in [*lent.get(s, {}).values(),
+                                                        versions.get(s, ())] for r in ranks}))
+                       for s in set(lent) | set(versions)}  # fmt: skip
             lending = Lending(lenders=lenders, swaps=swaps, on_hold=held.append)
-        runtime = PipelineRuntime(config, stages=mine, weights=sgd_weights(mine), group=group,
+        runtime = PipelineRuntime(config, stages=mine, weights=weights, group=group,
                                   lending=lending)  # fmt: skip
-        losses = runtime.train(2, batch, lambda _: LR)
-        return list(runtime.modules.values()), losses, max(held, default=0)
+        stashed = [0]
 
-    lent_modules, lent_losses, held = run(True)
-    plain, plain_losses, _ = run(False)
+        def lr(_: int) -> float:
+            stashed[0] = max(stashed[0], *(w.stashed_bytes for w in weights))
+            return LR
+
+        losses = runtime.train(steps, batch, lr)
+        return list(runtime.modules.values()), losses, max(held, default=0), stashed[0]
+
+    lent_modules, lent_losses, held, stashed = run(True)
+    plain, plain_losses, _, plain_stashed = run(False)
     return {"params_equal": all_equal(lent_modules, plain),
-            "losses_equal": lent_losses == plain_losses, "peak_held_bytes": held}  # fmt: skip
+            "losses_equal": lent_losses == plain_losses, "peak_held_bytes": held,
+            "stashed_bytes": stashed, "plain_stashed_bytes": plain_stashed}  # fmt: skip
+
+
+def _stash_lending_case(group: dist.ProcessGroup) -> dict[str, Any]:
+    """[Note: stashes on a peer] over gloo: PipeDream updating after every microbatch on 4
+    ranks; stages 0-2 send their weight versions away (stage 0's striped over ranks 2 and 3, with
+    its first block's attention), stages 1 and 2 to rank 3."""
+    config = RuntimeConfig(schedule="pipedream", microbatches=1)
+    return _lent_against_plain(group, 4, config, {0: {"layers.0.attn": (3,)}},
+                               versions={0: (2, 3), 1: (3,), 2: (3,)}, steps=8)  # fmt: skip
 
 
 def _stripe_case(group: dist.ProcessGroup) -> dict[str, Any]:
@@ -370,6 +401,7 @@ def _cases(world: int, group: dist.ProcessGroup, folder: str) -> dict[str, Any]:
         out["earlier_lending"] = _earlier_lending_case(group)
     else:
         out["stripes"] = _stripe_case(group)
+        out["stash_lending"] = _stash_lending_case(group)
     return out
 
 
@@ -434,6 +466,19 @@ def test_stripes_lent_over_gloo_equal_the_plain_pipeline(results):
         r = rank_result["stripes"]
         assert r["params_equal"] and r["losses_equal"], (rank, r)
         assert (r["peak_held_bytes"] > 0) == (rank in (1, 3)), (rank, r)
+
+
+def test_weight_versions_lent_over_gloo_train_as_the_plain_pipeline(results):
+    """[Note: stashes on a peer] over real point-to-point messages: bit for bit; ranks 0-2 kept
+    no stashed version (the plain run does on ranks 0 and 1), ranks 2 and 3 held them."""
+    for rank, rank_result in enumerate(results[4]):
+        r = rank_result["stash_lending"]
+        assert r["params_equal"] and r["losses_equal"], (rank, r)
+        if rank < 3:
+            assert r["stashed_bytes"] == 0, (rank, r)
+        if rank < 2:  # a stash seen at an update: there the plain run keeps two or more
+            assert r["plain_stashed_bytes"] > 0, (rank, r)
+        assert (r["peak_held_bytes"] > 0) == (rank in (2, 3)), (rank, r)
 
 
 def test_lending_under_virtual_stages_over_gloo_equals_the_plain_pipeline(results):
