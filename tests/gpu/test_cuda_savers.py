@@ -104,3 +104,57 @@ def test_stripes_lent_between_stages_on_one_gpu_train_bit_for_bit() -> None:
     assert swap.storages_lent > 0 and swap.bytes_lent > 0
     assert result.peak_held_bytes[1] > 0 and result.peak_held_bytes[3] > 0
     assert result.peak_held_bytes[0] == 0
+
+
+def test_weight_versions_lent_between_stages_on_one_gpu_train_bit_for_bit() -> None:
+    """[Note: stashes on a peer] on CUDA: PipeDream updating after every microbatch, four stages
+    in one process; stages 0-2 send their weight versions away (stage 0's striped over ranks 2
+    and 3). The losses and parameters equal the pipeline that stashes them, bit for bit, and no
+    borrowing stage kept a stash."""
+    import functools
+
+    from tidal.activations import Stripe
+    from tidal.activations.runtime import PeerSwap
+    from tidal.pipeline.lending import Lending
+    from tidal.pipeline.local import run_local
+    from tidal.pipeline.pipemare import AsyncConfig, StageWeights, WeightMode
+    from tidal.pipeline.schedules import make_schedule
+    from tidal.pipeline.split import even_ranges
+
+    config = GPTConfig(vocab_size=256, seq_len=64, num_layers=4, num_heads=4, d_model=128,
+                       dropout=0.0)  # fmt: skip
+    lenders = {0: (2, 3), 1: (3,), 2: (3,)}
+
+    def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        generator = torch.Generator().manual_seed(100 + step)
+        tokens = torch.randint(0, 256, (4, 65), generator=generator).cuda()
+        return tokens[:, :-1], tokens[:, 1:]
+
+    def run(lend: bool) -> tuple[list[torch.Tensor], list[float], int]:
+        stages = split_gpt(build_gpt(config, seed=0, device="cuda"), even_ranges(4, 4))
+        weights = [StageWeights(s, torch.optim.SGD(s.parameters(), lr=0.5),
+                                AsyncConfig(weights=WeightMode.STASH)) for s in stages]  # fmt: skip
+        lending = None
+        if lend:
+            swaps = {s: PeerSwap() for s in lenders}
+            for s, ranks in lenders.items():
+                stripe = Stripe(lenders=ranks, weights=(1.0, 3.0)[: len(ranks)])
+                weights[s].lend_with(functools.partial(swaps[s].lend, stripe=stripe))
+            lending = Lending(lenders=lenders, swaps=swaps)
+        stashed = [0]
+
+        def lr(_: int) -> float:
+            stashed[0] = max(stashed[0], *(w.stashed_bytes for w in weights[:3]))
+            return 0.5
+
+        schedule = make_schedule("pipedream", stages=4, microbatches=1, steps=8)
+        result = run_local(schedule, stages, weights, batch, lr, lending=lending)
+        torch.cuda.synchronize()
+        params = [p.detach().clone() for s in stages for p in s.parameters()]
+        return params, list(result.losses), stashed[0]
+
+    params, losses, stashed = run(True)
+    plain_params, plain_losses, plain_stashed = run(False)
+    assert losses == plain_losses
+    assert all(torch.equal(a, b) for a, b in zip(params, plain_params, strict=True))
+    assert stashed == 0 < plain_stashed
