@@ -69,9 +69,10 @@ gradients are bit for bit those of a stash kept on the device.
 [Note: stashes on a peer]
 MPress's peer swap for PipeDream's weight versions (updating after every microbatch,
 ``microbatches = 1``, stage s holds p - s of them). ``lend_with`` hands each forward's
-parameters to the stage's lending ([Note: lending] in tidal/pipeline/lending.py): their bytes join what the microbatch lends and leave with the
-``LO`` right after its forward, before any update (the forward's version exactly), and come
-back with the ``LI`` before its backward, which reads them in place of a stash. An update keeps
+parameters to the stage's lending ([Note: lending] in tidal/pipeline/lending.py): their bytes
+join what the microbatch lends and leave with the ``LO`` right after its forward, before any
+update (the forward's version exactly), and come back with the ``LI`` before its backward,
+which reads them in place of a stash. An update keeps
 no copy of a version that only lent microbatches need, so the stage holds no stashed version,
 only the one that came back, for its backward. The lender holds a copy per microbatch in
 flight, one more than a stash would (the newest version is still the live one when it leaves):
