@@ -395,7 +395,9 @@ def test_pipedream_stashes_on_a_peer_train_as_on_the_device(ranks: int, microbat
             stashed[0] = max(stashed[0], *(w.stashed_bytes for w in weights[:last]))
             return 0.5
 
-        lending = Lending(lenders=dict.fromkeys(range(last), (last,)), swaps=swaps) if lend else None
+        lending = (
+            Lending(lenders=dict.fromkeys(range(last), (last,)), swaps=swaps) if lend else None
+        )
         result = run_local(schedule, stages, weights, _batch, lr, lending=lending)
         return _trained(stages, result), result, stashed[0]
 
