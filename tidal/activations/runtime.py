@@ -1,5 +1,8 @@
 """Carry out savers on a module, in place: recompute, or swap what it saves to the host tier.
 
+At 611 lines this file is past the project's 600: :class:`PeerSwap` and its bundles (what a
+stage lends) are the piece to move out next, beside tidal/pipeline/lending.py's actions.
+
 [Note: savers in place]
 :func:`apply_savers` changes the named submodules of a model (or of a pipeline stage) and
 returns the handles that undo it:

@@ -2,7 +2,10 @@
 saved-tensor redirection that lets the optimizer step in place between a microbatch's F and B.
 
 Import from :mod:`tidal.pipeline.pipemare`, which re-exports everything here and holds the
-PipeMare math ([Note: weight delay tau], [Note: PipeMare rules]).
+PipeMare math ([Note: weight delay tau], [Note: PipeMare rules]). At 614 lines the file is past
+the project's 600: where the stashed versions live (``stash_to``, ``lend_with``, ``_stash_copy``,
+``_drop``, ``_usable``: the host tier, a peer, the device) is the piece to move out next, not
+split in the change that added lending because every bench of tidal/pipeline was measured on it.
 
 [Note: saved-tensor redirection]
 An in-place ``optimizer.step()`` between a microbatch's forward and backward makes autograd raise
