@@ -154,6 +154,33 @@ def test_a_result_older_than_its_code_must_say_it_is_stale(tmp_path: Path) -> No
     assert check(root) == [], "a commit git does not know is stale too"
 
 
+def test_a_change_that_only_moved_code_keeps_a_result_current(tmp_path: Path) -> None:
+    """[Note: moved code] in tidal/testing/moves.py, through git as the check runs it."""
+    root = _repo(tmp_path, PROSE, ROW, None)
+    code = root / "tidal" / "memory"
+    code.mkdir(parents=True)
+    (code / "store.py").write_text("LIMIT = 3\n\n\ndef fits(n):\n    return n <= LIMIT\n")
+    (code / "user.py").write_text("from tidal.memory.store import fits\n")
+    commit = ("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm")
+    _git(root, "init", "-q")
+    _git(root, "add", "-A")
+    _git(root, *commit, "code")
+    measured = _git(root, "rev-parse", "HEAD")
+    results = root / "benchmarks" / "results"
+    results.mkdir(parents=True)
+    (results / "o.json").write_text(json.dumps({**RESULT, "git_commit": measured}))
+    (root / "docs" / "claims.md").write_text(_header(measured[:7]) + ROW)
+    (code / "limits.py").write_text("LIMIT = 3\n")
+    (code / "store.py").write_text("from tidal.memory.limits import LIMIT\n\n\n"
+                                   "def fits(n):\n    return n <= LIMIT\n")  # fmt: skip
+    _git(root, "add", "-A")
+    _git(root, *commit, "moved")
+    assert check(root) == [], "a constant carried to another file changes nothing measured"
+    (code / "limits.py").write_text("LIMIT = 4\n")
+    _git(root, *commit, "edited", "-a")
+    assert any("o.json is stale" in p for p in check(root))
+
+
 @pytest.mark.parametrize(
     ("text", "claims"),
     [

@@ -21,7 +21,8 @@ The state starts with ``holds``, ``weaker``, ``not measured`` or ``does not hold
 JSON is stale when the code its bench measures (the table "What each bench measures" in
 docs/claims.md) differs from the code at the commit the JSON records: git names the files that
 changed, and a Python file counts only where its syntax tree changed (a comment, a docstring or
-formatting does not make a figure stale). A row citing a stale JSON says ``stale`` in its
+formatting does not make a figure stale), and a change that only moved code between the
+bench's files counts for nothing ([Note: moved code] in moves.py). A row citing a stale JSON says ``stale`` in its
 state, and its marker says so where the figure appears, ``[CE7: stale](claims.md#ce7)``; a
 re-measured row drops both. The table "Results cited" lists every results JSON the rows cite
 with the commit it records and its state (current or stale). A shallow clone or an unpacked archive has no history to decide
@@ -45,6 +46,8 @@ import subprocess
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
+
+from tidal.testing.moves import only_moved, strip_docstrings
 
 __all__ = [
     "Claims",
@@ -452,7 +455,19 @@ class _Staleness:
         if self._git("merge-base", "--is-ancestor", commit, "HEAD") is None:
             return True  # a commit this history does not hold
         changed = self._git("diff", "--name-only", commit, "--", *code)
-        return changed is None or any(self._code_changed(commit, f) for f in changed.split())
+        if changed is None:
+            return True
+        edited = [f for f in changed.split() if self._code_changed(commit, f)]
+        if not edited:
+            return False
+        # [Note: moved code] in moves.py: a change that only moved code keeps the figures
+        others = (self._git("ls-files", "--", *code) or "").split()
+        return not only_moved(edited, before=lambda path: self._git("show", f"{commit}:{path}"),
+                              now=self._read, importers=[f for f in others if f not in edited])  # fmt: skip
+
+    def _read(self, path: str) -> str | None:
+        file = self.root / path
+        return file.read_text() if file.is_file() else None
 
     def _code_changed(self, commit: str, path: str) -> bool:
         before, now = self._git("show", f"{commit}:{path}"), self.root / path
@@ -469,15 +484,7 @@ class _Staleness:
 def _code(source: str) -> str:
     """What ``source`` does: its syntax tree without docstrings (comments and layout are not in
     a tree)."""
-    tree = ast.parse(source)
-    for node in ast.walk(tree):
-        body = getattr(node, "body", None)
-        if (isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef)
-                and body and isinstance(body[0], ast.Expr)
-                and isinstance(body[0].value, ast.Constant)
-                and isinstance(body[0].value.value, str)):  # fmt: skip
-            node.body = body[1:] or [ast.Pass()]
-    return ast.dump(tree)
+    return ast.dump(strip_docstrings(ast.parse(source)))
 
 
 def _link(doc: str) -> str:
