@@ -46,9 +46,10 @@ from rich.console import Console
 from rich.table import Table
 
 from tidal.activations import Links, Saved, Saver, SaverPlan, TensorClass, evaluate, plan_savers
+from tidal.activations.apply import apply_savers
 from tidal.activations.costs import Choice, least_peak_bytes
 from tidal.activations.measure import backward_temporary_bytes
-from tidal.activations.runtime import apply_savers, around_forward
+from tidal.activations.runtime import around_forward
 from tidal.config import ConfigError, format_bytes
 from tidal.memory.activations import SavedTensorMeter
 from tidal.memory.tiers import make_tiers

@@ -293,7 +293,8 @@ def _lent_against_plain(group: dist.ProcessGroup, num_stages: int, config: Runti
     pipeline trained with and without lending, the most bytes this rank held for others and the
     most its stages kept stashed."""
     from tidal.activations import Saver, Stripe
-    from tidal.activations.runtime import PeerSwap, apply_savers
+    from tidal.activations.apply import apply_savers
+    from tidal.activations.runtime import PeerSwap
     from tidal.pipeline.lending import Lending
 
     versions = versions or {}

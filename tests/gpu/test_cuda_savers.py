@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tidal.activations import Saver
-from tidal.activations.runtime import SaverHandles, apply_savers
+from tidal.activations.apply import SaverHandles, apply_savers
 from tidal.memory.tiers import Tier, make_tiers
 from tidal.models import build_gpt
 from tidal.models.gpt import GPTConfig, split_gpt

@@ -55,14 +55,9 @@ from tidal.activations import (
     keep_all,
     plan_savers,
 )
+from tidal.activations.apply import SaverHandles, apply_savers, check_schedule
 from tidal.activations.costs import Choice
-from tidal.activations.runtime import (
-    PeerSwap,
-    SaverHandles,
-    apply_savers,
-    around_forward,
-    check_schedule,
-)
+from tidal.activations.runtime import PeerSwap, around_forward
 from tidal.config import ConfigError, format_bytes
 from tidal.distributed import decided_on_main
 from tidal.memory.activations import SavedTensorMeter

@@ -1,4 +1,4 @@
-"""Savers carried out in place ([Note: savers in place] in tidal/activations/runtime.py): recompute
+"""Savers carried out in place ([Note: savers in place] in tidal/activations/apply.py): recompute
 and host swap give the same training, bit for bit (fp32, CPU), on a whole model and through a
 pipeline schedule; the host tier's budget holds; what cannot run is refused in one line."""
 
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tidal.activations import Saver, Stripe
-from tidal.activations.runtime import apply_savers, check_schedule
+from tidal.activations.apply import apply_savers, check_schedule
 from tidal.config import ConfigError
 from tidal.memory.tiers import Tier, TierBudgetError, TierKind
 from tidal.models import build_gpt

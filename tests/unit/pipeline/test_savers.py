@@ -198,7 +198,8 @@ def test_a_rank_past_its_budget_stops_at_once_in_one_line() -> None:
 
 def test_what_a_recompute_keeps_and_the_loss_are_measured_as_the_meter_counts_them() -> None:
     from tidal.activations import Saver, evaluate
-    from tidal.activations.runtime import apply_savers, around_forward
+    from tidal.activations.apply import apply_savers
+    from tidal.activations.runtime import around_forward
     from tidal.memory.activations import SavedTensorMeter
     from tidal.models import build_gpt
     from tidal.models.gpt import GPTConfig, split_gpt
