@@ -63,6 +63,10 @@ class PlannerConfig:
             f"must be 'memory' or 'time', got {self.objective!r}",
         )
         require(self.eps >= 0, "eps", f"must be >= 0, got {self.eps}")
+        for name in ("param_bytes", "grad_bytes", "optimizer_bytes"):
+            value = getattr(self, name)
+            require(value >= 0, name, f"bytes per parameter, so >= 0 (2, 2 and 12 for mixed-"
+                    f"precision Adam), got {value}")  # fmt: skip
         unknown = sorted(set(self.baselines) - set(BASELINES))
         require(not unknown, "baselines", f"unknown {unknown}; choose from {', '.join(BASELINES)}")
         if self.global_batch is not None:

@@ -117,6 +117,8 @@ class TrainingSpec:
             f"must be >= 1, got {self.num_microbatches}",
         )
         require(self.in_flight >= 1, "in_flight", f"must be >= 1, got {self.in_flight}")
+        for name in ("param_bytes", "grad_bytes", "optimizer_bytes"):
+            require(getattr(self, name) >= 0, name, f"must be >= 0, got {getattr(self, name)}")
         require(self.weight_copies >= 0, "weight_copies", f"must be >= 0, got {self.weight_copies}")
         require(self.peer_stages == 0 or (self.peer_stages >= 2 and self.peer_bandwidth > 0),
                 "peer_stages", f"a peer needs 2 or more stages and a link, got "
@@ -131,8 +133,6 @@ class TrainingSpec:
         activations on a peer] in pipelines.py): in-flight counts fall linearly to the
         mirror's."""
         return (self.in_flight - self.mirror_in_flight) / (self.peer_stages - 1)
-        for name in ("param_bytes", "grad_bytes", "optimizer_bytes"):
-            require(getattr(self, name) >= 0, name, f"must be >= 0, got {getattr(self, name)}")
 
     @property
     def state_bytes(self) -> int:

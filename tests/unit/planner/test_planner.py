@@ -381,6 +381,17 @@ def test_tensor_size_that_does_not_divide_the_heads_is_refused(gpt3_graph: Model
         make_plan(gpt3_graph, ClusterSpec(devices=40), PlannerConfig(pipelines=False, tp=5))
 
 
+@pytest.mark.parametrize("name", ["param_bytes", "grad_bytes", "optimizer_bytes"])
+def test_negative_bytes_per_parameter_are_refused(name: str) -> None:
+    """Both where a user sets them and where the search builds its spec (the spec's own check
+    sat after a return, unreachable, until found by a dead-code scan)."""
+    with pytest.raises(ConfigError, match=rf"{name}: bytes per parameter, so >= 0 .* got -2"):
+        PlannerConfig(**{name: -2})
+    with pytest.raises(ConfigError, match=rf"{name}: must be >= 0, got -2"):
+        TrainingSpec(num_microbatches=1, **{name: -2})
+    assert TrainingSpec(num_microbatches=1, **{name: 0}).state_bytes >= 0
+
+
 def test_plan_json_round_trip(tmp_path, gpt3_graph: ModelGraph) -> None:
     config = PlannerConfig(pipelines=False, pareto=(), baselines=("zero3",))
     result = make_plan(gpt3_graph, ClusterSpec(devices=16), config)
