@@ -101,6 +101,19 @@ def test_a_name_that_means_something_else_where_the_code_now_stands_is_a_change(
                            "pkg/p.py": plain}), "the same move without __name__ is one"  # fmt: skip
 
 
+def test_a_function_that_rebinds_a_global_cannot_move() -> None:
+    counter = "COUNT = 0\n\n\ndef bump():\n    global COUNT\n    COUNT += 1\n"
+    left = "COUNT = 0\n"
+    moved = "from pkg.c import COUNT\n\n\ndef bump():\n    global COUNT\n    COUNT += 1\n"
+    assert not _moved({"pkg/c.py": counter}, {"pkg/c.py": left, "pkg/d.py": moved}, importers=())
+    kept = counter + "\n\ndef other():\n    return 1\n"
+    assert _moved(
+        {"pkg/c.py": kept},
+        {"pkg/c.py": counter, "pkg/d.py": "def other():\n    return 1\n"},
+        importers=(),
+    ), "a global-rebinding function that stays put does not stop a move"
+
+
 def test_an_importer_that_no_longer_reaches_the_same_definition_is_a_change() -> None:
     no_reexport = A_LEFT.replace("from pkg.shapes import area\n", "")
     assert not _moved(BEFORE, {"pkg/a.py": no_reexport, "pkg/shapes.py": SHAPES})

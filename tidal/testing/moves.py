@@ -14,7 +14,8 @@ A change to some files *only moved code* when all three hold:
    resolved through its module's definitions and imports, and followed through the
    repository's modules to the statement that defines it, both resolutions end at the same
    statement (by content) or at the same name outside the repository (``torch.nn``).
-   ``__name__`` and its kin name the module itself, so a statement that reads them cannot move.
+   ``__name__`` and its kin name the module itself, so a statement that reads them cannot move,
+   nor can a function with a ``global`` statement (it would rebind another module's name).
 3. Every ``from M import name`` in the bench's other files (its code the change left as it
    was) still reaches the same definition (a re-export moved with its definition, or two
    definitions swapped places, would otherwise go unseen).
@@ -75,8 +76,10 @@ def only_moved(files: Sequence[str], *, before: Source, now: Source,
         where_before.setdefault(dump, []).append(module)
     for dump, module, statement in new_units:
         names = _names_read(statement)
+        # a ``global`` statement rebinds a name of the module the code stands in
+        stayed = [m for m in where_before[dump] if m == module] if _rebinds(statement) else None
         if not any(all(old.resolve(was, n) == new.resolve(module, n) for n in names)
-                   for was in where_before[dump]):  # fmt: skip
+                   for was in (where_before[dump] if stayed is None else stayed)):  # fmt: skip
             return False
     changed = set(files)
     for path in importers:
@@ -219,6 +222,10 @@ def _names_read(statement: ast.stmt) -> set[str]:
     at the top level in both states, unless a move brought a top-level name of that spelling
     beside it, and then the move is refused, which errs on the safe side)."""
     return {n.id for n in ast.walk(statement) if isinstance(n, ast.Name)}
+
+
+def _rebinds(statement: ast.stmt) -> bool:
+    return any(isinstance(node, ast.Global) for node in ast.walk(statement))
 
 
 def _module_of(path: str) -> str:
