@@ -433,6 +433,10 @@ def _lookup(data: Any, key: str) -> Any:
     return data
 
 
+# A split of a file moves code out of it, into a new one, and rewrites a few imports.
+_MOST_FILES_A_MOVE_EDITS = 12
+
+
 class _Staleness:
     """Whether a results JSON's commit predates a change to the code its bench measures: a
     change to what the code does, so a comment, a docstring or formatting does not count (the
@@ -441,6 +445,7 @@ class _Staleness:
     def __init__(self, root: Path, benches: dict[str, list[str]]) -> None:
         self.root, self.benches = root, benches
         self._cache: dict[str, bool] = {}
+        self._moved: dict[tuple[str, tuple[str, ...]], bool] = {}
 
     def is_stale(self, path: str) -> bool:
         if path not in self._cache:
@@ -460,10 +465,17 @@ class _Staleness:
         edited = [f for f in changed.split() if self._code_changed(commit, f)]
         if not edited:
             return False
+        if len(edited) > _MOST_FILES_A_MOVE_EDITS:
+            return True  # too many to read twice for a move: a change, which errs on the safe side
         # [Note: moved code] in moves.py: a change that only moved code keeps the figures
-        others = (self._git("ls-files", "--", *code) or "").split()
-        return not only_moved(edited, before=lambda path: self._git("show", f"{commit}:{path}"),
-                              now=self._read, importers=[f for f in others if f not in edited])  # fmt: skip
+        key = (commit, tuple(edited))
+        if key not in self._moved:
+            others = (self._git("ls-files", "--", *code) or "").split()
+            self._moved[key] = only_moved(
+                edited, before=lambda path: self._git("show", f"{commit}:{path}"), now=self._read,
+                importers=[f for f in others if f not in edited],
+            )  # fmt: skip
+        return not self._moved[key]
 
     def _read(self, path: str) -> str | None:
         file = self.root / path
