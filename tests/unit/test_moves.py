@@ -101,6 +101,14 @@ def test_a_name_that_means_something_else_where_the_code_now_stands_is_a_change(
                            "pkg/p.py": plain}), "the same move without __name__ is one"  # fmt: skip
 
 
+def test_a_move_into_a_module_without_the_same_future_imports_is_a_change() -> None:
+    future = "from __future__ import annotations\n\n"
+    before = {"pkg/a.py": A.replace("import math\n", future + "import math\n", 1)}
+    after = {"pkg/a.py": future + A_LEFT, "pkg/shapes.py": SHAPES}
+    assert not _moved(before, after)
+    assert _moved(before, {**after, "pkg/shapes.py": future + SHAPES})
+
+
 def test_a_function_that_rebinds_a_global_cannot_move() -> None:
     counter = "COUNT = 0\n\n\ndef bump():\n    global COUNT\n    COUNT += 1\n"
     left = "COUNT = 0\n"

@@ -15,7 +15,8 @@ A change to some files *only moved code* when all three hold:
    repository's modules to the statement that defines it, both resolutions end at the same
    statement (by content) or at the same name outside the repository (``torch.nn``).
    ``__name__`` and its kin name the module itself, so a statement that reads them cannot move,
-   nor can a function with a ``global`` statement (it would rebind another module's name).
+   nor can a function with a ``global`` statement (it would rebind another module's name), and
+   both modules turn on the same ``from __future__`` features (they change how code compiles).
 3. Every ``from M import name`` in the bench's other files (its code the change left as it
    was) still reaches the same definition (a re-export moved with its definition, or two
    definitions swapped places, would otherwise go unseen).
@@ -78,7 +79,8 @@ def only_moved(files: Sequence[str], *, before: Source, now: Source,
         names = _names_read(statement)
         # a ``global`` statement rebinds a name of the module the code stands in
         stayed = [m for m in where_before[dump] if m == module] if _rebinds(statement) else None
-        if not any(all(old.resolve(was, n) == new.resolve(module, n) for n in names)
+        if not any(old.futures(was) == new.futures(module)
+                   and all(old.resolve(was, n) == new.resolve(module, n) for n in names)
                    for was in (where_before[dump] if stayed is None else stayed)):  # fmt: skip
             return False
     changed = set(files)
@@ -148,6 +150,12 @@ class _State:
         if self.is_module(origin):
             return self.resolve(origin, attr, hops + 1)
         return ("outside", origin, attr)
+
+    def futures(self, module: str) -> set[str]:
+        """The ``from __future__`` features ``module`` turns on (they change how its code
+        compiles: annotations left unevaluated, for one)."""
+        return {name for name, found in self.bindings(module).items()
+                if found[:2] == ("from", "__future__")}  # fmt: skip
 
     def bindings(self, module: str) -> dict[str, Resolution]:
         if module not in self._bindings:
