@@ -22,8 +22,8 @@ JSON is stale when the code its bench measures (the table "What each bench measu
 docs/claims.md) differs from the code at the commit the JSON records: git names the files that
 changed, and a Python file counts only where its syntax tree changed (a comment, a docstring or
 formatting does not make a figure stale), and a change that only moved code between the
-bench's files counts for nothing ([Note: moved code] in moves.py). A row citing a stale JSON says ``stale`` in its
-state, and its marker says so where the figure appears, ``[CE7: stale](claims.md#ce7)``; a
+bench's files counts for nothing ([Note: moved code] in moves.py). A row citing a stale JSON
+says ``stale`` in its state, and its marker says so where the figure appears, ``[CE7: stale](claims.md#ce7)``; a
 re-measured row drops both. The table "Results cited" lists every results JSON the rows cite
 with the commit it records and its state (current or stale). A shallow clone or an unpacked archive has no history to decide
 staleness from: there the check leaves the stale marks as they are.
@@ -445,7 +445,7 @@ class _Staleness:
     def __init__(self, root: Path, benches: dict[str, list[str]]) -> None:
         self.root, self.benches = root, benches
         self._cache: dict[str, bool] = {}
-        self._moved: dict[tuple[str, tuple[str, ...]], bool] = {}
+        self._moved: dict[tuple[str, tuple[str, ...], tuple[str, ...]], bool] = {}
 
     def is_stale(self, path: str) -> bool:
         if path not in self._cache:
@@ -468,7 +468,7 @@ class _Staleness:
         if len(edited) > _MOST_FILES_A_MOVE_EDITS:
             return True  # too many to read twice for a move: a change, which errs on the safe side
         # [Note: moved code] in moves.py: a change that only moved code keeps the figures
-        key = (commit, tuple(edited))
+        key = (commit, tuple(edited), tuple(code))  # the bench's other files are its importers
         if key not in self._moved:
             others = (self._git("ls-files", "--", *code) or "").split()
             self._moved[key] = only_moved(
