@@ -2,7 +2,6 @@
 
     tidal bench compat                                   # every zoo family, every mode
     tidal bench compat --families gpt2,t5 --ranks 2      # and a two-rank section
-    tidal bench compat --markdown benchmarks/results/compat-*.json   # the docs table
 
 For each family of :data:`tidal.testing.zoo.ZOO` (or ``module:ATTR`` naming a ``ZooModel`` of
 your own) and each mode ([Note: compat modes] in benchmarks/compat_cases.py: fp32 unlimited,
@@ -19,22 +18,20 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from rich.console import Console
-from rich.table import Table
-from rich.text import Text
 
 from benchmarks.compat_cases import MODES, Case, Mode, ranks_modes
 from benchmarks.compat_run import run_case
 from benchmarks.isolated import run_isolated
-from tidal.config import ConfigError, format_bytes, require
+from tidal.config import ConfigError, require
 from tidal.testing.zoo import ZOO, ZooModel, find_family
 
-__all__ = ["CompatSettings", "add_arguments", "bench_compat", "run", "table"]
+__all__ = ["CompatSettings", "add_arguments", "bench_compat", "run"]
 
 _TRACEBACK_CHARS = 4000  # the end of a traceback is where the cause is
 # What the fork server imports once for every worker. Every case builds a torch.optim optimizer
@@ -132,35 +129,6 @@ def _row(family: ZooModel, mode: Mode, result: dict[str, Any]) -> dict[str, Any]
     return row
 
 
-# -- presentation ------------------------------------------------------------------------------
-
-_COLUMNS = ("family", "mode", "budget", "result", "max loss diff (rel)", "bound", "peak device",
-            "evictions", "chunk s", "reference s")  # fmt: skip
-
-
-def _number(value: float | None, spec: str) -> str:
-    return "-" if value is None else format(value, spec)
-
-
-def table(rows: Sequence[dict[str, Any]]) -> tuple[tuple[str, ...], list[list[str]]]:
-    """Headers and cells of the CLI's table, one line per row."""
-    cells = []
-    for r in rows:
-        budget = r.get("budget_bytes")
-        shown = (
-            format_bytes(budget) if budget is not None else "unlimited" if not r["tight"] else "-"
-        )
-        cells.append([
-            r["family"], r["mode"], shown,
-            r["result"], _number(r.get("max_rel_loss_diff"), ".1e"),
-            _number(r.get("tolerance"), ".1e"),
-            "-" if r.get("peak_device_bytes") is None else format_bytes(r["peak_device_bytes"]),
-            _number(r.get("evictions"), "d"), _number(r.get("wall_s"), ".2f"),
-            _number(r.get("reference_wall_s"), ".2f"),
-        ])  # fmt: skip
-    return _COLUMNS, cells
-
-
 def _names(text: str) -> tuple[str, ...]:
     return tuple(part.strip() for part in text.split(",") if part.strip())
 
@@ -184,8 +152,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"limit per case, in its worker process ({d.case_timeout_s:g})")  # fmt: skip
     parser.add_argument("--results-dir", default=None, metavar="DIR",
                         help="write the JSON file here instead of benchmarks/results/")  # fmt: skip
-    parser.add_argument("--markdown", default=None, metavar="JSON",
-                        help="print the docs table of a compat-*.json file; runs nothing")  # fmt: skip
 
 
 def settings_from_args(args: argparse.Namespace) -> CompatSettings:
@@ -202,13 +168,11 @@ def settings_from_args(args: argparse.Namespace) -> CompatSettings:
 
 
 def run(args: argparse.Namespace, console: Console) -> int:
-    """``tidal bench compat``: run, print the table, write the JSON (or render one)."""
-    from benchmarks.compat_report import load_results, markdown
-    from benchmarks.results import write_results
+    """``tidal bench compat``: run, write the JSON, print its table."""
+    from benchmarks.compat_report import tables
+    from benchmarks.results import read_results, write_results
+    from benchmarks.tables import show
 
-    if args.markdown:
-        print(markdown(load_results(Path(args.markdown))), end="")  # as is: it goes into docs
-        return 0
     settings = settings_from_args(args)
 
     def progress(done: list[dict[str, Any]]) -> None:
@@ -219,16 +183,6 @@ def run(args: argparse.Namespace, console: Console) -> int:
     path = write_results(
         "compat", rows, folder=Path(args.results_dir) if args.results_dir else None
     )
-    headers, cells = table(rows)
-    view = Table(title="tidal bench compat: chunk engine against the reference engine",
-                 title_justify="left")  # fmt: skip
-    for i, header in enumerate(headers):
-        if header == "result":  # the whole error is in the JSON
-            view.add_column(header, no_wrap=True, overflow="ellipsis", max_width=36)
-        else:
-            view.add_column(header, justify="left" if i < 2 else "right", no_wrap=i < 2)
-    for line in cells:
-        view.add_row(*(Text(cell) for cell in line))  # an error's text is not markup
-    console.print(view)
+    show(console, tables(read_results(path), args))
     console.print(f"results: {path}")
     return 0

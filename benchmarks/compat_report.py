@@ -1,5 +1,6 @@
-"""The compatibility table of docs/chunk-engine.md, rendered from a ``compat-*.json`` file
-(``tidal bench compat --markdown FILE``), so that every figure in it comes from that file."""
+"""The compatibility table of ``tidal bench compat``: one line per model family, one column per
+mode, made from a ``compat-*.json`` file alone ([Note: one table per result] in
+benchmarks/tables.py), so the terminal and docs/results.md show the same cells."""
 
 from __future__ import annotations
 
@@ -7,7 +8,9 @@ import json
 from pathlib import Path
 from typing import Any
 
-__all__ = ["COLUMNS", "load_results", "markdown"]
+from benchmarks.tables import ResultTable
+
+__all__ = ["COLUMNS", "load_results", "tables"]
 
 # (column, mode) in table order; rank modes are found by prefix, whatever N the run used.
 COLUMNS = (
@@ -50,9 +53,9 @@ def _cell(row: dict[str, Any] | None, notes: list[str]) -> str:
         reason = row.get("reason") or result.removeprefix("error: ")
         if reason not in notes:  # one footnote per distinct cause
             notes.append(reason)
-        word = "**error**" if result.startswith("error") else "skipped"
+        word = "error" if result.startswith("error") else "skipped"
         return f"{word} [{notes.index(reason) + 1}]"
-    word = "match" if result == "match" else f"**{result}**"
+    word = result
     diff = row["max_rel_loss_diff"]
     text = f"{word} {'-' if diff is None else _diff(diff)}"
     if row["precision"] != "fp32":
@@ -64,13 +67,13 @@ def _cell(row: dict[str, Any] | None, notes: list[str]) -> str:
     return text
 
 
-def _escape(text: str) -> str:
-    return text.replace("|", "\\|").replace("\n", " ")
+def _one_line(text: str) -> str:
+    return text.replace("\n", " ")
 
 
-def markdown(data: dict[str, Any]) -> str:
-    """The table (one line per family, in the file's order), its provenance and footnotes."""
-    rows: list[dict[str, Any]] = data["rows"]
+def tables(result: dict[str, Any], args: object = None) -> list[ResultTable]:
+    """The table (one line per family, in the file's order); its footnotes below it."""
+    rows: list[dict[str, Any]] = result["rows"]
     families: dict[str, list[dict[str, Any]]] = {}
     for row in rows:
         families.setdefault(row["family"], []).append(row)
@@ -78,25 +81,27 @@ def markdown(data: dict[str, Any]) -> str:
     headers = ["family", "kind", "what it exercises"] + [
         name.replace("ranks", f"{ranks} ranks") for name, _ in COLUMNS
     ]
-    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
     notes: list[str] = []
+    cells = []
     for name, group in families.items():
         first = group[0]
-        cells = [f"`{name}`", first["kind"], _escape(first["notes"])]
-        cells += [_cell(_find(group, mode), notes) for _, mode in COLUMNS]
-        lines.append("| " + " | ".join(cells) + " |")
+        cells.append(
+            [name, first["kind"], _one_line(first["notes"])]
+            + [_cell(_find(group, mode), notes) for _, mode in COLUMNS]
+        )
     steps = {int(r["steps"]) for r in rows if r.get("steps") is not None}
     chunk = {int(r["chunk_elements"]) for r in rows if r.get("chunk_elements") is not None}
     head = (
-        f"`{data['command']}` at commit `{(data['git_commit'] or 'unknown')[:12]}`, torch "
-        f"{data['torch_version']}, {data['device']}, {data['created_at']}; "
         f"{'/'.join(map(str, sorted(steps)))} steps, chunks of "
-        f"{'/'.join(map(str, sorted(chunk)))} elements."
+        f"{'/'.join(map(str, sorted(chunk)))} elements; each cell: the result and the largest "
+        "relative loss difference from the reference engine (bf16: against its tolerance), "
+        "the budget of a tight run, † where a tight run's losses differ from its unlimited one's."
     )
-    tail = [f"[{i}] {_escape(note)}" for i, note in enumerate(notes, start=1)]
+    tail = [f"[{i}] {_one_line(note)}" for i, note in enumerate(notes, start=1)]
     bf16 = _low_precision_summary(rows)
-    parts = [head, "", *lines, "", *(f"{line}  " for line in tail), *(["", bf16] if bf16 else [])]
-    return "\n".join(parts).rstrip() + "\n"
+    note = " ".join([head, *tail, *([bf16] if bf16 else [])])
+    title = "tidal bench compat: the chunk engine against the reference engine"
+    return [ResultTable.of(title, headers, cells, left_columns=3, note=note)]
 
 
 def _low_precision_summary(rows: list[dict[str, Any]]) -> str | None:
@@ -106,7 +111,7 @@ def _low_precision_summary(rows: list[dict[str, Any]]) -> str | None:
         return None
     same = [r["family"] for r in low if r.get("first_loss_as_plain") is True]
     differ = [r["family"] for r in low if r.get("first_loss_as_plain") is False]
-    fails = [f"`{r['family']}` ({_escape(r['plain_error'])})" for r in low if "plain_error" in r]
+    fails = [f"{r['family']} ({_one_line(r['plain_error'])})" for r in low if "plain_error" in r]
     unknown = [
         r["family"] for r in low if "first_loss_as_plain" not in r and "plain_error" not in r
     ]
@@ -116,9 +121,9 @@ def _low_precision_summary(rows: list[dict[str, Any]]) -> str | None:
         f"(as in the chunk engine; before any update): {len(same)} of {len(low)} families"
     )
     if differ:
-        text += f"; different: {', '.join(f'`{name}`' for name in differ)}"
+        text += f"; different: {', '.join(differ)}"
     if fails:
         text += f"; plain PyTorch fails too: {'; '.join(fails)}"
     if unknown:
-        text += f"; not compared (no first loss): {', '.join(f'`{n}`' for n in unknown)}"
+        text += f"; not compared (no first loss): {', '.join(unknown)}"
     return text + "."

@@ -46,6 +46,7 @@ from benchmarks.dp_runs import (
 )
 from benchmarks.dp_systems import TIDAL, Case, missing_reason
 from benchmarks.results import write_results
+from benchmarks.tables import ResultTable
 from tidal.config import format_bytes
 from tidal.train.job import JobConfig
 from tidal.train.trainer import rank_rows
@@ -60,6 +61,7 @@ __all__ = [
     "scale_rows",
     "search_largest",
     "table",
+    "tables",
     "write_dp_results",
 ]
 
@@ -332,8 +334,20 @@ def _sizes(values: Sequence[int] | None) -> str:
     return "-" if not values else ", ".join(format_bytes(v) for v in values)
 
 
+def tables(result: dict[str, Any], args: object = None) -> list[ResultTable]:
+    """One table per section the result holds ([Note: one table per result]); a run whose ranks
+    failed in teardown says so under its table."""
+    present = {row["section"] for row in result["rows"]}
+    note = TEARDOWN_FOOTNOTE if has_teardown_errors(result["rows"]) else None
+    return [
+        ResultTable.of(f"tidal bench dp: {section}", *table(section, result["rows"]), note=note)
+        for section in SECTIONS
+        if section in present
+    ]
+
+
 def table(section: str, rows: Sequence[dict[str, Any]]) -> tuple[list[str], list[list[str]]]:
-    """Headers and cells of one section's table (the CLI draws it)."""
+    """Headers and cells of one section's table."""
     rows = [r for r in rows if r["section"] == section]
     return {"perf": _perf_table, "scale": _scale_table, "nvme": nvme_table}[section](rows)
 

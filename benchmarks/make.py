@@ -21,9 +21,10 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
-from rich.table import Table
 
-__all__ = ["add_arguments", "run", "time_targets"]
+from benchmarks.tables import ResultTable
+
+__all__ = ["add_arguments", "run", "tables", "time_targets"]
 
 _PROGRESS = re.compile(r"^step \d+/\d+ .*loss")
 _PYTEST_TOTAL = re.compile(r"\d+ passed.* in [\d.]+s")
@@ -74,18 +75,26 @@ def _figures(target: str, clone: Path, stdout: str) -> dict[str, Any]:
 
 def run(args: argparse.Namespace, console: Console) -> int:
     from benchmarks import write_results
+    from benchmarks.results import read_results
+    from benchmarks.tables import show
 
     targets = [t for t in args.targets.split(",") if t]
     with tempfile.TemporaryDirectory(prefix="tidal-bench-make-") as folder:
         rows = time_targets(Path.cwd(), targets, Path(folder))
     path = write_results("make", rows, folder=None if args.results_dir is None
                          else Path(args.results_dir))  # fmt: skip
-    table = Table(title=f"tidal bench make (a fresh clone) -> {path}", title_justify="left")
-    for column in ("target", "minutes", "exit", "set-up included", "result"):
-        table.add_column(column)
-    for row in rows:
-        result = row.get("last_progress_line") or "; ".join(row.get("pytest_totals", []))
-        table.add_row(row["target"], f"{row['minutes']:.1f}", str(row["rc"]),
-                      "yes" if row["includes_setup"] else "no", result or "-")  # fmt: skip
-    console.print(table)
+    show(console, tables(read_results(path), args))
+    console.print(f"results: {path}")
     return 0 if all(row["rc"] == 0 for row in rows) else 1
+
+
+def tables(result: dict[str, Any], args: object = None) -> list[ResultTable]:
+    """Each target's minutes from a fresh clone ([Note: one table per result] in
+    benchmarks/tables.py)."""
+    cells = []
+    for row in result["rows"]:
+        outcome = row.get("last_progress_line") or "; ".join(row.get("pytest_totals", []))
+        cells.append([row["target"], f"{row['minutes']:.1f}", str(row["rc"]),
+                      "yes" if row["includes_setup"] else "no", outcome or "-"])  # fmt: skip
+    columns = ("target", "minutes", "exit", "set-up included", "result")
+    return [ResultTable.of("tidal bench make (a fresh clone)", columns, cells)]

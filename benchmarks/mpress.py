@@ -52,10 +52,10 @@ from typing import Any
 
 import torch
 from rich.console import Console
-from rich.table import Table
 
 from benchmarks.mpress_measured import add_measured_arguments, bench_measured
 from benchmarks.mpress_zero3 import ZERO3_ROWS, Zero3Pricer
+from benchmarks.tables import ResultTable
 from tidal.activations import (
     Links,
     Saved,
@@ -388,6 +388,8 @@ def plot(rows: list[dict[str, Any]], path: Path) -> Path:
 
 def run(args: argparse.Namespace, console: Console) -> int:
     from benchmarks import write_results
+    from benchmarks.results import read_results
+    from benchmarks.tables import show
 
     sections = args.section or ["predicted", "measured"]
     rows = bench_mpress(args) if "predicted" in sections else []
@@ -397,44 +399,56 @@ def run(args: argparse.Namespace, console: Console) -> int:
     path = write_results("mpress", rows, folder=folder)
     if "predicted" in sections:
         console.print(f"plot: {plot(rows, path.with_suffix('.png'))}")
-    if "measured" in sections:
-        _print_measured([r for r in rows if r["section"] == "measured"], args, path, console)
-    if "predicted" not in sections:
-        return 0
-    table = Table(title=f"tidal bench mpress (predicted, {args.family}, {args.stages} GPUs of "
-                        f"{args.device_memory}, {args.topology}, PipeDream updates every "
-                        f"{args.pipedream_updates}) -> {path}", title_justify="left")  # fmt: skip
-    for column in ("schedule", "strategy", "largest blocks", "params", "x recompute", "split",
-                   "x recompute on the time split",
-                   "step s at recompute's largest", "split there", "peak there"):  # fmt: skip
-        table.add_column(column, justify="right")
-    for r in (r for r in rows if r["section"] == "predicted"):
-        step = r.get("step_s_at_recompute_largest")
-        table.add_row(
-            r["schedule"], r["strategy"], str(r["largest_layers"]), f"{r['largest_params']:,}",
-            "-" if r["vs_recompute"] is None else f"{r['vs_recompute']:.2f}",
-            r["largest_split"] or "-",
-            "-" if r["vs_recompute_time_split"] is None else f"{r['vs_recompute_time_split']:.2f}",
-            "does not fit" if step is None else f"{step:.4g}" + (
-                f" (floor {r['step_s_floor_at_recompute_largest']:.4g})"
-                if r["strategy"] in ZERO3_ROWS else ""),
-            r["split_at_recompute_largest"] or "-",
-            "-" if step is None else format_bytes(r["peak_bytes_at_recompute_largest"]),
-        )  # fmt: skip
-    console.print(table)
+    show(console, tables(read_results(path), args))
+    console.print(f"results: {path}")
     return 0
 
 
-def _print_measured(rows: list[dict[str, Any]], args: argparse.Namespace, path: Path,
-                    console: Console) -> None:  # fmt: skip
-    table = Table(title=f"tidal bench mpress (measured: {args.measured_ranks} gloo ranks, "
-                        f"{args.measured_budget} each) -> {path}", title_justify="left")  # fmt: skip
-    for column in ("schedule", "strategy", "largest blocks", "x recompute",
-                   "step s at recompute's largest"):  # fmt: skip
-        table.add_column(column, justify="right")
+def tables(result: dict[str, Any], args: argparse.Namespace) -> list[ResultTable]:
+    """The measured table, then the predicted one, as far as the result holds them ([Note: one
+    table per result] in benchmarks/tables.py)."""
+    measured = [r for r in result["rows"] if r["section"] == "measured"]
+    predicted = [r for r in result["rows"] if r["section"] == "predicted"]
+    return [
+        *([_measured_table(measured, args)] if measured else []),
+        *([_predicted_table(predicted, args)] if predicted else []),
+    ]
+
+
+def _predicted_table(rows: list[dict[str, Any]], args: argparse.Namespace) -> ResultTable:
+    title = (f"tidal bench mpress (predicted, {args.family}, {args.stages} GPUs of "
+             f"{args.device_memory}, {args.topology}, PipeDream updates every "
+             f"{args.pipedream_updates})")  # fmt: skip
+    columns = ("schedule", "strategy", "largest blocks", "params", "x recompute", "split",
+               "x recompute on the time split", "step s at recompute's largest", "split there",
+               "peak there")  # fmt: skip
+    cells = []
+    for r in rows:
+        step = r.get("step_s_at_recompute_largest")
+        time_split = r.get("vs_recompute_time_split")
+        cells.append([
+            r["schedule"], r["strategy"], str(r["largest_layers"]), f"{r['largest_params']:,}",
+            "-" if r["vs_recompute"] is None else f"{r['vs_recompute']:.2f}",
+            r.get("largest_split") or "-",
+            "-" if time_split is None else f"{time_split:.2f}",
+            "does not fit" if step is None else f"{step:.4g}" + (
+                f" (floor {r['step_s_floor_at_recompute_largest']:.4g})"
+                if r["strategy"] in ZERO3_ROWS else ""),
+            r.get("split_at_recompute_largest") or "-",
+            "-" if step is None else format_bytes(r["peak_bytes_at_recompute_largest"]),
+        ])  # fmt: skip
+    return ResultTable.of(title, columns, cells, left_columns=2)
+
+
+def _measured_table(rows: list[dict[str, Any]], args: argparse.Namespace) -> ResultTable:
+    title = (f"tidal bench mpress (measured: {args.measured_ranks} gloo ranks, "
+             f"{args.measured_budget} each)")  # fmt: skip
+    columns = ("schedule", "strategy", "largest blocks", "x recompute",
+               "step s at recompute's largest")  # fmt: skip
+    cells = []
     for r in rows:
         step = r["step_s_at_recompute_largest"]
-        table.add_row(r["schedule"], r["strategy"], str(r["largest_layers"]),
+        cells.append([r["schedule"], r["strategy"], str(r["largest_layers"]),
                       "-" if r["vs_recompute"] is None else f"{r['vs_recompute']:.2f}",
-                      "does not train" if step is None else f"{step:.4g}")  # fmt: skip
-    console.print(table)
+                      "does not train" if step is None else f"{step:.4g}"])  # fmt: skip
+    return ResultTable.of(title, columns, cells, left_columns=2)

@@ -67,6 +67,7 @@ from benchmarks.baselines import (
     deepspeed_missing_reason,
     train_steps,
 )
+from benchmarks.tables import ResultTable
 from tidal.config import ConfigError, format_bytes, require
 from tidal.distributed.device import peak_memory_bytes
 from tidal.memory.policy import optimal_traffic, static_offload_traffic, traffic_lower_bound
@@ -84,6 +85,7 @@ __all__ = [
     "overhead_rows",
     "scale_search",
     "table",
+    "tables",
     "time_system",
     "traffic_rows",
 ]
@@ -495,8 +497,18 @@ def _size(value: float | None) -> str:
     return "-" if value is None else format_bytes(value)
 
 
+def tables(result: dict[str, Any], args: object = None) -> list[ResultTable]:
+    """One table per section the result holds ([Note: one table per result])."""
+    present = {row["section"] for row in result["rows"]}
+    return [
+        ResultTable.of(f"tidal bench offload: {section}", *table(section, result["rows"]))
+        for section in SECTIONS
+        if section in present
+    ]
+
+
 def table(section: str, rows: Sequence[dict[str, Any]]) -> tuple[list[str], list[list[str]]]:
-    """Headers and cells of one section's table (the CLI draws it)."""
+    """Headers and cells of one section's table."""
     rows = [r for r in rows if r["section"] == section]
     return {
         "overhead": _overhead_table,

@@ -76,8 +76,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from rich.console import Console
-from rich.table import Table
 
+from benchmarks.tables import ResultTable
 from tidal.config import ConfigError, require
 from tidal.models.gpt import GPTConfig, build_gpt, split_gpt
 from tidal.pipeline.executor import StageRunner
@@ -99,6 +99,7 @@ __all__ = [
     "predict",
     "run",
     "table",
+    "tables",
 ]
 
 DEFAULT_SCHEDULES = ("gpipe", "1f1b", "pipemare")
@@ -523,46 +524,41 @@ COLUMNS = (
 )  # fmt: skip
 
 
-def table(rows: Sequence[dict[str, Any]]) -> Table:
+def tables(result: dict[str, Any], args: object = None) -> list[ResultTable]:
+    """The calibrated stage costs, then the schedules ([Note: one table per result] in
+    benchmarks/tables.py)."""
+    return [costs_table(result["rows"]), table(result["rows"])]
+
+
+def table(rows: Sequence[dict[str, Any]]) -> ResultTable:
     first = rows[0]
     title = (
         f"tidal bench pipeline: p = {first['stages']} gloo ranks, m = {first['microbatches']}, "
         f"{first['tokens_per_step']} tokens per step"
     )
-    view = Table(title=title, title_justify="left", caption=contention_note(rows))
-    for column in COLUMNS:
-        view.add_column(column, justify="left" if column == "schedule" else "right")
+    cells = []
     for row in rows:
         tokens = row["tokens_per_s"]
-        view.add_row(
-            row["schedule"],
-            f"{row['measured_step_s']:.4f}",
-            "-" if tokens is None else f"{tokens:,.0f}",
-            f"{row['predicted_step_s']:.4f}",
-            f"{row['measured_over_predicted']:.2f}",
-            f"{row['core_bound_step_s']:.4f}",
-            f"{row['measured_over_core_bound']:.2f}",
-            f"{100 * row['bubble_fraction']:.1f}%",
+        cells.append([
+            row["schedule"], f"{row['measured_step_s']:.4f}",
+            "-" if tokens is None else f"{tokens:,.0f}", f"{row['predicted_step_s']:.4f}",
+            f"{row['measured_over_predicted']:.2f}", f"{row['core_bound_step_s']:.4f}",
+            f"{row['measured_over_core_bound']:.2f}", f"{100 * row['bubble_fraction']:.1f}%",
             "-" if row["cores_used"] is None else f"{row['cores_used']:.2f}",
             f"{row['run_queue_wait_s_per_step']:.4f}",
-        )
-    return view
+        ])  # fmt: skip
+    return ResultTable.of(title, COLUMNS, cells, note=contention_note(rows))
 
 
-def costs_table(rows: Sequence[dict[str, Any]]) -> Table:
+def costs_table(rows: Sequence[dict[str, Any]]) -> ResultTable:
     """The calibrated stage costs in milliseconds."""
     costs = rows[0]["costs"]
-    view = Table(
-        title=f"calibrated stage costs, ms (p2p one-way {1e3 * costs['p2p_s']:.3f} ms)",
-        title_justify="left",
-    )
-    for column in ("stage", "forward", "backward", "update"):
-        view.add_column(column, justify="right")
-    for s in range(len(costs["forward_s"])):
-        view.add_row(
-            str(s), *(f"{1e3 * costs[k][s]:.2f}" for k in ("forward_s", "backward_s", "update_s"))
-        )
-    return view
+    title = f"calibrated stage costs, ms (p2p one-way {1e3 * costs['p2p_s']:.3f} ms)"
+    cells = [
+        [str(s), *(f"{1e3 * costs[k][s]:.2f}" for k in ("forward_s", "backward_s", "update_s"))]
+        for s in range(len(costs["forward_s"]))
+    ]
+    return ResultTable.of(title, ("stage", "forward", "backward", "update"), cells)
 
 
 def plot(rows: Sequence[dict[str, Any]], path: Path) -> Path:
@@ -655,7 +651,8 @@ def config_from_args(args: argparse.Namespace) -> PipelineBenchConfig:
 
 def run(args: argparse.Namespace, console: Console) -> int:
     """``tidal bench pipeline``: measure, print the tables, write the JSON (and the PNG)."""
-    from benchmarks.results import write_results
+    from benchmarks.results import read_results, write_results
+    from benchmarks.tables import show
 
     config = config_from_args(args)
     console.print(
@@ -666,8 +663,7 @@ def run(args: argparse.Namespace, console: Console) -> int:
     rows = bench_pipeline(config)
     folder = Path(args.results_dir) if args.results_dir else None
     path = write_results("pipeline", rows, folder=folder)
-    console.print(costs_table(rows))
-    console.print(table(rows))
+    show(console, tables(read_results(path), args))
     console.print(f"results: {path}")
     if not args.no_plot:
         console.print(f"plot: {plot(rows, path.with_suffix('.png'))}")

@@ -55,8 +55,8 @@ from typing import Any
 
 import torch
 from rich.console import Console
-from rich.table import Table
 
+from benchmarks.tables import ResultTable
 from tidal.config import ConfigError, require
 from tidal.data import BatchSampler, DataConfig, TokenSplits, build_token_splits
 from tidal.models.gpt import GPT, GPTConfig, build_gpt, split_gpt
@@ -87,6 +87,7 @@ __all__ = [
     "samplers",
     "settings",
     "table",
+    "tables",
     "validation_loss",
     "variant_schedule",
 ]
@@ -521,24 +522,23 @@ COLUMNS = (
 )  # fmt: skip
 
 
-def table(rows: Sequence[dict[str, Any]], *, title: str = "tidal bench pipemare") -> Table:
-    view = Table(title=title, title_justify="left")
-    for column in COLUMNS:
-        view.add_column(column, justify="left" if column in ("variant", "schedule") else "right")
+def tables(result: dict[str, Any], args: object = None) -> list[ResultTable]:
+    """One table of every section and variant ([Note: one table per result] in
+    benchmarks/tables.py)."""
+    return [table(result["rows"])]
+
+
+def table(rows: Sequence[dict[str, Any]], *, title: str = "tidal bench pipemare") -> ResultTable:
+    cells = []
     for row in rows:
         ratio = row["ratio_to_sync"]
-        view.add_row(
-            row["section"],
-            row["variant"],
-            row["schedule"],
-            _fmt(row["final_train_loss"]),
-            _fmt(row["val_loss"]),
-            "-" if ratio is None else f"{100 * (ratio - 1):+.1f}%",
-            " ".join(str(t) for t in row["max_tau"]),
-            "yes" if row["diverged"] else "no",
+        cells.append([
+            row["section"], row["variant"], row["schedule"], _fmt(row["final_train_loss"]),
+            _fmt(row["val_loss"]), "-" if ratio is None else f"{100 * (ratio - 1):+.1f}%",
+            " ".join(str(t) for t in row["max_tau"]), "yes" if row["diverged"] else "no",
             f"{row['seconds']:.1f}",
-        )
-    return view
+        ])  # fmt: skip
+    return ResultTable.of(title, COLUMNS, cells, left_columns=3)
 
 
 def _smooth(values: Sequence[float | None], window: int) -> list[float]:
@@ -677,13 +677,14 @@ def config_from_args(args: argparse.Namespace) -> PipeMareBenchConfig:
 
 def run(args: argparse.Namespace, console: Console) -> int:
     """``tidal bench pipemare``: train, print the table, write the JSON and the PNG plot."""
-    from benchmarks.results import write_results
+    from benchmarks.results import read_results, write_results
+    from benchmarks.tables import show
 
     config = config_from_args(args)
     rows = bench_pipemare(config, console=console)
     folder = Path(args.results_dir) if args.results_dir else None
     path = write_results("pipemare", rows, folder=folder)
     png = plot(rows, path.with_suffix(".png"))
-    console.print(table(rows))
+    show(console, tables(read_results(path), args))
     console.print(f"results: {path}\nplot: {png}")
     return 0

@@ -18,8 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
-from rich.table import Table
 
+from benchmarks.tables import ResultTable
 from tidal.models import GPTConfig, GPTSpec
 from tidal.models.gpt import measure_gpt
 from tidal.planner import ClusterSpec, Infeasible, PlannerConfig, Recompute, make_plan
@@ -27,7 +27,7 @@ from tidal.planner.graph import ModelGraph
 from tidal.planner.report import plan_report
 
 __all__ = ["MODELS", "DEVICES", "MEGATRON_COLUMNS", "bench_plan", "largest_fitting",
-           "megatron_rows", "plot", "rows_table", "run"]  # fmt: skip
+           "largest_tables", "megatron_rows", "plot", "rows_table", "run", "tables"]  # fmt: skip
 
 MODELS = ("gpt3-1.3b", "gpt3-13b", "gpt3-175b")
 DEVICES = (8, 64, 512)
@@ -361,6 +361,8 @@ def run(args: argparse.Namespace, console: Console) -> int:
     """``tidal bench plan``: the table rows, the Megatron-LM table, the JSON and the plot; with
     ``--largest`` the largest model that fits instead."""
     from benchmarks import write_results
+    from benchmarks.results import read_results
+    from benchmarks.tables import show
     from tidal.config import parse_bytes
 
     if args.largest:
@@ -382,26 +384,51 @@ def run(args: argparse.Namespace, console: Console) -> int:
     )
     folder = Path(args.results_dir) if args.results_dir else None
     path = write_results("plan", rows, folder=folder)
-    view = Table(title="tidal bench plan (cost model, H100 cluster)", title_justify="left")
-    for column in COLUMNS:
-        view.add_column(column, justify="left" if column == "model" else "right")
-    for cells in rows_table(rows):
-        view.add_row(*cells)
-    console.print(view)
-    title = "against Megatron-LM at its best (t x p x d grid, same cluster rules)"
-    best = Table(title=title, title_justify="left")
-    for column in MEGATRON_COLUMNS:
-        best.add_column(column, justify="left" if column in ("model",) else "right")
-    for cells in megatron_rows(rows):
-        best.add_row(*cells)
-    console.print(best)
+    show(console, tables(read_results(path), args))
     console.print(f"results: {path}")
     console.print(f"plot: {plot(rows, path.with_suffix('.png'))}")
     return 0
 
 
+def tables(result: dict[str, Any], args: object = None) -> list[ResultTable]:
+    """The plans against the layout baselines, then against Megatron-LM at its best ([Note: one
+    table per result] in benchmarks/tables.py)."""
+    rows = result["rows"]
+    return [
+        ResultTable.of("tidal bench plan (cost model, H100 cluster)", COLUMNS, rows_table(rows)),
+        ResultTable.of(
+            "against Megatron-LM at its best (t x p x d grid, same cluster rules)",
+            MEGATRON_COLUMNS,
+            megatron_rows(rows),
+        ),
+    ]
+
+
+def largest_tables(result: dict[str, Any], args: object = None) -> list[ResultTable]:
+    """``tidal bench plan --largest``: tidal's and Megatron-LM's largest model side by side."""
+    columns = ("width of", "N", "tidal layers", "tidal B params", "Megatron-LM layers",
+               "Megatron-LM B params", "tidal / Megatron-LM", "offloaded: tidal",
+               "Megatron-LM", "ratio", "tidal step s", "Megatron-LM step s")  # fmt: skip
+    cells = []
+    for row in result["rows"]:
+        step = row["offload_plan"]["step_time_s"] if row["offload_plan"] else float("nan")
+        theirs = row["megatron_offload_config"]
+        cells.append([
+            row["model"], str(row["devices"]), str(row["tidal_layers"]),
+            f"{row['tidal_params'] / 1e9:.1f}", str(row["megatron_layers"]),
+            f"{row['megatron_params'] / 1e9:.1f}", f"{row['ratio']:.2f}x",
+            f"{row['tidal_offload_params'] / 1e9:.1f}B",
+            f"{row['megatron_offload_params'] / 1e9:.1f}B", f"{row['offload_ratio']:.2f}x",
+            f"{step:.1f}", f"{theirs['step_time_s']:.1f}" if theirs else "-",
+        ])  # fmt: skip
+    title = "the largest model whose least-memory configuration fits (cost model)"
+    return [ResultTable.of(title, columns, cells)]
+
+
 def _run_largest(args: argparse.Namespace, console: Console) -> int:
     from benchmarks import write_results
+    from benchmarks.results import read_results
+    from benchmarks.tables import show
     from tidal.config import parse_bytes
 
     rows = [
@@ -417,23 +444,6 @@ def _run_largest(args: argparse.Namespace, console: Console) -> int:
     ]
     folder = Path(args.results_dir) if args.results_dir else None
     path = write_results("plan-largest", rows, folder=folder)
-    view = Table(title="the largest model whose least-memory configuration fits (cost model)",
-                 title_justify="left")  # fmt: skip
-    for column in ("width of", "N", "tidal layers", "tidal B params", "Megatron-LM layers",
-                   "Megatron-LM B params", "tidal / Megatron-LM", "offloaded: tidal",
-                   "Megatron-LM", "ratio", "tidal step s", "Megatron-LM step s"):  # fmt: skip
-        view.add_column(column, justify="left" if column == "width of" else "right")
-    for row in rows:
-        step = row["offload_plan"]["step_time_s"] if row["offload_plan"] else float("nan")
-        theirs = row["megatron_offload_config"]
-        view.add_row(
-            row["model"], str(row["devices"]), str(row["tidal_layers"]),
-            f"{row['tidal_params'] / 1e9:.1f}", str(row["megatron_layers"]),
-            f"{row['megatron_params'] / 1e9:.1f}", f"{row['ratio']:.2f}x",
-            f"{row['tidal_offload_params'] / 1e9:.1f}B",
-            f"{row['megatron_offload_params'] / 1e9:.1f}B", f"{row['offload_ratio']:.2f}x",
-            f"{step:.1f}", f"{theirs['step_time_s']:.1f}" if theirs else "-",
-        )  # fmt: skip
-    console.print(view)
+    show(console, largest_tables(read_results(path), args))
     console.print(f"results: {path}")
     return 0

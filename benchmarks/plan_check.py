@@ -22,11 +22,11 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
-from rich.table import Table
 
-from tidal.config import parse_bytes
+from benchmarks.tables import ResultTable
+from tidal.config import format_bytes, parse_bytes
 
-__all__ = ["add_arguments", "add_parser", "bench_plan_check", "run"]
+__all__ = ["add_arguments", "add_parser", "bench_plan_check", "run", "tables"]
 
 _RUN_OVERRIDES = (
     "checkpoint.every_steps=0",
@@ -166,28 +166,35 @@ def _row(model: str, budget: int, predicted: dict[str, Any], measured: dict[str,
 
 def run(args: argparse.Namespace, console: Console) -> int:
     from benchmarks import write_results
-    from tidal.config.configurable import format_bytes
+    from benchmarks.results import read_results
+    from benchmarks.tables import show
 
     rows = bench_plan_check(args)
     folder = None if args.results_dir is None else Path(args.results_dir)
     path = write_results("plan-check", rows, folder=folder)
-    table = Table(title=f"tidal bench plan-check: each plan's prediction ({args.cluster} figures) "
-                        f"against its run here -> {path}", title_justify="left")  # fmt: skip
-    for column in ("model", "budget", "recompute", "peak predicted", "allocator peak", "ratio",
-                   "step s predicted", "step s measured", "ratio"):  # fmt: skip
-        table.add_column(column, justify="right")
-    for r in rows:
+    show(console, tables(read_results(path), args))
+    console.print(f"results: {path}")
+    return 0
+
+
+def tables(result: dict[str, Any], args: argparse.Namespace) -> list[ResultTable]:
+    """Each plan's prediction beside its run ([Note: one table per result] in
+    benchmarks/tables.py)."""
+    columns = ("model", "budget", "recompute", "peak predicted", "allocator peak", "ratio",
+               "step s predicted", "step s measured", "ratio")  # fmt: skip
+    cells = []
+    for r in result["rows"]:
+        budget = format_bytes(r["device_memory_bytes"])
         if r["plan"] is None:
-            table.add_row(r["model"], format_bytes(r["device_memory_bytes"]), "infeasible",
-                          *["-"] * 6)  # fmt: skip
+            cells.append([r["model"], budget, "infeasible", *["-"] * 6])
             continue
         peak, ratio = r["measured_peak_bytes"], r["peak_measured_over_predicted"]
-        table.add_row(r["model"], format_bytes(r["device_memory_bytes"]),
-                      ", ".join(f"{k} {v}" for k, v in r["recompute"].items()),
-                      format_bytes(r["predicted_peak_bytes"]),
-                      "-" if peak is None else format_bytes(peak),
-                      "-" if ratio is None else f"{ratio:.2f}",
-                      f"{r['predicted_step_s']:.4f}", f"{r['measured_step_s']:.4f}",
-                      f"{r['step_measured_over_predicted']:.2f}")  # fmt: skip
-    console.print(table)
-    return 0
+        cells.append([
+            r["model"], budget, ", ".join(f"{k} {v}" for k, v in r["recompute"].items()),
+            format_bytes(r["predicted_peak_bytes"]), "-" if peak is None else format_bytes(peak),
+            "-" if ratio is None else f"{ratio:.2f}", f"{r['predicted_step_s']:.4f}",
+            f"{r['measured_step_s']:.4f}", f"{r['step_measured_over_predicted']:.2f}",
+        ])  # fmt: skip
+    title = (f"tidal bench plan-check: each plan's prediction ({args.cluster} figures) against "
+             "its run")  # fmt: skip
+    return [ResultTable.of(title, columns, cells)]

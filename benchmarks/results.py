@@ -14,7 +14,7 @@ import torch
 
 from tidal.train.metrics import git_commit
 
-__all__ = ["environment", "results_dir", "write_results"]
+__all__ = ["environment", "read_results", "results_dir", "write_results"]
 
 
 def results_dir() -> Path:
@@ -48,3 +48,9 @@ def write_results(bench: str, rows: list[dict[str, Any]], *, folder: Path | None
     path = folder / f"{bench}-{device_slug}-{stamp}.json"
     path.write_text(json.dumps({"bench": bench, **env, "rows": rows}, indent=2) + "\n")
     return path
+
+
+def read_results(path: Path) -> dict[str, Any]:
+    """A results file as written: its header (command, commit, device, ...) and its rows."""
+    data: dict[str, Any] = json.loads(path.read_text())
+    return data

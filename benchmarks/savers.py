@@ -43,8 +43,8 @@ from typing import Any
 
 import torch
 from rich.console import Console
-from rich.table import Table
 
+from benchmarks.tables import ResultTable
 from tidal.activations import Links, Saved, Saver, SaverPlan, TensorClass, evaluate, plan_savers
 from tidal.activations.apply import apply_savers
 from tidal.activations.costs import Choice, least_peak_bytes
@@ -60,7 +60,7 @@ from tidal.pipeline.schedules import make_schedule
 from tidal.pipeline.simulate import Simulation, StageCosts, simulate
 from tidal.pipeline.split import PipelineStage, even_ranges
 
-__all__ = ["STRATEGIES", "add_arguments", "bench_savers", "copy_rates", "run"]
+__all__ = ["STRATEGIES", "add_arguments", "bench_savers", "copy_rates", "run", "tables"]
 
 STRATEGIES = ("none", "recompute", "selective", "host", "plan")
 
@@ -311,7 +311,7 @@ def bench_savers(args: argparse.Namespace) -> dict[str, Any]:
                                          else None)  # fmt: skip
     step_plan = None if "plan" in skipped else step_with_savers(
         sim, _strategy("plan", saved, links)).makespan_s  # fmt: skip
-    return {"device": str(device), "config": dataclasses.asdict(config),
+    return {"torch_device": str(device), "config": dataclasses.asdict(config),
             "micro_batch": args.micro_batch, "stages": args.stages,
             "microbatches": args.microbatches, "copy_bytes_per_s": rates, "block": block,
             "stage_forward_backward_s": stage_s, "budget_fraction": args.budget_fraction,
@@ -376,35 +376,44 @@ def plot(result: dict[str, Any], path: Path) -> Path:
 
 def run(args: argparse.Namespace, console: Console) -> int:
     from benchmarks import write_results
+    from benchmarks.results import read_results
+    from benchmarks.tables import show
 
     result = bench_savers(args)
     folder = None if args.results_dir is None else Path(args.results_dir)
     rows = result.pop("rows")
     path = write_results("savers", rows, folder=folder)
     _add_header(path, result)
+    data = read_results(path)
     try:
-        console.print(f"plot: {plot({**result, 'rows': rows}, path.with_suffix('.png'))}")
+        console.print(f"plot: {plot(data, path.with_suffix('.png'))}")
     except ImportError:  # a machine without matplotlib still gets the JSON and the table
         console.print("no plot: matplotlib is not installed")
+    show(console, tables(data, args))
+    console.print(f"results: {path}")
+    return 0
+
+
+def tables(result: dict[str, Any], args: object = None) -> list[ResultTable]:
+    """Each strategy and stage, predicted beside measured; the copy rates and what was not
+    measured under it ([Note: one table per result] in benchmarks/tables.py)."""
     rates = ", ".join(f"{k} {v / 1e9:.1f} GB/s" for k, v in result["copy_bytes_per_s"].items())
-    console.print(f"copies: {rates}; block: " + ", ".join(
-        f"{k} {v * 1e3:.2f} ms" for k, v in result["block"].items()))  # fmt: skip
-    table = Table(title=f"tidal bench savers on {result['device']} (1F1B, {args.stages} stages, "
-                        f"{args.microbatches} microbatches) -> {path}", title_justify="left")  # fmt: skip
-    for column in ("strategy", "stage", "kept predicted", "meter", "peak predicted", "allocator peak",
-                   "step s", "added s predicted", "added s measured", "grads vs none"):  # fmt: skip
-        table.add_column(column, justify="right")
-    for r in rows:
+    block = ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in result["block"].items())
+    skipped = "; ".join(f"{name}: not measured: {why}" for name, why in result["skipped"].items())
+    columns = ("strategy", "stage", "kept predicted", "meter", "peak predicted", "allocator peak",
+               "step s", "added s predicted", "added s measured", "grads vs none")  # fmt: skip
+    cells = []
+    for r in result["rows"]:
         peak = r["allocator_peak_bytes"]
-        table.add_row(r["strategy"], str(r["stage"]), format_bytes(r["predicted_kept_bytes"]),
+        cells.append([r["strategy"], str(r["stage"]), format_bytes(r["predicted_kept_bytes"]),
                       format_bytes(r["meter_peak_bytes"]), format_bytes(r["predicted_peak_bytes"]),
                       "-" if peak is None else format_bytes(peak), f"{r['step_s']:.4f}",
                       f"{r['predicted_added_s']:.4f}", f"{r['measured_added_s']:.4f}",
-                      f"{r['grads_max_abs_diff']:.2g}")  # fmt: skip
-    console.print(table)
-    for name, why in result["skipped"].items():
-        console.print(f"{name}: not measured: {why}")
-    return 0
+                      f"{r['grads_max_abs_diff']:.2g}"])  # fmt: skip
+    title = (f"tidal bench savers on {result['device']} (1F1B, {result['stages']} stages, "
+             f"{result['microbatches']} microbatches)")  # fmt: skip
+    note = f"copies: {rates}; block: {block}" + (f". {skipped}" if skipped else "")
+    return [ResultTable.of(title, columns, cells, left_columns=2, note=note)]
 
 
 def _add_header(path: Path, result: dict[str, Any]) -> None:

@@ -16,11 +16,13 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from benchmarks.tables import ResultTable
+from tidal.config import format_bytes
 from tidal.train import Trainer, load_job
 from tidal.train.job import find_recipe
 from tidal.train.metrics import read_metrics
 
-__all__ = ["bench_train"]
+__all__ = ["bench_train", "tables"]
 
 _BENCH_OVERRIDES = (
     "checkpoint.every_steps=0",
@@ -106,3 +108,20 @@ def _row(
         "peak_memory_bytes": summary["peak_memory_bytes"],
         "final_loss": summary["final_loss"],
     }
+
+
+def tables(result: dict[str, Any], args: object = None) -> list[ResultTable]:
+    """The recipes side by side, tokens/s against the first ([Note: one table per result])."""
+    rows = result["rows"]
+    base = rows[0]["tokens_per_s"]
+    cells = []
+    for row in rows:
+        mfu = "-" if row["mfu"] is None else f"{100 * row['mfu']:.1f}%"
+        memory = ", ".join(f"{k} {format_bytes(v)}" for k, v in row["peak_memory_bytes"].items())
+        cells.append([
+            row["recipe"], row["variant"] or "-", f"{row['num_params']:,}",
+            f"{row['tokens_per_s']:,.0f} ({row['tokens_per_s'] / base:.2f}x)",
+            f"{row['model_tflops_per_s']:.3f}", mfu, memory,
+        ])  # fmt: skip
+    columns = ("recipe", "variant", "params", "tokens/s", "TFLOP/s", "MFU", "peak memory")
+    return [ResultTable.of("tidal bench train", columns, cells)]

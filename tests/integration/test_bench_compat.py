@@ -1,7 +1,6 @@
 """``tidal bench compat``: rows for a family that matches, one that raises, one that kills its
 process with a signal and one whose package is missing, in one run through the CLI's entry
-point; the markdown table rendered from that run's JSON; the docs' table is the rendering of the
-result file they name."""
+point; the table made from that run's JSON, as the CLI printed it and docs/results.md shows it."""
 
 from __future__ import annotations
 
@@ -9,7 +8,6 @@ import contextlib
 import io
 import json
 import os
-import re
 import signal
 from pathlib import Path
 from typing import Any
@@ -19,7 +17,7 @@ import torch
 from torch import nn
 
 from benchmarks.compat import CompatSettings
-from benchmarks.compat_report import load_results, markdown
+from benchmarks.compat_report import load_results, tables
 from tidal.cli.main import main
 from tidal.config import ConfigError
 from tidal.testing.zoo import ZooModel
@@ -109,25 +107,24 @@ def test_rows_of_a_match_an_exception_a_signal_and_a_missing_package(run: tuple[
 
 
 @pytest.mark.slow
-def test_markdown_has_one_line_per_family(run: tuple[Path, str], capsys) -> None:
-    path, _ = run
-    text = markdown(load_results(path))
-    table = [line for line in text.splitlines() if line.startswith("| `")]
-    assert [line.split("|")[1].strip() for line in table] == [
-        "`kills-itself`", "`alternating-branch`", "`raises`", "`needs-missing`",
+def test_the_table_has_one_line_per_family(run: tuple[Path, str]) -> None:
+    path, stdout = run
+    (table,) = tables(load_results(path))
+    assert [row[0] for row in table.rows] == [
+        "kills-itself", "alternating-branch", "raises", "needs-missing",
     ]  # fmt: skip
     rows = _rows(path)
-    branch = table[1].split("|")
+    branch = table.rows[1]
     diff = rows["alternating-branch", "fp32-unlimited"]["max_rel_loss_diff"]
-    assert branch[4].strip() == f"match {'0' if diff == 0 else f'{diff:.1e}'}"
+    assert branch[3] == f"match {'0' if diff == 0 else f'{diff:.1e}'}"
     budget_kib = rows["alternating-branch", "fp32-tight"]["budget_bytes"] / 1024
-    assert branch[5].strip().endswith(f"@ {budget_kib:.0f}KiB")
-    assert branch[6].strip() == "-"  # bf16 did not run
-    assert "[1] killed by signal 11 (SIGSEGV)" in text
-    assert "[2] RuntimeError: this model cannot train" in text
-    assert table[0].count("**error** [1]") == 2 and table[3].count("skipped [3]") == 2
-    assert main(["bench", "compat", "--markdown", str(path)]) == 0
-    assert capsys.readouterr().out == text
+    assert branch[4].endswith(f"@ {budget_kib:.0f}KiB")
+    assert branch[5] == "-"  # bf16 did not run
+    assert table.note is not None
+    assert "[1] killed by signal 11 (SIGSEGV)" in table.note
+    assert "[2] RuntimeError: this model cannot train" in table.note
+    assert table.rows[0].count("error [1]") == 2 and table.rows[3].count("skipped [3]") == 2
+    assert "alternating-branch" in stdout and "error [1]" in stdout  # the CLI printed this table
 
 
 def test_bad_settings_are_refused_before_running() -> None:
@@ -136,13 +133,3 @@ def test_bad_settings_are_refused_before_running() -> None:
     with pytest.raises(ConfigError, match="--ranks"):
         CompatSettings(ranks=1)
     assert main(["bench", "compat", "--families", "no-such-family"]) == 2
-
-
-def test_docs_table_is_the_committed_results() -> None:
-    """docs/chunk-engine.md shows the table rendered from the result file it names."""
-    docs = (Path(__file__).resolve().parents[2] / "docs" / "chunk-engine.md").read_text()
-    docs = re.sub(r" \[C\d+(?:: stale)?\]\(claims\.md#c\d+\)", "", docs)  # docs/claims.md's marks
-    found = re.search(r"--markdown\s+(benchmarks/results/compat-[\w.-]+\.json)", docs)
-    assert found is not None
-    path = Path(__file__).resolve().parents[2] / found.group(1)
-    assert markdown(load_results(path)) in docs

@@ -495,7 +495,7 @@ def _add_bench_compat(benches: argparse._SubParsersAction) -> None:
         "unlimited run measured; with --ranks N also the sharded engine on N gloo ranks. Each "
         "family runs in a worker process, so an exception or a signal is a row, not the end "
         "of the run (every family: about 1 min on 2 CPU cores, 6 min with --ranks 2). Writes "
-        "benchmarks/results/compat-*.json; --markdown renders one as the docs table.",
+        "benchmarks/results/compat-*.json.",
     )
     add_arguments(compat)
 

@@ -353,7 +353,9 @@ def _bench(args: argparse.Namespace, console: Console) -> int:
 
         return run_make(args, console)
     from benchmarks import bench_train, write_results
-    from tidal.config import format_bytes
+    from benchmarks.results import read_results
+    from benchmarks.tables import show
+    from benchmarks.train import tables
 
     rows = bench_train(
         args.recipes,
@@ -363,30 +365,16 @@ def _bench(args: argparse.Namespace, console: Console) -> int:
         warmup_steps=args.warmup_steps,
     )
     path = write_results("train", rows, folder=Path(args.results_dir) if args.results_dir else None)
-    table = Table(title=f"tidal bench train -> {path}", title_justify="left")
-    columns = ("recipe", "variant", "params", "tokens/s", "TFLOP/s", "MFU", "peak memory")
-    for column in columns:
-        table.add_column(column, justify="left" if column == "recipe" else "right")
-    base = rows[0]["tokens_per_s"]
-    for row in rows:
-        mfu = "-" if row["mfu"] is None else f"{100 * row['mfu']:.1f}%"
-        memory = ", ".join(f"{k} {format_bytes(v)}" for k, v in row["peak_memory_bytes"].items())
-        table.add_row(
-            row["recipe"],
-            row["variant"] or "-",
-            f"{row['num_params']:,}",
-            f"{row['tokens_per_s']:,.0f} ({row['tokens_per_s'] / base:.2f}x)",
-            f"{row['model_tflops_per_s']:.3f}",
-            mfu,
-            memory,
-        )
-    console.print(table)
+    show(console, tables(read_results(path), args))
+    console.print(f"results: {path}")
     return 0
 
 
 def _bench_offload(args: argparse.Namespace, console: Console) -> int:
     from benchmarks import write_results
-    from benchmarks.offload import SECTIONS, OffloadSettings, bench_offload, table
+    from benchmarks.offload import SECTIONS, OffloadSettings, bench_offload, tables
+    from benchmarks.results import read_results
+    from benchmarks.tables import show
     from tidal.config import parse_bytes
 
     settings = OffloadSettings(
@@ -404,16 +392,7 @@ def _bench_offload(args: argparse.Namespace, console: Console) -> int:
     rows = bench_offload(settings)
     folder = Path(args.results_dir) if args.results_dir else None
     path = write_results("offload", rows, folder=folder)
-    for section in SECTIONS:
-        if section not in settings.sections:
-            continue
-        headers, cells = table(section, rows)
-        view = Table(title=f"tidal bench offload: {section}", title_justify="left")
-        for i, header in enumerate(headers):
-            view.add_column(header, justify="left" if i == 0 else "right")
-        for line in cells:
-            view.add_row(*line)
-        console.print(view)
+    show(console, tables(read_results(path), args))
     console.print(f"results: {path}")
     return 0
 
@@ -430,16 +409,10 @@ def _fractions(text: str) -> tuple[float, ...]:
 
 
 def _bench_dp(args: argparse.Namespace, console: Console) -> int:
-    from benchmarks.dp import (
-        SECTIONS,
-        TEARDOWN_FOOTNOTE,
-        DpSettings,
-        bench_dp,
-        has_teardown_errors,
-        table,
-        write_dp_results,
-    )
+    from benchmarks.dp import SECTIONS, DpSettings, bench_dp, tables, write_dp_results
     from benchmarks.dp_systems import DP_SYSTEMS
+    from benchmarks.results import read_results
+    from benchmarks.tables import show
     from tidal.config import ConfigError, parse_bytes
 
     def names(text: str) -> tuple[str, ...]:
@@ -465,18 +438,7 @@ def _bench_dp(args: argparse.Namespace, console: Console) -> int:
     path = write_dp_results(
         settings, rows, folder=Path(args.results_dir) if args.results_dir else None
     )
-    for section in SECTIONS:
-        if section not in settings.sections:
-            continue
-        headers, cells = table(section, rows)
-        view = Table(title=f"tidal bench dp: {section}", title_justify="left")
-        for i, header in enumerate(headers):
-            view.add_column(header, justify="left" if i == 0 else "right")
-        for line in cells:
-            view.add_row(*line)
-        console.print(view)
-    if has_teardown_errors(rows):
-        console.print(TEARDOWN_FOOTNOTE)
+    show(console, tables(read_results(path), args))
     console.print(f"results: {path}")
     return 0
 
