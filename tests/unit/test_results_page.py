@@ -1,0 +1,111 @@
+"""docs/results.md and README.md's results table are what ``tidal bench report`` writes from
+benchmarks/results/ (benchmarks/report.py), and the report's rules on made-up results."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from benchmarks.report import README_BEGIN, README_END, readme_with, render
+from benchmarks.runs import current_runs, load_runs, replaced_runs
+from benchmarks.targets import TARGETS, read
+from tidal.cli.main import main
+
+ROOT = Path(__file__).resolve().parents[2]
+RESULTS = ROOT / "benchmarks" / "results"
+MAKE_RUN = "make-cpu-x86-64-20261126-203345.json"  # a small committed run the tests copy
+
+
+def test_the_results_page_and_the_readme_table_are_what_the_report_writes() -> None:
+    runs = load_runs(RESULTS)
+    assert (ROOT / "docs" / "results.md").read_text() == render(runs), (
+        "docs/results.md is not what `tidal bench report` writes: run it"
+    )
+    readme = (ROOT / "README.md").read_text()
+    assert readme == readme_with(readme, runs), (
+        "README.md's results table: run `tidal bench report`"
+    )
+
+
+def test_the_results_folder_holds_no_replaced_run() -> None:
+    replaced = [run.path.name for run in replaced_runs(load_runs(RESULTS))]
+    assert not replaced, f"later runs replaced {replaced}: `tidal bench report --prune`"
+
+
+def test_every_target_reads_a_committed_run_and_the_readme_has_at_most_twelve() -> None:
+    runs = load_runs(RESULTS)
+    unread = [t.key for t in TARGETS if read(t, runs).run is None]
+    assert not unread, f"no run measures {unread}"
+    assert 6 <= sum(t.headline for t in TARGETS) <= 12
+    assert len({t.key for t in TARGETS}) == len(TARGETS)
+
+
+def _report(folder: Path, *flags: str) -> int:
+    argv = ["bench", "report", "--results-dir", str(folder / "results"),
+            "--out", str(folder / "results.md"), "--readme", str(folder / "README.md"), *flags]  # fmt: skip
+    with contextlib.redirect_stdout(io.StringIO()):
+        return main(argv)
+
+
+@pytest.fixture
+def made_up(tmp_path: Path) -> Path:
+    """A folder that is no git checkout, with one committed run and a README with the markers."""
+    (tmp_path / "results").mkdir()
+    shutil.copy(RESULTS / MAKE_RUN, tmp_path / "results" / MAKE_RUN)
+    (tmp_path / "README.md").write_text(f"# x\n\n{README_BEGIN}\n{README_END}\n\nend\n")
+    return tmp_path
+
+
+def _edit(path: Path, minutes: float) -> None:
+    data = json.loads(path.read_text())
+    next(r for r in data["rows"] if r["target"] == "test")["minutes"] = minutes
+    path.write_text(json.dumps(data, indent=2) + "\n")
+
+
+def test_an_edited_figure_fails_the_check_until_the_page_is_written_again(made_up: Path) -> None:
+    assert _report(made_up, "--check") == 1  # nothing written yet
+    assert _report(made_up) == 0
+    assert _report(made_up, "--check") == 0
+    page = (made_up / "results.md").read_text()
+    assert "| test | 10.9 |" in page and "10.9 min" in (made_up / "README.md").read_text()
+    assert (made_up / "README.md").read_text().endswith("\n\nend\n")  # only the block changes
+    _edit(made_up / "results" / MAKE_RUN, 16.2)
+    assert _report(made_up, "--check") == 1
+    assert _report(made_up) == 0 and _report(made_up, "--check") == 0
+    readme = (made_up / "README.md").read_text()
+    assert "16.2 min" in readme and "| misses |" in readme  # over the 15-minute target now
+
+
+def test_a_later_run_of_the_same_settings_replaces_an_earlier_one(made_up: Path) -> None:
+    first = made_up / "results" / MAKE_RUN
+    data = json.loads(first.read_text())
+    later = made_up / "results" / "make-cpu-x86-64-20261201-000000.json"
+    later.write_text(json.dumps({**data, "created_at": "2026-12-01T00:00:00+00:00"}))
+    other = made_up / "results" / "make-cpu-x86-64-20261202-000000.json"
+    other.write_text(json.dumps({**data, "command": "tidal bench make --targets test",
+                                 "created_at": "2026-12-02T00:00:00+00:00"}))  # fmt: skip
+    runs = load_runs(made_up / "results")
+    assert [r.path.name for r in replaced_runs(runs)] == [MAKE_RUN]
+    assert [r.path.name for r, _ in current_runs(runs)] == [other.name, later.name]
+    assert _report(made_up, "--prune") == 0
+    assert not first.exists() and later.exists() and other.exists()
+
+
+def test_a_result_the_parser_cannot_read_is_one_line(made_up: Path, capsys) -> None:
+    path = made_up / "results" / MAKE_RUN
+    path.write_text(path.read_text().replace('"tidal bench make"', '"tidal bench make --nope"'))
+    assert _report(made_up, "--check") == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert MAKE_RUN in line and "unrecognized arguments: --nope" in line
+
+
+def test_a_readme_without_the_markers_is_refused_in_one_line(made_up: Path, capsys) -> None:
+    (made_up / "README.md").write_text("# x\n")
+    assert _report(made_up) == 2
+    assert "--readme: the file has no results block" in capsys.readouterr().err
+    assert (made_up / "README.md").read_text() == "# x\n"  # nothing lost
