@@ -128,7 +128,9 @@ def _run_section(run: Run, sections: Sequence[str], folder: str) -> str:
     return "\n".join(lines)
 
 
-def _readings_table(readings: Sequence[Reading], *, link: str, folder: str) -> list[str]:
+def _readings_table(
+    readings: Sequence[Reading], *, link: str, folder: str, anchors: bool = False
+) -> list[str]:
     lines = [
         "| figure | measured | target | verdict | compared with | device, date, commit | run |",
         "|---|---|---|---|---|---|---|",
@@ -137,7 +139,8 @@ def _readings_table(readings: Sequence[Reading], *, link: str, folder: str) -> l
         t, run = r.target, r.run
         where = "-" if run is None else f"{run.device}, {_date(run)}, {_commit(run)}"
         links = "-" if run is None else f"[run]({link}#{run.name}), [JSON]({folder}/{run.path.name})"  # fmt: skip
-        cells = [t.figure, r.shown, f"{t.bound_text} ({t.set_by})", r.verdict, t.compared_with,
+        figure = f'<a id="{t.key}"></a>{t.figure}' if anchors else t.figure
+        cells = [figure, r.shown, f"{t.bound_text} ({t.set_by})", r.verdict, t.compared_with,
                  where, links]  # fmt: skip
         lines.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
     return lines
@@ -159,7 +162,7 @@ def render(runs: Sequence[Run]) -> str:
         "",
         "## Targets",
         "",
-        *_readings_table(readings, link="", folder="../benchmarks/results"),
+        *_readings_table(readings, link="", folder="../benchmarks/results", anchors=True),
         "",
         "## Runs",
         "",
