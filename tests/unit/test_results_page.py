@@ -7,12 +7,13 @@ import contextlib
 import io
 import json
 import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
 
 from benchmarks.report import README_BEGIN, README_END, readme_with, render
-from benchmarks.runs import current_runs, load_runs, replaced_runs
+from benchmarks.runs import changed_since, current_runs, load_runs, replaced_runs
 from benchmarks.targets import TARGETS, read
 from tidal.cli.main import main
 
@@ -109,3 +110,32 @@ def test_a_readme_without_the_markers_is_refused_in_one_line(made_up: Path, caps
     assert _report(made_up) == 2
     assert "--readme: the file has no results block" in capsys.readouterr().err
     assert (made_up / "README.md").read_text() == "# x\n"  # nothing lost
+
+
+def test_stale_says_which_runs_code_changed_since_their_commit_and_writes_nothing(
+    made_up: Path, monkeypatch: pytest.MonkeyPatch, capsys
+) -> None:
+    def git(*argv: str) -> str:
+        return subprocess.run(["git", *argv], cwd=made_up, check=True, capture_output=True,
+                              text=True).stdout.strip()  # fmt: skip
+
+    git("init", "-q")
+    git("config", "user.email", "t@t")
+    git("config", "user.name", "t")
+    (made_up / "Makefile").write_text("test:\n\ttrue\n")  # code the make bench measures
+    git("add", "-A")
+    git("commit", "-qm", "one")
+    path = made_up / "results" / MAKE_RUN
+    data = json.loads(path.read_text())
+    path.write_text(json.dumps({**data, "git_commit": git("rev-parse", "HEAD")}))
+    assert _report(made_up) == 0
+    (run,) = load_runs(made_up / "results")
+    assert changed_since(run, made_up) == []
+    (made_up / "Makefile").write_text("test:\n\tfalse\n")
+    assert changed_since(run, made_up) == ["Makefile"]
+    monkeypatch.chdir(made_up)
+    page = (made_up / "results.md").read_text()
+    assert main(["bench", "report", "--results-dir", "results", "--out", "results.md",
+                 "--readme", "README.md", "--stale", "--check"]) == 0  # fmt: skip
+    assert f"{run.name}: 1 files, e.g. Makefile" in capsys.readouterr().out
+    assert (made_up / "results.md").read_text() == page  # the page does not say it
