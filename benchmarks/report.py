@@ -24,7 +24,7 @@ from pathlib import Path
 
 from rich.console import Console
 
-from benchmarks.runs import Run, changed_since, current_runs, load_runs, replaced_runs
+from benchmarks.runs import Results, Run, changed_since, current_runs, replaced_runs
 from benchmarks.tables import ResultTable, markdown
 from benchmarks.targets import TARGETS, Reading, read
 from tidal.config import ConfigError
@@ -146,10 +146,10 @@ def _readings_table(
     return lines
 
 
-def render(runs: Sequence[Run]) -> str:
-    """docs/results.md for ``runs``."""
-    readings = [read(t, runs) for t in TARGETS]
-    current = current_runs(runs)
+def render(results: Results) -> str:
+    """docs/results.md for ``results``."""
+    readings = [read(t, results) for t in TARGETS]
+    current = current_runs(results.runs)
     lines = [
         "# Results",
         "",
@@ -167,39 +167,37 @@ def render(runs: Sequence[Run]) -> str:
         "## Runs",
         "",
     ]
-    for bench in BENCHES:
-        mine = [(run, sections) for run, sections in current if run.bench == bench]
-        if mine:
-            lines.append(f"- [{bench}](#bench-{bench}): {len(mine)} run(s)")
     unknown = sorted({run.bench for run, _ in current} - set(BENCHES))
     if unknown:
         raise ConfigError(
             "--results-dir",
             f"no tables for bench(es) {unknown}: add them to BENCHES in benchmarks/report.py",
         )
-    for bench, (what, _) in BENCHES.items():
-        mine = [(run, sections) for run, sections in current if run.bench == bench]
-        if not mine:
-            continue
-        lines += ["", f'<a id="bench-{bench}"></a>', f"## {bench}", "", what, ""]
-        for t in (r for r in readings if r.target.bench == bench and r.run is not None):
-            lines.append(f"- Target: {t.target.figure}: **{t.shown}** against {t.target.bound_text}, {t.verdict} ([run](#{t.run.name})).")  # fmt: skip
+    by_bench = {b: [(r, s) for r, s in current if r.bench == b] for b in BENCHES}
+    by_bench = {bench: mine for bench, mine in by_bench.items() if mine}
+    lines += [
+        f"- [{bench}](#bench-{bench}): {len(mine)} run(s)" for bench, mine in by_bench.items()
+    ]
+    for bench, mine in by_bench.items():
+        lines += ["", f'<a id="bench-{bench}"></a>', f"## {bench}", "", BENCHES[bench][0], ""]
+        for t in readings:
+            if t.target.bench == bench and t.run is not None:
+                lines.append(f"- Target: {t.target.figure}: **{t.shown}** against {t.target.bound_text}, {t.verdict} ([run](#{t.run.name})).")  # fmt: skip
         for device in dict.fromkeys(run.device for run, _ in mine):
             lines += ["", f"### {bench} on {device}", ""]
-            for run, sections in mine:
-                if run.device == device:
-                    lines.append(_run_section(run, sections, "../benchmarks/results"))
+            lines += [_run_section(run, sections, "../benchmarks/results")
+                      for run, sections in mine if run.device == device]  # fmt: skip
     return "\n".join(lines).rstrip() + "\n"
 
 
-def readme_table(runs: Sequence[Run]) -> str:
+def readme_table(results: Results) -> str:
     """The README's results table: the headline targets."""
-    readings = [read(t, runs) for t in TARGETS if t.headline]
+    readings = [read(t, results) for t in TARGETS if t.headline]
     table = _readings_table(readings, link="docs/results.md", folder="benchmarks/results")
     return "\n".join([README_BEGIN, *table, README_END])
 
 
-def readme_with(text: str, runs: Sequence[Run]) -> str:
+def readme_with(text: str, results: Results) -> str:
     """``text`` (README.md) with the block between its results markers rewritten."""
     start, end = text.find(README_BEGIN), text.find(README_END)
     if start < 0 or end < start:
@@ -208,7 +206,7 @@ def readme_with(text: str, runs: Sequence[Run]) -> str:
             f"the file has no results block: put the two lines {README_BEGIN!r} and "
             f"{README_END!r} where the table goes",
         )
-    return text[:start] + readme_table(runs) + text[end + len(README_END) :]
+    return text[:start] + readme_table(results) + text[end + len(README_END) :]
 
 
 # -- the command -----------------------------------------------------------------------------------
@@ -223,27 +221,28 @@ def _stale(console: Console, runs: Sequence[Run], root: Path) -> None:
         console.print(f"  {run.name}: {what}", markup=False)
 
 
-def run(args: argparse.Namespace, console: Console) -> int:
+def run(args: argparse.Namespace, console: Console, parser: argparse.ArgumentParser) -> int:
+    """``parser``: the CLI's, to read each run's command as it would ([Note: latest runs])."""
     root = Path.cwd()
     folder = Path(args.results_dir) if args.results_dir else root / "benchmarks" / "results"
-    runs = load_runs(folder)
+    results = Results.load(folder, parser)
     if args.prune and not args.check:
-        for old in replaced_runs(runs):
+        for old in replaced_runs(results.runs):
             for path in (old.path, old.path.with_suffix(".png")):
                 path.unlink(missing_ok=True)
             console.print(f"removed {old.path.name} (replaced by a later run)")
-        runs = load_runs(folder)
+        results = Results.load(folder, parser)
     page, readme = Path(args.out), Path(args.readme)
-    wanted = {page: render(runs), readme: readme_with(readme.read_text(), runs)}
+    wanted = {page: render(results), readme: readme_with(readme.read_text(), results)}
     if args.stale:
-        _stale(console, runs, root)
+        _stale(console, results.runs, root)
     if args.check:
         differ = [str(p) for p, text in wanted.items() if not p.is_file() or p.read_text() != text]
-        for path in differ:
-            console.print(f"{path} is not what `tidal bench report` writes: run it", markup=False)
+        for name in differ:
+            console.print(f"{name} is not what `tidal bench report` writes: run it", markup=False)
         return 1 if differ else 0
     for path, text in wanted.items():
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text)
-    console.print(f"wrote {page} ({len(current_runs(runs))} runs) and {readme}'s results table")
+    console.print(f"wrote {page} ({len(current_runs(results.runs))} runs) and {readme}'s results table")  # fmt: skip
     return 0

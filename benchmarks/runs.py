@@ -36,8 +36,7 @@ __all__ = [
     "Run",
     "changed_since",
     "current_runs",
-    "load_runs",
-    "parse_command",
+    "Results",
     "replaced_runs",
     "settings_of",
 ]
@@ -121,13 +120,6 @@ def settings_of(bench: str, args: argparse.Namespace) -> tuple[tuple[str, str], 
     return tuple(sorted((k, repr(v)) for k, v in vars(args).items() if k not in ignored))
 
 
-def parse_command(command: str, *, path: Path | None = None) -> argparse.Namespace:
-    """A ``tidal ...`` command line as the current parser reads it; ConfigError if it cannot."""
-    from tidal.cli.args import build_parser
-
-    return _parse(build_parser(), command, path or Path("<command>"))
-
-
 def _parse(parser: argparse.ArgumentParser, command: str, path: Path) -> argparse.Namespace:
     tokens = shlex.split(command)
     if tokens[:1] != ["tidal"]:
@@ -145,16 +137,25 @@ def _parse(parser: argparse.ArgumentParser, command: str, path: Path) -> argpars
         ) from None
 
 
-def load_runs(folder: Path) -> list[Run]:
-    """Every ``*.json`` of ``folder``, oldest first."""
-    from tidal.cli.args import build_parser
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Results:
+    """The runs of a results folder, oldest first, and the parser that read their commands
+    (the CLI's, passed in: benchmarks sit below the CLI that runs them)."""
 
-    parser = build_parser()
-    runs = []
-    for path in sorted(folder.glob("*.json")):
-        data = read_results(path)
-        runs.append(Run(path=path, data=data, args=_parse(parser, data["command"], path)))
-    return sorted(runs, key=lambda run: (run.created, run.name))
+    runs: tuple[Run, ...]
+    parser: argparse.ArgumentParser
+
+    @classmethod
+    def load(cls, folder: Path, parser: argparse.ArgumentParser) -> Results:
+        runs = []
+        for path in sorted(folder.glob("*.json")):
+            data = read_results(path)
+            runs.append(Run(path=path, data=data, args=_parse(parser, data["command"], path)))
+        return cls(runs=tuple(sorted(runs, key=lambda r: (r.created, r.name))), parser=parser)
+
+    def settings(self, bench: str, command: str) -> tuple[tuple[str, str], ...]:
+        """What a run of ``command`` would be identified by ([Note: latest runs])."""
+        return settings_of(bench, _parse(self.parser, command, Path("<command>")))
 
 
 def current_runs(runs: Sequence[Run]) -> list[tuple[Run, tuple[str, ...]]]:

@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING
 
-from rich.console import Console
-from rich.table import Table
-from rich.text import Text
+if TYPE_CHECKING:  # rich is the CLI's: the benchmarks package imports without it
+    from rich.console import Console
 
 __all__ = ["ResultTable", "markdown", "show"]
 
@@ -56,6 +56,9 @@ class ResultTable:
 
 def show(console: Console, tables: Iterable[ResultTable]) -> None:
     """Print each table with rich (cells are text, never markup: an error may hold brackets)."""
+    from rich.table import Table
+    from rich.text import Text
+
     for table in tables:
         view = Table(title=table.title, title_justify="left", caption=table.note)
         for i, column in enumerate(table.columns):

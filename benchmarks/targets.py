@@ -10,11 +10,10 @@ that hold; a new run moves the figure, and nothing is written by hand.
 from __future__ import annotations
 
 import dataclasses
-import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
-from benchmarks.runs import Run, parse_command, settings_of
+from benchmarks.runs import Results, Run
 
 __all__ = ["TARGETS", "Reading", "Target", "read"]
 
@@ -27,11 +26,6 @@ def _row(data: Result, **match: Any) -> dict[str, Any]:
     if len(found) != 1:
         raise KeyError(f"{len(found)} rows with {match}")
     return found[0]
-
-
-@functools.cache
-def _settings(bench: str, command: str) -> tuple[tuple[str, str], ...]:
-    return settings_of(bench, parse_command(command))
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -53,8 +47,8 @@ class Target:
     set_by: str  # where the bound comes from
     headline: bool = False  # also in README.md
 
-    def matches(self, run: Run) -> bool:
-        settings = _settings(self.bench, self.command)
+    def matches(self, run: Run, settings: tuple[tuple[str, str], ...]) -> bool:
+        """``settings``: those of :attr:`command`, as the results read it."""
         return (
             run.bench == self.bench
             and self.device.lower() in run.device.lower()
@@ -84,9 +78,10 @@ class Reading:
         return "holds" if holds else "misses"
 
 
-def read(target: Target, runs: Sequence[Run]) -> Reading:
+def read(target: Target, results: Results) -> Reading:
     """The target on the newest run that matches it."""
-    matching = [run for run in runs if target.matches(run)]
+    settings = results.settings(target.bench, target.command)
+    matching = [run for run in results.runs if target.matches(run, settings)]
     if not matching:
         return Reading(target=target, run=None)
     run = max(matching, key=lambda r: (r.created, r.name))

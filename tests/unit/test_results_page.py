@@ -13,34 +13,36 @@ from pathlib import Path
 import pytest
 
 from benchmarks.report import README_BEGIN, README_END, readme_with, render
-from benchmarks.runs import changed_since, current_runs, load_runs, replaced_runs
+from benchmarks.runs import Results, changed_since, current_runs, replaced_runs
 from benchmarks.targets import TARGETS, read
+from tidal.cli.args import build_parser
 from tidal.cli.main import main
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "benchmarks" / "results"
+PARSER = build_parser()
 MAKE_RUN = "make-cpu-x86-64-20261126-203345.json"  # a small committed run the tests copy
 
 
 def test_the_results_page_and_the_readme_table_are_what_the_report_writes() -> None:
-    runs = load_runs(RESULTS)
-    assert (ROOT / "docs" / "results.md").read_text() == render(runs), (
+    results = Results.load(RESULTS, PARSER)
+    assert (ROOT / "docs" / "results.md").read_text() == render(results), (
         "docs/results.md is not what `tidal bench report` writes: run it"
     )
     readme = (ROOT / "README.md").read_text()
-    assert readme == readme_with(readme, runs), (
+    assert readme == readme_with(readme, results), (
         "README.md's results table: run `tidal bench report`"
     )
 
 
 def test_the_results_folder_holds_no_replaced_run() -> None:
-    replaced = [run.path.name for run in replaced_runs(load_runs(RESULTS))]
+    replaced = [run.path.name for run in replaced_runs(Results.load(RESULTS, PARSER).runs)]
     assert not replaced, f"later runs replaced {replaced}: `tidal bench report --prune`"
 
 
 def test_every_target_reads_a_committed_run_and_the_readme_has_at_most_twelve() -> None:
-    runs = load_runs(RESULTS)
-    unread = [t.key for t in TARGETS if read(t, runs).run is None]
+    results = Results.load(RESULTS, PARSER)
+    unread = [t.key for t in TARGETS if read(t, results).run is None]
     assert not unread, f"no run measures {unread}"
     assert 6 <= sum(t.headline for t in TARGETS) <= 12
     assert len({t.key for t in TARGETS}) == len(TARGETS)
@@ -90,7 +92,7 @@ def test_a_later_run_of_the_same_settings_replaces_an_earlier_one(made_up: Path)
     other = made_up / "results" / "make-cpu-x86-64-20261202-000000.json"
     other.write_text(json.dumps({**data, "command": "tidal bench make --targets test",
                                  "created_at": "2026-12-02T00:00:00+00:00"}))  # fmt: skip
-    runs = load_runs(made_up / "results")
+    runs = Results.load(made_up / "results", PARSER).runs
     assert [r.path.name for r in replaced_runs(runs)] == [MAKE_RUN]
     assert [r.path.name for r, _ in current_runs(runs)] == [other.name, later.name]
     assert _report(made_up, "--prune") == 0
@@ -129,7 +131,7 @@ def test_stale_says_which_runs_code_changed_since_their_commit_and_writes_nothin
     data = json.loads(path.read_text())
     path.write_text(json.dumps({**data, "git_commit": git("rev-parse", "HEAD")}))
     assert _report(made_up) == 0
-    (run,) = load_runs(made_up / "results")
+    (run,) = Results.load(made_up / "results", PARSER).runs
     assert changed_since(run, made_up) == []
     (made_up / "Makefile").write_text("test:\n\tfalse\n")
     assert changed_since(run, made_up) == ["Makefile"]

@@ -352,10 +352,10 @@ def _bench(args: argparse.Namespace, console: Console) -> int:
         from benchmarks.make import run as run_make
 
         return run_make(args, console)
-    if args.bench == "report":
+    if args.bench == "report":  # it reads each result's command with this CLI's parser
         from benchmarks.report import run as run_report
 
-        return run_report(args, console)
+        return run_report(args, console, build_parser())
     from benchmarks import bench_train, write_results
     from benchmarks.results import read_results
     from benchmarks.tables import show
