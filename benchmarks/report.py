@@ -71,7 +71,7 @@ BENCHES: dict[str, tuple[str, str]] = {
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--results-dir", default=None, metavar="DIR",
                         help="the results to read (default: benchmarks/results/)")  # fmt: skip
-    parser.add_argument("--out", default="docs/results.md", metavar="FILE",
+    parser.add_argument("--page", default="docs/results.md", metavar="FILE",
                         help="the page to write (docs/results.md)")  # fmt: skip
     parser.add_argument("--readme", default="README.md", metavar="FILE",
                         help="the README whose results table to write (README.md)")  # fmt: skip
@@ -232,7 +232,7 @@ def run(args: argparse.Namespace, console: Console, parser: argparse.ArgumentPar
                 path.unlink(missing_ok=True)
             console.print(f"removed {old.path.name} (replaced by a later run)")
         results = Results.load(folder, parser)
-    page, readme = Path(args.out), Path(args.readme)
+    page, readme = Path(args.page), Path(args.readme)
     wanted = {page: render(results), readme: readme_with(readme.read_text(), results)}
     if args.stale:
         _stale(console, results.runs, root)

@@ -50,7 +50,7 @@ def test_every_target_reads_a_committed_run_and_the_readme_has_at_most_twelve() 
 
 def _report(folder: Path, *flags: str) -> int:
     argv = ["bench", "report", "--results-dir", str(folder / "results"),
-            "--out", str(folder / "results.md"), "--readme", str(folder / "README.md"), *flags]  # fmt: skip
+            "--page", str(folder / "results.md"), "--readme", str(folder / "README.md"), *flags]  # fmt: skip
     with contextlib.redirect_stdout(io.StringIO()):
         return main(argv)
 
@@ -137,7 +137,7 @@ def test_stale_says_which_runs_code_changed_since_their_commit_and_writes_nothin
     assert changed_since(run, made_up) == ["Makefile"]
     monkeypatch.chdir(made_up)
     page = (made_up / "results.md").read_text()
-    assert main(["bench", "report", "--results-dir", "results", "--out", "results.md",
+    assert main(["bench", "report", "--results-dir", "results", "--page", "results.md",
                  "--readme", "README.md", "--stale", "--check"]) == 0  # fmt: skip
     assert f"{run.name}: 1 files, e.g. Makefile" in capsys.readouterr().out
     assert (made_up / "results.md").read_text() == page  # the page does not say it
