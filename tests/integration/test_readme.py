@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
 import re
 import shlex
 from pathlib import Path
@@ -60,8 +61,19 @@ def test_the_command_line_quick_start_runs_line_by_line(
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
             code = main(argv[1:])
         assert code == 0, f"{shlex.join(argv)}:\n{out.getvalue()[-2000:]}{err.getvalue()[-2000:]}"
-    for run_dir in re.findall(r"run_dir=(\S+)", block):
-        assert (tmp_path / run_dir / "summary.json").is_file(), run_dir
+    summaries = {
+        run_dir: json.loads((tmp_path / run_dir / "summary.json").read_text())
+        for run_dir in re.findall(r"run_dir=(\S+)", block)
+    }
+    engines = {d: (s["engine"].split()[0], s["world_size"]) for d, s in summaries.items()}
+    assert engines == {
+        "runs/tiny": ("reference", 1), "runs/chunk": ("chunk", 1),
+        "runs/zero3": ("chunk-sharded", 2), "runs/plan": ("plan", 2),
+        "runs/pipe": ("pipeline", 2), "runs/llama": ("reference", 1),
+    }  # fmt: skip
+    assert all(s["steps"] == 20 for s in summaries.values())
+    assert 0 < summaries["runs/chunk"]["peak_device_bytes"] <= 3 * 2**20  # its budget
+    assert (tmp_path / "runs/plan/checkpoints").is_dir()  # written by the two ranks
 
 
 def test_every_command_it_shows_is_one_the_cli_accepts() -> None:
