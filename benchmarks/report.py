@@ -29,7 +29,15 @@ from benchmarks.tables import ResultTable, markdown
 from benchmarks.targets import TARGETS, Reading, read
 from tidal.config import ConfigError
 
-__all__ = ["README_BEGIN", "README_END", "add_arguments", "readme_with", "render", "run"]
+__all__ = [
+    "README_BEGIN",
+    "README_END",
+    "add_arguments",
+    "add_parser",
+    "readme_with",
+    "render",
+    "run",
+]
 
 README_BEGIN = (
     "<!-- results: written by `tidal bench report` from benchmarks/results/ and "
@@ -66,6 +74,20 @@ BENCHES: dict[str, tuple[str, str]] = {
     "savers": ("MPress savers measured on the device against the memory model.",
                "benchmarks.savers:tables"),
 }  # fmt: skip
+
+
+def add_parser(benches: argparse._SubParsersAction) -> None:
+    """``tidal bench report`` among the benches of the command line."""
+    report = benches.add_parser(
+        "report",
+        help="write docs/results.md and the README's results table from benchmarks/results/",
+        description="Read every benchmarks/results/*.json; for each bench, device and setting, "
+        "the latest run's tables (each bench's own, as it printed them), its command, commit, "
+        "date, torch version and device, and each target beside its figure, written to "
+        "docs/results.md; the headline targets also to README.md, between its results "
+        "markers. Runs nothing.",
+    )
+    add_arguments(report)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

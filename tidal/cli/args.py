@@ -273,26 +273,14 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     _add_bench_pipemare(benches)
     _add_bench_mpress(benches)
     _add_bench_savers(benches)
-    _add_bench_plan_check(benches)
     _add_bench_pipeline(benches)
     _add_bench_compat(benches)
     _add_bench_make(benches)
-    _add_bench_report(benches)
+    from benchmarks.plan_check import add_parser as add_plan_check
+    from benchmarks.report import add_parser as add_report
 
-
-def _add_bench_report(benches: argparse._SubParsersAction) -> None:
-    from benchmarks.report import add_arguments
-
-    report = benches.add_parser(
-        "report",
-        help="write docs/results.md and the README's results table from benchmarks/results/",
-        description="Read every benchmarks/results/*.json; for each bench, device and setting, "
-        "the latest run's tables (each bench's own, as it printed them), its command, commit, "
-        "date, torch version and device, and each target beside its figure, written to "
-        "docs/results.md; the headline targets also to README.md, between its results "
-        "markers. Runs nothing.",
-    )
-    add_arguments(report)
+    add_plan_check(benches)
+    add_report(benches)
 
 
 def _add_bench_make(benches: argparse._SubParsersAction) -> None:
@@ -476,12 +464,6 @@ def _add_bench_savers(benches: argparse._SubParsersAction) -> None:
         "benchmarks/results/savers-*.json and a PNG beside it.",
     )
     add_arguments(savers)
-
-
-def _add_bench_plan_check(benches: argparse._SubParsersAction) -> None:
-    from benchmarks.plan_check import add_parser
-
-    add_parser(benches)
 
 
 def _add_bench_pipeline(benches: argparse._SubParsersAction) -> None:
