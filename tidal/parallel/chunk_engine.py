@@ -346,11 +346,13 @@ _PARAM_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.fl
 
 def _layout(model: nn.Module, chunk: ChunkConfig, world_size: int) -> ChunkLayout:
     """Capacities are multiples of the alignment, so an alignment that is a multiple of the
-    world size makes every chunk split into equal shards."""
+    world size makes every chunk split into equal shards. A size that is not one is rounded
+    down: on N ranks a chunk never holds more than the size asked for, so no rank's least
+    budget exceeds one process's."""
     align = math.lcm(chunk.align, world_size)
     params = unique_parameters(model)
     size = chunk.size or default_chunk_size(params, align=align).chunk_size
-    size = -(-size // align) * align if world_size > 1 else size
+    size = max(align, size // align * align) if world_size > 1 else size
     return plan_layout(params, chunk_size=size, align=align)
 
 

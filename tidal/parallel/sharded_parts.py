@@ -114,10 +114,12 @@ class ShardedParts:
         return store
 
     def minimum_budget(self, engine: PartsHost) -> tuple[int, str]:
-        """The hungriest module's chunks, plus one chunk's fp32 gradient and its reduced shard:
-        the least a backward needs besides the module's chunks."""
+        """The hungriest module's chunks, plus, where some chunk is not fp32, one chunk's fp32
+        gradient and its reduced shard: fp32 chunks take their gradients in place ([Note:
+        gradients in gathered chunks] in tidal/sharding/grads.py)."""
         need, owner = largest_module_bytes(engine.model, engine.store)
-        largest = max((c.spec.capacity for c in engine.store.chunks), default=0)
+        largest = max((c.spec.capacity for c in engine.store.chunks
+                       if c.dtype != torch.float32), default=0)  # fmt: skip
         return need + 4 * largest + 4 * largest // self.world_size, owner
 
     def make_optimizer(self, engine: PartsHost, optimizer: OptimizerConfig,
@@ -170,15 +172,17 @@ class ShardedParts:
         self._placed = True
 
     def stats(self, engine: PartsHost, stats: dict[str, Any]) -> dict[str, Any]:
-        transient = engine.optimizer.peak_transient_bytes
+        required = engine.optimizer.peak_required_transient_bytes
         stats.update(
             engine="chunk-sharded",
             rank=self.rank,
             world_size=self.world_size,
             reshard_after_forward=self.sharding.reshard_after_forward,
-            # the largest moment plus the gradient buffers the backward held at once
-            min_device_bytes=stats["min_device_bytes"] + transient,
-            peak_gradient_buffer_bytes=transient,
+            # the largest moment plus the gradient buffers no chunk could do without
+            # ([Note: gradients in gathered chunks] in tidal/sharding/grads.py)
+            min_device_bytes=stats["min_device_bytes"] + required,
+            peak_gradient_buffer_bytes=engine.optimizer.peak_transient_bytes,
+            gradient_stashes=engine.optimizer.gradients.gathered.num_stashes,
             chunks_on_nvme=len(engine.optimizer.on_disk),
             param_shards_on_nvme=len(engine.store.on_disk),
             **self.comm.stats(),

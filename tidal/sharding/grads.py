@@ -14,6 +14,9 @@ which is the order the collectives need ([Note: ranks decide alike] in store.py)
 run in fp32 whatever the parameters' precision: with bf16 parameter chunks each gradient is
 rounded once, as on one process, and the sum over ranks adds no rounding of its own.
 
+Under a device budget an fp32 chunk takes its gradients in its gathered payload instead
+([Note: gradients in gathered chunks] in gathered_grads.py).
+
 A parameter may get no gradient in a backward ([Note: parameters without a gradient] in
 tidal/memory/optim.py). A chunk some of whose parameters got one is reduced when the backward
 ends (:meth:`ShardedGradients.finish_backward`), in chunk order, with zeros in the other slots;
@@ -36,8 +39,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from tidal.memory.chunk import Chunk, ChunkState
 from tidal.memory.optim_rules import OptimizerEntry
 from tidal.memory.tiers import Tier
+from tidal.sharding.gathered_grads import GatheredGradients, takes_gradients
 from tidal.sharding.store import ShardedChunkStore
 from tidal.sharding.swap import GRAD, GRAD_WRITES, ShardList, StateSwapper
 
@@ -73,10 +78,17 @@ class ShardedGradients:
         self._arrived: dict[int, int] = {}  # chunk index -> gradients arrived this backward
         self._got_grad: set[int] = set()  # id(param) with a gradient since the last step
         self._full: dict[int, torch.Tensor] = {}  # chunk index -> its gradient, being collected
-        self._pending: list[tuple[int, Any, torch.Tensor, torch.Tensor]] = []
+        self.gathered = GatheredGradients(store)  # [Note: gradients in gathered chunks]
+        store.sharding.before_drop = self._before_drop
+        # (chunk index, work, its fp32 buffer or None when reduced in place, the output)
+        self._pending: list[tuple[int, Any, torch.Tensor | None, torch.Tensor]] = []
+        self._stale: set[int] = set()  # gathered payloads holding reduced gradients, to drop
         # Bytes of gradient buffers held on the device now, and the most held at once.
         self._transient_bytes = 0
         self.peak_transient_bytes = 0
+        # ... of them, those of chunks that cannot take their gradients in place.
+        self._required_bytes = 0
+        self.peak_required_transient_bytes = 0
 
     @property
     def num_bytes(self) -> int:
@@ -93,10 +105,14 @@ class ShardedGradients:
         grad = param.grad
         assert grad is not None
         index, slot = self.store.slot_of[id(param)]
-        full = self._full.get(index)
-        if full is None:
-            full = self._full[index] = self._allocate_full(index)
-        self.store.chunks[index].view_in(full, slot).copy_(grad)
+        chunk = self.store.chunks[index]
+        if index in self.gathered or (index not in self._full and self._in_place_for(chunk)):
+            self.gathered.write(index, slot, grad)
+        else:
+            full = self._full.get(index)
+            if full is None:
+                full = self._full[index] = self._allocate_full(index)
+            chunk.view_in(full, slot).copy_(grad)
         param.grad = None
         self._got_grad.add(id(param))
         self._arrived[index] = arrived = self._arrived.get(index, 0) + 1
@@ -104,40 +120,79 @@ class ShardedGradients:
         if arrived == self._params_in[index]:
             self._reduce(index)
 
+    def _in_place_for(self, chunk: Chunk) -> bool:
+        """Whether ``chunk`` takes this backward's gradients in its gathered payload ([Note:
+        gradients in gathered chunks])."""
+        return takes_gradients(chunk) and self.store.device_tier.budget_bytes is not None
+
     def _allocate_full(self, index: int) -> torch.Tensor:
         tier, num_bytes = self.store.device_tier, 4 * self.store.chunks[index].spec.capacity
         if not tier.can_fit(num_bytes):
             self._wait_reductions()  # their buffers go
         self.store.make_device_room(num_bytes)
         full = tier.allocate(num_bytes // 4, torch.float32, own_mapping=False)
-        self._count_transient(full.nbytes)
+        self._count_transient(index, full.nbytes)
         return full.zero_()  # padding, and slots whose gradient comes later
 
     def _reduce(self, index: int) -> None:
+        if index in self.gathered:
+            self._reduce_in_place(index)
+            return
         full = self._full.pop(index)
         tier = self.store.device_tier
         if not tier.can_fit(full.nbytes // self.comm.world_size):
             self._wait_reductions()
         self.store.make_device_room(full.nbytes // self.comm.world_size)
         out = tier.allocate(full.numel() // self.comm.world_size, torch.float32, own_mapping=False)
-        self._count_transient(out.nbytes)
+        self._count_transient(index, out.nbytes)
         work = self.comm.reduce_scatter(out, full, async_op=True)
         self._pending.append((index, work, full, out))
         if len(self._pending) > self.max_pending:
             self._wait_reductions(keep=self.max_pending)
 
-    def _count_transient(self, num_bytes: int) -> None:
+    def _reduce_in_place(self, index: int) -> None:
+        """Reduce-scatter chunk ``index``'s payload into its own range ([Note: gradients in
+        gathered chunks] in gathered_grads.py)."""
+        payload = self.gathered.payload_for_reduction(index)
+        own = payload.narrow(0, self.store.shard_start(index), self.store.shard_numel(index))
+        work = self.comm.reduce_scatter(own, payload, async_op=True)
+        self._pending.append((index, work, None, own))
+        if len(self._pending) > self.max_pending:
+            self._wait_reductions(keep=self.max_pending)
+
+    def _before_drop(self, index: int) -> None:
+        """The store is dropping chunk ``index``'s payload: let its reduction finish writing
+        into it, and keep the gradients it holds."""
+        if any(pending[0] == index for pending in self._pending):
+            self._wait_reductions(dropping=index)
+        self.gathered.stash(index)
+
+    def _count_transient(self, index: int, num_bytes: int) -> None:
         self._transient_bytes += num_bytes
         self.peak_transient_bytes = max(self.peak_transient_bytes, self._transient_bytes)
+        if not takes_gradients(self.store.chunks[index]):  # a budget would not avoid these
+            self._required_bytes += num_bytes
+            self.peak_required_transient_bytes = max(
+                self.peak_required_transient_bytes, self._required_bytes
+            )
 
-    def _wait_reductions(self, *, keep: int = 0) -> None:
-        """Wait for all but the newest ``keep`` reductions, oldest first."""
+    def _uncount_transient(self, index: int, num_bytes: int) -> None:
+        self._transient_bytes -= num_bytes
+        if not takes_gradients(self.store.chunks[index]):
+            self._required_bytes -= num_bytes
+
+    def _wait_reductions(self, *, keep: int = 0, dropping: int | None = None) -> None:
+        """Wait for all but the newest ``keep`` reductions, oldest first (or, ``dropping``, up
+        to that chunk's: the store is dropping its payload)."""
         tier = self.store.device_tier
+        if dropping is not None:
+            keep = len(self._pending) - 1 - [p[0] for p in self._pending].index(dropping)
         done = self._pending[: len(self._pending) - keep]
         for index, work, full, out in done:
             if work is not None:  # None: done already (one process)
                 work.wait()
-            tier.free(full)
+            if full is not None:
+                tier.free(full)
             out.div_(self.comm.world_size)
             grad = self.shards[index]
             if index in self.on_disk:
@@ -152,9 +207,14 @@ class ShardedGradients:
                     target.record_move(in_bytes=out.nbytes)
             else:
                 grad.add_(out.to(grad.device))
-            tier.free(out)
-            self._transient_bytes -= full.nbytes + out.nbytes
+            if full is None:  # out was the payload's own range: it holds no weights now
+                self._stale.add(index)
+            else:
+                tier.free(out)
+                self._uncount_transient(index, full.nbytes + out.nbytes)
         del self._pending[: len(done)]
+        if dropping is None:  # not inside the store's own drop
+            self._drop_stale()
 
     def _spill(self, index: int, reduced: torch.Tensor) -> None:
         """Write a reduced shard to disk (added to the one there when accumulating), keeping
@@ -185,11 +245,23 @@ class ShardedGradients:
     def finish_backward(self) -> None:
         """Reduce the chunks only some of whose parameters got a gradient, then wait for this
         backward's reductions (see the module doc)."""
-        for index in sorted(self._full):
+        for index in sorted(self._full.keys() | self.gathered.indices()):
             self._reduce(index)
         self._wait_reductions()
         self._finish_writes()
+        self._drop_stale()
         self._arrived.clear()
+
+    def _drop_stale(self) -> None:
+        """Drop the payloads that hold reduced gradients, but those a module still holds (the
+        backward's end drops them)."""
+        for index in sorted(self._stale):
+            chunk = self.store.chunks[index]
+            if not chunk.on_device:  # the store dropped it meanwhile
+                self._stale.discard(index)
+            elif chunk.state is not ChunkState.COMPUTE:
+                self.store.evict(index)
+                self._stale.discard(index)
 
     def has_gradient(self, param: nn.Parameter) -> bool:
         """Whether ``param`` got a gradient since the last step (on this rank)."""
@@ -224,7 +296,9 @@ class ShardedGradients:
         for index in list(self._full):
             full = self._full.pop(index)
             self.store.device_tier.free(full)
-            self._transient_bytes -= full.nbytes
+            self._uncount_transient(index, full.nbytes)
+        self._stale |= self.gathered.forget()  # a backward that raised: its gradients go
+        self._drop_stale()
         self._arrived.clear()
         self._got_grad.clear()
         for e in self._entries:

@@ -245,6 +245,10 @@ class ShardedOptimizer:
     def peak_transient_bytes(self) -> int:
         return self.gradients.peak_transient_bytes
 
+    @property
+    def peak_required_transient_bytes(self) -> int:
+        return self.gradients.peak_required_transient_bytes
+
     # -- the step ([Note: updates on pieces]) ----------------------------------------------------
 
     def step(self, *, lr: float, max_grad_norm: float, loss_scale: float = 1.0) -> float | None:

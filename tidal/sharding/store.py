@@ -70,7 +70,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -113,6 +113,9 @@ class ShardedTransport:
         self.shards: list[torch.Tensor | None] = []
         self.shard_tiers: list[Tier] = []
         self._gathers: dict[int, Any] = {}  # chunk index -> work handle of its pending gather
+        # Called before a payload is dropped: it may hold gradients ([Note: gradients in
+        # gathered chunks] in gathered_grads.py).
+        self.before_drop: Callable[[int], None] | None = None
         self._store: ChunkHost | None = None
 
     @property
@@ -261,6 +264,8 @@ class ShardedTransport:
     def evict(self, index: int) -> None:
         """Drop the gathered copy: the shards hold the weights ([Note: sharded chunks])."""
         self.await_arrival([index])  # the gather still writes into the buffer
+        if self.before_drop is not None:
+            self.before_drop(index)
         self.store.chunks[index].release(discard=True)
 
     def wait_for_copies(self) -> None:
