@@ -165,6 +165,11 @@ def _pipeline_flags(args: argparse.Namespace) -> None:
         args.overrides = [*args.overrides, f"pipeline.schedule={args.schedule}"]
     if args.pipeline_stages is None:
         return
+    if args.pipeline_stages < 2:
+        from tidal.config import ConfigError
+
+        raise ConfigError("--pipeline-stages", f"must be >= 2 (one process per stage), got "
+                          f"{args.pipeline_stages}; without it the run trains without a pipeline")  # fmt: skip
     args.overrides = [*args.overrides, f"pipeline.stages={args.pipeline_stages}"]
     under_torchrun = (
         "TORCHELASTIC_RUN_ID" in os.environ or int(os.environ.get("WORLD_SIZE", "1")) > 1
