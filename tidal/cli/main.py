@@ -169,8 +169,11 @@ def _pipeline_flags(args: argparse.Namespace) -> None:
     if args.pipeline_stages < 2:
         from tidal.config import ConfigError
 
-        raise ConfigError("--pipeline-stages", f"must be >= 2 (one process per stage), got "
-                          f"{args.pipeline_stages}; without it the run trains without a pipeline")  # fmt: skip
+        raise ConfigError(
+            "--pipeline-stages",
+            f"must be >= 2 (one process per stage), got {args.pipeline_stages}; without it the "
+            f"run trains without a pipeline",
+        )
     args.overrides = [*args.overrides, f"pipeline.stages={args.pipeline_stages}"]
     under_torchrun = (
         "TORCHELASTIC_RUN_ID" in os.environ or int(os.environ.get("WORLD_SIZE", "1")) > 1

@@ -15,10 +15,11 @@ Run as a separate ``torchrun`` process the agent would then print its own traceb
 caught, and the agent's log is quieted while it runs, so a run's ending is the ranks' one line.
 A rank that fails says why itself (one line, or its traceback); the launcher returns that rank's
 exit code (2 bad input, 75 dead rank, 130 interrupted) and adds a line only when the rank could
-not speak (killed by a signal: a dead rank, 75) or crashed with a traceback (1). Ranks that fail alike (a config
-error every rank finds, the survivors' verdict on one dead rank) say it once between them: a
-rank prints its line only if it is the first of this machine's ranks to claim that line
-(:func:`say_once`); a line that differs, a rank's own error, is printed whatever the others said.
+not speak (killed by a signal: a dead rank, 75) or crashed with a traceback (1). Ranks that fail
+alike (a config error every rank finds, the survivors' verdict on one dead rank) say it once
+between them: a rank prints its line only if it is the first of this machine's ranks to claim
+that line (:func:`say_once`); a line that differs, a rank's own error, is printed whatever the
+others said.
 """
 
 from __future__ import annotations
@@ -289,8 +290,10 @@ def _children(proc: Path, pid: int) -> list[int]:
 def _failure_line(rank: int, exitcode: int) -> str:
     if exitcode < 0:
         name = signal.Signals(-exitcode).name
-        return (f"tidal: rank {rank} was killed by {name} (out of host memory, or stopped by "
-                f"hand?); the last complete checkpoint is intact: resume with --resume")  # fmt: skip
+        return (
+            f"tidal: rank {rank} was killed by {name} (out of host memory, or stopped by hand?); "
+            f"the last complete checkpoint is intact: resume with --resume"
+        )
     return f"tidal: rank {rank} failed with exit code {exitcode}; its error is printed above"
 
 
