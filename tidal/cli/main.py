@@ -7,19 +7,23 @@ error, a missing recipe or run folder), reported as one line without a traceback
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import signal
 import sys
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 from rich.table import Table
 
 from tidal.cli.args import build_parser
+
+if TYPE_CHECKING:  # the command imports the library lazily: a Ctrl-C while it does is one line
+    from tidal.train import JobConfig
 
 __all__ = ["main"]
 
@@ -78,13 +82,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         if os.environ.get("RANK", "0") == "0":  # one line for the run, not one per rank
             print(f"tidal: interrupted by {err}; continue with --resume", file=sys.stderr)
         return EXIT_INTERRUPTED
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as err:  # a second Ctrl-C, or one before the run could stop
         if os.environ.get("RANK", "0") == "0":
-            print(
-                "tidal: interrupted; checkpoints already written are intact "
-                "(continue with --resume)",
-                file=sys.stderr,
-            )
+            print(f"tidal: interrupted; {err}" if str(err) else "tidal: interrupted",
+                  file=sys.stderr)  # fmt: skip
         return EXIT_INTERRUPTED
 
 
@@ -165,6 +166,14 @@ def _pipeline_flags(args: argparse.Namespace) -> None:
         args.overrides = [*args.overrides, f"pipeline.schedule={args.schedule}"]
     if args.pipeline_stages is None:
         return
+    if args.pipeline_stages < 2:
+        from tidal.config import ConfigError
+
+        raise ConfigError(
+            "--pipeline-stages",
+            f"must be >= 2 (one process per stage), got {args.pipeline_stages}; without it the "
+            f"run trains without a pipeline",
+        )
     args.overrides = [*args.overrides, f"pipeline.stages={args.pipeline_stages}"]
     under_torchrun = (
         "TORCHELASTIC_RUN_ID" in os.environ or int(os.environ.get("WORLD_SIZE", "1")) > 1
@@ -184,17 +193,39 @@ def _terminate_as_interrupt(_signum: int, _frame: object) -> None:
 
 
 def _train(args: argparse.Namespace, console: Console, argv: list[str]) -> int:
-    import os
-
-    from tidal.cli.progress import RichProgress
     from tidal.distributed import install_watchdog
-    from tidal.train import Trainer, load_job
+    from tidal.train import load_job
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     install_watchdog()  # [Note: watchdog opt-in] in tidal/distributed/env.py
     from tidal.train.job import find_recipe
 
     job = load_job(find_recipe(args.recipe), args.overrides, deepspeed=_deepspeed(args))
+    with _saying_what_is_saved(job.run_path):
+        return _fit(job, args, console, argv)
+
+
+@contextlib.contextmanager
+def _saying_what_is_saved(run_dir: Path) -> Iterator[None]:
+    """A Ctrl-C that stops the run at once says what of it is saved, or that nothing is."""
+    try:
+        yield
+    except KeyboardInterrupt:
+        from tidal.train.checkpoint import latest_checkpoint
+
+        latest = latest_checkpoint(run_dir)
+        saved = ("no checkpoint was written, so there is nothing to resume; run the command "
+                 "again to start over" if latest is None else
+                 f"the last checkpoint, {latest}, is intact (continue with --resume)")  # fmt: skip
+        raise KeyboardInterrupt(saved) from None
+
+
+def _fit(job: JobConfig, args: argparse.Namespace, console: Console, argv: list[str]) -> int:
+    import os
+
+    from tidal.cli.progress import RichProgress
+    from tidal.train import Trainer
+
     pipeline = job.pipeline.stages > 1 or args.pipeline_stages is not None
     if job.pipeline.stages > 1 and int(os.environ.get("WORLD_SIZE", "1")) == 1:
         args.nproc = job.pipeline.stages  # a recipe's [pipeline] stages: one rank each

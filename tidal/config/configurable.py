@@ -76,6 +76,11 @@ class ConfigError(ValueError):
         return ConfigError(f"{prefix}.{self.key}" if self.key else prefix, self.message)
 
 
+class _OutOfRange(ConfigError):
+    """A value of the field's form outside what it allows: of a union of types, the error to
+    show alone (a negative size is not "or not one of 'auto'")."""
+
+
 def require(condition: bool, key: str, message: str) -> None:
     """Raise ``ConfigError(key, message)`` unless ``condition`` holds; for ``__post_init__``."""
     if not condition:
@@ -116,7 +121,7 @@ def parse_bytes(value: int | float | str, *, key: str = "") -> int:
             )
         number, unit = float(match.group(1)), match.group(2).lower()
     if number < 0:
-        raise ConfigError(key, f"a size cannot be negative, got {value!r}")
+        raise _OutOfRange(key, f"a size cannot be negative, got {value!r}")
     return int(number * _UNIT_BYTES[unit])
 
 
@@ -167,6 +172,14 @@ def _type_name(tp: Any) -> str:
     )
 
 
+def _either(messages: list[str], value: Any) -> str:
+    """The errors of every type of a union as one sentence: what each expects, the value once."""
+    got = f", got {value!r}"
+    if not all(m.startswith("expected ") and m.endswith(got) for m in messages):
+        return " or ".join(messages)
+    return "expected " + ", or ".join(m[len("expected ") : -len(got)] for m in messages) + got
+
+
 def _coerce(value: Any, tp: Any, dotted: str) -> Any:
     """See [Note: value coercion]."""
     origin = get_origin(tp)
@@ -184,9 +197,11 @@ def _coerce(value: Any, tp: Any, dotted: str) -> Any:
         for option in options:
             try:
                 return _coerce(value, option, dotted)
+            except _OutOfRange:
+                raise
             except ConfigError as err:
                 errors.append(err.message)
-        raise ConfigError(dotted, " or ".join(errors))
+        raise ConfigError(dotted, _either(errors, value))
     if origin is Literal:
         allowed = get_args(tp)
         if value not in allowed:

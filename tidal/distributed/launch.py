@@ -15,10 +15,11 @@ Run as a separate ``torchrun`` process the agent would then print its own traceb
 caught, and the agent's log is quieted while it runs, so a run's ending is the ranks' one line.
 A rank that fails says why itself (one line, or its traceback); the launcher returns that rank's
 exit code (2 bad input, 75 dead rank, 130 interrupted) and adds a line only when the rank could
-not speak (killed by a signal) or crashed with a traceback. Ranks that fail alike (a config
-error every rank finds, the survivors' verdict on one dead rank) say it once between them: a
-rank prints its line only if it is the first of this machine's ranks to claim that line
-(:func:`say_once`); a line that differs, a rank's own error, is printed whatever the others said.
+not speak (killed by a signal: a dead rank, 75) or crashed with a traceback (1). Ranks that fail
+alike (a config error every rank finds, the survivors' verdict on one dead rank) say it once
+between them: a rank prints its line only if it is the first of this machine's ranks to claim
+that line (:func:`say_once`); a line that differs, a rank's own error, is printed whatever the
+others said.
 """
 
 from __future__ import annotations
@@ -159,11 +160,13 @@ def launch_train(
     train_argv: Sequence[str], *, nproc: int, nodes: Nodes = Nodes(), max_restarts: int = 0
 ) -> int:
     """Run ``tidal train`` as ``nproc`` ranks here (of ``nodes.num_nodes`` machines); return 0,
-    130 when interrupted, else the exit code of the rank that failed first ([Note: one line per
-    run])."""
+    130 when interrupted, else the exit code of the rank that failed first, 75 if a signal killed
+    it ([Note: one line per run])."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
+
+    from tidal.distributed.watchdog import EXIT_CODE as RANK_DIED
 
     if nproc * nodes.num_nodes < 2:
         raise ValueError(f"a launch needs >= 2 ranks, got {nproc} on {nodes.num_nodes} machine(s)")
@@ -188,7 +191,9 @@ def launch_train(
             if failure.exitcode in _SPOKEN_EXIT_CODES:
                 return failure.exitcode
             print(_failure_line(rank, failure.exitcode), file=sys.stderr)
-            return 1
+            # Killed (out of memory, by hand): to the job a dead rank, whose code says resume,
+            # as the survivors' watchdog verdict does ([Note: dead ranks] in watchdog.py).
+            return RANK_DIED if failure.exitcode < 0 else 1
     return 0
 
 
@@ -285,7 +290,10 @@ def _children(proc: Path, pid: int) -> list[int]:
 def _failure_line(rank: int, exitcode: int) -> str:
     if exitcode < 0:
         name = signal.Signals(-exitcode).name
-        return f"tidal: rank {rank} was killed by {name} (out of host memory, or stopped by hand?)"
+        return (
+            f"tidal: rank {rank} was killed by {name} (out of host memory, or stopped by hand?); "
+            f"the last complete checkpoint is intact: resume with --resume"
+        )
     return f"tidal: rank {rank} failed with exit code {exitcode}; its error is printed above"
 
 

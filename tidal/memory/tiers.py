@@ -42,7 +42,15 @@ import torch
 
 from tidal.config import ConfigError, format_bytes, parse_bytes
 
-__all__ = ["Tier", "TierBudgetError", "TierKind", "make_tiers", "move", "resolve_budget"]
+__all__ = [
+    "Tier",
+    "TierBudgetError",
+    "TierKind",
+    "host_budget_named",
+    "make_tiers",
+    "move",
+    "resolve_budget",
+]
 
 _GIB = 1024**3
 
@@ -70,6 +78,27 @@ class TierBudgetError(RuntimeError):
             f"{kind.value} tier over budget: asked for {_bytes_text(asked_bytes)} while holding "
             f"{_bytes_text(held_bytes)} of a budget of {_bytes_text(budget_bytes)}"
         )
+
+
+@contextlib.contextmanager
+def host_budget_named(need_bytes: int | None) -> Iterator[None]:
+    """The host tier over its budget as the user's error, one line: ``need_bytes`` (all the model
+    data the host may have to hold) is a budget that trains, ``memory.nvme_dir`` the other way.
+    None: a disk tier planned the host's room, and its error is the one to see."""
+    try:
+        yield
+    except TierBudgetError as err:
+        if err.kind is not TierKind.HOST or need_bytes is None:
+            raise
+        raise ConfigError(
+            "memory.host_budget",
+            f"{_bytes_text(err.budget_bytes)} is too small: the host needed "
+            f"{_bytes_text(err.held_bytes + err.asked_bytes)} here. Raise it to at least "
+            f"{need_bytes:,} bytes ({format_bytes(need_bytes)}: the parameters, gradients, "
+            f"master weights and optimizer state of the whole model, all the host may have to "
+            f"hold), or set memory.nvme_dir to a folder on a fast disk to keep there what does "
+            f"not fit",
+        ) from None
 
 
 class _Allocation(NamedTuple):

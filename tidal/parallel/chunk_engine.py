@@ -33,10 +33,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import math
 import warnings
-from collections.abc import Iterable, Iterator
-from typing import Any
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, Concatenate, ParamSpec, TypeVar
 
 import torch
 from torch import nn
@@ -47,8 +48,9 @@ from tidal.memory.config import ChunkConfig
 from tidal.memory.hooks import OUTPUT_ONLY_HOOK_WARNING, install_hooks
 from tidal.memory.layout import ChunkLayout, default_chunk_size, plan_layout, unique_parameters
 from tidal.memory.materialize import ParameterValues, check_buffers, meta_parameters, values_of
+from tidal.memory.optim_rules import make_rule
 from tidal.memory.store import DeviceBudgetTooSmall
-from tidal.memory.tiers import make_tiers
+from tidal.memory.tiers import host_budget_named, make_tiers
 from tidal.memory.uses import ParameterUses
 from tidal.parallel.accumulation import StepCounter
 from tidal.parallel.config import MemoryConfig, OptimizerConfig, TrainingConfig
@@ -60,6 +62,22 @@ from tidal.parallel.protocol import CheckpointTensors, LoadTensors, Phase, Phase
 from tidal.parallel.reference import autocast
 
 __all__ = ["ChunkEngine", "ChunkParts"]  # ChunkParts: tidal/parallel/parts.py
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+def _host_shortfalls_named(
+    method: Callable[Concatenate[ChunkEngine, P], R],
+) -> Callable[Concatenate[ChunkEngine, P], R]:
+    """``method`` with the host tier over its budget said as the user's error (one line)."""
+
+    @functools.wraps(method)
+    def named(self: ChunkEngine, *args: P.args, **kwargs: P.kwargs) -> R:
+        with self._host_named():
+            return method(self, *args, **kwargs)
+
+    return named
 
 
 class ChunkEngine:
@@ -93,11 +111,20 @@ class ChunkEngine:
         )
         self.parts.agree_budgets(self.device_tier, self.host_tier)
         self.layout = _layout(model, chunk, self.parts.world_size)
-        masters = self.parts.make_masters(self, param_dtype)
-        self.store = self.parts.make_store(self, param_dtype, chunk)
+        # With a disk tier the host's room is planned ([Note: nvme placement] in swap.py).
+        host_bytes = _model_data_bytes(self.layout, param_dtype, optimizer)
+        self._host_named = functools.partial(
+            host_budget_named, None if memory.nvme_dir is not None else host_bytes
+        )
+        with self._host_named():
+            masters = self.parts.make_masters(self, param_dtype)
+            self.store = self.parts.make_store(self, param_dtype, chunk)
+        # No refusal here below that minimum: the first iteration measures what the whole
+        # iteration needs and names it ([Note: the least budget] in tidal/memory/shortfall.py),
+        # so one retry trains where a retry at the hungriest module's figure would fail again.
         self.min_budget_bytes, self.largest_module = self.parts.minimum_budget(self)
-        self.check_minimum_budget()
-        self.optimizer = self.parts.make_optimizer(self, optimizer, training, chunk, masters)
+        with self._host_named():
+            self.optimizer = self.parts.make_optimizer(self, optimizer, training, chunk, masters)
         self._hooks = install_hooks(model, self.store, on_grad=self.optimizer.collect)
         # [Note: parameter uses] in tidal/memory/uses.py: the parameter slot is the weights (so
         # in-place ops may run on it) only without fp32 masters and gathers; a chunk is brought in
@@ -142,7 +169,7 @@ class ChunkEngine:
         self.parts.write_parameter(self, param, value)
 
     def check_minimum_budget(self) -> None:
-        """Every module's own chunks must fit at once; else fail before training."""
+        """Every module's own chunks must fit at once (after a relayout, which checked it)."""
         budget, need = self.device_tier.budget_bytes, self.min_budget_bytes
         if budget is not None and need > budget:
             raise ConfigError(
@@ -154,6 +181,7 @@ class ChunkEngine:
 
     # -- the training calls --------------------------------------------------------------------
 
+    @_host_shortfalls_named
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """Forward; see [Note: chunk engine iterations]."""
         if self.phase is Phase.GRADS_IN_PARAMS:
@@ -187,6 +215,7 @@ class ChunkEngine:
             self._end_iteration()
         return output
 
+    @_host_shortfalls_named
     def backward(self, loss: torch.Tensor) -> None:
         accum = self.counter.grad_accum_steps
         scaled = loss / accum if accum > 1 else loss
@@ -221,6 +250,7 @@ class ChunkEngine:
         self.zero_grad()
         self.counter.drop_window()
 
+    @_host_shortfalls_named
     def step(self) -> bool:
         """Count a micro-batch; on the boundary clip, update and zero. Returns whether it stepped."""
         if not self.counter.count_micro_batch():
@@ -342,6 +372,13 @@ class ChunkEngine:
 
 
 _PARAM_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def _model_data_bytes(layout: ChunkLayout, dtype: torch.dtype, optimizer: OptimizerConfig) -> int:
+    """Every chunk's model data: its parameters in ``dtype``, and in fp32 its gradients, its
+    master weights (unless ``dtype`` is fp32) and the optimizer's state."""
+    fp32_copies = 1 + (dtype != torch.float32) + len(make_rule(optimizer).state_kinds)
+    return sum(spec.capacity for spec in layout.chunks) * (dtype.itemsize + 4 * fp32_copies)
 
 
 def _layout(model: nn.Module, chunk: ChunkConfig, world_size: int) -> ChunkLayout:

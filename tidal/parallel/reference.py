@@ -146,8 +146,9 @@ class Replicas:
                 f"the reference engine keeps all model data on the device: {num_params:,} "
                 f"params need {needed:,} bytes ({format_bytes(needed)}: weights, grads and "
                 f"{self.optimizer.name} state of {num_state}x the weights) but the budget is "
-                f"{budget:,} bytes ({format_bytes(budget)}); raise the budget or pick a "
-                f"smaller model.preset",
+                f'{budget:,} bytes ({format_bytes(budget)}); set engine = "chunk" (--set '
+                f"engine=chunk), which keeps on the device only the chunks of model data each "
+                f"moment needs, or raise the budget",
             )
 
     def build_optimizer(self, model: nn.Module, config: OptimizerConfig,

@@ -31,6 +31,7 @@ from tidal.data import Batch, Batches
 from tidal.distributed import all_reduce_mean
 from tidal.models.factory import load_factory
 from tidal.parallel.protocol import Checkpointable, Engine
+from tidal.train.engine_state import ReadsPipelines
 
 __all__ = ["LOSSES", "EnginePart", "TrainingPart", "custom_run"]
 
@@ -93,7 +94,9 @@ class EnginePart:
     ) -> None:
         self.engine = engine
         self.device = engine.device
-        self.checkpointable: Checkpointable = engine
+        self.checkpointable: Checkpointable = ReadsPipelines(
+            engine, grad_accum_steps=grad_accum_steps
+        )
         self._rows, self._world_size = rows, world_size
         self._grad_accum_steps = grad_accum_steps
         self._computes_loss = computes_loss

@@ -16,9 +16,9 @@ from torch import nn
 
 from tidal.config import ConfigError
 from tidal.parallel.flat_state import flat_optimizer_state, index_names, unflatten_optimizer_state
-from tidal.parallel.protocol import CheckpointTensors, LoadTensors
+from tidal.parallel.protocol import Checkpointable, CheckpointTensors, LoadTensors
 
-__all__ = ["PipelineStages"]
+__all__ = ["PipelineStages", "ReadsPipelines"]
 
 
 # [Note: pipeline checkpoints]
@@ -28,7 +28,10 @@ __all__ = ["PipelineStages"]
 # embedding) is written by both, equal, and DCP keeps one. What only a stage has, its weight
 # versions and measured delays (PipeMare), is one opaque tensor per stage,
 # ``pipeline/stage-<s>``. Resuming needs the same schedule and split (the engine's extras
-# record them).
+# record them). An engine resumes from it too (:class:`ReadsPipelines`): it takes the model and
+# optimizer keys as from any checkpoint, the stages' step counts from their own tensors, and
+# leaves the weight versions behind, which only a pipeline has. The other way, a pipeline refuses
+# an engine's checkpoint: it has no weight versions to resume its stages from.
 
 
 class PipelineStages:
@@ -74,12 +77,19 @@ class PipelineStages:
     def restore_checkpoint(
         self, load: LoadTensors, extras: dict[str, Any], meta: dict[str, Any]
     ) -> None:
-        if extras.get("split") != self.split:
+        if "split" not in extras:
             raise ConfigError(
                 "pipeline",
-                f"the checkpoint was trained as the pipeline {extras.get('split')}, this run is "
-                f"{self.split}; resume with the same [pipeline] settings (or export it with "
-                f"`tidal export RUN_DIR`)",
+                f"the checkpoint was trained without a pipeline, this run is {_split(self.split)}; "
+                f"resume it without --pipeline-stages (and [pipeline] stages = 1), or export it "
+                f"with `tidal export RUN_DIR`",
+            )
+        if extras["split"] != self.split:
+            raise ConfigError(
+                "pipeline",
+                f"the checkpoint was trained as {_split(extras['split'])}, this run is "
+                f"{_split(self.split)}; resume with the same [pipeline] settings (or without "
+                f"--pipeline-stages, or export it with `tidal export RUN_DIR`)",
             )
         targets = self._targets(meta)
         load(targets)  # one collective read for all this rank's stages
@@ -97,6 +107,48 @@ class PipelineStages:
             weights.optimizer.load_state_dict({"state": state, "param_groups": groups})
             weights.load_state_dict(own["weights"])
         self.runtime.step = int(extras["global_step"])
+
+
+class ReadsPipelines:
+    """An engine's :class:`~tidal.parallel.protocol.Checkpointable` that also resumes from a
+    pipeline's checkpoint ([Note: pipeline checkpoints]); ``grad_accum_steps``: the engine's."""
+
+    def __init__(self, engine: Checkpointable, *, grad_accum_steps: int) -> None:
+        self.engine = engine
+        self.grad_accum_steps = grad_accum_steps
+
+    def checkpoint_state(self) -> CheckpointTensors:
+        return self.engine.checkpoint_state()
+
+    def restore_checkpoint(
+        self, load: LoadTensors, extras: dict[str, Any], meta: dict[str, Any]
+    ) -> None:
+        if "split" in extras:  # a pipeline wrote it
+            extras = self._engine_extras(load, extras, meta)
+        self.engine.restore_checkpoint(load, extras, meta)
+
+    def _engine_extras(
+        self, load: LoadTensors, extras: dict[str, Any], meta: dict[str, Any]
+    ) -> dict[str, Any]:
+        """What an engine's extras hold, from a pipeline's: the step counters and every stage's
+        optimizer step counts (in the stages' own tensors)."""
+        numels = meta["numels"]
+        targets = {key: torch.empty(numels[key], dtype=torch.uint8)
+                   for key in numels if key.startswith("pipeline/stage-")}  # fmt: skip
+        load(targets)
+        steps: dict[str, float] = {}
+        for tensor in targets.values():
+            steps.update(_from_bytes(tensor)["optimizer_steps"])
+        step = int(extras["global_step"])  # checkpoints close an accumulation window
+        return {"global_step": step, "micro_step": step * self.grad_accum_steps,
+                "optimizer_steps": steps}  # fmt: skip
+
+
+def _split(split: dict[str, Any]) -> str:
+    ranges = ", ".join(f"[{a}, {b})" for a, b in split["block_ranges"])
+    return (
+        f"a {split['schedule']} pipeline of {len(split['block_ranges'])} stages (blocks {ranges})"
+    )
 
 
 def _to_bytes(obj: Any) -> torch.Tensor:

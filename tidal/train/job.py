@@ -9,6 +9,7 @@ config layer sits below all of them.
 
 from __future__ import annotations
 
+import difflib
 import logging
 import os
 from collections.abc import Mapping, Sequence
@@ -125,8 +126,11 @@ def find_recipe(name_or_path: str | Path) -> Path:
         path = folder / f"{name_or_path}.toml"
         if path.is_file():
             return path
-    known = ", ".join(list_recipes()) or "none found"
-    raise ConfigError("recipe", f"unknown recipe {str(name_or_path)!r} (known: {known})")
+    recipes = list_recipes()
+    close = difflib.get_close_matches(str(name_or_path), recipes, n=1)
+    hint = f"; did you mean {close[0]!r}?" if close else ""
+    known = ", ".join(recipes) or "none found"
+    raise ConfigError("recipe", f"unknown recipe {str(name_or_path)!r} (known: {known}){hint}")
 
 
 def load_job(

@@ -285,7 +285,10 @@ class PipelinePart:
             inputs, targets = draw(step)
             return inputs.to(self.device), targets.to(self.device)
 
-        return self.engine.train(num_steps, batch, self.lr.lr_at)
+        losses = self.engine.train(num_steps, batch, self.lr.lr_at)
+        if isinstance(sampler, BatchSampler):  # its saved position: an engine resumes from it
+            sampler.next_index = self.engine.step
+        return losses
 
     def evaluate(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
         """Mean loss over ``batches``, through the stages forward only."""
