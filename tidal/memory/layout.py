@@ -64,6 +64,7 @@ __all__ = [
 
 DEFAULT_MAX_CHUNK_SIZE = 2**27  # elements: 256 MiB as fp16, 512 MiB per fp32 master chunk
 MAX_DEFAULT_CANDIDATES = 1024
+MIN_DEFAULT_CHUNKS = 4  # fewer, and the device budget holds most of the model at once
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)
@@ -395,6 +396,12 @@ def default_chunk_size(
     keeping chunks as small as that allows, since the resident working set and the unit of
     transfer are a few chunks. Up to 4x gives the search room to pack whole groups of layers;
     about a thousand evenly spaced sizes (steps a multiple of ``align``) are tried.
+
+    A model of a few layers, one of which holds most of its parameters (a user's MLP), would
+    get one chunk of everything, which the device budget must hold whole. Where the search
+    gives fewer than ``MIN_DEFAULT_CHUNKS`` chunks, sizes up to the model over that many are
+    searched instead: the large parameters get chunks of their own (exact, so no padding) and
+    the device holds a module's chunks at a time.
     """
     _require_positive(max_chunk_size=max_chunk_size, align=align)
     if not params:
@@ -406,6 +413,16 @@ def default_chunk_size(
     largest_regular = max((n for n in numels if n <= limit), default=max_chunk_size)
     low = min(max(_round_up(largest_regular, align), align), max_chunk_size)
     high = min(4 * low, max_chunk_size)
+    choice = _search_evenly(params, low, high, align)
+    total = sum(numels)
+    if choice.num_chunks >= MIN_DEFAULT_CHUNKS or len(params) < MIN_DEFAULT_CHUNKS:
+        return choice
+    small = max(align, _round_up(total // MIN_DEFAULT_CHUNKS, align))
+    return _search_evenly(params, align, min(small, max_chunk_size), align)
+
+
+def _search_evenly(params: Sequence[ParamRef], low: int, high: int, align: int) -> ChunkSizeChoice:
+    """:func:`search_chunk_size` over at most ``MAX_DEFAULT_CANDIDATES`` sizes in ``[low, high]``."""
     step = max(align, _round_up(-(-(high - low) // (MAX_DEFAULT_CANDIDATES - 1)), align))
     return search_chunk_size(
         params, min_chunk_size=low, max_chunk_size=high, step=step, align=align

@@ -30,7 +30,13 @@ from tidal.memory.chunk import Chunk
 from tidal.memory.tiers import Tier, TierKind, resolve_budget
 from tidal.memory.trace import AccessTrace
 
-__all__ = ["DeviceBudgetTooSmall", "Shortfall", "another_rank_short", "moment_too_small"]
+__all__ = [
+    "DeviceBudgetTooSmall",
+    "Shortfall",
+    "another_rank_short",
+    "chunk_size_advice",
+    "moment_too_small",
+]
 
 
 class DeviceBudgetTooSmall(ValueError):
@@ -40,6 +46,21 @@ class DeviceBudgetTooSmall(ValueError):
     def __init__(self, moment_label: str, message: str) -> None:
         super().__init__(message)
         self.moment_label = moment_label
+
+
+def chunk_size_advice(chunks: Sequence[Chunk]) -> str:
+    """The end of a budget error about ``chunk.size``: to what lowering it would help, or
+    nothing where it cannot (every chunk holds one parameter already, or is one's own)."""
+    regular = [c.spec for c in chunks if not c.spec.is_oversize]
+    if all(len(spec.slots) <= 1 for spec in regular):
+        return ""
+    size = max(spec.capacity for spec in regular)
+    numel, name = max((info.numel, info.names[0]) for spec in regular for info in spec.slots)
+    return (
+        f", or lower chunk.size from {size:,} elements toward {numel:,} (the largest parameter "
+        f"in a shared chunk, '{name}'): a moment holds whole chunks, and at that size a chunk "
+        f"holds about one parameter"
+    )
 
 
 def moment_too_small(
@@ -68,7 +89,8 @@ def moment_too_small(
         f"needs, {stuck_bytes:,} of chunks in use by enclosing modules or pinned, "
         f"{other_bytes:,} of optimizer state and {live_bytes:,} of activations. Raise the "
         f"budget above that (a step on a larger budget reports the exact minimum as "
-        f"min_device_bytes), or lower training.batch_size (activations) or chunk.size",
+        f"min_device_bytes), or lower training.batch_size (activations)"
+        f"{chunk_size_advice(chunks)}",
     )
 
 
@@ -76,9 +98,10 @@ class Shortfall:
     """The device tier's budget while an iteration that ran short is measured: lifted at the
     first shortfall, restored at the end; see [Note: the least budget]."""
 
-    def __init__(self, tier: Tier) -> None:
+    def __init__(self, tier: Tier, *, advice: str = "") -> None:
         assert tier.kind is TierKind.DEVICE, tier
         self.tier = tier
+        self.advice = advice  # chunk_size_advice of the store's chunks
         self._first: DeviceBudgetTooSmall | None = None
         self._budget_bytes: int | None = None  # the budget that was lifted
 
@@ -123,11 +146,11 @@ class Shortfall:
             f"short at {first.moment_label}; it was finished over the budget to measure this, "
             f"and the optimizer has not stepped on it. Raise the budget to at least "
             f"{need_bytes:,} (inputs of other shapes may need more), or lower "
-            f"training.batch_size (activations) or chunk.size",
+            f"training.batch_size (activations){self.advice}",
         )
 
 
-def another_rank_short(recorded: AccessTrace, tier: Tier) -> DeviceBudgetTooSmall:
+def another_rank_short(recorded: AccessTrace, tier: Tier, advice: str) -> DeviceBudgetTooSmall:
     """What a rank that fit raises when another ran short: the least budget of ``recorded``,
     the iteration with every rank's non-model figures (see [Note: the least budget])."""
     need_bytes = recorded.min_device_bytes()
@@ -140,7 +163,7 @@ def another_rank_short(recorded: AccessTrace, tier: Tier) -> DeviceBudgetTooSmal
         f"at least {need_bytes:,} bytes ({format_bytes(need_bytes)}) on the device, at "
         f"{worst.label}, and every rank must place chunks alike under ZeRO-3. The optimizer has "
         f"not stepped on it. Raise the budget to at least {need_bytes:,}, or lower "
-        f"training.batch_size (activations) or chunk.size",
+        f"training.batch_size (activations){advice}",
     )
 
 

@@ -78,6 +78,7 @@ from tidal.memory.shortfall import (
     DeviceBudgetTooSmall,
     Shortfall,
     another_rank_short,
+    chunk_size_advice,
     moment_too_small,
 )
 from tidal.memory.tiers import Tier, TierBudgetError, TierKind
@@ -141,7 +142,7 @@ class ChunkStore:
         # seen, and the measuring of an iteration that ran short.
         self.least_budget_bytes = 0
         self.peak_non_model_bytes = 0
-        self._shortfall = Shortfall(device_tier)
+        self._shortfall = Shortfall(device_tier, advice=chunk_size_advice(self.chunks))
         self._following_trace = False
         self._clock = 0
         self._last_use = [-1] * len(self.chunks)
@@ -266,7 +267,7 @@ class ChunkStore:
             self._evict_all_unpinned()
             raise self._shortfall.end(recorded)
         if ran_short:
-            raise another_rank_short(recorded, self.device_tier)
+            raise another_rank_short(recorded, self.device_tier, self._shortfall.advice)
 
     def abandon_iteration(self) -> None:
         """Drop the iteration being recorded (its forward raised): its partial sequence is no

@@ -49,6 +49,7 @@ from tidal.memory.hooks import OUTPUT_ONLY_HOOK_WARNING, install_hooks
 from tidal.memory.layout import ChunkLayout, default_chunk_size, plan_layout, unique_parameters
 from tidal.memory.materialize import ParameterValues, check_buffers, meta_parameters, values_of
 from tidal.memory.optim_rules import make_rule
+from tidal.memory.shortfall import chunk_size_advice
 from tidal.memory.store import DeviceBudgetTooSmall
 from tidal.memory.tiers import host_budget_named, make_tiers
 from tidal.memory.uses import ParameterUses
@@ -176,7 +177,8 @@ class ChunkEngine:
                 "memory.device_budget",
                 f"{budget:,} bytes ({format_bytes(budget)}) is below the minimum of {need:,} "
                 f"bytes ({format_bytes(need)}): module '{self.largest_module}' needs its chunks "
-                f"on the device at once; raise the budget to at least that, or lower chunk.size",
+                f"on the device at once; raise the budget to at least that"
+                f"{chunk_size_advice(self.store.chunks)}",
             )
 
     # -- the training calls --------------------------------------------------------------------

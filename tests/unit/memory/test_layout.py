@@ -301,3 +301,18 @@ def test_default_chunk_size_respects_the_cap_and_rejects_nothing_to_plan() -> No
     assert 1024 * 768 <= choice.chunk_size <= 1_000_000
     with pytest.raises(ValueError, match="empty"):
         default_chunk_size([])
+
+
+def test_a_model_of_few_layers_gets_several_chunks_by_default() -> None:
+    """The README's MLP got one chunk of everything, which the device budget had to hold."""
+    from torch import nn
+
+    mlp = nn.Sequential(nn.Linear(32, 512), nn.GELU(), nn.Linear(512, 512), nn.GELU(),
+                        nn.Linear(512, 10))  # fmt: skip
+    refs = unique_parameters(mlp)
+    choice = default_chunk_size(refs)
+    assert choice.num_chunks >= 4
+    assert choice.waste_fraction < 0.01
+    layout = plan_layout(refs, chunk_size=choice.chunk_size)
+    largest_chunk = max(spec.capacity for spec in layout.chunks)
+    assert largest_chunk < sum(r.numel for r in refs) * 0.95  # no chunk of nearly everything

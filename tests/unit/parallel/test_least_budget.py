@@ -108,3 +108,21 @@ def test_an_evaluation_forward_ends_its_iteration() -> None:
         engine(inputs, targets)
     assert engine.stats()["traces_recorded"] == traces + 1
     assert not engine.store.model_running
+
+
+def test_a_budget_error_says_to_what_to_lower_chunk_size() -> None:
+    """It said "or lower chunk.size", not to what, nor whether that could help at all."""
+    engine = _engine(4096, None)  # the searched size: a few chunks of several parameters
+    with pytest.raises(DeviceBudgetTooSmall) as err:
+        _train(engine, _batches((16,)))
+    size = engine.layout.chunk_size
+    largest = max(
+        info.numel for spec in engine.layout.chunks if not spec.is_oversize for info in spec.slots
+    )
+    assert f"lower chunk.size from {size:,} elements toward {largest:,}" in str(err.value)
+    assert largest < size
+
+    one_each = _engine(4096, 64)  # every parameter has a chunk of its own: nothing to gain
+    with pytest.raises(DeviceBudgetTooSmall) as err:
+        _train(one_each, _batches((16,)))
+    assert "chunk.size" not in str(err.value)
