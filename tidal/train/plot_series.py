@@ -7,7 +7,7 @@ Some records carry more than their step: the first step of a process pays for wa
 (its host memory, its time: ``after_checkpoint_s``). Those steps are marked (a line at each
 checkpoint and each resume) and left out of every panel's y-range, so one swollen step cannot
 squash the others; a point above the range is drawn as a marker on the panel's top edge, not
-off the plot. Peaks are running maxima over the whole file: a resumed process counts its peak
+off the plot, and a timing's left-out steps are not joined to the line of the others. Peaks are running maxima over the whole file: a resumed process counts its peak
 afresh (on another world size over other shards), but the run's peak so far never falls.
 """
 
@@ -32,6 +32,8 @@ class Series:
     values: tuple[float, ...]  # one per step of the figure, in the panel's unit; nan: unknown
     kind: Kind = "line"
     group: int = 0  # the colour: a pipeline stage's series share one
+    # a timing: the steps left out of the range are not joined to the others (they paid more)
+    gaps: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -205,8 +207,8 @@ def _throughput_panel(train: Sequence[dict[str, Any]], keep: list[bool]) -> Pane
         mfu.append(100 * r["mfu"] * rate / window if r.get("mfu") and window else NAN)
     right = None
     if any(not math.isnan(v) for v in mfu):
-        right = _panel("MFU (%)", [Series("MFU", tuple(mfu), "dots", group=1)], keep)
-    return _panel("tokens/s", [Series("tokens/s", tuple(tokens_per_s))], keep,
+        right = _panel("MFU (%)", [Series("MFU", tuple(mfu), "dots", group=1, gaps=True)], keep)
+    return _panel("tokens/s", [Series("tokens/s", tuple(tokens_per_s), gaps=True)], keep,
                   title="throughput per step", right=right)  # fmt: skip
 
 

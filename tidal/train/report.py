@@ -174,8 +174,8 @@ def _plot_memory(plt: Any, run_dir: Path, train: list[dict]) -> Path:
 
 
 def _draw_panel(ax: Any, panel: Panel, figure: MemoryFigure) -> list[Any]:
-    """``panel``'s series on ``ax``. A line is not drawn through the steps left out of the range
-    ([Note: plotted steps]): each of them is a hollow marker, or one on the top edge if above."""
+    """``panel``'s series on ``ax``; a point above the range is a marker on its top edge and a
+    timing's left-out step a hollow marker, neither joined to the line ([Note: plotted steps])."""
     steps, top = figure.steps, panel.ylim[1]
     handles, base = [], [0.0] * len(steps)
     for series in panel.series:
@@ -191,15 +191,13 @@ def _draw_panel(ax: Any, panel: Panel, figure: MemoryFigure) -> list[Any]:
         if series.kind == "limit":
             handles += ax.plot(steps, series.values, color="black", lw=1.4, label=series.label)
             continue
-        odd = [(s, v) for s, v in zip(steps, series.values, strict=True)
-               if s in figure.excluded and v <= top]  # fmt: skip
-        joined = series.values if series.kind == "peak" else [
-            math.nan if s in figure.excluded or v > top else v
-            for s, v in zip(steps, series.values, strict=True)
-        ]  # fmt: skip
+        gap = figure.excluded if series.gaps else frozenset()
+        odd = [(s, v) for s, v in zip(steps, series.values, strict=True) if s in gap and v <= top]
+        joined = [math.nan if s in gap or v > top else v
+                  for s, v in zip(steps, series.values, strict=True)]  # fmt: skip
         style = {"peak": "--", "line": "-", "dots": "."}[series.kind]
         handles += ax.plot(steps, joined, style, color=colour, lw=1.2, label=series.label)
-        if odd and series.kind != "peak":
+        if odd:
             handles += ax.plot(*zip(*odd, strict=True), "o", mfc="none", color="gray", ms=5,
                                label="warm-up or after a checkpoint (left out of the range)")  # fmt: skip
     ax.set_ylim(*panel.ylim)
