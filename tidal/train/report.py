@@ -62,6 +62,11 @@ def summary_rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
         ("run", str(summary.get("name"))),
         ("model", f"{summary.get('preset')}" + (f" ({params:,} params)" if params else "")),
         ("device", f"{summary.get('device')} / {summary.get('precision')}"),
+        *(
+            [("world size", f"{summary['world_size']} ranks")]
+            if (summary.get("world_size") or 1) > 1
+            else []
+        ),
         ("steps", f"{summary.get('steps')} ({summary.get('tokens', 0):,} tokens)"),
         ("final loss", _fmt(summary.get("final_loss"), ".4f")),
         ("validation loss", _fmt(summary.get("val_loss"), ".4f")),
@@ -83,8 +88,13 @@ def _chunk_rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
         return [("engine", str(summary.get("engine", "reference")))]
     steps = max(1, summary.get("steps_this_run") or summary.get("steps") or 1)
     budget = summary.get("device_budget")
-    return [
-        ("engine", f"chunk ({summary['num_chunks']} chunks of {summary['chunk_size']:,} elements)"),
+    sharded = "bytes_all_gathered" in summary
+    over = f", ZeRO-3 over {summary.get('world_size')} ranks" if sharded else ""
+    rows = [
+        (
+            "engine",
+            f"chunk{over} ({summary['num_chunks']} chunks of {summary['chunk_size']:,} elements)",
+        ),
         ("device budget", "unlimited" if budget is None else format_bytes(budget)),
         (
             "peak device",
@@ -99,6 +109,11 @@ def _chunk_rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
         ),
         ("evictions", f"{summary['evictions']:,}"),
     ]
+    if sharded:  # this rank's collectives, as the traffic above
+        rows.insert(-1, ("gathered per step", f"all-gathered "
+                         f"{format_bytes(summary['bytes_all_gathered'] / steps)}, reduce-scattered "
+                         f"{format_bytes(summary['bytes_reduce_scattered'] / steps)} (rank 0)"))  # fmt: skip
+    return rows
 
 
 def write_plots(run_dir: str | Path) -> list[Path]:
