@@ -69,8 +69,8 @@ def memory_figure(train: Sequence[dict[str, Any]], *, name: str) -> MemoryFigure
     keep = [s not in excluded for s in steps]
     if any(r.get("tiers") for r in train):
         panels, title = _chunk_panels(train, keep), "the chunk engine's device tier (rank 0)"
-    elif any(_budgeted(r) for r in train):
-        panels, title = _pipeline_panels(train, keep), "each pipeline stage's device memory"
+    elif any(r.get("pipeline_ranks") for r in train):
+        panels, title = _pipeline_panels(train, keep), "each pipeline stage"
     else:
         panels, title = _tier_panels(train, keep), "memory per tier"
     return MemoryFigure(
@@ -85,9 +85,11 @@ def memory_figure(train: Sequence[dict[str, Any]], *, name: str) -> MemoryFigure
 
 def off_scale(panel: Panel, steps: Sequence[int]) -> list[tuple[int, str]]:
     """(step, label) of each point above ``panel``'s range (stacks by their top)."""
-    top = panel.ylim[1]
-    return [(step, s.label) for s in panel.series for step, v in zip(steps, _tops(panel, s),
-            strict=True) if v > top]  # fmt: skip
+    points = []
+    for series in panel.series:
+        tops = zip(steps, _tops(panel, series), strict=True)
+        points += [(step, series.label) for step, v in tops if v > panel.ylim[1]]
+    return points
 
 
 def running_max(values: Sequence[float]) -> tuple[float, ...]:
@@ -130,18 +132,15 @@ def _chunk_panels(train: Sequence[dict[str, Any]], keep: list[bool]) -> list[Pan
     ]  # fmt: skip
 
 
-def _budgeted(record: dict[str, Any]) -> bool:
-    return any("peak_bytes" in r for r in record.get("pipeline_ranks") or ())
-
-
 def _pipeline_panels(train: Sequence[dict[str, Any]], keep: list[bool]) -> list[Panel]:
-    """Each rank's stages: their measured peak (model data, saved activations, what they hold
-    for peers) and model data against the budget, and what their savers swapped per step."""
+    """Each rank's stages: with a budget, their measured peak (model data, saved activations,
+    what they hold for peers) and model data against it (else each tier, as any run), and what
+    their savers swapped per step."""
     num_ranks = max(len(r.get("pipeline_ranks") or ()) for r in train)
 
     def rank(key: str, r: int) -> list[float]:
-        return [_num(rec["pipeline_ranks"][r].get(key)) if len(rec.get("pipeline_ranks") or ())
-                > r else NAN for rec in train]  # fmt: skip
+        ranks = [rec.get("pipeline_ranks") or () for rec in train]
+        return [_num(figures[r].get(key)) if len(figures) > r else NAN for figures in ranks]
 
     names = [_stage_name(train, r) for r in range(num_ranks)]
     peaks = [running_max(rank("peak_bytes", r)) for r in range(num_ranks)]
@@ -152,14 +151,16 @@ def _pipeline_panels(train: Sequence[dict[str, Any]], keep: list[bool]) -> list[
                              group=r))  # fmt: skip
         memory.append(Series(f"{stage}: model data", _scaled(rank("model_data_bytes", r), scale),
                              "line", group=r))  # fmt: skip
+    budgeted = any(not math.isnan(v) for p in peaks for v in p)
     swaps = [(f"{stage}: {what}", rank(key, r)) for r, stage in enumerate(names)
              for what, key in (("to host", "to_host_bytes"), ("lent to peers", "lent_bytes"))]  # fmt: skip
     swapped = any(v > 0 for _, values in swaps for v in values if not math.isnan(v))
     return [
-        _panel(f"device memory ({unit})", memory, keep,
-               title="measured peak: model data, saved activations, what a rank holds for peers"),
+        _panel(f"device memory ({unit})", memory, keep, title="measured peak: model data, "
+               "saved activations, what a rank holds for peers") if budgeted
+        else _tier_panels(train, keep)[0],
         _traffic_panel(swaps, keep, title="saved activations swapped per step"
-                       + ("" if swapped else ": none (the stages fit their budget)")),
+                       + ("" if swapped else ": none")),
     ]  # fmt: skip
 
 

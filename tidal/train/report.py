@@ -161,7 +161,8 @@ def _plot_loss(plt: Any, run_dir: Path, train: list[dict], val: list[dict]) -> P
 
 def _plot_memory(plt: Any, run_dir: Path, train: list[dict]) -> Path:
     """The panels of :func:`~tidal.train.plot_series.memory_figure`, one above the other on a
-    shared step axis, checkpoints and resumes marked on each ([Note: plotted steps])."""
+    shared step axis, checkpoints and resumes marked on each ([Note: plotted steps] in
+    plot_series.py)."""
     from matplotlib.ticker import MaxNLocator
 
     figure = memory_figure(train, name=run_dir.name)
@@ -190,7 +191,8 @@ def _plot_memory(plt: Any, run_dir: Path, train: list[dict]) -> Path:
 
 def _draw_panel(ax: Any, panel: Panel, figure: MemoryFigure) -> list[Any]:
     """``panel``'s series on ``ax``; a point above the range is a marker on its top edge and a
-    timing's left-out step a hollow marker, neither joined to the line ([Note: plotted steps])."""
+    timing's left-out step a hollow marker, neither joined to the line ([Note: plotted
+    steps] in plot_series.py)."""
     steps, top = figure.steps, panel.ylim[1]
     handles, base = [], [0.0] * len(steps)
     for series in panel.series:

@@ -194,7 +194,7 @@ class Trainer:
         self.tokens_seen = 0
         self.train_time_s = 0.0
         self.last_val_loss: float | None = None
-        self._checkpoint_s: float | None = None  # the last save's, until a step records it
+        self._checkpoint_s: float | None = None  # [Note: plotted steps] in plot_series.py
 
     def _engine_part(self) -> EnginePart:
         training = self.job.training
@@ -370,7 +370,6 @@ class Trainer:
             "memory_bytes": memory_bytes(self.device),
             "peak_memory_bytes": peak_memory_bytes(self.device),
             "world_size": self.world_size,
-            # Steps whose figures carry more than the step ([Note: plotted steps] in report.py).
             **({"warm_up": True} if step == start_step + 1 else {}),
             **({"after_checkpoint_s": self._checkpoint_s} if self._checkpoint_s else {}),
         }

@@ -97,6 +97,12 @@ def test_a_pipeline_run_gets_each_stages_peak_and_swaps() -> None:
     assert _series(swaps, "stage 0: to host") == (512.0,) * 4 and swaps.ylabel == "KiB per step"
     assert _series(swaps, "stage 1: to host") == (0.0,) * 4
     assert throughput.right is None  # no MFU without the model's FLOPs
+    unbudgeted = [_pipeline_record(s) for s in range(1, 3)]
+    for record in unbudgeted:
+        for figures in record["pipeline_ranks"]:
+            del figures["peak_bytes"], figures["model_data_bytes"], figures["budget_bytes"]
+    memory, swaps, _ = memory_figure(unbudgeted, name="pipe").panels
+    assert memory.ylabel == "memory (MiB)" and _series(swaps, "stage 0: to host")[0] == 512
 
 
 def test_memory_png_is_written(tmp_path: Path) -> None:
