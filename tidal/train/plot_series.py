@@ -13,6 +13,7 @@ afresh (on another world size over other shards), but the run's peak so far neve
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -20,9 +21,9 @@ from typing import Any, Literal
 
 __all__ = ["MemoryFigure", "Panel", "Series", "memory_figure", "off_scale", "running_max"]
 
-# stack: filled, on top of the panel's stacks before it; line; peak: dashed; dots: markers
-# only; limit: the budget
-Kind = Literal["stack", "line", "peak", "dots", "limit"]
+# stack: filled, on top of the panel's stacks before it; line; dashed; dots: markers only;
+# limit: the budget
+Kind = Literal["stack", "line", "dashed", "dots", "limit"]
 NAN = float("nan")
 
 
@@ -115,16 +116,15 @@ def _chunk_panels(train: Sequence[dict[str, Any]], keep: list[bool]) -> list[Pan
         Series("model data (the chunks needed at the step's peak)",
                _scaled([n - a for n, a in zip(need, activations, strict=True)], scale), "stack"),
         Series("activations", _scaled(activations, scale), "stack", group=1),
-        Series("device peak so far", _scaled(peaks, scale), "peak", group=2),
+        Series("device peak so far", _scaled(peaks, scale), "dashed", group=2),
         Series("device budget", _scaled(tier("device_budget_bytes"), scale), "limit"),
     ]  # fmt: skip
     host_peak = max((v for v in tier("host_peak_bytes") if not math.isnan(v)), default=0.0)
     moved = [("to device", "to_device_bytes"), ("to host", "to_host_bytes"),
              ("all-gathered (ZeRO-3)", "gathered_bytes"),
              ("reduce-scattered (ZeRO-3)", "reduce_scattered_bytes")]  # fmt: skip
-    traffic = [
-        (label, tier(key)) for label, key in moved if any(not math.isnan(v) for v in tier(key))
-    ]
+    traffic = [Series(label, tuple(tier(key)), group=i) for i, (label, key) in enumerate(moved)
+               if any(not math.isnan(v) for v in tier(key))]  # fmt: skip
     return [
         _panel(f"device memory ({unit})", memory, keep,
                title=f"host tier peak {host_peak / scale:.1f} {unit}"),
@@ -147,14 +147,15 @@ def _pipeline_panels(train: Sequence[dict[str, Any]], keep: list[bool]) -> list[
     unit, scale = _unit([v for p in peaks for v in p] + rank("budget_bytes", 0))
     memory = [Series("each rank's budget", _scaled(rank("budget_bytes", 0), scale), "limit")]
     for r, stage in enumerate(names):
-        memory.append(Series(f"{stage}: measured peak so far", _scaled(peaks[r], scale), "peak",
+        memory.append(Series(f"{stage}: measured peak so far", _scaled(peaks[r], scale), "dashed",
                              group=r))  # fmt: skip
         memory.append(Series(f"{stage}: model data", _scaled(rank("model_data_bytes", r), scale),
                              "line", group=r))  # fmt: skip
     budgeted = any(not math.isnan(v) for p in peaks for v in p)
-    swaps = [(f"{stage}: {what}", rank(key, r)) for r, stage in enumerate(names)
-             for what, key in (("to host", "to_host_bytes"), ("lent to peers", "lent_bytes"))]  # fmt: skip
-    swapped = any(v > 0 for _, values in swaps for v in values if not math.isnan(v))
+    swaps = [Series(f"{stage}: {what}", tuple(rank(key, r)), kind, group=r)
+             for r, stage in enumerate(names) for what, key, kind in
+             (("to host", "to_host_bytes", "line"), ("lent to peers", "lent_bytes", "dashed"))]  # fmt: skip
+    swapped = any(v > 0 for s in swaps for v in s.values if not math.isnan(v))
     return [
         _panel(f"device memory ({unit})", memory, keep, title="measured peak: model data, "
                "saved activations, what a rank holds for peers") if budgeted
@@ -181,14 +182,14 @@ def _tier_panels(train: Sequence[dict[str, Any]], keep: list[bool]) -> list[Pane
     series = []
     for i, t in enumerate(tiers):
         series.append(Series(f"{t} in use", _scaled(figure("memory_bytes", t), scale), group=i))
-        series.append(Series(f"{t} peak so far", _scaled(peaks[t], scale), "peak", group=i))
+        series.append(Series(f"{t} peak so far", _scaled(peaks[t], scale), "dashed", group=i))
     return [_panel(f"memory ({unit})", series, keep)]
 
 
-def _traffic_panel(moved: list[tuple[str, list[float]]], keep: list[bool], *, title: str) -> Panel:
-    unit, scale = _unit([v for _, values in moved for v in values])
-    series = [Series(label, _scaled(values, scale), group=i) for i, (label, values) in
-              enumerate(moved)]  # fmt: skip
+def _traffic_panel(moved: Sequence[Series], keep: list[bool], *, title: str) -> Panel:
+    """``moved``: bytes per step, drawn in the one unit that suits them all."""
+    unit, scale = _unit([v for s in moved for v in s.values])
+    series = [dataclasses.replace(s, values=_scaled(s.values, scale)) for s in moved]
     return _panel(f"{unit} per step", series, keep, title=title)
 
 

@@ -212,7 +212,7 @@ def _draw_panel(ax: Any, panel: Panel, figure: MemoryFigure) -> list[Any]:
         odd = [(s, v) for s, v in zip(steps, series.values, strict=True) if s in gap and v <= top]
         joined = [math.nan if s in gap or v > top else v
                   for s, v in zip(steps, series.values, strict=True)]  # fmt: skip
-        style = {"peak": "--", "line": "-", "dots": "."}[series.kind]
+        style = {"dashed": "--", "line": "-", "dots": "."}[series.kind]
         handles += ax.plot(steps, joined, style, color=colour, lw=1.2, label=series.label)
         if odd:
             handles += ax.plot(*zip(*odd, strict=True), "o", mfc="none", color="gray", ms=5,
