@@ -152,9 +152,11 @@ def _pipeline_panels(train: Sequence[dict[str, Any]], keep: list[bool]) -> list[
         memory.append(Series(f"{stage}: model data", _scaled(rank("model_data_bytes", r), scale),
                              "line", group=r))  # fmt: skip
     budgeted = any(not math.isnan(v) for p in peaks for v in p)
-    swaps = [Series(f"{stage}: {what}", tuple(rank(key, r)), kind, group=r)
-             for r, stage in enumerate(names) for what, key, kind in
-             (("to host", "to_host_bytes", "line"), ("lent to peers", "lent_bytes", "dashed"))]  # fmt: skip
+    swaps = []
+    for r, stage in enumerate(names):
+        swaps.append(Series(f"{stage}: to host", tuple(rank("to_host_bytes", r)), group=r))
+        swaps.append(Series(f"{stage}: lent to peers", tuple(rank("lent_bytes", r)), "dashed",
+                            group=r))  # fmt: skip
     swapped = any(v > 0 for s in swaps for v in s.values if not math.isnan(v))
     return [
         _panel(f"device memory ({unit})", memory, keep, title="measured peak: model data, "
