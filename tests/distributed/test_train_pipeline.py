@@ -146,6 +146,11 @@ def _worker(root: str, reference: tuple[list[float], list[float]]) -> None:
     assert figures[0]["blocks_lent"] > 0 and figures[0]["lends_to"] == [1], figures
     assert figures[0]["bytes_lent"] > 0 and figures[1]["blocks_lent"] == 0, figures
     assert figures[1]["peak_held_bytes"] > 0 == figures[0]["peak_held_bytes"], figures
+    # Every step's record has every stage's figures (memory.png draws them): rank 0 lends each
+    # step, and the peaks reach the summary's.
+    ranks = [r["pipeline_ranks"] for r in read_metrics(root_path / "peer") if r["kind"] == "train"]
+    assert all(step[0]["lent_bytes"] > 0 == step[1]["lent_bytes"] for step in ranks), ranks
+    assert [f["measured_peak_bytes"] for f in figures] == [r["peak_bytes"] for r in ranks[-1]]
     # Each lent microbatch came back once, before its backward; how long that waited is the
     # stall a transfer's idle window did not hide (the borrower's alone: rank 1 lends nothing).
     assert figures[0]["reclaims"] == STEPS * 2 and figures[0]["reclaim_wait_s"] > 0, figures

@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
+import shlex
 import warnings
 
 import pytest
 
+from tidal.cli.args import build_parser
 from tidal.cli.main import main
+from tidal.cli.plan import how_to_train, train_argv
 from tidal.planner import Plan, Recompute
 from tidal.planner.plan import Offload
+from tidal.train.job import load_job
 
 
 def test_plan_writes_the_json_the_issue_names(tmp_path, capsys) -> None:
@@ -65,6 +70,44 @@ def test_plan_writes_the_json_the_issue_names(tmp_path, capsys) -> None:
     assert best["plan_least_memory"]["saving"] == pytest.approx(saving)
     if best["fastest"] is not None and best["plan_at_fastest_step_time"] is None:
         assert "no plan, flat or pipelined, is as fast as Megatron-LM" in printed
+    # Issue 49: how to train it (the real parser takes the command), and what cannot run yet
+    (line,) = [x for x in printed.splitlines() if x.startswith("train it: ")]
+    argv = shlex.split(line.removeprefix("train it: ").split(" (on every machine")[0])
+    train = build_parser().parse_args(argv[1:])
+    assert (train.recipe, train.plan, train.nnodes, train.nproc) == ("demo", str(out), 2, 8)
+    job = load_job(train.recipe, train.overrides)
+    assert job.engine == "reference" and job.model.preset == "demo"  # the engine plans run on
+    assert job.training.batch_size == plan.micro_batch * plan.dp
+    assert job.training.grad_accum_steps == plan.num_microbatches
+    assert "priced, not run by tidal train yet: the pipelined plan (p" in printed
+
+
+def test_every_plan_option_says_what_it_does() -> None:
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    plan = sub.choices["plan"]
+    bare = [a.option_strings for a in plan._actions if not (a.help or "").strip()]
+    assert not bare and len(plan._actions) > 20
+
+
+def test_the_train_command_of_a_plan_and_how_to_save_it() -> None:
+    """Without --json the line says to save the plan first; a plan over machines runs on each
+    (--nnodes); a one-device plan runs in this process."""
+    report = {"mesh": {"dp": 4, "tp": 4}, "micro_batch": 2, "num_microbatches": 3,
+              "recompute": {}, "offload": None, "seq_len": 64}  # fmt: skip
+    args = build_parser().parse_args(["plan", "--model", "gpt2-small", "--devices", "16"])
+    line = how_to_train(report, args)
+    assert line.startswith("train it: save it with --json plan.json, then tidal train ")
+    argv = shlex.split(line.split(", then ")[1].split(" (on every machine")[0])
+    train = build_parser().parse_args(argv[1:])
+    assert (train.plan, train.nnodes, train.nproc, train.rdzv_endpoint) == ("plan.json", 2, 8,
+                                                                          "HOST:PORT")  # fmt: skip
+    assert train.overrides[-2:] == ["training.batch_size=8", "training.grad_accum_steps=3"]
+    one = train_argv({**report, "mesh": {"dp": 1, "tp": 1}, "num_microbatches": 1},
+                     plan_path="p.json", recipe="tiny", settings=[], devices_per_node=8)  # fmt: skip
+    assert one == ["tidal", "train", "--recipe", "tiny", "--plan", "p.json", "--set",
+                   "training.batch_size=2"]  # fmt: skip
+    offloaded = how_to_train({**report, "offload": {"optimizer": 1.0}}, args)
+    assert offloaded.startswith("this plan keeps model data off the device (--offload), priced")
 
 
 def test_plan_bad_input_is_one_line_and_exit_2(capsys) -> None:
@@ -86,7 +129,11 @@ def test_plan_with_the_optimizer_on_the_host_says_so(tmp_path, capsys) -> None:
     assert main(args) == 2  # nothing fits without offload
     assert "no plan fits in 1.00MiB per device" in capsys.readouterr().err
     assert main([*args, "--offload", "0,1"]) == 0
-    assert "with 100% of the optimizer on the host (" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "with 100% of the optimizer on the host (" in out
+    assert "this plan keeps model data off the device (--offload), priced but not run" in out
+    (priced,) = [x for x in out.splitlines() if x.startswith("priced, not run by tidal train")]
+    assert "; model data on the host or NVMe (--offload, --offload-params, --nvme); " in priced
     plan = Plan.load(tmp_path / "p.json")
     assert plan.offload == Offload(optimizer=1.0) and plan.memory.host > 0
     assert plan.peak_memory_bytes <= 1024**2

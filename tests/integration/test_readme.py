@@ -16,6 +16,7 @@ import pytest
 from tidal.cli.args import build_parser
 from tidal.cli.main import main
 from tidal.train.job import find_recipe
+from tidal.train.report import summary_rows
 
 ROOT = Path(__file__).resolve().parents[2]
 README = (ROOT / "README.md").read_text()
@@ -56,11 +57,13 @@ def test_the_command_line_quick_start_runs_line_by_line(
     commands = _commands(block)
     assert len(commands) >= 6
     monkeypatch.chdir(tmp_path)  # an empty folder, as a new user's
+    printed = {}
     for argv in commands:  # in this process, as `tidal` would run them (torchrun for --nproc)
         out, err = io.StringIO(), io.StringIO()
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
             code = main(argv[1:])
         assert code == 0, f"{shlex.join(argv)}:\n{out.getvalue()[-2000:]}{err.getvalue()[-2000:]}"
+        printed[argv[1]] = out.getvalue()
     summaries = {
         run_dir: json.loads((tmp_path / run_dir / "summary.json").read_text())
         for run_dir in re.findall(r"run_dir=(\S+)", block)
@@ -74,6 +77,16 @@ def test_the_command_line_quick_start_runs_line_by_line(
     assert all(s["steps"] == 20 for s in summaries.values())
     assert 0 < summaries["runs/chunk"]["peak_device_bytes"] <= 3 * 2**20  # its budget
     assert (tmp_path / "runs/plan/checkpoints").is_dir()  # written by the two ranks
+    # issue 49: `tidal plan` prints how to train its plan, a command the CLI takes
+    (line,) = [x for x in printed["plan"].splitlines() if x.startswith("train it: ")]
+    train = build_parser().parse_args(shlex.split(line.removeprefix("train it: "))[1:])
+    assert (train.recipe, train.plan, train.nproc) == ("tiny", "plan.json", 2)
+    assert "priced, not run by tidal train yet: " in printed["plan"]
+    # and the summary table of the ZeRO-3 run says its world size and what it gathered
+    rows = dict(summary_rows(summaries["runs/zero3"]))
+    assert rows["world size"] == "2 ranks" and "ZeRO-3 over 2 ranks" in rows["engine"]
+    assert rows["gathered per step"].startswith("all-gathered ")
+    assert summaries["runs/zero3"]["bytes_all_gathered"] > 0
 
 
 def test_every_command_it_shows_is_one_the_cli_accepts() -> None:

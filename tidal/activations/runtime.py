@@ -92,6 +92,7 @@ class HostSwap:
     tensors_out: int = 0
     tensors_back: int = 0
     storages_out: int = 0
+    bytes_out: int = 0  # of the storages copied to the host
     groups_fetched: int = 0  # groups chosen to fetch ahead of the backward
     storages_fetched: int = 0  # of their storages, those a copy back was started for
     storages_unread: int = 0  # fetched ahead, then dropped before the backward read them
@@ -164,6 +165,7 @@ class HostSwap:
         else:
             flat.copy_(source)
         self.storages_out += 1
+        self.bytes_out += storage.nbytes()
         group = self._group if self._group is not None else _Group(None)
         held = _HostStorage(flat, tensor.device, copied, group)
         group.storages.append(weakref.ref(held))

@@ -6,6 +6,9 @@ import argparse
 import platform
 from importlib import metadata
 
+from tidal.cli.plan import add_parser as add_plan_parser
+from tidal.cli.plan import add_search_arguments
+
 __all__ = ["build_parser"]
 
 _RECIPE_HELP = (
@@ -39,7 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_report(sub)
     _add_checkpoints(sub)
     _add_config(sub)
-    _add_plan(sub)
+    add_plan_parser(sub)
     _add_simulate(sub)
     _add_bench(sub)
     _add_models(sub)
@@ -140,66 +143,6 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
         help="train as the plan `tidal plan --json PATH` wrote says (tensor / sequence "
         "parallel, ZeRO, recompute), on its dp x tp ranks (with --nproc dp*tp)",
     )  # fmt: skip
-
-
-def _add_plan(sub: argparse._SubParsersAction) -> None:
-    plan = sub.add_parser(
-        "plan",
-        help="choose per-unit data / tensor / sequence sharding, ZeRO and recompute (an ILP)",
-        description="Trace the model on the meta device, price every strategy of every unit on "
-        "each dp x tp mesh, solve for the plan with the least memory within --eps of the "
-        "fastest (or the fastest that fits), and compare with Megatron-LM and ZeRO in the same "
-        "cost model.",
-    )
-    plan.add_argument(
-        "--model", required=True, metavar="PRESET_OR_CONFIG",
-        help="a GPT preset (see `tidal models`), or a Hugging Face config.json (or a folder "
-        "holding one) of a LLaMA or GPT-2 decoder, built offline on the meta device",
-    )  # fmt: skip
-    plan.add_argument("--devices", type=int, required=True, metavar="N")
-    plan.add_argument("--devices-per-node", type=int, default=8, metavar="N")
-    plan.add_argument(
-        "--device-memory",
-        default=None,
-        metavar="SIZE",
-        help="per device, e.g. 80GiB (default: the cluster's)",
-    )
-    plan.add_argument("--cluster", default="h100", help="device and link figures: h100 or a100")
-    plan.add_argument("--objective", choices=("memory", "time"), default="memory")
-    plan.add_argument(
-        "--eps", type=float, default=0.05,
-        help="memory objective: allowed slowdown over the fastest plan that fits (default 0.05)",
-    )  # fmt: skip
-    plan.add_argument("--micro-batch", type=int, default=1, metavar="B")
-    plan.add_argument(
-        "--global-batch", type=int, default=None, metavar="SEQUENCES",
-        help="sequences per step (default: one micro-batch per device)",
-    )  # fmt: skip
-    plan.add_argument(
-        "--seq-len", type=int, default=None,
-        help="default: the preset's, or a Hugging Face model's positions",
-    )  # fmt: skip
-    plan.add_argument(
-        "--dropout", type=float, default=0.1,
-        help="dropout a preset trains with (a Hugging Face model has its config's)",
-    )  # fmt: skip
-    plan.add_argument("--tp", type=int, default=None, help="force the tensor-parallel size")
-    plan.add_argument(
-        "--pareto", default="0,0.02,0.05,0.1,0.2,0.5,1", metavar="EPS,EPS",
-        help="slowdowns at which to report the least memory (the frontier); '' for none",
-    )  # fmt: skip
-    _add_schedules(plan)
-    plan.add_argument(
-        "--pipeline-pareto", default="", metavar="EPS,EPS",
-        help="the same for the pipelined plans (a search over every option each; off by default)",
-    )  # fmt: skip
-    plan.add_argument(
-        "--baselines",
-        default="megatron,megatron_sp,megatron_no_recompute,zero1,zero2,zero3,zero3_full,"
-        "zero3_offload,fsdp2_cpu_offload,zero_infinity",
-        metavar="A,B", help="layouts to price on the plan's mesh in the same cost model",
-    )  # fmt: skip
-    plan.add_argument("--json", default=None, metavar="PATH", help="write the plan here")
 
 
 def _add_report(sub: argparse._SubParsersAction) -> None:
@@ -362,43 +305,6 @@ def _add_bench_offload(benches: argparse._SubParsersAction) -> None:
     )
 
 
-def _add_schedules(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--schedules", default="1f1b,interleaved", metavar="S,S",
-        help="pipeline schedules to search: 1f1b, interleaved, pipemare (asynchronous)",
-    )  # fmt: skip
-    parser.add_argument(
-        "--offload", default="0", metavar="F,F",
-        help="fractions of the fp32 masters and optimizer state to search on the host, updated "
-        "there (priced, not yet run by tidal train --plan), e.g. 0,0.5,1 (default 0: none)",
-    )  # fmt: skip
-    parser.add_argument(
-        "--offload-params", default="0", metavar="F,F",
-        help="fractions of a ZeRO-3 unit's parameters (and gradients) to search on the host, "
-        "each with at least as much of the optimizer (--offload), e.g. 0,1 (default 0: none)",
-    )  # fmt: skip
-    parser.add_argument(
-        "--swap", action="store_true",
-        help="also search keeping a block's saved activations on the host between its forward "
-        "and backward (MPress's host swap; priced, not yet run by tidal train --plan)",
-    )  # fmt: skip
-    parser.add_argument(
-        "--peer", action="store_true",
-        help="also search keeping a block's saved activations on the mirror pipeline stage's "
-        "device, the first stages lending to the last (MPress's peer swap; pipelined plans "
-        "only, priced)",
-    )  # fmt: skip
-    parser.add_argument("--stage-splits", default="even", metavar="S,S",
-                        help="pipeline stage splits to search: even, time, memory")  # fmt: skip
-    parser.add_argument("--micro-batches", default="", metavar="B,B",
-                        help="pipelined plans' micro-batch sizes to search, e.g. 1,2,4")  # fmt: skip
-    parser.add_argument(
-        "--nvme", default=None, metavar="SIZE",
-        help="each node's NVMe for offloaded optimizer state, e.g. 30TB (a DGX H100's eight "
-        "drives); the search then also puts all of that state on the disk (default: no disk)",
-    )  # fmt: skip
-
-
 def _add_bench_plan(benches: argparse._SubParsersAction) -> None:
     plan = benches.add_parser(
         "plan",
@@ -414,7 +320,7 @@ def _add_bench_plan(benches: argparse._SubParsersAction) -> None:
     plan.add_argument("--devices-per-node", type=int, default=8)
     plan.add_argument("--device-memory", default="80GiB", metavar="SIZE")
     plan.add_argument("--eps", type=float, default=0.05)
-    _add_schedules(plan)
+    add_search_arguments(plan)
     plan.add_argument(
         "--largest", action="store_true",
         help="instead: the most layers at each model's width whose least-memory plan fits, for "

@@ -6,6 +6,7 @@ import argparse
 import dataclasses
 import json
 import os
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -15,9 +16,120 @@ from rich.console import Console
 from rich.table import Table
 
 from tidal.config.configurable import ConfigError, format_bytes, parse_bytes
-from tidal.planner.plan import Offload
 
-__all__ = ["is_hf_config", "run_plan"]
+__all__ = [
+    "add_parser",
+    "add_search_arguments",
+    "is_hf_config",
+    "priced_only",
+    "run_plan",
+    "train_argv",
+]
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    """``tidal plan`` among the commands of the command line."""
+    plan = sub.add_parser(
+        "plan",
+        help="choose per-unit data / tensor / sequence sharding, ZeRO and recompute (an ILP)",
+        description="Trace the model on the meta device, price every strategy of every unit on "
+        "each dp x tp mesh, solve for the plan with the least memory within --eps of the "
+        "fastest (or the fastest that fits), and compare with Megatron-LM and ZeRO in the same "
+        "cost model. Prints the `tidal train --plan` command that trains the plan.",
+    )
+    plan.add_argument(
+        "--model", required=True, metavar="PRESET_OR_CONFIG",
+        help="a GPT preset (see `tidal models`), or a Hugging Face config.json (or a folder "
+        "holding one) of a LLaMA or GPT-2 decoder, built offline on the meta device",
+    )  # fmt: skip
+    plan.add_argument("--devices", type=int, required=True, metavar="N",
+                      help="devices to plan for: the plan's dp x tp ranks (tidal train --nproc N)")  # fmt: skip
+    plan.add_argument("--devices-per-node", type=int, default=8, metavar="N",
+                      help="devices per machine, joined by the fast links (default 8)")  # fmt: skip
+    plan.add_argument(
+        "--device-memory", default=None, metavar="SIZE",
+        help="per device, e.g. 80GiB (default: the cluster's)",
+    )  # fmt: skip
+    plan.add_argument("--cluster", default="h100", help="device and link figures: h100 or a100")
+    plan.add_argument(
+        "--objective", choices=("memory", "time"), default="memory",
+        help="memory: the least memory within --eps of the fastest plan that fits (default); "
+        "time: the fastest plan that fits",
+    )  # fmt: skip
+    plan.add_argument(
+        "--eps", type=float, default=0.05,
+        help="memory objective: allowed slowdown over the fastest plan that fits (default 0.05)",
+    )  # fmt: skip
+    plan.add_argument("--micro-batch", type=int, default=1, metavar="B",
+                      help="sequences per micro-batch on each data-parallel rank (default 1)")  # fmt: skip
+    plan.add_argument(
+        "--global-batch", type=int, default=None, metavar="SEQUENCES",
+        help="sequences per step (default: one micro-batch per device)",
+    )  # fmt: skip
+    plan.add_argument(
+        "--seq-len", type=int, default=None,
+        help="tokens per sequence (default: the preset's, or a Hugging Face model's positions)",
+    )  # fmt: skip
+    plan.add_argument(
+        "--dropout", type=float, default=0.1,
+        help="dropout a preset trains with (a Hugging Face model has its config's)",
+    )  # fmt: skip
+    plan.add_argument("--tp", type=int, default=None, help="force the tensor-parallel size")
+    plan.add_argument(
+        "--pareto", default="0,0.02,0.05,0.1,0.2,0.5,1", metavar="EPS,EPS",
+        help="slowdowns at which to report the least memory (the frontier); '' for none",
+    )  # fmt: skip
+    add_search_arguments(plan)
+    plan.add_argument(
+        "--pipeline-pareto", default="", metavar="EPS,EPS",
+        help="the same for the pipelined plans (a search over every option each; off by default)",
+    )  # fmt: skip
+    plan.add_argument(
+        "--baselines",
+        default="megatron,megatron_sp,megatron_no_recompute,zero1,zero2,zero3,zero3_full,"
+        "zero3_offload,fsdp2_cpu_offload,zero_infinity",
+        metavar="A,B", help="layouts to price on the plan's mesh in the same cost model",
+    )  # fmt: skip
+    plan.add_argument("--json", default=None, metavar="PATH",
+                      help="write the plan here, for tidal train --plan PATH")  # fmt: skip
+
+
+def add_search_arguments(parser: argparse.ArgumentParser) -> None:
+    """What the search tries, shared with ``tidal bench plan``."""
+    parser.add_argument(
+        "--schedules", default="1f1b,interleaved", metavar="S,S",
+        help="pipeline schedules to search: 1f1b, interleaved, pipemare (asynchronous)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--offload", default="0", metavar="F,F",
+        help="fractions of the fp32 masters and optimizer state to search on the host, updated "
+        "there (priced, not yet run by tidal train --plan), e.g. 0,0.5,1 (default 0: none)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--offload-params", default="0", metavar="F,F",
+        help="fractions of a ZeRO-3 unit's parameters (and gradients) to search on the host, "
+        "each with at least as much of the optimizer (--offload), e.g. 0,1 (default 0: none)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--swap", action="store_true",
+        help="also search keeping a block's saved activations on the host between its forward "
+        "and backward (MPress's host swap; priced, not yet run by tidal train --plan)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--peer", action="store_true",
+        help="also search keeping a block's saved activations on the mirror pipeline stage's "
+        "device, the first stages lending to the last (MPress's peer swap; pipelined plans "
+        "only, priced)",
+    )  # fmt: skip
+    parser.add_argument("--stage-splits", default="even", metavar="S,S",
+                        help="pipeline stage splits to search: even, time, memory")  # fmt: skip
+    parser.add_argument("--micro-batches", default="", metavar="B,B",
+                        help="pipelined plans' micro-batch sizes to search, e.g. 1,2,4")  # fmt: skip
+    parser.add_argument(
+        "--nvme", default=None, metavar="SIZE",
+        help="each node's NVMe for offloaded optimizer state, e.g. 30TB (a DGX H100's eight "
+        "drives); the search then also puts all of that state on the disk (default: no disk)",
+    )  # fmt: skip
 
 
 def _gib(num_bytes: float | None) -> str:
@@ -148,7 +260,90 @@ def run_plan(args: argparse.Namespace, console: Console) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
         console.print(f"plan: {args.json}")
+    console.print(how_to_train(report, args), soft_wrap=True, markup=False)
+    console.print(priced_only(report, args), soft_wrap=True, markup=False)
     return 0
+
+
+def how_to_train(report: dict, args: argparse.Namespace) -> str:
+    """The line that says how to train the plan: the ``tidal train`` command, after saving it
+    with ``--json`` when it was not; or why this plan cannot train yet."""
+    offload = report.get("offload") or {}
+    kept = [*(["model data off the device (--offload)"] if any(offload.values()) else []),
+            *(["activations on the host (--swap)"] if "swap" in report["recompute"].values()
+              else [])]  # fmt: skip
+    if kept:
+        return (f"this plan keeps {' and '.join(kept)}, priced but not run by tidal train yet: "
+                f"plan again without those flags for one it trains")  # fmt: skip
+    recipe, settings = _recipe_for(args, report)
+    command = shlex.join(train_argv(report, plan_path=args.json or "plan.json", recipe=recipe,
+                                    settings=settings, devices_per_node=args.devices_per_node))  # fmt: skip
+    where = ""
+    if "--nnodes" in command:
+        where = " (on every machine, HOST:PORT a free port on one of them)"
+    if args.json:
+        return f"train it: {command}{where}"
+    return f"train it: save it with --json plan.json, then {command}{where}"
+
+
+def train_argv(report: dict, *, plan_path: str, recipe: str, settings: list[str],
+               devices_per_node: int) -> list[str]:  # fmt: skip
+    """``tidal train`` with the plan at ``plan_path``, on its dp x tp ranks (over machines of
+    ``devices_per_node``) with the rows and micro-batches per step it was priced with
+    ([Note: global batch] in tidal/train/trainer.py: the batch is over the dp ranks)."""
+    mesh = report["mesh"]
+    devices = mesh["dp"] * mesh["tp"]
+    argv = ["tidal", "train", "--recipe", recipe, "--plan", plan_path]
+    if devices > devices_per_node:
+        nodes = -(-devices // devices_per_node)
+        argv += ["--nnodes", str(nodes), "--nproc", str(devices // nodes),
+                 "--rdzv-endpoint", "HOST:PORT"]  # fmt: skip
+    elif devices > 1:
+        argv += ["--nproc", str(devices)]
+    settings = [*settings, f"training.batch_size={report['micro_batch'] * mesh['dp']}"]
+    if report["num_microbatches"] > 1:
+        settings.append(f"training.grad_accum_steps={report['num_microbatches']}")
+    for setting in settings:
+        argv += ["--set", setting]
+    return argv
+
+
+def _recipe_for(args: argparse.Namespace, report: dict) -> tuple[str, list[str]]:
+    """The shipped recipe the command starts from (the preset's own, else ``tiny``) and the
+    settings that make it train the model planned, on the engine that runs plans."""
+    from tidal.train.job import load_job
+
+    if is_hf_config(args.model):
+        return "tiny", [f"model.hf_config={args.model}", f"model.seq_len={report['seq_len']}"]
+    recipe, settings = args.model, []
+    try:
+        job = load_job(recipe)
+    except ConfigError:  # no recipe of that name
+        job = None
+    if job is None or job.model.preset != args.model:
+        recipe, settings, job = "tiny", [f"model.preset={args.model}"], load_job("tiny")
+        if args.model == "tiny":
+            settings = []
+    if job.engine != "reference":
+        settings.append("engine=reference")
+    if args.seq_len is not None:
+        settings.append(f"model.seq_len={args.seq_len}")
+    return recipe, settings
+
+
+def priced_only(report: dict, args: argparse.Namespace) -> str:
+    """One line: what this search priced that ``tidal train --plan`` cannot run yet."""
+    searched = [
+        *([f"the pipelined plan ({report['pipeline']['layout']})"] if report.get("pipeline")
+          else []),
+        *(["model data on the host or NVMe (--offload, --offload-params, --nvme)"]
+          if args.nvme or any(_numbers(args.offload, "--offload"))
+          or any(_numbers(args.offload_params, "--offload-params")) else []),
+        *(["activations on the host (--swap)"] if args.swap else []),
+        *(["activations on a peer stage (--peer)"] if args.peer else []),
+    ]  # fmt: skip
+    return ("priced, not run by tidal train yet: " + "".join(f"{kind}; " for kind in searched)
+            + "the baselines and Megatron-LM (other systems' layouts, priced to compare)")  # fmt: skip
 
 
 UNITS_LEGEND = (
@@ -370,6 +565,8 @@ def summary_line(report: dict, cluster) -> str:
     timing = report["timing_s"]
     phases = ", ".join(f"{name} {seconds:.1f} s" for name, seconds in timing["phases"].items())
     host = ""
+    from tidal.planner.plan import Offload  # the planner loads scipy: not for every command
+
     offload = Offload.from_json(report.get("offload"))
     if offload:  # [Note: model data offload] in tidal/planner/strategies.py
         memory = report["memory"]

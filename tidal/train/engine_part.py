@@ -164,14 +164,17 @@ class EnginePart:
     def _tier_figures(self) -> dict[str, int | None]:
         """A chunk engine's tiers after a step (this rank's): the device budget, the least the
         step's last iteration needed there and the activations in it, the device and host
-        peaks so far, the NVMe tier's, and the bytes moved to and from the device this step."""
+        peaks so far, the NVMe tier's, the bytes moved to and from the device this step and,
+        sharded (ZeRO-3), the bytes this rank all-gathered and reduce-scattered this step."""
         stats = self.engine.stats()
         if "bytes_to_device" not in stats:
             return {}
+        counters = ("bytes_to_device", "bytes_to_host", "bytes_all_gathered",
+                    "bytes_reduce_scattered")  # fmt: skip
         moved = {key: stats[key] - self._moved_before.get(key, 0)
-                 for key in ("bytes_to_device", "bytes_to_host")}  # fmt: skip
+                 for key in counters if key in stats}  # fmt: skip
         self._moved_before = {key: stats[key] for key in moved}
-        return {
+        figures: dict[str, int | None] = {
             "device_budget_bytes": stats["device_budget"],
             "device_need_bytes": stats["min_device_bytes_last_trace"],
             "activations_bytes": stats["non_model_bytes_last_trace"],
@@ -181,6 +184,10 @@ class EnginePart:
             "to_device_bytes": moved["bytes_to_device"],
             "to_host_bytes": moved["bytes_to_host"],
         }
+        if "bytes_all_gathered" in moved:
+            figures["gathered_bytes"] = moved["bytes_all_gathered"]
+            figures["reduce_scattered_bytes"] = moved["bytes_reduce_scattered"]
+        return figures
 
     def summary_figures(self) -> dict[str, Any]:
         """The engine's name, a plan run's mesh, model-data bytes and, for the chunk engines,

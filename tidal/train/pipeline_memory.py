@@ -110,6 +110,22 @@ class PipelineMemory:
         for s, lend in self.stashes_lent.items():
             weights[s].lend_with(lend)
 
+    def counters(self) -> dict[str, int]:
+        """This rank's running figures, each a whole number (ranks gather them every step):
+        the bytes its stages' savers sent to the host and lent to peers so far and, with a
+        budget, the budget, its model data and the most it held (model data, saved
+        activations, what it holds for others)."""
+        out = {
+            "to_host_bytes": sum(h.host.bytes_out for h in self.handles if h.host is not None),
+            "lent_bytes": 0 if self.lending is None
+            else sum(p.bytes_lent for p in self.lending.swaps.values()),
+        }  # fmt: skip
+        if self.guard is not None:
+            out["budget_bytes"] = self.guard.budget
+            out["model_data_bytes"] = self.guard.base
+            out["peak_bytes"] = self.guard.peak_bytes
+        return out
+
     def figures(self, rank: int) -> dict[str, Any]:
         hosts = [h.host for h in self.handles if h.host is not None]
         out: dict[str, Any] = {

@@ -36,6 +36,7 @@ from torch import nn
 
 from tidal.config import ConfigError, require
 from tidal.data import Batches, BatchSampler
+from tidal.distributed import gather_ints
 from tidal.distributed import rank as current_rank
 from tidal.models import GPTConfig, spec_for
 from tidal.parallel.flat_state import model_layout
@@ -52,6 +53,9 @@ from tidal.train.pipeline_memory import (
     model_data_per_weight_byte,
     plan_pipeline_memory,
 )
+
+# the running counters of PipelineMemory.counters a step's record gives as that step's bytes
+_MOVED = ("to_host_bytes", "lent_bytes")
 
 __all__ = ["PipelinePart", "block_ranges", "check_pipeline_job"]
 
@@ -250,6 +254,7 @@ class PipelinePart:
                                block_ranges=self.ranges, device=device, rank=current_rank(),
                                world_size=world_size, lending=self.memory.lending)  # fmt: skip
         self.memory.bind(self.engine.weights)
+        self._moved_before: dict[int, dict[str, int]] = {}  # each rank's counters a step ago
         del stages
         split = {"schedule": pipe.schedule, "block_ranges": [list(r) for r in self.ranges]}
         self.checkpointable = PipelineStages(self.engine, layout, split)
@@ -303,7 +308,23 @@ class PipelinePart:
     def step_figures(self, step: int) -> dict[str, Any]:
         delays = [tau for (s, _), tau in self.engine.delays.items() if s in self.stage_ids]
         # The next step's rate, as the reference engine logs it.
-        return {"grad_norm": None, "lr": self.lr.lr_at(step), "max_delay": max(delays, default=0)}
+        return {"grad_norm": None, "lr": self.lr.lr_at(step), "max_delay": max(delays, default=0),
+                "pipeline_ranks": self._rank_figures()}  # fmt: skip
+
+    def _rank_figures(self) -> list[dict[str, Any]]:
+        """Every rank's stages and memory figures (a collective): the peak so far, and the bytes
+        its savers swapped to the host and lent to peers this step ([Note: pipeline memory])."""
+        counters = self.memory.counters()
+        gathered = {key: gather_ints(value) for key, value in counters.items()}
+        num_ranks, num_stages = len(gathered["to_host_bytes"]), len(self.ranges)
+        out = []
+        for r in range(num_ranks):
+            figures: dict[str, Any] = {key: gathered[key][r] for key in counters}
+            before = self._moved_before.get(r, {})
+            self._moved_before[r] = {key: figures[key] for key in _MOVED}
+            figures.update({key: figures[key] - before.get(key, 0) for key in _MOVED})
+            out.append({"rank": r, "stages": list(range(r, num_stages, num_ranks)), **figures})
+        return out
 
     def summary_figures(self) -> dict[str, Any]:
         pipe = self.job.pipeline

@@ -7,11 +7,13 @@ print the table on a machine without it.
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
 from tidal.config import format_bytes
 from tidal.train.metrics import read_metrics
+from tidal.train.plot_series import MemoryFigure, Panel, memory_figure, off_scale
 
 __all__ = ["load_summary", "summary_rows", "write_plots"]
 
@@ -60,6 +62,11 @@ def summary_rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
         ("run", str(summary.get("name"))),
         ("model", f"{summary.get('preset')}" + (f" ({params:,} params)" if params else "")),
         ("device", f"{summary.get('device')} / {summary.get('precision')}"),
+        *(
+            [("world size", f"{summary['world_size']} ranks")]
+            if (summary.get("world_size") or 1) > 1
+            else []
+        ),
         ("steps", f"{summary.get('steps')} ({summary.get('tokens', 0):,} tokens)"),
         ("final loss", _fmt(summary.get("final_loss"), ".4f")),
         ("validation loss", _fmt(summary.get("val_loss"), ".4f")),
@@ -81,8 +88,13 @@ def _chunk_rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
         return [("engine", str(summary.get("engine", "reference")))]
     steps = max(1, summary.get("steps_this_run") or summary.get("steps") or 1)
     budget = summary.get("device_budget")
-    return [
-        ("engine", f"chunk ({summary['num_chunks']} chunks of {summary['chunk_size']:,} elements)"),
+    sharded = "bytes_all_gathered" in summary
+    over = f", ZeRO-3 over {summary.get('world_size')} ranks" if sharded else ""
+    rows = [
+        (
+            "engine",
+            f"chunk{over} ({summary['num_chunks']} chunks of {summary['chunk_size']:,} elements)",
+        ),
         ("device budget", "unlimited" if budget is None else format_bytes(budget)),
         (
             "peak device",
@@ -97,6 +109,11 @@ def _chunk_rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
         ),
         ("evictions", f"{summary['evictions']:,}"),
     ]
+    if sharded:  # this rank's collectives, as the traffic above
+        rows.insert(-1, ("gathered per step", f"all-gathered "
+                         f"{format_bytes(summary['bytes_all_gathered'] / steps)}, reduce-scattered "
+                         f"{format_bytes(summary['bytes_reduce_scattered'] / steps)} (rank 0)"))  # fmt: skip
+    return rows
 
 
 def write_plots(run_dir: str | Path) -> list[Path]:
@@ -142,62 +159,84 @@ def _plot_loss(plt: Any, run_dir: Path, train: list[dict], val: list[dict]) -> P
     return path
 
 
-MIB = 2**20
-
-
-def _plot_tiers(ax: Any, tiered: list[dict]) -> None:
-    steps = [r["step"] for r in tiered]
-
-    def series(key: str) -> list[float]:
-        return [float("nan") if r["tiers"].get(key) is None else r["tiers"][key] / MIB
-                for r in tiered]  # fmt: skip
-
-    activations, need = series("activations_bytes"), series("device_need_bytes")
-    ax.fill_between(steps, 0, activations, alpha=0.35, label="device: activations")
-    ax.fill_between(steps, activations, need, alpha=0.35, label="device: chunks needed")
-    ax.plot(steps, series("device_peak_bytes"), "--", label="device peak so far")
-    budget = tiered[-1]["tiers"].get("device_budget_bytes")
-    if budget is not None:
-        ax.axhline(budget / MIB, color="black", lw=1.2, label="device budget")
-    ax.plot(steps, series("host_peak_bytes"), label="host tier peak so far")
-    if any(r["tiers"].get("nvme_peak_bytes") is not None for r in tiered):
-        ax.plot(steps, series("nvme_peak_bytes"), label="NVMe tier peak so far")
-    traffic = ax.twinx()
-    traffic.plot(steps, series("to_device_bytes"), ":", color="gray", label="to device per step")
-    traffic.set_ylabel("MiB moved per step")
-    traffic.set_ylim(bottom=0)
-
-
 def _plot_memory(plt: Any, run_dir: Path, train: list[dict]) -> Path:
-    """A chunk engine's device tier against its budget (the need of each step, activations
-    stacked under it), its host memory, and the traffic; other engines' memory per tier."""
-    fig, ax = plt.subplots(figsize=(9, 4.5))
-    steps = [r["step"] for r in train]
-    tiered = [r for r in train if r.get("tiers")]
-    if tiered:
-        _plot_tiers(ax, tiered)
-        ax.set_title(f"{run_dir.name}: the chunk engine's tiers (rank 0)")
-    else:
-        for tier in sorted({tier for r in train for tier in (r.get("memory_bytes") or {})}):
-            values = [(r.get("memory_bytes") or {}).get(tier, float("nan")) / MIB for r in train]
-            ax.plot(steps, values, label=f"{tier} in use")
-            peaks = [(r.get("peak_memory_bytes") or {}).get(tier, float("nan")) / MIB
-                     for r in train]  # fmt: skip
-            ax.plot(steps, peaks, "--", label=f"{tier} peak")
-        ax.set_title(f"{run_dir.name}: memory per tier")
-    ax.set_xlabel("step")
-    ax.set_ylabel("MiB")
-    ax.set_ylim(bottom=0)
-    ax.grid(alpha=0.3)
-    handles, labels = [], []
-    for axis in fig.axes:  # the traffic axis too
-        more = axis.get_legend_handles_labels()
-        handles += more[0]
-        labels += more[1]
-    # Beside the plot, not on it: the lines sit where a legend inside would go.
-    ax.legend(handles, labels, loc="upper left", bbox_to_anchor=(1.12, 1.0), fontsize=8)
+    """The panels of :func:`~tidal.train.plot_series.memory_figure`, one above the other on a
+    shared step axis, checkpoints and resumes marked on each ([Note: plotted steps] in
+    plot_series.py)."""
+    from matplotlib.ticker import MaxNLocator
+
+    figure = memory_figure(train, name=run_dir.name)
+    heights = [1.6, *([1.0] * (len(figure.panels) - 1))]  # the memory panel leads
+    fig, axes = plt.subplots(len(figure.panels), 1, sharex=True, squeeze=False,
+                             figsize=(10, 2.2 + 2.0 * len(figure.panels)),
+                             gridspec_kw={"height_ratios": heights})  # fmt: skip
+    for i, (ax, panel) in enumerate(zip(axes[:, 0], figure.panels, strict=True)):
+        handles = _draw_panel(ax, panel, figure)
+        if panel.right is not None:
+            handles += _draw_panel(ax.twinx(), panel.right, figure)
+        _mark_steps(ax, figure, handles if i == 0 else [])  # in the first legend only
+        by_label = dict((h.get_label(), h) for h in handles)
+        # Beside the plot, not on it: the lines sit where a legend inside would go.
+        ax.legend(by_label.values(), by_label.keys(), loc="upper left",
+                  bbox_to_anchor=(1.09 if panel.right else 1.01, 1.0), fontsize=8)  # fmt: skip
+    axes[-1, 0].set_xlabel("step")
+    axes[-1, 0].xaxis.set_major_locator(MaxNLocator(integer=True))
+    fig.suptitle(figure.title)
     path = run_dir / "memory.png"
     fig.tight_layout()
-    fig.savefig(path, dpi=110, bbox_inches="tight")  # the legend beside the plot included
+    fig.savefig(path, dpi=110, bbox_inches="tight")  # the legends beside the plots included
     plt.close(fig)
     return path
+
+
+def _draw_panel(ax: Any, panel: Panel, figure: MemoryFigure) -> list[Any]:
+    """``panel``'s series on ``ax``; a point above the range is a marker on its top edge and a
+    timing's left-out step a hollow marker, neither joined to the line ([Note: plotted
+    steps] in plot_series.py)."""
+    steps, top = figure.steps, panel.ylim[1]
+    handles, base = [], [0.0] * len(steps)
+    for series in panel.series:
+        colour = _COLOURS[series.group % len(_COLOURS)]
+        if series.kind == "stack":
+            reach = [
+                b + (0.0 if math.isnan(v) else v) for b, v in zip(base, series.values, strict=True)
+            ]
+            handles.append(ax.fill_between(steps, base, reach, step="mid", alpha=0.45,
+                                           color=colour, label=series.label, lw=0))  # fmt: skip
+            base = reach
+            continue
+        if series.kind == "limit":
+            handles += ax.plot(steps, series.values, color="black", lw=1.4, label=series.label)
+            continue
+        gap = figure.excluded if series.gaps else frozenset()
+        odd = [(s, v) for s, v in zip(steps, series.values, strict=True) if s in gap and v <= top]
+        joined = [math.nan if s in gap or v > top else v
+                  for s, v in zip(steps, series.values, strict=True)]  # fmt: skip
+        style = {"dashed": "--", "line": "-", "dots": "."}[series.kind]
+        handles += ax.plot(steps, joined, style, color=colour, lw=1.2, label=series.label)
+        if odd:
+            handles += ax.plot(*zip(*odd, strict=True), "o", mfc="none", color="gray", ms=5,
+                               label="warm-up or after a checkpoint (left out of the range)")  # fmt: skip
+    ax.set_ylim(*panel.ylim)
+    ax.set_ylabel(panel.ylabel)
+    if panel.title:
+        ax.set_title(panel.title, fontsize=9, loc="left")
+    ax.grid(alpha=0.3)
+    clipped = off_scale(panel, steps)
+    if clipped:
+        handles += ax.plot([s for s, _ in clipped], [top] * len(clipped), "^", color="crimson",
+                           clip_on=False, ms=6, label="above the range (warm-up or after a "
+                           "checkpoint)")  # fmt: skip
+    return handles
+
+
+def _mark_steps(ax: Any, figure: MemoryFigure, handles: list[Any]) -> None:
+    for step in figure.checkpoints:
+        handles.append(ax.axvline(step, color="gray", ls=":", lw=1, label="checkpoint saved"))
+    for step, world_size in figure.resumes:
+        label = f"resumed on {world_size} rank{'s' if world_size > 1 else ''}"
+        handles.append(ax.axvline(step, color="purple", ls="-.", lw=1, label=label))
+
+
+_COLOURS = ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown",
+            "tab:pink", "tab:olive", "tab:cyan")  # fmt: skip

@@ -194,6 +194,7 @@ class Trainer:
         self.tokens_seen = 0
         self.train_time_s = 0.0
         self.last_val_loss: float | None = None
+        self._checkpoint_s: float | None = None  # [Note: plotted steps] in plot_series.py
 
     def _engine_part(self) -> EnginePart:
         training = self.job.training
@@ -368,7 +369,11 @@ class Trainer:
             **window.figures(),
             "memory_bytes": memory_bytes(self.device),
             "peak_memory_bytes": peak_memory_bytes(self.device),
+            "world_size": self.world_size,
+            **({"warm_up": True} if step == start_step + 1 else {}),
+            **({"after_checkpoint_s": self._checkpoint_s} if self._checkpoint_s else {}),
         }
+        self._checkpoint_s = None
         if step % self.job.training.log_every == 0:
             window.reset()
         if self.rank == 0:
@@ -467,14 +472,12 @@ class Trainer:
         pieces ([Note: atomic checkpoints] in checkpoint.py). Returns the folder."""
         state = self.part.checkpointable.checkpoint_state()
         state = replace(state, meta={**state.meta, "world_size": self.world_size})
-        return write_checkpoint(
-            self.run_dir,
-            self.part.global_step,
-            state=state,
-            train_state=self._train_state(),
-            keep=self.job.checkpoint.keep,
-            adapter=self.adapter,
-        )
+        start = time.perf_counter()
+        path = write_checkpoint(self.run_dir, self.part.global_step, state=state,
+                                train_state=self._train_state(), keep=self.job.checkpoint.keep,
+                                adapter=self.adapter)  # fmt: skip
+        self._checkpoint_s = time.perf_counter() - start
+        return path
 
     def _train_state(self) -> dict[str, Any]:
         return {
