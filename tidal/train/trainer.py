@@ -73,6 +73,7 @@ from tidal.train.engine_part import LOSSES, EnginePart, TrainingPart, custom_run
 from tidal.train.integrity import choose_checkpoint
 from tidal.train.interrupts import Interrupted, StopFlag
 from tidal.train.job import JobConfig, load_job
+from tidal.train.losses import default_loss
 from tidal.train.metrics import (
     MetricsFile,
     Throughput,
@@ -138,7 +139,7 @@ class Trainer:
             )
             if train_data is None:
                 raise ConfigError("train_data", "your own model trains on your data: pass "
-                                  "train_data= (and loss_fn=, else cross-entropy on its output)")  # fmt: skip
+                                  "train_data= (and loss_fn=, else cross-entropy of its logits)")  # fmt: skip
         if isinstance(overrides, JobConfig):
             raise ConfigError("overrides", "a JobConfig is a whole job: pass it first, "
                               "Trainer(job), or give overrides as a dict or 'key=value' strings")  # fmt: skip
@@ -208,7 +209,7 @@ class Trainer:
             self.flops_per_token = None  # not known for a model tidal did not write
             return EnginePart(engine, rows=self._rank_rows(), world_size=self.world_size,
                               grad_accum_steps=training.grad_accum_steps, computes_loss=False,
-                              loss_fn=self._loss_fn or torch.nn.functional.cross_entropy)  # fmt: skip
+                              loss_fn=self._loss_fn or default_loss)  # fmt: skip
         spec = spec_for(self.model_config)
         if spec.deferred:
             model = spec.build(device="meta")
@@ -245,7 +246,7 @@ class Trainer:
             first = DataBatches(self._train_data, batch_size=self.job.training.batch_size)
             part = PipelinePart(self.job, device=device, world_size=self.world_size,
                                 model=self.user_model,
-                                loss_fn=self._loss_fn or torch.nn.functional.cross_entropy,
+                                loss_fn=self._loss_fn or default_loss,
                                 sample=first.fixed_batches(1)[0])  # fmt: skip
         self.num_params, self.flops_per_token = part.num_params, part.flops_per_token
         return part
