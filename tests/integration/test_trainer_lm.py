@@ -62,3 +62,23 @@ def test_language_models_train_on_token_targets_with_the_default_loss(
     losses = [r["loss"] for r in read_metrics(tmp_path) if r["kind"] == "train"]
     assert len(losses) == 4 and losses[-1] < losses[0]
     assert summary["val_loss"] is not None and abs(losses[0] - torch.log(torch.tensor(VOCAB))) < 1
+
+
+def test_fit_prints_the_progress_line_without_any_logging_set_up(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    def fit(run: str, **kwargs: Any) -> str:
+        run_config = config(tmp_path / run, steps=2, training={"val_every": 2})
+        tidal.Trainer(TinyLM(), run_config, train_data=token_batches(),
+                      val_data=token_batches(1)).fit(**kwargs)  # fmt: skip
+        return capsys.readouterr().out
+
+    out = fit("default").splitlines()
+    assert out[0].startswith("run: starting; your TinyLM with 1,056 params on cpu (fp32, ")
+    assert "; 32 tokens/step; " in out[0]
+    steps = [line for line in out if line.startswith("step ")]
+    assert steps[0].startswith("step 1/2  loss ") and " tps " in steps[0] and "memory" in steps[0]
+    assert steps[2].startswith("step 2  val_loss ") and "checkpoint" in steps[3]
+    assert fit("quiet", progress=False) == ""
+    # a callback that shows progress itself (here through logging) replaces the line
+    assert fit("logged", callbacks=[tidal.train.LogCallback(log_every=1, total_steps=2)]) == ""

@@ -11,7 +11,8 @@ write on your batches, ``(inputs, targets)`` pairs of ``training.batch_size`` ro
 the same loop: the engine the config names (reference or chunk, sharded over ranks under
 torchrun, each rank its rows of every batch; or, for an ``nn.Sequential``, a pipeline: [Note:
 sequential pipelines] in tidal/pipeline/sequential.py), the progress line and metrics ("tokens" count
-rows, and model FLOPs are not known, so TFLOP/s and MFU are left out), validation on
+rows, or the positions of a row where the targets are token ids, ``(batch, seq)``; model FLOPs are
+not known, so TFLOP/s and MFU are left out), validation on
 ``val_data``, checkpoints and exact resume ([Note: data positions] in tidal/data/batches.py).
 The loss is ``loss_fn(model(inputs), targets)``; when not given, cross-entropy of the model's
 logits as language models and classifiers return them ([Note: default loss] in losses.py).

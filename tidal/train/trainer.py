@@ -3,7 +3,7 @@
 The Trainer composes the parts (model preset, token source, and what trains: an engine or a
 pipeline, behind one small interface in engine_part.py) and owns only the loop, the run folder,
 checkpoints in the one format (checkpoint.py), resumption and the summary. Presentation is left
-to callbacks: the CLI adds a rich progress bar, library users get log lines.
+to callbacks: the CLI adds a rich progress bar, library users get the same lines printed.
 
 [Note: exact resume]
 A resumed run must continue bit for bit where the saved one stopped. Everything that decides the
@@ -62,7 +62,7 @@ from tidal.distributed.faults import maybe_inject
 from tidal.models import spec_for
 from tidal.parallel.accumulation import split_rows
 from tidal.train.build import build_engine, build_samplers
-from tidal.train.callbacks import Callback, LogCallback
+from tidal.train.callbacks import Callback, LogCallback, ProgressLine
 from tidal.train.checkpoint import (
     IDENTITY,
     list_checkpoints,
@@ -88,7 +88,7 @@ from tidal.train.tensorboard import TensorBoardWriter, check_tensorboard
 if TYPE_CHECKING:
     from tidal.planner import Plan
 
-__all__ = ["Callback", "LogCallback", "Trainer", "rank_rows"]
+__all__ = ["Callback", "LogCallback", "ProgressLine", "Trainer", "rank_rows"]
 
 logger = logging.getLogger(__name__)
 
@@ -181,11 +181,15 @@ class Trainer:
             self._val_sampler: Sampler | None = (
                 None if val_data is None else DataBatches(val_data, batch_size=training.batch_size)
             )
-            self.tokens_per_step = training.batch_size * training.grad_accum_steps
+            self.tokens_per_row = self._tokens_per_row()
+            self.tokens_per_step = (
+                training.batch_size * training.grad_accum_steps * self.tokens_per_row
+            )
         else:
             self.train_batches, self._val_sampler = build_samplers(self.job)
+            self.tokens_per_row = self.model_config.seq_len
             self.tokens_per_step = (
-                training.batch_size * self.model_config.seq_len * training.grad_accum_steps
+                training.batch_size * self.tokens_per_row * training.grad_accum_steps
             )
         self.peak = _all_ranks_peak(
             peak_flops(self.device, training.precision, self.job.metrics.peak_tflops),
@@ -236,6 +240,15 @@ class Trainer:
         inputs = batches.fixed_batches(1)[0][0]
         return (inputs[self._rank_rows()],)
 
+    def _tokens_per_row(self) -> int:
+        """What a "token" of your data is ([Note: your own model] in engine_part.py): the
+        positions of a row where the targets are token ids, ``(batch, seq)``; else the row."""
+        first = DataBatches(self._train_data, batch_size=self.job.training.batch_size)
+        for _, targets in first.fixed_batches(1):
+            if isinstance(targets, torch.Tensor) and targets.dim() >= 2:
+                return 1 if targets.is_floating_point() else targets[0].numel()
+        return 1
+
     def _pipeline_part(self) -> TrainingPart:
         from tidal.train.pipeline_part import PipelinePart
 
@@ -267,6 +280,7 @@ class Trainer:
         resume: bool | int | Literal["auto"] = False,
         overwrite: bool = False,
         callbacks: Sequence[Callback] | None = None,
+        progress: bool = True,
     ) -> dict[str, Any]:
         """Train up to ``training.steps``; return the summary (also written to summary.json).
 
@@ -274,17 +288,17 @@ class Trainer:
         step's checkpoint ([Note: checkpoint integrity] in integrity.py); ``"auto"`` resumes if
         the run folder holds a checkpoint and starts otherwise (what an elastic restart does).
 
-        Without ``callbacks`` the progress line goes to ``logging`` (``tidal.train.trainer``).
+        ``progress``: print what the run is, then the progress line every
+        ``training.log_every`` steps (loss, tokens/s, TFLOP/s, memory: the CLI's line) to
+        stdout, by a :class:`ProgressLine` added to ``callbacks`` unless one of them shows
+        progress itself (``LogCallback`` sends the line to ``logging`` instead); False: quiet.
         Ranks other than 0 call no callbacks (see [Note: global batch]).
         """
+        callbacks = list(callbacks or ())
+        if progress and not any(cb.shows_progress for cb in callbacks):
+            callbacks.insert(0, ProgressLine())
         if self.rank != 0:
             callbacks = []
-        elif callbacks is None:
-            callbacks = [
-                LogCallback(
-                    log_every=self.job.training.log_every, total_steps=self.job.training.steps
-                )
-            ]
         if self.rank == 0 and self.job.metrics.tensorboard:
             callbacks = [*callbacks, TensorBoardWriter(self.run_dir / "tensorboard")]
         start_wall = time.perf_counter()
