@@ -52,11 +52,11 @@ __all__ = ["ReferenceEngine", "Replicas", "TorchLayout", "autocast", "build_opti
 
 
 def build_optimizer(model: nn.Module, config: OptimizerConfig, lr: float) -> torch.optim.Optimizer:
-    """``config.name``'s torch optimizer with weight decay on matrices only (biases, norms and
-    gains are not decayed): AdamW, Adam or SGD."""
+    """``config.name``'s torch optimizer (AdamW, Adam or SGD) with weight decay where
+    ``config.decays`` (by default on matrices only: biases, norms and gains are not decayed)."""
     params = [p for p in model.parameters() if p.requires_grad]
-    decay = [p for p in params if p.dim() >= 2]
-    no_decay = [p for p in params if p.dim() < 2]
+    decay = [p for p in params if config.decays(p)]
+    no_decay = [p for p in params if not config.decays(p)]
     groups = [
         {"params": decay, "weight_decay": config.weight_decay},
         {"params": no_decay, "weight_decay": 0.0},
