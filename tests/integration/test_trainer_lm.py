@@ -4,6 +4,7 @@ the default loss ([Note: default loss] in tidal/train/losses.py)."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -82,3 +83,120 @@ def test_fit_prints_the_progress_line_without_any_logging_set_up(
     assert fit("quiet", progress=False) == ""
     # a callback that shows progress itself (here through logging) replaces the line
     assert fit("logged", callbacks=[tidal.train.LogCallback(log_every=1, total_steps=2)]) == ""
+
+
+def _plain_torch(make_optimizer: Any, make_scheduler: Any = None, steps: int = 4) -> tuple:
+    """The loop a user writes by hand: losses, learning rates and final weights."""
+    torch.manual_seed(0)
+    model = TinyLM()
+    opt = make_optimizer(model.parameters())
+    scheduler = make_scheduler(opt) if make_scheduler else None
+    losses, lrs = [], []
+    for inputs, targets in token_batches()[:steps]:
+        loss = torch.nn.functional.cross_entropy(model(inputs).flatten(0, 1), targets.flatten())
+        loss.backward()
+        opt.step()
+        if scheduler is not None:
+            scheduler.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+        lrs.append(opt.param_groups[0]["lr"])
+    return losses, lrs, model.state_dict()
+
+
+def _fit_own(run_dir: Path, *, steps: int = 4, resume: bool = False, **own: Any) -> tuple:
+    torch.manual_seed(0)
+    model = TinyLM()
+    sections = own.pop("sections", {})
+    trainer = tidal.Trainer(model, config(run_dir, steps=steps, **sections),
+                            train_data=token_batches(), **own)  # fmt: skip
+    trainer.fit(resume=resume, progress=False)
+    records = [r for r in read_metrics(run_dir) if r["kind"] == "train"]
+    weights = trainer.engine.model_state_dict()
+    return [r["loss"] for r in records], [r["lr"] for r in records], weights
+
+
+def _assert_same(got: tuple, want: tuple) -> None:
+    assert got[0] == want[0] and got[1] == want[1]  # bit for bit: the same torch objects
+    assert all(torch.equal(got[2][k], want[2][k]) for k in want[2])
+
+
+SGD = {"lr": 0.5, "momentum": 0.9, "weight_decay": 0.01}
+
+
+def test_your_torch_optimizer_class_or_factory_equals_the_plain_torch_loop(tmp_path: Path) -> None:
+    want = _plain_torch(lambda params: torch.optim.SGD(params, **SGD))
+    _assert_same(
+        _fit_own(tmp_path / "class", optimizer=torch.optim.SGD, optimizer_kwargs=SGD), want
+    )
+    factory = _fit_own(tmp_path / "factory", optimizer=lambda p: torch.optim.SGD(p, **SGD))
+    _assert_same(factory, want)
+    assert want[1] == [0.5] * 4  # no scheduler: the optimizer's own rate, not tidal's warm-up
+    saved = json.loads((tmp_path / "class" / "config.json").read_text())
+    assert saved["user_optimizer"] == (
+        "torch.optim.sgd.SGD(lr=0.5, momentum=0.9, weight_decay=0.01)"
+    )
+
+
+def test_your_lr_scheduler_steps_once_per_optimizer_step_and_resumes_exactly(
+    tmp_path: Path,
+) -> None:
+    def schedule(opt: torch.optim.Optimizer) -> Any:
+        return torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+
+    own = {"optimizer": torch.optim.SGD, "optimizer_kwargs": SGD, "lr_scheduler": schedule}
+    want = _plain_torch(lambda params: torch.optim.SGD(params, **SGD), schedule)
+    _assert_same(_fit_own(tmp_path / "whole", **own), want)
+    assert want[1] == [0.5, 0.25, 0.25, 0.125]
+    _fit_own(tmp_path / "split", steps=3, **own)
+    _assert_same(_fit_own(tmp_path / "split", resume=True, **own), want)
+    # over [optimizer]'s own optimizer, from its peak lr
+    lrs = _fit_own(tmp_path / "configured", lr_scheduler=schedule,
+                   sections={"optimizer": {"lr": 0.2, "warmup_steps": 5}})[1]  # fmt: skip
+    assert lrs == [0.2, 0.1, 0.1, 0.05]
+
+
+CHUNK = {"engine": "chunk", "chunk": {"size": 512}}
+
+
+def test_the_chunk_engine_takes_torch_adamw_adam_sgd_as_torch_computes_them(
+    tmp_path: Path,
+) -> None:
+    kwargs = {"lr": 0.01, "betas": (0.8, 0.9), "fused": False}
+    want = _fit_own(tmp_path / "ref", optimizer=torch.optim.AdamW, optimizer_kwargs=kwargs)
+    got = _fit_own(tmp_path / "chunk", optimizer=torch.optim.AdamW, optimizer_kwargs=kwargs,
+                   sections=CHUNK)  # fmt: skip
+    assert got[0] == pytest.approx(want[0], rel=1e-6) and got[1] == want[1] == [0.01] * 4
+    assert all(torch.allclose(got[2][k], want[2][k], atol=1e-6) for k in want[2])
+    section = json.loads((tmp_path / "chunk" / "config.json").read_text())["optimizer"]
+    assert section | {"beta1": 0.8} == section and section["weight_decay"] == 0.01  # torch's
+    assert section["weight_decay_on"] == "all" and section["min_lr_ratio"] == 1.0
+
+
+@pytest.mark.parametrize(
+    ("own", "what"),
+    [
+        ({"optimizer": lambda p: torch.optim.SGD(p, lr=0.1)}, "not the factory .*<lambda>"),
+        ({"optimizer": torch.optim.RMSprop}, "not torch.optim.rmsprop.RMSprop"),
+        ({"optimizer": torch.optim.Adam, "optimizer_kwargs": {"amsgrad": True}}, "amsgrad=True"),
+        ({"lr_scheduler": lambda opt: None}, "not lr_scheduler="),
+    ],
+    ids=["factory", "rmsprop", "amsgrad", "scheduler"],
+)
+def test_what_the_chunk_engine_cannot_honour_is_refused_in_one_line(
+    own: dict[str, Any], what: str, tmp_path: Path
+) -> None:
+    with pytest.raises(tidal.ConfigError, match=f"the chunk engine steps its own .*{what}") as err:
+        tidal.Trainer(TinyLM(), config(tmp_path, **CHUNK), train_data=token_batches(), **own)
+    assert "\n" not in str(err.value) and "train with engine = 'reference' for that" in str(
+        err.value
+    )
+
+
+def test_the_optimizer_is_said_once(tmp_path: Path) -> None:
+    with pytest.raises(tidal.ConfigError, match="optimizer: given twice"):
+        tidal.Trainer(TinyLM(), config(tmp_path, optimizer={"lr": 0.1}),
+                      train_data=token_batches(), optimizer=torch.optim.SGD)  # fmt: skip
+    with pytest.raises(tidal.ConfigError, match="optimizer_kwargs: go with an optimizer class"):
+        tidal.Trainer(TinyLM(), config(tmp_path), train_data=token_batches(),
+                      optimizer=lambda p: torch.optim.SGD(p), optimizer_kwargs={"lr": 1.0})  # fmt: skip

@@ -84,6 +84,7 @@ from tidal.train.metrics import (
 from tidal.train.run_dir import agree, check_one_run_dir, check_run_dir
 from tidal.train.same_data import check_same_data
 from tidal.train.tensorboard import TensorBoardWriter, check_tensorboard
+from tidal.train.user_optim import OptimizerArg, describe, own_optimizer
 
 if TYPE_CHECKING:
     from tidal.planner import Plan
@@ -114,7 +115,9 @@ class Trainer:
     ``tidal.planner.plan_for(model, inputs, devices=...)``. ``pipeline``: train as a
     pipeline, one rank per stage ([Note: pipeline runs] in pipeline_part.py); by default when
     ``pipeline.stages > 1``. The loop, the run folder, checkpoints and the summary are the same
-    for both; what trains is the ``part`` (engine_part.py).
+    for both; what trains is the ``part`` (engine_part.py). ``optimizer``, ``optimizer_kwargs``,
+    ``lr_scheduler``: your own torch optimizer and schedule in place of ``[optimizer]``'s
+    ([Note: your optimizer] in user_optim.py).
     """
 
     def __init__(
@@ -127,9 +130,13 @@ class Trainer:
         train_data: Iterable[Any] | None = None,
         val_data: Iterable[Any] | None = None,
         loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
+        optimizer: OptimizerArg | None = None,
+        optimizer_kwargs: dict[str, Any] | None = None,
+        lr_scheduler: Callable[[torch.optim.Optimizer], Any] | None = None,
     ) -> None:
         # Trainer(model, config, train_data=, loss_fn=): your own model and data ([Note: your
         # own model] in engine_part.py); else a job whose [model] and [data] say what to train.
+        # optimizer=, optimizer_kwargs=, lr_scheduler=: [Note: your optimizer] in user_optim.py.
         self.user_model = job if isinstance(job, nn.Module) else None
         self._loss_fn = loss_fn
         self._train_data = train_data or ()
@@ -154,6 +161,20 @@ class Trainer:
         if self.job.metrics.tensorboard:
             check_tensorboard()  # before any process group or step, in one line
         self.plan = _load_plan(plan) if isinstance(plan, str | Path) else plan
+        pipeline = self.job.pipeline.stages > 1 if pipeline is None else pipeline
+        if pipeline and self.plan is not None:
+            raise ConfigError(
+                "--plan", "a pipeline run places its stages itself; drop --plan or the pipeline"
+            )
+        runs_on = _runs_on(self.job, plan=self.plan is not None, pipeline=pipeline)
+        self.job, self._torch_optimizer = own_optimizer(
+            self.job, optimizer=optimizer, optimizer_kwargs=optimizer_kwargs,
+            lr_scheduler=lr_scheduler, runs_on=runs_on,
+        )  # fmt: skip
+        self._optimizer_notes = {  # what config.json records beside the job
+            "user_optimizer": None if optimizer is None else describe(optimizer, optimizer_kwargs),
+            "user_lr_scheduler": None if lr_scheduler is None else describe(lr_scheduler),
+        }
         self.run_dir = self.job.run_path
         training = self.job.training
         self.model_config = None if self.user_model is not None else self.job.model.resolve()
@@ -162,11 +183,7 @@ class Trainer:
                                          timeout_s=self.job.distributed.timeout_s)  # fmt: skip
         self.rank, self.world_size = current_rank(), current_world_size()
         torch.manual_seed(training.seed)
-        if self.job.pipeline.stages > 1 if pipeline is None else pipeline:
-            if self.plan is not None:
-                raise ConfigError(
-                    "--plan", "a pipeline run places its stages itself; drop --plan or the pipeline"
-                )
+        if pipeline:
             self.part: TrainingPart = self._pipeline_part()
         else:
             self.part = self._engine_part()
@@ -207,7 +224,8 @@ class Trainer:
         if self.model_config is None:
             assert self.user_model is not None
             engine = build_engine(self.user_model, self.job, plan=self.plan,
-                                  inputs=self._sample_inputs() if self.plan else None)  # fmt: skip
+                                  inputs=self._sample_inputs() if self.plan else None,
+                                  torch_optimizer=self._torch_optimizer)  # fmt: skip
             unique = {id(p): p for p in engine.model.parameters()}.values()
             self.num_params = sum(p.numel() for p in unique)
             self.flops_per_token = None  # not known for a model tidal did not write
@@ -223,7 +241,8 @@ class Trainer:
                 self.job.model.resolve_structured()  # raises: a plan needs a known structure
             model, init = spec.build(device="cpu", seed=training.seed), None
         self.flops_per_token = spec.flops_per_token(model)
-        engine = build_engine(model, self.job, init=init, plan=self.plan)
+        engine = build_engine(model, self.job, init=init, plan=self.plan,
+                              torch_optimizer=self._torch_optimizer)  # fmt: skip
         self.num_params = spec.num_params(engine.model)
         return EnginePart(
             engine,
@@ -473,6 +492,7 @@ class Trainer:
         if self.user_model is not None:  # what `tidal export` reads to refuse such a run
             kind = type(self.user_model)
             config["user_model"] = f"{kind.__module__}.{kind.__qualname__}"
+        config.update({k: v for k, v in self._optimizer_notes.items() if v is not None})
         write_json_atomic(self.run_dir / "config.json", config)
         if not resume:
             self.metrics.truncate_after(0)
@@ -592,6 +612,15 @@ class Trainer:
             "git_commit": git_commit(),
             "finished_at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         }
+
+
+def _runs_on(job: JobConfig, *, plan: bool, pipeline: bool) -> str | None:
+    """What runs its own optimizer, for ``own_optimizer``; None: the reference engine."""
+    if pipeline:
+        return "pipeline"
+    if plan:
+        return "plan"
+    return "chunk" if job.engine == "chunk" else None
 
 
 def _load_plan(path: str | Path) -> Plan:
