@@ -5,6 +5,7 @@ the default loss ([Note: default loss] in tidal/train/losses.py)."""
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -200,3 +201,44 @@ def test_the_optimizer_is_said_once(tmp_path: Path) -> None:
     with pytest.raises(tidal.ConfigError, match="optimizer_kwargs: go with an optimizer class"):
         tidal.Trainer(TinyLM(), config(tmp_path), train_data=token_batches(),
                       optimizer=lambda p: torch.optim.SGD(p), optimizer_kwargs={"lr": 1.0})  # fmt: skip
+
+
+def _resume_warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records if "resuming at step" in r.getMessage()]
+
+
+def test_resuming_with_another_lr_or_length_says_what_changed_in_one_line(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    def fit(steps: int, lr: float, resume: bool) -> None:
+        optimizer = {"lr": lr, "warmup_steps": 0}
+        tidal.Trainer(TinyLM(), config(tmp_path, steps=steps, optimizer=optimizer),
+                      train_data=token_batches()).fit(resume=resume, progress=False)  # fmt: skip
+
+    fit(2, 1e-3, resume=False)
+    with caplog.at_level(logging.WARNING, logger="tidal.train.trainer"):
+        fit(2, 1e-3, resume=True)  # nothing changed: nothing said
+        assert _resume_warnings(caplog) == []
+        fit(4, 3e-4, resume=True)
+    (line,) = _resume_warnings(caplog)
+    assert line == (
+        "tidal: resuming at step 2 with optimizer.lr 0.0003 (was 0.001), training.steps 4 (was 2); "
+        "the next step's learning rate is 1.65e-04 (the saved schedule's: 1.00e-04)"
+    )  # halfway down the new cosine; the saved one had reached its floor
+    with pytest.raises(tidal.ConfigError, match="optimizer.name: the checkpoint at step 4 holds "
+                       "adamw's optimizer state, which sgd cannot take; resume with "
+                       "optimizer.name = 'adamw'"):  # fmt: skip
+        tidal.Trainer(TinyLM(), config(tmp_path, steps=6, optimizer={"name": "sgd"}),
+                      train_data=token_batches()).fit(resume=True, progress=False)  # fmt: skip
+
+
+def test_resuming_with_another_optimizer_of_yours_says_so(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    _fit_own(tmp_path, steps=2, optimizer=torch.optim.SGD, optimizer_kwargs={"lr": 0.5})
+    with caplog.at_level(logging.WARNING, logger="tidal.train.trainer"):
+        _fit_own(tmp_path, resume=True, optimizer=torch.optim.SGD, optimizer_kwargs={"lr": 0.1})
+    assert _resume_warnings(caplog) == [
+        "tidal: resuming at step 2 with training.steps 4 (was 2), user_optimizer "
+        "torch.optim.sgd.SGD(lr=0.1) (was torch.optim.sgd.SGD(lr=0.5))"
+    ]

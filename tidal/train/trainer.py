@@ -81,6 +81,7 @@ from tidal.train.metrics import (
     read_metrics,
     write_json_atomic,
 )
+from tidal.train.resume_changes import resume_changes
 from tidal.train.run_dir import agree, check_one_run_dir, check_run_dir
 from tidal.train.same_data import check_same_data
 from tidal.train.tensorboard import TensorBoardWriter, check_tensorboard
@@ -488,14 +489,18 @@ class Trainer:
                 elif path.exists():
                     path.unlink()
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        write_json_atomic(self.run_dir / "config.json", self._run_config())
+        if not resume:
+            self.metrics.truncate_after(0)
+
+    def _run_config(self) -> dict[str, Any]:
+        """config.json's content: the job, and what of yours it does not hold."""
         config = to_dict(self.job)
         if self.user_model is not None:  # what `tidal export` reads to refuse such a run
             kind = type(self.user_model)
             config["user_model"] = f"{kind.__module__}.{kind.__qualname__}"
         config.update({k: v for k, v in self._optimizer_notes.items() if v is not None})
-        write_json_atomic(self.run_dir / "config.json", config)
-        if not resume:
-            self.metrics.truncate_after(0)
+        return config
 
     def save_checkpoint(self) -> Path:
         """Checkpoint the current step in the one format; every rank calls it and writes its
@@ -519,6 +524,7 @@ class Trainer:
             "train_time_s": self.train_time_s,
             "last_val_loss": self.last_val_loss,
             "model_config": None if self.model_config is None else to_dict(self.model_config),
+            "config": self._run_config(),  # [Note: resuming with changes]
         }
 
     def load_checkpoint(self, path: Any) -> int:
@@ -537,6 +543,9 @@ class Trainer:
                 f"the checkpoint in {path} was trained with other model settings ({', '.join(changed)});"
                 f" resume with the run's original [model] section",
             )
+        said = resume_changes(state.get("config", {}), self._run_config(), step=checkpoint.step)
+        if said and self.rank == 0:
+            logger.warning("%s", said)
         if "plan" in state["engine"] and self.plan is None:
             raise ConfigError(
                 "--plan",
