@@ -30,7 +30,6 @@ rank runs the loop, the collectives and the checkpoint calls.
 
 from __future__ import annotations
 
-import datetime as dt
 import json
 import logging
 import math
@@ -46,12 +45,10 @@ from torch import nn
 
 from tidal.config import ConfigError, to_dict
 from tidal.data import Batch, BatchSampler, DataBatches
-from tidal.distributed import barrier, gather_ints, init_from_env
+from tidal.distributed import barrier, init_from_env
 from tidal.distributed import rank as current_rank
 from tidal.distributed import world_size as current_world_size
 from tidal.distributed.device import (
-    PeakFlops,
-    device_description,
     memory_bytes,
     peak_flops,
     peak_memory_bytes,
@@ -77,13 +74,12 @@ from tidal.train.losses import default_loss
 from tidal.train.metrics import (
     MetricsFile,
     Throughput,
-    git_commit,
-    read_metrics,
     write_json_atomic,
 )
 from tidal.train.resume_changes import resume_changes
 from tidal.train.run_dir import agree, check_one_run_dir, check_run_dir
 from tidal.train.same_data import check_same_data
+from tidal.train.summary import all_ranks_peak, run_summary
 from tidal.train.tensorboard import TensorBoardWriter, check_tensorboard
 from tidal.train.user_optim import OptimizerArg, describe, own_optimizer
 
@@ -209,7 +205,7 @@ class Trainer:
             self.tokens_per_step = (
                 training.batch_size * self.tokens_per_row * training.grad_accum_steps
             )
-        self.peak = _all_ranks_peak(
+        self.peak = all_ranks_peak(
             peak_flops(self.device, training.precision, self.job.metrics.peak_tflops),
             self.world_size,
         )
@@ -342,7 +338,8 @@ class Trainer:
                 saved = self._after_step(step, callbacks)
                 if stop.raised(distributed=self.distributed):
                     self._stop(step, stop.signal_name, saved, callbacks)
-        summary = self._summary(last_record, timed, start_step, time.perf_counter() - start_wall)
+        summary = run_summary(self, last=last_record, timed=timed, start_step=start_step,
+                              wall_s=time.perf_counter() - start_wall)  # fmt: skip
         if self.rank == 0:
             write_json_atomic(self.run_dir / "summary.json", summary)
         for cb in callbacks:
@@ -573,55 +570,6 @@ class Trainer:
         if "cuda" in state and self.device.type == "cuda":
             torch.cuda.set_rng_state(state["cuda"], self.device)
 
-    # -- summary ---------------------------------------------------------------------------------
-
-    def _last_logged_loss(self) -> float | None:
-        # A resumed run that had already reached its last step trains nothing this time.
-        losses = [r["loss"] for r in read_metrics(self.run_dir) if r.get("kind") == "train"]
-        return losses[-1] if losses else None
-
-    def _summary(
-        self,
-        last: dict[str, Any] | None,
-        timed: Throughput,
-        start_step: int,
-        wall_s: float,
-    ) -> dict[str, Any]:
-        figures = timed.figures()
-        peak_memory = peak_memory_bytes(self.device)
-        return {
-            "name": self.job.name,
-            "preset": self.job.model.preset
-            if self.job.model.hf_config is None and self.job.model.factory is None
-            else None,
-            "factory": self.job.model.factory,
-            "hf_config": self.job.model.hf_config,
-            "num_params": self.num_params,
-            "steps": self.part.global_step,
-            "steps_this_run": self.part.global_step - start_step,
-            "resumed_from_step": start_step or None,
-            "tokens": self.tokens_seen,
-            "final_loss": last["loss"] if last else self._last_logged_loss(),
-            "val_loss": self.last_val_loss,
-            "tokens_per_s": figures["tokens_per_s"],
-            "model_tflops_per_s": figures["tflops"],
-            "mfu": figures["mfu"],
-            "peak_tflops": self._peak_tflops,
-            "peak_tflops_source": self.peak.source if self.peak else None,
-            "flops_per_token": self.flops_per_token,
-            "peak_memory_bytes": peak_memory,
-            "peak_memory_bytes_per_rank": _gather_per_rank(peak_memory, self.world_size),
-            **self.part.summary_figures(),
-            "wall_s": wall_s,
-            "train_s": self.train_time_s,
-            "device": device_description(self.device),
-            "world_size": self.world_size,
-            "precision": self.job.training.precision,
-            "torch_version": torch.__version__,
-            "git_commit": git_commit(),
-            "finished_at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        }
-
 
 def _runs_on(job: JobConfig, *, plan: bool, pipeline: bool) -> str | None:
     """What runs its own optimizer, for ``own_optimizer``; None: the reference engine."""
@@ -636,16 +584,3 @@ def _load_plan(path: str | Path) -> Plan:
     from tidal.parallel.plan_layout import load_plan
 
     return load_plan(path)
-
-
-def _all_ranks_peak(peak: PeakFlops | None, world_size: int) -> PeakFlops | None:
-    """The peak of ``world_size`` devices like this one, which MFU over all ranks divides by."""
-    if peak is None or world_size == 1:
-        return peak
-    return PeakFlops(tflops=peak.tflops * world_size, source=f"{world_size} x {peak.source}")
-
-
-def _gather_per_rank(figures: dict[str, int], world_size: int) -> list[dict[str, int]]:
-    """Every rank's ``figures`` (same keys on each), indexed by rank; a collective."""
-    columns = {key: gather_ints(value) for key, value in figures.items()}
-    return [{key: columns[key][r] for key in figures} for r in range(world_size)]
