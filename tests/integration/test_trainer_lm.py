@@ -242,3 +242,7 @@ def test_resuming_with_another_optimizer_of_yours_says_so(
         "tidal: resuming at step 2 with training.steps 4 (was 2), user_optimizer "
         "torch.optim.sgd.SGD(lr=0.1) (was torch.optim.sgd.SGD(lr=0.5))"
     ]
+    with pytest.raises(tidal.ConfigError, match=r"optimizer: the checkpoint at step 4 holds "
+                       r"torch.optim.sgd.SGD's optimizer state, which torch.optim.adam.Adam "
+                       r"cannot take; resume with optimizer=torch.optim.sgd.SGD"):  # fmt: skip
+        _fit_own(tmp_path, steps=6, resume=True, optimizer=lambda p: torch.optim.Adam(p))

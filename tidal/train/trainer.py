@@ -497,6 +497,9 @@ class Trainer:
             kind = type(self.user_model)
             config["user_model"] = f"{kind.__module__}.{kind.__qualname__}"
         config.update({k: v for k, v in self._optimizer_notes.items() if v is not None})
+        if self._torch_optimizer is not None:  # the algorithm a resume must keep
+            kind = type(self.engine.optimizer)
+            config["user_optimizer_class"] = f"{kind.__module__}.{kind.__qualname__}"
         return config
 
     def save_checkpoint(self) -> Path:
