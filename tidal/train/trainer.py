@@ -81,7 +81,7 @@ from tidal.train.run_dir import agree, check_one_run_dir, check_run_dir
 from tidal.train.same_data import check_same_data
 from tidal.train.summary import all_ranks_peak, run_summary
 from tidal.train.tensorboard import TensorBoardWriter, check_tensorboard
-from tidal.train.user_optim import OptimizerArg, describe, own_optimizer
+from tidal.train.user_optim import OptimizerArg, optimizer_notes, own_optimizer
 
 if TYPE_CHECKING:
     from tidal.planner import Plan
@@ -168,10 +168,7 @@ class Trainer:
             self.job, optimizer=optimizer, optimizer_kwargs=optimizer_kwargs,
             lr_scheduler=lr_scheduler, runs_on=runs_on,
         )  # fmt: skip
-        self._optimizer_notes = {  # what config.json records beside the job
-            "user_optimizer": None if optimizer is None else describe(optimizer, optimizer_kwargs),
-            "user_lr_scheduler": None if lr_scheduler is None else describe(lr_scheduler),
-        }
+        self._optimizer_notes = optimizer_notes(optimizer, optimizer_kwargs, lr_scheduler)
         self.run_dir = self.job.run_path
         training = self.job.training
         self.model_config = None if self.user_model is not None else self.job.model.resolve()
@@ -496,7 +493,7 @@ class Trainer:
         if self.user_model is not None:  # what `tidal export` reads to refuse such a run
             kind = type(self.user_model)
             config["user_model"] = f"{kind.__module__}.{kind.__qualname__}"
-        config.update({k: v for k, v in self._optimizer_notes.items() if v is not None})
+        config.update(self._optimizer_notes)
         if self._torch_optimizer is not None:  # the algorithm a resume must keep
             kind = type(self.engine.optimizer)
             config["user_optimizer_class"] = f"{kind.__module__}.{kind.__qualname__}"

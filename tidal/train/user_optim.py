@@ -40,7 +40,7 @@ from tidal.parallel.config import OptimizerConfig
 from tidal.parallel.reference import TorchOptimizer
 from tidal.train.job import JobConfig
 
-__all__ = ["OptimizerArg", "describe", "own_optimizer"]
+__all__ = ["OptimizerArg", "describe", "optimizer_config", "optimizer_notes", "own_optimizer"]
 
 OptimizerArg = (
     type[torch.optim.Optimizer] | Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
@@ -65,6 +65,20 @@ def describe(thing: Any, kwargs: Mapping[str, Any] | None = None) -> str:
     if kwargs is None:
         return name
     return f"{name}({', '.join(f'{k}={v!r}' for k, v in kwargs.items())})"
+
+
+def optimizer_notes(
+    optimizer: OptimizerArg | None,
+    optimizer_kwargs: Mapping[str, Any] | None,
+    lr_scheduler: Callable[[torch.optim.Optimizer], Any] | None,
+) -> dict[str, str]:
+    """What config.json (and so a checkpoint) records of yours beside the job."""
+    notes = {}
+    if optimizer is not None:
+        notes["user_optimizer"] = describe(optimizer, optimizer_kwargs)
+    if lr_scheduler is not None:
+        notes["user_lr_scheduler"] = describe(lr_scheduler)
+    return notes
 
 
 def own_optimizer(
