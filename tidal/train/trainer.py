@@ -58,6 +58,7 @@ from tidal.distributed.device import (
 from tidal.distributed.faults import maybe_inject
 from tidal.models import spec_for
 from tidal.parallel.accumulation import split_rows
+from tidal.parallel.reference import ReferenceEngine
 from tidal.train.build import build_engine, build_samplers
 from tidal.train.callbacks import Callback, LogCallback, ProgressLine
 from tidal.train.checkpoint import (
@@ -81,7 +82,7 @@ from tidal.train.run_dir import agree, check_one_run_dir, check_run_dir
 from tidal.train.same_data import check_same_data
 from tidal.train.summary import all_ranks_peak, run_summary
 from tidal.train.tensorboard import TensorBoardWriter, check_tensorboard
-from tidal.train.user_optim import OptimizerArg, optimizer_notes, own_optimizer
+from tidal.train.user_optim import OptimizerArg, describe, optimizer_notes, own_optimizer
 
 if TYPE_CHECKING:
     from tidal.planner import Plan
@@ -495,8 +496,8 @@ class Trainer:
             config["user_model"] = f"{kind.__module__}.{kind.__qualname__}"
         config.update(self._optimizer_notes)
         if self._torch_optimizer is not None:  # the algorithm a resume must keep
-            kind = type(self.engine.optimizer)
-            config["user_optimizer_class"] = f"{kind.__module__}.{kind.__qualname__}"
+            assert isinstance(self.engine, ReferenceEngine), "user_optim.own_optimizer"
+            config["user_optimizer_class"] = describe(type(self.engine.optimizer))
         return config
 
     def save_checkpoint(self) -> Path:
