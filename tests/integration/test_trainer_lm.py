@@ -80,6 +80,7 @@ def test_fit_prints_the_progress_line_without_any_logging_set_up(
     assert "; 32 tokens/step; " in out[0]
     steps = [line for line in out if line.startswith("step ")]
     assert steps[0].startswith("step 1/2  loss ") and " tps " in steps[0] and "memory" in steps[0]
+    assert " tflops " in steps[1] and " mfu " in steps[1]  # 6 x params per token: token targets
     assert steps[2].startswith("step 2  val_loss ") and "checkpoint" in steps[3]
     assert fit("quiet", progress=False) == ""
     # a callback that shows progress itself (here through logging) replaces the line

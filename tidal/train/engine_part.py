@@ -10,14 +10,15 @@ engine.step()``; :class:`~tidal.train.pipeline_part.PipelinePart` that of a pipe
 write on your batches, ``(inputs, targets)`` pairs of ``training.batch_size`` rows, through
 the same loop: the engine the config names (reference or chunk, sharded over ranks under
 torchrun, each rank its rows of every batch; or, for an ``nn.Sequential``, a pipeline: [Note:
-sequential pipelines] in tidal/pipeline/sequential.py), the progress line and metrics ("tokens" count
-rows, or the positions of a row where the targets are token ids, ``(batch, seq)``; model FLOPs are
-not known, so TFLOP/s and MFU are left out), validation on
-``val_data``, checkpoints and exact resume ([Note: data positions] in tidal/data/batches.py).
-The loss is ``loss_fn(model(inputs), targets)``; when not given, cross-entropy of the model's
-logits as language models and classifiers return them ([Note: default loss] in losses.py).
-A recipe reaches
-a model of its own through ``[model] factory`` instead ([Note: factory models]).
+sequential pipelines] in tidal/pipeline/sequential.py), the progress line and metrics,
+validation on ``val_data``, checkpoints and exact resume ([Note: data positions] in
+tidal/data/batches.py). "Tokens" are the positions of a row where the targets are token ids,
+``(batch, seq)`` integers, and the model's FLOPs are then taken as ``6 x parameters`` per
+token, as for a factory model; for other targets "tokens" count rows and FLOPs are not known,
+so TFLOP/s and MFU are left out. The loss is ``loss_fn(model(inputs), targets)``; when not
+given, cross-entropy of the model's logits as language models and classifiers return them
+([Note: default loss] in losses.py). A recipe reaches a model of its own through ``[model]
+factory`` instead ([Note: factory models]).
 """
 
 from __future__ import annotations

@@ -173,6 +173,9 @@ class Trainer:
         self.run_dir = self.job.run_path
         training = self.job.training
         self.model_config = None if self.user_model is not None else self.job.model.resolve()
+        self.tokens_per_row = (
+            self._tokens_per_row() if self.model_config is None else self.model_config.seq_len
+        )
         # Before the engine: a sharded engine reads the process group when it is built.
         self.distributed = init_from_env(device=resolve_device(training.device),
                                          timeout_s=self.job.distributed.timeout_s)  # fmt: skip
@@ -193,13 +196,11 @@ class Trainer:
             self._val_sampler: Sampler | None = (
                 None if val_data is None else DataBatches(val_data, batch_size=training.batch_size)
             )
-            self.tokens_per_row = self._tokens_per_row()
             self.tokens_per_step = (
                 training.batch_size * training.grad_accum_steps * self.tokens_per_row
             )
         else:
             self.train_batches, self._val_sampler = build_samplers(self.job)
-            self.tokens_per_row = self.model_config.seq_len
             self.tokens_per_step = (
                 training.batch_size * self.tokens_per_row * training.grad_accum_steps
             )
@@ -223,7 +224,8 @@ class Trainer:
                                   torch_optimizer=self._torch_optimizer)  # fmt: skip
             unique = {id(p): p for p in engine.model.parameters()}.values()
             self.num_params = sum(p.numel() for p in unique)
-            self.flops_per_token = None  # not known for a model tidal did not write
+            # [Note: your own model] in engine_part.py: a factory model's convention for tokens
+            self.flops_per_token = 6.0 * self.num_params if self.tokens_per_row > 1 else None
             return EnginePart(engine, rows=self._rank_rows(), world_size=self.world_size,
                               grad_accum_steps=training.grad_accum_steps, computes_loss=False,
                               loss_fn=self._loss_fn or default_loss)  # fmt: skip
