@@ -13,8 +13,9 @@ section (which must then be left unset, so the optimizer is said once):
   rate is its own, constant: ``[optimizer]``'s warm-up + cosine does not apply.
 
 The reference engine (no plan, no pipeline) trains with your torch objects as they are, so a
-run equals the plain PyTorch loop ``loss.backward(); clip; opt.step(); sched.step();
-opt.zero_grad()`` on the same seed (with ``training.grad_clip_norm = 0``, no clipping).
+run equals the plain PyTorch loop ``loss.backward(); opt.step(); sched.step();
+opt.zero_grad()`` on the same seed, once ``training.grad_clip_norm = 0`` turns off the
+clipping every engine does before the step (to 1.0 by default).
 The other ways of training run their own optimizer: the chunk engine (one process or
 sharded) over chunk storage, a plan's layout per mesh, a pipeline per stage, with
 ``[optimizer]``'s schedule. They take ``torch.optim.AdamW``, ``Adam`` or ``SGD`` with the
