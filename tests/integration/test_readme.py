@@ -37,8 +37,10 @@ def _commands(block: str) -> list[list[str]]:
     return [shlex.split(line) for line in lines if line.startswith("tidal ")]
 
 
-def test_the_library_examples_run_and_the_chunks_move() -> None:
-    own_model, meta_gpt = _blocks("python", _section("Quick start: the library"))
+def test_the_library_examples_run_and_the_chunks_move(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    own_model, meta_gpt, language_model = _blocks("python", _section("Quick start: the library"))
     namespace: dict[str, object] = {}
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
@@ -47,6 +49,13 @@ def test_the_library_examples_run_and_the_chunks_move() -> None:
     steps, evictions = map(int, out.getvalue().split())
     assert steps == 2 and evictions > 0  # what the comment in the example says
     assert float(namespace["loss"].item()) > 0  # type: ignore[attr-defined]
+    monkeypatch.chdir(tmp_path)  # its run folder, runs/lm
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        exec(compile(language_model, "README.md (a language model)", "exec"), namespace)
+    steps = [line for line in out.getvalue().splitlines() if line.startswith("step ")]
+    assert [line.split("  ")[0] for line in steps[:2]] == ["step 2/4", "step 4/4"]
+    assert namespace["summary"]["tokens"] == 4 * 4 * 32  # type: ignore[index]
 
 
 @pytest.mark.slow

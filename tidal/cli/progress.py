@@ -16,6 +16,7 @@ from rich.progress import (
 from rich.table import Table
 
 from tidal.train import Callback, Trainer
+from tidal.train.callbacks import describe_start, format_val_line
 from tidal.train.metrics import format_step_line
 from tidal.train.report import summary_rows
 
@@ -32,7 +33,9 @@ def summary_table(summary: dict[str, Any], *, title: str = "summary") -> Table:
 
 
 class RichProgress(Callback):
-    """A bar for the run (only on a terminal) and a step line every ``log_every`` steps."""
+    """A bar for the run (only on a terminal) and :class:`~tidal.train.ProgressLine`'s lines."""
+
+    shows_progress = True
 
     def __init__(self, console: Console | None = None) -> None:
         self.console = console or Console(stderr=False, highlight=False)
@@ -42,21 +45,10 @@ class RichProgress(Callback):
         self.log_every = 1
 
     def on_start(self, trainer: Trainer, *, start_step: int) -> None:
-        job = trainer.job
-        self.total_steps = job.training.steps
-        self.log_every = job.training.log_every
-        peak = trainer.peak
-        peak_text = f"{peak.tflops:.2f} TFLOP/s ({peak.source})" if peak else "unknown"
-        verb = f"resuming at step {start_step}" if start_step else "starting"
-        plan = trainer.plan
-        engine = f"plan dp {plan.dp} x tp {plan.tp}" if plan is not None else f"{job.engine} engine"
-        if job.pipeline.stages > 1:
-            engine = f"pipeline of {job.pipeline.stages} stages, {job.pipeline.schedule}"
-        model = job.model.hf_config or job.model.preset
+        self.total_steps = trainer.job.training.steps
+        self.log_every = trainer.job.training.log_every
         self.console.print(
-            f"[bold]{job.name}[/]: {verb}; {model} with {trainer.num_params:,} "
-            f"params on {trainer.device} ({job.training.precision}, {engine}); "
-            f"{trainer.tokens_per_step:,} tokens/step; peak {peak_text}; run dir {trainer.run_dir}",
+            f"[bold]{trainer.job.name}[/]: {describe_start(trainer, start_step=start_step)}",
             soft_wrap=True,
         )
         self.progress = Progress(
@@ -80,7 +72,7 @@ class RichProgress(Callback):
             )
 
     def on_val(self, record: dict[str, Any]) -> None:
-        self.console.print(f"step {record['step']}  [bold]val_loss {record['val_loss']:.4f}[/]")
+        self.console.print(format_val_line(record))
 
     def on_checkpoint(self, step: int, path: str) -> None:
         self.console.print(f"step {step}  checkpoint {path}")

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from tidal.config import ByteSize, require
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = [
     "MemoryConfig",
@@ -23,8 +26,10 @@ OptimizerName = Literal["adamw", "adam", "sgd"]
 class OptimizerConfig:
     """AdamW, Adam or SGD, with linear warm-up then cosine decay to ``min_lr_ratio * lr``.
 
-    Weight decay applies to matrices only (biases, norms and gains are not decayed): decoupled
-    for AdamW, L2 (added to the gradient) for Adam and SGD, as in torch.
+    Weight decay applies to matrices only (biases, norms and gains are not decayed), or to
+    every parameter as torch's optimizers do when given ``model.parameters()``
+    (``weight_decay_on``): decoupled for AdamW, L2 (added to the gradient) for Adam and SGD,
+    as in torch.
 
     Attributes:
         name: ``adamw``, ``adam`` or ``sgd`` (torch's algorithms, the same in every engine).
@@ -36,6 +41,7 @@ class OptimizerConfig:
         min_lr_ratio: floor of the cosine as a fraction of ``lr``.
         beta1, beta2, eps: Adam's and AdamW's moment decays and denominator term.
         weight_decay: see above.
+        weight_decay_on: ``matrices`` (parameters of 2 or more dimensions) or ``all``.
         momentum: SGD's momentum factor; 0 is plain SGD, which keeps no optimizer state.
         nesterov: SGD with Nesterov momentum (needs ``momentum > 0`` and ``dampening == 0``).
         dampening: SGD's dampening of the gradient added to the momentum buffer.
@@ -52,10 +58,15 @@ class OptimizerConfig:
     beta2: float = 0.95
     eps: float = 1e-8
     weight_decay: float = 0.1
+    weight_decay_on: Literal["matrices", "all"] = "matrices"
     momentum: float = 0.9
     nesterov: bool = False
     dampening: float = 0.0
     fused: bool | None = None
+
+    def decays(self, param: torch.Tensor) -> bool:
+        """Whether weight decay applies to ``param`` (every engine asks here)."""
+        return self.weight_decay_on == "all" or param.dim() >= 2
 
     def use_fused(self, device_type: str) -> bool:
         """``fused`` resolved for a device: ``None`` picks torch's fused kernel on CPU and CUDA,
@@ -87,6 +98,8 @@ class OptimizerConfig:
             require(0 <= value < 1, name, f"must be in [0, 1), got {value}")
         require(self.eps > 0, "eps", f"must be > 0, got {self.eps}")
         require(self.weight_decay >= 0, "weight_decay", f"must be >= 0, got {self.weight_decay}")
+        require(self.weight_decay_on in ("matrices", "all"), "weight_decay_on",
+                f"expected 'matrices' or 'all', got {self.weight_decay_on!r}")  # fmt: skip
         self._check_sgd()
 
     def _check_sgd(self) -> None:

@@ -67,6 +67,7 @@ class LocalParts:
             names={id(p): n for n, p in engine.model.named_parameters()},
             rule=make_rule(optimizer),
             weight_decay=optimizer.weight_decay,
+            decays=optimizer.decays,
             fused=optimizer.use_fused(engine.device.type),
             masters=masters,
             # [Note: gradients in parameter chunks] in tidal/memory/optim.py

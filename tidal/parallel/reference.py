@@ -23,7 +23,8 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
@@ -47,16 +48,33 @@ from tidal.parallel.flat_state import (
 from tidal.parallel.lr import lr_schedule
 from tidal.parallel.protocol import CheckpointTensors, LoadTensors, Phase, Phases
 
-__all__ = ["ReferenceEngine", "Replicas", "TorchLayout", "autocast", "build_optimizer",
-           "lr_schedule"]  # fmt: skip
+__all__ = ["ReferenceEngine", "Replicas", "TorchLayout", "TorchOptimizer", "autocast",
+           "build_optimizer", "lr_schedule"]  # fmt: skip
+
+
+@dataclass(frozen=True, slots=True)
+class TorchOptimizer:
+    """Your own torch optimizer and learning-rate schedule in place of ``[optimizer]``'s
+    ([Note: your optimizer] in tidal/train/user_optim.py).
+
+    Attributes:
+        make: the model's parameters -> a ``torch.optim.Optimizer`` over them; ``None``:
+            ``[optimizer]``'s, at its peak ``lr``.
+        schedule: the optimizer -> a torch LR scheduler, stepped once after every optimizer
+            step; its state is checkpointed. ``None``: the learning rates stay the
+            optimizer's own.
+    """
+
+    make: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer] | None = None
+    schedule: Callable[[torch.optim.Optimizer], Any] | None = None
 
 
 def build_optimizer(model: nn.Module, config: OptimizerConfig, lr: float) -> torch.optim.Optimizer:
-    """``config.name``'s torch optimizer with weight decay on matrices only (biases, norms and
-    gains are not decayed): AdamW, Adam or SGD."""
+    """``config.name``'s torch optimizer (AdamW, Adam or SGD) with weight decay where
+    ``config.decays`` (by default on matrices only: biases, norms and gains are not decayed)."""
     params = [p for p in model.parameters() if p.requires_grad]
-    decay = [p for p in params if p.dim() >= 2]
-    no_decay = [p for p in params if p.dim() < 2]
+    decay = [p for p in params if config.decays(p)]
+    no_decay = [p for p in params if not config.decays(p)]
     groups = [
         {"params": decay, "weight_decay": config.weight_decay},
         {"params": no_decay, "weight_decay": 0.0},
@@ -201,7 +219,8 @@ class Replicas:
 
 class ReferenceEngine:
     """Train ``model`` laid out as ``layout`` says (default: :class:`Replicas`): AdamW, Adam or
-    SGD, warm-up + cosine, clipping and accumulation."""
+    SGD, warm-up + cosine, clipping and accumulation; or ``torch_optimizer``'s own optimizer
+    and schedule (replicated layouts only: a plan's splits its groups by mesh)."""
 
     def __init__(
         self,
@@ -212,6 +231,7 @@ class ReferenceEngine:
         memory: MemoryConfig | None = None,
         init: ParameterValues | None = None,
         layout: TorchLayout | None = None,
+        torch_optimizer: TorchOptimizer | None = None,
     ) -> None:
         self.layout = layout or Replicas(memory=memory, optimizer=optimizer)
         self.device = resolve_device(training.device)
@@ -227,7 +247,16 @@ class ReferenceEngine:
                                        init=init)  # fmt: skip
         self.grad_clip_norm = training.grad_clip_norm
         self.schedule = lr_schedule(optimizer, training)
-        self.optimizer = self.layout.build_optimizer(self.model, optimizer, self.schedule.lr_at(0))
+        self.scheduler: Any = None  # your torch LR scheduler
+        self._own_lr = torch_optimizer is None  # else your optimizer's rates or scheduler's
+        if torch_optimizer is None or torch_optimizer.make is None:
+            lr = self.schedule.lr_at(0) if self._own_lr else optimizer.lr
+            self.optimizer = self.layout.build_optimizer(self.model, optimizer, lr)
+        else:
+            assert isinstance(self.layout, Replicas), "a plan's layout builds its own optimizer"
+            self.optimizer = torch_optimizer.make(self.model.parameters())
+        if torch_optimizer is not None and torch_optimizer.schedule is not None:
+            self.scheduler = torch_optimizer.schedule(self.optimizer)
         self.scaler = torch.amp.GradScaler("cuda") if self.precision == "fp16" else None
         self.counter = StepCounter(grad_accum_steps=training.grad_accum_steps)
         self.last_grad_norm: float | None = None
@@ -277,6 +306,8 @@ class ReferenceEngine:
             self.optimizer.step()
         self.zero_grad()
         self.counter.global_step += 1
+        if self.scheduler is not None:
+            self.scheduler.step()
         self._set_lr()
         return True
 
@@ -285,6 +316,8 @@ class ReferenceEngine:
         self.phases.gradients_dropped()
 
     def _set_lr(self) -> None:
+        if not self._own_lr:
+            return
         for group in self.optimizer.param_groups:
             group["lr"] = self.schedule.lr_at(self.global_step)
 
@@ -334,6 +367,8 @@ class ReferenceEngine:
         state = {**self.layout.state_dict(self.model, self.optimizer), **self.counter.state()}
         if self.scaler is not None:
             state["scaler"] = self.scaler.state_dict()
+        if self.scheduler is not None:
+            state["lr_scheduler"] = self.scheduler.state_dict()
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -341,6 +376,13 @@ class ReferenceEngine:
         self.counter.restore(state)
         if self.scaler is not None and "scaler" in state:
             self.scaler.load_state_dict(state["scaler"])
+        if self.scheduler is not None and "lr_scheduler" in state:
+            self.scheduler.load_state_dict(state["lr_scheduler"])
+            # torch's schedulers compute from the groups' current rates, which loading the
+            # scheduler leaves as they were built: set them to where the saved run was.
+            for group, lr in zip(self.optimizer.param_groups, self.scheduler.get_last_lr(),
+                                 strict=True):  # fmt: skip
+                group["lr"] = lr
         self._set_lr()
 
     def checkpoint_state(self) -> CheckpointTensors:

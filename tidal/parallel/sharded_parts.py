@@ -129,6 +129,7 @@ class ShardedParts:
             names={id(p): n for n, p in engine.model.named_parameters()},
             rule=make_rule(optimizer),
             weight_decay=optimizer.weight_decay,
+            decays=optimizer.decays,
             fused=optimizer.use_fused(engine.device.type),
             masters=masters,
             max_pending=self.sharding.max_pending_reductions,

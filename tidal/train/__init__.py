@@ -4,7 +4,7 @@ from tidal.parallel.config import MemoryConfig, OptimizerConfig, TrainingConfig
 from tidal.parallel.reference import ReferenceEngine
 from tidal.train.config import CheckpointConfig, MetricsConfig
 from tidal.train.job import JobConfig, list_recipes, load_job
-from tidal.train.trainer import Callback, LogCallback, Trainer
+from tidal.train.trainer import Callback, LogCallback, ProgressLine, Trainer
 
 __all__ = [
     "Callback",
@@ -14,6 +14,7 @@ __all__ = [
     "MemoryConfig",
     "MetricsConfig",
     "OptimizerConfig",
+    "ProgressLine",
     "ReferenceEngine",
     "Trainer",
     "TrainingConfig",

@@ -13,7 +13,7 @@ from tidal.config import ConfigError
 from tidal.data import BatchSampler, build_token_splits
 from tidal.memory.materialize import ParameterValues
 from tidal.parallel.protocol import Engine, TrainingEngine
-from tidal.parallel.reference import ReferenceEngine
+from tidal.parallel.reference import ReferenceEngine, TorchOptimizer
 from tidal.parallel.verbs import apply_plan, offload, shard
 from tidal.train.job import JobConfig
 
@@ -38,6 +38,7 @@ def build_engine(
     init: ParameterValues | None = None,
     plan: Plan | None = None,
     inputs: tuple[torch.Tensor, ...] | None = None,
+    torch_optimizer: TorchOptimizer | None = None,
 ) -> Engine:
     """``engine = "reference"``: plain PyTorch; ``"chunk"``: parameters in chunks under budgets,
     sharded over the ranks (ZeRO-3) when a process group of several ranks is initialised, and
@@ -45,7 +46,9 @@ def build_engine(
     plan``), the reference engine in the plan's layout on its ranks; ``inputs``: a sample of
     your own model's inputs to trace it on (else the job's token ids). ``init``: the values of
     a model built on the meta device ([Note: deferred construction] in
-    tidal/memory/materialize.py)."""
+    tidal/memory/materialize.py). ``torch_optimizer``: your own, for the reference engine
+    without a plan ([Note: your optimizer] in user_optim.py, which refuses it elsewhere)."""
+    assert torch_optimizer is None or (plan is None and job.engine == "reference"), "user_optim"
     if plan is not None:
         refuse_chunk_engine(job)
         seq_len = None if inputs is not None else job.model.resolve().seq_len
@@ -53,7 +56,8 @@ def build_engine(
                           seq_len=seq_len, inputs=inputs)  # fmt: skip
     if job.engine == "reference":
         return ReferenceEngine(model, optimizer=job.optimizer, training=job.training,
-                               memory=job.memory, init=init)  # fmt: skip
+                               memory=job.memory, init=init,
+                               torch_optimizer=torch_optimizer)  # fmt: skip
     parts: dict[str, Any] = dict(optimizer=job.optimizer, training=job.training, memory=job.memory,
                  chunk=job.chunk, init=init)  # fmt: skip
     several = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1

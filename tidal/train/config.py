@@ -44,7 +44,8 @@ class CustomConfig:
             targets)`` pairs of ``training.batch_size`` rows (``val_batches`` may be None).
             The function runs after ``torch.manual_seed(training.seed)``.
         loss: what the trainer takes of ``model(inputs)`` and the targets: ``cross_entropy``
-            or ``mse``.
+            (of its logits: ``(batch, seq, vocab)`` against ``(batch, seq)`` too, [Note:
+            default loss] in tidal/train/losses.py) or ``mse``.
     """
 
     factory: str | None = None

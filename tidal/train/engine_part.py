@@ -10,11 +10,15 @@ engine.step()``; :class:`~tidal.train.pipeline_part.PipelinePart` that of a pipe
 write on your batches, ``(inputs, targets)`` pairs of ``training.batch_size`` rows, through
 the same loop: the engine the config names (reference or chunk, sharded over ranks under
 torchrun, each rank its rows of every batch; or, for an ``nn.Sequential``, a pipeline: [Note:
-sequential pipelines] in tidal/pipeline/sequential.py), the progress line and metrics ("tokens" count
-rows, and model FLOPs are not known, so TFLOP/s and MFU are left out), validation on
-``val_data``, checkpoints and exact resume ([Note: data positions] in tidal/data/batches.py).
-The loss is ``loss_fn(model(inputs), targets)``, cross-entropy when not given. A recipe reaches
-a model of its own through ``[model] factory`` instead ([Note: factory models]).
+sequential pipelines] in tidal/pipeline/sequential.py), the progress line and metrics,
+validation on ``val_data``, checkpoints and exact resume ([Note: data positions] in
+tidal/data/batches.py). "Tokens" are the positions of a row where the targets are token ids,
+``(batch, seq)`` integers, and the model's FLOPs are then taken as ``6 x parameters`` per
+token, as for a factory model; for other targets "tokens" count rows and FLOPs are not known,
+so TFLOP/s and MFU are left out. The loss is ``loss_fn(model(inputs), targets)``; when not
+given, cross-entropy of the model's logits as language models and classifiers return them
+([Note: default loss] in losses.py). A recipe reaches a model of its own through ``[model]
+factory`` instead ([Note: factory models]).
 """
 
 from __future__ import annotations
@@ -32,12 +36,13 @@ from tidal.distributed import all_reduce_mean
 from tidal.models.factory import load_factory
 from tidal.parallel.protocol import Checkpointable, Engine
 from tidal.train.engine_state import ReadsPipelines
+from tidal.train.losses import default_loss
 
 __all__ = ["LOSSES", "EnginePart", "TrainingPart", "custom_run"]
 
 # the losses a recipe's ``[custom] loss`` names
 LOSSES: dict[str, Callable[[Any, Any], torch.Tensor]] = {
-    "cross_entropy": F.cross_entropy,
+    "cross_entropy": default_loss,
     "mse": F.mse_loss,
 }
 
@@ -125,14 +130,11 @@ class EnginePart:
 
     def _loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """The mean next-token cross-entropy: tidal's GPT takes it itself; a Hugging Face or a
-        factory model gives logits, and it is taken here the same way (fp32, over every token)."""
+        factory model gives logits, and it is taken here the same way (fp32, over every token:
+        [Note: default loss] in losses.py)."""
         if self._computes_loss:
             return self.engine(inputs, targets)
-        out = self.engine(inputs)
-        if self._loss_fn is not None:
-            return self._loss_fn(out, targets)
-        logits = out if isinstance(out, torch.Tensor) else out.logits  # a factory model's: either
-        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+        return (self._loss_fn or default_loss)(self.engine(inputs), targets)
 
     def _local(self, batch: Batch) -> Batch:
         """This rank's rows of a global batch."""

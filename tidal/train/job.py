@@ -13,9 +13,9 @@ import difflib
 import logging
 import os
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_type_hints
 
 from tidal.config import ConfigError, apply_overrides, from_dict, load_toml, require, to_dict
 from tidal.data import DataConfig
@@ -171,7 +171,26 @@ def load_job(
         for note in notes if log_notes and os.environ.get("RANK", "0") == "0" else []:
             logger.warning("tidal: deepspeed config: %s", note)
         data = _merged(data, mapped)
-    return from_dict(JobConfig, apply_overrides(data, overrides))
+    try:
+        return from_dict(JobConfig, apply_overrides(data, overrides))
+    except ConfigError as err:
+        raise _elsewhere(err) from None
+
+
+def _elsewhere(err: ConfigError) -> ConfigError:
+    """``training.lr: unknown key ...`` with where the key lives: ``; lr is optimizer.lr``."""
+    section, _, name = err.key.rpartition(".")
+    if not (section and "." not in section and err.message.startswith("unknown key")):
+        return err
+    sections = get_type_hints(JobConfig)
+    if name in sections:  # a root key (name, engine): the close match says more
+        return err
+    homes = [key for key, kind in sections.items()
+             if is_dataclass(kind) and name in {f.name for f in fields(kind)}]  # fmt: skip
+    if not homes:
+        return err
+    unknown = err.message.split("; did you mean")[0]  # the key's home is the better hint
+    return ConfigError(err.key, f"{unknown}; {name} is {' or '.join(f'{h}.{name}' for h in homes)}")
 
 
 def _beside(data: dict[str, Any], folder: Path) -> dict[str, Any]:

@@ -3,7 +3,7 @@
 The Trainer composes the parts (model preset, token source, and what trains: an engine or a
 pipeline, behind one small interface in engine_part.py) and owns only the loop, the run folder,
 checkpoints in the one format (checkpoint.py), resumption and the summary. Presentation is left
-to callbacks: the CLI adds a rich progress bar, library users get log lines.
+to callbacks: the CLI adds a rich progress bar, library users get the same lines printed.
 
 [Note: exact resume]
 A resumed run must continue bit for bit where the saved one stopped. Everything that decides the
@@ -30,7 +30,6 @@ rank runs the loop, the collectives and the checkpoint calls.
 
 from __future__ import annotations
 
-import datetime as dt
 import json
 import logging
 import math
@@ -46,12 +45,10 @@ from torch import nn
 
 from tidal.config import ConfigError, to_dict
 from tidal.data import Batch, BatchSampler, DataBatches
-from tidal.distributed import barrier, gather_ints, init_from_env
+from tidal.distributed import barrier, init_from_env
 from tidal.distributed import rank as current_rank
 from tidal.distributed import world_size as current_world_size
 from tidal.distributed.device import (
-    PeakFlops,
-    device_description,
     memory_bytes,
     peak_flops,
     peak_memory_bytes,
@@ -61,8 +58,9 @@ from tidal.distributed.device import (
 from tidal.distributed.faults import maybe_inject
 from tidal.models import spec_for
 from tidal.parallel.accumulation import split_rows
+from tidal.parallel.reference import ReferenceEngine
 from tidal.train.build import build_engine, build_samplers
-from tidal.train.callbacks import Callback, LogCallback
+from tidal.train.callbacks import Callback, LogCallback, ProgressLine
 from tidal.train.checkpoint import (
     IDENTITY,
     list_checkpoints,
@@ -73,21 +71,23 @@ from tidal.train.engine_part import LOSSES, EnginePart, TrainingPart, custom_run
 from tidal.train.integrity import choose_checkpoint
 from tidal.train.interrupts import Interrupted, StopFlag
 from tidal.train.job import JobConfig, load_job
+from tidal.train.losses import default_loss
 from tidal.train.metrics import (
     MetricsFile,
     Throughput,
-    git_commit,
-    read_metrics,
     write_json_atomic,
 )
+from tidal.train.resume_changes import resume_changes
 from tidal.train.run_dir import agree, check_one_run_dir, check_run_dir
 from tidal.train.same_data import check_same_data
+from tidal.train.summary import all_ranks_peak, run_summary
 from tidal.train.tensorboard import TensorBoardWriter, check_tensorboard
+from tidal.train.user_optim import OptimizerArg, describe, optimizer_notes, own_optimizer
 
 if TYPE_CHECKING:
     from tidal.planner import Plan
 
-__all__ = ["Callback", "LogCallback", "Trainer", "rank_rows"]
+__all__ = ["Callback", "LogCallback", "ProgressLine", "Trainer", "rank_rows"]
 
 logger = logging.getLogger(__name__)
 
@@ -113,7 +113,9 @@ class Trainer:
     ``tidal.planner.plan_for(model, inputs, devices=...)``. ``pipeline``: train as a
     pipeline, one rank per stage ([Note: pipeline runs] in pipeline_part.py); by default when
     ``pipeline.stages > 1``. The loop, the run folder, checkpoints and the summary are the same
-    for both; what trains is the ``part`` (engine_part.py).
+    for both; what trains is the ``part`` (engine_part.py). ``optimizer``, ``optimizer_kwargs``,
+    ``lr_scheduler``: your own torch optimizer and schedule in place of ``[optimizer]``'s
+    ([Note: your optimizer] in user_optim.py).
     """
 
     def __init__(
@@ -126,9 +128,13 @@ class Trainer:
         train_data: Iterable[Any] | None = None,
         val_data: Iterable[Any] | None = None,
         loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
+        optimizer: OptimizerArg | None = None,
+        optimizer_kwargs: dict[str, Any] | None = None,
+        lr_scheduler: Callable[[torch.optim.Optimizer], Any] | None = None,
     ) -> None:
         # Trainer(model, config, train_data=, loss_fn=): your own model and data ([Note: your
         # own model] in engine_part.py); else a job whose [model] and [data] say what to train.
+        # optimizer=, optimizer_kwargs=, lr_scheduler=: [Note: your optimizer] in user_optim.py.
         self.user_model = job if isinstance(job, nn.Module) else None
         self._loss_fn = loss_fn
         self._train_data = train_data or ()
@@ -138,7 +144,7 @@ class Trainer:
             )
             if train_data is None:
                 raise ConfigError("train_data", "your own model trains on your data: pass "
-                                  "train_data= (and loss_fn=, else cross-entropy on its output)")  # fmt: skip
+                                  "train_data= (and loss_fn=, else cross-entropy of its logits)")  # fmt: skip
         if isinstance(overrides, JobConfig):
             raise ConfigError("overrides", "a JobConfig is a whole job: pass it first, "
                               "Trainer(job), or give overrides as a dict or 'key=value' strings")  # fmt: skip
@@ -153,19 +159,29 @@ class Trainer:
         if self.job.metrics.tensorboard:
             check_tensorboard()  # before any process group or step, in one line
         self.plan = _load_plan(plan) if isinstance(plan, str | Path) else plan
+        pipeline = self.job.pipeline.stages > 1 if pipeline is None else pipeline
+        if pipeline and self.plan is not None:
+            raise ConfigError(
+                "--plan", "a pipeline run places its stages itself; drop --plan or the pipeline"
+            )
+        runs_on = _runs_on(self.job, plan=self.plan is not None, pipeline=pipeline)
+        self.job, self._torch_optimizer = own_optimizer(
+            self.job, optimizer=optimizer, optimizer_kwargs=optimizer_kwargs,
+            lr_scheduler=lr_scheduler, runs_on=runs_on,
+        )  # fmt: skip
+        self._optimizer_notes = optimizer_notes(optimizer, optimizer_kwargs, lr_scheduler)
         self.run_dir = self.job.run_path
         training = self.job.training
         self.model_config = None if self.user_model is not None else self.job.model.resolve()
+        self.tokens_per_row = (
+            self._tokens_per_row() if self.model_config is None else self.model_config.seq_len
+        )
         # Before the engine: a sharded engine reads the process group when it is built.
         self.distributed = init_from_env(device=resolve_device(training.device),
                                          timeout_s=self.job.distributed.timeout_s)  # fmt: skip
         self.rank, self.world_size = current_rank(), current_world_size()
         torch.manual_seed(training.seed)
-        if self.job.pipeline.stages > 1 if pipeline is None else pipeline:
-            if self.plan is not None:
-                raise ConfigError(
-                    "--plan", "a pipeline run places its stages itself; drop --plan or the pipeline"
-                )
+        if pipeline:
             self.part: TrainingPart = self._pipeline_part()
         else:
             self.part = self._engine_part()
@@ -180,13 +196,15 @@ class Trainer:
             self._val_sampler: Sampler | None = (
                 None if val_data is None else DataBatches(val_data, batch_size=training.batch_size)
             )
-            self.tokens_per_step = training.batch_size * training.grad_accum_steps
+            self.tokens_per_step = (
+                training.batch_size * training.grad_accum_steps * self.tokens_per_row
+            )
         else:
             self.train_batches, self._val_sampler = build_samplers(self.job)
             self.tokens_per_step = (
-                training.batch_size * self.model_config.seq_len * training.grad_accum_steps
+                training.batch_size * self.tokens_per_row * training.grad_accum_steps
             )
-        self.peak = _all_ranks_peak(
+        self.peak = all_ranks_peak(
             peak_flops(self.device, training.precision, self.job.metrics.peak_tflops),
             self.world_size,
         )
@@ -203,13 +221,15 @@ class Trainer:
         if self.model_config is None:
             assert self.user_model is not None
             engine = build_engine(self.user_model, self.job, plan=self.plan,
-                                  inputs=self._sample_inputs() if self.plan else None)  # fmt: skip
+                                  inputs=self._sample_inputs() if self.plan else None,
+                                  torch_optimizer=self._torch_optimizer)  # fmt: skip
             unique = {id(p): p for p in engine.model.parameters()}.values()
             self.num_params = sum(p.numel() for p in unique)
-            self.flops_per_token = None  # not known for a model tidal did not write
+            # [Note: your own model] in engine_part.py: a factory model's convention for tokens
+            self.flops_per_token = 6.0 * self.num_params if self.tokens_per_row > 1 else None
             return EnginePart(engine, rows=self._rank_rows(), world_size=self.world_size,
                               grad_accum_steps=training.grad_accum_steps, computes_loss=False,
-                              loss_fn=self._loss_fn or torch.nn.functional.cross_entropy)  # fmt: skip
+                              loss_fn=self._loss_fn or default_loss)  # fmt: skip
         spec = spec_for(self.model_config)
         if spec.deferred:
             model = spec.build(device="meta")
@@ -219,7 +239,8 @@ class Trainer:
                 self.job.model.resolve_structured()  # raises: a plan needs a known structure
             model, init = spec.build(device="cpu", seed=training.seed), None
         self.flops_per_token = spec.flops_per_token(model)
-        engine = build_engine(model, self.job, init=init, plan=self.plan)
+        engine = build_engine(model, self.job, init=init, plan=self.plan,
+                              torch_optimizer=self._torch_optimizer)  # fmt: skip
         self.num_params = spec.num_params(engine.model)
         return EnginePart(
             engine,
@@ -236,6 +257,15 @@ class Trainer:
         inputs = batches.fixed_batches(1)[0][0]
         return (inputs[self._rank_rows()],)
 
+    def _tokens_per_row(self) -> int:
+        """What a "token" of your data is ([Note: your own model] in engine_part.py): the
+        positions of a row where the targets are token ids, ``(batch, seq)``; else the row."""
+        first = DataBatches(self._train_data, batch_size=self.job.training.batch_size)
+        for _, targets in first.fixed_batches(1):
+            if isinstance(targets, torch.Tensor) and targets.dim() >= 2:
+                return 1 if targets.is_floating_point() else targets[0].numel()
+        return 1
+
     def _pipeline_part(self) -> TrainingPart:
         from tidal.train.pipeline_part import PipelinePart
 
@@ -246,7 +276,7 @@ class Trainer:
             first = DataBatches(self._train_data, batch_size=self.job.training.batch_size)
             part = PipelinePart(self.job, device=device, world_size=self.world_size,
                                 model=self.user_model,
-                                loss_fn=self._loss_fn or torch.nn.functional.cross_entropy,
+                                loss_fn=self._loss_fn or default_loss,
                                 sample=first.fixed_batches(1)[0])  # fmt: skip
         self.num_params, self.flops_per_token = part.num_params, part.flops_per_token
         return part
@@ -267,6 +297,7 @@ class Trainer:
         resume: bool | int | Literal["auto"] = False,
         overwrite: bool = False,
         callbacks: Sequence[Callback] | None = None,
+        progress: bool = True,
     ) -> dict[str, Any]:
         """Train up to ``training.steps``; return the summary (also written to summary.json).
 
@@ -274,17 +305,17 @@ class Trainer:
         step's checkpoint ([Note: checkpoint integrity] in integrity.py); ``"auto"`` resumes if
         the run folder holds a checkpoint and starts otherwise (what an elastic restart does).
 
-        Without ``callbacks`` the progress line goes to ``logging`` (``tidal.train.trainer``).
+        ``progress``: print what the run is, then the progress line every
+        ``training.log_every`` steps (loss, tokens/s, TFLOP/s, memory: the CLI's line) to
+        stdout, by a :class:`ProgressLine` added to ``callbacks`` unless one of them shows
+        progress itself (``LogCallback`` sends the line to ``logging`` instead); False: quiet.
         Ranks other than 0 call no callbacks (see [Note: global batch]).
         """
+        callbacks = list(callbacks or ())
+        if progress and not any(cb.shows_progress for cb in callbacks):
+            callbacks.insert(0, ProgressLine())
         if self.rank != 0:
             callbacks = []
-        elif callbacks is None:
-            callbacks = [
-                LogCallback(
-                    log_every=self.job.training.log_every, total_steps=self.job.training.steps
-                )
-            ]
         if self.rank == 0 and self.job.metrics.tensorboard:
             callbacks = [*callbacks, TensorBoardWriter(self.run_dir / "tensorboard")]
         start_wall = time.perf_counter()
@@ -308,7 +339,8 @@ class Trainer:
                 saved = self._after_step(step, callbacks)
                 if stop.raised(distributed=self.distributed):
                     self._stop(step, stop.signal_name, saved, callbacks)
-        summary = self._summary(last_record, timed, start_step, time.perf_counter() - start_wall)
+        summary = run_summary(self, last=last_record, timed=timed, start_step=start_step,
+                              wall_s=time.perf_counter() - start_wall)  # fmt: skip
         if self.rank == 0:
             write_json_atomic(self.run_dir / "summary.json", summary)
         for cb in callbacks:
@@ -459,13 +491,21 @@ class Trainer:
                 elif path.exists():
                     path.unlink()
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        write_json_atomic(self.run_dir / "config.json", self._run_config())
+        if not resume:
+            self.metrics.truncate_after(0)
+
+    def _run_config(self) -> dict[str, Any]:
+        """config.json's content: the job, and what of yours it does not hold."""
         config = to_dict(self.job)
         if self.user_model is not None:  # what `tidal export` reads to refuse such a run
             kind = type(self.user_model)
             config["user_model"] = f"{kind.__module__}.{kind.__qualname__}"
-        write_json_atomic(self.run_dir / "config.json", config)
-        if not resume:
-            self.metrics.truncate_after(0)
+        config.update(self._optimizer_notes)
+        if self._torch_optimizer is not None:  # the algorithm a resume must keep
+            assert isinstance(self.engine, ReferenceEngine), "user_optim.own_optimizer"
+            config["user_optimizer_class"] = describe(type(self.engine.optimizer))
+        return config
 
     def save_checkpoint(self) -> Path:
         """Checkpoint the current step in the one format; every rank calls it and writes its
@@ -487,6 +527,7 @@ class Trainer:
             "train_time_s": self.train_time_s,
             "last_val_loss": self.last_val_loss,
             "model_config": None if self.model_config is None else to_dict(self.model_config),
+            "config": self._run_config(),  # [Note: resuming with changes]
         }
 
     def load_checkpoint(self, path: Any) -> int:
@@ -505,6 +546,9 @@ class Trainer:
                 f"the checkpoint in {path} was trained with other model settings ({', '.join(changed)});"
                 f" resume with the run's original [model] section",
             )
+        said = resume_changes(state.get("config", {}), self._run_config(), step=checkpoint.step)
+        if said and self.rank == 0:
+            logger.warning("%s", said)
         if "plan" in state["engine"] and self.plan is None:
             raise ConfigError(
                 "--plan",
@@ -532,70 +576,17 @@ class Trainer:
         if "cuda" in state and self.device.type == "cuda":
             torch.cuda.set_rng_state(state["cuda"], self.device)
 
-    # -- summary ---------------------------------------------------------------------------------
 
-    def _last_logged_loss(self) -> float | None:
-        # A resumed run that had already reached its last step trains nothing this time.
-        losses = [r["loss"] for r in read_metrics(self.run_dir) if r.get("kind") == "train"]
-        return losses[-1] if losses else None
-
-    def _summary(
-        self,
-        last: dict[str, Any] | None,
-        timed: Throughput,
-        start_step: int,
-        wall_s: float,
-    ) -> dict[str, Any]:
-        figures = timed.figures()
-        peak_memory = peak_memory_bytes(self.device)
-        return {
-            "name": self.job.name,
-            "preset": self.job.model.preset
-            if self.job.model.hf_config is None and self.job.model.factory is None
-            else None,
-            "factory": self.job.model.factory,
-            "hf_config": self.job.model.hf_config,
-            "num_params": self.num_params,
-            "steps": self.part.global_step,
-            "steps_this_run": self.part.global_step - start_step,
-            "resumed_from_step": start_step or None,
-            "tokens": self.tokens_seen,
-            "final_loss": last["loss"] if last else self._last_logged_loss(),
-            "val_loss": self.last_val_loss,
-            "tokens_per_s": figures["tokens_per_s"],
-            "model_tflops_per_s": figures["tflops"],
-            "mfu": figures["mfu"],
-            "peak_tflops": self._peak_tflops,
-            "peak_tflops_source": self.peak.source if self.peak else None,
-            "flops_per_token": self.flops_per_token,
-            "peak_memory_bytes": peak_memory,
-            "peak_memory_bytes_per_rank": _gather_per_rank(peak_memory, self.world_size),
-            **self.part.summary_figures(),
-            "wall_s": wall_s,
-            "train_s": self.train_time_s,
-            "device": device_description(self.device),
-            "world_size": self.world_size,
-            "precision": self.job.training.precision,
-            "torch_version": torch.__version__,
-            "git_commit": git_commit(),
-            "finished_at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        }
+def _runs_on(job: JobConfig, *, plan: bool, pipeline: bool) -> str | None:
+    """What runs its own optimizer, for ``own_optimizer``; None: the reference engine."""
+    if pipeline:
+        return "pipeline"
+    if plan:
+        return "plan"
+    return "chunk" if job.engine == "chunk" else None
 
 
 def _load_plan(path: str | Path) -> Plan:
     from tidal.parallel.plan_layout import load_plan
 
     return load_plan(path)
-
-
-def _all_ranks_peak(peak: PeakFlops | None, world_size: int) -> PeakFlops | None:
-    """The peak of ``world_size`` devices like this one, which MFU over all ranks divides by."""
-    if peak is None or world_size == 1:
-        return peak
-    return PeakFlops(tflops=peak.tflops * world_size, source=f"{world_size} x {peak.source}")
-
-
-def _gather_per_rank(figures: dict[str, int], world_size: int) -> list[dict[str, int]]:
-    """Every rank's ``figures`` (same keys on each), indexed by rank; a collective."""
-    columns = {key: gather_ints(value) for key, value in figures.items()}
-    return [{key: columns[key][r] for key in figures} for r in range(world_size)]

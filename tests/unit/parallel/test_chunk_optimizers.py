@@ -40,6 +40,8 @@ OPTIMIZERS: dict[str, dict[str, Any]] = {
     "sgd-dampening": {"name": "sgd", "lr": 0.1, "dampening": 0.3},
     "sgd-unfused": {"name": "sgd", "lr": 0.1, "fused": False},
     "adam-unfused": {"name": "adam", "fused": False},
+    # torch's rule for model.parameters(): biases, norms and gains decay too
+    "adamw-decay-all": {"name": "adamw", "weight_decay_on": "all"},
 }
 
 

@@ -121,6 +121,12 @@ def test_job_overrides_and_errors() -> None:
     assert job.memory.device_budget == 2 * 2**30
     with pytest.raises(ConfigError, match="training.stepz: unknown key"):
         load_job("tiny", ["training.stepz=7"])
+    with pytest.raises(
+        ConfigError, match=r"training.lr: unknown key \(allowed: .*\); lr is optimizer.lr$"
+    ):
+        load_job("tiny", ["training.lr=1e-3"])  # a key of another section: where it lives
+    with pytest.raises(ConfigError, match=r"\); steps is training.steps$"):
+        load_job("tiny", ["optimizer.steps=7"])  # rather than "did you mean 'eps'?"
     with pytest.raises(ConfigError, match="unknown recipe 'nope'.*tiny"):
         load_job("nope")
     with pytest.raises(ConfigError, match="model.preset"):
