@@ -135,21 +135,9 @@ class Trainer:
         # Trainer(model, config, train_data=, loss_fn=): your own model and data ([Note: your
         # own model] in engine_part.py); else a job whose [model] and [data] say what to train.
         # optimizer=, optimizer_kwargs=, lr_scheduler=: [Note: your optimizer] in user_optim.py.
-        self.user_model = job if isinstance(job, nn.Module) else None
+        self.user_model, self.job = _user_model_and_job(job, overrides, train_data)
         self._loss_fn = loss_fn
         self._train_data = train_data or ()
-        if self.user_model is not None:
-            job, overrides = (
-                (overrides, ()) if isinstance(overrides, JobConfig | dict) else ({}, overrides)
-            )
-            if train_data is None:
-                raise ConfigError("train_data", "your own model trains on your data: pass "
-                                  "train_data= (and loss_fn=, else cross-entropy of its logits)")  # fmt: skip
-        if isinstance(overrides, JobConfig):
-            raise ConfigError("overrides", "a JobConfig is a whole job: pass it first, "
-                              "Trainer(job), or give overrides as a dict or 'key=value' strings")  # fmt: skip
-        assert not isinstance(job, nn.Module)
-        self.job = load_job(job, overrides)
         if self.user_model is None and self.job.custom.factory is not None:
             made = custom_run(self.job.custom.factory, seed=self.job.training.seed)
             self.user_model, train_data, val_data = made
@@ -189,21 +177,16 @@ class Trainer:
         self.device = self.part.device
         self.adapter = IDENTITY  # tidal's GPT and Hugging Face models keep their names
         self._val_batches: list[Batch] | None = None
-        if self.model_config is None:  # your data: "tokens" count rows (samples)
-            self.train_batches: Sampler = DataBatches(
-                train_data or (), batch_size=training.batch_size
-            )
-            self._val_sampler: Sampler | None = (
+        self.train_batches: Sampler
+        self._val_sampler: Sampler | None
+        if self.model_config is None:  # your data
+            self.train_batches = DataBatches(train_data or (), batch_size=training.batch_size)
+            self._val_sampler = (
                 None if val_data is None else DataBatches(val_data, batch_size=training.batch_size)
-            )
-            self.tokens_per_step = (
-                training.batch_size * training.grad_accum_steps * self.tokens_per_row
             )
         else:
             self.train_batches, self._val_sampler = build_samplers(self.job)
-            self.tokens_per_step = (
-                training.batch_size * self.tokens_per_row * training.grad_accum_steps
-            )
+        self.tokens_per_step = training.batch_size * training.grad_accum_steps * self.tokens_per_row
         self.peak = all_ranks_peak(
             peak_flops(self.device, training.precision, self.job.metrics.peak_tflops),
             self.world_size,
@@ -584,6 +567,28 @@ def _runs_on(job: JobConfig, *, plan: bool, pipeline: bool) -> str | None:
     if plan:
         return "plan"
     return "chunk" if job.engine == "chunk" else None
+
+
+def _user_model_and_job(
+    job: JobConfig | str | dict[str, Any] | nn.Module,
+    overrides: Sequence[str] | JobConfig | dict[str, Any],
+    train_data: Iterable[Any] | None,
+) -> tuple[nn.Module | None, JobConfig]:
+    """``Trainer(model, config, train_data=)``: your own model, whose config comes second
+    ([Note: your own model] in engine_part.py); else a job whose [model] says what to train."""
+    user_model = job if isinstance(job, nn.Module) else None
+    if user_model is not None:
+        job, overrides = (
+            (overrides, ()) if isinstance(overrides, JobConfig | dict) else ({}, overrides)
+        )
+        if train_data is None:
+            raise ConfigError("train_data", "your own model trains on your data: pass "
+                              "train_data= (and loss_fn=, else cross-entropy of its logits)")  # fmt: skip
+    if isinstance(overrides, JobConfig):
+        raise ConfigError("overrides", "a JobConfig is a whole job: pass it first, "
+                          "Trainer(job), or give overrides as a dict or 'key=value' strings")  # fmt: skip
+    assert not isinstance(job, nn.Module)
+    return user_model, load_job(job, overrides)
 
 
 def _load_plan(path: str | Path) -> Plan:
