@@ -305,6 +305,8 @@ class ChunkEngine:
             "host_budget": host.budget_bytes,
             "chunk_size": self.layout.chunk_size,
             "num_chunks": self.layout.num_chunks,
+            # an oversize parameter's chunk holds it alone ([Note: oversize parameters])
+            "largest_chunk_elements": max(spec.capacity for spec in self.layout.chunks),
             "chunk_padding_fraction": self.layout.waste_fraction,
             "evictions": self.store.num_evictions,
             "prefetches": self.store.num_prefetches,

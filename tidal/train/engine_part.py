@@ -206,7 +206,7 @@ class EnginePart:
 # The chunk engines' traffic and residency figures (the sharded ones: rank 0's), the NVMe tier's.
 _CHUNK_FIGURES = (
     "bytes_to_device", "bytes_to_host", "evictions", "device_budget", "peak_device_bytes",
-    "peak_non_model_bytes", "min_device_bytes", "chunk_size", "num_chunks", "host_budget",
-    "peak_host_bytes", "bytes_all_gathered", "bytes_reduce_scattered", "bytes_to_nvme",
+    "peak_non_model_bytes", "min_device_bytes", "chunk_size", "largest_chunk_elements",
+    "num_chunks", "host_budget", "peak_host_bytes", "bytes_all_gathered", "bytes_reduce_scattered", "bytes_to_nvme",
     "bytes_from_nvme", "peak_nvme_bytes", "chunks_on_nvme", "param_shards_on_nvme",
 )  # fmt: skip

@@ -83,6 +83,14 @@ def summary_rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
     return rows
 
 
+def _chunk_sizes(summary: dict[str, Any]) -> str:
+    """How many chunks of what size; a parameter larger than the chunk size has a chunk of its
+    own, so the largest chunk is said where it is larger."""
+    text = f"{summary['num_chunks']} chunks of {summary['chunk_size']:,} elements"
+    largest = summary.get("largest_chunk_elements") or 0
+    return text + (f", the largest {largest:,}" if largest > summary["chunk_size"] else "")
+
+
 def _chunk_rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
     if "bytes_to_device" not in summary:
         return [("engine", str(summary.get("engine", "reference")))]
@@ -91,10 +99,7 @@ def _chunk_rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
     sharded = "bytes_all_gathered" in summary
     over = f", ZeRO-3 over {summary.get('world_size')} ranks" if sharded else ""
     rows = [
-        (
-            "engine",
-            f"chunk{over} ({summary['num_chunks']} chunks of {summary['chunk_size']:,} elements)",
-        ),
+        ("engine", f"chunk{over} ({_chunk_sizes(summary)})"),
         ("device budget", "unlimited" if budget is None else format_bytes(budget)),
         (
             "peak device",

@@ -93,3 +93,15 @@ def test_report_rows_and_plots(tmp_path: Path) -> None:
 def test_plots_refuse_an_empty_run(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="no training steps"):
         write_plots(tmp_path)
+
+
+def test_the_engine_row_names_the_largest_chunk_where_a_parameter_outgrew_the_size() -> None:
+    """A model of few layers gets a small chunk size and its large parameters chunks of their
+    own: "6 chunks of 64 elements" alone hid the 262,144-element one the budget must hold."""
+    chunk = {"name": "r", "steps": 1, "bytes_to_device": 0, "bytes_to_host": 0, "evictions": 0,
+             "num_chunks": 6, "chunk_size": 64, "device_budget": None, "peak_device_bytes": 0,
+             "min_device_bytes": 0, "peak_non_model_bytes": 0}  # fmt: skip
+    rows = dict(summary_rows({**chunk, "largest_chunk_elements": 262_144}))
+    assert rows["engine"] == "chunk (6 chunks of 64 elements, the largest 262,144)"
+    rows = dict(summary_rows({**chunk, "largest_chunk_elements": 64}))
+    assert rows["engine"] == "chunk (6 chunks of 64 elements)"
