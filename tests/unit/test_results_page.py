@@ -21,7 +21,8 @@ from tidal.cli.main import main
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "benchmarks" / "results"
 PARSER = build_parser()
-MAKE_RUN = "make-cpu-x86-64-20261126-203345.json"  # a small committed run the tests copy
+# A small committed run the tests copy: the newest `tidal bench make` (a new one replaces it).
+MAKE_RUN = max(path.name for path in RESULTS.glob("make-*.json"))
 
 
 def test_the_results_page_and_the_readme_table_are_what_the_report_writes() -> None:
@@ -75,7 +76,10 @@ def test_an_edited_figure_fails_the_check_until_the_page_is_written_again(made_u
     assert _report(made_up) == 0
     assert _report(made_up, "--check") == 0
     page = (made_up / "results.md").read_text()
-    assert "| test | 10.9 |" in page and "10.9 min" in (made_up / "README.md").read_text()
+    data = json.loads((made_up / "results" / MAKE_RUN).read_text())
+    minutes = next(r for r in data["rows"] if r["target"] == "test")["minutes"]
+    assert f"| test | {minutes:.1f} |" in page
+    assert f"{minutes:.1f} min" in (made_up / "README.md").read_text()
     assert (made_up / "README.md").read_text().endswith("\n\nend\n")  # only the block changes
     _edit(made_up / "results" / MAKE_RUN, 16.2)
     assert _report(made_up, "--check") == 1
@@ -87,11 +91,11 @@ def test_an_edited_figure_fails_the_check_until_the_page_is_written_again(made_u
 def test_a_later_run_of_the_same_settings_replaces_an_earlier_one(made_up: Path) -> None:
     first = made_up / "results" / MAKE_RUN
     data = json.loads(first.read_text())
-    later = made_up / "results" / "make-cpu-x86-64-20261201-000000.json"
-    later.write_text(json.dumps({**data, "created_at": "2026-12-01T00:00:00+00:00"}))
-    other = made_up / "results" / "make-cpu-x86-64-20261202-000000.json"
+    later = made_up / "results" / "make-cpu-x86-64-20991201-000000.json"  # after any real run
+    later.write_text(json.dumps({**data, "created_at": "2099-12-01T00:00:00+00:00"}))
+    other = made_up / "results" / "make-cpu-x86-64-20991202-000000.json"
     other.write_text(json.dumps({**data, "command": "tidal bench make --targets test",
-                                 "created_at": "2026-12-02T00:00:00+00:00"}))  # fmt: skip
+                                 "created_at": "2099-12-02T00:00:00+00:00"}))  # fmt: skip
     runs = Results.load(made_up / "results", PARSER).runs
     assert [r.path.name for r in replaced_runs(runs)] == [MAKE_RUN]
     assert [r.path.name for r, _ in current_runs(runs)] == [other.name, later.name]
