@@ -41,9 +41,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 from torch import nn
@@ -59,6 +57,7 @@ from tidal.pipeline.p2p import (
     PipelineDeadlock,
     Transport,
 )
+from tidal.pipeline.stage_params import StageParams, clip_coefficient
 
 __all__ = [
     "Direction",
@@ -68,7 +67,7 @@ __all__ = [
     "PipelineDeadlock",
     "RankExecutor",
     "StageRunner",
-    "StageWeightsLike",
+    "StageParams",
     "TiedPair",
     "Transport",
     "UpdateRules",
@@ -79,21 +78,6 @@ BatchFn = Callable[[int], tuple[torch.Tensor, torch.Tensor]]
 LrFn = Callable[[int], float]
 # ((stage, parameter name), (stage, parameter name)): one matrix held by two stages.
 TiedPair = tuple[tuple[int, str], tuple[int, str]]
-
-
-class StageWeightsLike(Protocol):
-    """What the executor needs from :class:`tidal.pipeline.pipemare.StageWeights`."""
-
-    @property
-    def version(self) -> int: ...
-
-    def forward(
-        self, microbatch: int, *, version: int | None = None
-    ) -> AbstractContextManager[object]: ...
-
-    def backward(self, microbatch: int, *, last: bool = True) -> AbstractContextManager[object]: ...
-
-    def step(self, *, lr: float, step: int) -> float: ...
 
 
 # ---------------------------------------------------------------------------------------------
@@ -188,7 +172,7 @@ class StageRunner:
         index: int,
         num_stages: int,
         module: nn.Module,
-        weights: StageWeightsLike,
+        weights: StageParams,
         split_weight_grad: frozenset[int] = frozenset(),
     ) -> None:
         self.index = index
@@ -299,34 +283,24 @@ class UpdateRules:
             f"must be > 0 (or None to disable clipping), got {self.max_grad_norm}",
         )
 
-    def counted_once(self, stage: int, name: str) -> bool:
-        """False for the second copy of a tied matrix (its gradient equals the first's)."""
-        return all((stage, name) != second for _, second in self.tied)
-
-
-def clip_coefficient(total_norm: torch.Tensor, max_norm: float) -> torch.Tensor:
-    """The factor ``clip_grad_norm_`` scales gradients by, capped at 1."""
-    return torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
+    def second_copies(self, stage: int) -> frozenset[str]:
+        """The names on ``stage`` of tied second copies (their gradient equals the first's, so
+        a norm counts it once)."""
+        return frozenset(name for _, (s, name) in self.tied if s == stage)
 
 
 def grad_squares(runner: StageRunner, rules: UpdateRules) -> torch.Tensor:
     """Sum of squared gradient entries of one stage, tied second copies left out."""
-    total = torch.zeros((), dtype=torch.float32)
-    for name, p in runner.parameters():
-        if p.grad is not None and rules.counted_once(runner.index, name):
-            total = total + torch.linalg.vector_norm(p.grad.float()).square().cpu()
-    return total
+    return runner.weights.grad_squares(skip=rules.second_copies(runner.index))
 
 
 def scale_grads(runner: StageRunner, factor: torch.Tensor) -> None:
-    for _, p in runner.parameters():
-        if p.grad is not None:
-            p.grad.mul_(factor.to(p.grad.device, p.grad.dtype))
+    runner.weights.scale_grads(factor)
 
 
 def _clip_stage(runner: StageRunner, max_norm: float) -> None:
-    params = [p for _, p in runner.parameters()]
-    torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=False)
+    squares = runner.weights.grad_squares()
+    runner.weights.scale_grads(clip_coefficient(squares.sqrt(), max_norm))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -356,7 +330,7 @@ class RankExecutor:
         schedule: Schedule,
         rank: int,
         modules: Mapping[int, nn.Module],
-        weights: Mapping[int, StageWeightsLike],
+        weights: Mapping[int, StageParams],
         transport: Transport,
         data: Microbatches,
         lr_fn: LrFn,
@@ -549,8 +523,10 @@ class RankExecutor:
                 assert self.prepare_step is not None, "synchronous update without prepare_step"
                 self.prepare_step(step)
                 self.prepared.add(step)
-        elif self.rules.max_grad_norm is not None:
-            _clip_stage(runner, self.rules.max_grad_norm)
+        else:  # no flush: each stage reduces and clips its own gradients at its update
+            runner.weights.reduce_gradients()
+            if self.rules.max_grad_norm is not None:
+                _clip_stage(runner, self.rules.max_grad_norm)
         self.lrs[a.stage, step] = runner.weights.step(lr=self.lr_fn(step), step=step)
         runner.num_updates += 1
         expected = None if a.version is None else a.version + self.version_offset[a.stage]

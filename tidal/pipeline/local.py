@@ -21,8 +21,8 @@ from tidal.pipeline.executor import (
     LrFn,
     Microbatches,
     RankExecutor,
+    StageParams,
     StageRunner,
-    StageWeightsLike,
     UpdateRules,
     clip_coefficient,
     grad_squares,
@@ -56,7 +56,7 @@ class LocalResult:
 def run_local(
     schedule: Schedule,
     modules: Sequence[nn.Module],
-    weights: Sequence[StageWeightsLike],
+    weights: Sequence[StageParams],
     batch_fn: BatchFn,
     lr_fn: LrFn,
     *,
@@ -143,14 +143,16 @@ def _sync_barrier(
 
 
 def _prepare_local(runners: Mapping[int, StageRunner], rules: UpdateRules) -> None:
-    """The synchronous pre-update for every stage in this process: tied sum, global clip."""
+    """The synchronous pre-update for every stage in this process, in the order of [Note: the
+    stage-parameter protocol]: data-parallel reduction, tied sum, global clip."""
+    for r in runners.values():
+        r.weights.reduce_gradients()
     for (sa, na), (sb, nb) in rules.tied:
-        a = dict(runners[sa].module.named_parameters())[na]
-        b = dict(runners[sb].module.named_parameters())[nb]
-        assert a.grad is not None and b.grad is not None, f"tied {na} / {nb} has no gradient"
-        total = a.grad + b.grad
-        a.grad.copy_(total)
-        b.grad.copy_(total)
+        a, b = runners[sa].weights.gradient(na), runners[sb].weights.gradient(nb)
+        assert a is not None and b is not None, f"tied {na} / {nb} has no gradient"
+        total = a + b
+        a.copy_(total)
+        b.copy_(total)
     if rules.max_grad_norm is not None:
         squares = torch.stack([grad_squares(r, rules) for _, r in sorted(runners.items())])
         factor = clip_coefficient(squares.sum().sqrt(), rules.max_grad_norm)

@@ -35,8 +35,8 @@ from tidal.pipeline.executor import (
     LrFn,
     Microbatches,
     RankExecutor,
+    StageParams,
     StageRunner,
-    StageWeightsLike,
     TiedPair,
     UpdateRules,
     clip_coefficient,
@@ -108,7 +108,7 @@ class PipelineRuntime:
         config: RuntimeConfig,
         *,
         stages: Sequence[nn.Module],
-        weights: Sequence[StageWeightsLike],
+        weights: Sequence[StageParams],
         tied: Sequence[TiedPair] = (),
         group: dist.ProcessGroup | None = None,
         device: torch.device | str = "cpu",
@@ -215,7 +215,10 @@ class PipelineRuntime:
     # -- the synchronous update --------------------------------------------------------------
 
     def _prepare_step(self, step: int) -> None:
-        """Tied-gradient sum, then global-norm clipping, over the pipeline group."""
+        """The order of [Note: the stage-parameter protocol]: each stage's data-parallel
+        reduction, the tied-gradient sum, then global-norm clipping over the pipeline group."""
+        for s in self.stage_ids:
+            self.weights[s].reduce_gradients()
         for pair in self.rules.tied:
             self._sum_tied(pair)
         if self.rules.max_grad_norm is None:
@@ -238,7 +241,7 @@ class PipelineRuntime:
             return
         grads: dict[tuple[int, str], torch.Tensor] = {}
         for s, n in mine:
-            grad = dict(self.modules[s].named_parameters())[n].grad
+            grad = self.weights[s].gradient(n)
             assert grad is not None, f"tied parameter {(s, n)} has no gradient"
             grads[s, n] = grad
         if len(mine) == 2:
@@ -320,6 +323,6 @@ class PipelineRuntime:
                 )
 
 
-def _state_dict(weights: StageWeightsLike) -> Any:
+def _state_dict(weights: StageParams) -> Any:
     fn: Callable[[], Any] | None = getattr(weights, "state_dict", None)
     return None if fn is None else fn()

@@ -91,11 +91,13 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from tidal.pipeline.async_config import AsyncConfig, WeightMode, correction_gamma, lr_scale
 from tidal.pipeline.lookahead import next_update
 from tidal.pipeline.redirect import Packer, ParamToken, clone_like, storage_ptr
+from tidal.pipeline.stage_params import all_reduce_mean, plain_grad_squares, plain_scale_grads
 
 if TYPE_CHECKING:
     from tidal.memory.tiers import Tier
@@ -114,11 +116,19 @@ class StageWeights:
     delays: dict[int, int]  # microbatch -> measured tau ([Note: weight delay tau])
 
     def __init__(
-        self, module: nn.Module, optimizer: torch.optim.Optimizer, config: AsyncConfig
+        self,
+        module: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        config: AsyncConfig,
+        *,
+        dp_group: dist.ProcessGroup | None = None,
     ) -> None:
+        """``dp_group``: the replicas of this stage whose gradients :meth:`reduce_gradients`
+        averages (None: no data parallelism)."""
         self.module = module
         self.optimizer = optimizer
         self.config = config
+        self.dp_group = dp_group
         # Frozen parameters never change, so only trainable ones are versioned and redirected.
         self.params: list[nn.Parameter] = [p for p in module.parameters() if p.requires_grad]
         self.version = 0
@@ -398,6 +408,24 @@ class StageWeights:
         base = self._backward_base(token.index, token.microbatch, token.version)
         offset = base.storage_offset() + token.rel_offset
         return base.as_strided(token.size, token.stride, offset)
+
+    # -----------------------------------------------------------------------------------------
+    # gradients ([Note: the stage-parameter protocol] in stage_params.py)
+
+    def _named(self) -> Iterator[tuple[str, nn.Parameter]]:
+        return ((n, p) for n, p in self.module.named_parameters() if p.requires_grad)
+
+    def reduce_gradients(self) -> None:
+        all_reduce_mean(self.params, self.dp_group)
+
+    def grad_squares(self, *, skip: frozenset[str] = frozenset()) -> torch.Tensor:
+        return plain_grad_squares(self._named(), skip=skip)
+
+    def scale_grads(self, factor: torch.Tensor) -> None:
+        plain_scale_grads(self.params, factor)
+
+    def gradient(self, name: str) -> torch.Tensor | None:
+        return dict(self.module.named_parameters())[name].grad
 
     # -----------------------------------------------------------------------------------------
     # update

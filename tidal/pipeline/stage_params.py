@@ -1,0 +1,113 @@
+"""What a pipeline stage's parameters must do for the executor: the stage-parameter protocol.
+
+[Note: the stage-parameter protocol]
+The executor and the one train step around it never read ``.data`` or ``.grad``: a stage's
+parameters may be plain ``nn.Parameter``s with a torch optimizer (:class:`StageWeights`), slots
+of tidal's chunks that move between tiers and are sharded over the data-parallel group, or
+whatever another transform makes of them. Each implements :class:`StageParams`:
+
+- ``forward(mb)`` / ``backward(mb)``: context managers around the microbatch's forward and
+  backward (weight versions, saved-tensor redirection, a chunk store's moments);
+- ``reduce_gradients()``: the data-parallel reduction of the step's gradients, once, after the
+  stage's last backward of the step and before anything reads them (a group of one does
+  nothing); afterwards every gradient is the mean over the data-parallel group;
+- ``grad_squares(skip)``: the sum of squared gradient entries of this rank's share (the second
+  copy of a tied matrix named in ``skip``), an fp32 scalar on the CPU, so the global norm is one
+  all-reduce over the whole mesh whatever each stage holds;
+- ``scale_grads(factor)``: multiply every gradient (clipping);
+- ``gradient(name)``: the tensor holding a parameter's gradient, read and written in place by the
+  tied-matrix sum (None where no gradient reached it);
+- ``step(lr, step)``: the update, which also drops the gradients; returns the rate it used.
+
+A data-parallel reduction inside ``backward`` would run once per microbatch; a reduction in
+``step`` would come after clipping had read unreduced gradients. So the order of one step is
+fixed here and nowhere else: every backward, ``reduce_gradients``, the tied sum, the norm and
+``scale_grads``, ``step``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from contextlib import AbstractContextManager
+from typing import Protocol
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+__all__ = [
+    "StageParams",
+    "all_reduce_mean",
+    "clip_coefficient",
+    "plain_grad_squares",
+    "plain_scale_grads",
+]
+
+
+class StageParams(Protocol):
+    """[Note: the stage-parameter protocol]."""
+
+    @property
+    def version(self) -> int: ...
+
+    def forward(
+        self, microbatch: int, *, version: int | None = None
+    ) -> AbstractContextManager[object]: ...
+
+    def backward(self, microbatch: int, *, last: bool = True) -> AbstractContextManager[object]: ...
+
+    def reduce_gradients(self) -> None: ...
+
+    def grad_squares(self, *, skip: frozenset[str] = frozenset()) -> torch.Tensor: ...
+
+    def scale_grads(self, factor: torch.Tensor) -> None: ...
+
+    def gradient(self, name: str) -> torch.Tensor | None: ...
+
+    def step(self, *, lr: float, step: int) -> float: ...
+
+
+def clip_coefficient(total_norm: torch.Tensor, max_norm: float) -> torch.Tensor:
+    """The factor ``clip_grad_norm_`` scales gradients by, capped at 1."""
+    return torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
+
+
+def plain_grad_squares(
+    named: Iterable[tuple[str, nn.Parameter]], *, skip: frozenset[str] = frozenset()
+) -> torch.Tensor:
+    """Sum of squared gradient entries of ``named`` (``skip``'s names left out)."""
+    total = torch.zeros((), dtype=torch.float32)
+    for name, p in named:
+        if p.grad is not None and name not in skip:
+            total = total + torch.linalg.vector_norm(p.grad.float()).square().cpu()
+    return total
+
+
+def plain_scale_grads(params: Iterable[nn.Parameter], factor: torch.Tensor) -> None:
+    for p in params:
+        if p.grad is not None:
+            p.grad.mul_(factor.to(p.grad.device, p.grad.dtype))
+
+
+def all_reduce_mean(params: Iterable[nn.Parameter], group: dist.ProcessGroup | None) -> None:
+    """Each gradient of ``params`` becomes its mean over ``group``, in one flat all-reduce per
+    dtype (every rank must hold gradients for the same parameters, as data parallelism over
+    replicas of one stage does)."""
+    if group is None or dist.get_world_size(group) == 1:
+        return
+    size = dist.get_world_size(group)
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for p in params:
+        if p.grad is not None:
+            by_dtype.setdefault(p.grad.dtype, []).append(p.grad)
+    for dtype in sorted(by_dtype, key=str):  # the same order on every rank
+        grads = by_dtype[dtype]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        if dist.get_backend(group) != "nccl":
+            flat = flat.cpu()
+        dist.all_reduce(flat, group=group)
+        flat.div_(size)
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset : offset + g.numel()].view_as(g))
+            offset += g.numel()
