@@ -32,7 +32,7 @@ def _losses(run_dir: Path) -> list[tuple]:
 def _both(root: str) -> tuple[dict, dict]:
     """As a 1F1B pipeline, then sharded by the chunk engine, each also split and resumed."""
     root_path = Path(root)
-    pipe = ["pipeline.stages=2", "pipeline.microbatches=2", "pipeline.schedule=1f1b"]
+    pipe = ["parallel.pp=2", "pipeline.microbatches=2", "pipeline.schedule=1f1b"]
     chunk = ["engine=chunk", "chunk.size=8192"]
     summaries = []
     for name, extra in (("pipe", pipe), ("sharded", chunk)):

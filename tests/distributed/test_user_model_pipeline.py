@@ -119,7 +119,7 @@ def test_a_model_a_pipeline_cannot_cut_is_one_line(model, message: str, tmp_path
     from tidal.train.pipeline_part import check_pipeline_job
 
     job = tidal.load_job({"run_dir": str(tmp_path), "pipeline": {"stages": 2}})
-    with pytest.raises(tidal.ConfigError, match=r"pipeline.stages: .*" + _escaped(message)):
+    with pytest.raises(tidal.ConfigError, match=r"parallel.pp: .*" + _escaped(message)):
         check_pipeline_job(job, world_size=2, model=model())
 
 

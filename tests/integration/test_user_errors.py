@@ -173,7 +173,7 @@ def test_a_pipeline_refuses_an_engines_checkpoint_saying_what_each_is() -> None:
     assert str(err.value) == (
         "pipeline: the checkpoint was trained without a pipeline, this run is a 1f1b pipeline "
         "of 2 stages (blocks [0, 1), [1, 2)); resume it without --pipeline-stages (and "
-        "[pipeline] stages = 1), or export it with `tidal export RUN_DIR`"
+        "[parallel] pp = 1), or export it with `tidal export RUN_DIR`"
     )
 
 

@@ -129,8 +129,14 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
     )  # fmt: skip
     train.add_argument(
         "--pipeline-stages", type=int, default=None, metavar="P",
-        help="train as a pipeline of P stages, one process each (sets pipeline.stages and "
-        "--nproc P); the [pipeline] section holds microbatches, partition and PipeMare's knobs",
+        help="train as a pipeline of P stages, one process each (--mesh pp=P); the [pipeline] "
+        "section holds microbatches, partition and PipeMare's knobs",
+    )  # fmt: skip
+    train.add_argument(
+        "--mesh", default=None, metavar="pp=P,dp=D,tp=T",
+        help="the ranks' grid ([parallel] pp, dp, tp; unnamed ones are 1, dp the rest): "
+        "--mesh pp=2,dp=2 is 2 pipeline stages, each replicated on 2 ranks, 4 processes "
+        "(--nproc defaults to the product)",
     )  # fmt: skip
     train.add_argument(
         "--schedule", default=None,

@@ -159,27 +159,36 @@ def _plan_errors(args: argparse.Namespace) -> tuple[type[Exception], ...]:
 
 
 def _pipeline_flags(args: argparse.Namespace) -> None:
-    """``--pipeline-stages P --schedule S``: overrides of ``[pipeline]``, and P processes."""
+    """``--mesh pp=2,dp=2`` / ``--pipeline-stages P`` (``--mesh pp=P``) and ``--schedule S``:
+    overrides of ``[parallel]`` and ``[pipeline]``, and as many processes as the mesh has
+    ranks ([Note: one mesh] in tidal/parallel/dims.py)."""
     import os
+
+    from tidal.config import ConfigError
+    from tidal.parallel.dims import parse_mesh
 
     if args.schedule is not None:
         args.overrides = [*args.overrides, f"pipeline.schedule={args.schedule}"]
-    if args.pipeline_stages is None:
+    mesh = {} if args.mesh is None else parse_mesh(args.mesh)
+    if args.pipeline_stages is not None:
+        if args.pipeline_stages < 2:
+            raise ConfigError(
+                "--pipeline-stages",
+                f"must be >= 2 (one process per stage), got {args.pipeline_stages}; without it "
+                f"the run trains without a pipeline",
+            )
+        if mesh.get("pp", args.pipeline_stages) != args.pipeline_stages:
+            raise ConfigError("--pipeline-stages", f"says {args.pipeline_stages} stages and "
+                              f"--mesh says pp={mesh['pp']}; give one of them")  # fmt: skip
+        mesh["pp"] = args.pipeline_stages
+    if not mesh:
         return
-    if args.pipeline_stages < 2:
-        from tidal.config import ConfigError
-
-        raise ConfigError(
-            "--pipeline-stages",
-            f"must be >= 2 (one process per stage), got {args.pipeline_stages}; without it the "
-            f"run trains without a pipeline",
-        )
-    args.overrides = [*args.overrides, f"pipeline.stages={args.pipeline_stages}"]
+    args.overrides = [*args.overrides, *(f"parallel.{k}={v}" for k, v in mesh.items())]
     under_torchrun = (
         "TORCHELASTIC_RUN_ID" in os.environ or int(os.environ.get("WORLD_SIZE", "1")) > 1
     )
     if args.nproc == 1 and not under_torchrun:
-        args.nproc = args.pipeline_stages
+        args.nproc = mesh.get("pp", 1) * mesh.get("dp", 1) * mesh.get("tp", 1)
 
 
 def _deepspeed(args: argparse.Namespace) -> dict[str, Any] | None:
@@ -226,11 +235,11 @@ def _fit(job: JobConfig, args: argparse.Namespace, console: Console, argv: list[
     from tidal.cli.progress import RichProgress
     from tidal.train import Trainer
 
-    pipeline = job.pipeline.stages > 1 or args.pipeline_stages is not None
-    if job.pipeline.stages > 1 and int(os.environ.get("WORLD_SIZE", "1")) == 1:
-        args.nproc = job.pipeline.stages  # a recipe's [pipeline] stages: one rank each
+    ranks = job.parallel.pp * (job.parallel.dp or 1) * job.parallel.tp
+    if ranks > 1 and int(os.environ.get("WORLD_SIZE", "1")) == 1:
+        args.nproc = ranks  # a recipe's [parallel] mesh: its ranks
         return _launch(args, argv)
-    trainer = Trainer(job, plan=args.plan, pipeline=pipeline)
+    trainer = Trainer(job, plan=args.plan, pipeline=job.pipelined)
     resume, overwrite = args.resume, args.overwrite
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     if restart > 0:
@@ -282,11 +291,12 @@ def _launch(args: argparse.Namespace, argv: list[str]) -> int:
 
         model = spec_for(job.model).build(device="meta")
         check_plan_job(load_plan(args.plan), job, model=model, world_size=world_size)
-    elif job.pipeline.stages > 1 or args.pipeline_stages is not None:
+    elif job.pipelined:
         from tidal.train.pipeline_part import check_pipeline_job
 
         check_pipeline_job(job, world_size=world_size)
     else:
+        job.parallel.resolve(world_size)  # [Note: one mesh]: pp x dp x tp = N, in one line
         rank_rows(job.training.batch_size, rank=0, world_size=world_size)
     if args.resume != "auto":
         check_run_dir(job.run_path, resume=args.resume is not False, overwrite=args.overwrite)

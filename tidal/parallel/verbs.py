@@ -22,6 +22,8 @@ from tidal.parallel.sharded_parts import ShardedParts
 from tidal.sharding.config import ShardingConfig
 
 if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
     from tidal.pipeline.config import PipelineConfig
     from tidal.pipeline.lending import Lending
     from tidal.pipeline.runtime import PipelineRuntime
@@ -79,20 +81,23 @@ def apply_plan(model: nn.Module, plan: Plan, *, optimizer: OptimizerConfig,
 
 def pipeline(stages: Sequence[PipelineStage], *, config: PipelineConfig, optimizer: OptimizerConfig,
              training: TrainingConfig, block_ranges: Sequence[tuple[int, int]],
-             device: torch.device, rank: int, world_size: int,
+             num_microbatches: int, device: torch.device, mesh: DeviceMesh,
              lending: Lending | None = None) -> PipelineRuntime:  # fmt: skip
     """Train ``stages`` (all of the model's, in order; ``block_ranges``: the blocks of each) as
-    a pipeline over ``world_size`` ranks under ``config``'s schedule: this rank keeps stages
-    ``rank, rank + world_size, ...`` (each with its own optimizer and, for asynchronous
-    schedules, its weight versions); returns the runtime that trains them ([Note: pipeline
-    runs] in tidal/train/pipeline_part.py). ``lending``: who lends what stages save to whom
-    ([Note: lending] in tidal/pipeline/lending.py)."""
+    a pipeline over ``mesh["pp"]`` under ``config``'s schedule: the rank at pipeline position
+    ``r`` of ``p`` keeps stages ``r, r + p, ...`` (each with its own optimizer and, for
+    asynchronous schedules, its weight versions), and each stage's gradients are averaged over
+    ``mesh["dp"]`` once per step ([Note: one mesh] in dims.py); returns the runtime that trains
+    them ([Note: pipeline runs] in tidal/train/pipeline_part.py). ``lending``: who lends what
+    stages save to whom ([Note: lending] in tidal/pipeline/lending.py)."""
     from tidal.pipeline.pipemare import AsyncConfig, StageWeights, WeightMode  # pipelines only
     from tidal.pipeline.runtime import PipelineRuntime, RuntimeConfig
     from tidal.pipeline.split import tied_parameters
 
     versions = {"pipedream": WeightMode.STASH, "2bw": WeightMode.TWO_VERSIONS}
     tied = tied_parameters(stages)
+    rank, world_size = mesh.get_local_rank("pp"), mesh["pp"].size()
+    pp_group, dp_group = mesh.get_group("pp"), mesh.get_group("dp")
     mine = [stages[s] for s in range(rank, len(stages), world_size)]
     first_lr = lr_schedule(optimizer, training).lr_at(1)
     weights = AsyncConfig(
@@ -102,11 +107,11 @@ def pipeline(stages: Sequence[PipelineStage], *, config: PipelineConfig, optimiz
         correction=config.correction,
         correction_decay=config.correction_decay,
         prediction=config.prediction,
-        microbatches_per_update=config.num_microbatches if config.prediction else 0,
+        microbatches_per_update=num_microbatches if config.prediction else 0,
     )
     runtime = RuntimeConfig(
         schedule=config.schedule,
-        microbatches=config.num_microbatches,
+        microbatches=num_microbatches,
         virtual_stages=config.virtual_stages,
         sync_steps=config.sync_steps,
         max_grad_norm=training.grad_clip_norm or None,
@@ -115,8 +120,13 @@ def pipeline(stages: Sequence[PipelineStage], *, config: PipelineConfig, optimiz
     return PipelineRuntime(
         runtime,
         stages=mine,
-        weights=[StageWeights(s, build_optimizer(s, optimizer, first_lr), weights) for s in mine],
+        weights=[
+            StageWeights(s, build_optimizer(s, optimizer, first_lr), weights, dp_group=dp_group)
+            for s in mine
+        ],  # fmt: skip
         tied=tied,
+        group=pp_group,
+        dp_group=dp_group,
         device=device,
         lending=lending,
     )

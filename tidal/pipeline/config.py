@@ -16,10 +16,10 @@ _KEEPS_NO_VERSIONS = ("pipemare", "pipemarew")  # asynchronous, no stashed weigh
 
 @dataclass(kw_only=True, slots=True)
 class PipelineConfig:
-    """Pipeline parallelism: one process per stage (``tidal train --pipeline-stages P``).
+    """Pipeline parallelism: how the ``parallel.pp`` stages run (``tidal train --mesh pp=P``;
+    the number of stages is ``parallel.pp``, [Note: one mesh] in tidal/parallel/dims.py).
 
     Attributes:
-        stages: pipeline ranks; 1 means no pipeline.
         schedule: ``gpipe``, ``1f1b`` (PipeDream-Flush / DAPPLE), ``interleaved`` (1F1B over
             ``virtual_stages`` model chunks per rank) are synchronous: every step flushes, and
             the result equals one-process training. ``pipedream`` (weight stashing), ``2bw``
@@ -28,7 +28,7 @@ class PipelineConfig:
             microbatches are in flight: no flush, no bubble after the start, but gradients are
             computed ``tau`` updates late.
         microbatches: per optimizer step (the rows of ``training.batch_size`` are split into
-            this many); ``None`` means one per stage. May be below ``stages``.
+            this many); ``None`` means one per stage. May be below the number of stages.
         virtual_stages: model chunks per rank for ``interleaved``.
         partition: ``balanced`` splits the blocks by dynamic programming over their profiled
             time (under ``memory_limit_bytes``); ``even`` gives each stage the same count.
@@ -64,7 +64,6 @@ class PipelineConfig:
             tidal/train/pipeline_memory.py).
     """
 
-    stages: int = 1
     schedule: ScheduleName = "1f1b"
     microbatches: int | None = None
     virtual_stages: int = 1
@@ -79,7 +78,6 @@ class PipelineConfig:
     memory: Literal["none", "recompute", "selective", "host", "peer", "auto"] = "none"
 
     def __post_init__(self) -> None:
-        require(self.stages >= 1, "stages", f"must be >= 1, got {self.stages}")
         require(
             self.microbatches is None or self.microbatches >= 1,
             "microbatches",
@@ -128,9 +126,9 @@ class PipelineConfig:
             f"under it",
         )
 
-    @property
-    def num_microbatches(self) -> int:
-        return self.stages if self.microbatches is None else self.microbatches
+    def num_microbatches(self, stages: int) -> int:
+        """Microbatches per step in a pipeline of ``stages``: one per stage unless set."""
+        return stages if self.microbatches is None else self.microbatches
 
     @property
     def asynchronous(self) -> bool:

@@ -100,7 +100,9 @@ class PipelineRuntime:
 
     ``stages`` / ``weights`` are this rank's, in stage order (rank ``r`` holds stages ``r,
     r + p, ...``); ``tied`` the pairs of :func:`tidal.pipeline.split.tied_parameters` (global
-    stage indices); ``group`` the pipeline's process group (default: the world).
+    stage indices); ``group`` the pipeline's process group (default: the world); ``dp_group``
+    the replicas of this rank's stages, each training on its own rows of every batch (the
+    weights average their gradients; the losses are averaged here).
     """
 
     def __init__(
@@ -111,12 +113,14 @@ class PipelineRuntime:
         weights: Sequence[StageParams],
         tied: Sequence[TiedPair] = (),
         group: dist.ProcessGroup | None = None,
+        dp_group: dist.ProcessGroup | None = None,
         device: torch.device | str = "cpu",
         lending: Lending | None = None,
     ) -> None:
         self.config = config
         self.lending = lending
         self.group = group
+        self.dp_group = dp_group
         self.device = torch.device(device)
         self.rank = dist.get_rank(group)
         self.num_ranks = dist.get_world_size(group)
@@ -203,6 +207,9 @@ class PipelineRuntime:
             losses = torch.tensor(executor.step_losses(num_steps), dtype=torch.float64)
         losses = losses.to(self._collective_device())
         dist.broadcast(losses, src=self._global(schedule.rank_of(last)), group=self.group)
+        if self.dp_group is not None and dist.get_world_size(self.dp_group) > 1:
+            dist.all_reduce(losses, group=self.dp_group)  # each replica's rows: equal shares
+            losses /= dist.get_world_size(self.dp_group)
         self.step += num_steps
         return [float(x) for x in losses.cpu()]
 

@@ -39,7 +39,7 @@ def check_sequential(model: nn.Module, *, num_stages: int) -> None:
     """One-line errors for a model a pipeline cannot cut ([Note: sequential pipelines])."""
     if not isinstance(model, nn.Sequential):
         raise ConfigError(
-            "pipeline.stages",
+            "parallel.pp",
             f"a pipeline of your own model cuts an nn.Sequential between its children; "
             f"{type(model).__name__} is not one: put its layers in an nn.Sequential, or train "
             f"it on the reference or chunk engine",
@@ -47,14 +47,14 @@ def check_sequential(model: nn.Module, *, num_stages: int) -> None:
     buffers = [name for name, _ in model.named_buffers()]
     if buffers:
         raise ConfigError(
-            "pipeline.stages",
+            "parallel.pp",
             f"your model has buffers ({', '.join(buffers[:3])}{', ...' if len(buffers) > 3 else ''}"
             f"): a pipeline would compute BatchNorm-like statistics per microbatch and does not "
             f"checkpoint them; use GroupNorm or LayerNorm, or the reference or chunk engine",
         )
     if num_stages > len(model):
         raise ConfigError(
-            "pipeline.stages",
+            "parallel.pp",
             f"{num_stages} stages for an nn.Sequential of {len(model)} children: use at most "
             f"{len(model)}",
         )

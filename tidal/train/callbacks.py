@@ -41,8 +41,8 @@ def describe_start(trainer: Any, *, start_step: int) -> str:
     verb = f"resuming at step {start_step}" if start_step else "starting"
     plan = trainer.plan
     engine = f"plan dp {plan.dp} x tp {plan.tp}" if plan is not None else f"{job.engine} engine"
-    if job.pipeline.stages > 1:
-        engine = f"pipeline of {job.pipeline.stages} stages, {job.pipeline.schedule}"
+    if job.pipelined:
+        engine = f"pipeline of {job.parallel.pp} stages, {job.pipeline.schedule}"
     model = job.model.hf_config or job.model.factory or job.model.preset
     if trainer.user_model is not None:  # [Note: your own model] in engine_part.py
         model = f"your {type(trainer.user_model).__name__}"

@@ -81,7 +81,7 @@ class PipelineStages:
             raise ConfigError(
                 "pipeline",
                 f"the checkpoint was trained without a pipeline, this run is {_split(self.split)}; "
-                f"resume it without --pipeline-stages (and [pipeline] stages = 1), or export it "
+                f"resume it without --pipeline-stages (and [parallel] pp = 1), or export it "
                 f"with `tidal export RUN_DIR`",
             )
         if extras["split"] != self.split:

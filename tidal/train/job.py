@@ -23,6 +23,7 @@ from tidal.distributed.config import DistributedConfig
 from tidal.memory.config import ChunkConfig
 from tidal.models import ModelConfig
 from tidal.parallel.config import MemoryConfig, OptimizerConfig, TrainingConfig
+from tidal.parallel.dims import ParallelConfig
 from tidal.pipeline.config import PipelineConfig
 from tidal.sharding.config import ShardingConfig
 from tidal.train.config import CheckpointConfig, CustomConfig, MetricsConfig
@@ -59,6 +60,7 @@ class JobConfig:
     chunk: ChunkConfig = field(default_factory=ChunkConfig)
     sharding: ShardingConfig = field(default_factory=ShardingConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
 
     def __post_init__(self) -> None:
@@ -74,10 +76,16 @@ class JobConfig:
             "model data on the device)",
         )
         require(
-            self.pipeline.stages == 1 or self.engine == "reference",
-            "pipeline.stages",
+            self.parallel.pp == 1 or self.engine == "reference",
+            "parallel.pp",
             "a pipeline runs each stage with the reference engine; set engine = 'reference' "
             "(chunk offload of pipeline stages is not supported yet)",
+        )
+        require(
+            self.parallel.tp == 1,
+            "parallel.tp",
+            "tensor parallelism runs from a plan for now (tidal plan, then tidal train --plan "
+            "PLAN.json); set parallel.tp = 1",
         )
         require(
             self.custom.factory is None
@@ -87,6 +95,15 @@ class JobConfig:
         )
         seq_len = self.model.resolve().seq_len
         require(seq_len >= 2, "model.seq_len", f"must be >= 2, got {seq_len}")
+
+    @property
+    def pipelined(self) -> bool:
+        return self.parallel.pp > 1
+
+    @property
+    def num_microbatches(self) -> int:
+        """A pipeline step's microbatches: ``pipeline.microbatches``, else one per stage."""
+        return self.pipeline.num_microbatches(self.parallel.pp)
 
     @property
     def run_path(self) -> Path:
@@ -149,7 +166,7 @@ def load_job(
     is read as one."""
     if isinstance(overrides, Mapping):
         return load_job(_merged(to_dict(load_job(recipe, deepspeed=deepspeed, world_size=world_size,
-                                                 log_notes=log_notes)), overrides))  # fmt: skip
+                                                 log_notes=log_notes)), _renamed(dict(overrides))))  # fmt: skip
     if isinstance(overrides, str):
         raise ConfigError("overrides", f"expected a list of 'key=value' strings or a dict, got "
                           f"the string {overrides!r}; wrap it in a list")  # fmt: skip
@@ -172,7 +189,7 @@ def load_job(
             logger.warning("tidal: deepspeed config: %s", note)
         data = _merged(data, mapped)
     try:
-        return from_dict(JobConfig, apply_overrides(data, overrides))
+        return from_dict(JobConfig, _renamed(apply_overrides(data, overrides)))
     except ConfigError as err:
         raise _elsewhere(err) from None
 
@@ -191,6 +208,30 @@ def _elsewhere(err: ConfigError) -> ConfigError:
         return err
     unknown = err.message.split("; did you mean")[0]  # the key's home is the better hint
     return ConfigError(err.key, f"{unknown}; {name} is {' or '.join(f'{h}.{name}' for h in homes)}")
+
+
+# keys that moved: old name -> new name ([Note: one mesh] in tidal/parallel/dims.py)
+_RENAMED = {("pipeline", "stages"): ("parallel", "pp")}
+
+
+def _renamed(data: dict[str, Any]) -> dict[str, Any]:
+    """Older recipes' keys under their new names; both given and different is refused."""
+    for (old_table, old_key), (new_table, new_key) in _RENAMED.items():
+        old = data.get(old_table)
+        if not isinstance(old, Mapping) or old_key not in old:
+            continue
+        value = old[old_key]
+        new = dict(data.get(new_table) or {})
+        if new_key in new and str(new[new_key]) != str(value):
+            raise ConfigError(
+                f"{old_table}.{old_key}",
+                f"is {new_table}.{new_key} now; this config sets both ({value} and "
+                f"{new[new_key]}): drop {old_table}.{old_key}",
+            )
+        new[new_key] = value
+        data = {**data, old_table: {k: v for k, v in old.items() if k != old_key},
+                new_table: new}  # fmt: skip
+    return data
 
 
 def _beside(data: dict[str, Any], folder: Path) -> dict[str, Any]:

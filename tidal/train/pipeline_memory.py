@@ -306,8 +306,9 @@ def _plan(job: JobConfig, stages: Sequence[PipelineStage], probe: MemoryProbe, *
     pipe = job.pipeline
     # an asynchronous schedule's steady state: at least 2 x stages microbatches (with an update
     # after every microbatch, stage 0 keeps one per stage in flight)
-    steps = max(3, -(-2 * pipe.stages // pipe.num_microbatches)) if pipe.asynchronous else 1
-    schedule = make_schedule(pipe.schedule, stages=pipe.stages, microbatches=pipe.num_microbatches,
+    pp, m = job.parallel.pp, job.num_microbatches
+    steps = max(3, -(-2 * pp // m)) if pipe.asynchronous else 1
+    schedule = make_schedule(pipe.schedule, stages=pp, microbatches=m,
                              virtual=pipe.virtual_stages, steps=steps,
                              sync_steps=min(pipe.sync_steps, steps))  # fmt: skip
     sim = simulate(schedule)

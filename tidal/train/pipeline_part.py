@@ -37,7 +37,6 @@ from torch import nn
 from tidal.config import ConfigError, require
 from tidal.data import Batches, BatchSampler
 from tidal.distributed import gather_ints
-from tidal.distributed import rank as current_rank
 from tidal.models import GPTConfig, spec_for
 from tidal.parallel.flat_state import model_layout
 from tidal.parallel.lr import lr_schedule
@@ -64,18 +63,19 @@ def check_pipeline_job(job: JobConfig, *, world_size: int, model: nn.Module | No
     """What a pipeline run can refuse before any process starts (one line each). ``model``:
     your own, else the job's ``[model]``."""
     pipe, training = job.pipeline, job.training
+    dims = job.parallel.resolve(world_size)
     require(
-        world_size == pipe.stages,
-        "pipeline.stages",
-        f"a pipeline of {pipe.stages} stages runs one process per stage, got {world_size} "
-        f"processes; use --nproc {pipe.stages} (tidal train --pipeline-stages sets both)",
+        training.batch_size % dims.dp == 0,
+        "training.batch_size",
+        f"{training.batch_size} rows do not split evenly over {dims.dp} data-parallel "
+        f"replicas; use a multiple of {dims.dp}",
     )
-    m = pipe.num_microbatches
+    m, rows = job.num_microbatches, training.batch_size // dims.dp
     require(
-        m <= training.batch_size,
+        m <= rows,
         "pipeline.microbatches",
-        f"{m} microbatches need at least {m} rows, training.batch_size is "
-        f"{training.batch_size}; lower pipeline.microbatches or raise the batch",
+        f"{m} microbatches need at least {m} rows per replica, each of the {dims.dp} gets "
+        f"{rows} of training.batch_size; lower pipeline.microbatches or raise the batch",
     )
     require(
         training.precision == "fp32",
@@ -89,7 +89,7 @@ def check_pipeline_job(job: JobConfig, *, world_size: int, model: nn.Module | No
         "a pipeline accumulates its microbatches; raise pipeline.microbatches (and "
         "training.batch_size) instead",
     )
-    num_stages = pipe.stages * pipe.virtual_stages
+    num_stages = job.parallel.pp * pipe.virtual_stages
     if model is not None:  # [Note: sequential pipelines] in tidal/pipeline/sequential.py
         check_sequential(model, num_stages=num_stages)
         return
@@ -97,14 +97,14 @@ def check_pipeline_job(job: JobConfig, *, world_size: int, model: nn.Module | No
     num_layers = config.num_layers
     require(
         num_stages <= num_layers + 2,
-        "pipeline.stages",
+        "parallel.pp",
         f"{num_stages} stages for {num_layers} blocks (plus the embedding and the head); use "
         f"at most {num_layers + 2}",
     )
     tied = (config.tie_embeddings if isinstance(config, GPTConfig)
             else bool(getattr(config.pretrained(), "tie_word_embeddings", False)))  # fmt: skip
     require(
-        not (pipe.asynchronous and tied and pipe.stages > 1),
+        not (pipe.asynchronous and tied and job.pipelined),
         "model.tie_embeddings" if isinstance(config, GPTConfig) else "model.hf_config",
         f"{pipe.schedule} is asynchronous: the first and last stages' copies of the tied "
         "embedding would update at different times; set model.tie_embeddings=false (a Hugging "
@@ -115,7 +115,7 @@ def check_pipeline_job(job: JobConfig, *, world_size: int, model: nn.Module | No
 def block_ranges(job: JobConfig) -> tuple[tuple[int, int], ...]:
     """The stages' blocks: balanced by the DP partitioner over profiled time, or even."""
     pipe, config = job.pipeline, job.model.resolve_structured()
-    num_stages = pipe.stages * pipe.virtual_stages
+    num_stages = job.parallel.pp * pipe.virtual_stages
     if pipe.partition == "even" or num_stages == 1:
         if num_stages > config.num_layers:
             raise ConfigError(
@@ -125,7 +125,7 @@ def block_ranges(job: JobConfig) -> tuple[tuple[int, int], ...]:
             )
         return tuple(even_ranges(config.num_layers, num_stages))
     spec = spec_for(config)
-    rows = max(1, job.training.batch_size // pipe.num_microbatches)
+    rows = _microbatch_rows(job)
     profiles = spec.profile(spec.build(device="meta"), micro_batch=rows, seq_len=config.seq_len)
     return balanced_ranges(job, profiles)
 
@@ -136,14 +136,14 @@ def sequential_ranges(
     """Your own model's stages: its children split evenly, or balanced by what each costs on
     one microbatch of ``sample`` ([Note: sequential pipelines] in tidal/pipeline/sequential.py)."""
     pipe = job.pipeline
-    num_stages = pipe.stages * pipe.virtual_stages
+    num_stages = job.parallel.pp * pipe.virtual_stages
     if pipe.partition == "even" or num_stages == 1:
         return tuple(even_ranges(len(model), num_stages))
     return balanced_ranges(job, profile_sequential(model, sample[: _microbatch_rows(job)]))
 
 
 def _microbatch_rows(job: JobConfig) -> int:
-    return max(1, job.training.batch_size // job.pipeline.num_microbatches)
+    return max(1, job.training.batch_size // job.num_microbatches)
 
 
 def _spec_probe(job: JobConfig, device: torch.device) -> MemoryProbe:
@@ -178,7 +178,7 @@ def balanced_ranges(job: JobConfig, profiles: list[LayerProfile]) -> tuple[tuple
     pipe = job.pipeline
     steps = 3 if pipe.asynchronous else 1  # enough for an asynchronous schedule's steady state
     schedule = make_schedule(
-        pipe.schedule, stages=pipe.stages, microbatches=pipe.num_microbatches,
+        pipe.schedule, stages=job.parallel.pp, microbatches=job.num_microbatches,
         virtual=pipe.virtual_stages, steps=steps, sync_steps=min(pipe.sync_steps, steps),
     )  # fmt: skip
     sim = simulate(schedule)
@@ -187,7 +187,7 @@ def balanced_ranges(job: JobConfig, profiles: list[LayerProfile]) -> tuple[tuple
     try:
         split = partition(
             profiles,
-            pipe.stages * pipe.virtual_stages,
+            job.parallel.pp * pipe.virtual_stages,
             memory_limit_bytes=pipe.stage_memory,
             in_flight=sim.peak_activations,
             state_bytes_per_param_byte=model_data_per_weight_byte(job),
@@ -224,6 +224,10 @@ class PipelinePart:
         training, pipe = job.training, job.pipeline
         self.device = device
         check_pipeline_job(job, world_size=world_size, model=model)
+        self.dims = job.parallel.resolve(world_size)
+        self.mesh = self.dims.build_mesh(device.type)  # [Note: one mesh] in tidal/parallel/dims.py
+        pp_rank, pp_size = self.mesh.get_local_rank("pp"), self.dims.pp
+        self.dp_rank = self.mesh.get_local_rank("dp")
         budgeted = job.memory.device_budget is not None
         probe = None
         if model is None:
@@ -245,14 +249,15 @@ class PipelinePart:
             probe = _sequential_probe(job, model, inputs, targets) if budgeted else None
         layout = model_layout(model, {n: t.shape for n, t in model.state_dict().items()})
         del model
-        self.stage_ids = list(range(current_rank(), len(stages), world_size))
-        self.memory = plan_pipeline_memory(job, stages, mine=self.stage_ids, rank=current_rank(),
-                                           world_size=world_size, device=device,
+        self.stage_ids = list(range(pp_rank, len(stages), pp_size))
+        self.memory = plan_pipeline_memory(job, stages, mine=self.stage_ids, rank=pp_rank,
+                                           world_size=pp_size, device=device,
                                            probe=probe)  # fmt: skip
         self.lr = lr_schedule(job.optimizer, training)
         self.engine = pipeline(stages, config=pipe, optimizer=job.optimizer, training=training,
-                               block_ranges=self.ranges, device=device, rank=current_rank(),
-                               world_size=world_size, lending=self.memory.lending)  # fmt: skip
+                               block_ranges=self.ranges, num_microbatches=job.num_microbatches,
+                               device=device, mesh=self.mesh,
+                               lending=self.memory.lending)  # fmt: skip
         self.memory.bind(self.engine.weights)
         self._moved_before: dict[int, dict[str, int]] = {}  # each rank's counters a step ago
         del stages
@@ -287,7 +292,9 @@ class PipelinePart:
             draw = drawn.__getitem__
 
         def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
-            inputs, targets = draw(step)
+            inputs, targets = draw(step)  # the global batch; this replica's rows of it
+            dp, at = self.dims.dp, self.dp_rank
+            inputs, targets = inputs.tensor_split(dp)[at], targets.tensor_split(dp)[at]
             return inputs.to(self.device), targets.to(self.device)
 
         losses = self.engine.train(num_steps, batch, self.lr.lr_at)
@@ -303,6 +310,7 @@ class PipelinePart:
             num_ranks=self.engine.num_ranks,
             batches=[(x.to(self.device), y.to(self.device)) for x, y in batches],
             device=self.device,
+            group=self.mesh.get_group("pp"),  # every replica evaluates the same batches
         )
 
     def step_figures(self, step: int) -> dict[str, Any]:
@@ -319,11 +327,13 @@ class PipelinePart:
         num_ranks, num_stages = len(gathered["to_host_bytes"]), len(self.ranges)
         out = []
         for r in range(num_ranks):
+            pp_rank = self.dims.coords(r)[0]
             figures: dict[str, Any] = {key: gathered[key][r] for key in counters}
             before = self._moved_before.get(r, {})
             self._moved_before[r] = {key: figures[key] for key in _MOVED}
             figures.update({key: figures[key] - before.get(key, 0) for key in _MOVED})
-            out.append({"rank": r, "stages": list(range(r, num_stages, num_ranks)), **figures})
+            stages = list(range(pp_rank, num_stages, self.dims.pp))
+            out.append({"rank": r, "stages": stages, **figures})
         return out
 
     def summary_figures(self) -> dict[str, Any]:
@@ -334,11 +344,11 @@ class PipelinePart:
         return {
             "pipeline": {
                 "schedule": pipe.schedule,
-                "stages": pipe.stages,
-                "microbatches": pipe.num_microbatches,
+                "stages": self.job.parallel.pp,
+                "microbatches": self.job.num_microbatches,
                 "block_ranges": [list(r) for r in self.ranges],
                 "max_delay_per_stage": max_delays,
-                "memory": self.memory.figures(current_rank()),
+                "memory": self.memory.figures(self.mesh.get_local_rank("pp")),
             },
-            "engine": f"pipeline {pipe.schedule} x{pipe.stages}",
+            "engine": f"pipeline {pipe.schedule} x{self.job.parallel.pp}",
         }

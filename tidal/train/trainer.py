@@ -112,7 +112,7 @@ class Trainer:
     ranks ([Note: plan runs] in tidal/parallel/plan_layout.py); for your own model, one of
     ``tidal.planner.plan_for(model, inputs, devices=...)``. ``pipeline``: train as a
     pipeline, one rank per stage ([Note: pipeline runs] in pipeline_part.py); by default when
-    ``pipeline.stages > 1``. The loop, the run folder, checkpoints and the summary are the same
+    ``parallel.pp > 1``. The loop, the run folder, checkpoints and the summary are the same
     for both; what trains is the ``part`` (engine_part.py). ``optimizer``, ``optimizer_kwargs``,
     ``lr_scheduler``: your own torch optimizer and schedule in place of ``[optimizer]``'s
     ([Note: your optimizer] in user_optim.py).
@@ -147,7 +147,7 @@ class Trainer:
         if self.job.metrics.tensorboard:
             check_tensorboard()  # before any process group or step, in one line
         self.plan = _load_plan(plan) if isinstance(plan, str | Path) else plan
-        pipeline = self.job.pipeline.stages > 1 if pipeline is None else pipeline
+        pipeline = self.job.pipelined if pipeline is None else pipeline
         if pipeline and self.plan is not None:
             raise ConfigError(
                 "--plan", "a pipeline run places its stages itself; drop --plan or the pipeline"
