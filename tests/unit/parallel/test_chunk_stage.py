@@ -161,3 +161,27 @@ def test_asynchronous_schedules_are_refused():
 def test_config_refuses_what_a_pipeline_cannot_do(change):
     with pytest.raises(ConfigError):
         ChunkStageConfig(optimizer=OPTIMIZER, **change)
+
+
+def test_bf16_stages_follow_fp32_under_a_budget():
+    # bf16 parameter chunks with fp32 masters, the forward under autocast: close to fp32, not
+    # equal, and the gradients of every microbatch summed in fp32 gradient chunks
+    def make(precision: str):
+        def stage_params(_index: int, stage: nn.Module) -> ChunkStageParams:
+            config = ChunkStageConfig(optimizer=OPTIMIZER, chunk=CHUNK, precision=precision,
+                                      memory=MemoryConfig(device_budget=60_000))  # fmt: skip
+            return ChunkStageParams(stage, config)
+
+        return stage_params
+
+    _, fp32, want = run("1f1b", 2, 4, 1, make("fp32"))
+    _, bf16, got = run("1f1b", 2, 4, 1, make("bf16"))
+    assert got.losses == pytest.approx(want.losses, abs=1e-2)
+    assert got.losses != want.losses
+    for a, b in zip(fp32, bf16, strict=True):
+        assert b.store.chunks[0].dtype == torch.bfloat16
+        assert not b.optimizer.grads_in_params
+        assert b.stats()["evictions"] > 0
+        assert b.stats()["peak_device_bytes"] <= 60_000
+        values, ref = b.model_state_dict(), a.model_state_dict()
+        assert max((values[k] - ref[k]).abs().max().item() for k in ref) < 0.05
