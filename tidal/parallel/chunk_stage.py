@@ -36,8 +36,14 @@ The chunks hold one weight version, so only synchronous schedules (gpipe, 1f1b, 
 run on chunk stages: a forward asked for another version, and an update with a microbatch
 still in flight, are refused (:func:`require_synchronous` refuses the schedule up front).
 
-Data parallelism of a stage (ZeRO-3 over a dp group, ShardedParts) is not wired yet:
-``reduce_gradients`` is where its reduction goes, after the last backward of the step.
+Data parallelism of a stage is ZeRO-3 over its dp group (``parts=ShardedParts(...)``, every
+dp rank running the same schedule on its slice of the batch): each backward reduce-scatters the
+gradients of the chunks it completed into this rank's gradient shards, which sum the step's
+microbatches ([Note: sharded gradients] in tidal/sharding/grads.py), so ``reduce_gradients``
+has nothing left to reduce. A shard mixes parameters, so such a stage's ``grad_squares`` is
+its whole gradient's (the shards' squares summed over the dp group: the same on every dp rank,
+as the pipeline's norm expects of a stage) and it cannot hand out one parameter's gradient: a
+matrix tied across stages is refused there, as are gradient shards on the NVMe tier.
 """
 
 from __future__ import annotations
@@ -50,9 +56,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from tidal.config import ConfigError, require
+from tidal.distributed.collectives import Collectives
 from tidal.memory.config import ChunkConfig
 from tidal.memory.hooks import OUTPUT_ONLY_HOOK_WARNING
 from tidal.memory.materialize import ParameterValues
@@ -61,9 +69,11 @@ from tidal.parallel.chunk_engine import ChunkEngine
 from tidal.parallel.config import MemoryConfig, OptimizerConfig, Precision, TrainingConfig
 from tidal.parallel.parts import ChunkParts
 from tidal.parallel.reference import autocast
+from tidal.parallel.sharded_parts import ShardedParts
 from tidal.pipeline.ir import Schedule
+from tidal.sharding.config import ShardingConfig
 
-__all__ = ["ChunkStageConfig", "ChunkStageParams", "require_synchronous"]
+__all__ = ["ChunkStageConfig", "ChunkStageParams", "require_synchronous", "zero3_parts"]
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)
@@ -108,6 +118,15 @@ def require_synchronous(schedule: Schedule) -> None:
         f"{schedule.name} updates with microbatches in flight, but chunk stages hold one "
         "weight version; use gpipe, 1f1b or interleaved",
     )
+
+
+def zero3_parts(
+    config: ChunkStageConfig, dp_group: dist.ProcessGroup, *, sharding: ShardingConfig | None = None
+) -> ShardedParts:
+    """A stage's chunks sharded over ``dp_group`` (its replicas: every rank of it holds the same
+    stage and runs the same schedule on its slice of the batch); pass as ``parts``."""
+    return ShardedParts(Collectives(dp_group), sharding=sharding or ShardingConfig(),
+                        memory=config.memory, optimizer=config.optimizer)  # fmt: skip
 
 
 class ChunkStageParams:
@@ -223,25 +242,52 @@ class ChunkStageParams:
 
     # -- gradients ---------------------------------------------------------------------------
 
+    @property
+    def sharded(self) -> bool:
+        """Whether the chunks are sharded over a dp group (ZeRO-3)."""
+        return bool(self.engine.parts.gathers)
+
     def reduce_gradients(self) -> None:
-        """Ends the step's store iteration ([Note: chunk stages]). One process: no reduction;
-        a ZeRO-3 dp group's reduce-scatter of the step's gradients would go here."""
+        """Ends the step's store iteration ([Note: chunk stages]); the dp reduction, if any,
+        ran in each backward already."""
         self._end_iteration()
 
     def grad_squares(self, *, skip: frozenset[str] = frozenset()) -> torch.Tensor:
+        if self.sharded:
+            return self._sharded_grad_squares(skip)
         total = torch.zeros((), dtype=torch.float32)
         for name, grad in self.engine.optimizer.gradients():
             if name not in skip:
                 total = total + torch.linalg.vector_norm(grad.float()).square().cpu()
         return total
 
+    def _sharded_grad_squares(self, skip: frozenset[str]) -> torch.Tensor:
+        if skip:
+            raise _tied_sharded(sorted(skip)[0])
+        optimizer = self.engine.optimizer
+        norms = optimizer.gradients.norms()
+        squares = torch.zeros((), dtype=torch.float64)
+        if norms:
+            squares = torch.stack([norms[i].double().cpu() ** 2 for i in sorted(norms)]).sum()
+        optimizer.comm.all_reduce_sum(squares)
+        return squares.float()
+
     def scale_grads(self, factor: torch.Tensor) -> None:
-        self.engine.optimizer.scale_gradients(factor)
+        optimizer = self.engine.optimizer
+        if not self.sharded:
+            optimizer.scale_gradients(factor)
+            return
+        require(not optimizer.gradients.on_disk, "memory.nvme_dir",
+                "a pipeline stage clips its gradients in memory; no gradient shards on disk")  # fmt: skip
+        for grad in optimizer.gradients.in_memory():
+            grad.mul_(factor.to(grad.device, grad.dtype))
 
     def gradient(self, name: str) -> torch.Tensor | None:
         param = self._by_name.get(name)
         if param is None:
             raise ConfigError("tied", f"this stage has no parameter {name!r}")
+        if self.sharded:
+            raise _tied_sharded(name)
         grad: torch.Tensor | None = self.engine.optimizer.gradient_of(param)
         return grad
 
@@ -278,3 +324,11 @@ class ChunkStageParams:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._version = int(state["version"])
+
+
+def _tied_sharded(name: str) -> ConfigError:
+    return ConfigError(
+        "tie_embeddings",
+        f"{name} is tied across stages, but this stage's gradients are ZeRO-3 shards that mix "
+        "parameters; set tie_embeddings=false to shard its stages over a dp group",
+    )
