@@ -366,6 +366,31 @@ class ChunkOptimizer:
                 chunk.release(discard=True)
         self._fresh = dict.fromkeys(self._fresh, True)
 
+    # -- gradients read before the step (a pipeline's global norm and tied sums) -----------------
+
+    def gradients(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(name, view of its fp32 gradient slot) of each parameter a gradient reached since
+        the last step, in entry order: read and written in place until :meth:`step`."""
+        assert not self.grads_in_params, "a gradient in a parameter slot is not an fp32 view"
+        for i in self._with_gradients():
+            yield self._entries[i].name, self._view(self.grads, self._entries[i])
+
+    def gradient_of(self, param: nn.Parameter) -> torch.Tensor | None:
+        """``param``'s gradient slot (a view), or None where no gradient reached it."""
+        assert not self.grads_in_params, "a gradient in a parameter slot is not an fp32 view"
+        if self._fresh.get(id(param), True):
+            return None
+        index, slot = self.store.slot_of[id(param)]
+        chunk = self.grads[index]
+        assert chunk is not None and chunk.payload is not None
+        return chunk.view(slot)
+
+    def scale_gradients(self, factor: torch.Tensor) -> None:
+        """Multiply every gradient held by ``factor`` (clipping by a norm taken elsewhere)."""
+        grads = [grad for _, grad in self.gradients()]
+        for device, group in _by_device(grads).items():
+            torch._foreach_mul_(group, factor.to(device))
+
     def _with_gradients(self) -> list[int]:
         """The entries a gradient reached since the last step ([Note: parameters without a
         gradient]), in entry order."""

@@ -1,0 +1,187 @@
+"""Chunk stages (tidal/parallel/chunk_stage.py) in ``run_local`` against plain stages.
+
+A tiny GPT with tied embeddings is split into 2 and 4 stages; the same stages run once with
+:class:`StageWeights` and torch's AdamW and once with their parameters in chunks under device
+budgets that force evictions (each stage at the least budget its own unlimited run measured).
+Three clipped steps must give the same losses and parameters (1e-5) for gpipe, 1f1b and
+interleaved, and no stage may go over its budget.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from torch import nn
+
+from tidal.config import ConfigError
+from tidal.memory.config import ChunkConfig
+from tidal.memory.store import DeviceBudgetTooSmall
+from tidal.models import build_gpt
+from tidal.models.gpt import GPTConfig, split_gpt
+from tidal.parallel.chunk_stage import ChunkStageConfig, ChunkStageParams, require_synchronous
+from tidal.parallel.config import MemoryConfig, OptimizerConfig
+from tidal.pipeline.executor import UpdateRules
+from tidal.pipeline.local import LocalResult, run_local
+from tidal.pipeline.pipemare import AsyncConfig, StageWeights, WeightMode
+from tidal.pipeline.schedules import make_schedule
+from tidal.pipeline.split import even_ranges, tied_parameters
+
+ATOL = 1e-5
+STEPS = 3
+MAX_NORM = 0.5  # below the tiny GPT's gradient norm: every step clips
+OPTIMIZER = OptimizerConfig(lr=1e-2, warmup_steps=0, weight_decay=0.1)
+CHUNK = ChunkConfig(size=256, align=16)  # about ten chunks a stage
+
+
+def lr_at(step: int) -> float:
+    return 1e-2 * (1.0 + step) / STEPS  # a rate per step: step() must take the one it is given
+
+
+def tiny_gpt() -> nn.Module:
+    config = GPTConfig(
+        vocab_size=64, seq_len=8, num_layers=4, num_heads=2, d_model=16, tie_embeddings=True
+    )
+    return build_gpt(config, seed=0)
+
+
+def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(100 + step)
+    tokens = torch.randint(0, 64, (4, 9), generator=gen)
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def adamw(stage: nn.Module) -> torch.optim.Optimizer:
+    """torch's AdamW with the chunk optimizer's groups (decay on matrices only)."""
+    params = list(stage.parameters())
+    groups = [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": OPTIMIZER.weight_decay},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+    ]
+    return torch.optim.AdamW(groups, lr=OPTIMIZER.lr, betas=(OPTIMIZER.beta1, OPTIMIZER.beta2),
+                             eps=OPTIMIZER.eps, fused=True)  # fmt: skip
+
+
+def run(
+    name: str, ranks: int, m: int, virtual: int, weights_of
+) -> tuple[list[nn.Module], list, LocalResult]:
+    schedule = make_schedule(name, stages=ranks, microbatches=m, virtual=virtual, steps=STEPS)
+    stages = split_gpt(tiny_gpt(), even_ranges(4, schedule.num_stages))
+    rules = UpdateRules(max_grad_norm=MAX_NORM, tied=tuple(tied_parameters(stages)))
+    assert rules.tied, "the tied embedding should span the first and last stage"
+    weights = [weights_of(s, stage) for s, stage in enumerate(stages)]
+    return stages, weights, run_local(schedule, stages, weights, batch, lr_at, rules=rules)
+
+
+def plain(_index: int, stage: nn.Module) -> StageWeights:
+    return StageWeights(stage, adamw(stage), AsyncConfig(weights=WeightMode.CURRENT))
+
+
+def chunked(budgets: list[int | None] | None = None):
+    def make(index: int, stage: nn.Module) -> ChunkStageParams:
+        budget = None if budgets is None else budgets[index]
+        config = ChunkStageConfig(optimizer=OPTIMIZER, memory=MemoryConfig(device_budget=budget),
+                                  chunk=CHUNK)  # fmt: skip
+        return ChunkStageParams(stage, config)
+
+    return make
+
+
+CASES = [
+    ("gpipe", 2, 4, 1),
+    ("1f1b", 2, 4, 1),
+    ("1f1b", 4, 3, 1),
+    ("interleaved", 2, 2, 2),
+]
+
+
+@pytest.mark.parametrize(("name", "ranks", "m", "virtual"), CASES)
+def test_chunk_stages_equal_plain_stages_under_tight_budgets(name, ranks, m, virtual):
+    stages, _, want = run(name, ranks, m, virtual, plain)
+    _, probes, _ = run(name, ranks, m, virtual, chunked())
+    least = [w.stats()["min_device_bytes"] for w in probes]  # [Note: the least budget]
+    budgets = [int(b) for b in least]
+    _, weights, got = run(name, ranks, m, virtual, chunked(budgets))
+
+    assert got.losses == pytest.approx(want.losses, abs=ATOL)
+    assert len(set(got.losses)) == STEPS  # the steps changed the weights
+    initial = split_gpt(tiny_gpt(), even_ranges(4, len(stages)))
+    for s, (ref, w) in enumerate(zip(stages, weights, strict=True)):
+        values = w.model_state_dict()
+        start = dict(initial[s].named_parameters())
+        for pname, p in ref.named_parameters():
+            torch.testing.assert_close(values[pname], p.detach(), atol=ATOL, rtol=0, msg=pname)
+            assert not torch.equal(values[pname], start[pname].detach()), pname
+        stats = w.stats()
+        assert stats["evictions"] > 0, (s, stats)
+        assert stats["peak_device_bytes"] <= budgets[s], (s, stats["peak_device_bytes"])
+        assert w.version == STEPS
+        # a step repeats the same moments: the first step's trace is followed throughout
+        assert stats["traces_recorded"] == 1, (s, stats["traces_recorded"])
+    # the budget is tight: the stages' whole model data would not fit
+    assert any(
+        budgets[s] < sum(w.stats()["model_data_bytes"].values()) for s, w in enumerate(weights)
+    )
+
+
+def test_a_budget_below_the_step_names_its_least():
+    _, probes, _ = run("gpipe", 2, 4, 1, chunked())
+    least = probes[0].stats()["min_device_bytes"]
+    # the step is measured over the budget and its figure named: the same as the probe's
+    with pytest.raises(DeviceBudgetTooSmall, match=f"needs at least {least:,} bytes"):
+        run("gpipe", 2, 4, 1, chunked([least // 2, None]))
+
+
+def test_forward_refuses_another_version():
+    stage = split_gpt(tiny_gpt(), even_ranges(4, 2))[0]
+    weights = chunked()(0, stage)
+    with pytest.raises(ValueError, match="synchronous schedule"), weights.forward(0, version=1):
+        pass
+    with weights.forward(0, version=0):
+        stage(batch(0)[0])
+    assert weights.version == 0
+
+
+def test_asynchronous_schedules_are_refused():
+    schedule = make_schedule("pipedream", stages=2, microbatches=2, steps=3)
+    with pytest.raises(ConfigError, match="one weight version"):
+        require_synchronous(schedule)
+    require_synchronous(make_schedule("1f1b", stages=2, microbatches=4))
+    stages = split_gpt(tiny_gpt(), even_ranges(4, 2))
+    weights = [chunked()(s, stage) for s, stage in enumerate(stages)]
+    with pytest.raises(RuntimeError, match="in flight at the step.s end"):
+        run_local(schedule, stages, weights, batch, lr_at)
+
+
+@pytest.mark.parametrize(
+    "change",
+    [{"chunk": dataclasses.replace(CHUNK, grads_in_params=True)}, {"precision": "fp16"}],
+)
+def test_config_refuses_what_a_pipeline_cannot_do(change):
+    with pytest.raises(ConfigError):
+        ChunkStageConfig(optimizer=OPTIMIZER, **change)
+
+
+def test_bf16_stages_follow_fp32_under_a_budget():
+    # bf16 parameter chunks with fp32 masters, the forward under autocast: close to fp32, not
+    # equal, and the gradients of every microbatch summed in fp32 gradient chunks
+    def make(precision: str):
+        def stage_params(_index: int, stage: nn.Module) -> ChunkStageParams:
+            config = ChunkStageConfig(optimizer=OPTIMIZER, chunk=CHUNK, precision=precision,
+                                      memory=MemoryConfig(device_budget=60_000))  # fmt: skip
+            return ChunkStageParams(stage, config)
+
+        return stage_params
+
+    _, fp32, want = run("1f1b", 2, 4, 1, make("fp32"))
+    _, bf16, got = run("1f1b", 2, 4, 1, make("bf16"))
+    assert got.losses == pytest.approx(want.losses, abs=1e-2)
+    assert got.losses != want.losses
+    for a, b in zip(fp32, bf16, strict=True):
+        assert b.store.chunks[0].dtype == torch.bfloat16
+        assert not b.optimizer.grads_in_params
+        assert b.stats()["evictions"] > 0
+        assert b.stats()["peak_device_bytes"] <= 60_000
+        values, ref = b.model_state_dict(), a.model_state_dict()
+        assert max((values[k] - ref[k]).abs().max().item() for k in ref) < 0.05

@@ -1,0 +1,334 @@
+"""A pipeline stage whose parameters live in chunks: :class:`ChunkStageParams`.
+
+The stage-parameter protocol ([Note: the stage-parameter protocol] in
+tidal/pipeline/stage_params.py) over a :class:`~tidal.parallel.chunk_engine.ChunkEngine` built
+on the stage's module: the engine's construction (layout, store, optimizer, hooks, parameter
+uses) and its parts are used as they are, and this class drives the store and the optimizer
+at the pipeline's moments instead of the engine's ``__call__``/``backward``/``step``. The
+store's policy stays the only place where placement is decided.
+
+[Note: chunk stages]
+One chunk-store iteration is one pipeline step of the stage: it begins at the step's first
+forward on the stage and ends once the step's last backward is done, in ``reduce_gradients``
+(which the executor calls once per step, after the stage's last backward and before anything
+reads the gradients), or at the latest in ``step``. Why not the engine's iteration (one forward
+and its backward, [Note: chunk engine iterations]):
+
+- a stage runs several forwards before their backwards (GPipe: every F, then every B; 1F1B:
+  F0 F1 B0 F2 B1 ...), so per-microbatch iterations would overlap, and the store records one
+  iteration at a time;
+- the trace must describe a unit that repeats, for Belady's next-use figures and the prefetch
+  to be right: a synchronous schedule runs the same actions on a stage at every step, so the
+  step's whole sequence of moments, with the activations of every microbatch in flight at each
+  of them, is the same from one step to the next (a single F or B is not: what is live around
+  it depends on its place in the step);
+- what happens between iterations must happen between steps: the optimizer's update evicts
+  every unpinned chunk and rewrites the weights, and relayout and pinning, chosen from the
+  trace, move chunks; none of that may come between a microbatch's forward and its backward.
+
+Every microbatch's gradient is summed into the fp32 gradient chunks by the optimizer's
+collector (the first backward of the step copies, the later ones add), so gradients never live
+in the parameters' low-precision slots (``chunk.grads_in_params`` is off: that needs one
+backward per step). Clipping is the pipeline's: ``grad_squares`` and ``scale_grads`` read and
+scale the gradient chunks, and the update runs with the optimizer's own clipping off.
+
+The chunks hold one weight version, so only synchronous schedules (gpipe, 1f1b, interleaved)
+run on chunk stages: a forward asked for another version, and an update with a microbatch
+still in flight, are refused (:func:`require_synchronous` refuses the schedule up front).
+
+Data parallelism of a stage is ZeRO-3 over its dp group (``parts=ShardedParts(...)``, every
+dp rank running the same schedule on its slice of the batch): each backward reduce-scatters the
+gradients of the chunks it completed into this rank's gradient shards, which sum the step's
+microbatches ([Note: sharded gradients] in tidal/sharding/grads.py), so ``reduce_gradients``
+has nothing left to reduce. A shard mixes parameters, so such a stage's ``grad_squares`` is
+its whole gradient's (the shards' squares summed over the dp group: the same on every dp rank,
+as the pipeline's norm expects of a stage) and it cannot hand out one parameter's gradient: a
+matrix tied across stages is refused there, as are gradient shards on the NVMe tier.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import warnings
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from tidal.config import ConfigError, require
+from tidal.distributed.collectives import Collectives
+from tidal.memory.config import ChunkConfig
+from tidal.memory.hooks import OUTPUT_ONLY_HOOK_WARNING
+from tidal.memory.materialize import ParameterValues
+from tidal.memory.store import DeviceBudgetTooSmall
+from tidal.parallel.chunk_engine import ChunkEngine
+from tidal.parallel.config import MemoryConfig, OptimizerConfig, Precision, TrainingConfig
+from tidal.parallel.parts import ChunkParts
+from tidal.parallel.reference import autocast
+from tidal.parallel.sharded_parts import ShardedParts
+from tidal.pipeline.ir import Schedule
+from tidal.sharding.config import ShardingConfig
+
+__all__ = ["ChunkStageConfig", "ChunkStageParams", "require_synchronous", "zero3_parts"]
+
+
+@dataclass(kw_only=True, frozen=True, slots=True)
+class ChunkStageConfig:
+    """How a stage's parameters are chunked and updated.
+
+    Attributes:
+        optimizer: the update rule and its settings (its lr schedule is not read: the pipeline
+            passes each step's rate).
+        memory: the stage's tier budgets (``device_budget``: this stage's chunks, gradients
+            and state on the device, and its activations).
+        chunk: chunk size and placement; ``grads_in_params`` must stay unset or false.
+        precision: ``fp32`` or ``bf16`` (fp32 masters, the forward under autocast).
+        device: where the stage computes.
+    """
+
+    optimizer: OptimizerConfig
+    memory: MemoryConfig = field(default_factory=MemoryConfig)
+    chunk: ChunkConfig = field(default_factory=ChunkConfig)
+    precision: Precision = "fp32"
+    device: str = "cpu"
+
+    def __post_init__(self) -> None:
+        require(
+            self.chunk.grads_in_params is not True,
+            "chunk.grads_in_params",
+            "a pipeline stage sums several backwards per step, which the parameters' own "
+            "low-precision slots cannot hold; leave it unset or false",
+        )
+        require(
+            self.precision != "fp16",
+            "precision",
+            "fp16 on chunk stages needs a loss scale agreed over the pipeline; use bf16 or fp32",
+        )
+
+
+def require_synchronous(schedule: Schedule) -> None:
+    """Refuse a schedule chunk stages cannot run ([Note: chunk stages]): one line."""
+    require(
+        not schedule.asynchronous,
+        "schedule",
+        f"{schedule.name} updates with microbatches in flight, but chunk stages hold one "
+        "weight version; use gpipe, 1f1b or interleaved",
+    )
+
+
+def zero3_parts(
+    config: ChunkStageConfig, dp_group: dist.ProcessGroup, *, sharding: ShardingConfig | None = None
+) -> ShardedParts:
+    """A stage's chunks sharded over ``dp_group`` (its replicas: every rank of it holds the same
+    stage and runs the same schedule on its slice of the batch); pass as ``parts``."""
+    return ShardedParts(Collectives(dp_group), sharding=sharding or ShardingConfig(),
+                        memory=config.memory, optimizer=config.optimizer)  # fmt: skip
+
+
+class ChunkStageParams:
+    """One stage's parameters in chunks, driven at the pipeline's moments; see [Note: chunk
+    stages]. ``parts``: where the chunks live (default: this process)."""
+
+    def __init__(
+        self,
+        module: nn.Module,
+        config: ChunkStageConfig,
+        *,
+        init: ParameterValues | None = None,
+        parts: ChunkParts | None = None,
+    ) -> None:
+        training = TrainingConfig(device=config.device, precision=config.precision,
+                                  grad_clip_norm=0.0)  # fmt: skip
+        chunk = dataclasses.replace(config.chunk, grads_in_params=False)
+        self.engine = ChunkEngine(module, optimizer=config.optimizer, training=training,
+                                  memory=config.memory, chunk=chunk, init=init, parts=parts)  # fmt: skip
+        self.module = module
+        self._version = 0
+        self.skipped_updates = 0  # updates dropped for a non-finite gradient
+        self._in_flight: set[int] = set()  # forward done, backward not
+        self._open = False  # the store's iteration (this step's) is open
+        self._by_name = dict(module.named_parameters(remove_duplicate=False))
+
+    @property
+    def version(self) -> int:
+        """Updates applied so far."""
+        return self._version
+
+    @property
+    def store(self) -> Any:
+        return self.engine.store
+
+    @property
+    def optimizer(self) -> Any:
+        """The chunk optimizer (its ``state_dict`` is what a stage checkpoint saves)."""
+        return self.engine.optimizer
+
+    # -- forward and backward ----------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def forward(self, microbatch: int, *, version: int | None = None) -> Iterator[None]:
+        """The stage's forward of ``microbatch``, inside this step's store iteration."""
+        if version is not None and version != self._version:
+            raise ValueError(
+                f"microbatch {microbatch} asks for weight version {version} but a chunk stage "
+                f"holds only its current one ({self._version}): run a synchronous schedule"
+            )
+        if microbatch in self._in_flight:
+            raise ValueError(f"microbatch {microbatch} is already in flight on this stage")
+        engine = self.engine
+        if not self._open:
+            self.store.begin_iteration()
+            self._open = True
+        engine.phases.forward()
+        try:
+            with self.store.meter.tracking(), autocast(engine.precision, engine.device):
+                yield
+        except BaseException:
+            engine.phases.forward_ended()
+            self._abandon()
+            raise
+        self._in_flight.add(microbatch)
+
+    @contextlib.contextmanager
+    def backward(self, microbatch: int, *, last: bool = True) -> Iterator[None]:
+        """Around ``microbatch``'s backward: its gradients are summed into the gradient chunks
+        by the optimizer's collector as each parameter's is complete."""
+        if microbatch not in self._in_flight:
+            raise ValueError(f"microbatch {microbatch} has no forward in flight on this stage")
+        engine = self.engine
+        engine.parts.before_backward(engine)
+        try:
+            with warnings.catch_warnings():
+                warnings.filterwarnings(
+                    "ignore", message=OUTPUT_ONLY_HOOK_WARNING, category=UserWarning
+                )
+                yield
+        except BaseException:
+            self._abandon()
+            raise
+        self.store.release_all()  # modules whose backward hook did not fire
+        engine.parts.after_backward(engine)
+        if last:
+            self._in_flight.discard(microbatch)
+        if not self._in_flight:
+            engine.phases.backward()
+
+    def _abandon(self) -> None:
+        """A forward or backward raised: this step's iteration is no trace, its gradients
+        no update."""
+        self.store.abandon_iteration()
+        self._open = False
+        self._in_flight.clear()
+        self.engine.zero_grad()
+
+    def _end_iteration(self) -> None:
+        if self._in_flight:
+            raise RuntimeError(
+                f"microbatches {sorted(self._in_flight)} are in flight at the step's end: chunk "
+                "stages run synchronous schedules only (gpipe, 1f1b, interleaved)"
+            )
+        if not self._open:
+            return
+        self._open = False
+        try:
+            self.store.end_iteration()
+        except DeviceBudgetTooSmall:
+            self.engine.zero_grad()  # no update may use the gradients of a step that did not fit
+            raise
+
+    # -- gradients ---------------------------------------------------------------------------
+
+    @property
+    def sharded(self) -> bool:
+        """Whether the chunks are sharded over a dp group (ZeRO-3)."""
+        return bool(self.engine.parts.gathers)
+
+    def reduce_gradients(self) -> None:
+        """Ends the step's store iteration ([Note: chunk stages]); the dp reduction, if any,
+        ran in each backward already."""
+        self._end_iteration()
+
+    def grad_squares(self, *, skip: frozenset[str] = frozenset()) -> torch.Tensor:
+        if self.sharded:
+            return self._sharded_grad_squares(skip)
+        total = torch.zeros((), dtype=torch.float32)
+        for name, grad in self.engine.optimizer.gradients():
+            if name not in skip:
+                total = total + torch.linalg.vector_norm(grad.float()).square().cpu()
+        return total
+
+    def _sharded_grad_squares(self, skip: frozenset[str]) -> torch.Tensor:
+        if skip:
+            raise _tied_sharded(sorted(skip)[0])
+        optimizer = self.engine.optimizer
+        norms = optimizer.gradients.norms()
+        squares = torch.zeros((), dtype=torch.float64)
+        if norms:
+            squares = torch.stack([norms[i].double().cpu() ** 2 for i in sorted(norms)]).sum()
+        optimizer.comm.all_reduce_sum(squares)
+        return squares.float()
+
+    def scale_grads(self, factor: torch.Tensor) -> None:
+        optimizer = self.engine.optimizer
+        if not self.sharded:
+            optimizer.scale_gradients(factor)
+            return
+        require(not optimizer.gradients.on_disk, "memory.nvme_dir",
+                "a pipeline stage clips its gradients in memory; no gradient shards on disk")  # fmt: skip
+        for grad in optimizer.gradients.in_memory():
+            grad.mul_(factor.to(grad.device, grad.dtype))
+
+    def gradient(self, name: str) -> torch.Tensor | None:
+        param = self._by_name.get(name)
+        if param is None:
+            raise ConfigError("tied", f"this stage has no parameter {name!r}")
+        if self.sharded:
+            raise _tied_sharded(name)
+        grad: torch.Tensor | None = self.engine.optimizer.gradient_of(param)
+        return grad
+
+    # -- the update --------------------------------------------------------------------------
+
+    def step(self, *, lr: float, step: int) -> float:
+        """The chunk optimizer's update of the gradients held (clipped already); returns
+        ``lr``. A non-finite gradient drops the update (counted in ``skipped_updates``)."""
+        self._end_iteration()
+        engine = self.engine
+        self.store.release_all()
+        engine.parts.before_step(engine)  # relayout and pinning, once there is a trace
+        norm = engine.optimizer.step(lr=lr, max_grad_norm=0.0)
+        if norm is None:
+            self.skipped_updates += 1
+        engine.last_grad_norm = norm
+        engine.phases.gradients_dropped()
+        engine.counter.global_step = step + 1
+        self._version += 1
+        return lr
+
+    # -- figures and state -------------------------------------------------------------------
+
+    def stats(self) -> dict[str, Any]:
+        """The chunk engine's figures: evictions, peak device bytes, the least budget, ..."""
+        return self.engine.stats()
+
+    def model_state_dict(self) -> dict[str, torch.Tensor]:
+        """The stage module's state dict at full precision, read from the chunks."""
+        return self.engine.model_state_dict()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"version": self._version}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._version = int(state["version"])
+
+
+def _tied_sharded(name: str) -> ConfigError:
+    return ConfigError(
+        "tie_embeddings",
+        f"{name} is tied across stages, but this stage's gradients are ZeRO-3 shards that mix "
+        "parameters; set tie_embeddings=false to shard its stages over a dp group",
+    )
