@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 import torch.nn.functional as F
 from torch import nn
 
@@ -102,6 +103,32 @@ def test_your_sequential_model_as_a_pipeline_equals_the_reference_engine(
     assert any("tensors equal to" in line for line in check_export(out))
     model = CASES[case][0]()
     model.load_state_dict(tidal.train.safetensors.read_safetensors(out / "model.safetensors"))
+
+
+def _meta_pipeline(root: str) -> dict:
+    with torch.device("meta"):
+        model = mlp()  # its torch.manual_seed(0) draws nothing here: training.seed is 0 too
+    config = run_config(Path(root) / "meta", steps=4, batch=BATCH)
+    config["pipeline"] = {"stages": 2, "microbatches": 2, "schedule": "1f1b"}
+    trainer = tidal.Trainer(model, config, train_data=regression(BATCH),
+                            val_data=regression(BATCH)[:2], loss_fn=F.mse_loss)  # fmt: skip
+    summary = trainer.fit()
+    (stage,) = trainer.part.engine.modules.values()
+    summary["meta_parameters"] = sum(p.is_meta for p in stage.parameters())
+    return summary
+
+
+@pytest.mark.slow
+def test_your_model_on_the_meta_device_trains_as_if_built_for_real(tmp_path: Path) -> None:
+    """Each rank materialises its stages' children alone, with the values the model built for
+    real after ``torch.manual_seed(training.seed)`` has ([Note: sequential pipelines])."""
+    _fit(tmp_path / "reference", "mlp", 4, stages=1)
+    summaries = run_on_ranks(_meta_pipeline, world_size=2, args=(str(tmp_path),), timeout_s=240)
+    assert [s["meta_parameters"] for s in summaries] == [0, 0]
+    reference, meta = _records(tmp_path / "reference"), _records(tmp_path / "meta")
+    assert [r[0] for r in meta] == [r[0] for r in reference]
+    for (_, loss, val), (_, ref_loss, ref_val) in zip(meta, reference, strict=True):
+        assert (loss or val) == pytest.approx(ref_loss or ref_val, abs=TOL)
 
 
 @pytest.mark.parametrize(

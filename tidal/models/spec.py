@@ -60,6 +60,7 @@ from tidal.models.hf import (
 )
 from tidal.pipeline.partition import LayerProfile
 from tidal.pipeline.split import PipelineStage, StageParts, split_parts
+from tidal.pipeline.stage_init import materialize_stages
 
 if TYPE_CHECKING:  # the planner (scipy) loads only when a spec measures, profiles or wires
     from tidal.planner.measure import ModelGraph
@@ -68,6 +69,7 @@ if TYPE_CHECKING:  # the planner (scipy) loads only when a spec measures, profil
 
 __all__ = [
     "ExportAdapter",
+    "build_stages",
     "GPTSpec",
     "HFSpec",
     "ModelSpec",
@@ -323,6 +325,24 @@ def spec_for(
     if isinstance(config, FactoryConfig):
         return FactorySpec(config=config)
     return GPTSpec(config=config)
+
+
+def build_stages(
+    spec: GPTSpec | HFSpec | FactorySpec,
+    model: nn.Module,
+    block_ranges: Sequence[tuple[int, int]],
+    *,
+    mine: Sequence[int],
+    device: torch.device,
+    seed: int,
+) -> list[PipelineStage]:
+    """All stages of ``model`` (``spec.build(device="meta")``), those numbered ``mine`` on
+    ``device`` with the values ``spec.build(device=device, seed=seed)`` gives their parameters,
+    the others on the meta device ([Note: stages from the meta device] in
+    tidal/pipeline/stage_init.py)."""
+    stages = spec.split(model, block_ranges)
+    materialize_stages(stages, mine, spec.init(model, seed), device)
+    return stages
 
 
 def stage_parts(model: nn.Module) -> StageParts:

@@ -30,6 +30,7 @@ from tidal.config import require
 from tidal.pipeline.ir import Kind, parse_action
 from tidal.pipeline.simulate import Simulation, simulate
 from tidal.pipeline.split import PipelineStage
+from tidal.pipeline.stage_init import stand_in
 
 __all__ = [
     "BlockSaves",
@@ -213,7 +214,8 @@ def _measure(stages: Sequence[PipelineStage], inputs: torch.Tensor, targets: tor
              block_forward_s: Callable[[int, int], float]) -> list[UnitSaves]:  # fmt: skip
     out: list[UnitSaves] = []
     x = inputs
-    for s, stage in enumerate(stages):
+    for s, given in enumerate(stages):
+        stage = stand_in(given, inputs.device)  # another rank's stage is on the meta device
         units = stage_units(stage)
 
         def run(stage: PipelineStage = stage, x: torch.Tensor = x) -> torch.Tensor:

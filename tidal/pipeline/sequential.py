@@ -13,6 +13,16 @@
   every rank, and a resumed run, must cut the model alike (a checkpoint records its split and
   is refused by another), and times differ from run to run. Children without matmuls or
   convolutions (activations, pooling) count as free.
+- A model on the meta device (built under ``torch.device("meta")``; a ``[custom] factory`` may
+  return one) is never materialised whole: each rank gives storage only to its stages' children
+  ([Note: stages from the meta device] in tidal/pipeline/stage_init.py), with the values of
+  :func:`sequential_values`: every module that owns parameters runs its ``reset_parameters()``
+  on the CPU, child after child in the model's order, drawing from one generator seeded with
+  ``training.seed``. That is what ``torch.manual_seed(seed)`` and then building the model for
+  real gives when its modules draw only in ``reset_parameters`` and are built in that order
+  (nn.Linear, nn.Conv2d, nn.Embedding, the norms), and what torchtitan and
+  torch.distributed.pipelining users do by hand (split on meta, ``to_empty``, re-initialise).
+  A module with parameters but no ``reset_parameters`` cannot be re-initialised: refused.
 - Buffers are refused (BatchNorm's running statistics): a pipeline normalises each microbatch
   on its own, not the batch, so it would train another model; and a pipeline checkpoints
   parameters and optimizer state only.
@@ -21,16 +31,23 @@
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
 
 from tidal.config import ConfigError
+from tidal.memory.materialize import ParameterValues
 from tidal.pipeline.partition import LayerProfile
 from tidal.pipeline.split import StageParts
 
-__all__ = ["check_sequential", "profile_sequential", "sequential_parts"]
+__all__ = [
+    "check_sequential",
+    "is_meta",
+    "profile_sequential",
+    "sequential_parts",
+    "sequential_values",
+]
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -52,6 +69,23 @@ def check_sequential(model: nn.Module, *, num_stages: int) -> None:
             f"): a pipeline would compute BatchNorm-like statistics per microbatch and does not "
             f"checkpoint them; use GroupNorm or LayerNorm, or the reference or chunk engine",
         )
+    meta = [name for name, param in model.named_parameters() if param.is_meta]
+    if meta and len(meta) < len(list(model.parameters())):
+        raise ConfigError(
+            "pipeline.stages",
+            f"your model has parameters on the meta device ({', '.join(meta[:3])}) and others "
+            f"not: build it wholly on the meta device (each rank then materialises its own "
+            f"stages) or wholly for real",
+        )
+    for name, module in model.named_modules():
+        owns = any(p.is_meta for p in module.parameters(recurse=False))
+        if owns and not callable(getattr(module, "reset_parameters", None)):
+            raise ConfigError(
+                "pipeline.stages",
+                f"your model is on the meta device and {name} ({type(module).__name__}) has no "
+                f"reset_parameters() to give its parameters values; add one, or build the model "
+                f"for real",
+            )
     if num_stages > len(model):
         raise ConfigError(
             "parallel.pp",
@@ -66,6 +100,38 @@ def sequential_parts(model: nn.Sequential, loss_fn: LossFn) -> StageParts:
                       loss_fn=loss_fn)  # fmt: skip
 
 
+def is_meta(model: nn.Module) -> bool:
+    """Whether ``model``'s parameters are on the meta device (:func:`check_sequential` refuses
+    a model with some there and some not)."""
+    return any(param.is_meta for param in model.parameters())
+
+
+def sequential_values(model: nn.Sequential, seed: int) -> ParameterValues:
+    """The init source of ``model`` on the meta device ([Note: sequential pipelines]): each
+    child copied to the CPU and re-initialised in turn, one child resident at a time."""
+
+    def values() -> Iterator[tuple[str, torch.Tensor]]:
+        state = torch.Generator().manual_seed(seed).get_state()
+        for index, child in enumerate(model):
+            with torch.random.fork_rng(devices=[]):  # the global generator, as reset_parameters
+                torch.set_rng_state(state)
+                made = _reset_on_cpu(child)
+                state = torch.get_rng_state()
+            for name, param in made.named_parameters():
+                yield f"{index}.{name}", param.detach()
+
+    return values
+
+
+def _reset_on_cpu(child: nn.Module) -> nn.Module:
+    made = copy.deepcopy(child).to_empty(device="cpu")
+    with torch.no_grad():
+        for module in made.modules():
+            if any(True for _ in module.parameters(recurse=False)):
+                module.reset_parameters()  # type: ignore[operator]
+    return made
+
+
 def profile_sequential(model: nn.Sequential, sample: torch.Tensor) -> list[LayerProfile]:
     """Each child's costs on ``sample`` (one microbatch): its forward FLOPs (backward: twice
     those) as seconds of a notional 1 TFLOP/s device (only their ratios matter), its parameter
@@ -73,6 +139,8 @@ def profile_sequential(model: nn.Sequential, sample: torch.Tensor) -> list[Layer
     in every run, so a resumed run cuts the model where the saved one did. Runs a copy of the
     model under a forked RNG, so training starts as it would without it."""
     work = copy.deepcopy(model)
+    if is_meta(model):  # counted on shapes alone, as on any device
+        sample = sample.to("meta")
     profiles = []
     x = sample
     with torch.random.fork_rng(devices=[sample.device] if sample.is_cuda else []):

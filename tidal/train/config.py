@@ -42,7 +42,9 @@ class CustomConfig:
         factory: "package.module:function" taking no arguments and returning ``(model,
             train_batches, val_batches)``: an ``nn.Module`` and two re-iterables of ``(inputs,
             targets)`` pairs of ``training.batch_size`` rows (``val_batches`` may be None).
-            The function runs after ``torch.manual_seed(training.seed)``.
+            The function runs after ``torch.manual_seed(training.seed)``. For a pipeline the
+            model may be built on the meta device: each rank then materialises only its
+            stages' children ([Note: sequential pipelines] in tidal/pipeline/sequential.py).
         loss: what the trainer takes of ``model(inputs)`` and the targets: ``cross_entropy``
             (of its logits: ``(batch, seq, vocab)`` against ``(batch, seq)`` too, [Note:
             default loss] in tidal/train/losses.py) or ``mse``.

@@ -8,8 +8,9 @@ AdamW or Adam, 3 x otherwise) plus, for every unit of its stages (each block's p
 embedding, the head: :func:`~tidal.pipeline.savers.stage_units`), one microbatch's saved bytes
 times the microbatches the schedule keeps in flight there. The bytes are measured on one
 microbatch before training (a :class:`MemoryProbe`: zeros for tidal's models, the first batch of
-your data for your own ``nn.Sequential``), by every rank for every stage (each builds the whole
-model), and every rank carries out rank 0's plan (the exact planner stops at a time limit, so
+your data for your own ``nn.Sequential``), by every rank for every stage (another rank's stage
+on an empty stand-in, one at a time: [Note: stages from the meta device] in
+tidal/pipeline/stage_init.py), and every rank carries out rank 0's plan (the exact planner stops at a time limit, so
 ranks planning alone could choose differently). ``pipeline.memory``:
 
 - ``none`` refuses a run that does not fit, in one line that names ``auto``;

@@ -19,9 +19,12 @@ checkpoints that resume.
   checkpoints] in engine_state.py): each rank writes its stages' tensors.
 - Validation runs the stages forward only, microbatch by microbatch, over the same
   point-to-point protocol as training.
-- Every rank builds the whole model (with the deterministic init) and keeps its stages: simple
-  and equal to the reference bit for bit, but a model that does not fit one host's memory
-  would need a meta-device build per stage (not done yet).
+- No rank builds the whole model: it is built and split on the meta device, and each rank
+  gives storage and the deterministic init's values to its own stages only, equal bit for bit
+  to those of the model built whole ([Note: stages from the meta device] in
+  tidal/pipeline/stage_init.py); the parameter count, FLOPs and the checkpoint layout come
+  from the meta model. Your own ``nn.Sequential`` is split as given: on the meta device, each
+  rank materialises its stages' children alone ([Note: sequential pipelines]).
 - fp32 only: under autocast a stage saves dtype copies of its weights that the saved-tensor
   redirection of asynchronous schedules cannot reach ([Note: saved-tensor redirection]).
 """
@@ -37,14 +40,22 @@ from torch import nn
 from tidal.config import ConfigError, require
 from tidal.data import Batches, BatchSampler
 from tidal.distributed import gather_ints
-from tidal.models import GPTConfig, spec_for
+from tidal.models import GPTConfig, build_stages, spec_for
 from tidal.parallel.flat_state import model_layout
 from tidal.parallel.lr import lr_schedule
 from tidal.parallel.verbs import pipeline
 from tidal.pipeline.eval import evaluate_stages
 from tidal.pipeline.partition import LayerProfile
-from tidal.pipeline.sequential import LossFn, check_sequential, profile_sequential, sequential_parts
+from tidal.pipeline.sequential import (
+    LossFn,
+    check_sequential,
+    is_meta,
+    profile_sequential,
+    sequential_parts,
+    sequential_values,
+)
 from tidal.pipeline.split import even_ranges, split_parts
+from tidal.pipeline.stage_init import materialize_stages
 from tidal.train.engine_state import PipelineStages
 from tidal.train.job import JobConfig
 from tidal.train.pipeline_memory import (
@@ -230,26 +241,33 @@ class PipelinePart:
         self.dp_rank = self.mesh.get_local_rank("dp")
         budgeted = job.memory.device_budget is not None
         probe = None
+        # [Note: stages from the meta device]: the model stays on the meta device; only this
+        # rank's stages get storage
         if model is None:
             spec = spec_for(job.model.resolve_structured())
-            model = spec.build(device=device, seed=training.seed)
+            model = spec.build(device="meta")
             self.num_params = spec.num_params(model)
             self.flops_per_token: float | None = spec.flops_per_token(model)
             self.ranges = block_ranges(job)
-            stages = spec.split(model, self.ranges)
+            self.stage_ids = list(range(pp_rank, len(self.ranges), pp_size))
+            stages = build_stages(spec, model, self.ranges, mine=self.stage_ids, device=device,
+                                  seed=training.seed)  # fmt: skip
             probe = _spec_probe(job, device) if budgeted else None
         else:
             assert isinstance(model, nn.Sequential) and loss_fn is not None and sample is not None
-            model = model.to(device)
+            model = model if is_meta(model) else model.to(device)
             self.num_params = sum(p.numel() for p in model.parameters())
             self.flops_per_token = None  # a model tidal did not write: FLOPs unknown
             inputs, targets = (t.to(device) for t in sample)
             self.ranges = sequential_ranges(job, model, inputs)
+            self.stage_ids = list(range(pp_rank, len(self.ranges), pp_size))
             stages = split_parts(model, sequential_parts(model, loss_fn), self.ranges)
+            if is_meta(model):  # [Note: sequential pipelines]
+                values = sequential_values(model, training.seed)
+                materialize_stages(stages, self.stage_ids, values, device)
             probe = _sequential_probe(job, model, inputs, targets) if budgeted else None
         layout = model_layout(model, {n: t.shape for n, t in model.state_dict().items()})
         del model
-        self.stage_ids = list(range(pp_rank, len(stages), pp_size))
         self.memory = plan_pipeline_memory(job, stages, mine=self.stage_ids, rank=pp_rank,
                                            world_size=pp_size, device=device,
                                            probe=probe)  # fmt: skip
