@@ -86,7 +86,9 @@ def pipeline(stages: Sequence[PipelineStage], *, config: PipelineConfig, optimiz
     ``rank, rank + world_size, ...`` (each with its own optimizer and, for asynchronous
     schedules, its weight versions); returns the runtime that trains them ([Note: pipeline
     runs] in tidal/train/pipeline_part.py). ``lending``: who lends what stages save to whom
-    ([Note: lending] in tidal/pipeline/lending.py)."""
+    ([Note: lending] in tidal/pipeline/lending.py). ``training.grad_accum_steps = k`` runs
+    ``k`` times ``config``'s microbatches a step (the caller's step draws ``k`` batches);
+    ``training.precision``: [Note: pipeline mixed precision] in tidal/pipeline/precision.py."""
     from tidal.pipeline.pipemare import AsyncConfig, StageWeights, WeightMode  # pipelines only
     from tidal.pipeline.runtime import PipelineRuntime, RuntimeConfig
     from tidal.pipeline.split import tied_parameters
@@ -94,6 +96,7 @@ def pipeline(stages: Sequence[PipelineStage], *, config: PipelineConfig, optimiz
     versions = {"pipedream": WeightMode.STASH, "2bw": WeightMode.TWO_VERSIONS}
     tied = tied_parameters(stages)
     mine = [stages[s] for s in range(rank, len(stages), world_size)]
+    microbatches = config.num_microbatches * training.grad_accum_steps
     first_lr = lr_schedule(optimizer, training).lr_at(1)
     weights = AsyncConfig(
         weights=versions.get(config.schedule, WeightMode.CURRENT),
@@ -102,20 +105,26 @@ def pipeline(stages: Sequence[PipelineStage], *, config: PipelineConfig, optimiz
         correction=config.correction,
         correction_decay=config.correction_decay,
         prediction=config.prediction,
-        microbatches_per_update=config.num_microbatches if config.prediction else 0,
+        microbatches_per_update=microbatches if config.prediction else 0,
     )
     runtime = RuntimeConfig(
         schedule=config.schedule,
-        microbatches=config.num_microbatches,
+        microbatches=microbatches,
         virtual_stages=config.virtual_stages,
         sync_steps=config.sync_steps,
         max_grad_norm=training.grad_clip_norm or None,
         partition=tuple(block_ranges),
+        precision=training.precision,
     )
     return PipelineRuntime(
         runtime,
         stages=mine,
-        weights=[StageWeights(s, build_optimizer(s, optimizer, first_lr), weights) for s in mine],
+        weights=[
+            StageWeights(
+                s, build_optimizer(s, optimizer, first_lr), weights, precision=training.precision
+            )
+            for s in mine
+        ],  # fmt: skip
         tied=tied,
         device=device,
         lending=lending,
