@@ -49,7 +49,8 @@ def _job(run_dir: Path, *, steps: int = STEPS, **pipeline: Any) -> dict[str, Any
     job["run_dir"] = str(run_dir)
     job["training"]["steps"] = steps
     if pipeline:
-        job["pipeline"] = {"stages": 2, "microbatches": 2, **pipeline}
+        job["parallel"] = {"pp": 2}
+        job["pipeline"] = {"microbatches": 2, **pipeline}
     return job
 
 
@@ -231,8 +232,12 @@ def test_bad_pipeline_input_exits_2_in_one_line(capsys: pytest.CaptureFixture[st
     assert main([*argv, "--schedule", "pipemare"]) == 2
     err = capsys.readouterr().err
     assert "model.tie_embeddings" in err and len(err.strip().splitlines()) == 1
-    assert main([*argv, "--set", "training.precision=bf16"]) == 2
-    assert "training.precision" in capsys.readouterr().err
+    assert main([*argv, "--schedule", "pipemare", "--set", "model.tie_embeddings=false",
+                 "--set", "training.precision=bf16"]) == 2  # fmt: skip
+    err = capsys.readouterr().err
+    assert "training.precision: pipemare is asynchronous" in err
+    assert main([*argv, "--set", "training.precision=fp16", "--set", "training.device=cpu"]) == 2
+    assert "training.precision: fp16 needs CUDA" in capsys.readouterr().err
     assert main([*argv, "--set", "pipeline.microbatches=9"]) == 2
     assert "pipeline.microbatches" in capsys.readouterr().err
     assert main([*argv, "--set", "pipeline.prediction=true"]) == 2  # 1f1b has no delay

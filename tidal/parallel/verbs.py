@@ -89,7 +89,10 @@ def pipeline(stages: Sequence[PipelineStage], *, config: PipelineConfig, optimiz
     asynchronous schedules, its weight versions), and each stage's gradients are averaged over
     ``mesh["dp"]`` once per step ([Note: one mesh] in dims.py); returns the runtime that trains
     them ([Note: pipeline runs] in tidal/train/pipeline_part.py). ``lending``: who lends what
-    stages save to whom ([Note: lending] in tidal/pipeline/lending.py)."""
+    stages save to whom ([Note: lending] in tidal/pipeline/lending.py). ``num_microbatches``: a
+    step's, before accumulation: ``training.grad_accum_steps = k`` runs ``k`` times as many
+    (the caller's step draws ``k`` batches); ``training.precision``: [Note: pipeline mixed
+    precision] in tidal/pipeline/precision.py."""
     from tidal.pipeline.pipemare import AsyncConfig, StageWeights, WeightMode  # pipelines only
     from tidal.pipeline.runtime import PipelineRuntime, RuntimeConfig
     from tidal.pipeline.split import tied_parameters
@@ -99,6 +102,7 @@ def pipeline(stages: Sequence[PipelineStage], *, config: PipelineConfig, optimiz
     rank, world_size = mesh.get_local_rank("pp"), mesh["pp"].size()
     pp_group, dp_group = mesh.get_group("pp"), mesh.get_group("dp")
     mine = [stages[s] for s in range(rank, len(stages), world_size)]
+    microbatches = num_microbatches * training.grad_accum_steps
     first_lr = lr_schedule(optimizer, training).lr_at(1)
     weights = AsyncConfig(
         weights=versions.get(config.schedule, WeightMode.CURRENT),
@@ -107,21 +111,28 @@ def pipeline(stages: Sequence[PipelineStage], *, config: PipelineConfig, optimiz
         correction=config.correction,
         correction_decay=config.correction_decay,
         prediction=config.prediction,
-        microbatches_per_update=num_microbatches if config.prediction else 0,
+        microbatches_per_update=microbatches if config.prediction else 0,
     )
     runtime = RuntimeConfig(
         schedule=config.schedule,
-        microbatches=num_microbatches,
+        microbatches=microbatches,
         virtual_stages=config.virtual_stages,
         sync_steps=config.sync_steps,
         max_grad_norm=training.grad_clip_norm or None,
         partition=tuple(block_ranges),
+        precision=training.precision,
     )
     return PipelineRuntime(
         runtime,
         stages=mine,
         weights=[
-            StageWeights(s, build_optimizer(s, optimizer, first_lr), weights, dp_group=dp_group)
+            StageWeights(
+                s,
+                build_optimizer(s, optimizer, first_lr),
+                weights,
+                precision=training.precision,
+                dp_group=dp_group,
+            )
             for s in mine
         ],  # fmt: skip
         tied=tied,

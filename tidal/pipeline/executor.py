@@ -57,6 +57,7 @@ from tidal.pipeline.p2p import (
     PipelineDeadlock,
     Transport,
 )
+from tidal.pipeline.precision import LossScaler
 from tidal.pipeline.stage_params import StageParams, clip_coefficient
 
 __all__ = [
@@ -174,6 +175,7 @@ class StageRunner:
         module: nn.Module,
         weights: StageParams,
         split_weight_grad: frozenset[int] = frozenset(),
+        scaler: LossScaler | None = None,
     ) -> None:
         self.index = index
         self.num_stages = num_stages
@@ -183,6 +185,7 @@ class StageRunner:
         self.delays: dict[int, int] = {}
         self.losses: dict[int, tuple[torch.Tensor, float]] = {}
         self._split_w = split_weight_grad
+        self._scaler = scaler
         self._in_flight: dict[int, _InFlight] = {}
 
     @property
@@ -217,7 +220,8 @@ class StageRunner:
                 targets_BT, share = targets
                 loss = self.module(x, targets_BT)
                 self.losses[mb] = (loss.detach(), share)
-                out = loss * share
+                scale = 1.0 if self._scaler is None else self._scaler.scale
+                out = loss * (share * scale)  # [Note: pipeline mixed precision]
             else:
                 out = self.module(x)
         self._in_flight[mb] = _InFlight(input=x, output=out, forward_version=version)
@@ -338,6 +342,7 @@ class RankExecutor:
         prepare_step: Callable[[int], None] | None = None,
         step_offset: int = 0,
         lending: Lending | None = None,
+        scaler: LossScaler | None = None,
     ) -> None:
         if not any(a.kind.is_comm for _, a in schedule.actions()) and schedule.num_ranks > 1:
             schedule = with_communication(schedule)
@@ -358,6 +363,7 @@ class RankExecutor:
                 module=modules[s],
                 weights=weights[s],
                 split_weight_grad=split_w.get(s, frozenset()),
+                scaler=scaler,
             )
             for s in schedule.stages_of(rank)
         }
@@ -366,6 +372,7 @@ class RankExecutor:
         self.lr_fn = lr_fn
         self.rules = rules
         self.prepare_step = prepare_step
+        self.scaler = scaler
         self.step_offset = step_offset
         self.prepared: set[int] = set()
         self.lrs: dict[tuple[int, int], float] = {}  # (stage, step) -> learning rate used
@@ -527,7 +534,10 @@ class RankExecutor:
             runner.weights.reduce_gradients()
             if self.rules.max_grad_norm is not None:
                 _clip_stage(runner, self.rules.max_grad_norm)
-        self.lrs[a.stage, step] = runner.weights.step(lr=self.lr_fn(step), step=step)
+        if self.scaler is not None and self.scaler.skips(step):
+            runner.weights.skip_step()
+        else:
+            self.lrs[a.stage, step] = runner.weights.step(lr=self.lr_fn(step), step=step)
         runner.num_updates += 1
         expected = None if a.version is None else a.version + self.version_offset[a.stage]
         if expected is not None and runner.weights.version != expected:

@@ -24,13 +24,13 @@ from tidal.pipeline.executor import (
     StageParams,
     StageRunner,
     UpdateRules,
-    clip_coefficient,
     grad_squares,
     scale_grads,
 )
 from tidal.pipeline.ir import Kind, Schedule, with_communication
 from tidal.pipeline.lending import Lending, with_lending
 from tidal.pipeline.p2p import LocalTransport, PipelineDeadlock
+from tidal.pipeline.precision import LossScaler
 
 __all__ = ["LocalResult", "run_local"]
 
@@ -63,6 +63,7 @@ def run_local(
     rules: UpdateRules | None = None,
     step_offset: int = 0,
     lending: Lending | None = None,
+    scaler: LossScaler | None = None,
 ) -> LocalResult:
     """Run every rank's program of ``schedule`` in this process; see [Note: one executor ...].
 
@@ -71,6 +72,8 @@ def run_local(
     actions while its next one is ready (its message arrived, its input exists; a synchronous
     ``U`` waits until every rank reached its step's updates). Raises :class:`PipelineDeadlock`
     when no rank can move. ``lending``: [Note: lending] in tidal/pipeline/lending.py.
+    ``scaler``: fp16's loss scale ([Note: pipeline mixed precision] in precision.py), for
+    synchronous schedules.
     """
     rules = rules or UpdateRules()
     require(
@@ -84,6 +87,12 @@ def run_local(
         "tie_embeddings",
         f"{schedule.name} is asynchronous: the two copies of a tied matrix would update at "
         "different times; set tie_embeddings=false",
+    )
+    require(
+        not (schedule.asynchronous and scaler is not None and scaler.scaling),
+        "training.precision",
+        f"{schedule.name} is asynchronous: an fp16 overflow skips a step on every stage at "
+        "once, which needs a flush; use bf16 or a synchronous schedule",
     )
     transport = LocalTransport()
     data = Microbatches(batch_fn, schedule.num_microbatches, step_offset=step_offset)
@@ -101,6 +110,7 @@ def run_local(
             rules=rules,
             step_offset=step_offset,
             lending=lending,
+            scaler=scaler,
         )
         for r in range(schedule.num_ranks)
     ]
@@ -111,7 +121,7 @@ def run_local(
             while not ex.done and ex.ready(ex.program[ex.pc]):
                 ex.step()
                 moved = True
-        if not moved and not _sync_barrier(executors, runners, rules):
+        if not moved and not _sync_barrier(executors, runners, rules, scaler):
             waiting = ", ".join(f"rank {ex.rank} at {ex.next_action}" for ex in executors)
             raise PipelineDeadlock(f"{schedule.name}: no rank can move ({waiting})")
     assert len(transport) == 0, "messages left unreceived"
@@ -123,7 +133,10 @@ def run_local(
 
 
 def _sync_barrier(
-    executors: Sequence[RankExecutor], runners: Mapping[int, StageRunner], rules: UpdateRules
+    executors: Sequence[RankExecutor],
+    runners: Mapping[int, StageRunner],
+    rules: UpdateRules,
+    scaler: LossScaler | None,
 ) -> bool:
     """If every unfinished rank waits at a synchronous ``U`` of one step, prepare that step."""
     waiting = [ex for ex in executors if not ex.done]
@@ -136,15 +149,18 @@ def _sync_barrier(
     if len(steps) != 1 or len(waiting) != len(executors):
         return False
     (step,) = steps
-    _prepare_local(runners, rules)
+    _prepare_local(runners, rules, step, scaler)
     for ex in executors:
         ex.prepared.add(step)
     return True
 
 
-def _prepare_local(runners: Mapping[int, StageRunner], rules: UpdateRules) -> None:
+def _prepare_local(
+    runners: Mapping[int, StageRunner], rules: UpdateRules, step: int, scaler: LossScaler | None
+) -> None:
     """The synchronous pre-update for every stage in this process, in the order of [Note: the
-    stage-parameter protocol]: data-parallel reduction, tied sum, global clip."""
+    stage-parameter protocol]: data-parallel reduction, tied sum, global clip (and fp16's
+    unscaling and overflow check: [Note: pipeline mixed precision])."""
     for r in runners.values():
         r.weights.reduce_gradients()
     for (sa, na), (sb, nb) in rules.tied:
@@ -153,8 +169,12 @@ def _prepare_local(runners: Mapping[int, StageRunner], rules: UpdateRules) -> No
         total = a + b
         a.copy_(total)
         b.copy_(total)
-    if rules.max_grad_norm is not None:
-        squares = torch.stack([grad_squares(r, rules) for _, r in sorted(runners.items())])
-        factor = clip_coefficient(squares.sum().sqrt(), rules.max_grad_norm)
-        for r in runners.values():
-            scale_grads(r, factor)
+    scaler = scaler or LossScaler("fp32")
+    if rules.max_grad_norm is None and not scaler.scaling:
+        return
+    squares = torch.stack([grad_squares(r, rules) for _, r in sorted(runners.items())])
+    factor = scaler.decide(step, squares.sum(), max_norm=rules.max_grad_norm)
+    if factor is None:
+        return  # overflow: every U of this step skips
+    for r in runners.values():
+        scale_grads(r, factor)

@@ -20,7 +20,7 @@ class RedirectedWeights(Protocol):
 
     params: list[nn.Parameter]
 
-    def note_unredirected(self) -> None: ...
+    def note_unredirected(self, microbatch: int) -> None: ...
 
     def backward_view(self, token: ParamToken) -> torch.Tensor: ...
 
@@ -122,7 +122,7 @@ class Packer:
             and shape not in self.shapes
             and any(shape[0] == s for s, _ in self.shapes)
         ):
-            self.weights.note_unredirected()
+            self.weights.note_unredirected(self.microbatch)
         if self.outer is not None:
             return self.outer[0](t)
         return SavedRef(t)

@@ -14,7 +14,9 @@ runs one long program over all its steps; each stage clips by its own norm and t
 refused. A checkpoint taken between two :meth:`train` calls of an asynchronous schedule is a
 flush point: the program ends with no microbatch in flight, so a resumed run equals an
 uninterrupted run of two programs, not of one program over all the steps. Gradient
-accumulation is the ``m`` microbatches of a step; to accumulate more, raise ``m``.
+accumulation is the ``m`` microbatches of a step; to accumulate more, raise ``m`` (the trainer
+turns ``training.grad_accum_steps = k`` into ``k * m`` microbatches of ``k`` batches).
+bf16 and fp16: [Note: pipeline mixed precision] in precision.py.
 """
 
 from __future__ import annotations
@@ -39,17 +41,18 @@ from tidal.pipeline.executor import (
     StageRunner,
     TiedPair,
     UpdateRules,
-    clip_coefficient,
     grad_squares,
     scale_grads,
 )
 from tidal.pipeline.ir import Schedule, with_communication
 from tidal.pipeline.lending import Lending, with_lending
 from tidal.pipeline.p2p import P2PTransport, isend
+from tidal.pipeline.precision import LossScaler
 from tidal.pipeline.schedules import SCHEDULE_NAMES, make_schedule
 
 __all__ = ["P2PTransport", "PipelineRuntime", "RuntimeConfig"]
 
+_SYNCHRONOUS = ("gpipe", "1f1b", "interleaved")  # flushed: one step per program
 _TIED_TAG = 1  # gloo matches by tag; tied-gradient exchanges never mix with activations
 
 
@@ -65,6 +68,9 @@ class RuntimeConfig:
         sync_steps: ``pipemarew``'s flushed warm-up steps, counted from step 0 of the run.
         max_grad_norm: gradient clipping (see :class:`~tidal.pipeline.executor.UpdateRules`).
         partition: the stages' block ranges, recorded in checkpoints and checked on load.
+        precision: fp32, bf16 or fp16 ([Note: pipeline mixed precision] in precision.py):
+            fp16's loss scale lives here; the stages' autocast is their weights' own. Other
+            than fp32 for synchronous schedules only.
     """
 
     schedule: str = "1f1b"
@@ -73,6 +79,7 @@ class RuntimeConfig:
     sync_steps: int = 0
     max_grad_norm: float | None = None
     partition: tuple[tuple[int, int], ...] = ()
+    precision: str = "fp32"
 
     def __post_init__(self) -> None:
         require(
@@ -82,6 +89,13 @@ class RuntimeConfig:
         )
         require(self.microbatches >= 1, "microbatches", f"must be >= 1, got {self.microbatches}")
         require(self.sync_steps >= 0, "sync_steps", f"must be >= 0, got {self.sync_steps}")
+        require(
+            self.precision == "fp32" or self.schedule in _SYNCHRONOUS,
+            "training.precision",
+            f"{self.schedule} is asynchronous, which trains in fp32 only (autocast's copies of "
+            "the weights escape the saved-tensor redirection); set training.precision = 'fp32' "
+            f"or use {', '.join(_SYNCHRONOUS)}",
+        )
 
     def make(self, num_ranks: int, steps: int, first_step: int = 0) -> Schedule:
         """The schedule for ``steps`` steps starting at global step ``first_step``."""
@@ -148,6 +162,7 @@ class PipelineRuntime:
         self.modules = dict(zip(self.stage_ids, stages, strict=True))
         self.weights = dict(zip(self.stage_ids, weights, strict=True))
         self.rules = UpdateRules(max_grad_norm=config.max_grad_norm, tied=tuple(tied))
+        self.scaler = LossScaler(config.precision)
         self.step = 0
         self.delays: dict[tuple[int, int], int] = {}  # (stage, global microbatch) -> tau
         self.lrs: dict[tuple[int, int], float] = {}  # (stage, step) -> learning rate used
@@ -195,6 +210,7 @@ class PipelineRuntime:
             prepare_step=self._prepare_step,
             step_offset=self.step,
             lending=self.lending,
+            scaler=self.scaler,
         )
         self._runners = executor.runners
         executor.run()
@@ -223,12 +239,13 @@ class PipelineRuntime:
 
     def _prepare_step(self, step: int) -> None:
         """The order of [Note: the stage-parameter protocol]: each stage's data-parallel
-        reduction, the tied-gradient sum, then global-norm clipping over the pipeline group."""
+        reduction, the tied-gradient sum, then global-norm clipping over the pipeline group
+        (and fp16's unscaling and overflow check: [Note: pipeline mixed precision])."""
         for s in self.stage_ids:
             self.weights[s].reduce_gradients()
         for pair in self.rules.tied:
             self._sum_tied(pair)
-        if self.rules.max_grad_norm is None:
+        if self.rules.max_grad_norm is None and not self.scaler.scaling:
             return
         squares = sum(
             (grad_squares(self._runners[s], self.rules) for s in self.stage_ids),
@@ -236,7 +253,9 @@ class PipelineRuntime:
         )
         squares = squares.to(self._collective_device())
         dist.all_reduce(squares, group=self.group)
-        factor = clip_coefficient(squares.cpu().sqrt(), self.rules.max_grad_norm)
+        factor = self.scaler.decide(step, squares.cpu(), max_norm=self.rules.max_grad_norm)
+        if factor is None:
+            return  # overflow on some rank: every rank skips this step's updates
         for s in self.stage_ids:
             scale_grads(self._runners[s], factor)
 
@@ -294,6 +313,7 @@ class PipelineRuntime:
             "module": self.modules[s].state_dict(),
             "weights": _state_dict(weights),
             "optimizer": None if optimizer is None else optimizer.state_dict(),
+            "loss_scale": self.scaler.state_dict(),
         }
 
     def load(self, folder: str | os.PathLike[str]) -> int:
@@ -310,6 +330,7 @@ class PipelineRuntime:
                 weights.optimizer.load_state_dict(state["optimizer"])  # type: ignore[attr-defined]
             if state["weights"] is not None:
                 weights.load_state_dict(state["weights"])  # type: ignore[attr-defined]
+            self.scaler.load_state_dict(state.get("loss_scale"))
             steps.add(int(state["step"]))
         require(len(steps) == 1, "checkpoint", f"stages of {folder} are at steps {sorted(steps)}")
         (self.step,) = steps

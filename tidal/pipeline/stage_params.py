@@ -17,12 +17,14 @@ whatever another transform makes of them. Each implements :class:`StageParams`:
 - ``scale_grads(factor)``: multiply every gradient (clipping);
 - ``gradient(name)``: the tensor holding a parameter's gradient, read and written in place by the
   tied-matrix sum (None where no gradient reached it);
-- ``step(lr, step)``: the update, which also drops the gradients; returns the rate it used.
+- ``step(lr, step)``: the update, which also drops the gradients; returns the rate it used;
+- ``skip_step()``: in its place, drop the gradients without an update (an fp16 overflow:
+  [Note: pipeline mixed precision] in precision.py); the version advances as a step's would.
 
 A data-parallel reduction inside ``backward`` would run once per microbatch; a reduction in
 ``step`` would come after clipping had read unreduced gradients. So the order of one step is
 fixed here and nowhere else: every backward, ``reduce_gradients``, the tied sum, the norm and
-``scale_grads``, ``step``.
+``scale_grads``, ``step`` (or ``skip_step``).
 """
 
 from __future__ import annotations
@@ -65,6 +67,8 @@ class StageParams(Protocol):
     def gradient(self, name: str) -> torch.Tensor | None: ...
 
     def step(self, *, lr: float, step: int) -> float: ...
+
+    def skip_step(self) -> None: ...
 
 
 def clip_coefficient(total_norm: torch.Tensor, max_norm: float) -> torch.Tensor:

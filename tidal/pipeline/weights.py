@@ -94,8 +94,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from tidal.config import require
+from tidal.parallel.reference import autocast
 from tidal.pipeline.async_config import AsyncConfig, WeightMode, correction_gamma, lr_scale
 from tidal.pipeline.lookahead import next_update
+from tidal.pipeline.precision import PRECISIONS
 from tidal.pipeline.redirect import Packer, ParamToken, clone_like, storage_ptr
 from tidal.pipeline.stage_params import all_reduce_mean, plain_grad_squares, plain_scale_grads
 
@@ -122,10 +125,16 @@ class StageWeights:
         config: AsyncConfig,
         *,
         dp_group: dist.ProcessGroup | None = None,
+        precision: str = "fp32",
     ) -> None:
         """``dp_group``: the replicas of this stage whose gradients :meth:`reduce_gradients`
-        averages (None: no data parallelism)."""
+        averages (None: no data parallelism). ``precision``: bf16 or fp16 run each forward
+        under autocast on the fp32 parameters ([Note: pipeline mixed precision] in
+        precision.py)."""
+        require(precision in PRECISIONS, "training.precision",
+                f"must be one of {', '.join(PRECISIONS)}, got {precision!r}")  # fmt: skip
         self.module = module
+        self.precision = precision
         self.optimizer = optimizer
         self.config = config
         self.dp_group = dp_group
@@ -148,6 +157,7 @@ class StageWeights:
         self._corrected: dict[int, torch.Tensor] = {}  # param index -> w - tau * delta
         self._forward_copy: list[torch.Tensor] = []  # the predicted weights during a forward
         self._warned = False
+        self._unredirected: set[int] = set()  # microbatches in flight with unredirected saves
         self._batch_version = 0  # 2BW: the version the current batch's forwards use
         self._stash_tier: Tier | None = None  # [Note: stashes on the host]
         self._fetched: tuple[int, list[torch.Tensor]] | None = None  # a host stash on the device
@@ -210,7 +220,10 @@ class StageWeights:
         live = None if stash is None else self._swap_in(stash)
         packer = Packer(self, microbatch, fwd_version)
         try:
-            with torch.autograd.graph.saved_tensors_hooks(packer.pack, packer.unpack):
+            with (
+                torch.autograd.graph.saved_tensors_hooks(packer.pack, packer.unpack),
+                autocast(self.precision, self._device()),
+            ):
                 yield
         except BaseException:
             del self.version_at_forward[microbatch]
@@ -254,6 +267,9 @@ class StageWeights:
                     w.add_(self._delta[index], alpha=later)
                 predicted.append(w)
         return predicted
+
+    def _device(self) -> torch.device:
+        return self.params[0].device if self.params else torch.device("cpu")
 
     def _swap_in(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         previous = [p.data for p in self.params]
@@ -325,15 +341,21 @@ class StageWeights:
             self._fetched = (version, fetched)
         return self._fetched[1]
 
-    def note_unredirected(self) -> None:
+    def note_unredirected(self, microbatch: int) -> None:
         self.num_unredirected_saves += 1
+        if self.precision == "fp32":  # an autocast of the caller's: warn now
+            self._warn_unredirected(stacklevel=5)
+        else:  # the stage's own: it matters only if the weights change before the backward
+            self._unredirected.add(microbatch)
+
+    def _warn_unredirected(self, *, stacklevel: int) -> None:
         if not self._warned:
             self._warned = True
             warnings.warn(
                 "a saved tensor with a parameter's shape but another dtype (an autocast cast?) "
                 "cannot be redirected: autograd keeps it, so its backward uses the forward's "
                 "weights and it costs a weight copy per microbatch in flight",
-                stacklevel=4,
+                stacklevel=stacklevel,
             )
 
     # -----------------------------------------------------------------------------------------
@@ -353,6 +375,10 @@ class StageWeights:
             raise ValueError(f"microbatch {microbatch} has no forward in flight on this stage")
         tau = self.delay(microbatch)
         self.delays[microbatch] = tau
+        if microbatch in self._unredirected:
+            self._unredirected.discard(microbatch)
+            if tau and self.config.weights is WeightMode.CURRENT:
+                self._warn_unredirected(stacklevel=4)
         self._active = microbatch
         try:
             yield
@@ -490,6 +516,14 @@ class StageWeights:
                 f"weights='2bw' would hold versions {sorted(self._stashes)} besides the live "
                 f"{self.version}: update every m >= (microbatches in flight) microbatches"
             )
+
+    def skip_step(self) -> None:
+        """Drop the gradients without an update; the version advances as :meth:`step`'s."""
+        self._stash_before_update()
+        self.optimizer.zero_grad(set_to_none=True)
+        self._pending.clear()
+        self.version += 1
+        self._release()
 
     # -----------------------------------------------------------------------------------------
     # memory and checkpoints

@@ -56,8 +56,11 @@ class PipelineStages:
             names = {i: source[n] for i, n in index_names(module, weights.optimizer).items()}
             optim, steps = flat_optimizer_state(weights.optimizer.state_dict()["state"], names)
             tensors.update(optim)
-            tensors[f"pipeline/stage-{s}"] = _to_bytes({"weights": weights.state_dict(),
-                                                        "optimizer_steps": steps})  # fmt: skip
+            tensors[f"pipeline/stage-{s}"] = _to_bytes({
+                "weights": weights.state_dict(),
+                "optimizer_steps": steps,
+                "loss_scale": self.runtime.scaler.state_dict(),  # fp16's, the same on every rank
+            })  # fmt: skip
         extras = {"global_step": self.runtime.step, "split": self.split}
         return CheckpointTensors(tensors=tensors, extras=extras, meta=dict(self.layout))
 
@@ -106,6 +109,7 @@ class PipelineStages:
             groups = weights.optimizer.state_dict()["param_groups"]
             weights.optimizer.load_state_dict({"state": state, "param_groups": groups})
             weights.load_state_dict(own["weights"])
+            self.runtime.scaler.load_state_dict(own.get("loss_scale"))
         self.runtime.step = int(extras["global_step"])
 
 

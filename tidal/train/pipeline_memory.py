@@ -305,9 +305,10 @@ def _plan(job: JobConfig, stages: Sequence[PipelineStage], probe: MemoryProbe, *
           world_size: int, device: torch.device, fixed: Saver | None, peer_only: bool,
           attention_only: bool = False) -> tuple[SaverPlan, list[int]]:  # fmt: skip
     pipe = job.pipeline
+    pp = job.parallel.pp
+    m = job.num_microbatches * job.training.grad_accum_steps  # what the runtime runs a step
     # an asynchronous schedule's steady state: at least 2 x stages microbatches (with an update
     # after every microbatch, stage 0 keeps one per stage in flight)
-    pp, m = job.parallel.pp, job.num_microbatches
     steps = max(3, -(-2 * pp // m)) if pipe.asynchronous else 1
     schedule = make_schedule(pipe.schedule, stages=pp, microbatches=m,
                              virtual=pipe.virtual_stages, steps=steps,

@@ -10,7 +10,9 @@ checkpoints that resume.
 
 [Note: pipeline runs]
 - Each rank draws the same global batches (the sampler is deterministic); only the first and last
-  stages read them. ``training.batch_size`` rows are split into ``pipeline.microbatches``.
+  stages read them. ``training.batch_size`` rows are split into ``pipeline.microbatches``;
+  with ``training.grad_accum_steps = k`` a step is ``k`` batches, the reference engine's ``k``
+  micro-batches, as one of ``k`` times the rows in ``k`` times the microbatches.
 - Synchronous schedules run one flushed step at a time: the result equals one-process training
   (global-norm clipping included). Asynchronous ones run one program from a checkpoint to the
   next (``checkpoint.every_steps``; the whole run without checkpoints): a checkpoint is a flush
@@ -25,8 +27,9 @@ checkpoints that resume.
   tidal/pipeline/stage_init.py); the parameter count, FLOPs and the checkpoint layout come
   from the meta model. Your own ``nn.Sequential`` is split as given: on the meta device, each
   rank materialises its stages' children alone ([Note: sequential pipelines]).
-- fp32 only: under autocast a stage saves dtype copies of its weights that the saved-tensor
-  redirection of asynchronous schedules cannot reach ([Note: saved-tensor redirection]).
+- bf16 and fp16 (fp32 masters, autocast compute, fp16's dynamic loss scale) under synchronous
+  schedules; asynchronous ones are fp32 only, and fp16 needs CUDA as in the reference engine
+  ([Note: pipeline mixed precision] in tidal/pipeline/precision.py).
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ from torch import nn
 from tidal.config import ConfigError, require
 from tidal.data import Batches, BatchSampler
 from tidal.distributed import gather_ints
+from tidal.distributed.device import resolve_device
 from tidal.models import GPTConfig, build_stages, spec_for
 from tidal.parallel.flat_state import model_layout
 from tidal.parallel.lr import lr_schedule
@@ -89,16 +93,16 @@ def check_pipeline_job(job: JobConfig, *, world_size: int, model: nn.Module | No
         f"{rows} of training.batch_size; lower pipeline.microbatches or raise the batch",
     )
     require(
-        training.precision == "fp32",
+        training.precision == "fp32" or not pipe.asynchronous,
         "training.precision",
-        "pipeline runs are fp32 for now (autocast copies defeat the saved-tensor redirection "
-        "of asynchronous schedules); set training.precision = 'fp32'",
+        f"{pipe.schedule} is asynchronous, which trains in fp32 only (autocast's copies of the "
+        "weights escape the saved-tensor redirection); set training.precision = 'fp32' or use "
+        "gpipe, 1f1b or interleaved",
     )
     require(
-        training.grad_accum_steps == 1,
-        "training.grad_accum_steps",
-        "a pipeline accumulates its microbatches; raise pipeline.microbatches (and "
-        "training.batch_size) instead",
+        training.precision != "fp16" or resolve_device(training.device).type == "cuda",
+        "training.precision",
+        "fp16 needs CUDA (loss scaling is a CUDA feature); use 'bf16' or 'fp32' on a CPU",
     )
     num_stages = job.parallel.pp * pipe.virtual_stages
     if model is not None:  # [Note: sequential pipelines] in tidal/pipeline/sequential.py
@@ -302,22 +306,28 @@ class PipelinePart:
         """``num_steps`` steps; every rank gets each step's loss. Step ``s`` (from 0) trains on
         batch ``s`` with the reference engine's rate for it."""
 
+        # grad_accum_steps = k: step s is batches k*s .. k*s + k - 1 as one batch of k times
+        # the rows (k times the microbatches), the batches the reference engine sums for it
+        k = self.job.training.grad_accum_steps
         draw: Callable[[int], tuple[torch.Tensor, torch.Tensor]]
         if isinstance(sampler, BatchSampler):
             draw = sampler.batch
         else:  # your data: every rank draws each batch, so all keep the same position
-            drawn = {self.engine.step + i: sampler.next_batch() for i in range(num_steps)}
+            first = self.engine.step * k
+            drawn = {first + i: sampler.next_batch() for i in range(num_steps * k)}
             draw = drawn.__getitem__
 
         def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
-            inputs, targets = draw(step)  # the global batch; this replica's rows of it
+            # the step's k global batches as one; this replica's rows of it
+            drawn = [draw(step * k + i) for i in range(k)]
+            inputs, targets = (torch.cat(parts) for parts in zip(*drawn, strict=True))
             dp, at = self.dims.dp, self.dp_rank
             inputs, targets = inputs.tensor_split(dp)[at], targets.tensor_split(dp)[at]
             return inputs.to(self.device), targets.to(self.device)
 
         losses = self.engine.train(num_steps, batch, self.lr.lr_at)
         if isinstance(sampler, BatchSampler):  # its saved position: an engine resumes from it
-            sampler.next_index = self.engine.step
+            sampler.next_index = self.engine.step * k
         return losses
 
     def evaluate(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
