@@ -8,7 +8,7 @@ same ranks just before.
 
 [Note: calibration]
 Every rank times its own stage in-process, through the runtime's own
-:class:`~tidal.pipeline.executor.StageRunner` and :class:`~tidal.pipeline.pipemare.StageWeights`
+:class:`~tidal.runtime.executor.StageRunner` and :class:`~tidal.runtime.pipemare.StageWeights`
 (so the saved-tensor hooks are in the cost): the forward and the backward of one microbatch and
 the optimizer update (AdamW), ``reps`` times after one untimed rep, median. One rank runs at a
 time while the others sleep in a barrier: a core per stage, the machine the simulator models.
@@ -33,7 +33,7 @@ anything else on the machine).
 [Note: step time]
 - Synchronous schedules (gpipe, 1f1b): every step is one flushed program. ``measured_step_s``
   is the median over the timed steps of the slowest rank's time from a barrier to the end of
-  :meth:`~tidal.pipeline.runtime.PipelineRuntime.train_step` (which ends with a broadcast of
+  :meth:`~tidal.runtime.distributed.PipelineRuntime.train_step` (which ends with a broadcast of
   the loss, so no rank leaves early); ``predicted_step_s`` is the simulated makespan of one
   step (forwards, backwards and the update; the runtime's loss broadcast and its per-step
   schedule construction are not modelled).
@@ -80,12 +80,12 @@ from rich.console import Console
 from benchmarks.tables import ResultTable
 from tidal.config import ConfigError, require
 from tidal.models.gpt import GPTConfig, build_gpt, split_gpt
-from tidal.pipeline.executor import StageRunner
-from tidal.pipeline.pipemare import AsyncConfig, StageWeights, WeightMode
-from tidal.pipeline.runtime import PipelineRuntime, RuntimeConfig
 from tidal.pipeline.schedules import SCHEDULE_NAMES
 from tidal.pipeline.simulate import StageCosts, simulate
 from tidal.pipeline.split import PipelineStage, even_ranges
+from tidal.runtime.distributed import PipelineRuntime, RuntimeConfig
+from tidal.runtime.executor import StageRunner
+from tidal.runtime.pipemare import AsyncConfig, StageWeights, WeightMode
 from tidal.testing import run_on_ranks
 
 __all__ = [

@@ -3,7 +3,7 @@
 A GPT whose blocks are cut into fine-grained pipeline stages (8 blocks in 8 stages by default,
 embeddings with the first block, head with the last) is trained on the stdlib byte corpus by
 five variants of one pipeline, all in this process through
-:func:`tidal.pipeline.local.run_local` (the single-process simulator of the stages' weight
+:func:`tidal.runtime.local.run_local` (the single-process simulator of the stages' weight
 delays):
 
 - ``sync``: 1F1B with a flush per step, i.e. plain one-process training;
@@ -62,10 +62,10 @@ from tidal.data import BatchSampler, DataConfig, TokenSplits, build_token_splits
 from tidal.models.gpt import GPT, GPTConfig, build_gpt, split_gpt
 from tidal.parallel.lr import WarmupCosine
 from tidal.pipeline.ir import Schedule
-from tidal.pipeline.local import run_local
-from tidal.pipeline.pipemare import AsyncConfig, StageWeights, WeightMode
 from tidal.pipeline.schedules import make_schedule
 from tidal.pipeline.split import PipelineStage, even_ranges
+from tidal.runtime.local import run_local
+from tidal.runtime.pipemare import AsyncConfig, StageWeights, WeightMode
 
 __all__ = [
     "DEFAULT_LR",

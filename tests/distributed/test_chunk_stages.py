@@ -20,11 +20,11 @@ from tidal.models import build_gpt
 from tidal.models.gpt import GPTConfig, split_gpt
 from tidal.parallel.chunk_stage import ChunkStageConfig, ChunkStageParams, zero3_parts
 from tidal.parallel.config import MemoryConfig, OptimizerConfig
-from tidal.pipeline.executor import UpdateRules
-from tidal.pipeline.local import run_local
-from tidal.pipeline.runtime import PipelineRuntime, RuntimeConfig
 from tidal.pipeline.schedules import make_schedule
 from tidal.pipeline.split import even_ranges, tied_parameters
+from tidal.runtime.distributed import PipelineRuntime, RuntimeConfig
+from tidal.runtime.executor import UpdateRules
+from tidal.runtime.local import run_local
 from tidal.testing import run_on_ranks
 
 ATOL = 1e-5

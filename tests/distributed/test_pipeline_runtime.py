@@ -22,12 +22,12 @@ from torch import nn
 
 from tidal.models import build_gpt
 from tidal.models.gpt import GPTConfig, split_gpt
-from tidal.pipeline.local import run_local
-from tidal.pipeline.pipemare import AsyncConfig, StageWeights, WeightMode
-from tidal.pipeline.runtime import PipelineRuntime, RuntimeConfig
 from tidal.pipeline.schedules import make_schedule
 from tidal.pipeline.simulate import simulate
 from tidal.pipeline.split import even_ranges, tied_parameters
+from tidal.runtime.distributed import PipelineRuntime, RuntimeConfig
+from tidal.runtime.local import run_local
+from tidal.runtime.pipemare import AsyncConfig, StageWeights, WeightMode
 from tidal.testing import run_on_ranks
 
 LR = 0.5

@@ -64,10 +64,10 @@ def test_stripes_lent_between_stages_on_one_gpu_train_bit_for_bit() -> None:
     from tidal.activations import Stripe
     from tidal.activations.runtime import PeerSwap
     from tidal.pipeline.lending import Lending
-    from tidal.pipeline.local import run_local
-    from tidal.pipeline.pipemare import AsyncConfig, StageWeights
     from tidal.pipeline.schedules import make_schedule
     from tidal.pipeline.split import even_ranges
+    from tidal.runtime.local import run_local
+    from tidal.runtime.pipemare import AsyncConfig, StageWeights
 
     config = GPTConfig(vocab_size=256, seq_len=64, num_layers=4, num_heads=4, d_model=128,
                        dropout=0.0)  # fmt: skip
@@ -116,10 +116,10 @@ def test_weight_versions_lent_between_stages_on_one_gpu_train_bit_for_bit() -> N
     from tidal.activations import Stripe
     from tidal.activations.runtime import PeerSwap
     from tidal.pipeline.lending import Lending
-    from tidal.pipeline.local import run_local
-    from tidal.pipeline.pipemare import AsyncConfig, StageWeights, WeightMode
     from tidal.pipeline.schedules import make_schedule
     from tidal.pipeline.split import even_ranges
+    from tidal.runtime.local import run_local
+    from tidal.runtime.pipemare import AsyncConfig, StageWeights, WeightMode
 
     config = GPTConfig(vocab_size=256, seq_len=64, num_layers=4, num_heads=4, d_model=128,
                        dropout=0.0)  # fmt: skip

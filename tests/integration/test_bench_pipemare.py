@@ -27,8 +27,8 @@ from benchmarks.pipemare import (
 )
 from tidal.config import ConfigError
 from tidal.data import TokenSplits
-from tidal.pipeline.pipemare import lr_scale
 from tidal.pipeline.simulate import simulate
+from tidal.runtime.pipemare import lr_scale
 
 SECTION = Section(optimizer="adamw", microbatches=2, lr=1e-2)  # type: ignore[arg-type]
 TINY = dict(

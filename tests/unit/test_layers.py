@@ -46,6 +46,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("cli",),
     ("train",),
     ("models", "data"),
+    ("runtime",),
     ("parallel",),
     ("planner",),
     ("pipeline",),

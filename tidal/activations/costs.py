@@ -117,7 +117,7 @@ class Saved:
     fixed: bool = False  # saved outside every submodule a saver wraps (a loss): always kept
     # the copies a lender holds of it, where that is not ``copies``: a stashed weight version
     # leaves with its forward's microbatch, so a lender holds one per microbatch in flight
-    # ([Note: stashes on a peer] in tidal/pipeline/weights.py)
+    # ([Note: stashes on a peer] in tidal/runtime/weights.py)
     copies_lent: int | None = None
 
     def __post_init__(self) -> None:

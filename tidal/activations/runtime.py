@@ -19,7 +19,7 @@ backward ([Note: host swap prefetch]).
 Host and peer swaps hand what they leave in place (parameters and views of them) to the hooks
 that were on top when the submodule's forward began (:func:`outer_saved_tensor_hooks`): under an
 asynchronous schedule those are the stage's weight-version redirection ([Note: saved-tensor
-redirection] in tidal/pipeline/weights.py), so the backward still sees the weights it should,
+redirection] in tidal/runtime/weights.py), so the backward still sees the weights it should,
 and the swaps run under every schedule.
 
 [Note: host swap prefetch]
@@ -366,7 +366,7 @@ class PeerSwap:
     def lend(self, tensors: Sequence[torch.Tensor],
              stripe: Stripe) -> Callable[[], list[torch.Tensor]]:  # fmt: skip
         """``tensors`` (a forward's weight version: [Note: stashes on a peer] in
-        tidal/pipeline/weights.py) join the open bundle of ``stripe``, whose ``LO`` copies their
+        tidal/runtime/weights.py) join the open bundle of ``stripe``, whose ``LO`` copies their
         bytes as they are then; returns what reads them back once it has come home."""
         packed = [self.pack(t.detach(), stripe, frozenset()) for t in tensors]
         return lambda: [self.unpack(x) for x in packed]

@@ -1,7 +1,7 @@
 """A pipeline stage whose parameters live in chunks: :class:`ChunkStageParams`.
 
 The stage-parameter protocol ([Note: the stage-parameter protocol] in
-tidal/pipeline/stage_params.py) over a :class:`~tidal.parallel.chunk_engine.ChunkEngine` built
+tidal/parallel/stage_params.py) over a :class:`~tidal.parallel.chunk_engine.ChunkEngine` built
 on the stage's module: the engine's construction (layout, store, optimizer, hooks, parameter
 uses) and its parts are used as they are, and this class drives the store and the optimizer
 at the pipeline's moments instead of the engine's ``__call__``/``backward``/``step``. The

@@ -1,10 +1,9 @@
 """The verbs that change a model in place and return what trains it; build_engine
-(tidal/train/build.py) chooses among them from the job's config alone, and the trainer's
-pipeline part (tidal/train/pipeline_part.py) calls :func:`pipeline`."""
+(tidal/train/build.py) chooses among them from the job's config alone. A pipeline's stages are
+built by :func:`tidal.runtime.build.pipeline`, above the transforms it drives."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -17,20 +16,14 @@ from tidal.memory.materialize import ParameterValues
 from tidal.parallel.chunk_engine import ChunkEngine
 from tidal.parallel.config import MemoryConfig, OptimizerConfig, TrainingConfig
 from tidal.parallel.local_parts import LocalParts
-from tidal.parallel.reference import ReferenceEngine, build_optimizer, lr_schedule
+from tidal.parallel.reference import ReferenceEngine
 from tidal.parallel.sharded_parts import ShardedParts
 from tidal.sharding.config import ShardingConfig
 
 if TYPE_CHECKING:
-    from torch.distributed.device_mesh import DeviceMesh
-
-    from tidal.pipeline.config import PipelineConfig
-    from tidal.pipeline.lending import Lending
-    from tidal.pipeline.runtime import PipelineRuntime
-    from tidal.pipeline.split import PipelineStage
     from tidal.planner import Plan
 
-__all__ = ["apply_plan", "offload", "pipeline", "shard"]
+__all__ = ["apply_plan", "offload", "shard"]
 
 
 def offload(model: nn.Module, *, optimizer: OptimizerConfig, training: TrainingConfig,
@@ -77,67 +70,3 @@ def apply_plan(model: nn.Module, plan: Plan, *, optimizer: OptimizerConfig,
     layout = PlanLayout(plan, seq_len=seq_len, batch_size=training.batch_size, inputs=inputs)
     return ReferenceEngine(model, optimizer=optimizer, training=training, init=init,
                            layout=layout)  # fmt: skip
-
-
-def pipeline(stages: Sequence[PipelineStage], *, config: PipelineConfig, optimizer: OptimizerConfig,
-             training: TrainingConfig, block_ranges: Sequence[tuple[int, int]],
-             num_microbatches: int, device: torch.device, mesh: DeviceMesh,
-             lending: Lending | None = None) -> PipelineRuntime:  # fmt: skip
-    """Train ``stages`` (all of the model's, in order; ``block_ranges``: the blocks of each) as
-    a pipeline over ``mesh["pp"]`` under ``config``'s schedule: the rank at pipeline position
-    ``r`` of ``p`` keeps stages ``r, r + p, ...`` (each with its own optimizer and, for
-    asynchronous schedules, its weight versions), and each stage's gradients are averaged over
-    ``mesh["dp"]`` once per step ([Note: one mesh] in dims.py); returns the runtime that trains
-    them ([Note: pipeline runs] in tidal/train/pipeline_part.py). ``lending``: who lends what
-    stages save to whom ([Note: lending] in tidal/pipeline/lending.py). ``num_microbatches``: a
-    step's, before accumulation: ``training.grad_accum_steps = k`` runs ``k`` times as many
-    (the caller's step draws ``k`` batches); ``training.precision``: [Note: pipeline mixed
-    precision] in tidal/pipeline/precision.py."""
-    from tidal.pipeline.pipemare import AsyncConfig, StageWeights, WeightMode  # pipelines only
-    from tidal.pipeline.runtime import PipelineRuntime, RuntimeConfig
-    from tidal.pipeline.split import tied_parameters
-
-    versions = {"pipedream": WeightMode.STASH, "2bw": WeightMode.TWO_VERSIONS}
-    tied = tied_parameters(stages)
-    rank, world_size = mesh.get_local_rank("pp"), mesh["pp"].size()
-    pp_group, dp_group = mesh.get_group("pp"), mesh.get_group("dp")
-    mine = [stages[s] for s in range(rank, len(stages), world_size)]
-    microbatches = num_microbatches * training.grad_accum_steps
-    first_lr = lr_schedule(optimizer, training).lr_at(1)
-    weights = AsyncConfig(
-        weights=versions.get(config.schedule, WeightMode.CURRENT),
-        lr_rescheduling=config.reschedules_lr,
-        lr_warmup_steps=config.lr_warmup_steps,
-        correction=config.correction,
-        correction_decay=config.correction_decay,
-        prediction=config.prediction,
-        microbatches_per_update=microbatches if config.prediction else 0,
-    )
-    runtime = RuntimeConfig(
-        schedule=config.schedule,
-        microbatches=microbatches,
-        virtual_stages=config.virtual_stages,
-        sync_steps=config.sync_steps,
-        max_grad_norm=training.grad_clip_norm or None,
-        partition=tuple(block_ranges),
-        precision=training.precision,
-    )
-    return PipelineRuntime(
-        runtime,
-        stages=mine,
-        weights=[
-            StageWeights(
-                s,
-                build_optimizer(s, optimizer, first_lr),
-                weights,
-                precision=training.precision,
-                dp_group=dp_group,
-            )
-            for s in mine
-        ],  # fmt: skip
-        tied=tied,
-        group=pp_group,
-        dp_group=dp_group,
-        device=device,
-        lending=lending,
-    )

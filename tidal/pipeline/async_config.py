@@ -1,7 +1,7 @@
 """How one pipeline stage treats its weights under an asynchronous schedule (which weights a
 backward uses, PipeMare's techniques, weight prediction), and PipeMare's two per-update factors;
-the stage's stateful part is :class:`~tidal.pipeline.weights.StageWeights`, and
-:mod:`tidal.pipeline.pipemare` re-exports both ([Note: PipeMare rules] there)."""
+the stage's stateful part is :class:`~tidal.runtime.weights.StageWeights`, and
+:mod:`tidal.runtime.pipemare` re-exports both ([Note: PipeMare rules] there)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """A pipeline schedule as plain data: one ordered program of actions per rank.
 
 The generators in :mod:`tidal.pipeline.schedules` make a :class:`Schedule`; the simulator in
-:mod:`tidal.pipeline.simulate` times it; the runtime in :mod:`tidal.pipeline.runtime` carries it
+:mod:`tidal.pipeline.simulate` times it; the runtime in :mod:`tidal.runtime.distributed` carries it
 out. None of them needs torch to read one.
 
 [Note: schedule IR]

@@ -29,7 +29,7 @@ Where the lender's two actions go depends on where ``L``'s stages sit:
 
 Either way each new receive waits on a send its peer makes before an action the receiver was
 already waiting for, and programs that could not deadlock still cannot. A pair's messages keep
-the sender's program order ([Note: point-to-point protocol] in tidal/pipeline/p2p.py): the
+the sender's program order ([Note: point-to-point protocol] in tidal/runtime/p2p.py): the
 bytes come home with (later lender) or just before (earlier lender) the gradient the borrower
 needs next. The same holds under asynchronous schedules (their microbatch ids never repeat);
 with virtual stages the messages are keyed by the borrower's stage, so two stages of one rank

@@ -20,7 +20,7 @@ PipeMare (asynchronous, opt-in: it trains with weights a few updates stale, so i
 not a synchronous schedule's) never drains: ``m`` slots, ``p`` micro-batches in flight on the
 first stage whatever ``m`` is, and one weight-sized copy more per stage (its delta for the
 discrepancy correction), plus one more built for a unit's backward while it runs ([Note:
-backward weights] in tidal/pipeline/weights.py).
+backward weights] in tidal/runtime/weights.py).
 
 Only the first and the last stage are solved: a middle stage given the first stage's choices
 holds fewer micro-batches and no embedding, so it needs no more memory or time than the first.

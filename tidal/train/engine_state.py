@@ -35,7 +35,7 @@ __all__ = ["PipelineStages", "ReadsPipelines"]
 
 
 class PipelineStages:
-    """A :class:`~tidal.pipeline.runtime.PipelineRuntime`'s stages in the one format; see
+    """A :class:`~tidal.runtime.distributed.PipelineRuntime`'s stages in the one format; see
     [Note: pipeline checkpoints]. ``layout``: :func:`~tidal.parallel.flat_state.model_layout` of the whole model."""
 
     def __init__(self, runtime: Any, layout: dict[str, Any], split: dict[str, Any]) -> None:

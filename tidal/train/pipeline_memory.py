@@ -24,7 +24,7 @@ ranks planning alone could choose differently). ``pipeline.memory``:
   choices on this rank's stages; ``peer`` the same with peer swap only; no plan fits: one line
   naming the least budget. PipeDream's stashed weight versions may go to the host tier or a
   peer too ([Note: stashes on the host], [Note: stashes on a peer] in
-  tidal/pipeline/weights.py).
+  tidal/runtime/weights.py).
 
 While a synchronous schedule trains, a saved-tensor meter around each of this rank's stage
 forwards counts what they save (a host-swapped, lent or recomputed tensor is not there, and is
@@ -74,7 +74,7 @@ from tidal.pipeline.savers import (
 from tidal.pipeline.schedules import make_schedule
 from tidal.pipeline.simulate import simulate
 from tidal.pipeline.split import PipelineStage
-from tidal.pipeline.weights import Lend
+from tidal.runtime.weights import Lend
 from tidal.train.job import JobConfig
 from tidal.train.links import measure_links
 
@@ -95,7 +95,7 @@ class PipelineMemory:
     forward_weights: dict[int, _ForwardWeights] = dataclasses.field(default_factory=dict)
     reclaims: _Reclaims | None = None
     # this rank's stages whose stashed weight versions wait in the host tier or on a peer
-    # ([Note: stashes on the host], [Note: stashes on a peer] in tidal/pipeline/weights.py)
+    # ([Note: stashes on the host], [Note: stashes on a peer] in tidal/runtime/weights.py)
     stashes_on_host: tuple[int, ...] = ()
     stashes_lent: dict[int, Lend] = dataclasses.field(default_factory=dict)
     host: Tier | None = None
@@ -343,7 +343,7 @@ def _plan(job: JobConfig, stages: Sequence[PipelineStage], probe: MemoryProbe, *
         saved = [dataclasses.replace(i, recompute_s=None) for i in saved]
     # A stashed weight version is no submodule's save: PipeDream's may wait in the host tier or
     # on a peer ([Note: stashes on the host], [Note: stashes on a peer] in
-    # tidal/pipeline/weights.py), the others stay where they are.
+    # tidal/runtime/weights.py), the others stay where they are.
     saved = [dataclasses.replace(i, fixed=pipe.schedule != "pipedream")
              if i.tensor_class is TensorClass.WEIGHTS else i for i in saved]  # fmt: skip
     if fixed is not None:  # every block (or its attention part) gets the one saver

@@ -3,7 +3,7 @@
 :class:`PipelinePart` builds the recipe's model (tidal's GPT or a Hugging Face decoder: LLaMA,
 GPT-2), cuts it into stages (balanced by profiled time
 or evenly), keeps this rank's stages and trains them with
-:class:`~tidal.pipeline.runtime.PipelineRuntime` under the recipe's ``[pipeline]`` schedule.
+:class:`~tidal.runtime.distributed.PipelineRuntime` under the recipe's ``[pipeline]`` schedule.
 The one :class:`~tidal.train.trainer.Trainer` runs it as it runs an engine, so a pipeline run
 writes the same run folder: ``metrics.jsonl``, validation losses, ``summary.json`` and
 checkpoints that resume.
@@ -29,7 +29,7 @@ checkpoints that resume.
   rank materialises its stages' children alone ([Note: sequential pipelines]).
 - bf16 and fp16 (fp32 masters, autocast compute, fp16's dynamic loss scale) under synchronous
   schedules; asynchronous ones are fp32 only, and fp16 needs CUDA as in the reference engine
-  ([Note: pipeline mixed precision] in tidal/pipeline/precision.py).
+  ([Note: pipeline mixed precision] in tidal/runtime/precision.py).
 """
 
 from __future__ import annotations
@@ -47,8 +47,6 @@ from tidal.distributed.device import resolve_device
 from tidal.models import GPTConfig, build_stages, spec_for
 from tidal.parallel.flat_state import model_layout
 from tidal.parallel.lr import lr_schedule
-from tidal.parallel.verbs import pipeline
-from tidal.pipeline.eval import evaluate_stages
 from tidal.pipeline.partition import LayerProfile
 from tidal.pipeline.sequential import (
     LossFn,
@@ -60,6 +58,8 @@ from tidal.pipeline.sequential import (
 )
 from tidal.pipeline.split import even_ranges, split_parts
 from tidal.pipeline.stage_init import materialize_stages
+from tidal.runtime.build import pipeline
+from tidal.runtime.eval import evaluate_stages
 from tidal.train.engine_state import PipelineStages
 from tidal.train.job import JobConfig
 from tidal.train.pipeline_memory import (
@@ -216,7 +216,7 @@ def balanced_ranges(job: JobConfig, profiles: list[LayerProfile]) -> tuple[tuple
 class PipelinePart:
     """The pipeline behind the Trainer's loop: this rank's stages of ``job``'s model under its
     ``[pipeline]`` schedule; see [Note: pipeline runs]. ``engine`` is the
-    :class:`~tidal.pipeline.runtime.PipelineRuntime`."""
+    :class:`~tidal.runtime.distributed.PipelineRuntime`."""
 
     nan_advice = (
         "Lower optimizer.lr or, for asynchronous schedules, use pipemare with "

@@ -378,7 +378,7 @@ def test_fetching_ahead_a_rank_holds_its_largest_host_swapped_copy_beside_the_la
 def test_a_lent_weight_version_holds_a_copy_per_microbatch_in_flight_on_its_lender(
     exact: bool,
 ) -> None:
-    """[Note: stashes on a peer] in tidal/pipeline/weights.py: three stashed versions of 8 MiB,
+    """[Note: stashes on a peer] in tidal/runtime/weights.py: three stashed versions of 8 MiB,
     lent with each of the four microbatches in flight, take four copies of the lender's room."""
     weights = Saved(stage=0, block=-1, tensor_class=TensorClass.WEIGHTS, num_bytes=8 * MiB,
                     copies=3, uses_per_step=1, recompute_s=None, idle_s=1.0, copies_lent=4)  # fmt: skip

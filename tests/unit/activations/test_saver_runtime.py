@@ -16,10 +16,10 @@ from tidal.config import ConfigError
 from tidal.memory.tiers import Tier, TierBudgetError, TierKind
 from tidal.models import build_gpt
 from tidal.models.gpt import GPTConfig, split_gpt
-from tidal.pipeline.local import run_local
-from tidal.pipeline.pipemare import AsyncConfig, StageWeights, WeightMode
 from tidal.pipeline.schedules import make_schedule
 from tidal.pipeline.split import even_ranges
+from tidal.runtime.local import run_local
+from tidal.runtime.pipemare import AsyncConfig, StageWeights, WeightMode
 
 CONFIG = GPTConfig(vocab_size=64, seq_len=8, num_layers=4, num_heads=2, d_model=16)
 SAVERS = {"blocks.0.attn": Saver.RECOMPUTE, "blocks.1": Saver.HOST, "blocks.2.mlp": Saver.HOST,
@@ -338,7 +338,7 @@ def test_a_recompute_cannot_find_weights_pipemare_did_not_keep() -> None:
 
 @pytest.mark.parametrize("ranks", [2, 4])
 def test_pipedream_stashes_on_the_host_train_as_on_the_device(ranks: int) -> None:
-    """[Note: stashes on the host] in tidal/pipeline/weights.py: PipeDream's weight versions in
+    """[Note: stashes on the host] in tidal/runtime/weights.py: PipeDream's weight versions in
     the host tier give the same training bit for bit, with recompute reading them too, and
     every copy is given back once no microbatch needs it."""
 
@@ -365,7 +365,7 @@ def test_pipedream_stashes_on_the_host_train_as_on_the_device(ranks: int) -> Non
 
 @pytest.mark.parametrize(("ranks", "microbatches"), [(2, 1), (4, 1), (4, 4)])
 def test_pipedream_stashes_on_a_peer_train_as_on_the_device(ranks: int, microbatches: int) -> None:
-    """[Note: stashes on a peer] in tidal/pipeline/weights.py: every stage but the last sends
+    """[Note: stashes on a peer] in tidal/runtime/weights.py: every stage but the last sends
     each forward's weight version to the last rank with the microbatch's lent bytes (stage 0's
     first block too, and recomputes read the version); bit for bit the same training, no stage
     keeps a stashed copy (the plain run does), and the lender held the versions."""

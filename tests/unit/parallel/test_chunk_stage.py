@@ -22,11 +22,11 @@ from tidal.models import build_gpt
 from tidal.models.gpt import GPTConfig, split_gpt
 from tidal.parallel.chunk_stage import ChunkStageConfig, ChunkStageParams, require_synchronous
 from tidal.parallel.config import MemoryConfig, OptimizerConfig
-from tidal.pipeline.executor import UpdateRules
-from tidal.pipeline.local import LocalResult, run_local
-from tidal.pipeline.pipemare import AsyncConfig, StageWeights, WeightMode
 from tidal.pipeline.schedules import make_schedule
 from tidal.pipeline.split import even_ranges, tied_parameters
+from tidal.runtime.executor import UpdateRules
+from tidal.runtime.local import LocalResult, run_local
+from tidal.runtime.pipemare import AsyncConfig, StageWeights, WeightMode
 
 ATOL = 1e-5
 STEPS = 3

@@ -15,12 +15,12 @@ from tidal.activations import Links, TensorClass, keep_all
 from tidal.memory.activations import SavedTensorMeter
 from tidal.models import build_gpt
 from tidal.models.gpt import GPTConfig, split_gpt
-from tidal.pipeline.local import run_local
-from tidal.pipeline.pipemare import AsyncConfig, StageWeights, WeightMode
 from tidal.pipeline.savers import BlockSaves, saved_tensors
 from tidal.pipeline.schedules import make_schedule
 from tidal.pipeline.simulate import simulate
 from tidal.pipeline.split import even_ranges
+from tidal.runtime.local import run_local
+from tidal.runtime.pipemare import AsyncConfig, StageWeights, WeightMode
 
 CONFIG = GPTConfig(vocab_size=64, seq_len=16, num_layers=4, num_heads=2, d_model=32)
 RANKS, MICROBATCHES = 2, 4

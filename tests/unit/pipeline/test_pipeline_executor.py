@@ -15,18 +15,18 @@ import torch
 from tidal.config import ConfigError
 from tidal.models import build_gpt
 from tidal.models.gpt import GPTConfig, split_gpt
-from tidal.pipeline.executor import (
+from tidal.pipeline.ir import Action, Kind, Schedule, parse_program
+from tidal.pipeline.schedules import make_schedule
+from tidal.pipeline.simulate import simulate
+from tidal.pipeline.split import even_ranges, tied_parameters
+from tidal.runtime.executor import (
     LocalTransport,
     MessageKey,
     PipelineDeadlock,
     UpdateRules,
 )
-from tidal.pipeline.ir import Action, Kind, Schedule, parse_program
-from tidal.pipeline.local import run_local
-from tidal.pipeline.pipemare import AsyncConfig, StageWeights, WeightMode
-from tidal.pipeline.schedules import make_schedule
-from tidal.pipeline.simulate import simulate
-from tidal.pipeline.split import even_ranges, tied_parameters
+from tidal.runtime.local import run_local
+from tidal.runtime.pipemare import AsyncConfig, StageWeights, WeightMode
 
 ATOL = 1e-6
 LR = 0.5

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from tidal.pipeline.lookahead import next_update
+from tidal.runtime.lookahead import next_update
 
 OPTIMIZERS: dict[str, Callable[[list[nn.Parameter]], torch.optim.Optimizer]] = {
     "adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1),

@@ -1,5 +1,5 @@
 """bf16 and fp16 pipelines (fp32 masters, autocast in each stage's forward) against the reference
-engine's mixed precision: [Note: pipeline mixed precision] in tidal/pipeline/precision.py.
+engine's mixed precision: [Note: pipeline mixed precision] in tidal/runtime/precision.py.
 
 With one microbatch a bf16 pipeline computes exactly the reference engine's bf16 step. With more,
 each microbatch's weight gradient is rounded to bf16 on its own before the fp32 sum, so the losses
@@ -19,13 +19,13 @@ from tidal.models.gpt import GPTConfig, split_gpt
 from tidal.parallel.config import OptimizerConfig, TrainingConfig
 from tidal.parallel.loss_scale import LossScale
 from tidal.parallel.reference import ReferenceEngine, build_optimizer, lr_schedule
-from tidal.pipeline.executor import UpdateRules
-from tidal.pipeline.local import run_local
-from tidal.pipeline.pipemare import AsyncConfig, StageWeights
-from tidal.pipeline.precision import LossScaler, update_factor
-from tidal.pipeline.runtime import RuntimeConfig
 from tidal.pipeline.schedules import make_schedule
 from tidal.pipeline.split import even_ranges, tied_parameters
+from tidal.runtime.distributed import RuntimeConfig
+from tidal.runtime.executor import UpdateRules
+from tidal.runtime.local import run_local
+from tidal.runtime.pipemare import AsyncConfig, StageWeights
+from tidal.runtime.precision import LossScaler, update_factor
 
 STEPS = 4
 OPT = OptimizerConfig(lr=3e-3, warmup_steps=2, decay_steps=STEPS)

@@ -14,7 +14,7 @@ from torch import nn
 
 from tidal.config import ConfigError
 from tidal.models.gpt import Block, GPTConfig
-from tidal.pipeline.pipemare import (
+from tidal.runtime.pipemare import (
     AsyncConfig,
     StageWeights,
     WeightMode,

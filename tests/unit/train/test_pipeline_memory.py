@@ -47,15 +47,15 @@ def test_selective_on_blocks_without_an_attention_part_is_one_line() -> None:
 def test_pipedream_lends_its_stashed_versions_where_they_do_not_fit_and_trains_as_before(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """[Note: stashes on a peer] in tidal/pipeline/weights.py, planned and carried out: PipeDream
+    """[Note: stashes on a peer] in tidal/runtime/weights.py, planned and carried out: PipeDream
     updating after every microbatch on 4 stages, the first (3 blocks) keeps 3 stashed versions;
     under 3150 KiB a rank with peer swap only, the plan lends them striped over two later ranks
     and the pipeline trains bit for bit as without a budget, stage 0 keeping no stash."""
     import tidal.train.pipeline_memory as pipeline_memory
     from tidal.activations import TensorClass
-    from tidal.pipeline.local import run_local
-    from tidal.pipeline.pipemare import AsyncConfig, StageWeights, WeightMode
     from tidal.pipeline.schedules import make_schedule
+    from tidal.runtime.local import run_local
+    from tidal.runtime.pipemare import AsyncConfig, StageWeights, WeightMode
     from tidal.train.links import Links as MeasuredLinks
     from tidal.train.pipeline_memory import MemoryProbe
 

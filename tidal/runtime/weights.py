@@ -1,7 +1,7 @@
 """One pipeline stage's weights under asynchronous schedules: versions, delays, and the
 saved-tensor redirection that lets the optimizer step in place between a microbatch's F and B.
 
-Import from :mod:`tidal.pipeline.pipemare`, which re-exports everything here and holds the
+Import from :mod:`tidal.runtime.pipemare`, which re-exports everything here and holds the
 PipeMare math ([Note: weight delay tau], [Note: PipeMare rules]); a stage's settings
 (:class:`AsyncConfig`, :class:`WeightMode`) and PipeMare's per-update factors are in
 async_config.py.
@@ -96,11 +96,11 @@ from torch import nn
 
 from tidal.config import require
 from tidal.parallel.reference import autocast
+from tidal.parallel.stage_params import all_reduce_mean, plain_grad_squares, plain_scale_grads
 from tidal.pipeline.async_config import AsyncConfig, WeightMode, correction_gamma, lr_scale
-from tidal.pipeline.lookahead import next_update
-from tidal.pipeline.precision import PRECISIONS
-from tidal.pipeline.redirect import Packer, ParamToken, clone_like, storage_ptr
-from tidal.pipeline.stage_params import all_reduce_mean, plain_grad_squares, plain_scale_grads
+from tidal.runtime.lookahead import next_update
+from tidal.runtime.precision import PRECISIONS
+from tidal.runtime.redirect import Packer, ParamToken, clone_like, storage_ptr
 
 if TYPE_CHECKING:
     from tidal.memory.tiers import Tier

@@ -1,5 +1,5 @@
 """The saved-tensor redirection of a pipeline stage's forward ([Note: saved-tensor redirection]
-in tidal/pipeline/weights.py): the pack and unpack pair that replaces each saved view of a
+in tidal/runtime/weights.py): the pack and unpack pair that replaces each saved view of a
 parameter by a token and rebuilds it on the stage's backward weights."""
 
 from __future__ import annotations

@@ -1,12 +1,12 @@
 """The per-rank interpreter of a :class:`~tidal.pipeline.ir.Schedule`.
 
 Messages (:class:`Transport`, :class:`LocalTransport`, :class:`MessageKey`) live in
-:mod:`tidal.pipeline.p2p` and are re-exported here.
+:mod:`tidal.runtime.p2p` and are re-exported here.
 
 One :class:`RankExecutor` walks one rank's program and owns a :class:`StageRunner` per stage of
-that rank. :func:`~tidal.pipeline.local.run_local` drives every rank's executor in this process
+that rank. :func:`~tidal.runtime.local.run_local` drives every rank's executor in this process
 over a :class:`LocalTransport`: the single-process simulator of a pipeline's weight delays.
-:mod:`tidal.pipeline.runtime` drives one executor per process over ``torch.distributed``.
+:mod:`tidal.runtime.distributed` drives one executor per process over ``torch.distributed``.
 
 [Note: one executor, bit-identical runs]
 A stage's arithmetic depends only on its own inputs (activations, gradients, the batch) and its
@@ -47,9 +47,10 @@ import torch
 from torch import nn
 
 from tidal.config import ConfigError, require
+from tidal.parallel.stage_params import StageParams, clip_coefficient
 from tidal.pipeline.ir import Action, Kind, Schedule, with_communication
 from tidal.pipeline.lending import Lending
-from tidal.pipeline.p2p import (
+from tidal.runtime.p2p import (
     Direction,
     LendKey,
     LocalTransport,
@@ -57,8 +58,7 @@ from tidal.pipeline.p2p import (
     PipelineDeadlock,
     Transport,
 )
-from tidal.pipeline.precision import LossScaler
-from tidal.pipeline.stage_params import StageParams, clip_coefficient
+from tidal.runtime.precision import LossScaler
 
 __all__ = [
     "Direction",

@@ -1,8 +1,8 @@
 """The distributed pipeline: one process per rank, point-to-point over ``torch.distributed``.
 
 :class:`PipelineRuntime` holds one rank's stages and runs the rank's program of a schedule with
-:class:`~tidal.pipeline.executor.RankExecutor` over a :class:`P2PTransport`. What a stage computes
-is exactly what :func:`~tidal.pipeline.local.run_local` computes for it ([Note: one executor,
+:class:`~tidal.runtime.executor.RankExecutor` over a :class:`P2PTransport`. What a stage computes
+is exactly what :func:`~tidal.runtime.local.run_local` computes for it ([Note: one executor,
 bit-identical runs]); this module only adds the wire and the cross-rank steps of an update.
 
 [Note: synchronous and asynchronous training]
@@ -32,7 +32,10 @@ import torch.distributed as dist
 from torch import nn
 
 from tidal.config import ConfigError, require
-from tidal.pipeline.executor import (
+from tidal.pipeline.ir import Schedule, with_communication
+from tidal.pipeline.lending import Lending, with_lending
+from tidal.pipeline.schedules import SCHEDULE_NAMES, make_schedule
+from tidal.runtime.executor import (
     BatchFn,
     LrFn,
     Microbatches,
@@ -44,11 +47,8 @@ from tidal.pipeline.executor import (
     grad_squares,
     scale_grads,
 )
-from tidal.pipeline.ir import Schedule, with_communication
-from tidal.pipeline.lending import Lending, with_lending
-from tidal.pipeline.p2p import P2PTransport, isend
-from tidal.pipeline.precision import LossScaler
-from tidal.pipeline.schedules import SCHEDULE_NAMES, make_schedule
+from tidal.runtime.p2p import P2PTransport, isend
+from tidal.runtime.precision import LossScaler
 
 __all__ = ["P2PTransport", "PipelineRuntime", "RuntimeConfig"]
 
@@ -66,7 +66,7 @@ class RuntimeConfig:
         microbatches: ``m`` per optimizer step; may be below the number of ranks.
         virtual_stages: chunks per rank (``interleaved`` only).
         sync_steps: ``pipemarew``'s flushed warm-up steps, counted from step 0 of the run.
-        max_grad_norm: gradient clipping (see :class:`~tidal.pipeline.executor.UpdateRules`).
+        max_grad_norm: gradient clipping (see :class:`~tidal.runtime.executor.UpdateRules`).
         partition: the stages' block ranges, recorded in checkpoints and checked on load.
         precision: fp32, bf16 or fp16 ([Note: pipeline mixed precision] in precision.py):
             fp16's loss scale lives here; the stages' autocast is their weights' own. Other

@@ -5,7 +5,7 @@ The runtime drives one :class:`StageWeights` per stage: it wraps the stage's for
 microbatch in ``weights.forward(mb)``, the stage's ``torch.autograd.backward(...)`` of that
 microbatch in ``weights.backward(mb)``, and calls ``weights.step(lr=..., step=...)`` where the
 schedule has an update (``U``) action. The pure math (:func:`delayed_sgd_stability_limit`; :func:`lr_scale` and :func:`correction_gamma`
-come from :mod:`tidal.pipeline.async_config`; the stateful part from :mod:`tidal.pipeline.weights`) is re-exported here.
+come from :mod:`tidal.pipeline.async_config`; the stateful part from :mod:`tidal.runtime.weights`) is re-exported here.
 
 [Note: weight delay tau]
 The stage's *version* is the number of updates it has applied. A microbatch's forward records
@@ -57,7 +57,7 @@ from __future__ import annotations
 import numpy as np
 
 from tidal.pipeline.async_config import AsyncConfig, WeightMode, correction_gamma, lr_scale
-from tidal.pipeline.weights import StageWeights
+from tidal.runtime.weights import StageWeights
 
 __all__ = [
     "AsyncConfig",

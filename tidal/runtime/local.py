@@ -1,9 +1,9 @@
 """Every rank of a pipeline in one process: the single-process simulator of its weight delays.
 
-:func:`run_local` drives one :class:`~tidal.pipeline.executor.RankExecutor` per rank over a
-:class:`~tidal.pipeline.p2p.LocalTransport`, taking turns; a distributed run of the same
+:func:`run_local` drives one :class:`~tidal.runtime.executor.RankExecutor` per rank over a
+:class:`~tidal.runtime.p2p.LocalTransport`, taking turns; a distributed run of the same
 schedule equals it bit for bit ([Note: one executor, bit-identical runs] in
-tidal/pipeline/executor.py).
+tidal/runtime/executor.py).
 """
 
 from __future__ import annotations
@@ -16,7 +16,9 @@ import torch
 from torch import nn
 
 from tidal.config import require
-from tidal.pipeline.executor import (
+from tidal.pipeline.ir import Kind, Schedule, with_communication
+from tidal.pipeline.lending import Lending, with_lending
+from tidal.runtime.executor import (
     BatchFn,
     LrFn,
     Microbatches,
@@ -27,10 +29,8 @@ from tidal.pipeline.executor import (
     grad_squares,
     scale_grads,
 )
-from tidal.pipeline.ir import Kind, Schedule, with_communication
-from tidal.pipeline.lending import Lending, with_lending
-from tidal.pipeline.p2p import LocalTransport, PipelineDeadlock
-from tidal.pipeline.precision import LossScaler
+from tidal.runtime.p2p import LocalTransport, PipelineDeadlock
+from tidal.runtime.precision import LossScaler
 
 __all__ = ["LocalResult", "run_local"]
 

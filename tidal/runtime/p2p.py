@@ -1,7 +1,7 @@
 """Point-to-point messages between pipeline stages: in one process or over ``torch.distributed``.
 
 A :class:`Transport` moves one tensor per :class:`MessageKey` (source stage, destination stage,
-microbatch). :class:`LocalTransport` is a dict, for :func:`~tidal.pipeline.local.run_local`;
+microbatch). :class:`LocalTransport` is a dict, for :func:`~tidal.runtime.local.run_local`;
 :class:`P2PTransport` speaks ``torch.distributed`` for one process per rank.
 
 [Note: point-to-point protocol]

@@ -7,7 +7,7 @@
   layers, and its backward what autograd derives from that.
 - fp16 scales the loss by a dynamic :class:`~tidal.parallel.loss_scale.LossScale` (the chunk
   engine's rule). The last stage backpropagates ``loss * share * scale``
-  (:class:`~tidal.pipeline.executor.StageRunner`); at the synchronous pre-update every gradient
+  (:class:`~tidal.runtime.executor.StageRunner`); at the synchronous pre-update every gradient
   is multiplied once by ``clip / scale`` (:func:`update_factor`), after the data-parallel
   reduction and the tied sum, which are linear, so the norm and the clipping read unscaled
   gradients as the reference's ``GradScaler.unscale_`` gives them.
@@ -32,7 +32,7 @@ import torch
 
 from tidal.config import require
 from tidal.parallel.loss_scale import LossScale
-from tidal.pipeline.stage_params import clip_coefficient
+from tidal.parallel.stage_params import clip_coefficient
 
 __all__ = ["PRECISIONS", "LossScaler", "update_factor"]
 

@@ -8,8 +8,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from tidal.pipeline.executor import LocalTransport, MessageKey
 from tidal.pipeline.ir import Action, Kind, Schedule, with_communication
+from tidal.runtime.executor import LocalTransport, MessageKey
 
 __all__ = ["evaluate_stages", "forward_schedule"]
 
@@ -53,7 +53,7 @@ def evaluate_stages(
     ``modules`` maps this rank's stage indices to stage modules (first stage takes token ids,
     the last returns the loss given targets). With one rank no process group is needed.
     """
-    from tidal.pipeline.runtime import P2PTransport
+    from tidal.runtime.distributed import P2PTransport
 
     num_stages = num_ranks * len(modules)
     rank = dist.get_rank(group) if num_ranks > 1 else 0
