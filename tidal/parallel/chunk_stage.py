@@ -309,6 +309,15 @@ class ChunkStageParams:
         self._version += 1
         return lr
 
+    def skip_step(self) -> None:
+        """Drop the step's gradients without an update (the pipeline found them non-finite);
+        the version advances as a step's would."""
+        self._end_iteration()
+        self.store.release_all()
+        self.engine.zero_grad()
+        self.skipped_updates += 1
+        self._version += 1
+
     # -- figures and state -------------------------------------------------------------------
 
     def stats(self) -> dict[str, Any]:

@@ -6,10 +6,18 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from tidal.parallel.chunk_stage import (
+    ChunkStageConfig,
+    ChunkStageParams,
+    require_synchronous,
+    zero3_parts,
+)
 from tidal.parallel.config import OptimizerConfig, TrainingConfig
 from tidal.parallel.reference import build_optimizer, lr_schedule
+from tidal.parallel.stage_params import StageParams
 from tidal.pipeline.config import PipelineConfig
 from tidal.pipeline.lending import Lending
 from tidal.pipeline.split import PipelineStage, tied_parameters
@@ -22,7 +30,8 @@ __all__ = ["pipeline"]
 def pipeline(stages: Sequence[PipelineStage], *, config: PipelineConfig, optimizer: OptimizerConfig,
              training: TrainingConfig, block_ranges: Sequence[tuple[int, int]],
              num_microbatches: int, device: torch.device, mesh: DeviceMesh,
-             lending: Lending | None = None) -> PipelineRuntime:  # fmt: skip
+             lending: Lending | None = None,
+             chunks: ChunkStageConfig | None = None) -> PipelineRuntime:  # fmt: skip
     """Train ``stages`` (all of the model's, in order; ``block_ranges``: the blocks of each) as
     a pipeline over ``mesh["pp"]`` under ``config``'s schedule: the rank at pipeline position
     ``r`` of ``p`` keeps stages ``r, r + p, ...`` (each with its own optimizer and, for
@@ -32,7 +41,9 @@ def pipeline(stages: Sequence[PipelineStage], *, config: PipelineConfig, optimiz
     stages save to whom ([Note: lending] in tidal/pipeline/lending.py). ``num_microbatches``: a
     step's, before accumulation: ``training.grad_accum_steps = k`` runs ``k`` times as many
     (the caller's step draws ``k`` batches); ``training.precision``: [Note: pipeline mixed
-    precision] in tidal/runtime/precision.py."""
+    precision] in tidal/runtime/precision.py. ``chunks``: each stage's parameters in tidal's
+    chunks under its budgets instead ([Note: chunk stages] in tidal/parallel/chunk_stage.py),
+    sharded over ``mesh["dp"]`` (ZeRO-3) when it has several ranks."""
     versions = {"pipedream": WeightMode.STASH, "2bw": WeightMode.TWO_VERSIONS}
     tied = tied_parameters(stages)
     rank, world_size = mesh.get_local_rank("pp"), mesh["pp"].size()
@@ -58,19 +69,20 @@ def pipeline(stages: Sequence[PipelineStage], *, config: PipelineConfig, optimiz
         partition=tuple(block_ranges),
         precision=training.precision,
     )
+    held: list[StageParams]
+    if chunks is not None:
+        require_synchronous(runtime.make(world_size, steps=1))
+        zero3 = dist.get_world_size(dp_group) > 1
+        held = [ChunkStageParams(s, chunks, parts=zero3_parts(chunks, dp_group) if zero3 else None)
+                for s in mine]  # fmt: skip
+    else:
+        held = [StageWeights(s, build_optimizer(s, optimizer, first_lr), weights,
+                             precision=training.precision, dp_group=dp_group)
+                for s in mine]  # fmt: skip
     return PipelineRuntime(
         runtime,
         stages=mine,
-        weights=[
-            StageWeights(
-                s,
-                build_optimizer(s, optimizer, first_lr),
-                weights,
-                precision=training.precision,
-                dp_group=dp_group,
-            )
-            for s in mine
-        ],  # fmt: skip
+        weights=held,
         tied=tied,
         group=pp_group,
         dp_group=dp_group,

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from tidal.config import ConfigError
+from tidal.parallel.chunk_stage import ChunkStageParams
 from tidal.parallel.flat_state import flat_optimizer_state, index_names, unflatten_optimizer_state
 from tidal.parallel.protocol import Checkpointable, CheckpointTensors, LoadTensors
 
@@ -51,10 +52,17 @@ class PipelineStages:
     def checkpoint_state(self) -> CheckpointTensors:
         tensors: dict[str, Any] = {}
         for s, module, weights, source in self._stages():
-            for name, param in module.named_parameters():
-                tensors[f"model/{source[name]}"] = param.detach().reshape(-1)
-            names = {i: source[n] for i, n in index_names(module, weights.optimizer).items()}
-            optim, steps = flat_optimizer_state(weights.optimizer.state_dict()["state"], names)
+            if isinstance(weights, ChunkStageParams):  # read from the chunks (gathered: ZeRO-3)
+                state = weights.engine.state_dict()
+                for name, _ in module.named_parameters():
+                    tensors[f"model/{source[name]}"] = state["model"][name].reshape(-1)
+                by_source = {source[n]: saved for n, saved in state["optimizer"].items()}
+                optim, steps = flat_optimizer_state(by_source)
+            else:
+                for name, param in module.named_parameters():
+                    tensors[f"model/{source[name]}"] = param.detach().reshape(-1)
+                names = {i: source[n] for i, n in index_names(module, weights.optimizer).items()}
+                optim, steps = flat_optimizer_state(weights.optimizer.state_dict()["state"], names)
             tensors.update(optim)
             tensors[f"pipeline/stage-{s}"] = _to_bytes({
                 "weights": weights.state_dict(),
@@ -98,6 +106,9 @@ class PipelineStages:
         load(targets)  # one collective read for all this rank's stages
         for s, module, weights, source in self._stages():
             own = _from_bytes(targets[f"pipeline/stage-{s}"])
+            if isinstance(weights, ChunkStageParams):
+                _restore_chunk_stage(module, weights, source, targets, own, meta)
+                continue
             with torch.no_grad():
                 for name, param in module.named_parameters():
                     param.copy_(targets[f"model/{source[name]}"].view(param.shape))
@@ -111,6 +122,24 @@ class PipelineStages:
             weights.load_state_dict(own["weights"])
             self.runtime.scaler.load_state_dict(own.get("loss_scale"))
         self.runtime.step = int(extras["global_step"])
+
+
+def _restore_chunk_stage(module: nn.Module, weights: ChunkStageParams, source: dict[str, str],
+                         targets: dict[str, torch.Tensor], own: dict[str, Any],
+                         meta: dict[str, Any]) -> None:  # fmt: skip
+    """A chunk stage's parameters and optimizer state written into its chunks (every rank of a
+    ZeRO-3 stage takes its shards of them)."""
+    by_source = unflatten_optimizer_state(targets, own["optimizer_steps"], meta["model_shapes"])
+    engine = weights.engine
+    model = {name: value.detach().clone() for name, value in engine.model_state_dict().items()}
+    for name, param in module.named_parameters():
+        model[name] = targets[f"model/{source[name]}"].view(param.shape)
+    optimizer = {n: by_source[source[n]] for n, _ in module.named_parameters()
+                 if source[n] in by_source}  # fmt: skip
+    step = own["weights"]["version"]
+    engine.load_state_dict({"model": model, "optimizer": optimizer, "global_step": step,
+                            "micro_step": 0})  # fmt: skip
+    weights.load_state_dict(own["weights"])
 
 
 class ReadsPipelines:

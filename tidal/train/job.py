@@ -43,7 +43,9 @@ class JobConfig:
         run_dir: where metrics, summary, plots and checkpoints go; ``None`` means ``runs/<name>``.
         engine: ``reference`` (plain PyTorch, all model data on the device) or ``chunk``
             (parameters in chunks that move between device and host under memory budgets;
-            under torchrun with several ranks, chunks sharded across them: ZeRO-3).
+            under torchrun with several ranks, chunks sharded across them: ZeRO-3). In a
+            pipeline (``parallel.pp > 1``) each stage's parameters in chunks, sharded over its
+            ``parallel.dp`` replicas ([Note: chunk stages] in tidal/parallel/chunk_stage.py).
     """
 
     name: str = "run"
@@ -76,10 +78,16 @@ class JobConfig:
             "model data on the device)",
         )
         require(
-            self.parallel.pp == 1 or self.engine == "reference",
-            "parallel.pp",
-            "a pipeline runs each stage with the reference engine; set engine = 'reference' "
-            "(chunk offload of pipeline stages is not supported yet)",
+            self.parallel.pp == 1 or self.engine == "reference" or self.pipeline.memory == "none",
+            "pipeline.memory",
+            "chunk stages hold memory.device_budget with their chunks; MPress's savers do not run "
+            "on them yet: set pipeline.memory = 'none' (or engine = 'reference')",
+        )
+        require(
+            self.parallel.pp == 1 or self.engine == "reference" or self.memory.nvme_dir is None,
+            "memory.nvme_dir",
+            "the NVMe tier does not hold pipeline stages' chunks yet; drop memory.nvme_dir (or "
+            "train without a pipeline)",
         )
         require(
             self.parallel.tp == 1,

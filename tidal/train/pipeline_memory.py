@@ -181,6 +181,8 @@ def plan_pipeline_memory(job: JobConfig, stages: Sequence[PipelineStage], *, min
     pipe, mode = job.pipeline, job.pipeline.memory
     budget = resolve_budget(job.memory.device_budget, kind=TierKind.DEVICE, device=device,
                             key="memory.device_budget")  # fmt: skip
+    if job.engine == "chunk":  # chunk stages' stores hold the budget ([Note: chunk stages])
+        budget = None
     if budget is None and mode in ("auto", "peer"):
         raise ConfigError("pipeline.memory", f"{mode!r} plans against memory.device_budget; set "
                           "it (each rank's bytes, e.g. 2GiB)")  # fmt: skip

@@ -27,6 +27,10 @@ checkpoints that resume.
   tidal/pipeline/stage_init.py); the parameter count, FLOPs and the checkpoint layout come
   from the meta model. Your own ``nn.Sequential`` is split as given: on the meta device, each
   rank materialises its stages' children alone ([Note: sequential pipelines]).
+- ``engine = 'chunk'``: each stage's parameters in chunks under ``memory.device_budget``, one
+  store iteration per step, sharded over the stage's replicas with ``parallel.dp > 1`` ([Note:
+  chunk stages] in tidal/parallel/chunk_stage.py); the store holds the budget, so the savers'
+  plan does not run (``pipeline.memory = 'none'``).
 - bf16 and fp16 (fp32 masters, autocast compute, fp16's dynamic loss scale) under synchronous
   schedules; asynchronous ones are fp32 only, and fp16 needs CUDA as in the reference engine
   ([Note: pipeline mixed precision] in tidal/runtime/precision.py).
@@ -45,6 +49,7 @@ from tidal.data import Batches, BatchSampler
 from tidal.distributed import gather_ints
 from tidal.distributed.device import resolve_device
 from tidal.models import GPTConfig, build_stages, spec_for
+from tidal.parallel.chunk_stage import ChunkStageConfig, ChunkStageParams
 from tidal.parallel.flat_state import model_layout
 from tidal.parallel.lr import lr_schedule
 from tidal.pipeline.partition import LayerProfile
@@ -104,6 +109,18 @@ def check_pipeline_job(job: JobConfig, *, world_size: int, model: nn.Module | No
         "training.precision",
         "fp16 needs CUDA (loss scaling is a CUDA feature); use 'bf16' or 'fp32' on a CPU",
     )
+    chunked = job.engine == "chunk"  # [Note: chunk stages] in tidal/parallel/chunk_stage.py
+    require(
+        not (chunked and pipe.asynchronous),
+        "pipeline.schedule",
+        f"{pipe.schedule} updates with microbatches in flight, but chunk stages hold one weight "
+        "version; use gpipe, 1f1b or interleaved (or engine = 'reference')",
+    )
+    require(
+        not (chunked and training.precision == "fp16"),
+        "training.precision",
+        "fp16 chunk stages would need the pipeline's loss scale in the chunk optimizer; use bf16",
+    )
     num_stages = job.parallel.pp * pipe.virtual_stages
     if model is not None:  # [Note: sequential pipelines] in tidal/pipeline/sequential.py
         check_sequential(model, num_stages=num_stages)
@@ -124,6 +141,13 @@ def check_pipeline_job(job: JobConfig, *, world_size: int, model: nn.Module | No
         f"{pipe.schedule} is asynchronous: the first and last stages' copies of the tied "
         "embedding would update at different times; set model.tie_embeddings=false (a Hugging "
         "Face config: tie_word_embeddings false)",
+    )
+    require(
+        not (chunked and tied and dims.dp > 1 and job.pipelined),
+        "model.tie_embeddings" if isinstance(config, GPTConfig) else "model.hf_config",
+        "ZeRO-3 chunk stages keep gradient shards that mix parameters, so the tied embedding's "
+        "two copies cannot be summed; set model.tie_embeddings=false (a Hugging Face config: "
+        "tie_word_embeddings false)",
     )
 
 
@@ -213,6 +237,14 @@ def balanced_ranges(job: JobConfig, profiles: list[LayerProfile]) -> tuple[tuple
     return tuple(split.block_ranges)
 
 
+def _chunk_stages(job: JobConfig, device: torch.device) -> ChunkStageConfig | None:
+    """With ``engine = 'chunk'``, how each stage's chunks live ([Note: chunk stages])."""
+    if job.engine != "chunk":
+        return None
+    return ChunkStageConfig(optimizer=job.optimizer, memory=job.memory, chunk=job.chunk,
+                            precision=job.training.precision, device=str(device))  # fmt: skip
+
+
 class PipelinePart:
     """The pipeline behind the Trainer's loop: this rank's stages of ``job``'s model under its
     ``[pipeline]`` schedule; see [Note: pipeline runs]. ``engine`` is the
@@ -243,7 +275,7 @@ class PipelinePart:
         self.mesh = self.dims.build_mesh(device.type)  # [Note: one mesh] in tidal/parallel/dims.py
         pp_rank, pp_size = self.mesh.get_local_rank("pp"), self.dims.pp
         self.dp_rank = self.mesh.get_local_rank("dp")
-        budgeted = job.memory.device_budget is not None
+        budgeted = job.memory.device_budget is not None and job.engine == "reference"
         probe = None
         # [Note: stages from the meta device]: the model stays on the meta device; only this
         # rank's stages get storage
@@ -279,7 +311,8 @@ class PipelinePart:
         self.engine = pipeline(stages, config=pipe, optimizer=job.optimizer, training=training,
                                block_ranges=self.ranges, num_microbatches=job.num_microbatches,
                                device=device, mesh=self.mesh,
-                               lending=self.memory.lending)  # fmt: skip
+                               lending=self.memory.lending,
+                               chunks=_chunk_stages(job, device))  # fmt: skip
         self.memory.bind(self.engine.weights)
         self._moved_before: dict[int, dict[str, int]] = {}  # each rank's counters a step ago
         del stages
@@ -377,6 +410,16 @@ class PipelinePart:
                 "block_ranges": [list(r) for r in self.ranges],
                 "max_delay_per_stage": max_delays,
                 "memory": self.memory.figures(self.mesh.get_local_rank("pp")),
+                "mesh": str(self.dims),
+                "chunk_stages": self._chunk_figures(),
             },
-            "engine": f"pipeline {pipe.schedule} x{self.job.parallel.pp}",
+            "engine": f"pipeline {pipe.schedule} x{self.job.parallel.pp}"
+            + (" chunk stages" if self.job.engine == "chunk" else ""),
         }
+
+    def _chunk_figures(self) -> dict[int, dict[str, Any]]:
+        """This rank's chunk stages' store figures (none with plain stages)."""
+        keep = ("evictions", "prefetches", "peak_device_bytes", "device_budget",
+                "min_device_bytes", "bytes_to_device", "bytes_to_host", "num_chunks")  # fmt: skip
+        return {s: {k: w.stats()[k] for k in keep} for s, w in self.engine.weights.items()
+                if isinstance(w, ChunkStageParams)}  # fmt: skip
