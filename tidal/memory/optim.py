@@ -74,7 +74,15 @@ from torch import nn
 from tidal.memory.chunk import Chunk, ChunkKind
 from tidal.memory.layout import ChunkLayout
 from tidal.memory.materialize import feed_chunks
-from tidal.memory.optim_rules import STATE_KEYS, OptimizerEntry, UpdateRule, clip_coefficient
+from tidal.memory.optim_rules import (
+    STATE_KEYS,
+    OptimizerEntry,
+    UpdateRule,
+    by_device,
+    clip_coefficient,
+    state_value,
+    total_norm_of,
+)
 from tidal.memory.store import ChunkStore
 from tidal.memory.tiers import Tier, TierKind
 
@@ -114,13 +122,6 @@ def make_master_chunks(
 
     feed_chunks(layout, values, begin=begin, write=write, end=end)
     return masters
-
-
-def _by_device(tensors: list[torch.Tensor]) -> dict[torch.device, list[torch.Tensor]]:
-    groups: dict[torch.device, list[torch.Tensor]] = {}
-    for tensor in tensors:
-        groups.setdefault(tensor.device, []).append(tensor)
-    return groups
 
 
 class ChunkOptimizer:
@@ -388,7 +389,7 @@ class ChunkOptimizer:
     def scale_gradients(self, factor: torch.Tensor) -> None:
         """Multiply every gradient held by ``factor`` (clipping by a norm taken elsewhere)."""
         grads = [grad for _, grad in self.gradients()]
-        for device, group in _by_device(grads).items():
+        for device, group in by_device(grads).items():
             torch._foreach_mul_(group, factor.to(device))
 
     def _with_gradients(self) -> list[int]:
@@ -419,7 +420,7 @@ class ChunkOptimizer:
             return None
         norm, coefficient = clip_coefficient(norm, max_grad_norm, loss_scale)
         if coefficient is not None:
-            for device, group in _by_device(list(grads.values())).items():
+            for device, group in by_device(list(grads.values())).items():
                 torch._foreach_mul_(group, coefficient.to(device))
         for decay in (True, False):
             for on_device in (True, False):
@@ -453,7 +454,7 @@ class ChunkOptimizer:
             for index, picked in by_chunk.items():
                 found = torch._foreach_norm(fp32_grads(index, picked), 2.0)
                 norms.update(zip(picked, found, strict=True))
-            norm = _total_norm([norms[i] for i in present])
+            norm = total_norm_of([norms[i] for i in present])
             if not torch.isfinite(norm):
                 self.zero_grad()  # copies the masters back: the weights are as they were
                 return None
@@ -585,33 +586,13 @@ class ChunkOptimizer:
                     f"{type(self.rule).__name__} does not keep: a checkpoint of another optimizer?"
                 )
             if self.steps:
-                self.steps[i].copy_(_saved(saved, "step", e.name))
+                self.steps[i].copy_(state_value(saved, "step", e.name))
             if self._lazy and not (set(saved) & expected):
                 self._has_state[i] = False  # never written: the next update creates it
                 continue
             for kind, chunks in self.states.items():
-                self._view(chunks, e).copy_(_saved(saved, STATE_KEYS[kind], e.name))
+                self._view(chunks, e).copy_(state_value(saved, STATE_KEYS[kind], e.name))
             self._has_state[i] = True
-
-
-def _total_norm(norms: list[torch.Tensor]) -> torch.Tensor:
-    """``torch.nn.utils.get_total_norm`` from the tensors' own norms (all fp32): grouped by
-    device in order of first appearance, as it groups them, so the sum runs in its order."""
-    if not norms:
-        return torch.tensor(0.0)
-    groups: dict[torch.device, list[torch.Tensor]] = {}
-    for value in norms:
-        groups.setdefault(value.device, []).append(value)
-    first = norms[0].device
-    return torch.linalg.vector_norm(
-        torch.stack([value.to(first) for group in groups.values() for value in group]), 2.0
-    )
-
-
-def _saved(saved: dict[str, Any], key: str, name: str) -> torch.Tensor:
-    if key not in saved:
-        raise KeyError(f"the optimizer state has no {key!r} for {name}")
-    return saved[key]
 
 
 def _present(lists: list[list[Chunk | None]]) -> list[Chunk]:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import ClassVar, Protocol
+from typing import Any, ClassVar, Protocol
 
 import torch
 from torch import nn
@@ -35,7 +35,10 @@ __all__ = [
     "OptimizerSettings",
     "SgdRule",
     "UpdateRule",
+    "by_device",
     "clip_coefficient",
+    "state_value",
+    "total_norm_of",
     "make_rule",
 ]
 
@@ -233,3 +236,32 @@ def clip_coefficient(
     if loss_scale != 1.0:  # unscaling folded into the same multiply
         coefficient = (1.0 if coefficient is None else coefficient) / loss_scale
     return norm, None if coefficient is None else torch.as_tensor(coefficient)
+
+
+def by_device(tensors: list[torch.Tensor]) -> dict[torch.device, list[torch.Tensor]]:
+    """``tensors`` grouped by device, in order of first appearance."""
+    groups: dict[torch.device, list[torch.Tensor]] = {}
+    for tensor in tensors:
+        groups.setdefault(tensor.device, []).append(tensor)
+    return groups
+
+
+def total_norm_of(norms: list[torch.Tensor]) -> torch.Tensor:
+    """``torch.nn.utils.get_total_norm`` from the tensors' own norms (all fp32): grouped by
+    device in order of first appearance, as it groups them, so the sum runs in its order."""
+    if not norms:
+        return torch.tensor(0.0)
+    groups: dict[torch.device, list[torch.Tensor]] = {}
+    for value in norms:
+        groups.setdefault(value.device, []).append(value)
+    first = norms[0].device
+    return torch.linalg.vector_norm(
+        torch.stack([value.to(first) for group in groups.values() for value in group]), 2.0
+    )
+
+
+def state_value(saved: dict[str, Any], key: str, name: str) -> torch.Tensor:
+    """``saved[key]`` of parameter ``name``'s saved optimizer state, or a KeyError naming both."""
+    if key not in saved:
+        raise KeyError(f"the optimizer state has no {key!r} for {name}")
+    return saved[key]
