@@ -13,6 +13,7 @@ within its budget and evicting, the same resumed run and exported weights.
 from __future__ import annotations
 
 import copy
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -68,6 +69,8 @@ def _losses(run_dir: Path) -> tuple[list[float], list[float]]:
 
 
 def _worker(root: str, reference: tuple[list[float], list[float]]) -> None:
+    import torch.distributed as dist
+
     root_path = Path(root)
     for name, pipeline in SCHEDULES.items():
         Trainer(_job(root_path / name, **pipeline)).fit()
@@ -75,8 +78,18 @@ def _worker(root: str, reference: tuple[list[float], list[float]]) -> None:
         assert train == pytest.approx(reference[0], abs=TOL), (name, train, reference[0])
         assert val == pytest.approx(reference[1], abs=TOL), (name, val, reference[1])
     Trainer(_job(root_path / "resumed", steps=2, **SCHEDULES["1f1b"])).fit()
+    if dist.get_rank() == 0:  # [Note: resuming on another split]: the same step-2 checkpoint
+        for name in ("pp4", "one-process"):
+            shutil.copytree(root_path / "resumed", root_path / name)
+    dist.barrier()
     Trainer(_job(root_path / "resumed", **SCHEDULES["1f1b"])).fit(resume=True)
     assert _losses(root_path / "resumed") == _losses(root_path / "1f1b")
+    on_four = _job(root_path / "pp4", **SCHEDULES["1f1b"])
+    on_four["parallel"] = {"pp": 4, "dp": 1}  # every block its own stage, no replicas
+    Trainer(on_four).fit(resume=True)
+    train, val = _losses(root_path / "pp4")
+    assert train == pytest.approx(reference[0], abs=TOL), (train, reference[0])
+    assert val == pytest.approx(reference[1], abs=TOL), (val, reference[1])
 
 
 def _exported(run_dir: Path, out: Path) -> dict[str, torch.Tensor]:
@@ -89,6 +102,10 @@ def test_pp2_x_dp2_equals_one_process_and_exports_its_weights(tmp_path: Path) ->
     reference = _losses(tmp_path / "reference")
     assert len(reference[0]) == STEPS and len(reference[1]) == 2
     run_on_ranks(_worker, world_size=4, args=(str(tmp_path), reference), timeout_s=300)
+    Trainer(_job(tmp_path / "one-process")).fit(resume=True)  # pp2 x dp2's step 2, one process
+    train, val = _losses(tmp_path / "one-process")
+    assert train == pytest.approx(reference[0], abs=TOL), (train, reference[0])
+    assert val == pytest.approx(reference[1], abs=TOL), (val, reference[1])
     weights = _exported(tmp_path / "reference", tmp_path / "reference-export")
     for name in SCHEDULES:
         trained = _exported(tmp_path / name, tmp_path / f"{name}-export")

@@ -177,6 +177,22 @@ def test_a_pipeline_refuses_an_engines_checkpoint_saying_what_each_is() -> None:
     )
 
 
+def test_an_asynchronous_pipeline_resumes_on_its_own_split_only() -> None:
+    """[Note: resuming on another split]: PipeMare's stages keep versions and delays of their
+    own blocks, so its checkpoint does not resume on another split, said in one line."""
+    split = {"schedule": "pipemare", "block_ranges": [[0, 1], [1, 2]]}
+    other = {"schedule": "pipemare", "block_ranges": [[0, 2], [2, 4]]}
+    stages = PipelineStages(runtime=None, layout={}, split=split)
+    with pytest.raises(ConfigError) as err:
+        stages.restore_checkpoint(lambda targets: None, {"global_step": 2, "split": other}, {})
+    assert str(err.value) == (
+        "pipeline: the checkpoint was trained as a pipemare pipeline of 2 stages (blocks [0, 2), "
+        "[2, 4)), this run is a pipemare pipeline of 2 stages (blocks [0, 1), [1, 2)); an "
+        "asynchronous pipeline resumes with the same [pipeline] settings (or without "
+        "--pipeline-stages, or export it with `tidal export RUN_DIR`)"
+    )
+
+
 @pytest.mark.slow
 def test_a_pipelines_checkpoint_resumes_in_every_engine(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]

@@ -28,8 +28,9 @@ __all__ = ["PipelineStages", "ReadsPipelines"]
 # ``tidal export`` and every engine read it as any other. A weight two stages hold (a tied
 # embedding) is written by both, equal, and DCP keeps one. What only a stage has, its weight
 # versions and measured delays (PipeMare), is one opaque tensor per stage,
-# ``pipeline/stage-<s>``. Resuming needs the same schedule and split (the engine's extras
-# record them). An engine resumes from it too (:class:`ReadsPipelines`): it takes the model and
+# ``pipeline/stage-<s>``. The extras record the schedule and split; a synchronous pipeline
+# resumes on any other ([Note: resuming on another split]), an asynchronous one on its own
+# only. An engine resumes from it too (:class:`ReadsPipelines`): it takes the model and
 # optimizer keys as from any checkpoint, the stages' step counts from their own tensors, and
 # leaves the weight versions behind, which only a pipeline has. The other way, a pipeline refuses
 # an engine's checkpoint: it has no weight versions to resume its stages from.
@@ -72,16 +73,18 @@ class PipelineStages:
         extras = {"global_step": self.runtime.step, "split": self.split}
         return CheckpointTensors(tensors=tensors, extras=extras, meta=dict(self.layout))
 
-    def _targets(self, meta: dict[str, Any]) -> dict[str, torch.Tensor]:
-        """This rank's stages' keys: parameters, their optimizer state, each stage's own."""
+    def _targets(self, meta: dict[str, Any], *, every_stage: bool) -> dict[str, torch.Tensor]:
+        """This rank's stages' keys: parameters, their optimizer state, each stage's own (of
+        every stage of the checkpoint's split, ``every_stage``: another split's stages)."""
         numels = meta["numels"]
         names = {source for _, _, _, sources in self._stages() for source in sources.values()}
         keys = [k for k in numels if k.startswith("optim/")
                 and k[len("optim/") :].rsplit("/", 1)[0] in names]  # fmt: skip
         keys += [f"model/{name}" for name in names]
         targets = {key: torch.empty(numels[key]) for key in keys}
-        for s in self.runtime.modules:
-            key = f"pipeline/stage-{s}"
+        stages = [k for k in numels if k.startswith("pipeline/stage-")] if every_stage else [
+            f"pipeline/stage-{s}" for s in self.runtime.modules]  # fmt: skip
+        for key in stages:
             targets[key] = torch.empty(numels[key], dtype=torch.uint8)
         return targets
 
@@ -95,17 +98,20 @@ class PipelineStages:
                 f"resume it without --pipeline-stages (and [parallel] pp = 1), or export it "
                 f"with `tidal export RUN_DIR`",
             )
-        if extras["split"] != self.split:
+        resplit = extras["split"] != self.split
+        if resplit and not (_flushes(extras["split"]) and _flushes(self.split)):
             raise ConfigError(
                 "pipeline",
                 f"the checkpoint was trained as {_split(extras['split'])}, this run is "
-                f"{_split(self.split)}; resume with the same [pipeline] settings (or without "
-                f"--pipeline-stages, or export it with `tidal export RUN_DIR`)",
+                f"{_split(self.split)}; an asynchronous pipeline resumes with the same [pipeline] "
+                f"settings (or without --pipeline-stages, or export it with `tidal export "
+                f"RUN_DIR`)",
             )
-        targets = self._targets(meta)
+        targets = self._targets(meta, every_stage=resplit)
         load(targets)  # one collective read for all this rank's stages
+        shared = _merged_stages(targets) if resplit else None
         for s, module, weights, source in self._stages():
-            own = _from_bytes(targets[f"pipeline/stage-{s}"])
+            own = _from_bytes(targets[f"pipeline/stage-{s}"]) if shared is None else shared
             if isinstance(weights, ChunkStageParams):
                 _restore_chunk_stage(module, weights, source, targets, own, meta)
                 continue
@@ -119,9 +125,40 @@ class PipelineStages:
             state = {i: by_name[source[n]] for i, n in index_of.items() if source[n] in by_name}
             groups = weights.optimizer.state_dict()["param_groups"]
             weights.optimizer.load_state_dict({"state": state, "param_groups": groups})
-            weights.load_state_dict(own["weights"])
+            if own.get("resplit"):  # nothing of the old stage's own but its update count
+                weights.version = own["weights"]["version"]
+            else:
+                weights.load_state_dict(own["weights"])
             self.runtime.scaler.load_state_dict(own.get("loss_scale"))
         self.runtime.step = int(extras["global_step"])
+
+
+# [Note: resuming on another split]
+# A synchronous pipeline flushes every step, so at a checkpoint no stage holds anything but its
+# weights, optimizer state and update count: the model's names say where each weight goes,
+# whatever stages wrote them. A checkpoint of one synchronous split (stages, schedule, mesh)
+# therefore resumes on another: each rank reads its new stages' keys by name, the optimizer step
+# counts of every old stage merged, and starts its stages' versions at the global step. An
+# asynchronous pipeline's stages hold versions, delays and correction buffers of their own
+# blocks, which another split cannot take: it resumes on the same split only.
+_FLUSHED = ("gpipe", "1f1b", "interleaved")
+
+
+def _flushes(split: dict[str, Any]) -> bool:
+    return split["schedule"] in _FLUSHED
+
+
+def _merged_stages(targets: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """[Note: resuming on another split]: what the old stages' own tensors say that holds for
+    any split: the optimizer step counts by name, the loss scale, the update count."""
+    stages = [_from_bytes(t) for k, t in targets.items() if k.startswith("pipeline/stage-")]
+    steps: dict[str, float] = {}
+    for own in stages:
+        steps.update(own["optimizer_steps"])
+    versions = {int(own["weights"]["version"]) for own in stages}
+    assert len(versions) == 1, f"a synchronous pipeline's stages at versions {versions}"
+    return {"optimizer_steps": steps, "loss_scale": stages[0].get("loss_scale"),
+            "weights": {"version": versions.pop()}, "resplit": True}  # fmt: skip
 
 
 def _restore_chunk_stage(module: nn.Module, weights: ChunkStageParams, source: dict[str, str],
