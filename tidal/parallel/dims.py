@@ -35,11 +35,15 @@ class ParallelConfig:
         dp: data-parallel replicas of each stage; ``None`` means the ranks left over, ``N //
             (pp * tp)``. With ``engine = 'chunk'`` the replicas shard their chunks (ZeRO-3).
         tp: tensor-parallel ranks per stage (from a plan's wiring: ``tidal train --plan``).
+        fsdp2: in a pipeline of the reference engine, shard each stage over its ``dp``
+            replicas with FSDP2 (``fully_shard``, [Note: FSDP2 stages] in
+            tidal/runtime/fsdp_stage.py) instead of replicating it.
     """
 
     pp: int = 1
     dp: int | None = None
     tp: int = 1
+    fsdp2: bool = False
 
     def __post_init__(self) -> None:
         for name in MESH_DIMS:

@@ -22,6 +22,7 @@ from tidal.pipeline.config import PipelineConfig
 from tidal.pipeline.lending import Lending
 from tidal.pipeline.split import PipelineStage, tied_parameters
 from tidal.runtime.distributed import PipelineRuntime, RuntimeConfig
+from tidal.runtime.fsdp_stage import Fsdp2StageWeights, fsdp2_stage
 from tidal.runtime.pipemare import AsyncConfig, StageWeights, WeightMode
 
 __all__ = ["pipeline"]
@@ -31,7 +32,7 @@ def pipeline(stages: Sequence[PipelineStage], *, config: PipelineConfig, optimiz
              training: TrainingConfig, block_ranges: Sequence[tuple[int, int]],
              num_microbatches: int, device: torch.device, mesh: DeviceMesh,
              lending: Lending | None = None,
-             chunks: ChunkStageConfig | None = None) -> PipelineRuntime:  # fmt: skip
+             chunks: ChunkStageConfig | None = None, fsdp2: bool = False) -> PipelineRuntime:  # fmt: skip
     """Train ``stages`` (all of the model's, in order; ``block_ranges``: the blocks of each) as
     a pipeline over ``mesh["pp"]`` under ``config``'s schedule: the rank at pipeline position
     ``r`` of ``p`` keeps stages ``r, r + p, ...`` (each with its own optimizer and, for
@@ -43,7 +44,9 @@ def pipeline(stages: Sequence[PipelineStage], *, config: PipelineConfig, optimiz
     (the caller's step draws ``k`` batches); ``training.precision``: [Note: pipeline mixed
     precision] in tidal/runtime/precision.py. ``chunks``: each stage's parameters in tidal's
     chunks under its budgets instead ([Note: chunk stages] in tidal/parallel/chunk_stage.py),
-    sharded over ``mesh["dp"]`` (ZeRO-3) when it has several ranks."""
+    sharded over ``mesh["dp"]`` (ZeRO-3) when it has several ranks; ``fsdp2``: each stage
+    sharded over ``mesh["dp"]`` by FSDP2 instead of replicated ([Note: FSDP2 stages] in
+    tidal/runtime/fsdp_stage.py)."""
     versions = {"pipedream": WeightMode.STASH, "2bw": WeightMode.TWO_VERSIONS}
     tied = tied_parameters(stages)
     rank, world_size = mesh.get_local_rank("pp"), mesh["pp"].size()
@@ -75,6 +78,11 @@ def pipeline(stages: Sequence[PipelineStage], *, config: PipelineConfig, optimiz
         zero3 = dist.get_world_size(dp_group) > 1
         held = [ChunkStageParams(s, chunks, parts=zero3_parts(chunks, dp_group) if zero3 else None)
                 for s in mine]  # fmt: skip
+    elif fsdp2 and dist.get_world_size(dp_group) > 1:
+        # the optimizer goes over the shards, so each stage is sharded before it is built
+        held = [Fsdp2StageWeights(s, build_optimizer(s, optimizer, first_lr), weights,
+                                  precision=training.precision, dp_mesh=mesh["dp"])
+                for s in (fsdp2_stage(s, mesh["dp"]) for s in mine)]  # fmt: skip
     else:
         held = [StageWeights(s, build_optimizer(s, optimizer, first_lr), weights,
                              precision=training.precision, dp_group=dp_group)

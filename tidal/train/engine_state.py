@@ -18,6 +18,7 @@ from tidal.config import ConfigError
 from tidal.parallel.chunk_stage import ChunkStageParams
 from tidal.parallel.flat_state import flat_optimizer_state, index_names, unflatten_optimizer_state
 from tidal.parallel.protocol import Checkpointable, CheckpointTensors, LoadTensors
+from tidal.runtime.fsdp_stage import like, whole
 
 __all__ = ["PipelineStages", "ReadsPipelines"]
 
@@ -59,11 +60,13 @@ class PipelineStages:
                     tensors[f"model/{source[name]}"] = state["model"][name].reshape(-1)
                 by_source = {source[n]: saved for n, saved in state["optimizer"].items()}
                 optim, steps = flat_optimizer_state(by_source)
-            else:
+            else:  # FSDP2 stages' DTensors whole ([Note: FSDP2 stages])
                 for name, param in module.named_parameters():
-                    tensors[f"model/{source[name]}"] = param.detach().reshape(-1)
+                    tensors[f"model/{source[name]}"] = whole(param.detach()).reshape(-1)
                 names = {i: source[n] for i, n in index_names(module, weights.optimizer).items()}
-                optim, steps = flat_optimizer_state(weights.optimizer.state_dict()["state"], names)
+                state = {i: {k: whole(v) for k, v in saved.items()}
+                         for i, saved in weights.optimizer.state_dict()["state"].items()}  # fmt: skip
+                optim, steps = flat_optimizer_state(state, names)
             tensors.update(optim)
             tensors[f"pipeline/stage-{s}"] = _to_bytes({
                 "weights": weights.state_dict(),
@@ -115,14 +118,17 @@ class PipelineStages:
             if isinstance(weights, ChunkStageParams):
                 _restore_chunk_stage(module, weights, source, targets, own, meta)
                 continue
+            params = dict(module.named_parameters())
             with torch.no_grad():
-                for name, param in module.named_parameters():
-                    param.copy_(targets[f"model/{source[name]}"].view(param.shape))
+                for name, param in params.items():
+                    param.copy_(like(param, targets[f"model/{source[name]}"].view(param.shape)))
             by_name = unflatten_optimizer_state(
                 targets, own["optimizer_steps"], meta["model_shapes"]
             )
             index_of = index_names(module, weights.optimizer)
-            state = {i: by_name[source[n]] for i, n in index_of.items() if source[n] in by_name}
+            state = {i: {k: like(params[n], v) if k != "step" else v
+                         for k, v in by_name[source[n]].items()}
+                     for i, n in index_of.items() if source[n] in by_name}  # fmt: skip
             groups = weights.optimizer.state_dict()["param_groups"]
             weights.optimizer.load_state_dict({"state": state, "param_groups": groups})
             if own.get("resplit"):  # nothing of the old stage's own but its update count

@@ -90,6 +90,12 @@ class JobConfig:
             "train without a pipeline)",
         )
         require(
+            not self.parallel.fsdp2 or self.engine == "reference",
+            "parallel.fsdp2",
+            "chunk stages shard over their replicas themselves (ZeRO-3 over chunks); set "
+            "parallel.fsdp2 = false, or engine = 'reference' for FSDP2 stages",
+        )
+        require(
             self.parallel.tp == 1,
             "parallel.tp",
             "tensor parallelism runs from a plan for now (tidal plan, then tidal train --plan "

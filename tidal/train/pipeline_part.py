@@ -65,6 +65,7 @@ from tidal.pipeline.split import even_ranges, split_parts
 from tidal.pipeline.stage_init import materialize_stages
 from tidal.runtime.build import pipeline
 from tidal.runtime.eval import evaluate_stages
+from tidal.runtime.fsdp_stage import reshard_stage
 from tidal.train.engine_state import PipelineStages
 from tidal.train.job import JobConfig
 from tidal.train.pipeline_memory import (
@@ -117,6 +118,12 @@ def check_pipeline_job(job: JobConfig, *, world_size: int, model: nn.Module | No
         "version; use gpipe, 1f1b or interleaved (or engine = 'reference')",
     )
     require(
+        not (job.parallel.fsdp2 and pipe.asynchronous),
+        "parallel.fsdp2",
+        f"{pipe.schedule} redirects saved weights to their versions, which FSDP2's gathered "
+        "copies hide; use gpipe, 1f1b or interleaved, or parallel.fsdp2 = false",
+    )
+    require(
         not (chunked and training.precision == "fp16"),
         "training.precision",
         "fp16 chunk stages would need the pipeline's loss scale in the chunk optimizer; use bf16",
@@ -141,6 +148,13 @@ def check_pipeline_job(job: JobConfig, *, world_size: int, model: nn.Module | No
         f"{pipe.schedule} is asynchronous: the first and last stages' copies of the tied "
         "embedding would update at different times; set model.tie_embeddings=false (a Hugging "
         "Face config: tie_word_embeddings false)",
+    )
+    require(
+        not (job.parallel.fsdp2 and tied and dims.dp > 1 and job.pipelined),
+        "model.tie_embeddings" if isinstance(config, GPTConfig) else "model.hf_config",
+        "FSDP2 stages hold the tied embedding's gradient in shards, so its two copies cannot be "
+        "summed; set model.tie_embeddings=false (a Hugging Face config: tie_word_embeddings "
+        "false)",
     )
     require(
         not (chunked and tied and dims.dp > 1 and job.pipelined),
@@ -312,7 +326,8 @@ class PipelinePart:
                                block_ranges=self.ranges, num_microbatches=job.num_microbatches,
                                device=device, mesh=self.mesh,
                                lending=self.memory.lending,
-                               chunks=_chunk_stages(job, device))  # fmt: skip
+                               chunks=_chunk_stages(job, device),
+                               fsdp2=job.parallel.fsdp2)  # fmt: skip
         self.memory.bind(self.engine.weights)
         self._moved_before: dict[int, dict[str, int]] = {}  # each rank's counters a step ago
         del stages
@@ -366,13 +381,16 @@ class PipelinePart:
     def evaluate(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
         """Mean loss over ``batches``, through the stages forward only."""
         modules = dict(zip(self.stage_ids, self.engine.modules.values(), strict=True))
-        return evaluate_stages(
+        loss = evaluate_stages(
             modules,
             num_ranks=self.engine.num_ranks,
             batches=[(x.to(self.device), y.to(self.device)) for x, y in batches],
             device=self.device,
             group=self.mesh.get_group("pp"),  # every replica evaluates the same batches
         )
+        for module in modules.values():  # [Note: FSDP2 stages]: no backward resharded them
+            reshard_stage(module)
+        return loss
 
     def step_figures(self, step: int) -> dict[str, Any]:
         delays = [tau for (s, _), tau in self.engine.delays.items() if s in self.stage_ids]
@@ -414,7 +432,8 @@ class PipelinePart:
                 "chunk_stages": self._chunk_figures(),
             },
             "engine": f"pipeline {pipe.schedule} x{self.job.parallel.pp}"
-            + (" chunk stages" if self.job.engine == "chunk" else ""),
+            + (" chunk stages" if self.job.engine == "chunk" else "")
+            + (" fsdp2 stages" if self.job.parallel.fsdp2 and self.dims.dp > 1 else ""),
         }
 
     def _chunk_figures(self) -> dict[int, dict[str, Any]]:

@@ -1,0 +1,104 @@
+"""A pipeline stage sharded by FSDP2 over its data-parallel replicas: :func:`fsdp2_stage`.
+
+[Note: FSDP2 stages]
+The alternative to replicating a stage on ``mesh["dp"]`` (``parallel.fsdp2``): ``fully_shard``
+on each of the stage's blocks and on the stage itself, as torchtitan composes FSDP2 with its
+pipelines. The parameters stay ``nn.Parameter``s (DTensors sharded on dim 0), so the stage's
+torch optimizer updates only this rank's shards, and FSDP2 gathers the weights for each forward
+and backward and reduce-scatters each backward's gradients into the shards, summed over the
+step's microbatches. So :meth:`Fsdp2StageWeights.reduce_gradients` has nothing left to do,
+and the stage-parameter protocol's other reads go to the local shards: the squared norm summed
+over the dp group (the same on every replica, as the pipeline's global norm expects of a
+stage), the clip factor applied to each shard. A tied matrix's two copies cannot be summed
+shard by shard through ``gradient(name)`` and is refused. A checkpoint holds whole tensors
+(gathered, :func:`whole`), and a resumed stage takes its shards of them. Only synchronous schedules run:
+the saved-tensor redirection of asynchronous ones needs the parameters' own storage, which
+FSDP2 replaces by gathered copies.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from tidal.config import ConfigError
+from tidal.runtime.weights import StageWeights
+
+__all__ = ["Fsdp2StageWeights", "fsdp2_stage", "like", "reshard_stage", "whole"]
+
+
+def fsdp2_stage(module: nn.Module, dp_mesh: DeviceMesh) -> nn.Module:
+    """``fully_shard`` each block of a stage (its ``layers``, if any) and the stage itself, in
+    place, over ``dp_mesh``; returns ``module``."""
+    for block in getattr(module, "layers", ()):
+        fully_shard(block, mesh=dp_mesh)
+    fully_shard(module, mesh=dp_mesh)
+    return module
+
+
+def reshard_stage(module: nn.Module) -> None:
+    """Back to the shards after a forward without a backward (validation), which leaves the
+    stage's own parameters gathered; nothing for a stage FSDP2 did not shard."""
+    if isinstance(module, FSDPModule):
+        module.reshard()
+
+
+def whole(t: torch.Tensor) -> torch.Tensor:
+    """A parameter's or its state's whole value (gathered over the dp group when sharded: every
+    replica calls it)."""
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def like(param: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """``value`` (whole) laid out as ``param`` is: this rank's shard of it for a DTensor."""
+    if not isinstance(param, DTensor):
+        return value
+    return distribute_tensor(value.to(param.device), param.device_mesh, param.placements)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+class Fsdp2StageWeights(StageWeights):
+    """:class:`StageWeights` of a stage :func:`fsdp2_stage` sharded; see [Note: FSDP2 stages]."""
+
+    def __init__(self, *args: Any, dp_mesh: DeviceMesh, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.dp_mesh_group = dp_mesh.get_group()
+
+    def reduce_gradients(self) -> None:
+        """FSDP2 reduce-scattered every backward's gradients into the shards already."""
+
+    def grad_squares(self, *, skip: frozenset[str] = frozenset()) -> torch.Tensor:
+        if skip:
+            raise _tied(sorted(skip)[0])
+        total = torch.zeros((), dtype=torch.float64)
+        for p in self.params:
+            if p.grad is not None:
+                total += _local(p.grad).double().square().sum().cpu()
+        dist.all_reduce(total, group=self.dp_mesh_group)
+        return total.float()
+
+    def scale_grads(self, factor: torch.Tensor) -> None:
+        for p in self.params:
+            if p.grad is not None:
+                grad = _local(p.grad)
+                grad.mul_(factor.to(grad.device, grad.dtype))
+
+    def gradient(self, name: str) -> torch.Tensor | None:
+        raise _tied(name)
+
+
+def _tied(name: str) -> ConfigError:
+    return ConfigError(
+        "model.tie_embeddings",
+        f"{name} is tied across stages, but FSDP2 stages hold its gradient in shards; set "
+        "model.tie_embeddings=false (or parallel.fsdp2 = false)",
+    )
