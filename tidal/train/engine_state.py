@@ -18,7 +18,6 @@ from tidal.config import ConfigError
 from tidal.parallel.chunk_stage import ChunkStageParams
 from tidal.parallel.flat_state import flat_optimizer_state, index_names, unflatten_optimizer_state
 from tidal.parallel.protocol import Checkpointable, CheckpointTensors, LoadTensors
-from tidal.runtime.fsdp_stage import like, whole
 
 __all__ = ["PipelineStages", "ReadsPipelines"]
 
@@ -52,6 +51,8 @@ class PipelineStages:
             yield s, module, weights, module.source_names
 
     def checkpoint_state(self) -> CheckpointTensors:
+        from tidal.runtime.fsdp_stage import whole  # DTensor: every process pays for an import
+
         tensors: dict[str, Any] = {}
         for s, module, weights, source in self._stages():
             if isinstance(weights, ChunkStageParams):  # read from the chunks (gathered: ZeRO-3)
@@ -110,6 +111,8 @@ class PipelineStages:
                 f"settings (or without --pipeline-stages, or export it with `tidal export "
                 f"RUN_DIR`)",
             )
+        from tidal.runtime.fsdp_stage import like  # DTensor: every process pays for an import
+
         targets = self._targets(meta, every_stage=resplit)
         load(targets)  # one collective read for all this rank's stages
         shared = _merged_stages(targets) if resplit else None
