@@ -16,6 +16,7 @@ import copy
 import shutil
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import pytest
 import torch
@@ -207,15 +208,25 @@ def test_chunk_stages_train_evict_and_resume_as_one_process(tmp_path: Path, dp: 
 
 
 def _fsdp2_worker(root: str, reference: tuple[list[float], list[float]]) -> None:
+    import torch.distributed as dist
+    from torch.distributed.fsdp import FSDPModule
+
     root_path = Path(root)
     for name in ("gpipe", "1f1b"):
         job = _job(root_path / f"fsdp2-{name}", **SCHEDULES[name])
         job["parallel"]["fsdp2"] = True
         job["model"]["tie_embeddings"] = False  # FSDP2 stages' gradients are shards
         trainer = Trainer(job)
-        assert trainer.fit()["engine"].endswith("fsdp2 stages")
+        # FSDP2's reduce-scatter (dist.reduce_scatter_single, torch 2.13), counted
+        with mock.patch.object(
+            dist, "reduce_scatter_single", wraps=dist.reduce_scatter_single
+        ) as rs:
+            assert trainer.fit()["engine"].endswith("fsdp2 stages")
         (stage,) = trainer.part.engine.modules.values()  # type: ignore[attr-defined]
         assert all(isinstance(p, DTensor) for p in stage.parameters())  # sharded, not replicated
+        # once per step and FSDP2 group (each block and the stage), not once per microbatch
+        groups = sum(isinstance(m, FSDPModule) for m in stage.modules())
+        assert rs.call_count == STEPS * groups, (name, rs.call_count, groups)
         train, val = _losses(root_path / f"fsdp2-{name}")
         assert train == pytest.approx(reference[0], abs=TOL), (name, train, reference[0])
         assert val == pytest.approx(reference[1], abs=TOL), (name, val, reference[1])

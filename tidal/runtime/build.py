@@ -81,7 +81,8 @@ def pipeline(stages: Sequence[PipelineStage], *, config: PipelineConfig, optimiz
     elif fsdp2 and dist.get_world_size(dp_group) > 1:
         # the optimizer goes over the shards, so each stage is sharded before it is built
         held = [Fsdp2StageWeights(s, build_optimizer(s, optimizer, first_lr), weights,
-                                  precision=training.precision, dp_mesh=mesh["dp"])
+                                  precision=training.precision, dp_mesh=mesh["dp"],
+                                  microbatches_per_step=microbatches)
                 for s in (fsdp2_stage(s, mesh["dp"]) for s in mine)]  # fmt: skip
     else:
         held = [StageWeights(s, build_optimizer(s, optimizer, first_lr), weights,

@@ -5,8 +5,10 @@ The alternative to replicating a stage on ``mesh["dp"]`` (``parallel.fsdp2``): `
 on each of the stage's blocks and on the stage itself, as torchtitan composes FSDP2 with its
 pipelines. The parameters stay ``nn.Parameter``s (DTensors sharded on dim 0), so the stage's
 torch optimizer updates only this rank's shards, and FSDP2 gathers the weights for each forward
-and backward and reduce-scatters each backward's gradients into the shards, summed over the
-step's microbatches. So :meth:`Fsdp2StageWeights.reduce_gradients` has nothing left to do,
+and backward. The dp reduction runs once per step: the step's earlier backwards sum their
+gradients unsharded (``set_requires_gradient_sync(False)``, as torch's pipelining stages do) and
+its last reduce-scatters the sum into the shards (the price: one unsharded gradient of the
+stage is held through the step). So :meth:`Fsdp2StageWeights.reduce_gradients` has nothing left to do,
 and the stage-parameter protocol's other reads go to the local shards: the squared norm summed
 over the dp group (the same on every replica, as the pipeline's global norm expects of a
 stage), the clip factor applied to each shard. A tied matrix's two copies cannot be summed
@@ -18,6 +20,8 @@ FSDP2 replaces by gathered copies.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -69,9 +73,22 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 class Fsdp2StageWeights(StageWeights):
     """:class:`StageWeights` of a stage :func:`fsdp2_stage` sharded; see [Note: FSDP2 stages]."""
 
-    def __init__(self, *args: Any, dp_mesh: DeviceMesh, **kwargs: Any) -> None:
+    def __init__(
+        self, *args: Any, dp_mesh: DeviceMesh, microbatches_per_step: int, **kwargs: Any
+    ) -> None:
         super().__init__(*args, **kwargs)
         self.dp_mesh_group = dp_mesh.get_group()
+        self.microbatches_per_step = microbatches_per_step
+
+    @contextlib.contextmanager
+    def backward(self, microbatch: int, *, last: bool = True) -> Iterator[None]:
+        """The step's last backward reduce-scatters what every one summed ([Note: FSDP2
+        stages]); the earlier ones keep their gradients unsharded."""
+        assert isinstance(self.module, FSDPModule), "fsdp2_stage shards the module first"
+        final = len(self._pending) + 1 >= self.microbatches_per_step
+        self.module.set_requires_gradient_sync(final)
+        with super().backward(microbatch, last=last):
+            yield
 
     def reduce_gradients(self) -> None:
         """FSDP2 reduce-scattered every backward's gradients into the shards already."""
