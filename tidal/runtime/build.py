@@ -75,8 +75,9 @@ def pipeline(stages: Sequence[PipelineStage], *, config: PipelineConfig, optimiz
     held: list[StageParams]
     if chunks is not None:
         require_synchronous(runtime.make(world_size, steps=1))
-        zero3 = dist.get_world_size(dp_group) > 1
-        held = [ChunkStageParams(s, chunks, parts=zero3_parts(chunks, dp_group) if zero3 else None)
+        # the NVMe tier is the sharded optimizer's: a stage with a disk is a dp group of one
+        sharded = dist.get_world_size(dp_group) > 1 or chunks.memory.nvme_dir is not None
+        held = [ChunkStageParams(s, chunks, parts=zero3_parts(chunks, dp_group) if sharded else None)
                 for s in mine]  # fmt: skip
     elif fsdp2 and dist.get_world_size(dp_group) > 1:
         # the optimizer goes over the shards, so each stage is sharded before it is built

@@ -149,20 +149,6 @@ def check_pipeline_job(job: JobConfig, *, world_size: int, model: nn.Module | No
         "embedding would update at different times; set model.tie_embeddings=false (a Hugging "
         "Face config: tie_word_embeddings false)",
     )
-    require(
-        not (job.parallel.fsdp2 and tied and dims.dp > 1 and job.pipelined),
-        "model.tie_embeddings" if isinstance(config, GPTConfig) else "model.hf_config",
-        "FSDP2 stages hold the tied embedding's gradient in shards, so its two copies cannot be "
-        "summed; set model.tie_embeddings=false (a Hugging Face config: tie_word_embeddings "
-        "false)",
-    )
-    require(
-        not (chunked and tied and dims.dp > 1 and job.pipelined),
-        "model.tie_embeddings" if isinstance(config, GPTConfig) else "model.hf_config",
-        "ZeRO-3 chunk stages keep gradient shards that mix parameters, so the tied embedding's "
-        "two copies cannot be summed; set model.tie_embeddings=false (a Hugging Face config: "
-        "tie_word_embeddings false)",
-    )
 
 
 def block_ranges(job: JobConfig) -> tuple[tuple[int, int], ...]:
@@ -439,6 +425,8 @@ class PipelinePart:
     def _chunk_figures(self) -> dict[int, dict[str, Any]]:
         """This rank's chunk stages' store figures (none with plain stages)."""
         keep = ("evictions", "prefetches", "peak_device_bytes", "device_budget",
-                "min_device_bytes", "bytes_to_device", "bytes_to_host", "num_chunks")  # fmt: skip
-        return {s: {k: w.stats()[k] for k in keep} for s, w in self.engine.weights.items()
-                if isinstance(w, ChunkStageParams)}  # fmt: skip
+                "min_device_bytes", "bytes_to_device", "bytes_to_host", "num_chunks",
+                "peak_host_bytes", "host_budget", "bytes_to_nvme", "bytes_from_nvme",
+                "peak_nvme_bytes", "bytes_all_gathered", "bytes_reduce_scattered")  # fmt: skip
+        return {s: {k: v for k, v in w.stats().items() if k in keep}
+                for s, w in self.engine.weights.items() if isinstance(w, ChunkStageParams)}  # fmt: skip
