@@ -90,6 +90,11 @@ def _worker(root: str, reference: tuple[list[float], list[float]]) -> None:
     dist.barrier()
     Trainer(_job(root_path / "resumed", **SCHEDULES["1f1b"])).fit(resume=True)
     assert _losses(root_path / "resumed") == _losses(root_path / "1f1b")
+    # the one-process reference engine's step-2 checkpoint goes on as pp2 x dp2
+    Trainer(_job(root_path / "from-engine", **SCHEDULES["1f1b"])).fit(resume=True)
+    train, val = _losses(root_path / "from-engine")
+    assert train == pytest.approx(reference[0], abs=TOL), (train, reference[0])
+    assert val == pytest.approx(reference[1], abs=TOL), (val, reference[1])
     on_four = _job(root_path / "pp4", **SCHEDULES["1f1b"])
     on_four["parallel"] = {"pp": 4, "dp": 1}  # every block its own stage, no replicas
     Trainer(on_four).fit(resume=True)
@@ -107,6 +112,7 @@ def test_pp2_x_dp2_equals_one_process_and_exports_its_weights(tmp_path: Path) ->
     Trainer(_job(tmp_path / "reference")).fit()
     reference = _losses(tmp_path / "reference")
     assert len(reference[0]) == STEPS and len(reference[1]) == 2
+    Trainer(_job(tmp_path / "from-engine", steps=2)).fit()  # no pipeline: the reference engine
     run_on_ranks(_worker, world_size=4, args=(str(tmp_path), reference), timeout_s=300)
     Trainer(_job(tmp_path / "one-process")).fit(resume=True)  # pp2 x dp2's step 2, one process
     train, val = _losses(tmp_path / "one-process")
