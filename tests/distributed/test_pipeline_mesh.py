@@ -229,7 +229,7 @@ def test_chunk_stages_train_evict_and_resume_as_one_process(
 
 def _fsdp2_worker(root: str, reference: tuple[list[float], list[float]]) -> None:
     import torch.distributed as dist
-    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule
 
     root_path = Path(root)
     for name in ("gpipe", "1f1b"):
@@ -249,6 +249,20 @@ def _fsdp2_worker(root: str, reference: tuple[list[float], list[float]]) -> None
         train, val = _losses(root_path / f"fsdp2-{name}")
         assert train == pytest.approx(reference[0], abs=TOL), (name, train, reference[0])
         assert val == pytest.approx(reference[1], abs=TOL), (name, val, reference[1])
+    job = _job(root_path / "fsdp2-offload", **SCHEDULES["1f1b"])
+    job["parallel"] |= {
+        "fsdp2": True,
+        "fsdp2_offload": True,
+    }  # CPUOffloadPolicy: shards on the host
+    trainer = Trainer(job)
+    assert trainer.fit()["engine"].endswith("fsdp2 stages offloaded")
+    (stage,) = trainer.part.engine.modules.values()  # type: ignore[attr-defined]
+    groups = [m._get_fsdp_state()._fsdp_param_group for m in stage.modules()
+              if isinstance(m, FSDPModule)]  # fmt: skip
+    assert groups and all(isinstance(g.offload_policy, CPUOffloadPolicy) for g in groups)
+    train, val = _losses(root_path / "fsdp2-offload")
+    assert train == pytest.approx(reference[0], abs=TOL), ("offload", train, reference[0])
+    assert val == pytest.approx(reference[1], abs=TOL), ("offload", val, reference[1])
     for steps in (2, STEPS):  # stopped at step 2's checkpoint, then resumed from it
         job = _job(root_path / "fsdp2-resumed", steps=steps, **SCHEDULES["1f1b"])
         job["parallel"]["fsdp2"] = True

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from tidal.runtime.weights import StageWeights
@@ -36,12 +36,16 @@ from tidal.runtime.weights import StageWeights
 __all__ = ["Fsdp2StageWeights", "fsdp2_stage", "like", "reshard_stage", "whole"]
 
 
-def fsdp2_stage(module: nn.Module, dp_mesh: DeviceMesh) -> nn.Module:
+def fsdp2_stage(module: nn.Module, dp_mesh: DeviceMesh, *, offload: bool = False) -> nn.Module:
     """``fully_shard`` each block of a stage (its ``layers``, if any) and the stage itself, in
-    place, over ``dp_mesh``; returns ``module``."""
+    place, over ``dp_mesh``; ``offload``: the shards, their gradients and the optimizer's step
+    on the host (``CPUOffloadPolicy``); returns ``module``."""
+    kwargs: dict[str, Any] = {"mesh": dp_mesh}
+    if offload:
+        kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
     for block in getattr(module, "layers", ()):
-        fully_shard(block, mesh=dp_mesh)
-    fully_shard(module, mesh=dp_mesh)
+        fully_shard(block, **kwargs)
+    fully_shard(module, **kwargs)
     return module
 
 

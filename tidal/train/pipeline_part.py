@@ -313,7 +313,8 @@ class PipelinePart:
                                device=device, mesh=self.mesh,
                                lending=self.memory.lending,
                                chunks=_chunk_stages(job, device),
-                               fsdp2=job.parallel.fsdp2)  # fmt: skip
+                               fsdp2=job.parallel.fsdp2,
+                               fsdp2_offload=job.parallel.fsdp2_offload)  # fmt: skip
         self.memory.bind(self.engine.weights)
         self._moved_before: dict[int, dict[str, int]] = {}  # each rank's counters a step ago
         del stages
@@ -402,7 +403,8 @@ class PipelinePart:
         return out
 
     def summary_figures(self) -> dict[str, Any]:
-        pipe = self.job.pipeline
+        pipe, parallel = self.job.pipeline, self.job.parallel
+        offload = parallel.fsdp2_offload
         max_delays: dict[int, int] = {}
         for (s, _), tau in self.engine.delays.items():
             max_delays[s] = max(max_delays.get(s, 0), tau)
@@ -419,7 +421,8 @@ class PipelinePart:
             },
             "engine": f"pipeline {pipe.schedule} x{self.job.parallel.pp}"
             + (" chunk stages" if self.job.engine == "chunk" else "")
-            + (" fsdp2 stages" if self.job.parallel.fsdp2 and self.dims.dp > 1 else ""),
+            + (" fsdp2 stages" if parallel.fsdp2 and (self.dims.dp > 1 or offload) else "")
+            + (" offloaded" if offload else ""),
         }
 
     def _chunk_figures(self) -> dict[int, dict[str, Any]]:
