@@ -1,4 +1,4 @@
-"""``tidal.planner.apply`` on 2 gloo ranks against single-device training of the tiny GPT.
+"""``tidal.parallel.plan_apply`` on 2 gloo ranks against single-device training of the tiny GPT.
 
 Every case trains 3 AdamW steps from one seed on the same batches (a data-parallel rank on its
 half of each); the losses and the gathered, un-permuted parameters must match a single-device
@@ -19,9 +19,9 @@ from torch.distributed.tensor.debug import CommDebugMode
 
 from tidal.models import build_gpt, preset
 from tidal.models.gpt import measure_gpt
+from tidal.parallel.plan_apply import apply, check_plan, full_state_dict, make_mesh
 from tidal.planner import ClusterSpec, PlannerConfig
 from tidal.planner import make_plan as make_tidal_plan
-from tidal.planner.apply import apply, check_plan, full_state_dict, make_mesh
 from tidal.planner.plan import Layout, Plan, Recompute, StrategyName
 from tidal.planner.wiring import derive_wiring, structure_graph
 from tidal.testing import run_on_ranks

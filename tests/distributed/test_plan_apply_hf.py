@@ -1,4 +1,4 @@
-"""``tidal.planner.apply`` on Hugging Face LLaMA (GQA) and GPT-2 on 2 gloo ranks, against
+"""``tidal.parallel.plan_apply`` on Hugging Face LLaMA (GQA) and GPT-2 on 2 gloo ranks, against
 single-device training of the same model.
 
 Every case trains 3 AdamW steps from one seed on the same batches (a data-parallel rank on its
@@ -21,8 +21,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from tidal.models.hf import HFModelConfig, build_hf
+from tidal.parallel.plan_apply import apply, full_state_dict, make_mesh
 from tidal.planner import ClusterSpec, PlannerConfig, Recompute, make_plan, measure
-from tidal.planner.apply import apply, full_state_dict, make_mesh
 from tidal.planner.plan import Layout, Plan, StrategyName
 from tidal.planner.wiring import derive_wiring, example_inputs, structure_graph
 from tidal.testing import run_on_ranks

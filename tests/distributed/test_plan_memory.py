@@ -20,8 +20,8 @@ from torch.distributed.tensor import DTensor
 
 from tidal.models import GPTConfig, build_gpt
 from tidal.models.gpt import measure_gpt
+from tidal.parallel.plan_apply import apply, make_mesh
 from tidal.planner import ClusterSpec, Plan, PlannerConfig, make_plan
-from tidal.planner.apply import apply, make_mesh
 from tidal.planner.baselines import baseline
 from tidal.planner.search import to_plan
 from tidal.planner.strategies import TrainingSpec

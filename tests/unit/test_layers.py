@@ -1,13 +1,16 @@
 """The import graph of ``tidal/`` and ``benchmarks/`` keeps the layer map (LAYERS below).
 
-Pure AST: no module is imported, so the whole graph is read in well under a second. Four rules:
+Pure AST: no module is imported, so the whole graph is read in well under a second. Five rules:
 
 - no import cycle between modules;
 - a lower layer never imports a higher one (``LAYERS`` below, highest first), nor the front door
   ``tidal`` itself; nothing in ``tidal/`` imports ``tidal.testing``, and only ``tidal.cli`` (which
   runs them as ``tidal bench NAME``) imports ``benchmarks``;
 - no module imports another module's private name (``from tidal.x import _y``, ``mod._y``);
-- no layer below ``train`` imports ``tidal.models`` (models reach them through a ModelSpec).
+- no layer below ``train`` imports ``tidal.models`` (models reach them through a ModelSpec);
+- a pure layer (``PURE``: the planner) imports neither the layers that run things nor
+  ``torch.distributed``: it computes plans, and what carries them out (DTensor, FSDP2, hooks,
+  collectives) lives in ``parallel/`` above it.
 
 [Note: what counts as an import]
 Every ``import tidal...`` and ``from tidal... import`` counts wherever it stands: at module level,
@@ -60,6 +63,11 @@ FRONT_DOOR = "front door"  # tidal/__init__.py and tidal/__main__.py: may import
 TESTING = "testing"  # may import anything; imported by nothing in tidal/
 BENCHMARKS = "benchmarks"  # may import tidal below cli; only cli (tidal bench) imports it
 MODELS_FLOOR = "train"  # the lowest layer that may import tidal.models
+# A pure layer -> the layers it never imports, whatever their place in LAYERS (so moving a layer
+# cannot let the planner reach a runtime); nor does it import torch.distributed or anything in it.
+RUNTIME_LAYERS = ("runtime", "parallel", "sharding", "memory", "distributed")
+PURE: dict[str, tuple[str, ...]] = {"planner": RUNTIME_LAYERS}
+PURE_EXTERNAL = "torch.distributed"
 
 # Owners: "engines" (parallel/, train/build.py, tidal/__init__.py), "placement" (memory/store.py and
 # its policy, sharding/store.py), "trainckpt" (train/ trainers, checkpoints, cli/main.py),
@@ -93,7 +101,7 @@ class Import:
 
 @dataclass(frozen=True, order=True, slots=True)
 class Violation:
-    kind: str  # cycle | layer | models | private
+    kind: str  # cycle | layer | models | private | pure
     importer: str
     imported: str
     why: str = ""
@@ -150,6 +158,17 @@ def imports_of(module: Module, known: Mapping[str, Module]) -> Iterator[Import]:
                     yield Import(module.name, sub, None, node.lineno)
                 else:
                     yield Import(module.name, base, alias.name, node.lineno)
+
+
+def external_imports(module: Module) -> Iterator[str]:
+    """Every module outside ours that ``module`` imports (``from a.b import c``: ``a.b.c``, as c
+    may be a module), at any depth of its tree."""
+    for node in ast.walk(_tree(module)):
+        if isinstance(node, ast.Import):
+            yield from (alias.name for alias in node.names if not _ours(alias.name))
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            base = node.module
+            yield from (f"{base}.{alias.name}" for alias in node.names if not _ours(base))
 
 
 def _module_aliases(module: Module, known: Mapping[str, Module]) -> dict[str, str]:
@@ -241,6 +260,19 @@ def layer_violation(importer: str, imported: str) -> Violation | None:
     return None
 
 
+def pure_violations(module: Module, imports: Iterable[Import]) -> Iterator[Violation]:
+    """A pure layer's imports of the layers that run things, or of ``torch.distributed``."""
+    layer = layer_of(module.name)
+    if layer not in PURE:
+        return
+    for imp in imports:
+        if layer_of(imp.target) in PURE[layer]:
+            yield Violation("pure", module.name, imp.target, f"{layer} runs nothing")
+    for name in external_imports(module):
+        if name == PURE_EXTERNAL or name.startswith(PURE_EXTERNAL + "."):
+            yield Violation("pure", module.name, name, f"{layer} runs nothing")
+
+
 def private_violation(imp: Import, modules: Mapping[str, Module]) -> Violation | None:
     """A private name of another module, or a private module outside its own package."""
     importer = modules[imp.importer]
@@ -293,7 +325,9 @@ def violations(modules: Mapping[str, Module]) -> list[Violation]:
     found: set[Violation] = set()
     edges: dict[str, set[str]] = {name: set() for name in modules}
     for module in modules.values():
-        for imp in imports_of(module, modules):
+        imports = list(imports_of(module, modules))
+        found.update(pure_violations(module, imports))
+        for imp in imports:
             if imp.target != module.name and imp.target in modules:
                 edges[module.name].add(imp.target)
             if (broken := layer_violation(imp.importer, imp.target)) is not None:
@@ -397,6 +431,25 @@ def test_a_lower_layer_importing_a_higher_one_is_found() -> None:
         "layer tidal.train.b -> benchmarks.dp",
         "models tidal.data.d -> tidal.models.gpt",
         "models tidal.parallel.p -> tidal.models.gpt",
+    ]
+
+
+def test_a_pure_layer_importing_a_runtime_is_found() -> None:
+    """The planner computes plans: DTensor, FSDP2, collectives and the runtimes are above it,
+    imported where they hide (a function, TYPE_CHECKING) or not."""
+    sources = {
+        "tidal.planner.a": "import torch\nfrom torch import nn\nimport torch.distributed as dist\n",
+        "tidal.planner.b": "def f():\n    from torch.distributed.tensor import DTensor\n",
+        "tidal.planner.c": "from torch.distributed import fsdp\nfrom tidal.memory.store import S\n",
+        "tidal.planner.d": "from tidal.pipeline.ir import Schedule\nimport torch.distributions\n",
+        "tidal.memory.store": "import torch.distributed\n",  # not pure: allowed
+        "tidal.pipeline.ir": "",
+    }
+    assert _keys(sources) == [
+        "pure tidal.planner.a -> torch.distributed",
+        "pure tidal.planner.b -> torch.distributed.tensor.DTensor",
+        "pure tidal.planner.c -> tidal.memory.store",
+        "pure tidal.planner.c -> torch.distributed.fsdp",
     ]
 
 

@@ -260,7 +260,7 @@ class CausalSelfAttention(nn.Module):
         self.proj = nn.Linear(d, d, bias=config.bias)
         self.resid_drop = nn.Dropout(config.dropout)
         # Recompute the attention core in backward instead of keeping its activations
-        # (Megatron's selective recomputation); set by tidal.planner.apply ([Note: selective
+        # (Megatron's selective recomputation); set by tidal.parallel.plan_apply ([Note: selective
         # recomputation contract] in tidal/planner/check.py).
         self.recompute_core = False
 
@@ -278,7 +278,7 @@ class CausalSelfAttention(nn.Module):
         Head counts come from the width, not the config, so a tensor-parallel rank whose ``qkv``
         gives ``[q; k; v]`` of its own heads only runs this unchanged on its share (``D`` and
         ``H`` are then that rank's; see [Note: fused qkv under tensor parallelism] in
-        tidal/planner/apply.py).
+        tidal/parallel/plan_apply.py).
         """
         B, T, _ = qkv_BT3D.shape
         q_BTD, k_BTD, v_BTD = qkv_BT3D.chunk(3, dim=-1)

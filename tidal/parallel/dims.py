@@ -34,7 +34,10 @@ class ParallelConfig:
         pp: pipeline stages, one rank each (``interleaved`` puts several model chunks on each).
         dp: data-parallel replicas of each stage; ``None`` means the ranks left over, ``N //
             (pp * tp)``. With ``engine = 'chunk'`` the replicas shard their chunks (ZeRO-3).
-        tp: tensor-parallel ranks per stage (from a plan's wiring: ``tidal train --plan``).
+        tp: tensor-parallel ranks per stage: in a pipeline each stage's blocks split over
+            them Megatron's way ([Note: tensor-parallel stages] in
+            tidal/parallel/tensor_stage.py); without one, from a plan's wiring (``tidal train
+            --plan``).
         fsdp2: in a pipeline of the reference engine, shard each stage over its ``dp``
             replicas with FSDP2 (``fully_shard``, [Note: FSDP2 stages] in
             tidal/runtime/fsdp_stage.py) instead of replicating it.

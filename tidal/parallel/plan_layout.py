@@ -1,7 +1,7 @@
 """A plan's layout: train a model as a planner's plan says (``tidal train --plan PATH``).
 
 ``tidal plan --json PATH`` writes a :class:`~tidal.planner.Plan`; :class:`PlanLayout` realises it
-with ``tidal.planner.apply`` (DTensor on the ``tp`` mesh axis, FSDP2 on ``dp``) as the layout of
+with ``tidal.parallel.plan_apply`` (DTensor on the ``tp`` mesh axis, FSDP2 on ``dp``) as the layout of
 the reference engine, whose calling convention, optimizer, schedule and clipping rule it keeps,
 so a plan run and a one-device run of the same job take the same steps up to rounding.
 
@@ -41,9 +41,10 @@ from tidal.distributed import rank, world_size
 from tidal.memory.materialize import ParameterValues, materialize
 from tidal.parallel.accumulation import split_rows
 from tidal.parallel.config import OptimizerConfig
+from tidal.parallel.plan_apply import apply, full_state_dict, make_mesh, set_accumulating
 from tidal.parallel.reference import build_optimizer
-from tidal.planner import Plan, apply, full_state_dict, make_mesh, set_accumulating
-from tidal.planner.apply import check_plan
+from tidal.planner import Plan
+from tidal.planner.check import check_plan
 from tidal.planner.measure import ModelGraph
 from tidal.planner.wiring import meta_twin, structure_graph
 

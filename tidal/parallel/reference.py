@@ -73,12 +73,15 @@ def build_optimizer(model: nn.Module, config: OptimizerConfig, lr: float) -> tor
     """``config.name``'s torch optimizer (AdamW, Adam or SGD) with weight decay where
     ``config.decays`` (by default on matrices only: biases, norms and gains are not decayed)."""
     params = [p for p in model.parameters() if p.requires_grad]
-    decay = [p for p in params if config.decays(p)]
-    no_decay = [p for p in params if not config.decays(p)]
-    groups = [
-        {"params": decay, "weight_decay": config.weight_decay},
-        {"params": no_decay, "weight_decay": 0.0},
-    ]
+    groups = []
+    # torch's fused and foreach kernels take one tensor type per call: a tensor-parallel
+    # stage's DTensors and its plain (replicated) parameters go in groups of their own
+    for kind in dict.fromkeys(type(p) for p in params) or (nn.Parameter,):
+        alike = [p for p in params if type(p) is kind]
+        groups += [
+            {"params": [p for p in alike if config.decays(p)], "weight_decay": config.weight_decay},
+            {"params": [p for p in alike if not config.decays(p)], "weight_decay": 0.0},
+        ]
     device_type = params[0].device.type if params else "cpu"
     fused = config.use_fused(device_type) and all(p.is_floating_point() for p in params)
     if config.name == "sgd":

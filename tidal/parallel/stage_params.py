@@ -42,6 +42,7 @@ from torch import nn
 __all__ = [
     "StageParams",
     "all_reduce_mean",
+    "average_over",
     "clip_coefficient",
     "plain_grad_squares",
     "plain_scale_grads",
@@ -98,24 +99,28 @@ def plain_scale_grads(params: Iterable[nn.Parameter], factor: torch.Tensor) -> N
 
 
 def all_reduce_mean(params: Iterable[nn.Parameter], group: dist.ProcessGroup | None) -> None:
-    """Each gradient of ``params`` becomes its mean over ``group``, in one flat all-reduce per
-    dtype (every rank must hold gradients for the same parameters, as data parallelism over
-    replicas of one stage does)."""
+    """Each gradient of ``params`` becomes its mean over ``group`` (:func:`average_over`)."""
+    average_over([p.grad for p in params if p.grad is not None], group)
+
+
+def average_over(grads: Iterable[torch.Tensor], group: dist.ProcessGroup | None) -> None:
+    """Each of ``grads`` (plain tensors: a DTensor's local one) becomes its mean over ``group``,
+    in one flat all-reduce per dtype (every rank must hold gradients for the same parameters,
+    as data parallelism over replicas of one stage does)."""
     if group is None or dist.get_world_size(group) == 1:
         return
     size = dist.get_world_size(group)
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-    for p in params:
-        if p.grad is not None:
-            by_dtype.setdefault(p.grad.dtype, []).append(p.grad)
+    for g in grads:
+        by_dtype.setdefault(g.dtype, []).append(g)
     for dtype in sorted(by_dtype, key=str):  # the same order on every rank
-        grads = by_dtype[dtype]
-        flat = torch.cat([g.reshape(-1) for g in grads])
+        same = by_dtype[dtype]
+        flat = torch.cat([g.reshape(-1) for g in same])
         if dist.get_backend(group) != "nccl":
             flat = flat.cpu()
         dist.all_reduce(flat, group=group)
         flat.div_(size)
         offset = 0
-        for g in grads:
+        for g in same:
             g.copy_(flat[offset : offset + g.numel()].view_as(g))
             offset += g.numel()

@@ -4,10 +4,10 @@
 (strategies.py) and ``evaluate`` (cost_model.py) are the cost model; ``build_problem`` (ilp.py)
 is the ILP on scipy's HiGHS; ``make_plan`` (search.py) runs it over every mesh and compares with
 the baselines (baselines.py); a :class:`Plan` (plan.py) is the result as plain data. Everything
-here is pure except ``apply`` (apply.py), which realises a plan on a model with DTensor.
+here is pure: a plan is realised on a model with DTensor and FSDP2 by
+``tidal.parallel.plan_apply.apply``, a layer above.
 """
 
-from tidal.planner.apply import apply, full_state_dict, make_mesh, set_accumulating
 from tidal.planner.cluster import CLUSTER_PRESETS, ClusterSpec, Mesh
 from tidal.planner.config import PlannerConfig
 from tidal.planner.measure import ModelGraph, Unit, measure
@@ -29,11 +29,7 @@ __all__ = [
     "StrategyName",
     "Unit",
     "UnitChoice",
-    "apply",
-    "full_state_dict",
-    "make_mesh",
     "make_plan",
     "measure",
     "plan_for",
-    "set_accumulating",
 ]

@@ -1,11 +1,12 @@
 """A plan on a model: whether ``apply`` can carry it out, and the layouts activations travel in.
 
-:func:`check_plan` and :func:`wire_plan` are what ``apply`` (apply.py) relies on: every unit
-known, every strategy one the unit can carry out, sizes that split, paired choices made alike
-(fused projections and heads, tied weights, a vocabulary-parallel loss) and each activation's
-*wire* layout between modules ([Note: plan realisation] in apply.py). The model's side comes
-from its measured graph (:func:`~tidal.planner.wiring.derive_wiring`), so the same rules hold
-for tidal's GPT and for Hugging Face decoders.
+:func:`check_plan` and :func:`wire_plan` are what ``apply`` (tidal/parallel/plan_apply.py, a
+layer above: the planner runs nothing) relies on: every unit known, every strategy one the unit
+can carry out, sizes that split, paired choices made alike (fused projections and heads, tied
+weights, a vocabulary-parallel loss) and each activation's *wire* layout between modules
+([Note: plan realisation] in plan_apply.py). The model's side comes from its measured graph
+(:func:`~tidal.planner.wiring.derive_wiring`), so the same rules hold for tidal's GPT and for
+Hugging Face decoders.
 """
 
 from __future__ import annotations
@@ -15,14 +16,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from torch import nn
-from torch.distributed.tensor import Replicate, Shard
-from torch.distributed.tensor.placement_types import Placement
 
 from tidal.planner.measure import ModelGraph
 from tidal.planner.plan import Layout, Plan, Recompute, StrategyName, UnitChoice
 from tidal.planner.wiring import ModelWiring, derive_wiring, structure_graph
 
-__all__ = ["PlanWiring", "check_plan", "model_name", "param_placement", "wire_plan"]
+__all__ = ["PlanWiring", "check_plan", "model_name", "split_dim", "wire_plan"]
 
 S = StrategyName
 R, SEQ, HID, P = Layout.R, Layout.SEQ, Layout.HID, Layout.P
@@ -74,7 +73,8 @@ def check_plan(model: nn.Module, plan: Plan, *, graph: ModelGraph | None = None)
 
 
 def wire_plan(model: nn.Module, plan: Plan, *, graph: ModelGraph | None = None) -> PlanWiring:
-    """The checked plan with its wire layouts ([Note: plan realisation] in apply.py)."""
+    """The checked plan with its wire layouts ([Note: plan realisation] in
+    tidal/parallel/plan_apply.py)."""
     if plan.offload:
         raise ValueError(
             f"the plan keeps {plan.offload.describe()}, which is priced but not run yet ([Note: "
@@ -272,13 +272,11 @@ def _check_pairs(wiring: ModelWiring, units: dict[str, UnitChoice]) -> None:
             raise ValueError(
                 f"{name} is {proj.strategy} and {projection.attention} is {core.strategy}: the "
                 f"fused qkv splits only by heads, so make both colwise/heads or neither ([Note: "
-                f"fused qkv under tensor parallelism] in tidal/planner/apply.py)"
+                f"fused qkv under tensor parallelism] in tidal/parallel/plan_apply.py)"
             )
     for name, owner in wiring.ties.items():
         mine, theirs = units[name], units[owner]
-        if param_placement(wiring, name, mine.strategy) != param_placement(
-            wiring, owner, theirs.strategy
-        ):
+        if split_dim(wiring, name, mine.strategy) != split_dim(wiring, owner, theirs.strategy):
             raise ValueError(
                 f"{owner} ({theirs.strategy}) and {name} ({mine.strategy}) share one weight but "
                 f"split it differently: pair vocab with colwise, or replicate and sequence with "
@@ -351,21 +349,22 @@ def _check_recompute(wiring: ModelWiring, plan: Plan, model: nn.Module) -> None:
                 )
 
 
-def param_placement(
+def split_dim(
     wiring: ModelWiring, name: str, strategy: StrategyName, param: str = "weight"
-) -> Placement:
-    """The tensor-axis placement of parameter ``param`` of unit ``name`` under ``strategy``:
-    a column (row) parallel linear splits its outputs (inputs), which are a Conv1D weight's
-    columns (rows); a vocabulary-parallel embedding its rows; biases follow the outputs."""
+) -> int | None:
+    """The dim of parameter ``param`` of unit ``name`` that ``strategy`` splits over the tensor
+    axis (None: replicated): a column (row) parallel linear splits its outputs (inputs), which
+    are a Conv1D weight's columns (rows); a vocabulary-parallel embedding its rows; biases
+    follow the outputs. tidal/parallel/tensor_axis.py makes DTensor placements of it."""
     role = wiring.units[name].role
     if (role, strategy) == ("embedding", S.VOCAB):
-        return Shard(0)
+        return 0
     if role != "linear" or strategy not in (S.COLWISE, S.ROWWISE):
-        return Replicate()
+        return None
     if param != "weight":
-        return Shard(0) if strategy is S.COLWISE else Replicate()
+        return 0 if strategy is S.COLWISE else None
     outputs_dim = 1 if name in wiring.transposed else 0
-    return Shard(outputs_dim if strategy is S.COLWISE else 1 - outputs_dim)
+    return outputs_dim if strategy is S.COLWISE else 1 - outputs_dim
 
 
 def _contract(wiring: ModelWiring, units: dict[str, UnitChoice]) -> set[tuple[str, str]]:

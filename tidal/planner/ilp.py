@@ -545,7 +545,7 @@ def _fused_projection_terms(problem: Problem) -> None:
 
     A fused q/k/v output (an attention input larger than the attention's output) laid out
     ``[q; k; v]`` splits into whole heads only from a column-parallel projection whose rows are
-    ordered per rank ([Note: fused qkv under tensor parallelism] in apply.py); slicing,
+    ordered per rank ([Note: fused qkv under tensor parallelism] in parallel/plan_apply.py); slicing,
     reduce-scattering or all-to-all-ing the fused tensor along its last dim would hand a rank
     part of q and part of k."""
     from tidal.planner.plan import StrategyName

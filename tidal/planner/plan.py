@@ -1,6 +1,6 @@
 """A parallel plan as plain data: what the solver chose, what it costs, and its JSON form.
 
-A :class:`Plan` is what ``tidal plan`` prints and writes, what ``tidal.planner.apply`` carries
+A :class:`Plan` is what ``tidal plan`` prints and writes, what ``tidal.parallel.plan_apply`` carries
 out, and what ``tidal train --plan`` reads. It holds no torch objects, so it can be made,
 compared and tested anywhere.
 

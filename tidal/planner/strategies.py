@@ -19,7 +19,7 @@ data axis of ``d`` ranks:
 - compute: ``1/t`` of the FLOPs and bytes unless the work is replicated.
 
 [Note: ZeRO as executed]
-ZeRO levels are priced as tidal carries them out (planner/apply.py), which is FSDP2 on the data
+ZeRO levels are priced as tidal carries them out (parallel/plan_apply.py), which is FSDP2 on the data
 axis: level 3 keeps ``1/d`` of the weights and gathers each unit's in turn; levels 1 and 2 keep
 ``1/d`` too but gather them all in the first forward and hold them until the step's last backward
 (``fully_shard`` without resharding after forward), so ``1 + 1/d`` copies are alive at the peak

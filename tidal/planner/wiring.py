@@ -18,7 +18,8 @@ tied, and which units must see whole activations. :func:`structure_graph` traces
   one of separate projections when its outputs are ``H K`` or ``G K`` (contiguous heads: a plain
   column split gives each rank whole heads), or a fused ``[q; k; v]`` when they are
   ``(H + 2 G) K`` and the core splits it along the last dim in exactly those widths (its rows
-  are then reordered per rank, [Note: fused qkv under tensor parallelism] in apply.py). Any
+  are then reordered per rank, [Note: fused qkv under tensor parallelism] in
+  tidal/parallel/plan_apply.py). Any
   other feed cannot be split by heads.
 - A repeated block's heads are its units reading the block's input (from before the block, or
   from the previous repetition); the one that is code in the block's forward (the residual add)

@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from tidal.config import ConfigError, require
 from tidal.parallel.chunk_stage import (
     ChunkStageConfig,
     ChunkStageParams,
@@ -48,7 +49,8 @@ def pipeline(stages: Sequence[PipelineStage], *, config: PipelineConfig, optimiz
     sharded over ``mesh["dp"]`` (ZeRO-3) when it has several ranks; ``fsdp2``: each stage
     sharded over ``mesh["dp"]`` by FSDP2 instead of replicated ([Note: FSDP2 stages] in
     tidal/runtime/fsdp_stage.py), ``fsdp2_offload`` with its shards on the host (with one dp
-    rank too)."""
+    rank too). With ``mesh["tp"]`` of several ranks each stage's blocks are split over them
+    first ([Note: tensor-parallel stages] in tidal/parallel/tensor_stage.py)."""
     versions = {"pipedream": WeightMode.STASH, "2bw": WeightMode.TWO_VERSIONS}
     tied = tied_parameters(stages)
     rank, world_size = mesh.get_local_rank("pp"), mesh["pp"].size()
@@ -75,7 +77,16 @@ def pipeline(stages: Sequence[PipelineStage], *, config: PipelineConfig, optimiz
         precision=training.precision,
     )
     held: list[StageParams]
-    if chunks is not None:
+    if mesh["tp"].size() > 1:
+        require(
+            not runtime.make(world_size, steps=1).asynchronous,
+            "pipeline.schedule",
+            f"{config.schedule} redirects saved weights to their versions by storage, which "
+            "tensor-parallel stages' DTensors hide; use gpipe, 1f1b or interleaved",
+        )
+        held = _tensor_stages(mine, mesh, optimizer, weights, training.precision, first_lr,
+                              chunks=chunks is not None, fsdp2=fsdp2)  # fmt: skip
+    elif chunks is not None:
         require_synchronous(runtime.make(world_size, steps=1))
         # the NVMe tier is the sharded optimizer's: a stage with a disk is a dp group of one
         sharded = dist.get_world_size(dp_group) > 1 or chunks.memory.nvme_dir is not None
@@ -101,3 +112,26 @@ def pipeline(stages: Sequence[PipelineStage], *, config: PipelineConfig, optimiz
         device=device,
         lending=lending,
     )
+
+
+def _tensor_stages(mine: Sequence[PipelineStage], mesh: DeviceMesh, optimizer: OptimizerConfig,
+                   weights: AsyncConfig, precision: str, lr: float, *, chunks: bool,
+                   fsdp2: bool) -> list[StageParams]:  # fmt: skip
+    """Each stage split over ``mesh["tp"]``, then its optimizer over the shares."""
+    from tidal.parallel.tensor_stage import tensor_parallel_stage  # DTensor: tp runs only
+    from tidal.runtime.tensor_weights import TensorStageWeights
+
+    if chunks or fsdp2:
+        raise ConfigError(
+            "parallel.tp",
+            "tensor-parallel stages hold their parameters as DTensors, which neither chunk nor "
+            "FSDP2 stages take yet; set parallel.tp = 1, or engine = 'reference' and "
+            "parallel.fsdp2 = false",
+        )
+    held: list[StageParams] = []
+    for stage in mine:
+        tensor_parallel_stage(stage, mesh["tp"])
+        held.append(TensorStageWeights(stage, build_optimizer(stage, optimizer, lr), weights,
+                                       precision=precision, dp_group=mesh.get_group("dp"),
+                                       tp_mesh=mesh["tp"]))  # fmt: skip
+    return held

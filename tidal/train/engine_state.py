@@ -52,7 +52,8 @@ class PipelineStages:
             yield s, module, weights, module.source_names
 
     def checkpoint_state(self) -> CheckpointTensors:
-        from tidal.runtime.fsdp_stage import whole  # DTensor: every process pays for an import
+        from tidal.parallel.tensor_stage import model_order  # DTensor: a checkpoint's import
+        from tidal.runtime.fsdp_stage import whole
 
         tensors: dict[str, Any] = {}
         for s, module, weights, source in self._stages():
@@ -62,11 +63,13 @@ class PipelineStages:
                     tensors[f"model/{source[name]}"] = state["model"][name].reshape(-1)
                 by_source = {source[n]: saved for n, saved in state["optimizer"].items()}
                 optim, steps = flat_optimizer_state(by_source)
-            else:  # FSDP2 stages' DTensors whole ([Note: FSDP2 stages])
+            else:  # FSDP2 and tensor-parallel stages' DTensors whole, in the model's order
                 for name, param in module.named_parameters():
-                    tensors[f"model/{source[name]}"] = whole(param.detach()).reshape(-1)
-                names = {i: source[n] for i, n in index_names(module, weights.optimizer).items()}
-                state = {i: {k: whole(v) for k, v in saved.items()}
+                    value = model_order(module, name, whole(param.detach()))
+                    tensors[f"model/{source[name]}"] = value.reshape(-1)
+                index_of = index_names(module, weights.optimizer)
+                names = {i: source[n] for i, n in index_of.items()}
+                state = {i: {k: model_order(module, index_of[i], whole(v)) for k, v in saved.items()}
                          for i, saved in weights.optimizer.state_dict()["state"].items()}  # fmt: skip
                 optim, steps = flat_optimizer_state(state, names)
             tensors.update(optim)
@@ -115,7 +118,8 @@ class PipelineStages:
                 f"settings (or without --pipeline-stages, or export it with `tidal export "
                 f"RUN_DIR`)",
             )
-        from tidal.runtime.fsdp_stage import like  # DTensor: every process pays for an import
+        from tidal.parallel.tensor_stage import rank_order  # DTensor: a checkpoint's import
+        from tidal.runtime.fsdp_stage import like
 
         targets = self._targets(meta, every_stage=resplit)
         load(targets)  # one collective read for all this rank's stages
@@ -129,12 +133,13 @@ class PipelineStages:
             params = dict(module.named_parameters())
             with torch.no_grad():
                 for name, param in params.items():
-                    param.copy_(like(param, targets[f"model/{source[name]}"].view(param.shape)))
+                    value = targets[f"model/{source[name]}"].view(param.shape)
+                    param.copy_(like(param, rank_order(module, name, value)))
             by_name = unflatten_optimizer_state(
                 targets, own["optimizer_steps"], meta["model_shapes"]
             )
             index_of = index_names(module, weights.optimizer)
-            state = {i: {k: like(params[n], v) if k != "step" else v
+            state = {i: {k: like(params[n], rank_order(module, n, v)) if k != "step" else v
                          for k, v in by_name[source[n]].items()}
                      for i, n in index_of.items() if source[n] in by_name}  # fmt: skip
             groups = weights.optimizer.state_dict()["param_groups"]

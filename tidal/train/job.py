@@ -90,10 +90,10 @@ class JobConfig:
             "parallel.fsdp2 = false, or engine = 'reference' for FSDP2 stages",
         )
         require(
-            self.parallel.tp == 1,
+            self.parallel.tp == 1 or self.parallel.pp > 1,
             "parallel.tp",
-            "tensor parallelism runs from a plan for now (tidal plan, then tidal train --plan "
-            "PLAN.json); set parallel.tp = 1",
+            "tensor parallelism runs in pipeline stages (parallel.pp >= 2) or from a plan (tidal "
+            "plan, then tidal train --plan PLAN.json); set parallel.tp = 1 or parallel.pp >= 2",
         )
         require(
             self.custom.factory is None

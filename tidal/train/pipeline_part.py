@@ -31,6 +31,9 @@ checkpoints that resume.
   store iteration per step, sharded over the stage's replicas with ``parallel.dp > 1`` ([Note:
   chunk stages] in tidal/parallel/chunk_stage.py); the store holds the budget, so the savers'
   plan does not run (``pipeline.memory = 'none'``).
+- ``parallel.tp > 1``: each stage's blocks split over ``mesh["tp"]`` ([Note: tensor-parallel
+  stages] in tidal/parallel/tensor_stage.py); the tp ranks of a replica take its rows (the rows
+  follow the dp coordinate alone) and compute one stage together.
 - bf16 and fp16 (fp32 masters, autocast compute, fp16's dynamic loss scale) under synchronous
   schedules; asynchronous ones are fp32 only, and fp16 needs CUDA as in the reference engine
   ([Note: pipeline mixed precision] in tidal/runtime/precision.py).
@@ -129,6 +132,8 @@ def check_pipeline_job(job: JobConfig, *, world_size: int, model: nn.Module | No
         "fp16 chunk stages would need the pipeline's loss scale in the chunk optimizer; use bf16",
     )
     num_stages = job.parallel.pp * pipe.virtual_stages
+    if dims.tp > 1:
+        _check_tensor_stages(job, dims.tp, own_model=model is not None)
     if model is not None:  # [Note: sequential pipelines] in tidal/pipeline/sequential.py
         check_sequential(model, num_stages=num_stages)
         return
@@ -149,6 +154,38 @@ def check_pipeline_job(job: JobConfig, *, world_size: int, model: nn.Module | No
         "embedding would update at different times; set model.tie_embeddings=false (a Hugging "
         "Face config: tie_word_embeddings false)",
     )
+
+
+def _check_tensor_stages(job: JobConfig, tp: int, *, own_model: bool) -> None:
+    """What tensor-parallel stages cannot run yet, one line each naming the fix ([Note:
+    tensor-parallel stages] in tidal/parallel/tensor_stage.py)."""
+    pipe, fix = job.pipeline, "or parallel.tp = 1"
+    require(job.engine == "reference", "parallel.tp",
+            f"tensor-parallel stages hold DTensors, which chunk stages do not take yet; set "
+            f"engine = 'reference' {fix}")  # fmt: skip
+    require(not job.parallel.fsdp2, "parallel.tp",
+            f"tensor-parallel stages are not FSDP2-sharded over dp yet; set parallel.fsdp2 = "
+            f"false {fix}")  # fmt: skip
+    require(not pipe.asynchronous, "pipeline.schedule",
+            f"{pipe.schedule} redirects saved weights by storage, which tensor-parallel stages' "
+            f"DTensors hide; use gpipe, 1f1b or interleaved {fix}")  # fmt: skip
+    require(not own_model, "parallel.tp",
+            "your own nn.Sequential has no blocks tensor parallelism knows how to split; set "
+            "parallel.tp = 1")  # fmt: skip
+    config = job.model.resolve_structured()
+    if isinstance(config, GPTConfig):
+        counts = {"model.num_heads": config.num_heads, "model.d_ff": config.ffn_dim}
+    else:
+        require(config.model_type == "llama", "parallel.tp",
+                f"tensor-parallel stages split tidal's GPT and LLaMA blocks, not "
+                f"{config.model_type!r} ones; set parallel.tp = 1")  # fmt: skip
+        counts = {"num_attention_heads": config.num_heads,
+                  "num_key_value_heads": config.num_kv_heads,
+                  "intermediate_size": int(config.pretrained().intermediate_size)}  # fmt: skip
+    for what, count in counts.items():
+        require(count % tp == 0, "parallel.tp",
+                f"{tp} tensor-parallel ranks do not divide {what} ({count}); use a parallel.tp "
+                f"that divides it")  # fmt: skip
 
 
 def block_ranges(job: JobConfig) -> tuple[tuple[int, int], ...]:
@@ -422,7 +459,8 @@ class PipelinePart:
             "engine": f"pipeline {pipe.schedule} x{self.job.parallel.pp}"
             + (" chunk stages" if self.job.engine == "chunk" else "")
             + (" fsdp2 stages" if parallel.fsdp2 and (self.dims.dp > 1 or offload) else "")
-            + (" offloaded" if offload else ""),
+            + (" offloaded" if offload else "")
+            + (f" tensor-parallel stages (tp{self.dims.tp})" if self.dims.tp > 1 else ""),
         }
 
     def _chunk_figures(self) -> dict[int, dict[str, Any]]:

@@ -54,5 +54,6 @@ def test_pipeline_stages_of_older_recipes_is_parallel_pp() -> None:
     assert load_job("tiny", ["parallel.pp=2", "pipeline.stages=2"]).parallel.pp == 2
     with pytest.raises(ConfigError, match=r"pipeline.stages: is parallel.pp now; .* \(2 and 4\)"):
         load_job("tiny", ["parallel.pp=4", "pipeline.stages=2"])
-    with pytest.raises(ConfigError, match="parallel.tp: tensor parallelism runs from a plan"):
-        load_job("tiny", ["parallel.tp=2"])
+    with pytest.raises(ConfigError, match="parallel.tp: tensor parallelism runs in pipeline st"):
+        load_job("tiny", ["parallel.tp=2"])  # without a pipeline: from a plan only
+    assert load_job("tiny", ["parallel.pp=2", "parallel.tp=2"]).parallel.tp == 2

@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 
 from tidal.models import GPTSpec, preset
-from tidal.planner import ClusterSpec, Plan, PlannerConfig, Recompute, apply, make_plan
-from tidal.planner.apply import make_mesh
+from tidal.parallel.plan_apply import apply, make_mesh
+from tidal.planner import ClusterSpec, Plan, PlannerConfig, Recompute, make_plan
 from tidal.train import Trainer
 from tidal.train.metrics import read_metrics
 

@@ -440,7 +440,7 @@ def test_hugging_face_decoders_measure_and_plan() -> None:
 @pytest.mark.parametrize(("devices", "eps"), [(2, 100.0), (4, 0.05), (4, 100.0)])
 def test_planner_plans_are_ones_apply_can_run(devices: int, eps: float) -> None:
     from tidal.models import build_gpt, preset
-    from tidal.planner.apply import check_plan
+    from tidal.planner.check import check_plan
 
     graph = measure_gpt(preset("tiny"), micro_batch=1)
     for objective in ("memory", "time"):

@@ -63,10 +63,10 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
+from tidal.parallel.tensor_axis import REORDERED, parallelize_tensor_axis
 from tidal.planner.check import RECOMPUTE_CORE, PlanWiring, check_plan, wire_plan
 from tidal.planner.measure import ModelGraph
 from tidal.planner.plan import Plan, Recompute
-from tidal.planner.tensor_axis import REORDERED, parallelize_tensor_axis
 
 __all__ = ["apply", "check_plan", "full_state_dict", "make_mesh", "set_accumulating"]
 

@@ -1,6 +1,6 @@
 """A plan's tensor axis on a model: DTensor parameters, hooks converting activations, the loss.
 
-:func:`parallelize_tensor_axis` is the tensor-axis half of ``apply`` (apply.py): it follows
+:func:`parallelize_tensor_axis` is the tensor-axis half of ``apply`` (plan_apply.py): it follows
 [Note: plan realisation], [Note: fused qkv under tensor parallelism] and [Note: colwise inputs
 kept sharded] there, and [Note: attention heads per rank] here, on any model whose wiring
 (tidal/planner/wiring.py) the plan was checked against (tidal/planner/check.py).
@@ -36,10 +36,11 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 from torch.distributed.tensor.parallel import loss_parallel
 from torch.distributed.tensor.placement_types import Placement
 
-from tidal.planner.check import PlanWiring, param_placement
+from tidal.planner.check import PlanWiring, split_dim
 from tidal.planner.plan import Layout, StrategyName
+from tidal.planner.wiring import ModelWiring
 
-__all__ = ["parallelize_tensor_axis", "projection_rows"]
+__all__ = ["param_placement", "parallelize_tensor_axis", "projection_rows"]
 
 S = StrategyName
 R, SEQ, HID, P = Layout.R, Layout.SEQ, Layout.HID, Layout.P
@@ -109,9 +110,18 @@ def _boundary(
     )
 
 
+def param_placement(
+    wiring: ModelWiring, name: str, strategy: StrategyName, param: str = "weight"
+) -> Placement:
+    """The tensor-axis placement of parameter ``param`` of unit ``name`` under ``strategy``
+    (:func:`~tidal.planner.check.split_dim`, the planner's word for it, as a DTensor placement)."""
+    dim = split_dim(wiring, name, strategy, param)
+    return Replicate() if dim is None else Shard(dim)
+
+
 def projection_rows(parts: tuple[int, ...], t: int) -> torch.Tensor:
     """Output features in the order giving rank ``r`` each part's ``r``-th share, side by side
-    (``[q_r; k_r; v_r]``; [Note: fused qkv under tensor parallelism] in apply.py)."""
+    (``[q_r; k_r; v_r]``; [Note: fused qkv under tensor parallelism] in plan_apply.py)."""
     starts = [sum(parts[:k]) for k in range(len(parts))]
     return torch.cat(
         [

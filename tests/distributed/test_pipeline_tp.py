@@ -1,0 +1,141 @@
+"""``tidal train --mesh pp=2,tp=2``: two pipeline stages, each split over two tensor-parallel ranks.
+
+[Note: tensor-parallel stages] in tidal/parallel/tensor_stage.py. The tp ranks of a stage take
+the same rows of every batch and each computes its share of every block, so 4 gloo ranks must
+log the one-process reference engine's losses and validation losses and export its weights,
+under 1F1B and interleaved 1F1B (the tiny GPT ties its embedding across the first and last
+stage, and clips by the global norm, which counts each replicated parameter once). A pp2 x tp2
+checkpoint resumes on one process and a pp2 x dp2 one (tp1) on pp2 x tp2, both going on as the
+unbroken run. What does not run yet is refused in one line.
+"""
+
+from __future__ import annotations
+
+import copy
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tidal.cli.main import main
+from tidal.testing import run_on_ranks
+from tidal.train import Trainer
+from tidal.train.export import export_run
+from tidal.train.metrics import read_metrics
+from tidal.train.safetensors import read_safetensors
+
+STEPS = 4
+TOL = 1e-5
+SCHEDULES: dict[str, dict[str, Any]] = {
+    "1f1b": {"schedule": "1f1b", "microbatches": 4},
+    "interleaved": {"schedule": "interleaved", "virtual_stages": 2, "microbatches": 4},
+}
+JOB: dict[str, Any] = {  # test_pipeline_mesh.py's
+    "name": "tp",
+    "model": {"preset": "tiny"},  # tied embeddings: a matrix on the first and the last stage
+    "data": {"source": "synthetic", "synthetic_num_tokens": 20_000},
+    "training": {
+        "steps": STEPS,
+        "batch_size": 8,
+        "device": "cpu",
+        "log_every": 1,
+        "val_every": 2,
+        "val_batches": 1,
+        "grad_clip_norm": 0.5,
+    },  # fmt: skip
+    "optimizer": {"lr": 3e-3, "warmup_steps": 2, "decay_steps": STEPS},
+    "checkpoint": {"every_steps": 2},
+}
+
+
+def _job(run_dir: Path, *, steps: int = STEPS, schedule: str | None = None,
+         parallel: dict[str, int] | None = None) -> dict[str, Any]:  # fmt: skip
+    job = copy.deepcopy(JOB)
+    job["run_dir"] = str(run_dir)
+    job["training"]["steps"] = steps
+    if schedule is not None:
+        job["parallel"] = parallel or {"pp": 2, "tp": 2}
+        job["pipeline"] = SCHEDULES[schedule]
+    return job
+
+
+def _losses(run_dir: Path) -> tuple[list[float], list[float]]:
+    records = read_metrics(run_dir)
+    train = [r["loss"] for r in records if r["kind"] == "train"]
+    return train, [r["val_loss"] for r in records if r["kind"] == "val"]
+
+
+def _exported(run_dir: Path, out: Path) -> dict[str, torch.Tensor]:
+    return read_safetensors(export_run(run_dir, out=out) / "model.safetensors")
+
+
+def _worker(root: str, reference: tuple[list[float], list[float]]) -> dict[str, Any]:
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    root_path = Path(root)
+    engines = {}
+    for name in ("1f1b", "interleaved"):
+        trainer = Trainer(_job(root_path / f"tp-{name}", schedule=name))
+        engines[name] = trainer.fit()["engine"]
+        split = [p for m in trainer.part.engine.modules.values()  # type: ignore[attr-defined]
+                 for p in m.parameters() if isinstance(p, DTensor)]  # fmt: skip
+        assert split, name  # the blocks are DTensors on mesh["tp"]
+        train, val = _losses(root_path / f"tp-{name}")
+        assert train == pytest.approx(reference[0], abs=TOL), (name, train, reference[0])
+        assert val == pytest.approx(reference[1], abs=TOL), (name, val, reference[1])
+    Trainer(_job(root_path / "tp-half", steps=2, schedule="1f1b")).fit()  # stopped at step 2
+    # [Note: resuming on another split]: pp2 x dp2's step-2 checkpoint goes on as pp2 x tp2
+    Trainer(_job(root_path / "from-tp1", steps=2, schedule="1f1b",
+                 parallel={"pp": 2, "dp": 2})).fit()  # fmt: skip
+    Trainer(_job(root_path / "from-tp1", schedule="1f1b")).fit(resume=True)
+    train, val = _losses(root_path / "from-tp1")
+    assert train == pytest.approx(reference[0], abs=TOL), (train, reference[0])
+    assert val == pytest.approx(reference[1], abs=TOL), (val, reference[1])
+    dist.barrier()
+    return engines
+
+
+@pytest.mark.slow
+def test_pp2_x_tp2_equals_one_process_and_resumes_across_tp(tmp_path: Path) -> None:
+    Trainer(_job(tmp_path / "reference")).fit()
+    reference = _losses(tmp_path / "reference")
+    engines = run_on_ranks(_worker, world_size=4, args=(str(tmp_path), reference), timeout_s=400)
+    assert engines[0]["1f1b"] == "pipeline 1f1b x2 tensor-parallel stages (tp2)", engines[0]
+    shutil.copytree(tmp_path / "tp-half", tmp_path / "one-process")
+    Trainer(_job(tmp_path / "one-process")).fit(resume=True)  # pp2 x tp2's step 2, one process
+    train, val = _losses(tmp_path / "one-process")
+    assert train == pytest.approx(reference[0], abs=TOL), (train, reference[0])
+    assert val == pytest.approx(reference[1], abs=TOL), (val, reference[1])
+    weights = _exported(tmp_path / "reference", tmp_path / "reference-export")
+    for name in ("tp-1f1b", "tp-interleaved"):
+        trained = _exported(tmp_path / name, tmp_path / f"{name}-export")
+        assert trained.keys() == weights.keys(), name
+        for key, value in weights.items():
+            torch.testing.assert_close(trained[key], value, rtol=0, atol=TOL,
+                                       msg=lambda m, key=key: f"{key}: {m}")  # fmt: skip
+
+
+def test_what_tensor_parallel_stages_cannot_run_is_one_line(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Refused before torchrun starts, each in one line naming the key and the fix."""
+    argv = ["train", "--recipe", "tiny", "--set", "run_dir=/nonexistent"]
+    refusals = {
+        ("--mesh", "tp=2"): "parallel.tp: tensor parallelism runs in pipeline stages",
+        ("--mesh", "pp=2,tp=3"): "parallel.tp: 3 tensor-parallel ranks do not divide "
+                                 "model.num_heads (4)",
+        ("--mesh", "pp=2,tp=2", "--set", "engine=chunk", "--set", "pipeline.memory=none"):
+            "parallel.tp: tensor-parallel stages hold DTensors, which chunk stages",
+        ("--mesh", "pp=2,dp=2,tp=2", "--set", "parallel.fsdp2=true", "--set",
+         "model.tie_embeddings=false"): "parallel.tp: tensor-parallel stages are not FSDP2",
+        ("--mesh", "pp=2,tp=2", "--schedule", "pipemare", "--set", "model.tie_embeddings=false"):
+            "pipeline.schedule: pipemare redirects saved weights by storage",
+    }  # fmt: skip
+    for extra, says in refusals.items():
+        assert main([*argv, *extra]) == 2, extra
+        err = capsys.readouterr().err.strip()
+        assert says in err and len(err.splitlines()) == 1, err
+    assert JOB["model"] == {"preset": "tiny"}  # 4 heads: tp 3 divides none of them

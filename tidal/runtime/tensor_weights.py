@@ -1,0 +1,52 @@
+"""A pipeline stage split over ``mesh["tp"]``: :class:`TensorStageWeights` ([Note: tensor-parallel
+stages] in tidal/parallel/tensor_stage.py).
+
+The stage-parameter protocol on a stage :func:`~tidal.parallel.tensor_stage.tensor_parallel_stage`
+split: the parameters are DTensors (split or replicated over the tp ranks) or, outside the
+blocks, plain replicated tensors, and the stage's torch optimizer updates each rank's share.
+Every read and write of a gradient goes to the local tensor: the dp reduction averages them over
+``mesh["dp"]`` once per step (the replicas of one tp rank hold the same shares), clipping scales
+them, and the squared norm counts a split parameter's shares once over the tp group and a
+replicated parameter once (:func:`~tidal.parallel.tensor_stage.tensor_grad_squares`). A tied
+embedding is replicated, so ``gradient(name)`` hands its whole gradient as plain stages do.
+Only synchronous schedules run: the saved-tensor redirection of asynchronous ones finds a
+parameter by its storage, which a DTensor's local shard hides.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+
+from tidal.parallel.stage_params import average_over
+from tidal.parallel.tensor_stage import tensor_grad_squares
+from tidal.runtime.weights import StageWeights
+
+__all__ = ["TensorStageWeights"]
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+class TensorStageWeights(StageWeights):
+    """:class:`StageWeights` of a tensor-parallel stage; see the module docstring."""
+
+    def __init__(self, *args: Any, tp_mesh: DeviceMesh, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.tp_group = tp_mesh.get_group()
+
+    def reduce_gradients(self) -> None:
+        average_over([_local(p.grad) for p in self.params if p.grad is not None], self.dp_group)
+
+    def grad_squares(self, *, skip: frozenset[str] = frozenset()) -> torch.Tensor:
+        return tensor_grad_squares(self._named(), self.tp_group, skip=skip)
+
+    def scale_grads(self, factor: torch.Tensor) -> None:
+        for p in self.params:
+            if p.grad is not None:
+                grad = _local(p.grad)
+                grad.mul_(factor.to(grad.device, grad.dtype))
