@@ -182,6 +182,19 @@ def _chunk_worker(root: str, reference: tuple[list[float], list[float]], dp: int
     Trainer(_chunk_job(root_path / "resumed", steps=2, dp=dp, memory=memory)).fit()
     Trainer(_chunk_job(root_path / "resumed", dp=dp, memory=memory)).fit(resume=True)
     assert _losses(root_path / "resumed") == (train, val)
+    if dp > 1:  # [Note: reducing once per step]: a quarter of the reduce-scatters at m = 4
+        job = _chunk_job(root_path / "per-step", dp=dp, memory=memory)
+        job["sharding"] = {"reduce_per_step": True}
+        once = Trainer(job).fit()["pipeline"]["chunk_stages"]
+        once_train, once_val = _losses(root_path / "per-step")
+        assert once_train == pytest.approx(train, abs=TOL), (once_train, train)
+        assert once_val == pytest.approx(val, abs=TOL), (once_val, val)
+        every = summary["pipeline"]["chunk_stages"]
+        for s, figure in once.items():
+            m = SCHEDULES["1f1b"]["microbatches"]
+            assert figure["bytes_reduce_scattered"] * m == every[s]["bytes_reduce_scattered"]
+            assert figure["bytes_all_gathered"] < every[s]["bytes_all_gathered"], (figure, every)
+            assert figure["peak_device_bytes"] <= figure["device_budget"], figure
     return {"figures": figures, "engine": summary["engine"]}
 
 

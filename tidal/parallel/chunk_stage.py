@@ -95,6 +95,9 @@ class ChunkStageConfig:
         chunk: chunk size and placement; ``grads_in_params`` must stay unset or false.
         precision: ``fp32`` or ``bf16`` (fp32 masters, the forward under autocast).
         device: where the stage computes.
+        sharding: how a stage sharded over its dp group (:func:`zero3_parts`) gathers and
+            reduces (``reduce_per_step``: [Note: reducing once per step] in
+            tidal/sharding/grads.py).
     """
 
     optimizer: OptimizerConfig
@@ -102,6 +105,7 @@ class ChunkStageConfig:
     chunk: ChunkConfig = field(default_factory=ChunkConfig)
     precision: Precision = "fp32"
     device: str = "cpu"
+    sharding: ShardingConfig = field(default_factory=ShardingConfig)
 
     def __post_init__(self) -> None:
         require(
@@ -132,13 +136,15 @@ def zero3_parts(
 ) -> ShardedParts:
     """A stage's chunks sharded over ``dp_group`` (its replicas: every rank of it holds the same
     stage and runs the same schedule on its slice of the batch); pass as ``parts``."""
-    return ShardedParts(Collectives(dp_group), sharding=sharding or ShardingConfig(),
+    return ShardedParts(Collectives(dp_group), sharding=sharding or config.sharding,
                         memory=config.memory, optimizer=config.optimizer)  # fmt: skip
 
 
 class ChunkStageParams:
     """One stage's parameters in chunks, driven at the pipeline's moments; see [Note: chunk
-    stages]. ``parts``: where the chunks live (default: this process)."""
+    stages]. ``parts``: where the chunks live (default: this process); ``microbatches_per_step``:
+    the backwards a step runs on the stage, which ``sharding.reduce_per_step`` needs to know
+    the last of."""
 
     def __init__(
         self,
@@ -147,6 +153,7 @@ class ChunkStageParams:
         *,
         init: ParameterValues | None = None,
         parts: ChunkParts | None = None,
+        microbatches_per_step: int | None = None,
     ) -> None:
         training = TrainingConfig(device=config.device, precision=config.precision,
                                   grad_clip_norm=0.0)  # fmt: skip
@@ -158,6 +165,11 @@ class ChunkStageParams:
         self.skipped_updates = 0  # updates dropped for a non-finite gradient
         self._in_flight: set[int] = set()  # forward done, backward not
         self._open = False  # the store's iteration (this step's) is open
+        self._backwards = 0  # this step's backwards begun on the stage
+        self._reduce_per_step = config.sharding.reduce_per_step and self.sharded
+        require(not self._reduce_per_step or microbatches_per_step is not None,
+                "sharding.reduce_per_step", "needs the step's microbatches (microbatches_per_step)")  # fmt: skip
+        self._microbatches_per_step = microbatches_per_step or 1
         self._by_name = dict(module.named_parameters(remove_duplicate=False))
         self._grad_factor: torch.Tensor | None = None  # scale_grads' factor for shards on disk
 
@@ -208,6 +220,11 @@ class ChunkStageParams:
         if microbatch not in self._in_flight:
             raise ValueError(f"microbatch {microbatch} has no forward in flight on this stage")
         engine = self.engine
+        if self._reduce_per_step:  # [Note: reducing once per step] in tidal/sharding/grads.py
+            final = self._backwards + 1 >= self._microbatches_per_step
+            engine.optimizer.gradients.accumulating = not final
+        if last:
+            self._backwards += 1
         engine.parts.before_backward(engine)
         try:
             with warnings.catch_warnings():
@@ -230,6 +247,7 @@ class ChunkStageParams:
         no update."""
         self.store.abandon_iteration()
         self._open = False
+        self._backwards = 0
         self._in_flight.clear()
         self.engine.zero_grad()
 
@@ -239,6 +257,7 @@ class ChunkStageParams:
                 f"microbatches {sorted(self._in_flight)} are in flight at the step's end: chunk "
                 "stages run synchronous schedules only (gpipe, 1f1b, interleaved)"
             )
+        self._backwards = 0
         if not self._open:
             return
         self._open = False

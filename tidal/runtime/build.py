@@ -90,7 +90,8 @@ def pipeline(stages: Sequence[PipelineStage], *, config: PipelineConfig, optimiz
         require_synchronous(runtime.make(world_size, steps=1))
         # the NVMe tier is the sharded optimizer's: a stage with a disk is a dp group of one
         sharded = dist.get_world_size(dp_group) > 1 or chunks.memory.nvme_dir is not None
-        held = [ChunkStageParams(s, chunks, parts=zero3_parts(chunks, dp_group) if sharded else None)
+        held = [ChunkStageParams(s, chunks, parts=zero3_parts(chunks, dp_group) if sharded else None,
+                                 microbatches_per_step=microbatches)
                 for s in mine]  # fmt: skip
     elif fsdp2 and (dist.get_world_size(dp_group) > 1 or fsdp2_offload):
         # the optimizer goes over the shards, so each stage is sharded before it is built

@@ -30,11 +30,19 @@ class ShardingConfig:
             shards; ``false`` saves that round trip once a model is known to run alike (it
             cost 6-10% of the demo's step on 2 ranks of a 2-core CPU machine, ``tidal bench
             dp --section perf``).
+        reduce_per_step: in a pipeline's chunk stages, reduce-scatter a step's gradients once,
+            after the stage's last backward of the step, instead of after every microbatch's:
+            each chunk's fp32 gradient is held whole on the device from its first microbatch
+            to the last (more device memory), and the reduce-scatter traffic is ``1/m`` of
+            per-microbatch reduction (``m`` microbatches a step). With ``reshard_after_forward =
+            false`` the gathered chunks then stay for the step too, as far as the device budget
+            allows. ([Note: reducing once per step] in tidal/sharding/grads.py.)
     """
 
     reshard_after_forward: bool = True
     max_pending_reductions: int = 2
     check_gathers: bool = True
+    reduce_per_step: bool = False
 
     def __post_init__(self) -> None:
         require(

@@ -25,6 +25,16 @@ parameter without a gradient. Every rank must use the same parameters in a backw
 requires): the ranks then complete, and reduce, the same chunks in the same order; ranks that
 differ issue different collectives.
 
+[Note: reducing once per step]
+While ``accumulating`` is set (a pipeline stage's backwards before the step's last one:
+``sharding.reduce_per_step``), a complete chunk is not reduced: its gradient stays in its fp32
+buffer of the whole chunk, and the next backward adds into the same buffer (every buffer starts
+at zero, so the first backward's add is its copy). The gathered payload never takes gradients
+then, so it keeps the weights and a later microbatch may use it without gathering again. The
+backward after ``accumulating`` is cleared completes each chunk once more and reduces the sum, so
+each chunk is reduce-scattered once per step; the result is the per-microbatch path's sum, added
+in another order.
+
 A chunk index whose parameter shard lives on disk ([Note: nvme placement] in swap.py, level 3)
 keeps its gradient shard there too: the reduced shard is written as soon as it is ready (read
 back and added to when accumulating, the same operations as in memory), and its norm is kept,
@@ -78,6 +88,7 @@ class ShardedGradients:
         self._arrived: dict[int, int] = {}  # chunk index -> gradients arrived this backward
         self._got_grad: set[int] = set()  # id(param) with a gradient since the last step
         self._full: dict[int, torch.Tensor] = {}  # chunk index -> its gradient, being collected
+        self.accumulating = False  # [Note: reducing once per step]
         self.gathered = GatheredGradients(store)  # [Note: gradients in gathered chunks]
         store.sharding.before_drop = self._before_drop
         # (chunk index, work, its fp32 buffer or None when reduced in place, the output)
@@ -106,18 +117,19 @@ class ShardedGradients:
         assert grad is not None
         index, slot = self.store.slot_of[id(param)]
         chunk = self.store.chunks[index]
-        if index in self.gathered or (index not in self._full and self._in_place_for(chunk)):
+        in_place = index in self.gathered or (index not in self._full and self._in_place_for(chunk))
+        if in_place and not self.accumulating:
             self.gathered.write(index, slot, grad)
         else:
             full = self._full.get(index)
             if full is None:
                 full = self._full[index] = self._allocate_full(index)
-            chunk.view_in(full, slot).copy_(grad)
+            chunk.view_in(full, slot).add_(grad)  # zeros, or earlier microbatches' sum
         param.grad = None
         self._got_grad.add(id(param))
         self._arrived[index] = arrived = self._arrived.get(index, 0) + 1
         assert arrived <= self._params_in[index], f"a second gradient in one backward: {index}"
-        if arrived == self._params_in[index]:
+        if arrived == self._params_in[index] and not self.accumulating:
             self._reduce(index)
 
     def _in_place_for(self, chunk: Chunk) -> bool:
@@ -244,9 +256,11 @@ class ShardedGradients:
 
     def finish_backward(self) -> None:
         """Reduce the chunks only some of whose parameters got a gradient, then wait for this
-        backward's reductions (see the module doc)."""
-        for index in sorted(self._full.keys() | self.gathered.indices()):
-            self._reduce(index)
+        backward's reductions (see the module doc); while ``accumulating``, nothing is
+        reduced ([Note: reducing once per step])."""
+        if not self.accumulating:
+            for index in sorted(self._full.keys() | self.gathered.indices()):
+                self._reduce(index)
         self._wait_reductions()
         self._finish_writes()
         self._drop_stale()

@@ -84,6 +84,12 @@ class JobConfig:
             "on them yet: set pipeline.memory = 'none' (or engine = 'reference')",
         )
         require(
+            not self.sharding.reduce_per_step or (self.parallel.pp > 1 and self.engine == "chunk"),
+            "sharding.reduce_per_step",
+            "reduces a pipeline step's microbatches once, in chunk stages (--mesh pp=P,dp=D --set "
+            "engine=chunk); drop it elsewhere",
+        )
+        require(
             not self.parallel.fsdp2 or self.engine == "reference",
             "parallel.fsdp2",
             "chunk stages shard over their replicas themselves (ZeRO-3 over chunks); set "

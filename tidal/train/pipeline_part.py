@@ -279,7 +279,8 @@ def _chunk_stages(job: JobConfig, device: torch.device) -> ChunkStageConfig | No
     if job.engine != "chunk":
         return None
     return ChunkStageConfig(optimizer=job.optimizer, memory=job.memory, chunk=job.chunk,
-                            precision=job.training.precision, device=str(device))  # fmt: skip
+                            precision=job.training.precision, device=str(device),
+                            sharding=job.sharding)  # fmt: skip
 
 
 class PipelinePart:
