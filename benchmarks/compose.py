@@ -171,11 +171,12 @@ class ComposeSettings:
 # -- the configurations -------------------------------------------------------------------------
 
 
-def _refusal(settings: ComposeSettings, composition: Composition) -> str | None:
-    """Why this machine or tidal cannot run ``composition``, in one line; None if it can try."""
+def _refusal(settings: ComposeSettings, composition: Composition, depth: int) -> str | None:
+    """Why this machine or tidal cannot run ``composition`` at ``depth`` blocks, in one line;
+    None if it can try."""
     if composition.system != TIDAL:
         return missing_reason(composition.system)
-    overrides = settings.overrides_at(composition, 1, _SCALE_STEPS)
+    overrides = settings.overrides_at(composition, depth, _SCALE_STEPS)
     nvme = ("memory.nvme_dir=" + tempfile.gettempdir(),) if composition.nvme else ()
     try:
         job = load_job(find_recipe(settings.recipe), [*overrides, *nvme])
@@ -256,7 +257,8 @@ def scale_rows(settings: ComposeSettings) -> list[dict[str, Any]]:
 
 
 def _scale_row(settings: ComposeSettings, composition: Composition) -> dict[str, Any]:
-    reason = _refusal(settings, composition)
+    # at NPROC blocks every composition of 4 ranks has a block a stage (pp4 refuses 1 block)
+    reason = _refusal(settings, composition, NPROC)
     if reason is not None:
         return not_runnable_row(composition, reason)
     base = load_job(find_recipe(settings.recipe), settings.overrides_at(composition, 1, 1))
@@ -337,7 +339,7 @@ def fixed_rows(settings: ComposeSettings, depth: int) -> list[dict[str, Any]]:
 
 
 def _fixed_row(settings: ComposeSettings, composition: Composition, depth: int) -> dict[str, Any]:
-    reason = _refusal(settings, composition)
+    reason = _refusal(settings, composition, depth)
     if reason is not None:
         return not_runnable_row(composition, reason)
     base = load_job(find_recipe(settings.recipe), settings.overrides_at(composition, depth, 1))

@@ -112,6 +112,10 @@ def test_a_configuration_tidal_refuses_at_job_check_runs_nothing(monkeypatch: py
     assert row["not_runnable"].startswith("pipeline.schedule:") and not probed
     fixed = compose.fixed_rows(_settings(compositions=()), 2)
     assert fixed == []
+    # pp4 refuses a model of 1 block (4 stages), not one deep enough for its stages
+    pp4 = next(c for c in COMPOSITIONS if c.key == "pp4")
+    assert compose._refusal(_settings(), pp4, 1) is not None
+    assert compose._refusal(_settings(), pp4, 4) is None
 
 
 def test_depth_bounds_peers_by_their_whole_weights_tidal_by_all_ranks_model_data() -> None:
