@@ -90,6 +90,11 @@ def _worker(root: str, reference: tuple[list[float], list[float]]) -> None:
     dist.barrier()
     Trainer(_job(root_path / "resumed", **SCHEDULES["1f1b"])).fit(resume=True)
     assert _losses(root_path / "resumed") == _losses(root_path / "1f1b")
+    # the one-process reference engine's step-2 checkpoint goes on as pp2 x dp2
+    Trainer(_job(root_path / "from-engine", **SCHEDULES["1f1b"])).fit(resume=True)
+    train, val = _losses(root_path / "from-engine")
+    assert train == pytest.approx(reference[0], abs=TOL), (train, reference[0])
+    assert val == pytest.approx(reference[1], abs=TOL), (val, reference[1])
     on_four = _job(root_path / "pp4", **SCHEDULES["1f1b"])
     on_four["parallel"] = {"pp": 4, "dp": 1}  # every block its own stage, no replicas
     Trainer(on_four).fit(resume=True)
@@ -107,6 +112,7 @@ def test_pp2_x_dp2_equals_one_process_and_exports_its_weights(tmp_path: Path) ->
     Trainer(_job(tmp_path / "reference")).fit()
     reference = _losses(tmp_path / "reference")
     assert len(reference[0]) == STEPS and len(reference[1]) == 2
+    Trainer(_job(tmp_path / "from-engine", steps=2)).fit()  # no pipeline: the reference engine
     run_on_ranks(_worker, world_size=4, args=(str(tmp_path), reference), timeout_s=300)
     Trainer(_job(tmp_path / "one-process")).fit(resume=True)  # pp2 x dp2's step 2, one process
     train, val = _losses(tmp_path / "one-process")
@@ -139,58 +145,68 @@ def test_a_mesh_that_does_not_multiply_to_the_ranks_is_one_line(
     refusals = {  # what chunk stages cannot do yet, each one line naming the key
         ("--mesh", "pp=2", "--schedule", "pipemare", "--set", "model.tie_embeddings=false"):
             "pipeline.schedule: pipemare updates with microbatches in flight",
-        ("--mesh", "pp=2,dp=2"): "model.tie_embeddings: ZeRO-3 chunk stages",
         ("--mesh", "pp=2", "--set", "pipeline.memory=recompute"): "pipeline.memory: chunk stages",
         ("--mesh", "pp=2,dp=2", "--set", "parallel.fsdp2=true"): "parallel.fsdp2: chunk stages",
     }  # fmt: skip
-    fsdp2 = [*argv, "--mesh", "pp=2,dp=2", "--set", "parallel.fsdp2=true"]
-    assert main(fsdp2) == 2  # the tiny GPT ties its embedding
-    assert "model.tie_embeddings: FSDP2 stages hold" in capsys.readouterr().err
+    fsdp2 = [*argv, "--mesh", "pp=2,dp=2", "--set", "parallel.fsdp2=true", "--schedule",
+             "pipemare", "--set", "model.tie_embeddings=false"]  # fmt: skip
+    assert main(fsdp2) == 2
+    assert "parallel.fsdp2: pipemare redirects saved weights" in capsys.readouterr().err
     for extra, says in refusals.items():
         assert main([*chunked, *extra]) == 2, extra
         err = capsys.readouterr().err.strip()
         assert says in err and len(err.splitlines()) == 1, err
 
 
-def _chunk_job(run_dir: Path, *, steps: int = STEPS, dp: int = 1, budget: str) -> dict[str, Any]:
+def _chunk_job(run_dir: Path, *, steps: int = STEPS, dp: int = 1, memory: dict[str, Any]
+               ) -> dict[str, Any]:  # fmt: skip
     job = _job(run_dir, steps=steps, **SCHEDULES["1f1b"])
     job["parallel"] = {"pp": 2, "dp": dp}
     job["engine"] = "chunk"
-    job["memory"] = {"device_budget": budget}
+    job["memory"] = memory
     job["chunk"] = {"size": 4096}
-    job["model"]["tie_embeddings"] = dp == 1  # ZeRO-3 stages' gradient shards mix parameters
     return job
 
 
 def _chunk_worker(root: str, reference: tuple[list[float], list[float]], dp: int,
-                  budget: str) -> dict[str, Any]:  # fmt: skip
+                  memory: dict[str, Any]) -> dict[str, Any]:  # fmt: skip
     import torch.distributed as dist
 
     root_path = Path(root)
-    summary = Trainer(_chunk_job(root_path / "chunk", dp=dp, budget=budget)).fit()
+    summary = Trainer(_chunk_job(root_path / "chunk", dp=dp, memory=memory)).fit()
     train, val = _losses(root_path / "chunk")
     assert train == pytest.approx(reference[0], abs=TOL), (train, reference[0])
     assert val == pytest.approx(reference[1], abs=TOL), (val, reference[1])
     figures: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(figures, summary["pipeline"]["chunk_stages"])
-    Trainer(_chunk_job(root_path / "resumed", steps=2, dp=dp, budget=budget)).fit()
-    Trainer(_chunk_job(root_path / "resumed", dp=dp, budget=budget)).fit(resume=True)
+    Trainer(_chunk_job(root_path / "resumed", steps=2, dp=dp, memory=memory)).fit()
+    Trainer(_chunk_job(root_path / "resumed", dp=dp, memory=memory)).fit(resume=True)
     assert _losses(root_path / "resumed") == (train, val)
     return {"figures": figures, "engine": summary["engine"]}
 
 
+# A host budget below the stage's model data (its AdamW state goes to disk), above the staging
+# the NVMe tier needs to stream it (1.06 MiB: tidal/sharding/swap.py's plan_nvme).
+NVME_HOST_BUDGET = 1_500_000
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("dp", [1, 2], ids=["pp2", "pp2xdp2-zero3"])
-def test_chunk_stages_train_evict_and_resume_as_one_process(tmp_path: Path, dp: int) -> None:
+@pytest.mark.parametrize(("dp", "nvme"), [(1, False), (2, False), (1, True)],
+                         ids=["pp2", "pp2xdp2-zero3", "pp2-nvme"])  # fmt: skip
+def test_chunk_stages_train_evict_and_resume_as_one_process(
+    tmp_path: Path, dp: int, nvme: bool
+) -> None:
     """``engine = 'chunk'`` in a pipeline: each stage's parameters in chunks under a device
-    budget that forces evictions (ZeRO-3 over each stage's replicas with dp 2), the one-process
-    reference's losses, within every rank's budget, a resumed run equal to the unbroken one."""
-    budget = "1200KiB"
-    reference_job = _job(tmp_path / "reference")
-    reference_job["model"]["tie_embeddings"] = dp == 1
-    Trainer(reference_job).fit()
+    budget that forces evictions (ZeRO-3 over each stage's replicas with dp 2; with an NVMe tier
+    under a host budget that sends optimizer state to disk), the tied embedding summed across
+    the stages, the one-process reference's losses, within every rank's budgets, a resumed run
+    equal to the unbroken one."""
+    memory: dict[str, Any] = {"device_budget": "1200KiB"}
+    if nvme:
+        memory |= {"host_budget": NVME_HOST_BUDGET, "nvme_dir": str(tmp_path / "nvme")}
+    Trainer(_job(tmp_path / "reference")).fit()
     reference = _losses(tmp_path / "reference")
-    out = run_on_ranks(_chunk_worker, world_size=2 * dp, args=(str(tmp_path), reference, dp, budget),
+    out = run_on_ranks(_chunk_worker, world_size=2 * dp, args=(str(tmp_path), reference, dp, memory),
                        timeout_s=300)  # fmt: skip
     figures = out[0]["figures"]
     assert out[0]["engine"].endswith("chunk stages")
@@ -198,6 +214,10 @@ def test_chunk_stages_train_evict_and_resume_as_one_process(tmp_path: Path, dp: 
     assert len(stages) == 2 * dp, figures  # a stage on each rank
     assert all(f["evictions"] > 0 for f in stages), figures
     assert all(f["peak_device_bytes"] <= f["device_budget"] == 1200 << 10 for f in stages), figures
+    if nvme:
+        assert all(f["bytes_to_nvme"] > 0 and f["bytes_from_nvme"] > 0 for f in stages), figures
+        assert all(f["peak_host_bytes"] <= f["host_budget"] == NVME_HOST_BUDGET
+                   for f in stages), figures  # fmt: skip
     weights = _exported(tmp_path / "reference", tmp_path / "reference-export")
     trained = _exported(tmp_path / "chunk", tmp_path / "chunk-export")
     assert trained.keys() == weights.keys()
@@ -209,13 +229,12 @@ def test_chunk_stages_train_evict_and_resume_as_one_process(tmp_path: Path, dp: 
 
 def _fsdp2_worker(root: str, reference: tuple[list[float], list[float]]) -> None:
     import torch.distributed as dist
-    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule
 
     root_path = Path(root)
     for name in ("gpipe", "1f1b"):
         job = _job(root_path / f"fsdp2-{name}", **SCHEDULES[name])
         job["parallel"]["fsdp2"] = True
-        job["model"]["tie_embeddings"] = False  # FSDP2 stages' gradients are shards
         trainer = Trainer(job)
         # FSDP2's reduce-scatter (dist.reduce_scatter_single, torch 2.13), counted
         with mock.patch.object(
@@ -230,10 +249,23 @@ def _fsdp2_worker(root: str, reference: tuple[list[float], list[float]]) -> None
         train, val = _losses(root_path / f"fsdp2-{name}")
         assert train == pytest.approx(reference[0], abs=TOL), (name, train, reference[0])
         assert val == pytest.approx(reference[1], abs=TOL), (name, val, reference[1])
+    job = _job(root_path / "fsdp2-offload", **SCHEDULES["1f1b"])
+    job["parallel"] |= {
+        "fsdp2": True,
+        "fsdp2_offload": True,
+    }  # CPUOffloadPolicy: shards on the host
+    trainer = Trainer(job)
+    assert trainer.fit()["engine"].endswith("fsdp2 stages offloaded")
+    (stage,) = trainer.part.engine.modules.values()  # type: ignore[attr-defined]
+    groups = [m._get_fsdp_state()._fsdp_param_group for m in stage.modules()
+              if isinstance(m, FSDPModule)]  # fmt: skip
+    assert groups and all(isinstance(g.offload_policy, CPUOffloadPolicy) for g in groups)
+    train, val = _losses(root_path / "fsdp2-offload")
+    assert train == pytest.approx(reference[0], abs=TOL), ("offload", train, reference[0])
+    assert val == pytest.approx(reference[1], abs=TOL), ("offload", val, reference[1])
     for steps in (2, STEPS):  # stopped at step 2's checkpoint, then resumed from it
         job = _job(root_path / "fsdp2-resumed", steps=steps, **SCHEDULES["1f1b"])
         job["parallel"]["fsdp2"] = True
-        job["model"]["tie_embeddings"] = False
         Trainer(job).fit(resume=steps == STEPS)
     assert _losses(root_path / "fsdp2-resumed") == _losses(root_path / "fsdp2-1f1b")
 
@@ -243,9 +275,7 @@ def test_pp2_x_dp2_on_fsdp2_stages_equals_one_process(tmp_path: Path) -> None:
     """[Note: FSDP2 stages]: each stage fully_shard-ed over its replicas instead of replicated:
     the one-process reference's losses, its exported weights, a resumed run equal to the
     unbroken one."""
-    job = _job(tmp_path / "reference")
-    job["model"]["tie_embeddings"] = False
-    Trainer(job).fit()
+    Trainer(_job(tmp_path / "reference")).fit()
     reference = _losses(tmp_path / "reference")
     run_on_ranks(_fsdp2_worker, world_size=4, args=(str(tmp_path), reference), timeout_s=300)
     weights = _exported(tmp_path / "reference", tmp_path / "reference-export")

@@ -165,15 +165,18 @@ def test_a_ctrl_c_at_once_names_the_checkpoint_to_resume_from(
     assert _saved(resumable) == before
 
 
-def test_a_pipeline_refuses_an_engines_checkpoint_saying_what_each_is() -> None:
-    split = {"schedule": "1f1b", "block_ranges": [[0, 1], [1, 2]]}
+def test_an_asynchronous_pipeline_refuses_an_engines_checkpoint_saying_what_each_is() -> None:
+    """A synchronous pipeline resumes from an engine's checkpoint (test_pipeline_mesh.py);
+    PipeMare's stages would need weight versions the engine never had."""
+    split = {"schedule": "pipemare", "block_ranges": [[0, 1], [1, 2]]}
     stages = PipelineStages(runtime=None, layout={}, split=split)
     with pytest.raises(ConfigError) as err:
         stages.restore_checkpoint(lambda targets: None, {"global_step": 2, "micro_step": 2}, {})
     assert str(err.value) == (
-        "pipeline: the checkpoint was trained without a pipeline, this run is a 1f1b pipeline "
-        "of 2 stages (blocks [0, 1), [1, 2)); resume it without --pipeline-stages (and "
-        "[parallel] pp = 1), or export it with `tidal export RUN_DIR`"
+        "pipeline: the checkpoint was trained without a pipeline, this run is a pipemare "
+        "pipeline of 2 stages (blocks [0, 1), [1, 2)), whose stages would need weight versions "
+        "it does not have; resume it with a synchronous schedule (gpipe, 1f1b, interleaved) or "
+        "without --pipeline-stages (and [parallel] pp = 1)"
     )
 
 

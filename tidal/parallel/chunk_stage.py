@@ -41,9 +41,16 @@ dp rank running the same schedule on its slice of the batch): each backward redu
 gradients of the chunks it completed into this rank's gradient shards, which sum the step's
 microbatches ([Note: sharded gradients] in tidal/sharding/grads.py), so ``reduce_gradients``
 has nothing left to reduce. A shard mixes parameters, so such a stage's ``grad_squares`` is
-its whole gradient's (the shards' squares summed over the dp group: the same on every dp rank,
-as the pipeline's norm expects of a stage) and it cannot hand out one parameter's gradient: a
-matrix tied across stages is refused there, as are gradient shards on the NVMe tier.
+the shards' squares summed over the dp group (the same on every dp rank, as the pipeline's norm
+expects of a stage), less a tied second copy's share. A parameter's gradient is spread over the
+replicas' shards, each holding a disjoint range of it: ``gradient(name)`` sums the ranges into
+the whole over the dp group (a tied matrix only, once a step) and ``set_gradient`` writes each
+rank's range back, so a matrix tied across stages is summed on sharded stages as on plain ones.
+
+The NVMe tier (``memory.nvme_dir``) is the sharded optimizer's, so a stage with one goes through
+``zero3_parts`` even when its dp group is one rank. Gradient shards on disk are not read back to
+be scaled: ``scale_grads`` keeps the factor and the update applies it as it streams each shard
+in, as the optimizer applies its own clip coefficient.
 """
 
 from __future__ import annotations
@@ -152,6 +159,7 @@ class ChunkStageParams:
         self._in_flight: set[int] = set()  # forward done, backward not
         self._open = False  # the store's iteration (this step's) is open
         self._by_name = dict(module.named_parameters(remove_duplicate=False))
+        self._grad_factor: torch.Tensor | None = None  # scale_grads' factor for shards on disk
 
     @property
     def version(self) -> int:
@@ -262,13 +270,15 @@ class ChunkStageParams:
         return total
 
     def _sharded_grad_squares(self, skip: frozenset[str]) -> torch.Tensor:
-        if skip:
-            raise _tied_sharded(sorted(skip)[0])
         optimizer = self.engine.optimizer
         norms = optimizer.gradients.norms()
         squares = torch.zeros((), dtype=torch.float64)
         if norms:
             squares = torch.stack([norms[i].double().cpu() ** 2 for i in sorted(norms)]).sum()
+        for name in skip:  # a tied second copy's share of this rank's shards
+            piece = optimizer.grad_piece(self._param(name))
+            if piece is not None:
+                squares = squares - piece[0].double().square().sum().cpu()
         optimizer.comm.all_reduce_sum(squares)
         return squares.float()
 
@@ -277,19 +287,49 @@ class ChunkStageParams:
         if not self.sharded:
             optimizer.scale_gradients(factor)
             return
-        require(not optimizer.gradients.on_disk, "memory.nvme_dir",
-                "a pipeline stage clips its gradients in memory; no gradient shards on disk")  # fmt: skip
+        if optimizer.gradients.on_disk:  # scaled as the update reads each shard back
+            pending = self._grad_factor
+            self._grad_factor = factor if pending is None else pending * factor
+            return
         for grad in optimizer.gradients.in_memory():
             grad.mul_(factor.to(grad.device, grad.dtype))
 
     def gradient(self, name: str) -> torch.Tensor | None:
+        """``name``'s whole gradient: a view into its gradient chunk, or, ZeRO-3, the dp group's
+        shares summed into a new tensor (collective: every replica calls it)."""
+        param = self._param(name)
+        optimizer = self.engine.optimizer
+        if not self.sharded:
+            grad: torch.Tensor | None = optimizer.gradient_of(param)
+            return grad
+        if not optimizer.gradients.has_gradient(param):
+            return None
+        whole = torch.zeros(param.numel(), dtype=torch.float32, device=self.engine.device)
+        piece = optimizer.grad_piece(param)
+        if piece is not None:
+            share, start = piece
+            whole[start : start + share.numel()] = share
+        optimizer.comm.all_reduce_sum(whole)  # the shares are disjoint and cover it
+        return whole.view(param.shape)
+
+    def set_gradient(self, name: str, value: torch.Tensor) -> None:
+        param = self._param(name)
+        optimizer = self.engine.optimizer
+        if not self.sharded:
+            grad = optimizer.gradient_of(param)
+            assert grad is not None, f"{name} has no gradient to replace"
+            grad.copy_(value)
+            return
+        piece = optimizer.grad_piece(param)
+        if piece is not None:
+            share, start = piece
+            share.copy_(value.reshape(-1)[start : start + share.numel()])
+
+    def _param(self, name: str) -> nn.Parameter:
         param = self._by_name.get(name)
         if param is None:
             raise ConfigError("tied", f"this stage has no parameter {name!r}")
-        if self.sharded:
-            raise _tied_sharded(name)
-        grad: torch.Tensor | None = self.engine.optimizer.gradient_of(param)
-        return grad
+        return param
 
     # -- the update --------------------------------------------------------------------------
 
@@ -300,7 +340,11 @@ class ChunkStageParams:
         engine = self.engine
         self.store.release_all()
         engine.parts.before_step(engine)  # relayout and pinning, once there is a trace
-        norm = engine.optimizer.step(lr=lr, max_grad_norm=0.0)
+        factor, self._grad_factor = self._grad_factor, None
+        if factor is None:
+            norm = engine.optimizer.step(lr=lr, max_grad_norm=0.0)
+        else:
+            norm = engine.optimizer.step(lr=lr, max_grad_norm=0.0, grad_factor=factor)
         if norm is None:
             self.skipped_updates += 1
         engine.last_grad_norm = norm
@@ -313,6 +357,7 @@ class ChunkStageParams:
         """Drop the step's gradients without an update (the pipeline found them non-finite);
         the version advances as a step's would."""
         self._end_iteration()
+        self._grad_factor = None
         self.store.release_all()
         self.engine.zero_grad()
         self.skipped_updates += 1
@@ -333,11 +378,3 @@ class ChunkStageParams:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._version = int(state["version"])
-
-
-def _tied_sharded(name: str) -> ConfigError:
-    return ConfigError(
-        "tie_embeddings",
-        f"{name} is tied across stages, but this stage's gradients are ZeRO-3 shards that mix "
-        "parameters; set tie_embeddings=false to shard its stages over a dp group",
-    )

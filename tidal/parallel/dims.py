@@ -38,17 +38,23 @@ class ParallelConfig:
         fsdp2: in a pipeline of the reference engine, shard each stage over its ``dp``
             replicas with FSDP2 (``fully_shard``, [Note: FSDP2 stages] in
             tidal/runtime/fsdp_stage.py) instead of replicating it.
+        fsdp2_offload: FSDP2 stages keep their shards, gradients and optimizer step on the
+            host (``CPUOffloadPolicy``), fetched to the device for each use; with ``dp = 1``
+            a stage is offloaded without being sharded.
     """
 
     pp: int = 1
     dp: int | None = None
     tp: int = 1
     fsdp2: bool = False
+    fsdp2_offload: bool = False
 
     def __post_init__(self) -> None:
         for name in MESH_DIMS:
             value = getattr(self, name)
             require(value is None or value >= 1, name, f"must be >= 1, got {value}")
+        require(not self.fsdp2_offload or self.fsdp2, "fsdp2_offload",
+                "offloads FSDP2 stages; set parallel.fsdp2 = true too")  # fmt: skip
 
     def resolve(self, world_size: int) -> ParallelDims:
         """The mesh for ``world_size`` ranks; a shape that does not multiply to it is refused

@@ -15,8 +15,10 @@ whatever another transform makes of them. Each implements :class:`StageParams`:
   copy of a tied matrix named in ``skip``), an fp32 scalar on the CPU, so the global norm is one
   all-reduce over the whole mesh whatever each stage holds;
 - ``scale_grads(factor)``: multiply every gradient (clipping);
-- ``gradient(name)``: the tensor holding a parameter's gradient, read and written in place by the
-  tied-matrix sum (None where no gradient reached it);
+- ``gradient(name)`` / ``set_gradient(name, value)``: a parameter's whole gradient, the same on
+  each of the stage's dp replicas (None where no gradient reached it), and writing it back
+  whole: the tied-matrix sum. A stage that shards gradients gathers the whole (collective over
+  its dp group: every replica calls both) and keeps its share of what is set;
 - ``step(lr, step)``: the update, which also drops the gradients; returns the rate it used;
 - ``skip_step()``: in its place, drop the gradients without an update (an fp16 overflow:
   [Note: pipeline mixed precision] in precision.py); the version advances as a step's would.
@@ -65,6 +67,8 @@ class StageParams(Protocol):
     def scale_grads(self, factor: torch.Tensor) -> None: ...
 
     def gradient(self, name: str) -> torch.Tensor | None: ...
+
+    def set_gradient(self, name: str, value: torch.Tensor) -> None: ...
 
     def step(self, *, lr: float, step: int) -> float: ...
 

@@ -32,7 +32,8 @@ def pipeline(stages: Sequence[PipelineStage], *, config: PipelineConfig, optimiz
              training: TrainingConfig, block_ranges: Sequence[tuple[int, int]],
              num_microbatches: int, device: torch.device, mesh: DeviceMesh,
              lending: Lending | None = None,
-             chunks: ChunkStageConfig | None = None, fsdp2: bool = False) -> PipelineRuntime:  # fmt: skip
+             chunks: ChunkStageConfig | None = None, fsdp2: bool = False,
+             fsdp2_offload: bool = False) -> PipelineRuntime:  # fmt: skip
     """Train ``stages`` (all of the model's, in order; ``block_ranges``: the blocks of each) as
     a pipeline over ``mesh["pp"]`` under ``config``'s schedule: the rank at pipeline position
     ``r`` of ``p`` keeps stages ``r, r + p, ...`` (each with its own optimizer and, for
@@ -46,7 +47,8 @@ def pipeline(stages: Sequence[PipelineStage], *, config: PipelineConfig, optimiz
     chunks under its budgets instead ([Note: chunk stages] in tidal/parallel/chunk_stage.py),
     sharded over ``mesh["dp"]`` (ZeRO-3) when it has several ranks; ``fsdp2``: each stage
     sharded over ``mesh["dp"]`` by FSDP2 instead of replicated ([Note: FSDP2 stages] in
-    tidal/runtime/fsdp_stage.py)."""
+    tidal/runtime/fsdp_stage.py), ``fsdp2_offload`` with its shards on the host (with one dp
+    rank too)."""
     versions = {"pipedream": WeightMode.STASH, "2bw": WeightMode.TWO_VERSIONS}
     tied = tied_parameters(stages)
     rank, world_size = mesh.get_local_rank("pp"), mesh["pp"].size()
@@ -75,15 +77,16 @@ def pipeline(stages: Sequence[PipelineStage], *, config: PipelineConfig, optimiz
     held: list[StageParams]
     if chunks is not None:
         require_synchronous(runtime.make(world_size, steps=1))
-        zero3 = dist.get_world_size(dp_group) > 1
-        held = [ChunkStageParams(s, chunks, parts=zero3_parts(chunks, dp_group) if zero3 else None)
+        # the NVMe tier is the sharded optimizer's: a stage with a disk is a dp group of one
+        sharded = dist.get_world_size(dp_group) > 1 or chunks.memory.nvme_dir is not None
+        held = [ChunkStageParams(s, chunks, parts=zero3_parts(chunks, dp_group) if sharded else None)
                 for s in mine]  # fmt: skip
-    elif fsdp2 and dist.get_world_size(dp_group) > 1:
+    elif fsdp2 and (dist.get_world_size(dp_group) > 1 or fsdp2_offload):
         # the optimizer goes over the shards, so each stage is sharded before it is built
         held = [Fsdp2StageWeights(s, build_optimizer(s, optimizer, first_lr), weights,
                                   precision=training.precision, dp_mesh=mesh["dp"],
                                   microbatches_per_step=microbatches)
-                for s in (fsdp2_stage(s, mesh["dp"]) for s in mine)]  # fmt: skip
+                for s in (fsdp2_stage(s, mesh["dp"], offload=fsdp2_offload) for s in mine)]  # fmt: skip
     else:
         held = [StageWeights(s, build_optimizer(s, optimizer, first_lr), weights,
                              precision=training.precision, dp_group=dp_group)

@@ -288,8 +288,8 @@ class PipelineRuntime:
             dist.recv(other, src=peer, group=self.group, tag=_TIED_TAG)
             work.wait()
             total = g + other if own[0] == sa else other + g
-        for g in grads.values():
-            g.copy_(total)
+        for s, n in mine:
+            self.weights[s].set_gradient(n, total)
 
     # -- checkpoints -------------------------------------------------------------------------
 

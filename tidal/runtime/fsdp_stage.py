@@ -11,8 +11,8 @@ its last reduce-scatters the sum into the shards (the price: one unsharded gradi
 stage is held through the step). So :meth:`Fsdp2StageWeights.reduce_gradients` has nothing left to do,
 and the stage-parameter protocol's other reads go to the local shards: the squared norm summed
 over the dp group (the same on every replica, as the pipeline's global norm expects of a
-stage), the clip factor applied to each shard. A tied matrix's two copies cannot be summed
-shard by shard through ``gradient(name)`` and is refused. A checkpoint holds whole tensors
+stage), the clip factor applied to each shard, a tied matrix's gradient gathered whole to be
+summed with its other copy's and each rank's shard of the sum kept. A checkpoint holds whole tensors
 (gathered, :func:`whole`), and a resumed stage takes its shards of them. Only synchronous schedules run:
 the saved-tensor redirection of asynchronous ones needs the parameters' own storage, which
 FSDP2 replaces by gathered copies.
@@ -28,21 +28,24 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from tidal.config import ConfigError
 from tidal.runtime.weights import StageWeights
 
 __all__ = ["Fsdp2StageWeights", "fsdp2_stage", "like", "reshard_stage", "whole"]
 
 
-def fsdp2_stage(module: nn.Module, dp_mesh: DeviceMesh) -> nn.Module:
+def fsdp2_stage(module: nn.Module, dp_mesh: DeviceMesh, *, offload: bool = False) -> nn.Module:
     """``fully_shard`` each block of a stage (its ``layers``, if any) and the stage itself, in
-    place, over ``dp_mesh``; returns ``module``."""
+    place, over ``dp_mesh``; ``offload``: the shards, their gradients and the optimizer's step
+    on the host (``CPUOffloadPolicy``); returns ``module``."""
+    kwargs: dict[str, Any] = {"mesh": dp_mesh}
+    if offload:
+        kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
     for block in getattr(module, "layers", ()):
-        fully_shard(block, mesh=dp_mesh)
-    fully_shard(module, mesh=dp_mesh)
+        fully_shard(block, **kwargs)
+    fully_shard(module, **kwargs)
     return module
 
 
@@ -94,11 +97,9 @@ class Fsdp2StageWeights(StageWeights):
         """FSDP2 reduce-scattered every backward's gradients into the shards already."""
 
     def grad_squares(self, *, skip: frozenset[str] = frozenset()) -> torch.Tensor:
-        if skip:
-            raise _tied(sorted(skip)[0])
         total = torch.zeros((), dtype=torch.float64)
-        for p in self.params:
-            if p.grad is not None:
+        for name, p in self._named():
+            if p.grad is not None and name not in skip:
                 total += _local(p.grad).double().square().sum().cpu()
         dist.all_reduce(total, group=self.dp_mesh_group)
         return total.float()
@@ -110,12 +111,17 @@ class Fsdp2StageWeights(StageWeights):
                 grad.mul_(factor.to(grad.device, grad.dtype))
 
     def gradient(self, name: str) -> torch.Tensor | None:
-        raise _tied(name)
+        """The whole gradient, gathered from the shards (every replica calls it)."""
+        grad = super().gradient(name)
+        return None if grad is None else whole(grad)
 
-
-def _tied(name: str) -> ConfigError:
-    return ConfigError(
-        "model.tie_embeddings",
-        f"{name} is tied across stages, but FSDP2 stages hold its gradient in shards; set "
-        "model.tie_embeddings=false (or parallel.fsdp2 = false)",
-    )
+    def set_gradient(self, name: str, value: torch.Tensor) -> None:
+        """This rank's shard of ``value`` (whole, the same on every replica: no collective)."""
+        grad = super().gradient(name)
+        assert grad is not None, f"{name} has no gradient to replace"
+        if not isinstance(grad, DTensor):
+            grad.copy_(value)
+            return
+        share = distribute_tensor(value.to(grad.device), grad.device_mesh, grad.placements,
+                                  src_data_rank=None)  # fmt: skip
+        grad.to_local().copy_(share.to_local())

@@ -167,8 +167,8 @@ def _prepare_local(
         a, b = runners[sa].weights.gradient(na), runners[sb].weights.gradient(nb)
         assert a is not None and b is not None, f"tied {na} / {nb} has no gradient"
         total = a + b
-        a.copy_(total)
-        b.copy_(total)
+        runners[sa].weights.set_gradient(na, total)
+        runners[sb].weights.set_gradient(nb, total)
     scaler = scaler or LossScaler("fp32")
     if rules.max_grad_norm is None and not scaler.scaling:
         return

@@ -453,6 +453,11 @@ class StageWeights:
     def gradient(self, name: str) -> torch.Tensor | None:
         return dict(self.module.named_parameters())[name].grad
 
+    def set_gradient(self, name: str, value: torch.Tensor) -> None:
+        grad = self.gradient(name)
+        assert grad is not None, f"{name} has no gradient to replace"
+        grad.copy_(value)
+
     # -----------------------------------------------------------------------------------------
     # update
 

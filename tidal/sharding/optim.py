@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from tidal.config import ConfigError
 from tidal.memory.materialize import feed_chunks
 from tidal.memory.optim_rules import STATE_KEYS, OptimizerEntry, UpdateRule, clip_coefficient
 from tidal.memory.tiers import Tier
@@ -122,6 +123,7 @@ class ShardedOptimizer:
                                           swapper=swapper)  # fmt: skip
         self._pieces = [p for i, e in enumerate(self._entries) if (p := self._piece(i, e))]
         self._piece_of = {p.entry: p for p in self._pieces}
+        self._entry_of = {id(e.param): i for i, e in enumerate(self._entries)}
         self.states = {kind: self._zero_shards(STATE_KEYS[kind]) for kind in rule.state_kinds}
         self.steps = [torch.zeros((), dtype=torch.float32) for _ in self._entries]
         if not rule.counts_steps:
@@ -249,11 +251,39 @@ class ShardedOptimizer:
     def peak_required_transient_bytes(self) -> int:
         return self.gradients.peak_required_transient_bytes
 
+    def grad_piece(self, param: nn.Parameter) -> tuple[torch.Tensor, int] | None:
+        """This rank's share of ``param``'s reduced gradient, a flat view into its shard, and
+        where the share starts in the flattened parameter; None where the shard holds none of
+        it. A parameter's shares over the ranks are disjoint and cover it."""
+        entry = self._entry_of.get(id(param))
+        if entry is None or (piece := self._piece_of.get(entry)) is None:
+            return None
+        shard = self.grads[piece.chunk]
+        if shard is None:
+            if piece.chunk in self.gradients.on_disk:
+                raise ConfigError(
+                    "memory.host_budget",
+                    f"{self._entries[entry].name}'s gradient is read where it is kept (a tied "
+                    "matrix's two copies are summed), but its shard is on the NVMe tier; raise "
+                    "memory.host_budget so that gradient shards stay in memory",
+                )
+            return None
+        return shard[piece.start : piece.start + piece.numel], piece.param_start
+
     # -- the step ([Note: updates on pieces]) ----------------------------------------------------
 
-    def step(self, *, lr: float, max_grad_norm: float, loss_scale: float = 1.0) -> float | None:
+    def step(
+        self,
+        *,
+        lr: float,
+        max_grad_norm: float,
+        loss_scale: float = 1.0,
+        grad_factor: torch.Tensor | None = None,
+    ) -> float | None:
         """Unscale, clip, update this rank's shards; the global gradient norm, or None (and
-        nothing updated) when a gradient on any rank was not finite."""
+        nothing updated) when a gradient on any rank was not finite. ``grad_factor``: a scale
+        the caller decided (a pipeline's clipping), applied with the clip coefficient as each
+        shard is read, so that shards on disk are scaled without an extra pass over them."""
         self.finish_backward()
         self.store.drop_gathered()  # stale once the shards change
         self.store.drop_read_ahead()
@@ -268,6 +298,8 @@ class ShardedOptimizer:
             self.zero_grad()
             return None
         norm, coefficient = clip_coefficient(norm, max_grad_norm, loss_scale)
+        if grad_factor is not None:
+            coefficient = grad_factor if coefficient is None else coefficient * grad_factor
         if coefficient is not None:
             for grad in self.gradients.in_memory():
                 grad.mul_(coefficient.to(grad.device))

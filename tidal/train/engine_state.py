@@ -32,8 +32,9 @@ __all__ = ["PipelineStages", "ReadsPipelines"]
 # resumes on any other ([Note: resuming on another split]), an asynchronous one on its own
 # only. An engine resumes from it too (:class:`ReadsPipelines`): it takes the model and
 # optimizer keys as from any checkpoint, the stages' step counts from their own tensors, and
-# leaves the weight versions behind, which only a pipeline has. The other way, a pipeline refuses
-# an engine's checkpoint: it has no weight versions to resume its stages from.
+# leaves the weight versions behind, which only a pipeline has. The other way, a synchronous
+# pipeline resumes from an engine's checkpoint as from another split; an asynchronous one refuses
+# it, having no weight versions to resume its stages from.
 
 
 class PipelineStages:
@@ -95,13 +96,16 @@ class PipelineStages:
     def restore_checkpoint(
         self, load: LoadTensors, extras: dict[str, Any], meta: dict[str, Any]
     ) -> None:
-        if "split" not in extras:
-            raise ConfigError(
-                "pipeline",
-                f"the checkpoint was trained without a pipeline, this run is {_split(self.split)}; "
-                f"resume it without --pipeline-stages (and [parallel] pp = 1), or export it "
-                f"with `tidal export RUN_DIR`",
-            )
+        if "split" not in extras:  # an engine's: [Note: resuming on another split]
+            if not _flushes(self.split):
+                raise ConfigError(
+                    "pipeline",
+                    f"the checkpoint was trained without a pipeline, this run is "
+                    f"{_split(self.split)}, whose stages would need weight versions it does not "
+                    f"have; resume it with a synchronous schedule (gpipe, 1f1b, interleaved) or "
+                    f"without --pipeline-stages (and [parallel] pp = 1)",
+                )
+            extras = _from_engine(extras)
         resplit = extras["split"] != self.split
         if resplit and not (_flushes(extras["split"]) and _flushes(self.split)):
             raise ConfigError(
@@ -115,7 +119,8 @@ class PipelineStages:
 
         targets = self._targets(meta, every_stage=resplit)
         load(targets)  # one collective read for all this rank's stages
-        shared = _merged_stages(targets) if resplit else None
+        shared = (extras["stages"] if "stages" in extras
+                  else _merged_stages(targets) if resplit else None)  # fmt: skip
         for s, module, weights, source in self._stages():
             own = _from_bytes(targets[f"pipeline/stage-{s}"]) if shared is None else shared
             if isinstance(weights, ChunkStageParams):
@@ -149,12 +154,24 @@ class PipelineStages:
 # therefore resumes on another: each rank reads its new stages' keys by name, the optimizer step
 # counts of every old stage merged, and starts its stages' versions at the global step. An
 # asynchronous pipeline's stages hold versions, delays and correction buffers of their own
-# blocks, which another split cannot take: it resumes on the same split only.
-_FLUSHED = ("gpipe", "1f1b", "interleaved")
+# blocks, which another split cannot take: it resumes on the same split only. An engine's
+# checkpoint (no pipeline) is a synchronous split of one stage: it resumes as any synchronous
+# pipeline, the other way as well.
+_FLUSHED = ("gpipe", "1f1b", "interleaved", "engine")  # an engine's checkpoint: one flushed stage
 
 
 def _flushes(split: dict[str, Any]) -> bool:
     return split["schedule"] in _FLUSHED
+
+
+def _from_engine(extras: dict[str, Any]) -> dict[str, Any]:
+    """An engine's checkpoint as one synchronous stage of the whole model: its optimizer step
+    counts by name, its update count. A loss scale is an engine's own (torch's ``GradScaler``
+    state), so an fp16 pipeline starts its scale afresh."""
+    step = int(extras["global_step"])
+    own = {"optimizer_steps": extras["optimizer_steps"], "loss_scale": None,
+           "weights": {"version": step}, "resplit": True}  # fmt: skip
+    return {"global_step": step, "split": {"schedule": "engine"}, "stages": own}
 
 
 def _merged_stages(targets: dict[str, torch.Tensor]) -> dict[str, Any]:

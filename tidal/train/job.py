@@ -84,12 +84,6 @@ class JobConfig:
             "on them yet: set pipeline.memory = 'none' (or engine = 'reference')",
         )
         require(
-            self.parallel.pp == 1 or self.engine == "reference" or self.memory.nvme_dir is None,
-            "memory.nvme_dir",
-            "the NVMe tier does not hold pipeline stages' chunks yet; drop memory.nvme_dir (or "
-            "train without a pipeline)",
-        )
-        require(
             not self.parallel.fsdp2 or self.engine == "reference",
             "parallel.fsdp2",
             "chunk stages shard over their replicas themselves (ZeRO-3 over chunks); set "

@@ -149,20 +149,6 @@ def check_pipeline_job(job: JobConfig, *, world_size: int, model: nn.Module | No
         "embedding would update at different times; set model.tie_embeddings=false (a Hugging "
         "Face config: tie_word_embeddings false)",
     )
-    require(
-        not (job.parallel.fsdp2 and tied and dims.dp > 1 and job.pipelined),
-        "model.tie_embeddings" if isinstance(config, GPTConfig) else "model.hf_config",
-        "FSDP2 stages hold the tied embedding's gradient in shards, so its two copies cannot be "
-        "summed; set model.tie_embeddings=false (a Hugging Face config: tie_word_embeddings "
-        "false)",
-    )
-    require(
-        not (chunked and tied and dims.dp > 1 and job.pipelined),
-        "model.tie_embeddings" if isinstance(config, GPTConfig) else "model.hf_config",
-        "ZeRO-3 chunk stages keep gradient shards that mix parameters, so the tied embedding's "
-        "two copies cannot be summed; set model.tie_embeddings=false (a Hugging Face config: "
-        "tie_word_embeddings false)",
-    )
 
 
 def block_ranges(job: JobConfig) -> tuple[tuple[int, int], ...]:
@@ -327,7 +313,8 @@ class PipelinePart:
                                device=device, mesh=self.mesh,
                                lending=self.memory.lending,
                                chunks=_chunk_stages(job, device),
-                               fsdp2=job.parallel.fsdp2)  # fmt: skip
+                               fsdp2=job.parallel.fsdp2,
+                               fsdp2_offload=job.parallel.fsdp2_offload)  # fmt: skip
         self.memory.bind(self.engine.weights)
         self._moved_before: dict[int, dict[str, int]] = {}  # each rank's counters a step ago
         del stages
@@ -416,7 +403,8 @@ class PipelinePart:
         return out
 
     def summary_figures(self) -> dict[str, Any]:
-        pipe = self.job.pipeline
+        pipe, parallel = self.job.pipeline, self.job.parallel
+        offload = parallel.fsdp2_offload
         max_delays: dict[int, int] = {}
         for (s, _), tau in self.engine.delays.items():
             max_delays[s] = max(max_delays.get(s, 0), tau)
@@ -433,12 +421,15 @@ class PipelinePart:
             },
             "engine": f"pipeline {pipe.schedule} x{self.job.parallel.pp}"
             + (" chunk stages" if self.job.engine == "chunk" else "")
-            + (" fsdp2 stages" if self.job.parallel.fsdp2 and self.dims.dp > 1 else ""),
+            + (" fsdp2 stages" if parallel.fsdp2 and (self.dims.dp > 1 or offload) else "")
+            + (" offloaded" if offload else ""),
         }
 
     def _chunk_figures(self) -> dict[int, dict[str, Any]]:
         """This rank's chunk stages' store figures (none with plain stages)."""
         keep = ("evictions", "prefetches", "peak_device_bytes", "device_budget",
-                "min_device_bytes", "bytes_to_device", "bytes_to_host", "num_chunks")  # fmt: skip
-        return {s: {k: w.stats()[k] for k in keep} for s, w in self.engine.weights.items()
-                if isinstance(w, ChunkStageParams)}  # fmt: skip
+                "min_device_bytes", "bytes_to_device", "bytes_to_host", "num_chunks",
+                "peak_host_bytes", "host_budget", "bytes_to_nvme", "bytes_from_nvme",
+                "peak_nvme_bytes", "bytes_all_gathered", "bytes_reduce_scattered")  # fmt: skip
+        return {s: {k: v for k, v in w.stats().items() if k in keep}
+                for s, w in self.engine.weights.items() if isinstance(w, ChunkStageParams)}  # fmt: skip
