@@ -25,9 +25,12 @@ is also told it, as its runtime takes it: chunks (the ZeRO-3 engine, chunk stage
 ``--device-fraction`` of it as the device tier and the rest, less what the rank held before
 the model existed, as the host tier (:func:`benchmarks.dp_systems.tidal_budget_overrides`);
 plain pipeline stages get the budget less that as ``memory.device_budget``, which their
-memory plan checks before the first step. The peers have no such setting and build the whole
-model on every rank before they shard it (as in ``tidal bench dp``); tidal builds on the meta
-device, as ``tidal train`` does.
+memory plan checks before the first step. The peers have no such setting. No configuration
+holds the whole model on a rank at any time: tidal builds on the meta device, as ``tidal train``
+does; DeepSpeed constructs the model inside ``deepspeed.zero.Init`` (each module's parameters
+partitioned as it is made, then set one gathered parameter at a time), FSDP2 ``fully_shard``-s
+a meta model and then allocates and draws each rank's shards (``ComposeCase.deferred``;
+``tidal bench dp`` builds the peers whole on every rank first).
 
 [Note: fits, refused, failed]
 A probe fits when every rank finished within the budget. It does not fit when a rank went over
@@ -126,6 +129,9 @@ COMPOSITIONS: tuple[Composition, ...] = (
 )  # fmt: skip
 _BY_KEY = {c.key: c for c in COMPOSITIONS}
 BASELINE = "dp4-zero3"  # what the fixed section's ratios are against
+# The peers build the model as their docs do for one no rank holds ([Note: one budget]); their
+# rows say so ("build"), as a run from before this has no such key.
+PEERS_DEFERRED = True
 _QUICK = {"recipe": "tiny", "max_layers": 6, "bisections": 1, "steps": 3, "warmup_steps": 1}
 
 
@@ -209,7 +215,7 @@ def _run(settings: ComposeSettings, composition: Composition, depth: int, *, ste
             overrides=(*settings.overrides_at(composition, depth, steps), *nvme),
             steps=steps, warmup_steps=warmup_steps,
             budget_bytes=settings.host_budget_bytes if composition.system == TIDAL else None,
-            device_fraction=settings.device_fraction,
+            device_fraction=settings.device_fraction, deferred=PEERS_DEFERRED,
         )  # fmt: skip
         from benchmarks.dp_runs import run_configuration
 
@@ -232,17 +238,14 @@ def _verdict(error: str) -> None:
 def depth_bounds(base: JobConfig, composition: Composition, settings: ComposeSettings) -> tuple[int, int]:  # fmt: skip
     """A first depth to probe and one known (or, capped, taken) not to fit.
 
-    The peers build the whole fp32 model on every rank, so a depth whose weights pass one
-    rank's budget cannot fit them; tidal builds on the meta device, and its model data (16
-    bytes a parameter with AdamW) cannot pass the 4 ranks' budgets together, ``nvme_factor``
-    times that with the NVMe tier. The first probe guesses an eighth of the budgets for model
-    data, as ``tidal bench dp`` does. ``max_layers + 1`` caps the limit."""
+    No configuration builds the whole model on a rank ([Note: one budget]), so its model data
+    (fp32 parameters, gradients and AdamW's two moments: 16 bytes a parameter, the peers' and
+    tidal's alike) cannot pass the 4 ranks' budgets together, ``nvme_factor`` times that with
+    tidal's NVMe tier. The first probe guesses an eighth of the budgets for model data, as
+    ``tidal bench dp`` does. ``max_layers + 1`` caps the limit."""
     budget = settings.host_budget_bytes
-    if composition.system == TIDAL:
-        factor = settings.nvme_factor if composition.nvme else 1.0
-        room, per_param = factor * NPROC * budget, MODEL_DATA_BYTES_PER_PARAM
-    else:
-        room, per_param = budget, FP32_BYTES
+    factor = settings.nvme_factor if composition.nvme else 1.0
+    room, per_param = factor * NPROC * budget, MODEL_DATA_BYTES_PER_PARAM
     guess = budget * NPROC / (8 * MODEL_DATA_BYTES_PER_PARAM)
     start = limit = 1
     while limit <= settings.max_layers and num_params_at_depth(base, limit) * per_param <= room:
@@ -266,6 +269,8 @@ def _scale_row(settings: ComposeSettings, composition: Composition) -> dict[str,
                            "system": composition.system, "nproc": NPROC,
                            "host_budget_bytes_per_rank": settings.host_budget_bytes,
                            "d_model": base.model.resolve_gpt().d_model, "seq_len": SEQ_LEN}  # fmt: skip
+    if composition.system != TIDAL:
+        row["build"] = "deferred" if PEERS_DEFERRED else "whole"
     tries: list[dict[str, Any]] = []
 
     def fits(depth: int) -> bool:
@@ -576,9 +581,22 @@ def _scale_table(rows: Sequence[dict[str, Any]]) -> list[ResultTable]:
         peak = r["largest_peak_rss_bytes"]
         cells.append([*head, tries, f"{mark}{most}" if most else "-",
                       f"{params:,}" if params else "-", _mib(max(peak) if peak else None)])  # fmt: skip
-    note = ("'>=': the search stopped at --max-layers. The peers build the whole model on every "
-            "rank first; tidal builds on the meta device ([Note: one budget] in benchmarks/compose.py).")  # fmt: skip
+    deferred = any(r.get("build") == "deferred" for r in rows)
+    note = "'>=': the search stopped at --max-layers. " + (
+        _DEFERRED_NOTE if deferred else _WHOLE_NOTE
+    )
     return [ResultTable.of("tidal bench compose: largest model per configuration (4 gloo ranks)", headers, cells, note=note)]  # fmt: skip
+
+
+_DEFERRED_NOTE = (
+    "No rank holds the whole model at any time: tidal builds on the meta device, DeepSpeed "
+    "inside deepspeed.zero.Init, FSDP2 shards a meta model before allocating its shards "
+    "([Note: one budget] in benchmarks/compose.py)."
+)
+_WHOLE_NOTE = (  # the runs before the peers built deferred
+    "The peers build the whole model on every rank first; tidal builds on the meta device "
+    "([Note: one budget] in benchmarks/compose.py)."
+)
 
 
 def _try_cell(t: dict[str, Any]) -> str:

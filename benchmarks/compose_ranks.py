@@ -95,7 +95,9 @@ class ComposeCase:
     of ``recipe`` + ``overrides`` through the trainer, a peer through ``run_case``.
     ``budget_bytes``: the per-rank host budget tidal is told ([Note: one budget] in compose.py);
     ``result_dir``: where each rank writes its figures too ([Note: teardown failures] in
-    dp_runs.py)."""
+    dp_runs.py); ``deferred``: a peer builds the model as its docs do for one too large for a
+    rank (``Case.deferred`` in dp_systems.py), else whole on every rank first (tidal's trainer
+    always builds on the meta device)."""
 
     system: str
     recipe: str
@@ -105,11 +107,12 @@ class ComposeCase:
     budget_bytes: int | None = None
     device_fraction: float = 0.1
     result_dir: str | None = None
+    deferred: bool = True
 
     def peer_case(self) -> Case:
         return Case(system=self.system, recipe=self.recipe, overrides=self.overrides,
                     steps=self.steps, warmup_steps=self.warmup_steps,
-                    result_dir=self.result_dir)  # fmt: skip
+                    result_dir=self.result_dir, deferred=self.deferred)  # fmt: skip
 
 
 def run_compose_case(case: ComposeCase) -> dict[str, Any]:

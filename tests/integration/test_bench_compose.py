@@ -118,14 +118,16 @@ def test_a_configuration_tidal_refuses_at_job_check_runs_nothing(monkeypatch: py
     assert compose._refusal(_settings(), pp4, 4) is None
 
 
-def test_depth_bounds_peers_by_their_whole_weights_tidal_by_all_ranks_model_data() -> None:
+def test_depth_bounds_every_configuration_by_all_ranks_model_data() -> None:
     settings = ComposeSettings(recipe="demo", host_budget_bytes=GiB, max_layers=10_000)
     base = load_job(find_recipe("demo"), settings.overrides_at(TIDAL_CHUNKS, 1, 1))
-    _, peer_limit = depth_bounds(base, COMPOSITIONS[-1], settings)
-    assert num_params_at_depth(base, peer_limit) * 4 > GiB >= num_params_at_depth(base, peer_limit - 1) * 4  # fmt: skip
     start, limit = depth_bounds(base, TIDAL_CHUNKS, settings)
     assert num_params_at_depth(base, limit) * 16 > 4 * GiB >= num_params_at_depth(base, limit - 1) * 16  # fmt: skip
     assert 1 <= start < limit
+    # the peers build deferred: no rank holds their whole weights either
+    assert [depth_bounds(base, peer, settings) for peer in COMPOSITIONS[-2:]] == [
+        (start, limit)
+    ] * 2
     _, capped = depth_bounds(base, TIDAL_CHUNKS, ComposeSettings(recipe="demo", max_layers=8))
     assert capped == 9
 
@@ -146,6 +148,18 @@ def _scale(key: str, params: int | None, *, system: str = "tidal", capped: bool 
             "host_budget_bytes_per_rank": GiB, "d_model": 64, "tries": [],
             "largest_num_layers": 3 if params else None, "largest_num_params": params,
             "largest_peak_rss_bytes": [1] * 4 if params else None, "capped": capped}  # fmt: skip
+
+
+def test_the_scale_footnote_says_how_the_rows_peers_built_the_model() -> None:
+    def note(peer: dict[str, Any]) -> str:
+        (table,) = tables({"rows": [_scale("dp4-zero3", 300), peer]})
+        return str(table.note)
+
+    deferred = _scale("fsdp2", 100, system="fsdp2-cpu-offload") | {"build": "deferred"}
+    assert "No rank holds the whole model" in note(deferred)
+    assert "deepspeed.zero.Init" in note(deferred)
+    # a run from before the peers built deferred has no "build" key: what it did is kept
+    assert "whole model on every rank first" in note(_scale("fsdp2", 100, system="fsdp2-cpu-offload"))  # fmt: skip
 
 
 def test_ratios_targets_and_tables() -> None:
