@@ -30,6 +30,7 @@ from torch import nn
 from tidal.data import BatchSampler, build_token_splits
 from tidal.distributed.device import resolve_device
 from tidal.models import build_gpt
+from tidal.models.gpt import GPT, GPTConfig
 from tidal.parallel.lr import WarmupCosine
 from tidal.train.build import build_engine
 from tidal.train.job import JobConfig
@@ -41,6 +42,7 @@ __all__ = [
     "TIDAL_CHUNK",
     "Run",
     "build_deepspeed",
+    "build_deepspeed_deferred",
     "build_run",
     "deepspeed_config",
     "deepspeed_missing_reason",
@@ -172,16 +174,22 @@ def _free_port() -> int:
 
 
 def _decay_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
-    """The reference engine's rule: matrices decay; biases, norms and gains do not."""
+    """The reference engine's rule: matrices decay; biases, norms and gains do not. A parameter
+    ``deepspeed.zero.Init`` partitioned is empty here; its ``ds_shape`` is the whole one."""
     params = [p for p in model.parameters() if p.requires_grad]
+
+    def is_matrix(p: nn.Parameter) -> bool:
+        return len(getattr(p, "ds_shape", p.shape)) >= 2
+
     return [
-        {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
-        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+        {"params": [p for p in params if is_matrix(p)], "weight_decay": weight_decay},
+        {"params": [p for p in params if not is_matrix(p)], "weight_decay": 0.0},
     ]
 
 
-def build_deepspeed(model: nn.Module, job: JobConfig, device: torch.device) -> Any:
-    """DeepSpeed's engine for ``model``: on the initialised process group's ranks, else alone."""
+def _join_deepspeed(device: torch.device) -> int:
+    """DeepSpeed's process group (gloo) on the initialised group's ranks, else alone; the world
+    size."""
     reason = deepspeed_missing_reason()
     if reason is not None:
         raise RuntimeError(reason)
@@ -201,12 +209,57 @@ def build_deepspeed(model: nn.Module, job: JobConfig, device: torch.device) -> A
             LOCAL_RANK="0",
         )
     import deepspeed
-    from deepspeed.ops.adam import DeepSpeedCPUAdam
 
     logging.getLogger("DeepSpeed").setLevel(logging.ERROR)
     # ZeRO-3 calls collectives that torch marks deprecated, once per step.
     warnings.filterwarnings("ignore", category=FutureWarning, module="torch.distributed")
     deepspeed.init_distributed(dist_backend="gloo")
+    return world_size
+
+
+def build_deepspeed(model: nn.Module, job: JobConfig, device: torch.device) -> Any:
+    """DeepSpeed's engine for ``model`` (built whole): on the initialised process group's ranks,
+    else alone."""
+    world_size = _join_deepspeed(device)
+    return _deepspeed_engine(model, job, deepspeed_config(job, world_size=world_size))
+
+
+def build_deepspeed_deferred(config: GPTConfig, job: JobConfig, *, seed: int) -> tuple[GPT, Any]:
+    """A GPT no rank holds whole, in DeepSpeed's engine, on the initialised group's ranks.
+
+    DeepSpeed's way for a model too large for one rank: construct it inside
+    ``deepspeed.zero.Init(config_dict_or_path=..., remote_device="cpu")``, which partitions each
+    submodule's parameters over the ranks as soon as its ``__init__`` returns (so at most one
+    submodule's are ever whole), then set the values one parameter at a time inside
+    ``deepspeed.zero.GatheredParameters(param, modifier_rank=0)``, which gathers it, and on
+    leaving broadcasts rank 0's values and partitions it again. The values are exactly
+    ``build_gpt(config, seed=seed)``'s: every rank draws each whole parameter in
+    ``named_parameters()`` order from one generator, as [Note: deterministic init] in
+    tidal/models/gpt.py does.
+    """
+    world_size = _join_deepspeed(torch.device("cpu"))
+    import deepspeed
+
+    ds_config = deepspeed_config(job, world_size=world_size)
+    with deepspeed.zero.Init(config_dict_or_path=ds_config, remote_device="cpu", enabled=True):
+        model = GPT(config)
+    generator = torch.Generator(device="cpu").manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            with deepspeed.zero.GatheredParameters([param], modifier_rank=0):
+                is_random, value = model.init_rule(name)
+                if is_random:
+                    noise = torch.randn(param.shape, generator=generator, dtype=torch.float32)
+                    param.copy_(noise.mul_(value))
+                else:
+                    param.fill_(value)
+    return model, _deepspeed_engine(model, job, ds_config)
+
+
+def _deepspeed_engine(model: nn.Module, job: JobConfig, ds_config: dict[str, Any]) -> Any:
+    import deepspeed
+    from deepspeed.ops.adam import DeepSpeedCPUAdam
+
     opt = job.optimizer
     optimizer = DeepSpeedCPUAdam(
         _decay_groups(model, opt.weight_decay),
@@ -228,9 +281,6 @@ def build_deepspeed(model: nn.Module, job: JobConfig, device: torch.device) -> A
         )
 
     engine, _, _, _ = deepspeed.initialize(
-        model=model,
-        optimizer=optimizer,
-        lr_scheduler=scheduler,
-        config=deepspeed_config(job, world_size=world_size),
+        model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config
     )
     return engine

@@ -10,12 +10,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from benchmarks.dp_systems import DP_SYSTEMS, Case, run_case
+from benchmarks.dp_systems import DP_SYSTEMS, run_case
 from tidal.config import require
 from tidal.models import closed_form_num_params
 from tidal.testing import RankFailure, run_on_ranks
@@ -117,13 +117,17 @@ def recipe_job(recipe: str, overrides: Sequence[str]) -> JobConfig:
 # and says what failed after them (``teardown_error``). Any other failure is the row's error.
 
 
-def run_configuration(case: Case, nproc: int, timeout_s: float) -> list[dict[str, Any]] | str:
-    """Every rank's figures, or why the configuration failed."""
+def run_configuration(
+    case: Any, nproc: int, timeout_s: float, *, fn: Callable[[Any], dict[str, Any]] = run_case
+) -> list[dict[str, Any]] | str:
+    """Every rank's figures, or why the configuration failed: ``fn(case)`` on each rank (by
+    default a :class:`Case`'s :func:`run_case`), ``case`` a dataclass with a ``result_dir``
+    where each rank writes its figures too."""
     with tempfile.TemporaryDirectory(prefix="tidal-bench-dp-") as folder:
         case = dataclasses.replace(case, result_dir=folder)
         try:
             # Spawned: each rank's peak memory is its own process's, not a fork server's too.
-            return run_on_ranks(run_case, world_size=nproc, args=(case,), timeout_s=timeout_s,
+            return run_on_ranks(fn, world_size=nproc, args=(case,), timeout_s=timeout_s,
                                 start="spawn")  # fmt: skip
         except RankFailure as err:
             paths = [Path(folder) / f"rank{r}.json" for r in range(nproc)]

@@ -1,7 +1,7 @@
 """The systems ``tidal bench dp`` compares, built on one rank of N, and the loop that times them.
 
 Every rank of every system builds the same GPT (:func:`tidal.models.build_gpt`, same seed, in
-full on the CPU), draws the same global batches from the job's :class:`BatchSampler` and trains on
+full on the CPU; or each system's way of building one no rank holds whole: ``Case.deferred``), draws the same global batches from the job's :class:`BatchSampler` and trains on
 its rows ``[r * B / N, (r + 1) * B / N)`` ([Note: global batch] in tidal/train/trainer.py), with
 the same AdamW hyper-parameters, schedule and clipping, through one calling convention
 (``loss = engine(x, y)``, ``engine.backward(loss)``, ``engine.step()`` after every micro-batch):
@@ -38,10 +38,16 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from benchmarks.baselines import DEEPSPEED, build_deepspeed, deepspeed_missing_reason
+from benchmarks.baselines import (
+    DEEPSPEED,
+    build_deepspeed,
+    build_deepspeed_deferred,
+    deepspeed_missing_reason,
+)
 from tidal.data import BatchSampler, build_token_splits
 from tidal.distributed import all_reduce_mean
-from tidal.models import build_gpt, gpt_init, num_params
+from tidal.models import build_gpt, gpt_init
+from tidal.models.gpt import GPT
 from tidal.parallel.accumulation import StepCounter
 from tidal.parallel.lr import WarmupCosine
 from tidal.parallel.reference import build_optimizer
@@ -56,6 +62,7 @@ __all__ = [
     "TIDAL",
     "Case",
     "Fsdp2Engine",
+    "init_fsdp2_shards",
     "missing_reason",
     "rss_figures",
     "run_case",
@@ -73,7 +80,11 @@ class Case:
     ``tidal_budget_bytes``: a per-rank host budget that tidal is told about (the scale section);
     the other systems have no such setting and are only measured against it. ``result_dir``:
     where each rank also writes its figures once it has them; see [Note: teardown failures] in
-    dp.py.
+    dp.py. ``deferred``: no rank holds the whole model at any time: tidal builds it on the meta
+    device and streams its values into the shards (:func:`tidal.models.gpt_init`); DeepSpeed
+    constructs it inside ``deepspeed.zero.Init`` (:func:`benchmarks.baselines.
+    build_deepspeed_deferred`); FSDP2 shards a meta model, then materialises and draws its
+    shards (:class:`Fsdp2Engine`). Otherwise every rank builds the whole model on the CPU first.
     """
 
     system: str
@@ -84,7 +95,7 @@ class Case:
     tidal_budget_bytes: int | None = None
     tidal_device_fraction: float = 0.1
     result_dir: str | None = None
-    deferred: bool = False  # tidal builds the model on the meta device (tidal.models.gpt_init)
+    deferred: bool = False
 
 
 def missing_reason(system: str) -> str | None:
@@ -122,12 +133,19 @@ def rss_figures() -> dict[str, int]:
 class Fsdp2Engine:
     """FSDP2 with CPU offload behind the reference engine's calling convention.
 
+    ``model`` is whole on the CPU, or with ``init_seed`` on the meta device (a GPT): then it is
+    sharded first, each rank allocates its shards (``model.to_empty(device="cpu")``) and
+    :func:`init_fsdp2_shards` draws them, as torch's FSDP2 docs and torchtitan build a model
+    too large for one rank.
+
     Mirrors :class:`tidal.parallel.reference.ReferenceEngine`: the loss is divided by the
     accumulation steps, and on the boundary the (already averaged, sharded) gradients are
     clipped, AdamW steps and the schedule sets the next learning rate.
     """
 
-    def __init__(self, model: nn.Module, job: JobConfig, *, world_size: int) -> None:
+    def __init__(
+        self, model: nn.Module, job: JobConfig, *, world_size: int, init_seed: int | None = None
+    ) -> None:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
@@ -146,6 +164,13 @@ class Fsdp2Engine:
             fully_shard(block, **kwargs)
         # The root holds the embeddings, the final norm and the (tied) head.
         fully_shard(model, **kwargs)
+        if init_seed is not None:  # a meta model: its shards are allocated and drawn only now
+            assert isinstance(model, GPT)
+            if model.config.tie_embeddings:
+                # to_empty gives the tied matrix two tensors under one FSDP2 parameter
+                raise ValueError("the deferred FSDP2 baseline needs model.tie_embeddings=false")
+            model.to_empty(device="cpu")
+            init_fsdp2_shards(model, init_seed)
         self.model = model
         self.grad_accum_steps = training.grad_accum_steps
         self.grad_clip_norm = training.grad_clip_norm
@@ -178,6 +203,31 @@ class Fsdp2Engine:
         return True
 
 
+def init_fsdp2_shards(model: GPT, seed: int) -> None:
+    """Initialise a ``fully_shard``-ed GPT in place on each rank's shards: GPT-2's rule per
+    parameter (:meth:`GPT.init_rule`: a normal draw with its std, or its constant), the draws
+    from a CPU generator seeded with ``seed`` and the rank.
+
+    The distribution is tidal's, the values are not ``build_gpt(config, seed=seed)``'s: those
+    are one draw over each whole parameter, which no rank holds here. DTensor's random ops
+    draw a sharded parameter as if whole only on CUDA-like meshes: on a CPU mesh its RNG
+    tracker is not used (the op warns of incomplete support) and each rank draws its local
+    tensor from its default generator, the same stream on every rank after one seed. So the
+    shards are drawn as local tensors here, from a generator per rank, so no two repeat.
+    """
+    from torch.distributed.tensor import DTensor
+
+    generator = torch.Generator(device="cpu").manual_seed((seed << 16) + dist.get_rank())
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            local = param.to_local() if isinstance(param, DTensor) else param
+            is_random, value = model.init_rule(name)
+            if is_random:
+                local.normal_(0.0, value, generator=generator)
+            else:
+                local.fill_(value)
+
+
 # -- one rank's run ------------------------------------------------------------------------------
 
 
@@ -198,15 +248,24 @@ def tidal_budget_overrides(
 
 
 def _model_and_engine(case: Case, job: JobConfig, world_size: int) -> tuple[nn.Module, Any]:
-    """The GPT, built whole on the CPU (or for a deferred tidal case on the meta device), in
-    ``case.system``'s engine."""
+    """The GPT in ``case.system``'s engine: built whole on the CPU, or with ``case.deferred``
+    as each system builds a model too large for one rank (see :class:`Case`)."""
     config, seed = job.model.resolve_gpt(), job.training.seed
+    if case.deferred and case.system == DEEPSPEED:
+        return build_deepspeed_deferred(config, job, seed=seed)
     if case.deferred:
-        assert case.system == TIDAL, "only tidal streams a meta model's values"
         model = build_gpt(config, device="meta")
+        if case.system == FSDP2:
+            return model, Fsdp2Engine(model, job, world_size=world_size, init_seed=seed)
         return model, build_engine(model, job, init=gpt_init(model, seed))
     model = build_gpt(config, device="cpu", seed=seed)
     return model, _build(case.system, model, job, world_size)
+
+
+def _num_params(model: nn.Module) -> int:
+    """Parameters of ``model``, tied ones once; a DeepSpeed partitioned one by its whole size."""
+    unique = {id(p): p for p in model.parameters()}
+    return sum(getattr(p, "ds_numel", p.numel()) for p in unique.values())
 
 
 def _build(system: str, model: nn.Module, job: JobConfig, world_size: int) -> Any:
@@ -248,7 +307,7 @@ def run_case(case: Case) -> dict[str, Any]:
     model_config = job.model.resolve_gpt()
     torch.manual_seed(training.seed)
     model, engine = _model_and_engine(case, job, world_size)
-    count = num_params(model)
+    count = _num_params(model)
     built = rss_figures()
     splits = build_token_splits(job.data, vocab_size=model_config.vocab_size, seed=training.seed)
     batches = BatchSampler(

@@ -55,6 +55,10 @@ BENCHES: dict[str, tuple[str, str]] = {
     "dp": ("ZeRO-3 over gloo ranks against DeepSpeed ZeRO-3 offload and FSDP2 offload: step "
            "time, host memory, the largest model per host budget, the NVMe tier.",
            "benchmarks.dp:tables"),
+    "compose": ("Compositions of parallelisms on 4 gloo ranks (dp, pp, pp x dp chunks, NVMe, "
+                "pp x tp) against DeepSpeed ZeRO-3 offload and FSDP2 offload: the largest model, "
+                "bytes moved per step, per-rank peaks beside tidal's figures.",
+                "benchmarks.compose:tables"),
     "compat": ("The chunk engine on models tidal did not write, against the reference engine "
                "on the same seeds.", "benchmarks.compat_report:tables"),
     "train": ("Recipes trained a few steps each: tokens/s, TFLOP/s, MFU, peak memory.",

@@ -47,6 +47,9 @@ BENCH_CODE: dict[str, tuple[str, ...]] = {
     "dp": ("tidal/memory", "tidal/sharding", "tidal/parallel", "tidal/distributed",
            "benchmarks/dp.py", "benchmarks/dp_runs.py", "benchmarks/dp_systems.py",
            "benchmarks/dp_nvme.py"),
+    "compose": ("tidal/memory", "tidal/sharding", "tidal/parallel", "tidal/distributed",
+                "tidal/runtime", "tidal/train", "benchmarks/compose.py",
+                "benchmarks/compose_ranks.py", "benchmarks/dp_runs.py", "benchmarks/dp_systems.py"),
     "compat": ("tidal/memory", "tidal/sharding", "tidal/parallel", "benchmarks/compat.py",
                "benchmarks/compat_cases.py", "benchmarks/compat_ranks.py",
                "benchmarks/compat_run.py"),
@@ -66,7 +69,8 @@ BENCH_CODE: dict[str, tuple[str, ...]] = {
 # Options that say how long, how often or where to measure, not what ([Note: latest runs]).
 _NOT_SETTINGS = frozenset({"command", "results_dir", "no_plot", "repeats", "warmup_steps",
                            "timeout_s", "case_timeout_s"})  # fmt: skip
-_TIMING_BENCHES = frozenset({"offload", "dp", "train", "pipeline"})  # --steps only times there
+# --steps only times there
+_TIMING_BENCHES = frozenset({"offload", "dp", "train", "pipeline", "compose"})
 _SECTION_CHOICE = frozenset({"section", "sections"})
 
 

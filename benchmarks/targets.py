@@ -114,6 +114,24 @@ def _largest_vs(system: str) -> Callable[[Result], float]:
     return lambda d: 1 / float(_row(d, section="scale", system=system)["largest_params_vs_tidal"])
 
 
+def _compose(target: str) -> Callable[[Result], float]:
+    """A target ``tidal bench compose`` read off its own rows (NaN where it measured none:
+    a configuration that did not run, which then misses)."""
+
+    def value(d: Result) -> float:
+        found = _row(d, section="targets", target=target)["value"]
+        return float("nan") if found is None else float(found)
+
+    return value
+
+
+def _compose_best(d: Result) -> str:
+    rows = [r for r in d["rows"] if r["section"] == "scale" and r["system"] == "tidal"]
+    best = max(rows, key=lambda r: r.get("largest_num_params") or 0)
+    capped = ", capped by --max-layers: at least" if best.get("capped") else ""
+    return f"{best['label']}{capped}"
+
+
 def _compat_matching(d: Result) -> float:
     return sum(r["result"] == "match" for r in d["rows"]) / len(d["rows"])
 
@@ -142,6 +160,8 @@ def _worst_error(key: str) -> Callable[[Result], float]:
     """The largest |measured / predicted - 1| over the rows that measured it."""
     return lambda d: max(abs(r[key] - 1) for r in d["rows"] if r.get(key) is not None)
 
+
+_COMPOSE = "tidal bench compose --host-budget 640MiB"
 
 TARGETS: tuple[Target, ...] = (
     Target(
@@ -210,6 +230,26 @@ TARGETS: tuple[Target, ...] = (
         compared_with="FSDP2 offload's largest", value=_largest_vs("fsdp2-cpu-offload"),
         context=lambda d: f"against DeepSpeed's {_largest_vs('deepspeed-zero3-offload')(d):.2f}x",  # fmt: skip
         fmt="{:.2f}x", at_most=False, bound=1.1, set_by="issue 52", headline=True,
+    ),
+    Target(
+        key="t-compose-deepspeed", bench="compose", device="cpu",
+        command=_COMPOSE, section="targets",
+        figure="largest GPT of tidal's best composition on 4 gloo ranks, 640 MiB host each",
+        compared_with="DeepSpeed ZeRO-3 offload's (dp4)", value=_compose("largest-vs-deepspeed"),
+        context=_compose_best, fmt="{:.2f}x", at_most=False, bound=1.25, set_by="the bench compose issue",
+    ),
+    Target(
+        key="t-compose-fsdp2", bench="compose", device="cpu", command=_COMPOSE,
+        section="targets", figure="the same against FSDP2",
+        compared_with="FSDP2 CPU offload's (dp4)", value=_compose("largest-vs-fsdp2"),
+        context=_compose_best, fmt="{:.2f}x", at_most=False, bound=1.25, set_by="the bench compose issue",
+    ),
+    Target(
+        key="t-compose-bytes", bench="compose", device="cpu", command=_COMPOSE,
+        section="targets",
+        figure="pp2 x dp2 chunk stages: bytes each rank all-gathers, reduce-scatters and sends per step",
+        compared_with="dp4 chunk ZeRO-3's, same model", value=_compose("bytes-pp2-dp2-vs-dp4"),
+        fmt="{:.2f}x", at_most=True, bound=0.6, set_by="the bench compose issue",
     ),
     Target(
         key="t-compat", bench="compat", device="cpu", command="tidal bench compat --ranks 2",

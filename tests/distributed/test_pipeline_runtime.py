@@ -154,7 +154,13 @@ def _sync_case(name: str, m: int, virtual: int, group: dist.ProcessGroup) -> dic
     with torch.no_grad():
         for p in model.parameters():
             p -= LR * p.grad
+    # every stage but the last sends each microbatch's activation on, every stage but the first
+    # its gradient back: the batch's rows x sequence x width in fp32 each way
+    rows_bytes = idx.numel() * model.config.d_model * 4
+    sends = sum((s < num_stages - 1) + (s > 0) for s in runtime.stage_ids)
     return {
+        "bytes_sent": runtime.bytes_sent,
+        "bytes_expected": sends * rows_bytes,
         "loss_diff": abs(loss - ref_loss.item()),
         "vs_model": max_diff_to_model(model, ours),
         "vs_torch": max_diff(ours, theirs),
@@ -432,6 +438,7 @@ def test_sync_schedules_equal_one_process_and_torch(results, world):
             assert r["vs_model"] < ATOL, (name, r)
             assert r["vs_torch"] < ATOL, (name, r)
             assert r["torch_vs_model"] < ATOL, (name, r)
+            assert r["bytes_sent"] == r["bytes_expected"] > 0, (name, r)
 
 
 @pytest.mark.parametrize("world", [2, 4])

@@ -1,5 +1,6 @@
-"""``tidal bench dp``: the results file of a small perf run, and the scale search's bracketing.
-Figures are checked for consistency, never for speed."""
+"""``tidal bench dp``: the results file of a small perf run, the scale search's bracketing, and
+the peers built deferred as ``tidal bench compose`` builds them. Figures are checked for
+consistency, never for speed."""
 
 from __future__ import annotations
 
@@ -11,11 +12,23 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from benchmarks import dp_runs
 from benchmarks.dp import search_largest
-from benchmarks.dp_systems import Case, tidal_budget_overrides
-from tidal.testing import RankFailure, RankOutcome
+from benchmarks.dp_systems import (
+    DEEPSPEED,
+    FSDP2,
+    Case,
+    missing_reason,
+    run_case,
+    tidal_budget_overrides,
+)
+from tidal.data import BatchSampler, build_token_splits
+from tidal.models import build_gpt
+from tidal.testing import RankFailure, RankOutcome, run_on_ranks
+from tidal.train.job import JobConfig, find_recipe, load_job
+from tidal.train.trainer import rank_rows
 
 
 @pytest.mark.slow
@@ -120,3 +133,45 @@ def test_nvme_rows_judge_the_budget_and_rate_the_disk() -> None:
            "num_params": 10, "model_data_bytes": 160, **figures}  # fmt: skip
     headers, (cells,) = nvme_table([row])
     assert len(cells) == len(headers) and cells[4] == "yes" and cells[5] == "7 / 9"
+
+
+_PEER_OVERRIDES = (
+    "training.device=cpu", "memory.device_budget=none", "memory.host_budget=none",
+    "training.precision=fp32", "model.seq_len=32", "training.batch_size=4",
+    "model.tie_embeddings=false", "model.num_layers=2", "optimizer.warmup_steps=1",
+)  # fmt: skip
+
+
+def _first_loss_of_build_gpt(job: JobConfig, world_size: int) -> float:
+    """The first step's loss of ``build_gpt(config, seed)`` as ``run_case`` takes it: the mean of
+    the ranks' losses on their rows of the first batch."""
+    config, training = job.model.resolve_gpt(), job.training
+    model = build_gpt(config, seed=training.seed)
+    splits = build_token_splits(job.data, vocab_size=config.vocab_size, seed=training.seed)
+    batches = BatchSampler(splits.train, batch_size=training.batch_size,
+                           seq_len=config.seq_len, seed=training.seed)  # fmt: skip
+    inputs, targets = batches.next_batch()
+    with torch.no_grad():
+        losses = [float(model(inputs[rows], targets[rows]))
+                  for rows in (rank_rows(training.batch_size, rank=r, world_size=world_size)
+                               for r in range(world_size))]  # fmt: skip
+    return sum(losses) / world_size
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("system", [FSDP2, DEEPSPEED])
+def test_the_peers_train_built_deferred(system: str) -> None:
+    """Built as ``tidal bench compose`` builds them (``deferred``: no rank holds the whole
+    model), each peer's loss on text falls over 6 steps; DeepSpeed's values are
+    ``build_gpt``'s, so its first loss is that model's."""
+    if system == DEEPSPEED and missing_reason(system) is not None:
+        pytest.skip(str(missing_reason(system)))
+    case = Case(system=system, recipe="tiny", overrides=_PEER_OVERRIDES, steps=6,
+                warmup_steps=1, deferred=True)  # fmt: skip
+    ranks = run_on_ranks(run_case, world_size=2, args=(case,), timeout_s=300)
+    losses = ranks[0]["losses"]
+    assert all(math.isfinite(loss) for loss in losses)
+    assert losses[-1] < losses[0] - 0.3, losses
+    if system == DEEPSPEED:
+        job = load_job(find_recipe("tiny"), list(_PEER_OVERRIDES))
+        assert losses[0] == pytest.approx(_first_loss_of_build_gpt(job, 2), abs=1e-5)

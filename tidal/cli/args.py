@@ -225,6 +225,7 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     _add_bench_pipeline(benches)
     _add_bench_compat(benches)
     _add_bench_make(benches)
+    _add_bench_compose(benches)
     from benchmarks.plan_check import add_parser as add_plan_check
     from benchmarks.report import add_parser as add_report
 
@@ -244,6 +245,25 @@ def _add_bench_make(benches: argparse._SubParsersAction) -> None:
         "benchmarks/results/make-*.json.",
     )
     add_arguments(make)
+
+
+def _add_bench_compose(benches: argparse._SubParsersAction) -> None:
+    from benchmarks.compose import add_arguments
+
+    compose = benches.add_parser(
+        "compose",
+        help="tidal's compositions (dp, pp, pp x dp chunks, NVMe, pp x tp) against DeepSpeed and "
+        "FSDP2 offload on 4 ranks: largest model, bytes moved, memory",
+        description="On 4 gloo ranks under one per-rank host budget (judged by each rank's peak "
+        "RSS): dp4 chunk ZeRO-3, pp4, pp2 x dp2 chunk, pp2 x dp2 chunk + NVMe, pp2 x tp2, "
+        "DeepSpeed ZeRO-3 offload and FSDP2 CPU offload. scale: the deepest GPT each trains "
+        "(doubling then bisecting the depth). fixed: all at one depth they all fit: step, "
+        "bytes each rank all-gathers, reduce-scatters and sends per step (tidal's counters, the "
+        "peers' by the ZeRO-3 formula), peak RSS beside tidal's own figure. targets: the "
+        "issue's, those that miss beside those that hold. A configuration tidal refuses is a "
+        "row saying so. Writes benchmarks/results/compose-*.json.",
+    )
+    add_arguments(compose)
 
 
 def _add_bench_offload(benches: argparse._SubParsersAction) -> None:

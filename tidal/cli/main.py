@@ -389,6 +389,10 @@ def _bench(args: argparse.Namespace, console: Console) -> int:
         from benchmarks.compat import run as run_compat
 
         return run_compat(args, console)
+    if args.bench == "compose":
+        from benchmarks.compose import run as run_compose
+
+        return run_compose(args, console)
     if args.bench == "make":
         from benchmarks.make import run as run_make
 

@@ -385,15 +385,17 @@ class GPT(nn.Module):
         whole ([Note: deferred construction] in tidal/memory/materialize.py)."""
         generator = torch.Generator(device="cpu").manual_seed(seed)
         for name, param in self.named_parameters():
-            is_random, value = self._init_rule(name)
+            is_random, value = self.init_rule(name)
             if is_random:
                 noise = torch.randn(param.shape, generator=generator, dtype=torch.float32)
                 yield name, noise.mul_(value)
             else:
                 yield name, torch.full(param.shape, value, dtype=torch.float32)
 
-    def _init_rule(self, name: str) -> tuple[bool, float]:
-        """``(True, std)`` for a normal draw, ``(False, c)`` for the constant ``c``."""
+    def init_rule(self, name: str) -> tuple[bool, float]:
+        """GPT-2's rule for parameter ``name``: ``(True, std)`` for a normal draw, ``(False, c)``
+        for the constant ``c`` (what :meth:`parameter_values` draws from; a sharded peer applies it
+        to its shards in ``tidal bench compose``)."""
         owner = self.get_submodule(name.rpartition(".")[0])
         if name.endswith(".bias"):
             return False, 0.0

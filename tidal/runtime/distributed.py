@@ -167,6 +167,9 @@ class PipelineRuntime:
         self.delays: dict[tuple[int, int], int] = {}  # (stage, global microbatch) -> tau
         self.lrs: dict[tuple[int, int], float] = {}  # (stage, step) -> learning rate used
         self._runners: dict[int, StageRunner] = {}
+        # payload bytes this rank sent to other pipeline ranks, headers left out: activations,
+        # their gradients, lent tensors and tied gradients ([Note: point-to-point protocol])
+        self.bytes_sent = 0
 
     # -- training ---------------------------------------------------------------------------
 
@@ -198,12 +201,13 @@ class PipelineRuntime:
             schedule = with_lending(schedule, self.lending.lenders)
         last = self.num_stages - 1
         uses = sum(s in (0, last) for s in self.stage_ids) + (last == 0)
+        transport = P2PTransport(schedule, self.rank, group=self.group, device=self.device)
         executor = RankExecutor(
             schedule=schedule,
             rank=self.rank,
             modules=self.modules,
             weights=self.weights,
-            transport=P2PTransport(schedule, self.rank, group=self.group, device=self.device),
+            transport=transport,
             data=Microbatches(batch_fn, self.config.microbatches, step_offset=self.step, uses=uses),
             lr_fn=lr_fn,
             rules=self.rules,
@@ -214,6 +218,7 @@ class PipelineRuntime:
         )
         self._runners = executor.runners
         executor.run()
+        self.bytes_sent += transport.bytes_sent
         first_mb = self.step * self.config.microbatches
         for s, runner in executor.runners.items():
             self.delays.update({(s, first_mb + mb): tau for mb, tau in runner.delays.items()})
@@ -279,6 +284,7 @@ class PipelineRuntime:
             g = grads[own]
             other = torch.empty_like(g)
             work = isend(g.contiguous(), peer, self.group, tag=_TIED_TAG)
+            self.bytes_sent += g.numel() * g.element_size()
             dist.recv(other, src=peer, group=self.group, tag=_TIED_TAG)
             work.wait()
             total = g + other if own[0] == sa else other + g
