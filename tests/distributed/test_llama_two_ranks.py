@@ -65,3 +65,19 @@ def test_the_llama_recipe_on_two_ranks_equals_the_reference_engine(tmp_path: Pat
 
     out = export_run(tmp_path / "pipe", out=tmp_path / "export")
     assert any("AutoModelForCausalLM logits within" in line for line in check_export(out))
+
+
+def _tensor_parallel(root: str) -> dict:
+    pipe = ["parallel.pp=2", "parallel.tp=2", "pipeline.microbatches=2", "pipeline.schedule=1f1b"]
+    return Trainer("llama-tiny", [*_overrides(Path(root) / "pp2-tp2"), *pipe]).fit()
+
+
+@pytest.mark.slow
+def test_the_llama_recipe_as_pp2_x_tp2_equals_the_reference_engine(tmp_path: Path) -> None:
+    """[Note: tensor-parallel stages]: LLaMA's separate q, k, v and gate/up projections split
+    column-wise, o and down row-wise, over 2 tp ranks of each of 2 stages: the one-process
+    reference's losses and validation losses."""
+    Trainer("llama-tiny", _overrides(tmp_path / "reference")).fit()
+    summaries = run_on_ranks(_tensor_parallel, world_size=4, args=(str(tmp_path),), timeout_s=300)
+    assert summaries[0]["engine"] == "pipeline 1f1b x2 tensor-parallel stages (tp2)"
+    _equal_to(_losses(tmp_path / "reference"), _losses(tmp_path / "pp2-tp2"))
