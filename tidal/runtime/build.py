@@ -6,7 +6,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from tidal.config import ConfigError, require
@@ -20,6 +19,7 @@ from tidal.parallel.config import OptimizerConfig, TrainingConfig
 from tidal.parallel.reference import build_optimizer, lr_schedule
 from tidal.parallel.stage_params import StageParams
 from tidal.pipeline.config import PipelineConfig
+from tidal.pipeline.ir import Schedule
 from tidal.pipeline.lending import Lending
 from tidal.pipeline.split import PipelineStage, tied_parameters
 from tidal.runtime.distributed import PipelineRuntime, RuntimeConfig
@@ -76,33 +76,10 @@ def pipeline(stages: Sequence[PipelineStage], *, config: PipelineConfig, optimiz
         partition=tuple(block_ranges),
         precision=training.precision,
     )
-    held: list[StageParams]
-    if mesh["tp"].size() > 1:
-        require(
-            not runtime.make(world_size, steps=1).asynchronous,
-            "pipeline.schedule",
-            f"{config.schedule} redirects saved weights to their versions by storage, which "
-            "tensor-parallel stages' DTensors hide; use gpipe, 1f1b or interleaved",
-        )
-        held = _tensor_stages(mine, mesh, optimizer, weights, training.precision, first_lr,
-                              chunks=chunks is not None, fsdp2=fsdp2)  # fmt: skip
-    elif chunks is not None:
-        require_synchronous(runtime.make(world_size, steps=1))
-        # the NVMe tier is the sharded optimizer's: a stage with a disk is a dp group of one
-        sharded = dist.get_world_size(dp_group) > 1 or chunks.memory.nvme_dir is not None
-        held = [ChunkStageParams(s, chunks, parts=zero3_parts(chunks, dp_group) if sharded else None,
-                                 microbatches_per_step=microbatches)
-                for s in mine]  # fmt: skip
-    elif fsdp2 and (dist.get_world_size(dp_group) > 1 or fsdp2_offload):
-        # the optimizer goes over the shards, so each stage is sharded before it is built
-        held = [Fsdp2StageWeights(s, build_optimizer(s, optimizer, first_lr), weights,
-                                  precision=training.precision, dp_mesh=mesh["dp"],
-                                  microbatches_per_step=microbatches)
-                for s in (fsdp2_stage(s, mesh["dp"], offload=fsdp2_offload) for s in mine)]  # fmt: skip
-    else:
-        held = [StageWeights(s, build_optimizer(s, optimizer, first_lr), weights,
-                             precision=training.precision, dp_group=dp_group)
-                for s in mine]  # fmt: skip
+    held = _stage_params(mine, mesh, runtime.make(world_size, steps=1),
+                         optimizer=optimizer, weights=weights, precision=training.precision,
+                         lr=first_lr, microbatches=microbatches, chunks=chunks, fsdp2=fsdp2,
+                         fsdp2_offload=fsdp2_offload)  # fmt: skip
     return PipelineRuntime(
         runtime,
         stages=mine,
@@ -113,6 +90,42 @@ def pipeline(stages: Sequence[PipelineStage], *, config: PipelineConfig, optimiz
         device=device,
         lending=lending,
     )
+
+
+def _stage_params(mine: Sequence[PipelineStage], mesh: DeviceMesh, schedule: Schedule, *,
+                  optimizer: OptimizerConfig, weights: AsyncConfig,
+                  precision: str, lr: float, microbatches: int,
+                  chunks: ChunkStageConfig | None, fsdp2: bool,
+                  fsdp2_offload: bool) -> list[StageParams]:  # fmt: skip
+    """What holds each of this rank's stages' parameters ([Note: the stage-parameter
+    protocol]): tensor-parallel weights, chunks, FSDP2 shards, or plain replicas.
+    ``schedule``: one step of the run's, which decides what the stages must support."""
+    dp_group = mesh.get_group("dp")
+    if mesh["tp"].size() > 1:
+        require(
+            not schedule.asynchronous,
+            "pipeline.schedule",
+            f"{schedule.name} redirects saved weights to their versions by storage, which "
+            "tensor-parallel stages' DTensors hide; use gpipe, 1f1b or interleaved",
+        )
+        return _tensor_stages(mine, mesh, optimizer, weights, precision, lr,
+                              chunks=chunks is not None, fsdp2=fsdp2)  # fmt: skip
+    if chunks is not None:
+        require_synchronous(schedule)
+        # the NVMe tier is the sharded optimizer's: a stage with a disk is a dp group of one
+        sharded = mesh["dp"].size() > 1 or chunks.memory.nvme_dir is not None
+        return [ChunkStageParams(s, chunks, parts=zero3_parts(chunks, dp_group) if sharded else None,
+                                 microbatches_per_step=microbatches)
+                for s in mine]  # fmt: skip
+    if fsdp2 and (mesh["dp"].size() > 1 or fsdp2_offload):
+        # the optimizer goes over the shards, so each stage is sharded before it is built
+        return [Fsdp2StageWeights(s, build_optimizer(s, optimizer, lr), weights,
+                                  precision=precision, dp_mesh=mesh["dp"],
+                                  microbatches_per_step=microbatches)
+                for s in (fsdp2_stage(s, mesh["dp"], offload=fsdp2_offload) for s in mine)]  # fmt: skip
+    return [StageWeights(s, build_optimizer(s, optimizer, lr), weights, precision=precision,
+                         dp_group=dp_group)
+            for s in mine]  # fmt: skip
 
 
 def _tensor_stages(mine: Sequence[PipelineStage], mesh: DeviceMesh, optimizer: OptimizerConfig,
