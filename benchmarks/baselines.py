@@ -18,7 +18,6 @@ from __future__ import annotations
 import importlib.util
 import logging
 import os
-import socket
 import time
 import warnings
 from dataclasses import dataclass
@@ -32,6 +31,7 @@ from tidal.distributed.device import resolve_device
 from tidal.models import build_gpt
 from tidal.models.gpt import GPT, GPTConfig
 from tidal.parallel.lr import WarmupCosine
+from tidal.testing import free_port
 from tidal.train.build import build_engine
 from tidal.train.job import JobConfig
 
@@ -167,12 +167,6 @@ def deepspeed_config(job: JobConfig, *, world_size: int = 1) -> dict[str, Any]:
     }
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def _decay_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
     """The reference engine's rule: matrices decay; biases, norms and gains do not. A parameter
     ``deepspeed.zero.Init`` partitioned is empty here; its ``ds_shape`` is the whole one."""
@@ -203,7 +197,7 @@ def _join_deepspeed(device: torch.device) -> int:
         # One process is the whole world: the bench runs each case in a fresh process.
         os.environ.update(
             MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(_free_port()),
+            MASTER_PORT=str(free_port()),
             RANK="0",
             WORLD_SIZE="1",
             LOCAL_RANK="0",

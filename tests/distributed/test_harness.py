@@ -178,3 +178,38 @@ def test_pytest_reports_a_rank_failure_as_a_test_failure(tmp_path: Path) -> None
     assert "RankFailure" in output
     assert "generated failure on rank 1" in output
     assert "1 failed" in output
+
+
+def test_free_port_lies_below_the_ephemeral_range_and_binds() -> None:
+    import socket
+
+    from tidal.testing import free_port
+    from tidal.testing.dist import _ephemeral_low
+
+    ports = {free_port() for _ in range(8)}
+    assert all(port < _ephemeral_low() for port in ports), ports
+    for port in ports:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", port))  # raises if it was not free
+
+
+def test_a_taken_port_is_retried_on_a_fresh_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    """CI once failed with EADDRINUSE: a port free when picked was taken before rank 0 listened."""
+    import socket
+
+    import tidal.testing.dist as harness
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        picks: list[int] = []
+        real = harness.free_port
+
+        def first_the_taken_port() -> int:
+            picks.append(real() if picks else int(taken.getsockname()[1]))
+            return picks[-1]
+
+        monkeypatch.setattr(harness, "free_port", first_the_taken_port)
+        results = run_on_ranks(_all_reduce_and_large_tensor, world_size=WORLD, timeout_s=60)
+    assert [reduced for reduced, _ in results] == [3.0, 3.0]
+    assert len(picks) == 2, picks  # the taken port, then a fresh one that worked

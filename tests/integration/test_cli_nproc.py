@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -14,6 +13,7 @@ import pytest
 
 from tidal.cli.main import main
 from tidal.distributed.launch import Nodes, torchrun_command
+from tidal.testing import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -127,15 +127,9 @@ def test_an_error_every_rank_finds_is_one_line_without_torchruns_banner(tmp_path
     assert lines[0].startswith("tidal: error: memory.device_budget: 1,024 bytes"), lines
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def _two_machines(run: list[str], *, numbered: bool) -> list[str]:
     """``tidal train RUN`` as two machines of one rank each on loopback; their outputs."""
-    endpoint = f"127.0.0.1:{_free_port()}"
+    endpoint = f"127.0.0.1:{free_port()}"
     machines = [
         subprocess.Popen(
             [
@@ -197,7 +191,7 @@ def test_srun_tasks_join_one_group(tmp_path: Path) -> None:
     (a batch script's own shell) the same command trains alone."""
     run = [*TINY_RUN, "--set", "engine=chunk"]
     slurm = {"SLURM_JOB_ID": "4242", "SLURM_STEP_NUM_TASKS": "2", "SLURM_NTASKS": "2",
-             "SLURM_STEP_NODELIST": "localhost", "MASTER_PORT": str(_free_port())}  # fmt: skip
+             "SLURM_STEP_NODELIST": "localhost", "MASTER_PORT": str(free_port())}  # fmt: skip
     base = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "WORLD_SIZE"))}
     tasks = [
         subprocess.Popen(

@@ -57,8 +57,45 @@ class RankFailure(AssertionError):
         super().__init__("\n".join(lines))
 
 
+# [Note: ports outside the ephemeral range]
+# Binding port 0 hands out a port from the kernel's ephemeral range, the same range every
+# outgoing connection (each gloo pair, each store client of a test still tearing down) takes its
+# local port from; one of those took the chosen port before rank 0 listened on it and CI failed
+# with EADDRINUSE. A port below that range is handed out only by an explicit bind, so the window
+# narrows to another test picking the same random port, and run_on_ranks retries that case.
+_PORT_RANGE_FILE = "/proc/sys/net/ipv4/ip_local_port_range"
+_LOWEST_PORT = 15000
+
+
+def _ephemeral_low() -> int:
+    try:
+        with open(_PORT_RANGE_FILE) as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
+
+
 def free_port() -> int:
-    """A TCP port that was free a moment ago (the OS picks it when binding port 0)."""
+    """A TCP port that was free a moment ago, outside the kernel's ephemeral range where one
+    exists ([Note: ports outside the ephemeral range]); else one the OS picks."""
+    import random
+
+    pick = random.SystemRandom()  # not the random module's state, which a test may have seeded
+    high = _ephemeral_low()
+    if high - _LOWEST_PORT >= 1000:
+        for _ in range(64):
+            port = pick.randrange(_LOWEST_PORT, high)
+            if _bindable(port):
+                return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
@@ -305,6 +342,30 @@ def run_on_ranks(
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     ctx = _context(start)
+    for attempt in range(_PORT_ATTEMPTS):
+        outcomes, results = _launch(ctx, fn, args, world_size, backend, timeout_s)
+        taken = any("EADDRINUSE" in o.detail for o in outcomes if o.status != "ok")
+        if not taken or attempt == _PORT_ATTEMPTS - 1:
+            break
+    if any(o.status != "ok" for o in outcomes):
+        raise RankFailure(outcomes, world_size)
+    return results
+
+
+# A port taken between free_port and rank 0's listen fails the rendezvous before fn did any
+# work, so launching again on a new port repeats nothing ([Note: ports outside the ephemeral
+# range]).
+_PORT_ATTEMPTS = 3
+
+
+def _launch(
+    ctx: Any,
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    world_size: int,
+    backend: str | None,
+    timeout_s: float,
+) -> tuple[list[RankOutcome], list[Any]]:
     port = free_port()
     ranks: list[_Rank] = []
     try:
@@ -322,6 +383,4 @@ def run_on_ranks(
             _kill(r.process)
             if r.conn is not None:
                 r.conn.close()
-    if any(o.status != "ok" for o in outcomes):
-        raise RankFailure(outcomes, world_size)
-    return [r.message[1] for r in ranks if r.message is not None]
+    return outcomes, [r.message[1] for r in ranks if r.message is not None]
