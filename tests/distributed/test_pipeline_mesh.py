@@ -143,8 +143,10 @@ def test_a_mesh_that_does_not_multiply_to_the_ranks_is_one_line(
     assert "dp2 x tp1 needs 2 ranks, but 4" in capsys.readouterr().err
     chunked = [*argv, "--set", "engine=chunk"]
     refusals = {  # what chunk stages cannot do yet, each one line naming the key
-        ("--mesh", "pp=2", "--schedule", "pipemare", "--set", "model.tie_embeddings=false"):
-            "pipeline.schedule: pipemare updates with microbatches in flight",
+        ("--mesh", "pp=2", "--schedule", "pipedream", "--set", "model.tie_embeddings=false"):
+            "pipeline.schedule: pipedream keeps older weight versions",
+        ("--mesh", "pp=2", "--schedule", "pipemare", "--set", "model.tie_embeddings=false",
+         "--set", "pipeline.correction=true"): "pipeline.correction: correction needs a weight-sized",
         ("--mesh", "pp=2", "--set", "pipeline.memory=recompute"): "pipeline.memory: chunk stages",
         ("--mesh", "pp=2,dp=2", "--set", "parallel.fsdp2=true"): "parallel.fsdp2: chunk stages",
     }  # fmt: skip
@@ -195,7 +197,35 @@ def _chunk_worker(root: str, reference: tuple[list[float], list[float]], dp: int
             assert figure["bytes_reduce_scattered"] * m == every[s]["bytes_reduce_scattered"]
             assert figure["bytes_all_gathered"] < every[s]["bytes_all_gathered"], (figure, every)
             assert figure["peak_device_bytes"] <= figure["device_budget"], figure
+        _pipemare_on_chunk_stages(root_path, memory)
     return {"figures": figures, "engine": summary["engine"]}
+
+
+def _pipemare_on_chunk_stages(root: Path, memory: dict[str, Any]) -> None:
+    """[Note: PipeMare on chunk stages]: ZeRO-3 chunk stages under the budget log the plain
+    stages' PipeMare losses, and a run stopped at step 2 resumes as the unbroken one."""
+
+    def pipemare(name: str, *, engine: str, steps: int = STEPS) -> dict[str, Any]:
+        job = _chunk_job(root / name, steps=steps, dp=2, memory=memory)
+        job["engine"] = engine
+        job["memory"] = memory if engine == "chunk" else {}  # plain stages hold it all
+        job["pipeline"] = {"schedule": "pipemare", "microbatches": 2}
+        job["model"]["tie_embeddings"] = False
+        return job
+
+    plain = Trainer(pipemare("pipemare-plain", engine="reference")).fit()
+    chunked = Trainer(pipemare("pipemare-chunk", engine="chunk")).fit()
+    assert chunked["engine"] == "pipeline pipemare x2 chunk stages", chunked["engine"]
+    assert chunked["pipeline"]["max_delay_per_stage"] == plain["pipeline"]["max_delay_per_stage"]
+    train, val = _losses(root / "pipemare-chunk")
+    want_train, want_val = _losses(root / "pipemare-plain")
+    assert train == pytest.approx(want_train, abs=TOL) and val == pytest.approx(want_val, abs=TOL)
+    assert train != _losses(root / "chunk")[0]  # not the synchronous run's
+    for stage in chunked["pipeline"]["chunk_stages"].values():
+        assert stage["evictions"] > 0 and stage["peak_device_bytes"] <= stage["device_budget"]
+    Trainer(pipemare("pipemare-resumed", engine="chunk", steps=2)).fit()
+    Trainer(pipemare("pipemare-resumed", engine="chunk")).fit(resume=True)
+    assert _losses(root / "pipemare-resumed") == (train, val)
 
 
 # A host budget below the stage's model data (its AdamW state goes to disk), above the staging

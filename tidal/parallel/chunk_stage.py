@@ -32,9 +32,25 @@ in the parameters' low-precision slots (``chunk.grads_in_params`` is off: that n
 backward per step). Clipping is the pipeline's: ``grad_squares`` and ``scale_grads`` read and
 scale the gradient chunks, and the update runs with the optimizer's own clipping off.
 
-The chunks hold one weight version, so only synchronous schedules (gpipe, 1f1b, interleaved)
-run on chunk stages: a forward asked for another version, and an update with a microbatch
-still in flight, are refused (:func:`require_synchronous` refuses the schedule up front).
+The chunks hold one weight version. Synchronous schedules (gpipe, 1f1b, interleaved) need no
+other; of the asynchronous ones, PipeMare's (``pipemare``, ``pipemarew``) runs every forward and
+backward on the current weights, which is what the chunks hold ([Note: PipeMare on chunk
+stages]). PipeDream's and 2BW's stashed versions, and a forward asked for another version, are
+refused (:func:`require_synchronous` refuses the schedule up front).
+
+[Note: PipeMare on chunk stages]
+Built with ``weights=AsyncConfig(...)``, a stage takes updates while microbatches are in flight.
+Nothing needs redirecting: the forward's saved weights are views of the chunks' storages, which
+keep their identity across evictions and refetches ([Note: chunk store] in
+tidal/memory/store.py), and the backward's unpack brings the chunk back with whatever the
+update wrote into it, the current weights, which is PipeMare's backward without correction. The
+store's iteration then runs from one update to the next (the unit that repeats in the steady
+state), not over a step with nothing in flight, and relayout waits for an update with nothing
+in flight (its moves would strand the saved views). Each update's rate is PipeMare's rescheduled
+one for the delays the stage measured (:func:`~tidal.pipeline.async_config.update_rate`, the
+same as plain stages'). Discrepancy correction and weight prediction need a second weight-sized
+buffer beside the chunks, which they do not have yet, so both are refused in one line, as is
+``sharding.reduce_per_step``, whose single reduction per step has no step to wait for.
 
 Data parallelism of a stage is ZeRO-3 over its dp group (``parts=ShardedParts(...)``, every
 dp rank running the same schedule on its slice of the batch): each backward reduce-scatters the
@@ -77,10 +93,17 @@ from tidal.parallel.config import MemoryConfig, OptimizerConfig, Precision, Trai
 from tidal.parallel.parts import ChunkParts
 from tidal.parallel.reference import autocast
 from tidal.parallel.sharded_parts import ShardedParts
+from tidal.pipeline.async_config import AsyncConfig, WeightMode, update_rate
 from tidal.pipeline.ir import Schedule
 from tidal.sharding.config import ShardingConfig
 
-__all__ = ["ChunkStageConfig", "ChunkStageParams", "require_synchronous", "zero3_parts"]
+__all__ = [
+    "ChunkStageConfig",
+    "ChunkStageParams",
+    "require_one_version",
+    "require_synchronous",
+    "zero3_parts",
+]
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)
@@ -123,12 +146,24 @@ class ChunkStageConfig:
 
 def require_synchronous(schedule: Schedule) -> None:
     """Refuse a schedule chunk stages cannot run ([Note: chunk stages]): one line."""
-    require(
-        not schedule.asynchronous,
-        "schedule",
-        f"{schedule.name} updates with microbatches in flight, but chunk stages hold one "
-        "weight version; use gpipe, 1f1b or interleaved",
-    )
+    stashes = schedule.asynchronous and schedule.stashing != 1
+    require_one_version(schedule.name, stashes=stashes)
+
+
+def require_one_version(schedule: str, *, stashes: bool, correction: bool = False,
+                        prediction: bool = False, reduce_per_step: bool = False) -> None:  # fmt: skip
+    """Refuse, in one line each, what an asynchronous schedule on chunk stages cannot do
+    ([Note: PipeMare on chunk stages]): the job's checks and the stage's call this alike."""
+    require(not stashes, "pipeline.schedule",
+            f"{schedule} keeps older weight versions for its backwards, but chunk stages hold "
+            "one; use pipemare, gpipe, 1f1b or interleaved (or engine = 'reference')")  # fmt: skip
+    for option, on in (("correction", correction), ("prediction", prediction)):
+        require(not on, f"pipeline.{option}",
+                f"{option} needs a weight-sized buffer beside the chunks, which chunk stages "
+                f"do not keep yet; set pipeline.{option} = false or engine = 'reference'")  # fmt: skip
+    require(not reduce_per_step, "sharding.reduce_per_step",
+            f"{schedule} updates with microbatches in flight, so a step has no last backward "
+            "to reduce after; set it to false")  # fmt: skip
 
 
 def zero3_parts(
@@ -144,7 +179,8 @@ class ChunkStageParams:
     """One stage's parameters in chunks, driven at the pipeline's moments; see [Note: chunk
     stages]. ``parts``: where the chunks live (default: this process); ``microbatches_per_step``:
     the backwards a step runs on the stage, which ``sharding.reduce_per_step`` needs to know
-    the last of."""
+    the last of; ``weights``: an asynchronous (PipeMare) schedule's settings, which lets
+    updates come with microbatches in flight ([Note: PipeMare on chunk stages])."""
 
     def __init__(
         self,
@@ -154,6 +190,7 @@ class ChunkStageParams:
         init: ParameterValues | None = None,
         parts: ChunkParts | None = None,
         microbatches_per_step: int | None = None,
+        weights: AsyncConfig | None = None,
     ) -> None:
         training = TrainingConfig(device=config.device, precision=config.precision,
                                   grad_clip_norm=0.0)  # fmt: skip
@@ -163,13 +200,22 @@ class ChunkStageParams:
         self.module = module
         self._version = 0
         self.skipped_updates = 0  # updates dropped for a non-finite gradient
-        self._in_flight: set[int] = set()  # forward done, backward not
+        self._in_flight: dict[int, int] = {}  # forward done, backward not: its version
+        self._weights = weights
+        self.delays: dict[int, int] = {}  # microbatch -> tau ([Note: weight delay tau])
+        self._pending: list[int] = []  # the taus of the backwards since the last update
+        self.last_lr: float | None = None
+        self.last_delay = 0.0  # the mean tau of the last update's microbatches
         self._open = False  # the store's iteration (this step's) is open
         self._backwards = 0  # this step's backwards begun on the stage
         self._reduce_per_step = config.sharding.reduce_per_step and self.sharded
         require(not self._reduce_per_step or microbatches_per_step is not None,
                 "sharding.reduce_per_step", "needs the step's microbatches (microbatches_per_step)")  # fmt: skip
         self._microbatches_per_step = microbatches_per_step or 1
+        if weights is not None:
+            require_one_version("pipemare", stashes=weights.weights is not WeightMode.CURRENT,
+                                correction=weights.correction, prediction=weights.prediction,
+                                reduce_per_step=self._reduce_per_step)  # fmt: skip
         self._by_name = dict(module.named_parameters(remove_duplicate=False))
         self._grad_factor: torch.Tensor | None = None  # scale_grads' factor for shards on disk
 
@@ -200,9 +246,7 @@ class ChunkStageParams:
         if microbatch in self._in_flight:
             raise ValueError(f"microbatch {microbatch} is already in flight on this stage")
         engine = self.engine
-        if not self._open:
-            self.store.begin_iteration()
-            self._open = True
+        self._begin()
         engine.phases.forward()
         try:
             with self.store.meter.tracking(), autocast(engine.precision, engine.device):
@@ -211,7 +255,7 @@ class ChunkStageParams:
             engine.phases.forward_ended()
             self._abandon()
             raise
-        self._in_flight.add(microbatch)
+        self._in_flight[microbatch] = self._version
 
     @contextlib.contextmanager
     def backward(self, microbatch: int, *, last: bool = True) -> Iterator[None]:
@@ -220,6 +264,9 @@ class ChunkStageParams:
         if microbatch not in self._in_flight:
             raise ValueError(f"microbatch {microbatch} has no forward in flight on this stage")
         engine = self.engine
+        self._begin()  # after an update with microbatches in flight, a backward may come first
+        tau = self._version - self._in_flight[microbatch]
+        self.delays[microbatch] = tau
         if self._reduce_per_step:  # [Note: reducing once per step] in tidal/sharding/grads.py
             final = self._backwards + 1 >= self._microbatches_per_step
             engine.optimizer.gradients.accumulating = not final
@@ -238,9 +285,15 @@ class ChunkStageParams:
         self.store.release_all()  # modules whose backward hook did not fire
         engine.parts.after_backward(engine)
         if last:
-            self._in_flight.discard(microbatch)
+            del self._in_flight[microbatch]
+            self._pending.append(tau)
         if not self._in_flight:
             engine.phases.backward()
+
+    def _begin(self) -> None:
+        if not self._open:
+            self.store.begin_iteration()
+            self._open = True
 
     def _abandon(self) -> None:
         """A forward or backward raised: this step's iteration is no trace, its gradients
@@ -252,7 +305,7 @@ class ChunkStageParams:
         self.engine.zero_grad()
 
     def _end_iteration(self) -> None:
-        if self._in_flight:
+        if self._in_flight and self._weights is None:
             raise RuntimeError(
                 f"microbatches {sorted(self._in_flight)} are in flight at the step's end: chunk "
                 "stages run synchronous schedules only (gpipe, 1f1b, interleaved)"
@@ -353,9 +406,15 @@ class ChunkStageParams:
     # -- the update --------------------------------------------------------------------------
 
     def step(self, *, lr: float, step: int) -> float:
-        """The chunk optimizer's update of the gradients held (clipped already); returns
-        ``lr``. A non-finite gradient drops the update (counted in ``skipped_updates``)."""
+        """The chunk optimizer's update of the gradients held (clipped already); returns the
+        rate it used: ``lr``, or under PipeMare its rescheduled rate for the delays measured
+        ([Note: PipeMare on chunk stages]). A non-finite gradient drops the update (counted in
+        ``skipped_updates``)."""
         self._end_iteration()
+        if self._weights is not None:
+            lr, self.last_delay = update_rate(self._weights, self._pending, lr, step)
+        self._pending.clear()
+        self.last_lr = lr
         engine = self.engine
         self.store.release_all()
         engine.parts.before_step(engine)  # relayout and pinning, once there is a trace
@@ -377,6 +436,7 @@ class ChunkStageParams:
         the version advances as a step's would."""
         self._end_iteration()
         self._grad_factor = None
+        self._pending.clear()
         self.store.release_all()
         self.engine.zero_grad()
         self.skipped_updates += 1

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from tidal.config import require
 
-__all__ = ["AsyncConfig", "WeightMode", "correction_gamma", "lr_scale"]
+__all__ = ["AsyncConfig", "WeightMode", "correction_gamma", "lr_scale", "update_rate"]
 
 
 class WeightMode(enum.StrEnum):
@@ -101,6 +101,18 @@ def lr_scale(tau: float, step: int, warmup_steps: int) -> float:
         return 1.0
     exponent = 1.0 - min(step / warmup_steps, 1.0)
     return 1.0 / max(tau, 1.0) ** exponent
+
+
+def update_rate(config: AsyncConfig, taus: list[int], lr: float, step: int) -> tuple[float, float]:
+    """The rate one update of a stage applies and the delay it was chosen for: ``taus`` are the
+    measured delays of the microbatches whose gradients it applies, their mean is the update's
+    tau ([Note: PipeMare rules] in tidal/runtime/pipemare.py), and with LR rescheduling the
+    base ``lr`` is divided as :func:`lr_scale` says. Every kind of stage parameters calls this,
+    so the rule lives here once."""
+    tau = sum(taus) / len(taus) if taus else 0.0
+    if not config.lr_rescheduling:
+        return lr, tau
+    return lr * lr_scale(tau, step, config.lr_warmup_steps), tau
 
 
 def correction_gamma(tau: float, decay: float) -> float:

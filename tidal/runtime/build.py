@@ -114,8 +114,9 @@ def _stage_params(mine: Sequence[PipelineStage], mesh: DeviceMesh, schedule: Sch
         require_synchronous(schedule)
         # the NVMe tier is the sharded optimizer's: a stage with a disk is a dp group of one
         sharded = mesh["dp"].size() > 1 or chunks.memory.nvme_dir is not None
+        pipemare = weights if schedule.asynchronous else None  # [Note: PipeMare on chunk stages]
         return [ChunkStageParams(s, chunks, parts=zero3_parts(chunks, dp_group) if sharded else None,
-                                 microbatches_per_step=microbatches)
+                                 microbatches_per_step=microbatches, weights=pipemare)
                 for s in mine]  # fmt: skip
     if fsdp2 and (mesh["dp"].size() > 1 or fsdp2_offload):
         # the optimizer goes over the shards, so each stage is sharded before it is built

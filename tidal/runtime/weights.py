@@ -97,7 +97,7 @@ from torch import nn
 from tidal.config import require
 from tidal.parallel.reference import autocast
 from tidal.parallel.stage_params import all_reduce_mean, plain_grad_squares, plain_scale_grads
-from tidal.pipeline.async_config import AsyncConfig, WeightMode, correction_gamma, lr_scale
+from tidal.pipeline.async_config import AsyncConfig, WeightMode, correction_gamma, update_rate
 from tidal.runtime.lookahead import next_update
 from tidal.runtime.precision import PRECISIONS
 from tidal.runtime.redirect import Packer, ParamToken, clone_like, storage_ptr
@@ -468,12 +468,7 @@ class StageWeights:
         tau of the microbatches whose backward ran since the previous update ([Note: PipeMare
         rules]).
         """
-        taus = [self.delays[mb] for mb in self._pending]
-        tau = sum(taus) / len(taus) if taus else 0.0
-        scale = 1.0
-        if self.config.lr_rescheduling:
-            scale = lr_scale(tau, step, self.config.lr_warmup_steps)
-        lr_used = lr * scale
+        lr_used, tau = update_rate(self.config, [self.delays[mb] for mb in self._pending], lr, step)
         for group in self.optimizer.param_groups:
             group["lr"] = lr_used
         self._stash_before_update()  # also drops copies no longer needed after this update

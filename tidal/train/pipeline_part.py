@@ -52,7 +52,7 @@ from tidal.data import Batches, BatchSampler
 from tidal.distributed import gather_ints
 from tidal.distributed.device import resolve_device
 from tidal.models import GPTConfig, build_stages, spec_for
-from tidal.parallel.chunk_stage import ChunkStageConfig, ChunkStageParams
+from tidal.parallel.chunk_stage import ChunkStageConfig, ChunkStageParams, require_one_version
 from tidal.parallel.flat_state import model_layout
 from tidal.parallel.lr import lr_schedule
 from tidal.pipeline.partition import LayerProfile
@@ -114,12 +114,10 @@ def check_pipeline_job(job: JobConfig, *, world_size: int, model: nn.Module | No
         "fp16 needs CUDA (loss scaling is a CUDA feature); use 'bf16' or 'fp32' on a CPU",
     )
     chunked = job.engine == "chunk"  # [Note: chunk stages] in tidal/parallel/chunk_stage.py
-    require(
-        not (chunked and pipe.asynchronous),
-        "pipeline.schedule",
-        f"{pipe.schedule} updates with microbatches in flight, but chunk stages hold one weight "
-        "version; use gpipe, 1f1b or interleaved (or engine = 'reference')",
-    )
+    if chunked and pipe.asynchronous:  # [Note: PipeMare on chunk stages]
+        require_one_version(pipe.schedule, stashes=pipe.stashes, correction=pipe.correction,
+                            prediction=pipe.prediction,
+                            reduce_per_step=job.sharding.reduce_per_step)  # fmt: skip
     require(
         not (job.parallel.fsdp2 and pipe.asynchronous),
         "parallel.fsdp2",

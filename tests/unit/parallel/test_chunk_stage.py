@@ -23,6 +23,7 @@ from tidal.models.gpt import GPTConfig, split_gpt
 from tidal.parallel.chunk_stage import ChunkStageConfig, ChunkStageParams, require_synchronous
 from tidal.parallel.config import MemoryConfig, OptimizerConfig
 from tidal.pipeline.schedules import make_schedule
+from tidal.pipeline.simulate import simulate
 from tidal.pipeline.split import even_ranges, tied_parameters
 from tidal.runtime.executor import UpdateRules
 from tidal.runtime.local import LocalResult, run_local
@@ -145,8 +146,9 @@ def test_forward_refuses_another_version():
 
 def test_asynchronous_schedules_are_refused():
     schedule = make_schedule("pipedream", stages=2, microbatches=2, steps=3)
-    with pytest.raises(ConfigError, match="one weight version"):
+    with pytest.raises(ConfigError, match="pipedream keeps older weight versions"):
         require_synchronous(schedule)
+    require_synchronous(make_schedule("pipemare", stages=2, microbatches=2, steps=3))
     require_synchronous(make_schedule("1f1b", stages=2, microbatches=4))
     stages = split_gpt(tiny_gpt(), even_ranges(4, 2))
     weights = [chunked()(s, stage) for s, stage in enumerate(stages)]
@@ -185,3 +187,70 @@ def test_bf16_stages_follow_fp32_under_a_budget():
         assert b.stats()["peak_device_bytes"] <= 60_000
         values, ref = b.model_state_dict(), a.model_state_dict()
         assert max((values[k] - ref[k]).abs().max().item() for k in ref) < 0.05
+
+
+# [Note: PipeMare on chunk stages]: LR rescheduling on, T1 past the run so every update divides
+PIPEMARE = AsyncConfig(weights=WeightMode.CURRENT, lr_rescheduling=True, lr_warmup_steps=8)
+
+
+def run_pipemare(name: str, ranks: int, m: int, weights_of) -> tuple[list, LocalResult]:
+    schedule = make_schedule(name, stages=ranks, microbatches=m, steps=STEPS)
+    config = GPTConfig(vocab_size=64, seq_len=8, num_layers=4, num_heads=2, d_model=16,
+                       tie_embeddings=False)  # fmt: skip
+    stages = split_gpt(build_gpt(config, seed=0), even_ranges(4, schedule.num_stages))
+    weights = [weights_of(s, stage) for s, stage in enumerate(stages)]
+    rules = UpdateRules(max_grad_norm=MAX_NORM)
+    return weights, run_local(schedule, stages, weights, batch, lr_at, rules=rules)
+
+
+@pytest.mark.parametrize(("name", "ranks", "m"), [("pipemare", 2, 2), ("pipemare", 4, 2),
+                                                   ("pipemarew", 2, 4)])  # fmt: skip
+def test_pipemare_on_chunk_stages_equals_plain_pipemare_bit_for_bit(name, ranks, m):
+    """Updates with microbatches in flight, under budgets that evict: the backward unpacks the
+    chunks' current weights, as plain stages' redirection gives them, and each update's rate is
+    rescheduled by the same measured delays."""
+
+    def plain(_index: int, stage: nn.Module) -> StageWeights:
+        return StageWeights(stage, adamw(stage), PIPEMARE)
+
+    def chunk_stages(budgets: list[int] | None):
+        def make(index: int, stage: nn.Module) -> ChunkStageParams:
+            budget = None if budgets is None else budgets[index]
+            config = ChunkStageConfig(optimizer=OPTIMIZER, chunk=CHUNK,
+                                      memory=MemoryConfig(device_budget=budget))  # fmt: skip
+            return ChunkStageParams(stage, config, weights=PIPEMARE)
+
+        return make
+
+    reference, want = run_pipemare(name, ranks, m, plain)
+    probes, _ = run_pipemare(name, ranks, m, chunk_stages(None))
+    budgets = [int(w.stats()["min_device_bytes"]) for w in probes]
+    weights, got = run_pipemare(name, ranks, m, chunk_stages(budgets))
+
+    assert got.losses == want.losses and got.lrs == want.lrs and got.delays == want.delays
+    simulated = simulate(make_schedule(name, stages=ranks, microbatches=m, steps=STEPS)).delay
+    assert tuple(max(got.stage_delays(s)) for s in range(ranks)) == tuple(simulated)
+    assert max(simulated) >= 1  # the first stage really ran on stale weights
+    if max(simulated) > 1:  # an update's mean delay above 1 divides its rate
+        assert any(lr < lr_at(step) for (_, step), lr in got.lrs.items()), got.lrs
+    for s, (ref, w) in enumerate(zip(reference, weights, strict=True)):
+        values = w.model_state_dict()
+        for pname, p in ref.module.named_parameters():
+            assert torch.equal(values[pname], p.detach()), (s, pname)
+        stats = w.stats()
+        assert stats["evictions"] > 0 and stats["peak_device_bytes"] <= budgets[s], (s, stats)
+        assert w.version == STEPS and w.delays == {mb: tau for (st, mb), tau in got.delays.items()
+                                                   if st == s}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("change", "says"),
+    [({"correction": True}, "pipeline.correction"), ({"prediction": True}, "pipeline.prediction"),
+     ({"weights": WeightMode.STASH}, "keeps older weight versions")],
+)  # fmt: skip
+def test_pipemare_on_chunk_stages_refuses_what_needs_a_second_copy(change, says):
+    stage = split_gpt(tiny_gpt(), even_ranges(4, 2))[0]
+    config = ChunkStageConfig(optimizer=OPTIMIZER, chunk=CHUNK)
+    weights = dataclasses.replace(PIPEMARE, **change)
+    with pytest.raises(ConfigError, match=says):
+        ChunkStageParams(stage, config, weights=weights)
