@@ -45,8 +45,10 @@ keep their identity across evictions and refetches ([Note: chunk store] in
 tidal/memory/store.py), and the backward's unpack brings the chunk back with whatever the
 update wrote into it, the current weights, which is PipeMare's backward without correction. The
 store's iteration then runs from one update to the next (the unit that repeats in the steady
-state), not over a step with nothing in flight, and relayout waits for an update with nothing
-in flight (its moves would strand the saved views). Each update's rate is PipeMare's rescheduled
+state), not over a step with nothing in flight. Relayout runs only at an update with nothing in
+flight (its moves would strand the saved views), so a stage whose optimizer is placed at an
+update with microbatches in flight (stage 0 under PipeMare) keeps its first layout. Each
+update's rate is PipeMare's rescheduled
 one for the delays the stage measured (:func:`~tidal.pipeline.async_config.update_rate`, the
 same as plain stages'). Discrepancy correction and weight prediction need a second weight-sized
 buffer beside the chunks, which they do not have yet, so both are refused in one line, as is
