@@ -322,12 +322,13 @@ def zero3_bytes(num_params: int, *, nproc: int = NPROC, bytes_per_param: int = F
             "bytes_all_reduced": 0.0}  # fmt: skip
 
 
-_MOVED = ("bytes_all_gathered", "bytes_reduce_scattered", "bytes_sent")
+_MOVED = ("bytes_all_gathered", "bytes_reduce_scattered", "bytes_all_reduced", "bytes_sent")
 
 
 def moved_per_rank(bytes_per_step: dict[str, float]) -> float:
-    """What a rank moves per step: all-gathered, reduce-scattered and sent."""
-    return float(sum(bytes_per_step[key] for key in _MOVED))
+    """What a rank moves per step: all-gathered, reduce-scattered, all-reduced (tensor
+    parallelism's activations; a sharded stage's norms) and sent."""
+    return float(sum(bytes_per_step.get(key, 0.0) for key in _MOVED))
 
 
 def fixed_depth(settings: ComposeSettings, scale: Sequence[dict[str, Any]]) -> int:
@@ -623,7 +624,7 @@ def _fixed_tables(rows: Sequence[dict[str, Any]]) -> list[ResultTable]:
                 if "not_runnable" in r
                 else f"failed: {r['error']}"
             )
-            traffic.append([r["label"], why, *["-"] * 6])
+            traffic.append([r["label"], why, *["-"] * 7])
             memory.append([r["label"], why, *["-"] * 4])
             continue
         per_rank = r["bytes_per_step"]
@@ -631,16 +632,18 @@ def _fixed_tables(rows: Sequence[dict[str, Any]]) -> list[ResultTable]:
             r["label"], f"{r['median_step_s']:.3f}s", _ratio(r.get("step_vs_dp4")),
             _per_rank([b["bytes_all_gathered"] for b in per_rank]),
             _per_rank([b["bytes_reduce_scattered"] for b in per_rank]),
+            _per_rank([b.get("bytes_all_reduced", 0.0) for b in per_rank]),
             _per_rank([b["bytes_sent"] for b in per_rank]),
             _ratio(r.get("moved_vs_dp4")), r["bytes_source"],
         ])  # fmt: skip
         memory.append(_memory_cells(r))
     title = f"tidal bench compose: one model all fit ({depth} blocks), per step"
-    traffic_headers = ["configuration", "step", "step vs dp4", "all-gathered/rank", "reduce-scattered/rank", "sent/rank", "moved vs dp4", "bytes from"]  # fmt: skip
+    traffic_headers = ["configuration", "step", "step vs dp4", "all-gathered/rank", "reduce-scattered/rank", "all-reduced/rank", "sent/rank", "moved vs dp4", "bytes from"]  # fmt: skip
     memory_headers = ["configuration", "peak RSS/rank", "RSS before the model/rank", "tidal's figure + that/rank", "peak / that", "tidal's figure"]  # fmt: skip
     note = ("Steps are the slowest rank's median, on a 2-core machine shared with other work: "
-            "compare within the run only. moved = all-gathered + reduce-scattered + sent, the "
-            "mean over ranks.")  # fmt: skip
+            "compare within the run only. moved = all-gathered + reduce-scattered + all-reduced + "
+            "sent, the mean over ranks (runs before 2026-12-07 left all-reduced out of moved and "
+            "did not count tensor parallelism's all-reduces).")  # fmt: skip
     return [ResultTable.of(title, traffic_headers, traffic, note=note),
             ResultTable.of(f"tidal bench compose: per-rank peak beside tidal's figure ({depth} blocks)",
                            memory_headers, memory, note=_FIGURE_NOTE)]  # fmt: skip

@@ -183,21 +183,27 @@ def _run_tidal(case: ComposeCase) -> dict[str, Any]:
     }
 
 
-def _chunk_stats(part: Any) -> list[dict[str, Any]]:
-    """The chunk engines' figures on this rank: the engine's, or each chunk stage's."""
+def _stage_stats(part: Any) -> list[dict[str, Any]]:
+    """The figures of this rank's engine, or of each of its stages that keeps some (chunk
+    stages, tensor-parallel ones)."""
     weights = getattr(part.engine, "weights", None)
     if weights is None:  # an engine
-        stats = part.engine.stats()
-        return [stats] if "min_device_bytes" in stats else []
+        return [part.engine.stats()]
     return [w.stats() for w in weights.values() if hasattr(w, "stats")]
 
 
+def _chunk_stats(part: Any) -> list[dict[str, Any]]:
+    """The chunk engines' figures on this rank: the engine's, or each chunk stage's."""
+    return [s for s in _stage_stats(part) if "min_device_bytes" in s]
+
+
 def _counters(part: Any) -> dict[str, int]:
-    """This rank's running byte counters: what it all-gathered and reduce-scattered
-    ([Note: collective byte counts] in tidal/distributed/collectives.py) and sent to other
-    pipeline ranks (:attr:`PipelineRuntime.bytes_sent`)."""
+    """This rank's running byte counters: what it all-gathered, reduce-scattered and
+    all-reduced, ZeRO-3's over dp and tensor parallelism's over tp ([Note: collective byte
+    counts] in tidal/distributed/collectives.py), and sent to other pipeline ranks
+    (:attr:`PipelineRuntime.bytes_sent`)."""
     keys = ("bytes_all_gathered", "bytes_reduce_scattered", "bytes_all_reduced")
-    stats = _chunk_stats(part)
+    stats = _stage_stats(part)
     out = {key: sum(int(s.get(key, 0)) for s in stats) for key in keys}
     out["bytes_sent"] = int(getattr(part.engine, "bytes_sent", 0))
     return out

@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from tidal.cli.main import main
+from tidal.models.gpt import PRESETS
 from tidal.testing import run_on_ranks
 from tidal.train import Trainer
 from tidal.train.export import export_run
@@ -95,7 +96,16 @@ def _worker(root: str, reference: tuple[list[float], list[float]]) -> dict[str, 
     assert train == pytest.approx(reference[0], abs=TOL), (train, reference[0])
     assert val == pytest.approx(reference[1], abs=TOL), (val, reference[1])
     dist.barrier()
-    return engines
+    return engines | {"tp_bytes_per_step": _tensor_parallel_bytes(root_path / "tp-bytes")}
+
+
+def _tensor_parallel_bytes(run_dir: Path) -> dict[str, int]:
+    """This rank's tensor-parallel collective bytes over one 1F1B step, counted by its stage."""
+    trainer = Trainer(_job(run_dir, schedule="1f1b"))
+    (weights,) = trainer.part.engine.weights.values()  # type: ignore[attr-defined]
+    before = weights.stats()
+    trainer.part.train(1, trainer.train_batches)
+    return {key: value - before[key] for key, value in weights.stats().items()}
 
 
 @pytest.mark.slow
@@ -104,6 +114,18 @@ def test_pp2_x_tp2_equals_one_process_and_resumes_across_tp(tmp_path: Path) -> N
     reference = _losses(tmp_path / "reference")
     engines = run_on_ranks(_worker, world_size=4, args=(str(tmp_path), reference), timeout_s=400)
     assert engines[0]["1f1b"] == "pipeline 1f1b x2 tensor-parallel stages (tp2)", engines[0]
+    # Megatron's four all-reduces of a microbatch's activations per block, two in the forward
+    # (after the attention's and the MLP's row-wise layers) and two in the backward (before the
+    # column-wise ones), counted by the ring formula: 2 x bytes x (tp - 1) / tp each
+    config, microbatches = PRESETS["tiny"], SCHEDULES["1f1b"]["microbatches"]
+    activation_bytes = (
+        JOB["training"]["batch_size"] // microbatches * config.seq_len * config.d_model * 4
+    )
+    blocks_per_stage = config.num_layers // 2
+    want = microbatches * blocks_per_stage * 4 * (2 * activation_bytes * (2 - 1) // 2)
+    for rank, out in enumerate(engines):
+        assert out["tp_bytes_per_step"] == {"bytes_all_reduced": want, "bytes_all_gathered": 0,
+                                            "bytes_reduce_scattered": 0}, (rank, out)  # fmt: skip
     shutil.copytree(tmp_path / "tp-half", tmp_path / "one-process")
     Trainer(_job(tmp_path / "one-process")).fit(resume=True)  # pp2 x tp2's step 2, one process
     train, val = _losses(tmp_path / "one-process")

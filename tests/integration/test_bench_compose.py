@@ -106,9 +106,9 @@ def test_a_refusal_on_the_ranks_is_not_runnable_and_another_failure_an_error(mon
 
 def test_a_configuration_tidal_refuses_at_job_check_runs_nothing(monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
     probed = _fake_runs(monkeypatch, lambda d: GiB // 2)
-    refused = Composition(key="x", label="pp2 x dp2 chunk pipemare",
+    refused = Composition(key="x", label="pp2 x dp2 chunk pipedream",
                           overrides=("engine=chunk", "parallel.pp=2", "parallel.dp=2",
-                                     "pipeline.schedule=pipemare"))  # fmt: skip
+                                     "pipeline.schedule=pipedream"))  # fmt: skip
     row = compose._scale_row(_settings(), refused)
     assert row == not_runnable_row(refused, row["not_runnable"])
     assert row["not_runnable"].startswith("pipeline.schedule:") and not probed
@@ -136,7 +136,7 @@ def test_depth_bounds_every_configuration_by_all_ranks_model_data() -> None:
 
 def _fixed(key: str, *, moved: float, step: float, system: str = "tidal") -> dict[str, Any]:
     per_rank = {"bytes_all_gathered": moved / 2, "bytes_reduce_scattered": moved / 4,
-                "bytes_sent": moved / 4, "bytes_all_reduced": 8.0}  # fmt: skip
+                "bytes_sent": moved / 8, "bytes_all_reduced": moved / 8}  # fmt: skip
     figure = {"bytes": 100, "kind": "accounting", "source": "s"}
     return {"section": "fixed", "composition": key, "label": key, "system": system,
             "num_layers": 3, "median_step_s": step, "bytes_per_step": [per_rank] * 4,

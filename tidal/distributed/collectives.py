@@ -13,12 +13,13 @@ whole multiples of the world size (each rank holds an equal shard).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["Collectives"]
+__all__ = ["Collectives", "FunctionalCollectiveBytes"]
 
 # all_gather_single / reduce_scatter_single replaced the *_tensor names in later torch
 # releases; the device machine runs an older one.
@@ -109,4 +110,42 @@ class Collectives:
             "bytes_all_reduced": self.bytes_all_reduced,
             "all_gathers": self.num_all_gathers,
             "reduce_scatters": self.num_reduce_scatters,
+        }
+
+
+class FunctionalCollectiveBytes(TorchDispatchMode):
+    """While active, counts the bytes of the functional collectives run on this thread (those
+    DTensor issues for tensor parallelism, in the forward and in the backward autograd runs
+    from it) by the ring formulas of [Note: collective byte counts], into the same three
+    counters as :class:`Collectives`; other operations pass through untouched."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bytes_all_gathered = 0
+        self.bytes_reduce_scattered = 0
+        self.bytes_all_reduced = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func.namespace == "_c10d_functional":
+            self._count(func.__name__.split(".")[0], args)
+        return func(*args, **(kwargs or {}))
+
+    def _count(self, name: str, args: tuple[Any, ...]) -> None:
+        tensor, group_name = args[0], args[-1]
+        if not isinstance(tensor, torch.Tensor) or not isinstance(group_name, str):
+            return  # wait_tensor and the like move nothing
+        size = dist.distributed_c10d._resolve_process_group(cast(Any, group_name)).size()
+        nbytes = tensor.numel() * tensor.element_size()
+        if name == "all_reduce":
+            self.bytes_all_reduced += 2 * nbytes * (size - 1) // size
+        elif name == "all_gather_into_tensor":  # the input is this rank's shard
+            self.bytes_all_gathered += nbytes * (size - 1)
+        elif name == "reduce_scatter_tensor":
+            self.bytes_reduce_scattered += nbytes * (size - 1) // size
+
+    def stats(self) -> dict[str, int]:
+        return {
+            "bytes_all_gathered": self.bytes_all_gathered,
+            "bytes_reduce_scattered": self.bytes_reduce_scattered,
+            "bytes_all_reduced": self.bytes_all_reduced,
         }

@@ -10,17 +10,22 @@ them, and the squared norm counts a split parameter's shares once over the tp gr
 replicated parameter once (:func:`~tidal.parallel.tensor_stage.tensor_grad_squares`). A tied
 embedding is replicated, so ``gradient(name)`` hands its whole gradient as plain stages do.
 Only synchronous schedules run: the saved-tensor redirection of asynchronous ones finds a
-parameter by its storage, which a DTensor's local shard hides.
+parameter by its storage, which a DTensor's local shard hides. The tensor-parallel collectives
+of every forward and backward are counted (``stats()``: [Note: collective byte counts] in
+tidal/distributed/collectives.py), as chunk stages count their dp ones.
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
+from tidal.distributed.collectives import FunctionalCollectiveBytes
 from tidal.parallel.stage_params import average_over
 from tidal.parallel.tensor_stage import tensor_grad_squares
 from tidal.runtime.weights import StageWeights
@@ -38,6 +43,21 @@ class TensorStageWeights(StageWeights):
     def __init__(self, *args: Any, tp_mesh: DeviceMesh, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.tp_group = tp_mesh.get_group()
+        self.tp_bytes = FunctionalCollectiveBytes()
+
+    @contextlib.contextmanager
+    def forward(self, microbatch: int, *, version: int | None = None) -> Iterator[None]:
+        with super().forward(microbatch, version=version), self.tp_bytes:
+            yield
+
+    @contextlib.contextmanager
+    def backward(self, microbatch: int, *, last: bool = True) -> Iterator[None]:
+        with super().backward(microbatch, last=last), self.tp_bytes:
+            yield
+
+    def stats(self) -> dict[str, int]:
+        """This rank's tensor-parallel collective bytes so far."""
+        return self.tp_bytes.stats()
 
     def reduce_gradients(self) -> None:
         average_over([_local(p.grad) for p in self.params if p.grad is not None], self.dp_group)
