@@ -124,6 +124,12 @@ def test_pp2_x_dp2_equals_one_process_and_exports_its_weights(tmp_path: Path) ->
         assert trained.keys() == weights.keys(), name
         for key, value in weights.items():
             torch.testing.assert_close(trained[key], value, rtol=0, atol=TOL, msg=key)
+        # the logged norm is the global one over the mesh, before clipping, as the engine's
+        norms = [r["grad_norm"] for r in read_metrics(tmp_path / name) if r["kind"] == "train"]
+        want = [
+            r["grad_norm"] for r in read_metrics(tmp_path / "reference") if r["kind"] == "train"
+        ]
+        assert norms == pytest.approx(want, rel=1e-5) and min(want) > 0.5, (name, norms, want)
 
 
 def test_a_mesh_that_does_not_multiply_to_the_ranks_is_one_line(
@@ -311,6 +317,17 @@ def _fsdp2_worker(root: str, reference: tuple[list[float], list[float]]) -> None
         job["parallel"]["fsdp2"] = True
         Trainer(job).fit(resume=steps == STEPS)
     assert _losses(root_path / "fsdp2-resumed") == _losses(root_path / "fsdp2-1f1b")
+    # [Note: one train step] in tidal/train/job.py: no pipeline, the model one stage sharded
+    # over all four ranks by FSDP2 (it trained the reference engine unsharded before)
+    job = _job(root_path / "fsdp2-dp4", **SCHEDULES["gpipe"])
+    job["parallel"] = {"dp": 4, "fsdp2": True}
+    trainer = Trainer(job)
+    assert trainer.fit()["engine"] == "pipeline gpipe x1 fsdp2 stages"
+    (stage,) = trainer.part.engine.modules.values()  # type: ignore[attr-defined]
+    assert all(isinstance(p, DTensor) and p.device_mesh.size() == 4 for p in stage.parameters())
+    train, val = _losses(root_path / "fsdp2-dp4")
+    assert train == pytest.approx(reference[0], abs=TOL), ("dp4", train, reference[0])
+    assert val == pytest.approx(reference[1], abs=TOL), ("dp4", val, reference[1])
 
 
 @pytest.mark.slow

@@ -95,6 +95,15 @@ def _worker(root: str, reference: tuple[list[float], list[float]]) -> dict[str, 
     train, val = _losses(root_path / "from-tp1")
     assert train == pytest.approx(reference[0], abs=TOL), (train, reference[0])
     assert val == pytest.approx(reference[1], abs=TOL), (val, reference[1])
+    # [Note: one train step] in tidal/train/job.py: a model of one stage, split over tp and
+    # replicated over dp, trains through the same step as the pipeline
+    one_stage = Trainer(_job(root_path / "dp2-tp2", schedule="1f1b", parallel={"dp": 2, "tp": 2}))
+    engines["one-stage"] = one_stage.fit()["engine"]
+    assert any(isinstance(p, DTensor) for m in one_stage.part.engine.modules.values()  # type: ignore[attr-defined]
+               for p in m.parameters())  # fmt: skip
+    train, val = _losses(root_path / "dp2-tp2")
+    assert train == pytest.approx(reference[0], abs=TOL), (train, reference[0])
+    assert val == pytest.approx(reference[1], abs=TOL), (val, reference[1])
     dist.barrier()
     return engines | {"tp_bytes_per_step": _tensor_parallel_bytes(root_path / "tp-bytes")}
 
@@ -114,6 +123,7 @@ def test_pp2_x_tp2_equals_one_process_and_resumes_across_tp(tmp_path: Path) -> N
     reference = _losses(tmp_path / "reference")
     engines = run_on_ranks(_worker, world_size=4, args=(str(tmp_path), reference), timeout_s=400)
     assert engines[0]["1f1b"] == "pipeline 1f1b x2 tensor-parallel stages (tp2)", engines[0]
+    assert engines[0]["one-stage"] == "pipeline 1f1b x1 tensor-parallel stages (tp2)", engines[0]
     # Megatron's four all-reduces of a microbatch's activations per block, two in the forward
     # (after the attention's and the MLP's row-wise layers) and two in the backward (before the
     # column-wise ones), counted by the ring formula: 2 x bytes x (tp - 1) / tp each
@@ -146,7 +156,7 @@ def test_what_tensor_parallel_stages_cannot_run_is_one_line(
     """Refused before torchrun starts, each in one line naming the key and the fix."""
     argv = ["train", "--recipe", "tiny", "--set", "run_dir=/nonexistent"]
     refusals = {
-        ("--mesh", "tp=2"): "parallel.tp: tensor parallelism runs in pipeline stages",
+        ("--mesh", "tp=3"): "parallel.tp: 3 tensor-parallel ranks do not divide",  # one stage
         ("--mesh", "pp=2,tp=3"): "parallel.tp: 3 tensor-parallel ranks do not divide "
                                  "model.num_heads (4)",
         ("--mesh", "pp=2,tp=2", "--set", "engine=chunk", "--set", "pipeline.memory=none"):

@@ -239,7 +239,7 @@ def _fit(job: JobConfig, args: argparse.Namespace, console: Console, argv: list[
     if ranks > 1 and int(os.environ.get("WORLD_SIZE", "1")) == 1:
         args.nproc = ranks  # a recipe's [parallel] mesh: its ranks
         return _launch(args, argv)
-    trainer = Trainer(job, plan=args.plan, pipeline=job.pipelined)
+    trainer = Trainer(job, plan=args.plan, pipeline=job.on_stages)
     resume, overwrite = args.resume, args.overwrite
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     if restart > 0:
@@ -291,7 +291,7 @@ def _launch(args: argparse.Namespace, argv: list[str]) -> int:
 
         model = spec_for(job.model).build(device="meta")
         check_plan_job(load_plan(args.plan), job, model=model, world_size=world_size)
-    elif job.pipelined:
+    elif job.on_stages:
         from tidal.train.pipeline_part import check_pipeline_job
 
         check_pipeline_job(job, world_size=world_size)

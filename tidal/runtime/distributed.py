@@ -21,6 +21,7 @@ bf16 and fp16: [Note: pipeline mixed precision] in precision.py.
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -170,6 +171,8 @@ class PipelineRuntime:
         # payload bytes this rank sent to other pipeline ranks, headers left out: activations,
         # their gradients, lent tensors and tied gradients ([Note: point-to-point protocol])
         self.bytes_sent = 0
+        # the global gradient norm of the last synchronous step, before clipping (unscaled)
+        self.last_grad_norm: float | None = None
 
     # -- training ---------------------------------------------------------------------------
 
@@ -250,14 +253,16 @@ class PipelineRuntime:
             self.weights[s].reduce_gradients()
         for pair in self.rules.tied:
             self._sum_tied(pair)
-        if self.rules.max_grad_norm is None and not self.scaler.scaling:
-            return
         squares = sum(
             (grad_squares(self._runners[s], self.rules) for s in self.stage_ids),
             start=torch.zeros((), dtype=torch.float32),
         )
         squares = squares.to(self._collective_device())
         dist.all_reduce(squares, group=self.group)
+        norm = float(squares.cpu().sqrt()) / self.scaler.scale
+        self.last_grad_norm = norm if math.isfinite(norm) else None
+        if self.rules.max_grad_norm is None and not self.scaler.scaling:
+            return
         factor = self.scaler.decide(step, squares.cpu(), max_norm=self.rules.max_grad_norm)
         if factor is None:
             return  # overflow on some rank: every rank skips this step's updates

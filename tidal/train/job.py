@@ -96,12 +96,6 @@ class JobConfig:
             "parallel.fsdp2 = false, or engine = 'reference' for FSDP2 stages",
         )
         require(
-            self.parallel.tp == 1 or self.parallel.pp > 1,
-            "parallel.tp",
-            "tensor parallelism runs in pipeline stages (parallel.pp >= 2) or from a plan (tidal "
-            "plan, then tidal train --plan PLAN.json); set parallel.tp = 1 or parallel.pp >= 2",
-        )
-        require(
             self.custom.factory is None
             or (self.model.factory is None and self.model.hf_config is None),
             "custom.factory",
@@ -113,6 +107,23 @@ class JobConfig:
     @property
     def pipelined(self) -> bool:
         return self.parallel.pp > 1
+
+    # [Note: one train step]
+    # A run trains either on stages or on an engine, and this property alone decides which.
+    # On stages, the parameters of each stage are held by a transform behind the stage-parameter
+    # protocol (plain replicas, chunks, FSDP2 shards, tensor-parallel shares: tidal/runtime/
+    # build.py picks it) and one step drives them all (tidal/runtime/executor.py: every
+    # microbatch's forward and backward, each dp group's reduction once, the tied sum, the
+    # global norm over the mesh, the loss scaler, the update). A model of one stage is a
+    # schedule of one stage: ``--mesh tp=2`` or ``--mesh dp=2 --set parallel.fsdp2=true``
+    # train through the same step as a pipeline. The engines (reference, chunk, ZeRO-3, plans)
+    # still own their step for the rest of pp = 1; moving them onto stages is what is left.
+    @property
+    def on_stages(self) -> bool:
+        """Whether the run trains on stages ([Note: one train step]): every pipeline, and a
+        model of one stage whose parameters a stage transform holds (tensor parallelism over
+        ``mesh["tp"]``, FSDP2 over ``mesh["dp"]``), which the engines do not do."""
+        return self.pipelined or self.parallel.tp > 1 or self.parallel.fsdp2
 
     @property
     def num_microbatches(self) -> int:

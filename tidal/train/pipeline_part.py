@@ -418,7 +418,7 @@ class PipelinePart:
     def step_figures(self, step: int) -> dict[str, Any]:
         delays = [tau for (s, _), tau in self.engine.delays.items() if s in self.stage_ids]
         # The next step's rate, as the reference engine logs it.
-        return {"grad_norm": None, "lr": self.lr.lr_at(step), "max_delay": max(delays, default=0),
+        return {"grad_norm": self.engine.last_grad_norm, "lr": self.lr.lr_at(step), "max_delay": max(delays, default=0),
                 "pipeline_ranks": self._rank_figures()}  # fmt: skip
 
     def _rank_figures(self) -> list[dict[str, Any]]:

@@ -110,9 +110,9 @@ class Trainer:
     Under torchrun every rank builds its own Trainer; see [Note: global batch]. ``plan``: a
     plan of ``tidal plan`` (or the path of its JSON file) to train with, on its ``dp x tp``
     ranks ([Note: plan runs] in tidal/parallel/plan_layout.py); for your own model, one of
-    ``tidal.planner.plan_for(model, inputs, devices=...)``. ``pipeline``: train as a
-    pipeline, one rank per stage ([Note: pipeline runs] in pipeline_part.py); by default when
-    ``parallel.pp > 1``. The loop, the run folder, checkpoints and the summary are the same
+    ``tidal.planner.plan_for(model, inputs, devices=...)``. ``pipeline``: train on stages
+    ([Note: pipeline runs] in pipeline_part.py); by default when the job says so ([Note: one
+    train step] in job.py: a pipeline, tensor parallelism or FSDP2). The loop, the run folder, checkpoints and the summary are the same
     for both; what trains is the ``part`` (engine_part.py). ``optimizer``, ``optimizer_kwargs``,
     ``lr_scheduler``: your own torch optimizer and schedule in place of ``[optimizer]``'s
     ([Note: your optimizer] in user_optim.py).
@@ -147,7 +147,7 @@ class Trainer:
         if self.job.metrics.tensorboard:
             check_tensorboard()  # before any process group or step, in one line
         self.plan = _load_plan(plan) if isinstance(plan, str | Path) else plan
-        pipeline = self.job.pipelined if pipeline is None else pipeline
+        pipeline = self.job.on_stages if pipeline is None else pipeline
         if pipeline and self.plan is not None:
             raise ConfigError(
                 "--plan", "a pipeline run places its stages itself; drop --plan or the pipeline"
