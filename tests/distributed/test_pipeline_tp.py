@@ -68,11 +68,18 @@ def _losses(run_dir: Path) -> tuple[list[float], list[float]]:
     return train, [r["val_loss"] for r in records if r["kind"] == "val"]
 
 
+def _reference(run_dir: Path) -> tuple[list[float], list[float], list[float]]:
+    """The one-process run's losses, validation losses and gradient norms."""
+    train, val = _losses(run_dir)
+    norms = [r["grad_norm"] for r in read_metrics(run_dir) if r["kind"] == "train"]
+    return train, val, norms
+
+
 def _exported(run_dir: Path, out: Path) -> dict[str, torch.Tensor]:
     return read_safetensors(export_run(run_dir, out=out) / "model.safetensors")
 
 
-def _worker(root: str, reference: tuple[list[float], list[float]]) -> dict[str, Any]:
+def _worker(root: str, reference: tuple[list[float], list[float], list[float]]) -> dict[str, Any]:
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
@@ -96,14 +103,20 @@ def _worker(root: str, reference: tuple[list[float], list[float]]) -> dict[str, 
     assert train == pytest.approx(reference[0], abs=TOL), (train, reference[0])
     assert val == pytest.approx(reference[1], abs=TOL), (val, reference[1])
     # [Note: one train step] in tidal/train/job.py: a model of one stage, split over tp and
-    # replicated over dp, trains through the same step as the pipeline
-    one_stage = Trainer(_job(root_path / "dp2-tp2", schedule="1f1b", parallel={"dp": 2, "tp": 2}))
-    engines["one-stage"] = one_stage.fit()["engine"]
-    assert any(isinstance(p, DTensor) for m in one_stage.part.engine.modules.values()  # type: ignore[attr-defined]
-               for p in m.parameters())  # fmt: skip
-    train, val = _losses(root_path / "dp2-tp2")
-    assert train == pytest.approx(reference[0], abs=TOL), (train, reference[0])
-    assert val == pytest.approx(reference[1], abs=TOL), (val, reference[1])
+    # replicated over dp, or split over tp and its shares sharded over dp by FSDP2 (2D),
+    # trains through the same step as the pipeline, clipped by the same global norm
+    for name, fsdp2 in (("dp2-tp2", False), ("dp2-tp2-fsdp2", True)):
+        parallel = {"dp": 2, "tp": 2, "fsdp2": fsdp2}
+        one_stage = Trainer(_job(root_path / name, schedule="1f1b", parallel=parallel))
+        engines[name] = one_stage.fit()["engine"]
+        (stage,) = one_stage.part.engine.modules.values()  # type: ignore[attr-defined]
+        meshes = {p.device_mesh.ndim for p in stage.parameters() if isinstance(p, DTensor)}
+        assert meshes == ({1, 2} if fsdp2 else {1}), (name, meshes)  # tp's, and dp x tp's
+        train, val = _losses(root_path / name)
+        assert train == pytest.approx(reference[0], abs=TOL), (name, train, reference[0])
+        assert val == pytest.approx(reference[1], abs=TOL), (name, val, reference[1])
+        norms = [r["grad_norm"] for r in read_metrics(root_path / name) if r["kind"] == "train"]
+        assert norms == pytest.approx(reference[2], rel=1e-5), (name, norms, reference[2])
     dist.barrier()
     return engines | {"tp_bytes_per_step": _tensor_parallel_bytes(root_path / "tp-bytes")}
 
@@ -120,10 +133,11 @@ def _tensor_parallel_bytes(run_dir: Path) -> dict[str, int]:
 @pytest.mark.slow
 def test_pp2_x_tp2_equals_one_process_and_resumes_across_tp(tmp_path: Path) -> None:
     Trainer(_job(tmp_path / "reference")).fit()
-    reference = _losses(tmp_path / "reference")
+    reference = _reference(tmp_path / "reference")
     engines = run_on_ranks(_worker, world_size=4, args=(str(tmp_path), reference), timeout_s=400)
     assert engines[0]["1f1b"] == "pipeline 1f1b x2 tensor-parallel stages (tp2)", engines[0]
-    assert engines[0]["one-stage"] == "pipeline 1f1b x1 tensor-parallel stages (tp2)", engines[0]
+    assert engines[0]["dp2-tp2"] == "pipeline 1f1b x1 tensor-parallel stages (tp2)", engines[0]
+    assert "fsdp2 stages tensor-parallel" in engines[0]["dp2-tp2-fsdp2"], engines[0]
     # Megatron's four all-reduces of a microbatch's activations per block, two in the forward
     # (after the attention's and the MLP's row-wise layers) and two in the backward (before the
     # column-wise ones), counted by the ring formula: 2 x bytes x (tp - 1) / tp each
@@ -161,8 +175,6 @@ def test_what_tensor_parallel_stages_cannot_run_is_one_line(
                                  "model.num_heads (4)",
         ("--mesh", "pp=2,tp=2", "--set", "engine=chunk", "--set", "pipeline.memory=none"):
             "parallel.tp: tensor-parallel stages hold DTensors, which chunk stages",
-        ("--mesh", "pp=2,dp=2,tp=2", "--set", "parallel.fsdp2=true", "--set",
-         "model.tie_embeddings=false"): "parallel.tp: tensor-parallel stages are not FSDP2",
         ("--mesh", "pp=2,tp=2", "--schedule", "pipemare", "--set", "model.tie_embeddings=false"):
             "pipeline.schedule: pipemare redirects saved weights by storage",
     }  # fmt: skip

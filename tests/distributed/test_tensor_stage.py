@@ -83,7 +83,7 @@ def _worker(kind: str) -> dict[str, Any]:
     for name, ref in reference.named_parameters():
         torch.testing.assert_close(grads[name], ref.grad, rtol=0, atol=TOL, msg=name)
     # the norm: split shares summed over tp, replicated parameters once
-    squares = tensor_grad_squares(stage.named_parameters(), mesh.get_group())
+    squares = tensor_grad_squares(stage.named_parameters())
     ref_squares = plain_grad_squares(reference.named_parameters())
     torch.testing.assert_close(squares, ref_squares, rtol=1e-5, atol=0)
     everything = sum(

@@ -24,7 +24,8 @@ each tp rank sends to its own peer of the next stage. No sequence parallelism.
   the same gradient on each, a split one each rank's share of it. A stage's squared gradient
   norm (:func:`tensor_grad_squares`) is therefore the split parameters' local squares summed
   over the tp group plus the replicated ones' counted once, the one-process norm; summing
-  every rank's whole would count each replicated parameter ``t`` times.
+  every rank's whole would count each replicated parameter ``t`` times. The same rule, read
+  off each parameter's placements, serves FSDP2's shards over dp and both at once.
 - Replicated activations must agree across the tp ranks: they take the same rows (the
   trainer's rows follow the dp coordinate alone) and the same seed, so dropout draws the same
   masks on each (the split attention draws on equal local shapes, keeping the generators in
@@ -166,26 +167,42 @@ def rank_order(stage: nn.Module, name: str, value: torch.Tensor) -> torch.Tensor
 
 
 def tensor_grad_squares(
-    named: Iterable[tuple[str, nn.Parameter]],
-    tp_group: dist.ProcessGroup,
-    *,
-    skip: frozenset[str] = frozenset(),
+    named: Iterable[tuple[str, nn.Parameter]], *, skip: frozenset[str] = frozenset()
 ) -> torch.Tensor:
-    """The squared gradient norm of a tensor-parallel stage, as one process would compute it:
-    split parameters' local squares summed over ``tp_group``, replicated ones counted once
-    ([Note: tensor-parallel stages]); ``skip``'s names left out. fp32, on the CPU."""
-    split = torch.zeros((), dtype=torch.float64)
-    whole = torch.zeros((), dtype=torch.float64)
+    """The squared gradient norm of a stage whose parameters may be DTensors on any mesh (tensor
+    parallel, FSDP2, both), as one process would compute it: each parameter's local squares
+    summed over the mesh dimensions it is sharded along and counted once along those it is
+    replicated along ([Note: tensor-parallel stages]); ``skip``'s names left out. Every rank of
+    the stage must call it (one all-reduce per sharded mesh dimension). fp32, on the CPU."""
+    once = torch.zeros((), dtype=torch.float64)
+    sharded: dict[tuple[str, ...], tuple[list[dist.ProcessGroup], torch.Tensor]] = {}
     for name, p in named:
-        if p.grad is None or name in skip:
+        local = torch.zeros((), dtype=torch.float64)
+        if p.grad is not None and name not in skip:
+            grad = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+            local = grad.double().square().sum().cpu()
+        groups = _sharded_along(p)
+        if not groups:
+            once += local
             continue
-        grad = p.grad
-        if isinstance(grad, DTensor) and any(pl.is_shard() for pl in grad.placements):
-            split += grad.to_local().double().square().sum().cpu()
-        else:
-            local = grad.to_local() if isinstance(grad, DTensor) else grad
-            whole += local.double().square().sum().cpu()
-    if dist.get_backend(tp_group) == "nccl":
-        split = split.cuda()
-    dist.all_reduce(split, group=tp_group)
-    return (split.cpu() + whole).float()
+        key = tuple(str(g.group_name) for g in groups)  # from the parameters: alike on all ranks
+        _, total = sharded.setdefault(key, (groups, torch.zeros((), dtype=torch.float64)))
+        total += local
+    for key in sorted(sharded):
+        groups, total = sharded[key]
+        for group in groups:
+            on = total.cuda() if dist.get_backend(group) == "nccl" else total
+            dist.all_reduce(on, group=group)
+            total = on.cpu()
+        once += total
+    return once.float()
+
+
+def _sharded_along(p: torch.Tensor) -> list[dist.ProcessGroup]:
+    """The groups of the mesh dimensions ``p`` is sharded along (none for a plain tensor).
+    Whatever is not replicated: FSDP2 shards a tensor-parallel weight split on the same dim as
+    ``_StridedShard``, whose ``is_shard()`` is False."""
+    if not isinstance(p, DTensor):
+        return []
+    return [p.device_mesh.get_group(i) for i, pl in enumerate(p.placements)
+            if not pl.is_replicate()]  # fmt: skip

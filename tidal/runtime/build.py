@@ -109,7 +109,8 @@ def _stage_params(mine: Sequence[PipelineStage], mesh: DeviceMesh, schedule: Sch
             "tensor-parallel stages' DTensors hide; use gpipe, 1f1b or interleaved",
         )
         return _tensor_stages(mine, mesh, optimizer, weights, precision, lr,
-                              chunks=chunks is not None, fsdp2=fsdp2)  # fmt: skip
+                              chunks=chunks is not None, fsdp2=fsdp2, fsdp2_offload=fsdp2_offload,
+                              microbatches=microbatches)  # fmt: skip
     if chunks is not None:
         require_synchronous(schedule)
         # the NVMe tier is the sharded optimizer's: a stage with a disk is a dp group of one
@@ -121,8 +122,7 @@ def _stage_params(mine: Sequence[PipelineStage], mesh: DeviceMesh, schedule: Sch
     if fsdp2 and (mesh["dp"].size() > 1 or fsdp2_offload):
         # the optimizer goes over the shards, so each stage is sharded before it is built
         return [Fsdp2StageWeights(s, build_optimizer(s, optimizer, lr), weights,
-                                  precision=precision, dp_mesh=mesh["dp"],
-                                  microbatches_per_step=microbatches)
+                                  precision=precision, microbatches_per_step=microbatches)
                 for s in (fsdp2_stage(s, mesh["dp"], offload=fsdp2_offload) for s in mine)]  # fmt: skip
     return [StageWeights(s, build_optimizer(s, optimizer, lr), weights, precision=precision,
                          dp_group=dp_group)
@@ -131,22 +131,28 @@ def _stage_params(mine: Sequence[PipelineStage], mesh: DeviceMesh, schedule: Sch
 
 def _tensor_stages(mine: Sequence[PipelineStage], mesh: DeviceMesh, optimizer: OptimizerConfig,
                    weights: AsyncConfig, precision: str, lr: float, *, chunks: bool,
-                   fsdp2: bool) -> list[StageParams]:  # fmt: skip
-    """Each stage split over ``mesh["tp"]``, then its optimizer over the shares."""
+                   fsdp2: bool, fsdp2_offload: bool, microbatches: int) -> list[StageParams]:  # fmt: skip
+    """Each stage split over ``mesh["tp"]``, then, with ``fsdp2``, its shares sharded over
+    ``mesh["dp"]`` (torchtitan's 2D), then its optimizer over what this rank holds."""
     from tidal.parallel.tensor_stage import tensor_parallel_stage  # DTensor: tp runs only
-    from tidal.runtime.tensor_weights import TensorStageWeights
+    from tidal.runtime.tensor_weights import Fsdp2TensorStageWeights, TensorStageWeights
 
-    if chunks or fsdp2:
+    if chunks:
         raise ConfigError(
             "parallel.tp",
-            "tensor-parallel stages hold their parameters as DTensors, which neither chunk nor "
-            "FSDP2 stages take yet; set parallel.tp = 1, or engine = 'reference' and "
-            "parallel.fsdp2 = false",
+            "tensor-parallel stages hold their parameters as DTensors, which chunk stages do "
+            "not take yet; set parallel.tp = 1, or engine = 'reference'",
         )
+    sharded = fsdp2 and (mesh["dp"].size() > 1 or fsdp2_offload)
     held: list[StageParams] = []
     for stage in mine:
         tensor_parallel_stage(stage, mesh["tp"])
-        held.append(TensorStageWeights(stage, build_optimizer(stage, optimizer, lr), weights,
-                                       precision=precision, dp_group=mesh.get_group("dp"),
-                                       tp_mesh=mesh["tp"]))  # fmt: skip
+        if not sharded:
+            held.append(TensorStageWeights(stage, build_optimizer(stage, optimizer, lr), weights,
+                                           precision=precision, dp_group=mesh.get_group("dp")))  # fmt: skip
+            continue
+        fsdp2_stage(stage, mesh["dp"], offload=fsdp2_offload)  # the optimizer goes over shards
+        held.append(Fsdp2TensorStageWeights(stage, build_optimizer(stage, optimizer, lr), weights,
+                                            precision=precision,
+                                            microbatches_per_step=microbatches))  # fmt: skip
     return held

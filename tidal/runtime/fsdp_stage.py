@@ -25,12 +25,12 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from tidal.parallel.tensor_stage import tensor_grad_squares
 from tidal.runtime.weights import StageWeights
 
 __all__ = ["Fsdp2StageWeights", "fsdp2_stage", "like", "reshard_stage", "whole"]
@@ -76,11 +76,8 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 class Fsdp2StageWeights(StageWeights):
     """:class:`StageWeights` of a stage :func:`fsdp2_stage` sharded; see [Note: FSDP2 stages]."""
 
-    def __init__(
-        self, *args: Any, dp_mesh: DeviceMesh, microbatches_per_step: int, **kwargs: Any
-    ) -> None:
+    def __init__(self, *args: Any, microbatches_per_step: int, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.dp_mesh_group = dp_mesh.get_group()
         self.microbatches_per_step = microbatches_per_step
 
     @contextlib.contextmanager
@@ -97,12 +94,7 @@ class Fsdp2StageWeights(StageWeights):
         """FSDP2 reduce-scattered every backward's gradients into the shards already."""
 
     def grad_squares(self, *, skip: frozenset[str] = frozenset()) -> torch.Tensor:
-        total = torch.zeros((), dtype=torch.float64)
-        for name, p in self._named():
-            if p.grad is not None and name not in skip:
-                total += _local(p.grad).double().square().sum().cpu()
-        dist.all_reduce(total, group=self.dp_mesh_group)
-        return total.float()
+        return tensor_grad_squares(self._named(), skip=skip)  # the shards summed over dp
 
     def scale_grads(self, factor: torch.Tensor) -> None:
         for p in self.params:

@@ -22,51 +22,67 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from tidal.distributed.collectives import FunctionalCollectiveBytes
 from tidal.parallel.stage_params import average_over
 from tidal.parallel.tensor_stage import tensor_grad_squares
+from tidal.runtime.fsdp_stage import Fsdp2StageWeights
 from tidal.runtime.weights import StageWeights
 
-__all__ = ["TensorStageWeights"]
+__all__ = ["Fsdp2TensorStageWeights", "TensorStageWeights"]
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-class TensorStageWeights(StageWeights):
-    """:class:`StageWeights` of a tensor-parallel stage; see the module docstring."""
+class _CountsTensorBytes:
+    """Counts the tensor-parallel collectives of every forward and backward (``stats()``)."""
 
-    def __init__(self, *args: Any, tp_mesh: DeviceMesh, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.tp_group = tp_mesh.get_group()
-        self.tp_bytes = FunctionalCollectiveBytes()
+    tp_bytes: FunctionalCollectiveBytes
 
     @contextlib.contextmanager
     def forward(self, microbatch: int, *, version: int | None = None) -> Iterator[None]:
-        with super().forward(microbatch, version=version), self.tp_bytes:
+        with super().forward(microbatch, version=version), self.tp_bytes:  # type: ignore[misc]
             yield
 
     @contextlib.contextmanager
     def backward(self, microbatch: int, *, last: bool = True) -> Iterator[None]:
-        with super().backward(microbatch, last=last), self.tp_bytes:
+        with super().backward(microbatch, last=last), self.tp_bytes:  # type: ignore[misc]
             yield
 
     def stats(self) -> dict[str, int]:
         """This rank's tensor-parallel collective bytes so far."""
         return self.tp_bytes.stats()
 
+
+class TensorStageWeights(_CountsTensorBytes, StageWeights):
+    """:class:`StageWeights` of a tensor-parallel stage; see the module docstring."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.tp_bytes = FunctionalCollectiveBytes()
+
     def reduce_gradients(self) -> None:
         average_over([_local(p.grad) for p in self.params if p.grad is not None], self.dp_group)
 
     def grad_squares(self, *, skip: frozenset[str] = frozenset()) -> torch.Tensor:
-        return tensor_grad_squares(self._named(), self.tp_group, skip=skip)
+        return tensor_grad_squares(self._named(), skip=skip)
 
     def scale_grads(self, factor: torch.Tensor) -> None:
         for p in self.params:
             if p.grad is not None:
                 grad = _local(p.grad)
                 grad.mul_(factor.to(grad.device, grad.dtype))
+
+
+class Fsdp2TensorStageWeights(_CountsTensorBytes, Fsdp2StageWeights):
+    """A stage split over ``mesh["tp"]`` whose shares FSDP2 then shards over ``mesh["dp"]``
+    (torchtitan's 2D composition): FSDP2's once-per-step reduction and shard reads ([Note:
+    FSDP2 stages]), the norm of DTensors on the two-dimensional mesh
+    (:func:`~tidal.parallel.tensor_stage.tensor_grad_squares`), the tp collectives counted."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.tp_bytes = FunctionalCollectiveBytes()

@@ -161,9 +161,6 @@ def _check_tensor_stages(job: JobConfig, tp: int, *, own_model: bool) -> None:
     require(job.engine == "reference", "parallel.tp",
             f"tensor-parallel stages hold DTensors, which chunk stages do not take yet; set "
             f"engine = 'reference' {fix}")  # fmt: skip
-    require(not job.parallel.fsdp2, "parallel.tp",
-            f"tensor-parallel stages are not FSDP2-sharded over dp yet; set parallel.fsdp2 = "
-            f"false {fix}")  # fmt: skip
     require(not pipe.asynchronous, "pipeline.schedule",
             f"{pipe.schedule} redirects saved weights by storage, which tensor-parallel stages' "
             f"DTensors hide; use gpipe, 1f1b or interleaved {fix}")  # fmt: skip
