@@ -21,7 +21,6 @@ bf16 and fp16: [Note: pipeline mixed precision] in precision.py.
 
 from __future__ import annotations
 
-import math
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -45,11 +44,10 @@ from tidal.runtime.executor import (
     StageRunner,
     TiedPair,
     UpdateRules,
-    grad_squares,
-    scale_grads,
 )
 from tidal.runtime.p2p import P2PTransport, isend
 from tidal.runtime.precision import LossScaler
+from tidal.runtime.update import prepare_update
 
 __all__ = ["P2PTransport", "PipelineRuntime", "RuntimeConfig"]
 
@@ -246,28 +244,17 @@ class PipelineRuntime:
     # -- the synchronous update --------------------------------------------------------------
 
     def _prepare_step(self, step: int) -> None:
-        """The order of [Note: the stage-parameter protocol]: each stage's data-parallel
-        reduction, the tied-gradient sum, then global-norm clipping over the pipeline group
-        (and fp16's unscaling and overflow check: [Note: pipeline mixed precision])."""
-        for s in self.stage_ids:
-            self.weights[s].reduce_gradients()
-        for pair in self.rules.tied:
-            self._sum_tied(pair)
-        squares = sum(
-            (grad_squares(self._runners[s], self.rules) for s in self.stage_ids),
-            start=torch.zeros((), dtype=torch.float32),
-        )
-        squares = squares.to(self._collective_device())
-        dist.all_reduce(squares, group=self.group)
-        norm = float(squares.cpu().sqrt()) / self.scaler.scale
-        self.last_grad_norm = norm if math.isfinite(norm) else None
-        if self.rules.max_grad_norm is None and not self.scaler.scaling:
-            return
-        factor = self.scaler.decide(step, squares.cpu(), max_norm=self.rules.max_grad_norm)
-        if factor is None:
-            return  # overflow on some rank: every rank skips this step's updates
-        for s in self.stage_ids:
-            scale_grads(self._runners[s], factor)
+        """[Note: the update's order] in update.py, the squares summed over the pipeline group."""
+
+        def over_pipeline(squares: torch.Tensor) -> torch.Tensor:
+            squares = squares.to(self._collective_device())
+            dist.all_reduce(squares, group=self.group)
+            return squares
+
+        held = {s: self.weights[s] for s in self.stage_ids}
+        self.last_grad_norm = prepare_update(held, rules=self.rules, scaler=self.scaler,
+                                             step=step, sum_over_pipeline=over_pipeline,
+                                             sum_tied=self._sum_tied)  # fmt: skip
 
     def _sum_tied(self, pair: TiedPair) -> None:
         """Both copies' gradients become ``first + second`` (same order on both ranks)."""

@@ -293,15 +293,6 @@ class UpdateRules:
         return frozenset(name for _, (s, name) in self.tied if s == stage)
 
 
-def grad_squares(runner: StageRunner, rules: UpdateRules) -> torch.Tensor:
-    """Sum of squared gradient entries of one stage, tied second copies left out."""
-    return runner.weights.grad_squares(skip=rules.second_copies(runner.index))
-
-
-def scale_grads(runner: StageRunner, factor: torch.Tensor) -> None:
-    runner.weights.scale_grads(factor)
-
-
 def _clip_stage(runner: StageRunner, max_norm: float) -> None:
     squares = runner.weights.grad_squares()
     runner.weights.scale_grads(clip_coefficient(squares.sqrt(), max_norm))

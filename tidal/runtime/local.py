@@ -12,7 +12,6 @@ import itertools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-import torch
 from torch import nn
 
 from tidal.config import require
@@ -25,12 +24,12 @@ from tidal.runtime.executor import (
     RankExecutor,
     StageParams,
     StageRunner,
+    TiedPair,
     UpdateRules,
-    grad_squares,
-    scale_grads,
 )
 from tidal.runtime.p2p import LocalTransport, PipelineDeadlock
 from tidal.runtime.precision import LossScaler
+from tidal.runtime.update import prepare_update
 
 __all__ = ["LocalResult", "run_local"]
 
@@ -158,23 +157,16 @@ def _sync_barrier(
 def _prepare_local(
     runners: Mapping[int, StageRunner], rules: UpdateRules, step: int, scaler: LossScaler | None
 ) -> None:
-    """The synchronous pre-update for every stage in this process, in the order of [Note: the
-    stage-parameter protocol]: data-parallel reduction, tied sum, global clip (and fp16's
-    unscaling and overflow check: [Note: pipeline mixed precision])."""
-    for r in runners.values():
-        r.weights.reduce_gradients()
-    for (sa, na), (sb, nb) in rules.tied:
+    """[Note: the update's order] in update.py for every stage, all in this process."""
+
+    def sum_tied(pair: TiedPair) -> None:
+        (sa, na), (sb, nb) = pair
         a, b = runners[sa].weights.gradient(na), runners[sb].weights.gradient(nb)
         assert a is not None and b is not None, f"tied {na} / {nb} has no gradient"
         total = a + b
         runners[sa].weights.set_gradient(na, total)
         runners[sb].weights.set_gradient(nb, total)
-    scaler = scaler or LossScaler("fp32")
-    if rules.max_grad_norm is None and not scaler.scaling:
-        return
-    squares = torch.stack([grad_squares(r, rules) for _, r in sorted(runners.items())])
-    factor = scaler.decide(step, squares.sum(), max_norm=rules.max_grad_norm)
-    if factor is None:
-        return  # overflow: every U of this step skips
-    for r in runners.values():
-        scale_grads(r, factor)
+
+    held = {s: r.weights for s, r in runners.items()}
+    prepare_update(held, rules=rules, scaler=scaler or LossScaler("fp32"), step=step,
+                   sum_over_pipeline=lambda squares: squares, sum_tied=sum_tied)  # fmt: skip
