@@ -74,4 +74,23 @@ def initialize(
     """
     job = load_job(config)
     init_from_env(device=resolve_device(job.training.device), timeout_s=job.distributed.timeout_s)
+    if job.on_stages:  # [Note: one model on stages] in tidal/runtime/stage_engine.py
+        return _stage_engine(model, job, init=init)
     return build_engine(model, job, init=init)
+
+
+def _stage_engine(
+    model: nn.Module, job: JobConfig, *, init: ParameterValues | None
+) -> TrainingEngine:
+    from tidal.config import require
+    from tidal.distributed import world_size
+    from tidal.runtime.stage_engine import StageEngine
+
+    parallel = job.parallel
+    for key, size in (("parallel.pp", parallel.pp), ("parallel.tp", parallel.tp)):
+        require(size == 1, key, f"{key.split('.')[1]} = {size} needs the stages and the schedule "
+                "tidal builds for its own models: train with tidal.Trainer or tidal train, or set "
+                f"{key} = 1")  # fmt: skip
+    return StageEngine(model, optimizer=job.optimizer, training=job.training,
+                       dims=parallel.resolve(world_size()), offload=parallel.fsdp2_offload,
+                       init=init)  # fmt: skip

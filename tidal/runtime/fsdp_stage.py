@@ -37,13 +37,15 @@ __all__ = ["Fsdp2StageWeights", "fsdp2_stage", "like", "reshard_stage", "whole"]
 
 
 def fsdp2_stage(module: nn.Module, dp_mesh: DeviceMesh, *, offload: bool = False) -> nn.Module:
-    """``fully_shard`` each block of a stage (its ``layers``, if any) and the stage itself, in
-    place, over ``dp_mesh``; ``offload``: the shards, their gradients and the optimizer's step
-    on the host (``CPUOffloadPolicy``); returns ``module``."""
+    """``fully_shard`` each block of a stage (its ``layers``, or a whole GPT's ``blocks``, if
+    any) and the stage itself, in place, over ``dp_mesh``; ``offload``: the shards, their
+    gradients and the optimizer's step on the host (``CPUOffloadPolicy``); returns
+    ``module``."""
     kwargs: dict[str, Any] = {"mesh": dp_mesh}
     if offload:
         kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
-    for block in getattr(module, "layers", ()):
+    blocks = getattr(module, "layers", None) or getattr(module, "blocks", None) or ()
+    for block in blocks:
         fully_shard(block, **kwargs)
     fully_shard(module, **kwargs)
     return module

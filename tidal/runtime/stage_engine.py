@@ -1,0 +1,200 @@
+"""``tidal.initialize``'s engine for a model held on one stage: :class:`StageEngine`.
+
+[Note: one model on stages]
+``tidal.initialize(model, config)`` with ``parallel.fsdp2 = true`` trains the model as one stage
+sharded over the ranks by FSDP2 ([Note: FSDP2 stages] in fsdp_stage.py): the same transform a
+pipeline stage gets (``fsdp2_stage``), the same parameter holder
+(:class:`~tidal.runtime.fsdp_stage.Fsdp2StageWeights`) and the same update
+(:func:`~tidal.runtime.update.prepare_update`: reduction, norm, loss scaler, clip), driven by
+DeepSpeed's calling convention instead of a schedule: each ``engine(...)`` is a microbatch's
+forward, each ``backward(loss)`` its backward, and every ``grad_accum_steps``-th ``step()``
+the update ([Note: accumulation boundary] in tidal/parallel/accumulation.py). Each rank passes
+its own rows, as with the reference engine; the gradient is the mean over the ranks.
+
+The forward of a microbatch stays open until its backward, one at a time or several (their
+backwards in the order the forwards ran). A forward without gradients (evaluation, or
+``torch.no_grad()``) runs outside the holder's bookkeeping, under autocast alone. A model built
+on the meta device is materialised whole on each rank before it is sharded (no deferred
+sharding yet), and tensor parallelism or a pipeline is refused in one line: they need the
+block structure and the schedule the Trainer builds (``tidal train``, ``tidal.Trainer``).
+"""
+
+from __future__ import annotations
+
+import collections
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_optimizer_state_dict,
+    set_optimizer_state_dict,
+)
+
+from tidal.distributed.device import resolve_device
+from tidal.memory.materialize import ParameterValues, materialize
+from tidal.parallel.accumulation import StepCounter
+from tidal.parallel.config import OptimizerConfig, TrainingConfig
+from tidal.parallel.dims import ParallelDims
+from tidal.parallel.lr import lr_schedule
+from tidal.parallel.protocol import Phase, Phases
+from tidal.parallel.reference import autocast, build_optimizer
+from tidal.pipeline.async_config import AsyncConfig
+from tidal.runtime.executor import UpdateRules
+from tidal.runtime.fsdp_stage import Fsdp2StageWeights, fsdp2_stage, like, whole
+from tidal.runtime.precision import LossScaler
+from tidal.runtime.update import prepare_update
+
+__all__ = ["StageEngine"]
+
+
+class StageEngine:
+    """One model on one stage, sharded by FSDP2 over ``dims``' data-parallel ranks; see [Note:
+    one model on stages]."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        optimizer: OptimizerConfig,
+        training: TrainingConfig,
+        dims: ParallelDims,
+        offload: bool = False,
+        init: ParameterValues | None = None,
+    ) -> None:
+        self.device = resolve_device(training.device)
+        self.precision = training.precision
+        if init is not None:
+            materialize(model, init, self.device)
+        self.mesh = dims.build_mesh(self.device.type)
+        self.model = fsdp2_stage(model.to(self.device), self.mesh["dp"], offload=offload)
+        self.schedule = lr_schedule(optimizer, training)
+        self.counter = StepCounter(grad_accum_steps=training.grad_accum_steps)
+        self.params = Fsdp2StageWeights(
+            self.model,
+            build_optimizer(self.model, optimizer, self.schedule.lr_at(0)),
+            AsyncConfig(),
+            precision=training.precision,
+            microbatches_per_step=training.grad_accum_steps,
+        )
+        self.rules = UpdateRules(max_grad_norm=training.grad_clip_norm or None)
+        self.scaler = LossScaler(training.precision)
+        self.phases = Phases()
+        self.last_grad_norm: float | None = None
+        self.dims = dims
+        self._next_microbatch = 0
+        self._open: collections.deque[int] = collections.deque()  # forward done, backward not
+
+    @property
+    def phase(self) -> Phase:
+        return self.phases.now
+
+    @property
+    def global_step(self) -> int:
+        return self.counter.global_step
+
+    @property
+    def lr(self) -> float:
+        return self.schedule.lr_at(self.global_step)
+
+    # -- the training calls --------------------------------------------------------------------
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if not torch.is_grad_enabled():
+            with autocast(self.precision, self.device):
+                return self.model(*args, **kwargs)
+        microbatch, self._next_microbatch = self._next_microbatch, self._next_microbatch + 1
+        with self.params.forward(microbatch):
+            output = self.phases.track(lambda: self.model(*args, **kwargs))
+        self._open.append(microbatch)
+        return output
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """The backward of the oldest open forward, its loss divided by ``grad_accum_steps``
+        (and scaled for fp16: [Note: pipeline mixed precision] in precision.py)."""
+        if not self._open:
+            raise RuntimeError(
+                "backward(loss) needs a forward of this engine first: loss = engine(x)"
+            )
+        microbatch = self._open.popleft()
+        accum = self.counter.grad_accum_steps
+        scaled = (loss / accum if accum > 1 else loss) * self.scaler.scale
+        with self.params.backward(microbatch):
+            scaled.backward()
+        self.phases.backward()
+
+    def step(self) -> bool:
+        """Count a micro-batch; on the boundary, [Note: the update's order] in update.py and the
+        update (skipped on an fp16 overflow). Returns whether it stepped."""
+        if not self.counter.count_micro_batch():
+            return False
+        step = self.counter.global_step
+        self.last_grad_norm = prepare_update({0: self.params}, rules=self.rules,
+                                             scaler=self.scaler, step=step,
+                                             sum_over_pipeline=lambda squares: squares,
+                                             sum_tied=lambda pair: None)  # fmt: skip
+        if self.scaler.skips(step):
+            self.params.skip_step()
+        else:
+            self.params.step(lr=self.schedule.lr_at(step), step=step)
+        self.counter.global_step += 1
+        self.phases.gradients_dropped()
+        return True
+
+    def zero_grad(self) -> None:
+        """Drop the gradients of the open accumulation window without an update."""
+        self.params.skip_step()
+        self.counter.drop_window()
+        self.phases.gradients_dropped()
+
+    # -- figures and state ---------------------------------------------------------------------
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "engine": "fsdp2 stage",
+            "world_size": self.dims.world_size,
+            "device": str(self.device),
+            "precision": self.precision,
+            "global_step": self.global_step,
+            "lr": self.lr,
+            "grad_norm": self.last_grad_norm,
+            "model_data_bytes": self.model_data_bytes(),
+        }
+
+    def model_data_bytes(self) -> dict[str, int]:
+        """This rank's shards of the weights and of the optimizer's state."""
+        local = [p.to_local() if hasattr(p, "to_local") else p for p in self.model.parameters()]
+        state = [t for s in self.params.optimizer.state.values() for t in s.values()
+                 if isinstance(t, torch.Tensor)]  # fmt: skip
+        state = [t.to_local() if hasattr(t, "to_local") else t for t in state]
+        return {"params": sum(t.numel() * t.element_size() for t in local),
+                "optimizer": sum(t.numel() * t.element_size() for t in state)}  # fmt: skip
+
+    def model_state_dict(self) -> dict[str, torch.Tensor]:
+        """The whole weights (gathered from the shards: every rank calls it)."""
+        return {name: whole(p.detach()).clone() for name, p in self.model.named_parameters()}
+
+    def state_dict(self) -> dict[str, Any]:
+        """Whole weights and optimizer state, the step counters and the loss scale (a
+        collective: every rank calls it)."""
+        options = StateDictOptions(full_state_dict=True)
+        return {
+            "model": self.model_state_dict(),
+            "optimizer": get_optimizer_state_dict(
+                self.model, self.params.optimizer, options=options
+            ),  # fmt: skip
+            "counter": self.counter.state(),
+            "scaler": self.scaler.state_dict(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """What :meth:`state_dict` wrote, on this engine's shards (any number of ranks)."""
+        with torch.no_grad():
+            for name, p in self.model.named_parameters():
+                p.copy_(like(p, state["model"][name]))
+        options = StateDictOptions(full_state_dict=True)
+        set_optimizer_state_dict(self.model, self.params.optimizer, state["optimizer"],
+                                 options=options)  # fmt: skip
+        self.counter.restore(state["counter"])
+        self.scaler.load_state_dict(state["scaler"])
