@@ -1,10 +1,11 @@
 """The synchronous update's preparation, written once for every driver of the one train step
 ([Note: one train step] in tidal/train/job.py): :func:`prepare_update`.
 
-[Note: the update's order] is [Note: the stage-parameter protocol]'s: each stage's data-parallel
-reduction, the tied-gradient sum, the squared norm of every stage summed over the pipeline (the
-second copy of a tied matrix left out), then the loss scaler's decision and the clip factor
-applied to every stage. What differs between drivers is only how a sum crosses stages: in one
+[Note: the update's order]
+The order of [Note: the stage-parameter protocol]: each stage's data-parallel reduction, the
+tied-gradient sum, the squared norm of every stage summed over the pipeline (the second copy of
+a tied matrix left out), then the loss scaler's decision and the clip factor applied to every
+stage. What differs between drivers is only how a sum crosses stages: in one
 process (``run_local``) the stages are all here; on ranks the squares are all-reduced over the
 pipeline group and a tied matrix's copies are exchanged point to point; a model of one stage
 has nothing to cross. So the drivers pass those two operations and share the rest.
