@@ -12,7 +12,6 @@ within its budget and evicting, the same resumed run and exported weights.
 
 from __future__ import annotations
 
-import copy
 import shutil
 from pathlib import Path
 from typing import Any
@@ -20,17 +19,13 @@ from unittest import mock
 
 import pytest
 import torch
+from mesh_job import STEPS, TOL, exported, grad_norms, job_at, losses
 from torch.distributed.tensor import DTensor
 
 from tidal.cli.main import main
 from tidal.testing import run_on_ranks
 from tidal.train import Trainer
-from tidal.train.export import export_run
-from tidal.train.metrics import read_metrics
-from tidal.train.safetensors import read_safetensors
 
-STEPS = 4
-TOL = 1e-5
 # Sharded replicas (ZeRO-3 chunks, FSDP2) reduce-scatter each gradient, summing in another order
 # than one process does, and AdamW's division by sqrt(v) magnifies that rounding where v is
 # tiny: 1.4e-5 at most in both, in one element of 137k (the losses stay within TOL).
@@ -40,38 +35,14 @@ SCHEDULES: dict[str, dict[str, Any]] = {
     "1f1b": {"schedule": "1f1b", "microbatches": 4},
     "interleaved": {"schedule": "interleaved", "virtual_stages": 2, "microbatches": 4},
 }
-JOB: dict[str, Any] = {
-    "name": "mesh",
-    "model": {"preset": "tiny"},  # tied embeddings: a matrix on the first and the last stage
-    "data": {"source": "synthetic", "synthetic_num_tokens": 20_000},
-    "training": {
-        "steps": STEPS,
-        "batch_size": 8,
-        "device": "cpu",
-        "log_every": 1,
-        "val_every": 2,
-        "val_batches": 1,
-        "grad_clip_norm": 0.5,
-    },  # fmt: skip
-    "optimizer": {"lr": 3e-3, "warmup_steps": 2, "decay_steps": STEPS},
-    "checkpoint": {"every_steps": 2},
-}
 
 
 def _job(run_dir: Path, *, steps: int = STEPS, **pipeline: Any) -> dict[str, Any]:
-    job = copy.deepcopy(JOB)
-    job["run_dir"] = str(run_dir)
-    job["training"]["steps"] = steps
+    job = job_at(run_dir, steps=steps)
     if pipeline:
         job["parallel"] = {"pp": 2, "dp": 2}
         job["pipeline"] = pipeline
     return job
-
-
-def _losses(run_dir: Path) -> tuple[list[float], list[float]]:
-    records = read_metrics(run_dir)
-    train = [r["loss"] for r in records if r["kind"] == "train"]
-    return train, [r["val_loss"] for r in records if r["kind"] == "val"]
 
 
 def _worker(root: str, reference: tuple[list[float], list[float]]) -> None:
@@ -80,7 +51,7 @@ def _worker(root: str, reference: tuple[list[float], list[float]]) -> None:
     root_path = Path(root)
     for name, pipeline in SCHEDULES.items():
         Trainer(_job(root_path / name, **pipeline)).fit()
-        train, val = _losses(root_path / name)
+        train, val = losses(root_path / name)
         assert train == pytest.approx(reference[0], abs=TOL), (name, train, reference[0])
         assert val == pytest.approx(reference[1], abs=TOL), (name, val, reference[1])
     Trainer(_job(root_path / "resumed", steps=2, **SCHEDULES["1f1b"])).fit()
@@ -89,46 +60,39 @@ def _worker(root: str, reference: tuple[list[float], list[float]]) -> None:
             shutil.copytree(root_path / "resumed", root_path / name)
     dist.barrier()
     Trainer(_job(root_path / "resumed", **SCHEDULES["1f1b"])).fit(resume=True)
-    assert _losses(root_path / "resumed") == _losses(root_path / "1f1b")
+    assert losses(root_path / "resumed") == losses(root_path / "1f1b")
     # the one-process reference engine's step-2 checkpoint goes on as pp2 x dp2
     Trainer(_job(root_path / "from-engine", **SCHEDULES["1f1b"])).fit(resume=True)
-    train, val = _losses(root_path / "from-engine")
+    train, val = losses(root_path / "from-engine")
     assert train == pytest.approx(reference[0], abs=TOL), (train, reference[0])
     assert val == pytest.approx(reference[1], abs=TOL), (val, reference[1])
     on_four = _job(root_path / "pp4", **SCHEDULES["1f1b"])
     on_four["parallel"] = {"pp": 4, "dp": 1}  # every block its own stage, no replicas
     Trainer(on_four).fit(resume=True)
-    train, val = _losses(root_path / "pp4")
+    train, val = losses(root_path / "pp4")
     assert train == pytest.approx(reference[0], abs=TOL), (train, reference[0])
     assert val == pytest.approx(reference[1], abs=TOL), (val, reference[1])
-
-
-def _exported(run_dir: Path, out: Path) -> dict[str, torch.Tensor]:
-    return read_safetensors(export_run(run_dir, out=out) / "model.safetensors")
 
 
 @pytest.mark.slow
 def test_pp2_x_dp2_equals_one_process_and_exports_its_weights(tmp_path: Path) -> None:
     Trainer(_job(tmp_path / "reference")).fit()
-    reference = _losses(tmp_path / "reference")
+    reference = losses(tmp_path / "reference")
     assert len(reference[0]) == STEPS and len(reference[1]) == 2
     Trainer(_job(tmp_path / "from-engine", steps=2)).fit()  # no pipeline: the reference engine
     run_on_ranks(_worker, world_size=4, args=(str(tmp_path), reference), timeout_s=300)
     Trainer(_job(tmp_path / "one-process")).fit(resume=True)  # pp2 x dp2's step 2, one process
-    train, val = _losses(tmp_path / "one-process")
+    train, val = losses(tmp_path / "one-process")
     assert train == pytest.approx(reference[0], abs=TOL), (train, reference[0])
     assert val == pytest.approx(reference[1], abs=TOL), (val, reference[1])
-    weights = _exported(tmp_path / "reference", tmp_path / "reference-export")
+    weights = exported(tmp_path / "reference", tmp_path / "reference-export")
     for name in SCHEDULES:
-        trained = _exported(tmp_path / name, tmp_path / f"{name}-export")
+        trained = exported(tmp_path / name, tmp_path / f"{name}-export")
         assert trained.keys() == weights.keys(), name
         for key, value in weights.items():
             torch.testing.assert_close(trained[key], value, rtol=0, atol=TOL, msg=key)
         # the logged norm is the global one over the mesh, before clipping, as the engine's
-        norms = [r["grad_norm"] for r in read_metrics(tmp_path / name) if r["kind"] == "train"]
-        want = [
-            r["grad_norm"] for r in read_metrics(tmp_path / "reference") if r["kind"] == "train"
-        ]
+        norms, want = grad_norms(tmp_path / name), grad_norms(tmp_path / "reference")
         assert norms == pytest.approx(want, rel=1e-5) and min(want) > 0.5, (name, norms, want)
 
 
@@ -182,19 +146,19 @@ def _chunk_worker(root: str, reference: tuple[list[float], list[float]], dp: int
 
     root_path = Path(root)
     summary = Trainer(_chunk_job(root_path / "chunk", dp=dp, memory=memory)).fit()
-    train, val = _losses(root_path / "chunk")
+    train, val = losses(root_path / "chunk")
     assert train == pytest.approx(reference[0], abs=TOL), (train, reference[0])
     assert val == pytest.approx(reference[1], abs=TOL), (val, reference[1])
     figures: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(figures, summary["pipeline"]["chunk_stages"])
     Trainer(_chunk_job(root_path / "resumed", steps=2, dp=dp, memory=memory)).fit()
     Trainer(_chunk_job(root_path / "resumed", dp=dp, memory=memory)).fit(resume=True)
-    assert _losses(root_path / "resumed") == (train, val)
+    assert losses(root_path / "resumed") == (train, val)
     if dp > 1:  # [Note: reducing once per step]: a quarter of the reduce-scatters at m = 4
         job = _chunk_job(root_path / "per-step", dp=dp, memory=memory)
         job["sharding"] = {"reduce_per_step": True}
         once = Trainer(job).fit()["pipeline"]["chunk_stages"]
-        once_train, once_val = _losses(root_path / "per-step")
+        once_train, once_val = losses(root_path / "per-step")
         assert once_train == pytest.approx(train, abs=TOL), (once_train, train)
         assert once_val == pytest.approx(val, abs=TOL), (once_val, val)
         every = summary["pipeline"]["chunk_stages"]
@@ -223,15 +187,15 @@ def _pipemare_on_chunk_stages(root: Path, memory: dict[str, Any]) -> None:
     chunked = Trainer(pipemare("pipemare-chunk", engine="chunk")).fit()
     assert chunked["engine"] == "pipeline pipemare x2 chunk stages", chunked["engine"]
     assert chunked["pipeline"]["max_delay_per_stage"] == plain["pipeline"]["max_delay_per_stage"]
-    train, val = _losses(root / "pipemare-chunk")
-    want_train, want_val = _losses(root / "pipemare-plain")
+    train, val = losses(root / "pipemare-chunk")
+    want_train, want_val = losses(root / "pipemare-plain")
     assert train == pytest.approx(want_train, abs=TOL) and val == pytest.approx(want_val, abs=TOL)
-    assert train != _losses(root / "chunk")[0]  # not the synchronous run's
+    assert train != losses(root / "chunk")[0]  # not the synchronous run's
     for stage in chunked["pipeline"]["chunk_stages"].values():
         assert stage["evictions"] > 0 and stage["peak_device_bytes"] <= stage["device_budget"]
     Trainer(pipemare("pipemare-resumed", engine="chunk", steps=2)).fit()
     Trainer(pipemare("pipemare-resumed", engine="chunk")).fit(resume=True)
-    assert _losses(root / "pipemare-resumed") == (train, val)
+    assert losses(root / "pipemare-resumed") == (train, val)
 
 
 # A host budget below the stage's model data (its AdamW state goes to disk), above the staging
@@ -254,7 +218,7 @@ def test_chunk_stages_train_evict_and_resume_as_one_process(
     if nvme:
         memory |= {"host_budget": NVME_HOST_BUDGET, "nvme_dir": str(tmp_path / "nvme")}
     Trainer(_job(tmp_path / "reference")).fit()
-    reference = _losses(tmp_path / "reference")
+    reference = losses(tmp_path / "reference")
     out = run_on_ranks(_chunk_worker, world_size=2 * dp, args=(str(tmp_path), reference, dp, memory),
                        timeout_s=300)  # fmt: skip
     figures = out[0]["figures"]
@@ -267,8 +231,8 @@ def test_chunk_stages_train_evict_and_resume_as_one_process(
         assert all(f["bytes_to_nvme"] > 0 and f["bytes_from_nvme"] > 0 for f in stages), figures
         assert all(f["peak_host_bytes"] <= f["host_budget"] == NVME_HOST_BUDGET
                    for f in stages), figures  # fmt: skip
-    weights = _exported(tmp_path / "reference", tmp_path / "reference-export")
-    trained = _exported(tmp_path / "chunk", tmp_path / "chunk-export")
+    weights = exported(tmp_path / "reference", tmp_path / "reference-export")
+    trained = exported(tmp_path / "chunk", tmp_path / "chunk-export")
     assert trained.keys() == weights.keys()
     atol = TOL if dp == 1 else SHARDED_ATOL
     for key, value in weights.items():
@@ -295,7 +259,7 @@ def _fsdp2_worker(root: str, reference: tuple[list[float], list[float]]) -> None
         # once per step and FSDP2 group (each block and the stage), not once per microbatch
         groups = sum(isinstance(m, FSDPModule) for m in stage.modules())
         assert rs.call_count == STEPS * groups, (name, rs.call_count, groups)
-        train, val = _losses(root_path / f"fsdp2-{name}")
+        train, val = losses(root_path / f"fsdp2-{name}")
         assert train == pytest.approx(reference[0], abs=TOL), (name, train, reference[0])
         assert val == pytest.approx(reference[1], abs=TOL), (name, val, reference[1])
     job = _job(root_path / "fsdp2-offload", **SCHEDULES["1f1b"])
@@ -309,14 +273,14 @@ def _fsdp2_worker(root: str, reference: tuple[list[float], list[float]]) -> None
     groups = [m._get_fsdp_state()._fsdp_param_group for m in stage.modules()
               if isinstance(m, FSDPModule)]  # fmt: skip
     assert groups and all(isinstance(g.offload_policy, CPUOffloadPolicy) for g in groups)
-    train, val = _losses(root_path / "fsdp2-offload")
+    train, val = losses(root_path / "fsdp2-offload")
     assert train == pytest.approx(reference[0], abs=TOL), ("offload", train, reference[0])
     assert val == pytest.approx(reference[1], abs=TOL), ("offload", val, reference[1])
     for steps in (2, STEPS):  # stopped at step 2's checkpoint, then resumed from it
         job = _job(root_path / "fsdp2-resumed", steps=steps, **SCHEDULES["1f1b"])
         job["parallel"]["fsdp2"] = True
         Trainer(job).fit(resume=steps == STEPS)
-    assert _losses(root_path / "fsdp2-resumed") == _losses(root_path / "fsdp2-1f1b")
+    assert losses(root_path / "fsdp2-resumed") == losses(root_path / "fsdp2-1f1b")
     # [Note: one train step] in tidal/train/job.py: no pipeline, the model one stage sharded
     # over all four ranks by FSDP2 (it trained the reference engine unsharded before)
     job = _job(root_path / "fsdp2-dp4", **SCHEDULES["gpipe"])
@@ -325,7 +289,7 @@ def _fsdp2_worker(root: str, reference: tuple[list[float], list[float]]) -> None
     assert trainer.fit()["engine"] == "pipeline gpipe x1 fsdp2 stages"
     (stage,) = trainer.part.engine.modules.values()  # type: ignore[attr-defined]
     assert all(isinstance(p, DTensor) and p.device_mesh.size() == 4 for p in stage.parameters())
-    train, val = _losses(root_path / "fsdp2-dp4")
+    train, val = losses(root_path / "fsdp2-dp4")
     assert train == pytest.approx(reference[0], abs=TOL), ("dp4", train, reference[0])
     assert val == pytest.approx(reference[1], abs=TOL), ("dp4", val, reference[1])
 
@@ -336,10 +300,10 @@ def test_pp2_x_dp2_on_fsdp2_stages_equals_one_process(tmp_path: Path) -> None:
     the one-process reference's losses, its exported weights, a resumed run equal to the
     unbroken one."""
     Trainer(_job(tmp_path / "reference")).fit()
-    reference = _losses(tmp_path / "reference")
+    reference = losses(tmp_path / "reference")
     run_on_ranks(_fsdp2_worker, world_size=4, args=(str(tmp_path), reference), timeout_s=300)
-    weights = _exported(tmp_path / "reference", tmp_path / "reference-export")
-    trained = _exported(tmp_path / "fsdp2-1f1b", tmp_path / "fsdp2-export")
+    weights = exported(tmp_path / "reference", tmp_path / "reference-export")
+    trained = exported(tmp_path / "fsdp2-1f1b", tmp_path / "fsdp2-export")
     assert trained.keys() == weights.keys()
     for key, value in weights.items():  # SHARDED_ATOL: the reduce-scatter's order under AdamW
         torch.testing.assert_close(trained[key], value, rtol=0, atol=SHARDED_ATOL,

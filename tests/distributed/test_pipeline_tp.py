@@ -11,72 +11,37 @@ unbroken run. What does not run yet is refused in one line.
 
 from __future__ import annotations
 
-import copy
 import shutil
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from mesh_job import JOB, STEPS, TOL, exported, grad_norms, job_at, losses
 
 from tidal.cli.main import main
 from tidal.models.gpt import PRESETS
 from tidal.testing import run_on_ranks
 from tidal.train import Trainer
-from tidal.train.export import export_run
-from tidal.train.metrics import read_metrics
-from tidal.train.safetensors import read_safetensors
 
-STEPS = 4
-TOL = 1e-5
 SCHEDULES: dict[str, dict[str, Any]] = {
     "1f1b": {"schedule": "1f1b", "microbatches": 4},
     "interleaved": {"schedule": "interleaved", "virtual_stages": 2, "microbatches": 4},
-}
-JOB: dict[str, Any] = {  # test_pipeline_mesh.py's
-    "name": "tp",
-    "model": {"preset": "tiny"},  # tied embeddings: a matrix on the first and the last stage
-    "data": {"source": "synthetic", "synthetic_num_tokens": 20_000},
-    "training": {
-        "steps": STEPS,
-        "batch_size": 8,
-        "device": "cpu",
-        "log_every": 1,
-        "val_every": 2,
-        "val_batches": 1,
-        "grad_clip_norm": 0.5,
-    },  # fmt: skip
-    "optimizer": {"lr": 3e-3, "warmup_steps": 2, "decay_steps": STEPS},
-    "checkpoint": {"every_steps": 2},
 }
 
 
 def _job(run_dir: Path, *, steps: int = STEPS, schedule: str | None = None,
          parallel: dict[str, int] | None = None) -> dict[str, Any]:  # fmt: skip
-    job = copy.deepcopy(JOB)
-    job["run_dir"] = str(run_dir)
-    job["training"]["steps"] = steps
+    job = job_at(run_dir, steps=steps)
     if schedule is not None:
         job["parallel"] = parallel or {"pp": 2, "tp": 2}
         job["pipeline"] = SCHEDULES[schedule]
     return job
 
 
-def _losses(run_dir: Path) -> tuple[list[float], list[float]]:
-    records = read_metrics(run_dir)
-    train = [r["loss"] for r in records if r["kind"] == "train"]
-    return train, [r["val_loss"] for r in records if r["kind"] == "val"]
-
-
 def _reference(run_dir: Path) -> tuple[list[float], list[float], list[float]]:
     """The one-process run's losses, validation losses and gradient norms."""
-    train, val = _losses(run_dir)
-    norms = [r["grad_norm"] for r in read_metrics(run_dir) if r["kind"] == "train"]
-    return train, val, norms
-
-
-def _exported(run_dir: Path, out: Path) -> dict[str, torch.Tensor]:
-    return read_safetensors(export_run(run_dir, out=out) / "model.safetensors")
+    return (*losses(run_dir), grad_norms(run_dir))
 
 
 def _worker(root: str, reference: tuple[list[float], list[float], list[float]]) -> dict[str, Any]:
@@ -91,7 +56,7 @@ def _worker(root: str, reference: tuple[list[float], list[float], list[float]]) 
         split = [p for m in trainer.part.engine.modules.values()  # type: ignore[attr-defined]
                  for p in m.parameters() if isinstance(p, DTensor)]  # fmt: skip
         assert split, name  # the blocks are DTensors on mesh["tp"]
-        train, val = _losses(root_path / f"tp-{name}")
+        train, val = losses(root_path / f"tp-{name}")
         assert train == pytest.approx(reference[0], abs=TOL), (name, train, reference[0])
         assert val == pytest.approx(reference[1], abs=TOL), (name, val, reference[1])
     Trainer(_job(root_path / "tp-half", steps=2, schedule="1f1b")).fit()  # stopped at step 2
@@ -99,7 +64,7 @@ def _worker(root: str, reference: tuple[list[float], list[float], list[float]]) 
     Trainer(_job(root_path / "from-tp1", steps=2, schedule="1f1b",
                  parallel={"pp": 2, "dp": 2})).fit()  # fmt: skip
     Trainer(_job(root_path / "from-tp1", schedule="1f1b")).fit(resume=True)
-    train, val = _losses(root_path / "from-tp1")
+    train, val = losses(root_path / "from-tp1")
     assert train == pytest.approx(reference[0], abs=TOL), (train, reference[0])
     assert val == pytest.approx(reference[1], abs=TOL), (val, reference[1])
     # [Note: one train step] in tidal/train/job.py: a model of one stage, split over tp and
@@ -112,10 +77,10 @@ def _worker(root: str, reference: tuple[list[float], list[float], list[float]]) 
         (stage,) = one_stage.part.engine.modules.values()  # type: ignore[attr-defined]
         meshes = {p.device_mesh.ndim for p in stage.parameters() if isinstance(p, DTensor)}
         assert meshes == ({1, 2} if fsdp2 else {1}), (name, meshes)  # tp's, and dp x tp's
-        train, val = _losses(root_path / name)
+        train, val = losses(root_path / name)
         assert train == pytest.approx(reference[0], abs=TOL), (name, train, reference[0])
         assert val == pytest.approx(reference[1], abs=TOL), (name, val, reference[1])
-        norms = [r["grad_norm"] for r in read_metrics(root_path / name) if r["kind"] == "train"]
+        norms = grad_norms(root_path / name)
         assert norms == pytest.approx(reference[2], rel=1e-5), (name, norms, reference[2])
     dist.barrier()
     return engines | {"tp_bytes_per_step": _tensor_parallel_bytes(root_path / "tp-bytes")}
@@ -152,12 +117,12 @@ def test_pp2_x_tp2_equals_one_process_and_resumes_across_tp(tmp_path: Path) -> N
                                             "bytes_reduce_scattered": 0}, (rank, out)  # fmt: skip
     shutil.copytree(tmp_path / "tp-half", tmp_path / "one-process")
     Trainer(_job(tmp_path / "one-process")).fit(resume=True)  # pp2 x tp2's step 2, one process
-    train, val = _losses(tmp_path / "one-process")
+    train, val = losses(tmp_path / "one-process")
     assert train == pytest.approx(reference[0], abs=TOL), (train, reference[0])
     assert val == pytest.approx(reference[1], abs=TOL), (val, reference[1])
-    weights = _exported(tmp_path / "reference", tmp_path / "reference-export")
+    weights = exported(tmp_path / "reference", tmp_path / "reference-export")
     for name in ("tp-1f1b", "tp-interleaved"):
-        trained = _exported(tmp_path / name, tmp_path / f"{name}-export")
+        trained = exported(tmp_path / name, tmp_path / f"{name}-export")
         assert trained.keys() == weights.keys(), name
         for key, value in weights.items():
             torch.testing.assert_close(trained[key], value, rtol=0, atol=TOL,
