@@ -84,13 +84,13 @@ def _stage_engine(
 ) -> TrainingEngine:
     from tidal.config import require
     from tidal.distributed import world_size
-    from tidal.runtime.stage_engine import StageEngine
+    from tidal.runtime.stage_engine import stage_engine
 
     parallel = job.parallel
     for key, size in (("parallel.pp", parallel.pp), ("parallel.tp", parallel.tp)):
         require(size == 1, key, f"{key.split('.')[1]} = {size} needs the stages and the schedule "
                 "tidal builds for its own models: train with tidal.Trainer or tidal train, or set "
                 f"{key} = 1")  # fmt: skip
-    return StageEngine(model, optimizer=job.optimizer, training=job.training,
-                       dims=parallel.resolve(world_size()), offload=parallel.fsdp2_offload,
-                       init=init)  # fmt: skip
+    return stage_engine(model, optimizer=job.optimizer, training=job.training,
+                        dims=parallel.resolve(world_size()), fsdp2=parallel.fsdp2,
+                        fsdp2_offload=parallel.fsdp2_offload, init=init)  # fmt: skip

@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from tidal.config import ConfigError, require
@@ -26,7 +27,7 @@ from tidal.runtime.distributed import PipelineRuntime, RuntimeConfig
 from tidal.runtime.fsdp_stage import Fsdp2StageWeights, fsdp2_stage
 from tidal.runtime.pipemare import AsyncConfig, StageWeights, WeightMode
 
-__all__ = ["pipeline"]
+__all__ = ["pipeline", "stage_params"]
 
 
 def pipeline(stages: Sequence[PipelineStage], *, config: PipelineConfig, optimizer: OptimizerConfig,
@@ -76,7 +77,7 @@ def pipeline(stages: Sequence[PipelineStage], *, config: PipelineConfig, optimiz
         partition=tuple(block_ranges),
         precision=training.precision,
     )
-    held = _stage_params(mine, mesh, runtime.make(world_size, steps=1),
+    held = stage_params(mine, mesh, runtime.make(world_size, steps=1),
                          optimizer=optimizer, weights=weights, precision=training.precision,
                          lr=first_lr, microbatches=microbatches, chunks=chunks, fsdp2=fsdp2,
                          fsdp2_offload=fsdp2_offload)  # fmt: skip
@@ -92,14 +93,16 @@ def pipeline(stages: Sequence[PipelineStage], *, config: PipelineConfig, optimiz
     )
 
 
-def _stage_params(mine: Sequence[PipelineStage], mesh: DeviceMesh, schedule: Schedule, *,
+def stage_params(mine: Sequence[nn.Module], mesh: DeviceMesh, schedule: Schedule, *,
                   optimizer: OptimizerConfig, weights: AsyncConfig,
                   precision: str, lr: float, microbatches: int,
                   chunks: ChunkStageConfig | None, fsdp2: bool,
                   fsdp2_offload: bool) -> list[StageParams]:  # fmt: skip
     """What holds each of this rank's stages' parameters ([Note: the stage-parameter
-    protocol]): tensor-parallel weights, chunks, FSDP2 shards, or plain replicas.
-    ``schedule``: one step of the run's, which decides what the stages must support."""
+    protocol]): tensor-parallel weights, chunks, FSDP2 shards, or plain replicas; the one
+    choice, for a pipeline's stages and for a model of one stage (tidal.initialize's
+    StageEngine). ``schedule``: one step of the run's, which decides what the stages must
+    support."""
     dp_group = mesh.get_group("dp")
     if mesh["tp"].size() > 1:
         require(
@@ -129,7 +132,7 @@ def _stage_params(mine: Sequence[PipelineStage], mesh: DeviceMesh, schedule: Sch
             for s in mine]  # fmt: skip
 
 
-def _tensor_stages(mine: Sequence[PipelineStage], mesh: DeviceMesh, optimizer: OptimizerConfig,
+def _tensor_stages(mine: Sequence[nn.Module], mesh: DeviceMesh, optimizer: OptimizerConfig,
                    weights: AsyncConfig, precision: str, lr: float, *, chunks: bool,
                    fsdp2: bool, fsdp2_offload: bool, microbatches: int) -> list[StageParams]:  # fmt: skip
     """Each stage split over ``mesh["tp"]``, then, with ``fsdp2``, its shares sharded over

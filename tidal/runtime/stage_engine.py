@@ -39,45 +39,66 @@ from tidal.parallel.config import OptimizerConfig, TrainingConfig
 from tidal.parallel.dims import ParallelDims
 from tidal.parallel.lr import lr_schedule
 from tidal.parallel.protocol import Phase, Phases
-from tidal.parallel.reference import autocast, build_optimizer
+from tidal.parallel.reference import autocast
 from tidal.pipeline.async_config import AsyncConfig
+from tidal.pipeline.schedules import make_schedule
+from tidal.runtime.build import stage_params
 from tidal.runtime.executor import UpdateRules
-from tidal.runtime.fsdp_stage import Fsdp2StageWeights, fsdp2_stage, like, whole
+from tidal.runtime.fsdp_stage import Fsdp2StageWeights, like, whole
 from tidal.runtime.precision import LossScaler
 from tidal.runtime.update import prepare_update
+from tidal.runtime.weights import StageWeights
 
-__all__ = ["StageEngine"]
+__all__ = ["StageEngine", "stage_engine"]
+
+
+def stage_engine(
+    model: nn.Module,
+    *,
+    optimizer: OptimizerConfig,
+    training: TrainingConfig,
+    dims: ParallelDims,
+    fsdp2: bool,
+    fsdp2_offload: bool = False,
+    init: ParameterValues | None = None,
+) -> StageEngine:
+    """``model`` as one stage on ``dims``' mesh, held as a pipeline's stage would be
+    (:func:`~tidal.runtime.build.stage_params`, the one choice of holder), behind the engine
+    calling convention ([Note: one model on stages])."""
+    device = resolve_device(training.device)
+    if init is not None:
+        materialize(model, init, device)
+    model = model.to(device)
+    mesh = dims.build_mesh(device.type)
+    accum = training.grad_accum_steps
+    (params,) = stage_params([model], mesh, make_schedule("gpipe", stages=1, microbatches=accum),
+                             optimizer=optimizer, weights=AsyncConfig(),
+                             precision=training.precision,
+                             lr=lr_schedule(optimizer, training).lr_at(0), microbatches=accum,
+                             chunks=None, fsdp2=fsdp2, fsdp2_offload=fsdp2_offload)  # fmt: skip
+    assert isinstance(params, StageWeights), "a torch optimizer's holder: no chunks, no tp here"
+    return StageEngine(model, params, optimizer=optimizer, training=training, dims=dims)
 
 
 class StageEngine:
-    """One model on one stage, sharded by FSDP2 over ``dims``' data-parallel ranks; see [Note:
-    one model on stages]."""
+    """One model on one stage, its parameters held by ``params`` (plain replicas or FSDP2
+    shards, over a torch optimizer); see [Note: one model on stages]."""
 
     def __init__(
         self,
         model: nn.Module,
+        params: StageWeights,
         *,
         optimizer: OptimizerConfig,
         training: TrainingConfig,
         dims: ParallelDims,
-        offload: bool = False,
-        init: ParameterValues | None = None,
     ) -> None:
         self.device = resolve_device(training.device)
         self.precision = training.precision
-        if init is not None:
-            materialize(model, init, self.device)
-        self.mesh = dims.build_mesh(self.device.type)
-        self.model = fsdp2_stage(model.to(self.device), self.mesh["dp"], offload=offload)
+        self.model = model
+        self.params = params
         self.schedule = lr_schedule(optimizer, training)
         self.counter = StepCounter(grad_accum_steps=training.grad_accum_steps)
-        self.params = Fsdp2StageWeights(
-            self.model,
-            build_optimizer(self.model, optimizer, self.schedule.lr_at(0)),
-            AsyncConfig(),
-            precision=training.precision,
-            microbatches_per_step=training.grad_accum_steps,
-        )
         self.rules = UpdateRules(max_grad_norm=training.grad_clip_norm or None)
         self.scaler = LossScaler(training.precision)
         self.phases = Phases()
@@ -152,7 +173,7 @@ class StageEngine:
 
     def stats(self) -> dict[str, Any]:
         return {
-            "engine": "fsdp2 stage",
+            "engine": "fsdp2 stage" if isinstance(self.params, Fsdp2StageWeights) else "stage",
             "world_size": self.dims.world_size,
             "device": str(self.device),
             "precision": self.precision,
