@@ -3,8 +3,9 @@
 [Note: one model on stages]
 ``tidal.initialize(model, config)`` with ``parallel.fsdp2 = true`` trains the model as one stage
 sharded over the ranks by FSDP2 ([Note: FSDP2 stages] in fsdp_stage.py): the same transform a
-pipeline stage gets (``fsdp2_stage``), the same parameter holder
-(:class:`~tidal.runtime.fsdp_stage.Fsdp2StageWeights`) and the same update
+pipeline stage gets (``fsdp2_stage``), the same parameter holder chosen by the same function
+(:func:`~tidal.runtime.build.stage_params`: FSDP2 shards, or plain replicas with one rank and no
+offload) and the same update
 (:func:`~tidal.runtime.update.prepare_update`: reduction, norm, loss scaler, clip), driven by
 DeepSpeed's calling convention instead of a schedule: each ``engine(...)`` is a microbatch's
 forward, each ``backward(loss)`` its backward, and every ``grad_accum_steps``-th ``step()``
