@@ -154,3 +154,16 @@ def _escaped(text: str) -> str:
     import re
 
     return re.escape(text)
+
+
+def test_your_own_module_on_one_fsdp2_stage_is_refused_in_one_line(tmp_path: Path) -> None:
+    """[Note: one train step]: FSDP2 without a pipeline is one stage, which the Trainer builds
+    from an nn.Sequential; another module is told where it can go (it used to train unsharded
+    on the reference engine without a word)."""
+    from tidal.train.pipeline_part import check_pipeline_job
+
+    job = tidal.load_job({"run_dir": str(tmp_path), "parallel": {"fsdp2": True}})
+    assert job.on_stages
+    with pytest.raises(tidal.ConfigError, match=r"parallel.fsdp2: .*tidal.initialize"):
+        check_pipeline_job(job, world_size=1, model=nn.Linear(16, 1))
+    check_pipeline_job(job, world_size=1, model=nn.Sequential(nn.Linear(16, 1)))

@@ -54,6 +54,14 @@ LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 def check_sequential(model: nn.Module, *, num_stages: int) -> None:
     """One-line errors for a model a pipeline cannot cut ([Note: sequential pipelines])."""
+    if not isinstance(model, nn.Sequential) and num_stages == 1:  # tp or FSDP2, no pipeline
+        raise ConfigError(
+            "parallel.fsdp2",
+            f"the Trainer holds your own model on one stage (FSDP2, tensor parallelism) as an "
+            f"nn.Sequential; {type(model).__name__} is not one: put its layers in an "
+            f"nn.Sequential, or use tidal.initialize(model, config), whose engine shards any "
+            f"module with FSDP2",
+        )
     if not isinstance(model, nn.Sequential):
         raise ConfigError(
             "parallel.pp",
