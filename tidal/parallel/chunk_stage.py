@@ -48,11 +48,11 @@ store's iteration then runs from one update to the next (the unit that repeats i
 state), not over a step with nothing in flight. Relayout runs only at an update with nothing in
 flight (its moves would strand the saved views), so a stage whose optimizer is placed at an
 update with microbatches in flight (stage 0 under PipeMare) keeps its first layout. Each
-update's rate is PipeMare's rescheduled
-one for the delays the stage measured (:func:`~tidal.pipeline.async_config.update_rate`, the
-same as plain stages'). Discrepancy correction and weight prediction need a second weight-sized
-buffer beside the chunks, which they do not have yet, so both are refused in one line, as is
-``sharding.reduce_per_step``, whose single reduction per step has no step to wait for.
+update's rate is PipeMare's rescheduled one for the delays the stage measured
+(:func:`~tidal.pipeline.async_config.update_rate`, the same as plain stages'). Discrepancy
+correction and weight prediction need a second weight-sized buffer beside the chunks, which
+they do not have yet, so both are refused in one line, as is ``sharding.reduce_per_step``,
+whose single reduction per step has no step to wait for.
 
 Data parallelism of a stage is ZeRO-3 over its dp group (``parts=ShardedParts(...)``, every
 dp rank running the same schedule on its slice of the batch): each backward reduce-scatters the
