@@ -71,6 +71,9 @@ def _sharded() -> dict[str, Any]:
     resumed = tidal.initialize(_model(), SHARDED)
     resumed.load_state_dict(state)
     again, _ = _train(resumed, range(2, STEPS), rows)
+    with torch.no_grad():  # an evaluation between steps leaves the shards as they were
+        idx, targets = _batch(99, 0)
+        engine(idx[rows], targets[rows])
     sharded = [p for p in engine.model.parameters() if isinstance(p, DTensor)]
     return {
         "losses": losses + more,

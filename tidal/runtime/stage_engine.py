@@ -45,7 +45,7 @@ from tidal.pipeline.async_config import AsyncConfig
 from tidal.pipeline.schedules import make_schedule
 from tidal.runtime.build import stage_params
 from tidal.runtime.executor import UpdateRules
-from tidal.runtime.fsdp_stage import Fsdp2StageWeights, like, whole
+from tidal.runtime.fsdp_stage import Fsdp2StageWeights, like, reshard_stage, whole
 from tidal.runtime.precision import LossScaler
 from tidal.runtime.update import prepare_update
 from tidal.runtime.weights import StageWeights
@@ -125,7 +125,9 @@ class StageEngine:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():
             with autocast(self.precision, self.device):
-                return self.model(*args, **kwargs)
+                output = self.model(*args, **kwargs)
+            reshard_stage(self.model)  # [Note: FSDP2 stages]: no backward will reshard it
+            return output
         microbatch, self._next_microbatch = self._next_microbatch, self._next_microbatch + 1
         with self.params.forward(microbatch):
             output = self.phases.track(lambda: self.model(*args, **kwargs))
