@@ -37,6 +37,7 @@ __all__ = [
     "UpdateRule",
     "by_device",
     "clip_coefficient",
+    "clip_factor",
     "state_value",
     "total_norm_of",
     "make_rule",
@@ -223,6 +224,12 @@ class OptimizerEntry:
     decay: bool
 
 
+def clip_factor(total_norm: torch.Tensor, max_norm: float) -> torch.Tensor:
+    """The factor ``clip_grad_norm_`` scales gradients by, capped at 1: torch's formula, so that
+    every engine and stage clips bit for bit as the reference does. The one definition of it."""
+    return torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
+
+
 def clip_coefficient(
     norm: torch.Tensor, max_grad_norm: float, loss_scale: float
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -231,8 +238,7 @@ def clip_coefficient(
         norm = norm / loss_scale
     coefficient: torch.Tensor | float | None = None
     if max_grad_norm > 0:
-        # The reference's clip_grad_norm_ formula, so clipped gradients agree bit for bit.
-        coefficient = torch.clamp(max_grad_norm / (norm + 1e-6), max=1.0)
+        coefficient = clip_factor(norm, max_grad_norm)
     if loss_scale != 1.0:  # unscaling folded into the same multiply
         coefficient = (1.0 if coefficient is None else coefficient) / loss_scale
     return norm, None if coefficient is None else torch.as_tensor(coefficient)

@@ -39,6 +39,7 @@ from torch.distributed.tensor import DTensor
 from tidal.config import ConfigError
 from tidal.distributed import rank, world_size
 from tidal.memory.materialize import ParameterValues, materialize
+from tidal.memory.optim_rules import clip_factor
 from tidal.parallel.accumulation import split_rows
 from tidal.parallel.config import OptimizerConfig
 from tidal.parallel.plan_apply import apply, full_state_dict, make_mesh, set_accumulating
@@ -260,7 +261,7 @@ class PlanLayout:
         norm = _total_norm(grads)
         if max_norm > 0:
             # clip_grad_norm_'s rule, with a Python factor: its tensor one cannot multiply DTensors
-            factor = float(torch.clamp(max_norm / (norm + 1e-6), max=1.0))
+            factor = float(clip_factor(norm, max_norm))
             for grad in grads:
                 grad.mul_(factor)
         return float(norm)

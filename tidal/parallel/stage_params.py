@@ -43,7 +43,6 @@ __all__ = [
     "StageParams",
     "all_reduce_mean",
     "average_over",
-    "clip_coefficient",
     "plain_grad_squares",
     "plain_scale_grads",
 ]
@@ -74,11 +73,6 @@ class StageParams(Protocol):
     def step(self, *, lr: float, step: int) -> float: ...
 
     def skip_step(self) -> None: ...
-
-
-def clip_coefficient(total_norm: torch.Tensor, max_norm: float) -> torch.Tensor:
-    """The factor ``clip_grad_norm_`` scales gradients by, capped at 1."""
-    return torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
 
 
 def plain_grad_squares(

@@ -47,7 +47,8 @@ import torch
 from torch import nn
 
 from tidal.config import ConfigError, require
-from tidal.parallel.stage_params import StageParams, clip_coefficient
+from tidal.memory.optim_rules import clip_factor
+from tidal.parallel.stage_params import StageParams
 from tidal.pipeline.ir import Action, Kind, Schedule, with_communication
 from tidal.pipeline.lending import Lending
 from tidal.runtime.p2p import (
@@ -72,7 +73,6 @@ __all__ = [
     "TiedPair",
     "Transport",
     "UpdateRules",
-    "clip_coefficient",
 ]
 
 BatchFn = Callable[[int], tuple[torch.Tensor, torch.Tensor]]
@@ -295,7 +295,7 @@ class UpdateRules:
 
 def _clip_stage(runner: StageRunner, max_norm: float) -> None:
     squares = runner.weights.grad_squares()
-    runner.weights.scale_grads(clip_coefficient(squares.sqrt(), max_norm))
+    runner.weights.scale_grads(clip_factor(squares.sqrt(), max_norm))
 
 
 # ---------------------------------------------------------------------------------------------

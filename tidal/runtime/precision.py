@@ -31,8 +31,8 @@ from typing import Any
 import torch
 
 from tidal.config import require
+from tidal.memory.optim_rules import clip_factor
 from tidal.parallel.loss_scale import LossScale
-from tidal.parallel.stage_params import clip_coefficient
 
 __all__ = ["PRECISIONS", "LossScaler", "update_factor"]
 
@@ -45,7 +45,7 @@ def update_factor(squares: torch.Tensor, *, max_norm: float | None, scale: float
     squared scaled gradient entries over the whole pipeline."""
     if max_norm is None:
         return torch.full_like(squares, 1.0 / scale)
-    return clip_coefficient(squares.sqrt() / scale, max_norm) / scale
+    return clip_factor(squares.sqrt() / scale, max_norm) / scale
 
 
 class LossScaler:
