@@ -1,7 +1,8 @@
 """The Trainer's pipeline in bf16 and with gradient accumulation, against the reference engine.
 
-A bf16 1F1B pipeline (2 stages on 2 gloo ranks, fp32 masters) logs the reference engine's bf16
-losses within the reference's own bf16 tolerance (its relative bf16-vs-fp32 gap, times 4 as in
+A bf16 1F1B pipeline (2 stages on 2 gloo ranks, fp32 masters), and one stage split over 2
+tensor-parallel ranks or sharded over 2 by FSDP2, log the reference engine's bf16 losses within
+the reference's own bf16 tolerance (its relative bf16-vs-fp32 gap, times 4 as in
 tests/unit/pipeline/test_pipeline_precision.py). ``training.grad_accum_steps = 2`` is not refused:
 the pipeline logs the reference engine's losses for the same recipe within 1e-5 (each step is its
 two batches in twice the microbatches), and a run resumed from a checkpoint continues exactly.
@@ -63,6 +64,14 @@ def _worker(root: str, references: dict[str, list[float]]) -> None:
     got = _losses(root_path / "bf16")
     assert _relative_gap(got, references["bf16"]) <= 4 * own, (got, references, own)
     assert _relative_gap(got, references["fp32"]) > 0  # autocast ran
+    # one stage split over tp, and one sharded by FSDP2 ([Note: one train step]), in bf16 too
+    for name, parallel in (("bf16-tp", {"tp": 2}), ("bf16-fsdp2", {"fsdp2": True})):
+        job = _job(root_path / name, pipeline=True, precision="bf16")
+        job["parallel"] = parallel
+        Trainer(job).fit()
+        got = _losses(root_path / name)
+        assert _relative_gap(got, references["bf16"]) <= 4 * own, (name, got, references, own)
+        assert _relative_gap(got, references["fp32"]) > 0, name
 
     trainer = Trainer(_job(root_path / "accum", pipeline=True, grad_accum_steps=2))
     trainer.fit()
