@@ -113,11 +113,13 @@ class JobConfig:
     # On stages, the parameters of each stage are held by a transform behind the stage-parameter
     # protocol (plain replicas, chunks, FSDP2 shards, tensor-parallel shares: tidal/runtime/
     # build.py picks it) and one step drives them all (tidal/runtime/executor.py: every
-    # microbatch's forward and backward, each dp group's reduction once, the tied sum, the
-    # global norm over the mesh, the loss scaler, the update). A model of one stage is a
-    # schedule of one stage: ``--mesh tp=2`` or ``--mesh dp=2 --set parallel.fsdp2=true``
-    # train through the same step as a pipeline. The engines (reference, chunk, ZeRO-3, plans)
-    # still own their step for the rest of pp = 1; moving them onto stages is what is left.
+    # microbatch's forward and backward; tidal/runtime/update.py: each dp group's reduction
+    # once, the tied sum, the global norm over the mesh, the loss scaler, the clip; then the
+    # update). tidal.initialize's StageEngine drives the same holders and update. A model of
+    # one stage is a schedule of one stage: ``--mesh tp=2`` or ``--mesh dp=2 --set
+    # parallel.fsdp2=true`` train through the same step as a pipeline. The engines (reference,
+    # chunk, ZeRO-3, plans) still own their step for the rest of pp = 1; moving them onto
+    # stages is what is left.
     @property
     def on_stages(self) -> bool:
         """Whether the run trains on stages ([Note: one train step]): every pipeline, and a
