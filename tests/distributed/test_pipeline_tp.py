@@ -121,7 +121,7 @@ def test_pp2_x_tp2_equals_one_process_and_resumes_across_tp(tmp_path: Path) -> N
     assert train == pytest.approx(reference[0], abs=TOL), (train, reference[0])
     assert val == pytest.approx(reference[1], abs=TOL), (val, reference[1])
     weights = exported(tmp_path / "reference", tmp_path / "reference-export")
-    for name in ("tp-1f1b", "tp-interleaved"):
+    for name in ("tp-1f1b", "tp-interleaved", "dp2-tp2-fsdp2"):  # the last: one 2D stage
         trained = exported(tmp_path / name, tmp_path / f"{name}-export")
         assert trained.keys() == weights.keys(), name
         for key, value in weights.items():

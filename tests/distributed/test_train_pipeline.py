@@ -262,5 +262,9 @@ def test_a_plan_and_a_pipeline_are_refused_together(tmp_path: Path) -> None:
     graph = measure_gpt(preset("tiny"), micro_batch=1)
     config = PlannerConfig(pipelines=False, tp=1, pareto=(), baselines=())
     plan = make_plan(graph, ClusterSpec(devices=2), config).plan
-    with pytest.raises(ConfigError, match="--plan: a pipeline run places its stages itself"):
+    with pytest.raises(ConfigError, match="--plan: a run on stages .* places its parameters"):
         Trainer(_job(tmp_path / "both", schedule="1f1b"), plan=plan)
+    one_stage = _job(tmp_path / "fsdp2")
+    one_stage["parallel"] = {"fsdp2": True}  # no pipeline, but on stages all the same
+    with pytest.raises(ConfigError, match="--plan: a run on stages .* parallel.fsdp2"):
+        Trainer(one_stage, plan=plan)

@@ -150,7 +150,9 @@ class Trainer:
         pipeline = self.job.on_stages if pipeline is None else pipeline
         if pipeline and self.plan is not None:
             raise ConfigError(
-                "--plan", "a pipeline run places its stages itself; drop --plan or the pipeline"
+                "--plan",
+                "a run on stages (a pipeline, parallel.tp or parallel.fsdp2) places "
+                "its parameters itself; drop --plan or those settings",
             )
         runs_on = _runs_on(self.job, plan=self.plan is not None, pipeline=pipeline)
         self.job, self._torch_optimizer = own_optimizer(
