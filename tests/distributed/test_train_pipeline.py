@@ -3,8 +3,8 @@
 A synchronous pipeline (1F1B, 2 stages on 2 gloo ranks) of the tiny GPT must log the reference
 engine's losses and validation losses (global clipping and the tied embedding included), and a
 run stopped at a checkpoint and resumed must continue exactly as the unbroken run. An
-asynchronous PipeMare run records its measured delays, which must be the simulator's, and
-resumes exactly too. With ``pipeline.memory`` recompute, selective recompute or host swap the
+asynchronous PipeMare run (the tied embedding's head one version behind the embedding) records
+its measured delays, which must be the simulator's, and resumes exactly too. With ``pipeline.memory`` recompute, selective recompute or host swap the
 synchronous run logs the same losses bit for bit.
 """
 
@@ -176,32 +176,33 @@ def _worker(root: str, reference: tuple[list[float], list[float]]) -> None:
     Trainer(_job(root_path / "resumed", schedule="1f1b")).fit(resume=True)
     assert _losses(root_path / "resumed") == (train, val)
 
-    # PipeMare with its discrepancy correction: the delta buffer is part of what resumes.
+    # PipeMare with its discrepancy correction, the tied embedding's head following the
+    # embedding ([Note: tied matrices without a flush]): the delta buffer is part of what
+    # resumes, and the copies are equal at the checkpoint.
     job = _job(root_path / "async", schedule="pipemare", correction=True)
-    job["model"]["tie_embeddings"] = False
     summary = Trainer(job).fit()
     split = _job(root_path / "async-resumed", steps=2, schedule="pipemare", correction=True)
-    split["model"]["tie_embeddings"] = False
     Trainer(split).fit()
     Trainer({**split, "training": {**split["training"], "steps": STEPS}}).fit(resume=True)
     assert _losses(root_path / "async-resumed") == _losses(root_path / "async")
-    assert summary["final_loss"] is not None and summary["final_loss"] < train[0]
+    # Step 0 runs before any update, so it is the flushed run's loss exactly; later steps run on
+    # delayed weights (the head one update behind the embedding) and stay near it.
+    async_train = _losses(root_path / "async")[0]
+    assert async_train[0] == train[0] and summary["final_loss"] == async_train[-1]
+    assert max(abs(a - b) for a, b in zip(async_train, train, strict=True)) < 1e-2
     # Host swap and lending under PipeMare: the same numbers (the swaps hand the parameters to
     # the stage's weight-version redirection).
     swapped = _job(root_path / "async-host", schedule="pipemare", correction=True, memory="host")
-    swapped["model"]["tie_embeddings"] = False
     Trainer(swapped).fit()
     assert _losses(root_path / "async-host") == _losses(root_path / "async")
     # Recompute under PipeDream runs on the stashed version its forward used.
     for mode in ("none", "recompute"):
         stashing = _job(root_path / f"pipedream-{mode}", schedule="pipedream", memory=mode)
-        stashing["model"]["tie_embeddings"] = False
         Trainer(stashing).fit()
     assert _losses(root_path / "pipedream-recompute") == _losses(root_path / "pipedream-none")
     # At the least budget the refusal names, PipeDream's stashed versions must leave the device
     # too: they wait in the host tier ([Note: stashes on the host]), the same losses.
     tight = _job(root_path / "pipedream-tight", schedule="pipedream", memory="auto")
-    tight["model"]["tie_embeddings"] = False
     tight["memory"] = {"device_budget": "1KiB"}
     with pytest.raises(ConfigError, match=r"needs at least ([\d.]+\w+) with every") as refused:
         Trainer(tight).fit()
@@ -229,10 +230,7 @@ def test_pipeline_trainer_equals_reference_and_resumes(tmp_path: Path) -> None:
 def test_bad_pipeline_input_exits_2_in_one_line(capsys: pytest.CaptureFixture[str]) -> None:
     """Refused before torchrun starts: one line naming the setting and the fix."""
     argv = ["train", "--recipe", "tiny", "--pipeline-stages", "2", "--set", "run_dir=/nonexistent"]
-    assert main([*argv, "--schedule", "pipemare"]) == 2
-    err = capsys.readouterr().err
-    assert "model.tie_embeddings" in err and len(err.strip().splitlines()) == 1
-    assert main([*argv, "--schedule", "pipemare", "--set", "model.tie_embeddings=false",
+    assert main([*argv, "--schedule", "pipemare",
                  "--set", "training.precision=bf16"]) == 2  # fmt: skip
     err = capsys.readouterr().err
     assert "training.precision: pipemare is asynchronous" in err
@@ -243,11 +241,11 @@ def test_bad_pipeline_input_exits_2_in_one_line(capsys: pytest.CaptureFixture[st
     assert main([*argv, "--set", "pipeline.prediction=true"]) == 2  # 1f1b has no delay
     err = capsys.readouterr().err
     assert "pipeline.prediction" in err and "pipemare" in err
-    assert main([*argv, "--schedule", "pipemare", "--set", "model.tie_embeddings=false",
+    assert main([*argv, "--schedule", "pipemare",
                  "--set", "pipeline.memory=recompute"]) == 2  # fmt: skip
     err = capsys.readouterr().err
     assert "pipeline.memory: recompute runs under synchronous and stashing schedules" in err
-    assert main([*argv, "--schedule", "pipemare", "--set", "model.tie_embeddings=false",
+    assert main([*argv, "--schedule", "pipemare",
                  "--set", "pipeline.memory=selective"]) == 2  # fmt: skip
     err = capsys.readouterr().err
     assert "pipeline.memory: selective runs under synchronous and stashing schedules" in err

@@ -399,6 +399,20 @@ class ChunkStageParams:
             share, start = piece
             share.copy_(value.reshape(-1)[start : start + share.numel()])
 
+    def value(self, name: str) -> torch.Tensor:
+        """``name``'s fp32 weights (its master), gathered on ZeRO-3 stages: collective."""
+        return self.engine.read_parameter(self._param(name))
+
+    def set_value(self, name: str, value: torch.Tensor) -> None:
+        """Into ``name``'s slot and master (each replica its shard's range)."""
+        self.engine.write_parameter(self._param(name), value)
+
+    def drop_gradient(self, name: str) -> None:
+        """Zeros: the chunk's update still moves the slot, by its optimizer state alone."""
+        gradient = self.gradient(name)
+        if gradient is not None:
+            self.set_gradient(name, torch.zeros_like(gradient))
+
     def _param(self, name: str) -> nn.Parameter:
         param = self._by_name.get(name)
         if param is None:

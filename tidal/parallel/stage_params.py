@@ -19,6 +19,13 @@ whatever another transform makes of them. Each implements :class:`StageParams`:
   each of the stage's dp replicas (None where no gradient reached it), and writing it back
   whole: the tied-matrix sum. A stage that shards gradients gathers the whole (collective over
   its dp group: every replica calls both) and keeps its share of what is set;
+- ``value(name)`` / ``set_value(name, value)``: a parameter's whole current weights (fp32,
+  gathered where sharded: collective, every replica calls both) and writing them, the same on
+  every replica: how the second copy of a tied matrix follows its owner under an asynchronous
+  schedule ([Note: tied matrices without a flush] in tidal/runtime/tied.py), whose gradient
+  ``drop_gradient(name)`` takes out of the update (a holder that updates parameters one by one
+  leaves it and its optimizer state as they are; one that updates whole chunks moves it by a
+  zero gradient, and the caller writes its value afterwards);
 - ``step(lr, step)``: the update, which also drops the gradients; returns the rate it used;
 - ``skip_step()``: in its place, drop the gradients without an update (an fp16 overflow:
   [Note: pipeline mixed precision] in precision.py); the version advances as a step's would.
@@ -31,6 +38,7 @@ fixed here and nowhere else: every backward, ``reduce_gradients``, the tied sum,
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterable
 from contextlib import AbstractContextManager
 from typing import Protocol
@@ -43,8 +51,10 @@ __all__ = [
     "StageParams",
     "all_reduce_mean",
     "average_over",
+    "like",
     "plain_grad_squares",
     "plain_scale_grads",
+    "whole",
 ]
 
 
@@ -70,9 +80,37 @@ class StageParams(Protocol):
 
     def set_gradient(self, name: str, value: torch.Tensor) -> None: ...
 
+    def value(self, name: str) -> torch.Tensor: ...
+
+    def set_value(self, name: str, value: torch.Tensor) -> None: ...
+
+    def drop_gradient(self, name: str) -> None: ...
+
     def step(self, *, lr: float, step: int) -> float: ...
 
     def skip_step(self) -> None: ...
+
+
+def _is_dtensor(t: torch.Tensor) -> bool:
+    # No tensor is a DTensor before its module is loaded, and loading it costs about a second
+    # (sympy) that a run without DTensors should not pay.
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(t, module.DTensor)
+
+
+def whole(t: torch.Tensor) -> torch.Tensor:
+    """A parameter's or its state's whole value (gathered over the dp group when sharded: every
+    replica calls it)."""
+    return t.full_tensor() if _is_dtensor(t) else t  # type: ignore[attr-defined]
+
+
+def like(param: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """``value`` (whole) laid out as ``param`` is: this rank's shard of it for a DTensor."""
+    if not _is_dtensor(param):
+        return value
+    from torch.distributed.tensor import distribute_tensor
+
+    return distribute_tensor(value.to(param.device), param.device_mesh, param.placements)  # type: ignore[attr-defined]
 
 
 def plain_grad_squares(

@@ -10,8 +10,8 @@ Synchronous schedules (gpipe, 1f1b, interleaved) run one flushed step per :meth:
 at the rank's first ``U`` of a step the tied copies' gradients are summed over point-to-point
 and the squared gradient norms are all-reduced over the pipeline group for global clipping.
 Asynchronous schedules (pipedream, 2bw, pipemare, pipemarew) have no flush, so :meth:`train`
-runs one long program over all its steps; each stage clips by its own norm and tied weights are
-refused. A checkpoint taken between two :meth:`train` calls of an asynchronous schedule is a
+runs one long program over all its steps; each stage clips by its own norm, and a tied matrix's
+second copy follows its owner ([Note: tied matrices without a flush] in tied.py). A checkpoint taken between two :meth:`train` calls of an asynchronous schedule is a
 flush point: the program ends with no microbatch in flight, so a resumed run equals an
 uninterrupted run of two programs, not of one program over all the steps. Gradient
 accumulation is the ``m`` microbatches of a step; to accumulate more, raise ``m`` (the trainer
@@ -45,14 +45,13 @@ from tidal.runtime.executor import (
     TiedPair,
     UpdateRules,
 )
-from tidal.runtime.p2p import P2PTransport, isend
+from tidal.runtime.p2p import TIED_TAG, P2PTransport, isend
 from tidal.runtime.precision import LossScaler
 from tidal.runtime.update import prepare_update
 
 __all__ = ["P2PTransport", "PipelineRuntime", "RuntimeConfig"]
 
 _SYNCHRONOUS = ("gpipe", "1f1b", "interleaved")  # flushed: one step per program
-_TIED_TAG = 1  # gloo matches by tag; tied-gradient exchanges never mix with activations
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)
@@ -146,12 +145,6 @@ class PipelineRuntime:
             "stages",
             f"rank {self.rank} of {config.schedule} holds stages {self.stage_ids}; got "
             f"{len(stages)} modules and {len(weights)} weights",
-        )
-        require(
-            not (self.asynchronous and tied),
-            "tie_embeddings",
-            f"{config.schedule} is asynchronous: the two copies of a tied matrix would update "
-            "at different times; set tie_embeddings=false",
         )
         require(
             not config.partition or len(config.partition) == self.num_stages,
@@ -275,9 +268,9 @@ class PipelineRuntime:
             peer = self._global(peer_stage % self.num_ranks)
             g = grads[own]
             other = torch.empty_like(g)
-            work = isend(g.contiguous(), peer, self.group, tag=_TIED_TAG)
+            work = isend(g.contiguous(), peer, self.group, tag=TIED_TAG)
             self.bytes_sent += g.numel() * g.element_size()
-            dist.recv(other, src=peer, group=self.group, tag=_TIED_TAG)
+            dist.recv(other, src=peer, group=self.group, tag=TIED_TAG)
             work.wait()
             total = g + other if own[0] == sa else other + g
         for s, n in mine:

@@ -60,6 +60,7 @@ from tidal.runtime.p2p import (
     Transport,
 )
 from tidal.runtime.precision import LossScaler
+from tidal.runtime.tied import TiedExchange, TiedPair
 
 __all__ = [
     "Direction",
@@ -77,8 +78,6 @@ __all__ = [
 
 BatchFn = Callable[[int], tuple[torch.Tensor, torch.Tensor]]
 LrFn = Callable[[int], float]
-# ((stage, parameter name), (stage, parameter name)): one matrix held by two stages.
-TiedPair = tuple[tuple[int, str], tuple[int, str]]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -274,7 +273,7 @@ class UpdateRules:
             asynchronous ones clip each stage by its own norm, because a global norm would need
             every stage's gradient of the same step at once, i.e. a flush.
         tied: matrices held by two stages whose gradients are summed before the update
-            (synchronous schedules only).
+            (asynchronous schedules: [Note: tied matrices without a flush] in tied.py).
     """
 
     max_grad_norm: float | None = None
@@ -293,8 +292,8 @@ class UpdateRules:
         return frozenset(name for _, (s, name) in self.tied if s == stage)
 
 
-def _clip_stage(runner: StageRunner, max_norm: float) -> None:
-    squares = runner.weights.grad_squares()
+def _clip_stage(runner: StageRunner, max_norm: float, skip: frozenset[str]) -> None:
+    squares = runner.weights.grad_squares(skip=skip)
     runner.weights.scale_grads(clip_factor(squares.sqrt(), max_norm))
 
 
@@ -378,6 +377,8 @@ class RankExecutor:
         self._held: dict[LendKey, torch.Tensor] = {}  # what this rank holds for others
         self.held_bytes = 0
         self.peak_held_bytes = 0
+        self.tied = (TiedExchange(rules.tied, weights, transport, first_step=step_offset)
+                     if rules.tied and schedule.asynchronous else None)  # fmt: skip
 
     @property
     def done(self) -> bool:
@@ -403,6 +404,8 @@ class RankExecutor:
             return s == self.schedule.num_stages - 1 or (s, mb) in self._grads
         if action.kind is Kind.UPDATE and self.synchronous:
             return self.update_step(action) in self.prepared
+        if action.kind is Kind.UPDATE and self.tied is not None:
+            return self.tied.ready(s, self.update_step(action))
         if action.kind is Kind.HOLD:
             return self.transport.ready(self._lend_key(action, home=False))
         if action.kind is Kind.RECLAIM:
@@ -433,7 +436,13 @@ class RankExecutor:
         """Run the whole program in order (a distributed rank: receives block)."""
         while not self.done:
             self.step()
+        self.finish()
         self.transport.flush()
+
+    def finish(self) -> None:
+        """After the program: what the last updates leave to receive (a tied copy's value)."""
+        if self.tied is not None:
+            self.tied.finish()
 
     def _execute(self, a: Action) -> None:
         s, mb = a.stage, a.microbatch
@@ -523,12 +532,16 @@ class RankExecutor:
                 self.prepared.add(step)
         else:  # no flush: each stage reduces and clips its own gradients at its update
             runner.weights.reduce_gradients()
+            if self.tied is not None:
+                self.tied.before_update(a.stage, step)
             if self.rules.max_grad_norm is not None:
-                _clip_stage(runner, self.rules.max_grad_norm)
+                _clip_stage(runner, self.rules.max_grad_norm, self.rules.second_copies(a.stage))
         if self.scaler is not None and self.scaler.skips(step):
             runner.weights.skip_step()
         else:
             self.lrs[a.stage, step] = runner.weights.step(lr=self.lr_fn(step), step=step)
+        if self.tied is not None:
+            self.tied.after_update(a.stage, step)
         runner.num_updates += 1
         expected = None if a.version is None else a.version + self.version_offset[a.stage]
         if expected is not None and runner.weights.version != expected:

@@ -30,10 +30,11 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from tidal.parallel.stage_params import whole
 from tidal.parallel.tensor_stage import tensor_grad_squares
 from tidal.runtime.weights import StageWeights
 
-__all__ = ["Fsdp2StageWeights", "fsdp2_stage", "like", "reshard_stage", "whole"]
+__all__ = ["Fsdp2StageWeights", "fsdp2_stage", "reshard_stage"]
 
 
 def fsdp2_stage(module: nn.Module, dp_mesh: DeviceMesh, *, offload: bool = False) -> nn.Module:
@@ -56,19 +57,6 @@ def reshard_stage(module: nn.Module) -> None:
     stage's own parameters gathered; nothing for a stage FSDP2 did not shard."""
     if isinstance(module, FSDPModule):
         module.reshard()
-
-
-def whole(t: torch.Tensor) -> torch.Tensor:
-    """A parameter's or its state's whole value (gathered over the dp group when sharded: every
-    replica calls it)."""
-    return t.full_tensor() if isinstance(t, DTensor) else t
-
-
-def like(param: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
-    """``value`` (whole) laid out as ``param`` is: this rank's shard of it for a DTensor."""
-    if not isinstance(param, DTensor):
-        return value
-    return distribute_tensor(value.to(param.device), param.device_mesh, param.placements)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

@@ -82,12 +82,6 @@ def run_local(
         f"{len(weights)} weights",
     )
     require(
-        not (schedule.asynchronous and rules.tied),
-        "tie_embeddings",
-        f"{schedule.name} is asynchronous: the two copies of a tied matrix would update at "
-        "different times; set tie_embeddings=false",
-    )
-    require(
         not (schedule.asynchronous and scaler is not None and scaler.scaling),
         "training.precision",
         f"{schedule.name} is asynchronous: an fp16 overflow skips a step on every stage at "
@@ -123,6 +117,8 @@ def run_local(
         if not moved and not _sync_barrier(executors, runners, rules, scaler):
             waiting = ", ".join(f"rank {ex.rank} at {ex.next_action}" for ex in executors)
             raise PipelineDeadlock(f"{schedule.name}: no rank can move ({waiting})")
+    for ex in executors:
+        ex.finish()
     assert len(transport) == 0, "messages left unreceived"
     delays = {(s, mb): tau for s, r in runners.items() for mb, tau in r.delays.items()}
     lrs = dict(itertools.chain.from_iterable(ex.lrs.items() for ex in executors))

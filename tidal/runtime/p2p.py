@@ -15,6 +15,9 @@ microbatch). :class:`LocalTransport` is a dict, for :func:`~tidal.runtime.local.
   sender's program, the order in which that peer sends to it; a receive takes the peer's
   messages in that order and parks any that arrive before the one it wants. Receiving an earlier
   message never waits longer than the wanted one would, so this adds no deadlock.
+- A tied matrix's messages (:class:`TiedKey`) travel on their own tag and are not in the
+  programs: each direction between the two ranks carries one kind of message (gradients to
+  the owner, values to the second copy), sent and received in update order.
 - NCCL is untested here (one GPU per machine): an ``isend`` followed by a blocking ``recv`` on
   the same pair may serialise on NCCL's stream; gloo (CPU) is the tested backend.
 """
@@ -35,6 +38,7 @@ __all__ = [
     "AnyKey",
     "Direction",
     "LendKey",
+    "TiedKey",
     "LocalTransport",
     "MessageKey",
     "P2PTransport",
@@ -80,7 +84,20 @@ class LendKey:
     home: bool
 
 
-AnyKey = MessageKey | LendKey
+@dataclass(frozen=True, slots=True, order=True)
+class TiedKey:
+    """A matrix tied across two stages under an asynchronous schedule ([Note: tied matrices
+    without a flush] in tidal/runtime/tied.py): pair ``pair``'s message of the update of
+    ``step``, from ``src_stage`` to ``dst_stage`` (the second copy's gradient to the owner, or
+    the owner's new value to the second copy)."""
+
+    pair: int
+    step: int
+    src_stage: int
+    dst_stage: int
+
+
+AnyKey = MessageKey | LendKey | TiedKey
 
 
 class Transport(Protocol):
@@ -141,6 +158,9 @@ _DTYPES = (
 )
 
 
+TIED_TAG = 1  # gloo matches by tag: a tied matrix's messages never mix with activations
+
+
 def isend(
     tensor: torch.Tensor, dst: int, group: dist.ProcessGroup | None, *, tag: int = 0
 ) -> dist.Work:
@@ -195,11 +215,15 @@ class P2PTransport:
         return out
 
     def _destination(self, key: AnyKey) -> int:
+        if isinstance(key, TiedKey):
+            return self.schedule.rank_of(key.dst_stage)
         if isinstance(key, LendKey):
             return self.schedule.rank_of(key.stage) if key.home else key.lender
         return self.schedule.rank_of(key.dst_stage)
 
     def _source(self, key: AnyKey) -> int:
+        if isinstance(key, TiedKey):
+            return self.schedule.rank_of(key.src_stage)
         if isinstance(key, LendKey):
             return key.lender if key.home else self.schedule.rank_of(key.stage)
         return self.schedule.rank_of(key.src_stage)
@@ -220,22 +244,25 @@ class P2PTransport:
         header[1] = payload.dim()
         header[2 : 2 + payload.dim()] = torch.tensor(payload.shape, dtype=torch.int64)
         dst = self._global(self._destination(key))
-        work_h = isend(header, dst, self.group)
-        work_p = isend(payload, dst, self.group)
+        tag = TIED_TAG if isinstance(key, TiedKey) else 0
+        work_h = isend(header, dst, self.group, tag=tag)
+        work_p = isend(payload, dst, self.group, tag=tag)
         self._pending += [(work_h, header, header), (work_p, payload, header)]
         self.bytes_sent += payload.numel() * payload.element_size()
         self._pending = [item for item in self._pending if not item[0].is_completed()]
 
-    def _receive_next(self, src: int) -> torch.Tensor:
+    def _receive_next(self, src: int, *, tag: int = 0) -> torch.Tensor:
         header = torch.empty(2 + _MAX_DIMS, dtype=torch.int64, device=self.device)
-        dist.recv(header, src=self._global(src), group=self.group)
+        dist.recv(header, src=self._global(src), group=self.group, tag=tag)
         dtype, ndim = _DTYPES[int(header[0])], int(header[1])
         shape = [int(d) for d in header[2 : 2 + ndim]]
         payload = torch.empty(shape, dtype=dtype, device=self.device)
-        dist.recv(payload, src=self._global(src), group=self.group)
+        dist.recv(payload, src=self._global(src), group=self.group, tag=tag)
         return payload
 
     def recv(self, key: AnyKey) -> torch.Tensor:
+        if isinstance(key, TiedKey):  # in update order on its own tag: nothing to park
+            return self._receive_next(self._source(key), tag=TIED_TAG)
         if key in self._parked:
             return self._parked.pop(key)
         src = self._source(key)

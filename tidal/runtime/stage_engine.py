@@ -41,11 +41,12 @@ from tidal.parallel.dims import ParallelDims
 from tidal.parallel.lr import lr_schedule
 from tidal.parallel.protocol import Phase, Phases
 from tidal.parallel.reference import autocast
+from tidal.parallel.stage_params import like, whole
 from tidal.pipeline.async_config import AsyncConfig
 from tidal.pipeline.schedules import make_schedule
 from tidal.runtime.build import stage_params
 from tidal.runtime.executor import UpdateRules
-from tidal.runtime.fsdp_stage import Fsdp2StageWeights, like, reshard_stage, whole
+from tidal.runtime.fsdp_stage import Fsdp2StageWeights, reshard_stage
 from tidal.runtime.precision import LossScaler
 from tidal.runtime.update import prepare_update
 from tidal.runtime.weights import StageWeights

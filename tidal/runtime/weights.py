@@ -96,7 +96,13 @@ from torch import nn
 
 from tidal.config import require
 from tidal.parallel.reference import autocast
-from tidal.parallel.stage_params import all_reduce_mean, plain_grad_squares, plain_scale_grads
+from tidal.parallel.stage_params import (
+    all_reduce_mean,
+    like,
+    plain_grad_squares,
+    plain_scale_grads,
+    whole,
+)
 from tidal.pipeline.async_config import AsyncConfig, WeightMode, correction_gamma, update_rate
 from tidal.runtime.lookahead import next_update
 from tidal.runtime.precision import PRECISIONS
@@ -457,6 +463,28 @@ class StageWeights:
         grad = self.gradient(name)
         assert grad is not None, f"{name} has no gradient to replace"
         grad.copy_(value)
+
+    def value(self, name: str) -> torch.Tensor:
+        return whole(self._param(name).detach()).to(torch.float32, copy=True)
+
+    def set_value(self, name: str, value: torch.Tensor) -> None:
+        """The live weights become ``value``; with a delta buffer (correction, prediction) the
+        change joins it as the last update's own change did, so the delta follows the weights
+        whoever moved them."""
+        param = self._param(name)
+        new = like(param, value.to(param.dtype))
+        with torch.no_grad():
+            if self._delta is not None:
+                index = next(i for i, p in enumerate(self.params) if p is param)
+                gamma = correction_gamma(self.last_delay, self.config.correction_decay)
+                self._delta[index].add_(new - param.detach(), alpha=1.0 - gamma)
+            param.copy_(new)
+
+    def drop_gradient(self, name: str) -> None:
+        self._param(name).grad = None  # torch's optimizers skip it: no update, no new state
+
+    def _param(self, name: str) -> nn.Parameter:
+        return dict(self.module.named_parameters())[name]
 
     # -----------------------------------------------------------------------------------------
     # update

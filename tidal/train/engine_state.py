@@ -26,7 +26,9 @@ __all__ = ["PipelineStages", "ReadsPipelines"]
 # A pipeline's checkpoint is the whole model, whatever the split: each rank writes its stages'
 # parameters and optimizer state under the model's names (a stage's ``source_names``), so
 # ``tidal export`` and every engine read it as any other. A weight two stages hold (a tied
-# embedding) is written by both, equal, and DCP keeps one. What only a stage has, its weight
+# embedding) is written by both, equal, and DCP keeps one; its optimizer state only by the
+# owner, the first of the pair (under an asynchronous schedule the second copy's is not the
+# matrix's: [Note: tied matrices without a flush] in tidal/runtime/tied.py). What only a stage has, its weight
 # versions and measured delays (PipeMare), is one opaque tensor per stage,
 # ``pipeline/stage-<s>``. The extras record the schedule and split; a synchronous pipeline
 # resumes on any other ([Note: resuming on another split]), an asynchronous one on its own
@@ -52,8 +54,8 @@ class PipelineStages:
             yield s, module, weights, module.source_names
 
     def checkpoint_state(self) -> CheckpointTensors:
+        from tidal.parallel.stage_params import whole
         from tidal.parallel.tensor_stage import model_order  # DTensor: a checkpoint's import
-        from tidal.runtime.fsdp_stage import whole
 
         tensors: dict[str, Any] = {}
         for s, module, weights, source in self._stages():
@@ -72,7 +74,9 @@ class PipelineStages:
                 state = {i: {k: model_order(module, index_of[i], whole(v)) for k, v in saved.items()}
                          for i, saved in weights.optimizer.state_dict()["state"].items()}  # fmt: skip
                 optim, steps = flat_optimizer_state(state, names)
-            tensors.update(optim)
+            followers = {source[n] for n in self.runtime.rules.second_copies(s)}
+            tensors.update((k, v) for k, v in optim.items()
+                           if k[len("optim/") :].rsplit("/", 1)[0] not in followers)  # fmt: skip
             tensors[f"pipeline/stage-{s}"] = _to_bytes({
                 "weights": weights.state_dict(),
                 "optimizer_steps": steps,
@@ -118,8 +122,8 @@ class PipelineStages:
                 f"settings (or without --pipeline-stages, or export it with `tidal export "
                 f"RUN_DIR`)",
             )
+        from tidal.parallel.stage_params import like
         from tidal.parallel.tensor_stage import rank_order  # DTensor: a checkpoint's import
-        from tidal.runtime.fsdp_stage import like
 
         targets = self._targets(meta, every_stage=resplit)
         load(targets)  # one collective read for all this rank's stages
@@ -139,9 +143,11 @@ class PipelineStages:
                 targets, own["optimizer_steps"], meta["model_shapes"]
             )
             index_of = index_names(module, weights.optimizer)
+            # an asynchronous second copy of a tied matrix keeps no optimizer state for it
+            skip = self.runtime.rules.second_copies(s) if self.runtime.asynchronous else ()
             state = {i: {k: like(params[n], rank_order(module, n, v)) if k != "step" else v
                          for k, v in by_name[source[n]].items()}
-                     for i, n in index_of.items() if source[n] in by_name}  # fmt: skip
+                     for i, n in index_of.items() if source[n] in by_name and n not in skip}  # fmt: skip
             groups = weights.optimizer.state_dict()["param_groups"]
             weights.optimizer.load_state_dict({"state": state, "param_groups": groups})
             if own.get("resplit"):  # nothing of the old stage's own but its update count

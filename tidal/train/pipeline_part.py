@@ -143,15 +143,6 @@ def check_pipeline_job(job: JobConfig, *, world_size: int, model: nn.Module | No
         f"{num_stages} stages for {num_layers} blocks (plus the embedding and the head); use "
         f"at most {num_layers + 2}",
     )
-    tied = (config.tie_embeddings if isinstance(config, GPTConfig)
-            else bool(getattr(config.pretrained(), "tie_word_embeddings", False)))  # fmt: skip
-    require(
-        not (pipe.asynchronous and tied and job.pipelined),
-        "model.tie_embeddings" if isinstance(config, GPTConfig) else "model.hf_config",
-        f"{pipe.schedule} is asynchronous: the first and last stages' copies of the tied "
-        "embedding would update at different times; set model.tie_embeddings=false (a Hugging "
-        "Face config: tie_word_embeddings false)",
-    )
 
 
 def _check_tensor_stages(job: JobConfig, tp: int, *, own_model: bool) -> None:

@@ -193,22 +193,28 @@ def test_bf16_stages_follow_fp32_under_a_budget():
 PIPEMARE = AsyncConfig(weights=WeightMode.CURRENT, lr_rescheduling=True, lr_warmup_steps=8)
 
 
-def run_pipemare(name: str, ranks: int, m: int, weights_of) -> tuple[list, LocalResult]:
+def run_pipemare(name: str, ranks: int, m: int, weights_of, *,
+                 tie: bool = False) -> tuple[list, LocalResult]:  # fmt: skip
     schedule = make_schedule(name, stages=ranks, microbatches=m, steps=STEPS)
     config = GPTConfig(vocab_size=64, seq_len=8, num_layers=4, num_heads=2, d_model=16,
-                       tie_embeddings=False)  # fmt: skip
+                       tie_embeddings=tie)  # fmt: skip
     stages = split_gpt(build_gpt(config, seed=0), even_ranges(4, schedule.num_stages))
     weights = [weights_of(s, stage) for s, stage in enumerate(stages)]
-    rules = UpdateRules(max_grad_norm=MAX_NORM)
+    tied = tuple(tied_parameters(stages))
+    assert bool(tied) == tie
+    rules = UpdateRules(max_grad_norm=MAX_NORM, tied=tied)
     return weights, run_local(schedule, stages, weights, batch, lr_at, rules=rules)
 
 
-@pytest.mark.parametrize(("name", "ranks", "m"), [("pipemare", 2, 2), ("pipemare", 4, 2),
-                                                   ("pipemarew", 2, 4)])  # fmt: skip
-def test_pipemare_on_chunk_stages_equals_plain_pipemare_bit_for_bit(name, ranks, m):
+@pytest.mark.parametrize(("name", "ranks", "m", "tie"), [
+    ("pipemare", 2, 2, False), ("pipemare", 4, 2, False), ("pipemarew", 2, 4, False),
+    ("pipemare", 2, 2, True),  # the head follows the embedding: [Note: tied matrices ...]
+])  # fmt: skip
+def test_pipemare_on_chunk_stages_equals_plain_pipemare_bit_for_bit(name, ranks, m, tie):
     """Updates with microbatches in flight, under budgets that evict: the backward unpacks the
     chunks' current weights, as plain stages' redirection gives them, and each update's rate is
-    rescheduled by the same measured delays."""
+    rescheduled by the same measured delays. A tied head's chunk is moved by its zero gradient
+    and then written with the embedding's value, which plain stages never step."""
 
     def plain(_index: int, stage: nn.Module) -> StageWeights:
         return StageWeights(stage, adamw(stage), PIPEMARE)
@@ -222,10 +228,10 @@ def test_pipemare_on_chunk_stages_equals_plain_pipemare_bit_for_bit(name, ranks,
 
         return make
 
-    reference, want = run_pipemare(name, ranks, m, plain)
-    probes, _ = run_pipemare(name, ranks, m, chunk_stages(None))
+    reference, want = run_pipemare(name, ranks, m, plain, tie=tie)
+    probes, _ = run_pipemare(name, ranks, m, chunk_stages(None), tie=tie)
     budgets = [int(w.stats()["min_device_bytes"]) for w in probes]
-    weights, got = run_pipemare(name, ranks, m, chunk_stages(budgets))
+    weights, got = run_pipemare(name, ranks, m, chunk_stages(budgets), tie=tie)
 
     assert got.losses == want.losses and got.lrs == want.lrs and got.delays == want.delays
     simulated = simulate(make_schedule(name, stages=ranks, microbatches=m, steps=STEPS)).delay
