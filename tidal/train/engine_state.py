@@ -206,8 +206,10 @@ def _restore_chunk_stage(module: nn.Module, weights: ChunkStageParams, source: d
     by_source = unflatten_optimizer_state(targets, own["optimizer_steps"], meta["model_shapes"])
     engine = weights.engine
     model = {name: value.detach().clone() for name, value in engine.model_state_dict().items()}
-    for name, param in module.named_parameters():
-        model[name] = targets[f"model/{source[name]}"].view(param.shape)
+    first: dict[int, str] = {}  # a weight one stage holds under two names (tied in the stage)
+    for name, param in module.named_parameters(remove_duplicate=False):
+        first.setdefault(id(param), name)
+        model[name] = targets[f"model/{source[first[id(param)]]}"].view(param.shape)
     optimizer = {n: by_source[source[n]] for n, _ in module.named_parameters()
                  if source[n] in by_source}  # fmt: skip
     step = own["weights"]["version"]

@@ -58,3 +58,59 @@ def test_one_engine_resumes_what_another_wrote(tmp_path: Path, writer: str, read
     after_first = first.state_dict()["model"]  # type: ignore[attr-defined]
     for name, value in second.state_dict()["model"].items():  # type: ignore[attr-defined]
         torch.testing.assert_close(value, after_first[name], atol=2e-5, rtol=0, msg=name)
+
+
+def test_a_chunk_stage_holding_both_names_of_a_tied_weight_resumes_it() -> None:
+    """One stage holds the embedding and the head that shares its matrix (a model of one
+    stage, or a user's stage tied inside): the restore writes the checkpoint's value under both
+    names, so the stale one cannot win."""
+    from types import SimpleNamespace
+
+    from tidal.models.gpt import GPTConfig, split_gpt
+    from tidal.parallel.chunk_stage import ChunkStageConfig, ChunkStageParams
+    from tidal.parallel.config import OptimizerConfig
+    from tidal.parallel.flat_state import model_layout
+    from tidal.pipeline.schedules import make_schedule
+    from tidal.runtime.executor import UpdateRules
+    from tidal.runtime.local import run_local
+    from tidal.runtime.precision import LossScaler
+    from tidal.train.engine_state import PipelineStages
+
+    config = GPTConfig(vocab_size=64, seq_len=16, num_layers=2, num_heads=2, d_model=16)
+    model = build_gpt(config, seed=0)
+    layout = model_layout(model, {n: t.shape for n, t in model.state_dict().items()})
+    chunk_config = ChunkStageConfig(optimizer=OptimizerConfig(lr=1e-2, warmup_steps=0))
+
+    def stages_of() -> SimpleNamespace:
+        (stage,) = split_gpt(copy.deepcopy(model), [(0, 2)])
+        assert len(dict(stage.named_parameters(remove_duplicate=False))) > len(
+            dict(stage.named_parameters())
+        ), "the stage should hold the tied matrix under two names"
+        return SimpleNamespace(modules={0: stage}, weights={0: ChunkStageParams(stage, chunk_config)},
+                               rules=UpdateRules(), asynchronous=False,
+                               scaler=LossScaler("fp32"), step=0)  # fmt: skip
+
+    trained = stages_of()
+    schedule = make_schedule("gpipe", stages=1, microbatches=1, steps=2)
+    run_local(schedule, [trained.modules[0]], [trained.weights[0]],
+              lambda step: _batch(step, 64), lambda _: 1e-2)  # fmt: skip
+    trained.step = 2
+    split = {"schedule": "gpipe", "block_ranges": [[0, 2]]}
+    saved = PipelineStages(trained, layout, split).checkpoint_state()
+    tensors = saved.tensors
+    meta = {**saved.meta, "numels": {k: t.numel() for k, t in tensors.items()}}
+
+    def load(targets: dict[str, torch.Tensor]) -> None:
+        for key, target in targets.items():
+            target.copy_(tensors[key].reshape(-1).view(target.dtype) if target.dtype == torch.uint8
+                         else tensors[key].reshape(-1))  # fmt: skip
+
+    resumed = stages_of()
+    PipelineStages(resumed, layout, split).restore_checkpoint(load, saved.extras, meta)
+    want, got = trained.weights[0].model_state_dict(), resumed.weights[0].model_state_dict()
+    assert want.keys() == got.keys() and len(want) > len(
+        dict(trained.modules[0].named_parameters())
+    )
+    assert not torch.equal(want["embed.tok.weight"], model.state_dict()["tok_embed.weight"])
+    for name, value in want.items():
+        assert torch.equal(got[name], value), name
