@@ -25,6 +25,7 @@ from torch.distributed.tensor import DTensor
 from tidal.cli.main import main
 from tidal.testing import run_on_ranks
 from tidal.train import Trainer
+from tidal.train.metrics import read_metrics
 
 # Sharded replicas (ZeRO-3 chunks, FSDP2) reduce-scatter each gradient, summing in another order
 # than one process does, and AdamW's division by sqrt(v) magnifies that rounding where v is
@@ -231,6 +232,14 @@ def test_chunk_stages_train_evict_and_resume_as_one_process(
         assert all(f["bytes_to_nvme"] > 0 and f["bytes_from_nvme"] > 0 for f in stages), figures
         assert all(f["peak_host_bytes"] <= f["host_budget"] == NVME_HOST_BUDGET
                    for f in stages), figures  # fmt: skip
+    # Each step's record has rank 0's stage's tiers ([Note: tier figures] in tidal/train/tiers.py)
+    records = [r for r in read_metrics(tmp_path / "chunk") if r["kind"] == "train"]
+    assert len(records) == STEPS, records
+    for tiers in (r["tiers"] for r in records):
+        assert tiers["device_budget_bytes"] == 1200 << 10, tiers
+        assert 0 < tiers["device_peak_bytes"] <= 1200 << 10 and tiers["to_device_bytes"] > 0, tiers
+        assert (tiers.get("gathered_bytes", 0) > 0) == (dp > 1), tiers
+        assert (tiers["nvme_peak_bytes"] is not None) == nvme, tiers
     weights = exported(tmp_path / "reference", tmp_path / "reference-export")
     trained = exported(tmp_path / "chunk", tmp_path / "chunk-export")
     assert trained.keys() == weights.keys()

@@ -37,6 +37,7 @@ from tidal.models.factory import load_factory
 from tidal.parallel.protocol import Checkpointable, Engine
 from tidal.train.engine_state import ReadsPipelines
 from tidal.train.losses import default_loss
+from tidal.train.tiers import StepTiers
 
 __all__ = ["LOSSES", "EnginePart", "TrainingPart", "custom_run"]
 
@@ -106,7 +107,7 @@ class EnginePart:
         self._grad_accum_steps = grad_accum_steps
         self._computes_loss = computes_loss
         self._loss_fn = loss_fn  # [Note: your own model]
-        self._moved_before: dict[str, int] = {}  # the traffic counters after the last step
+        self._tiers = StepTiers()
 
     @property
     def global_step(self) -> int:
@@ -158,37 +159,9 @@ class EnginePart:
 
     def step_figures(self, step: int) -> dict[str, Any]:
         figures: dict[str, Any] = {"grad_norm": self.engine.last_grad_norm, "lr": self.engine.lr}
-        tiers = self._tier_figures()
+        tiers = self._tiers([self.engine.stats()])  # [Note: tier figures] in tiers.py
         if tiers:
             figures["tiers"] = tiers
-        return figures
-
-    def _tier_figures(self) -> dict[str, int | None]:
-        """A chunk engine's tiers after a step (this rank's): the device budget, the least the
-        step's last iteration needed there and the activations in it, the device and host
-        peaks so far, the NVMe tier's, the bytes moved to and from the device this step and,
-        sharded (ZeRO-3), the bytes this rank all-gathered and reduce-scattered this step."""
-        stats = self.engine.stats()
-        if "bytes_to_device" not in stats:
-            return {}
-        counters = ("bytes_to_device", "bytes_to_host", "bytes_all_gathered",
-                    "bytes_reduce_scattered")  # fmt: skip
-        moved = {key: stats[key] - self._moved_before.get(key, 0)
-                 for key in counters if key in stats}  # fmt: skip
-        self._moved_before = {key: stats[key] for key in moved}
-        figures: dict[str, int | None] = {
-            "device_budget_bytes": stats["device_budget"],
-            "device_need_bytes": stats["min_device_bytes_last_trace"],
-            "activations_bytes": stats["non_model_bytes_last_trace"],
-            "device_peak_bytes": stats["peak_device_bytes"],
-            "host_peak_bytes": stats["peak_host_bytes"],
-            "nvme_peak_bytes": stats.get("peak_nvme_bytes"),
-            "to_device_bytes": moved["bytes_to_device"],
-            "to_host_bytes": moved["bytes_to_host"],
-        }
-        if "bytes_all_gathered" in moved:
-            figures["gathered_bytes"] = moved["bytes_all_gathered"]
-            figures["reduce_scattered_bytes"] = moved["bytes_reduce_scattered"]
         return figures
 
     def summary_figures(self) -> dict[str, Any]:

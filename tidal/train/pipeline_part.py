@@ -76,6 +76,7 @@ from tidal.train.pipeline_memory import (
     model_data_per_weight_byte,
     plan_pipeline_memory,
 )
+from tidal.train.tiers import StepTiers
 
 # the running counters of PipelineMemory.counters a step's record gives as that step's bytes
 _MOVED = ("to_host_bytes", "lent_bytes")
@@ -341,6 +342,7 @@ class PipelinePart:
                                fsdp2_offload=job.parallel.fsdp2_offload)  # fmt: skip
         self.memory.bind(self.engine.weights)
         self._moved_before: dict[int, dict[str, int]] = {}  # each rank's counters a step ago
+        self._tiers = StepTiers()  # this rank's chunk stages'
         del stages
         split = {"schedule": pipe.schedule, "block_ranges": [list(r) for r in self.ranges]}
         self.checkpointable = PipelineStages(self.engine, layout, split)
@@ -406,8 +408,19 @@ class PipelinePart:
     def step_figures(self, step: int) -> dict[str, Any]:
         delays = [tau for (s, _), tau in self.engine.delays.items() if s in self.stage_ids]
         # The next step's rate, as the reference engine logs it.
-        return {"grad_norm": self.engine.last_grad_norm, "lr": self.lr.lr_at(step), "max_delay": max(delays, default=0),
-                "pipeline_ranks": self._rank_figures()}  # fmt: skip
+        figures: dict[str, Any] = {
+            "grad_norm": self.engine.last_grad_norm,
+            "lr": self.lr.lr_at(step),
+            "max_delay": max(delays, default=0),
+            "pipeline_ranks": self._rank_figures(),
+        }
+        chunked = [
+            w.stats() for w in self.engine.weights.values() if isinstance(w, ChunkStageParams)
+        ]
+        tiers = self._tiers(chunked)  # [Note: tier figures] in tiers.py
+        if tiers:
+            figures["tiers"] = tiers
+        return figures
 
     def _rank_figures(self) -> list[dict[str, Any]]:
         """Every rank's stages and memory figures (a collective): the peak so far, and the bytes
