@@ -23,6 +23,7 @@ from mesh_job import STEPS, TOL, exported, grad_norms, job_at, losses
 from torch.distributed.tensor import DTensor
 
 from tidal.cli.main import main
+from tidal.distributed import shutdown
 from tidal.testing import run_on_ranks
 from tidal.train import Trainer
 from tidal.train.metrics import read_metrics
@@ -317,3 +318,31 @@ def test_pp2_x_dp2_on_fsdp2_stages_equals_one_process(tmp_path: Path) -> None:
     for key, value in weights.items():  # SHARDED_ATOL: the reduce-scatter's order under AdamW
         torch.testing.assert_close(trained[key], value, rtol=0, atol=SHARDED_ATOL,
                                    msg=lambda m, key=key: f"{key}: {m}")  # fmt: skip
+
+
+def test_fsdp2_with_cpu_offload_in_one_process_equals_the_reference(tmp_path: Path) -> None:
+    """[Note: a group of one] in tidal/distributed/env.py: without torchrun a run on stages
+    makes a process group of its one process, so FSDP2's CPU offload trains a model on one
+    device, through the same step, with the reference engine's losses and gradient norms."""
+    import torch.distributed as dist
+
+    Trainer(job_at(tmp_path / "reference")).fit()
+    job = job_at(tmp_path / "offloaded")
+    job["parallel"] = {"fsdp2": True, "fsdp2_offload": True}
+    assert not dist.is_initialized()
+    trainer = Trainer(job)
+    try:
+        assert trainer.fit()["engine"].endswith("fsdp2 stages offloaded")
+        assert dist.is_initialized() and dist.get_world_size() == 1
+    finally:  # the group stays until shutdown (the CLI's); this process runs other tests
+        shutdown()
+    (stage,) = trainer.part.engine.modules.values()  # type: ignore[attr-defined]
+    assert all(isinstance(p, DTensor) and p.device.type == "cpu" for p in stage.parameters())
+    train, val = losses(tmp_path / "offloaded")
+    reference = losses(tmp_path / "reference")
+    assert train == pytest.approx(reference[0], abs=TOL) and val == pytest.approx(
+        reference[1], abs=TOL
+    )
+    assert grad_norms(tmp_path / "offloaded") == pytest.approx(
+        grad_norms(tmp_path / "reference"), abs=TOL
+    )

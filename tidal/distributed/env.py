@@ -49,6 +49,7 @@ __all__ = [
     "init_from_env",
     "install_watchdog",
     "is_main",
+    "join_alone",
     "rank",
     "shutdown",
     "world_size",
@@ -132,6 +133,24 @@ def init_from_env(*, device: torch.device, timeout_s: float = 600.0) -> bool:
     if _watchdog_config is not None:
         _watchdog = start_watchdog(_watchdog_config)
     return dist.get_world_size() > 1
+
+
+def join_alone(*, device: torch.device, timeout_s: float = 600.0) -> None:
+    """A process group of this one process, where there is none ([Note: a group of one]).
+
+    [Note: a group of one]
+    A run on stages builds its mesh and its stages' groups from the default process group, also
+    with one process (``pp = dp = tp = 1``: a model of one stage whose parameters a transform
+    holds, such as FSDP2 with its CPU offload on one device); every collective over a group of
+    one moves nothing. Without torchrun's variables there is no rendezvous to make, so the group
+    lives in this process's own store. It stays until :func:`shutdown` (or the process's end),
+    and later runs in the process reuse it, as they reuse torchrun's.
+    """
+    if _initialized():
+        return
+    backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
+                            timeout=timedelta(seconds=timeout_s))  # fmt: skip
 
 
 def shutdown() -> None:

@@ -45,7 +45,7 @@ from torch import nn
 
 from tidal.config import ConfigError, to_dict
 from tidal.data import Batch, BatchSampler, DataBatches
-from tidal.distributed import barrier, init_from_env
+from tidal.distributed import barrier, init_from_env, join_alone
 from tidal.distributed import rank as current_rank
 from tidal.distributed import world_size as current_world_size
 from tidal.distributed.device import (
@@ -255,6 +255,9 @@ class Trainer:
         from tidal.train.pipeline_part import PipelinePart
 
         device = resolve_device(self.job.training.device)
+        join_alone(
+            device=device, timeout_s=self.job.distributed.timeout_s
+        )  # [Note: a group of one]
         if self.user_model is None:
             part = PipelinePart(self.job, device=device, world_size=self.world_size)
         else:  # [Note: sequential pipelines] in tidal/pipeline/sequential.py
