@@ -156,14 +156,24 @@ def _escaped(text: str) -> str:
     return re.escape(text)
 
 
-def test_your_own_module_on_one_fsdp2_stage_is_refused_in_one_line(tmp_path: Path) -> None:
-    """[Note: one train step]: FSDP2 without a pipeline is one stage, which the Trainer builds
-    from an nn.Sequential; another module is told where it can go (it used to train unsharded
-    on the reference engine without a word)."""
+def test_your_own_module_is_one_stage_and_is_cut_only_as_an_nn_sequential(tmp_path: Path) -> None:
+    """[Note: sequential pipelines]: FSDP2 without a pipeline is one stage, which holds any
+    module whole, BatchNorm's statistics included; a pipeline cuts only an nn.Sequential, and
+    normalises no statistics per microbatch across stages. Each refusal is one line."""
     from tidal.train.pipeline_part import check_pipeline_job
 
     job = tidal.load_job({"run_dir": str(tmp_path), "parallel": {"fsdp2": True}})
     assert job.on_stages
-    with pytest.raises(tidal.ConfigError, match=r"parallel.fsdp2: .*tidal.initialize"):
-        check_pipeline_job(job, world_size=1, model=nn.Linear(16, 1))
-    check_pipeline_job(job, world_size=1, model=nn.Sequential(nn.Linear(16, 1)))
+    check_pipeline_job(job, world_size=1, model=nn.Linear(16, 1))
+    check_pipeline_job(job, world_size=1, model=nn.Sequential(nn.Linear(16, 1), nn.BatchNorm1d(1)))
+    piped = tidal.load_job({"run_dir": str(tmp_path), "parallel": {"pp": 2}})
+    with pytest.raises(
+        tidal.ConfigError, match=r"^parallel.pp: .*Linear is not one: .*parallel.pp = 1\)$"
+    ):
+        check_pipeline_job(piped, world_size=2, model=nn.Linear(16, 1))
+    with pytest.raises(
+        tidal.ConfigError, match=r"^parallel.pp: your model has buffers .*parallel.pp = 1\)$"
+    ):
+        check_pipeline_job(
+            piped, world_size=2, model=nn.Sequential(nn.Linear(16, 1), nn.BatchNorm1d(1))
+        )

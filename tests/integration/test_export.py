@@ -15,6 +15,7 @@ import tidal.train.export as export_module
 from tidal.cli.main import main
 from tidal.config import ConfigError
 from tidal.models import GPT, GPTConfig, build_gpt
+from tidal.runtime.distributed import PipelineRuntime
 from tidal.testing import run_on_ranks
 from tidal.train import Trainer
 from tidal.train.checkpoint import list_checkpoints, load_model_state
@@ -42,7 +43,9 @@ RUNS = {
 
 def _engine_weights(engine: Any) -> dict[str, torch.Tensor]:
     """The model's weights as the engine holds them after training (a collective on a
-    sharded or plan engine: every rank calls it)."""
+    sharded or plan engine: every rank calls it); a runtime on stages: this rank's stages'."""
+    if isinstance(engine, PipelineRuntime):
+        return {name: value.cpu() for name, value in engine.model_state_dict().items()}
     return {
         name: value.detach().float().cpu() for name, value in engine.state_dict()["model"].items()
     }
@@ -211,14 +214,7 @@ def _train_on_each_rank(root: str, plan: Any) -> dict[str, dict[str, torch.Tenso
         overrides = [*COMMON, f"run_dir={Path(root) / name}", *extra]
         trainer = Trainer("tiny", overrides, plan=plan if name == "plan" else None)
         trainer.fit()
-        if name == "pipeline":  # the runtime: this rank's stages, under the model's names
-            weights[name] = {
-                module.source_names[n]: p.detach().clone()
-                for module in trainer.engine.modules.values()
-                for n, p in module.named_parameters()
-            }
-        else:
-            weights[name] = _engine_weights(trainer.engine)
+        weights[name] = _engine_weights(trainer.engine)
     return weights
 
 

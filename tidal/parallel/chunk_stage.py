@@ -139,11 +139,6 @@ class ChunkStageConfig:
             "a pipeline stage sums several backwards per step, which the parameters' own "
             "low-precision slots cannot hold; leave it unset or false",
         )
-        require(
-            self.precision != "fp16",
-            "precision",
-            "fp16 on chunk stages needs a loss scale agreed over the pipeline; use bf16 or fp32",
-        )
 
 
 def require_synchronous(schedule: Schedule) -> None:

@@ -7,7 +7,9 @@
   targets)``, which must be the mean over the microbatch's rows: the runtime weighs microbatch
   ``i`` by its share of the rows, so the step's gradient is the whole batch's.
 - Only ``nn.Sequential``: its forward is its children in order, so the cut computes what the
-  model computes. Another module's forward may do anything between its children.
+  model computes. Another module's forward may do anything between its children, so it is
+  not cut: it is one block, and one stage (``pp = 1``) holds it whole, as a model of one stage
+  whose parameters a transform holds (chunks, FSDP2) or that trains on one process.
 - A balanced split uses counted costs (:func:`profile_sequential`): each child's FLOPs on one
   microbatch, its parameter bytes and the bytes autograd saves for it. Counted, not timed:
   every rank, and a resumed run, must cut the model alike (a checkpoint records its split and
@@ -23,9 +25,11 @@
   (nn.Linear, nn.Conv2d, nn.Embedding, the norms), and what torchtitan and
   torch.distributed.pipelining users do by hand (split on meta, ``to_empty``, re-initialise).
   A module with parameters but no ``reset_parameters`` cannot be re-initialised: refused.
-- Buffers are refused (BatchNorm's running statistics): a pipeline normalises each microbatch
-  on its own, not the batch, so it would train another model; and a pipeline checkpoints
-  parameters and optimizer state only.
+- Buffers (BatchNorm's running statistics) are refused across stages: a pipeline normalises
+  each microbatch on its own, not the batch, so it would train another model. One stage takes
+  them: its microbatches are the accumulated micro-batches an engine would normalise one by
+  one, and a checkpoint keeps each stage's persistent buffers under the model's names
+  (``buffer/<name>``, as an engine's).
 """
 
 from __future__ import annotations
@@ -54,28 +58,20 @@ LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 def check_sequential(model: nn.Module, *, num_stages: int) -> None:
     """One-line errors for a model a pipeline cannot cut ([Note: sequential pipelines])."""
-    if not isinstance(model, nn.Sequential) and num_stages == 1:  # tp or FSDP2, no pipeline
-        raise ConfigError(
-            "parallel.fsdp2",
-            f"the Trainer holds your own model on one stage (FSDP2, tensor parallelism) as an "
-            f"nn.Sequential; {type(model).__name__} is not one: put its layers in an "
-            f"nn.Sequential, or use tidal.initialize(model, config), whose engine shards any "
-            f"module with FSDP2",
-        )
-    if not isinstance(model, nn.Sequential):
+    if not isinstance(model, nn.Sequential) and num_stages > 1:
         raise ConfigError(
             "parallel.pp",
             f"a pipeline of your own model cuts an nn.Sequential between its children; "
             f"{type(model).__name__} is not one: put its layers in an nn.Sequential, or train "
-            f"it on the reference or chunk engine",
+            f"it as one stage (parallel.pp = 1)",
         )
     buffers = [name for name, _ in model.named_buffers()]
-    if buffers:
+    if buffers and num_stages > 1:
         raise ConfigError(
             "parallel.pp",
             f"your model has buffers ({', '.join(buffers[:3])}{', ...' if len(buffers) > 3 else ''}"
-            f"): a pipeline would compute BatchNorm-like statistics per microbatch and does not "
-            f"checkpoint them; use GroupNorm or LayerNorm, or the reference or chunk engine",
+            f"): stages would compute BatchNorm-like statistics per microbatch, not per batch; "
+            f"use GroupNorm or LayerNorm, or train it as one stage (parallel.pp = 1)",
         )
     meta = [name for name, param in model.named_parameters() if param.is_meta]
     if meta and len(meta) < len(list(model.parameters())):
@@ -94,7 +90,7 @@ def check_sequential(model: nn.Module, *, num_stages: int) -> None:
                 f"reset_parameters() to give its parameters values; add one, or build the model "
                 f"for real",
             )
-    if num_stages > len(model):
+    if isinstance(model, nn.Sequential) and num_stages > len(model):
         raise ConfigError(
             "parallel.pp",
             f"{num_stages} stages for an nn.Sequential of {len(model)} children: use at most "
@@ -102,9 +98,11 @@ def check_sequential(model: nn.Module, *, num_stages: int) -> None:
         )
 
 
-def sequential_parts(model: nn.Sequential, loss_fn: LossFn) -> StageParts:
-    """The stage parts of ``model``: its children are the blocks; no embedding, no head."""
-    return StageParts(embed=None, blocks=nn.ModuleList(list(model)), head=None, container="",
+def sequential_parts(model: nn.Module, loss_fn: LossFn) -> StageParts:
+    """The stage parts of ``model``: an ``nn.Sequential``'s children are the blocks; any other
+    module is one block, which one stage holds whole. No embedding, no head."""
+    blocks = list(model) if isinstance(model, nn.Sequential) else [model]
+    return StageParts(embed=None, blocks=nn.ModuleList(blocks), head=None, container="",
                       loss_fn=loss_fn)  # fmt: skip
 
 
@@ -114,19 +112,22 @@ def is_meta(model: nn.Module) -> bool:
     return any(param.is_meta for param in model.parameters())
 
 
-def sequential_values(model: nn.Sequential, seed: int) -> ParameterValues:
+def sequential_values(model: nn.Module, seed: int) -> ParameterValues:
     """The init source of ``model`` on the meta device ([Note: sequential pipelines]): each
-    child copied to the CPU and re-initialised in turn, one child resident at a time."""
+    child of an ``nn.Sequential`` copied to the CPU and re-initialised in turn, one child
+    resident at a time (another module: the whole of it at once)."""
+    children = ([(f"{index}.", child) for index, child in enumerate(model)]
+                if isinstance(model, nn.Sequential) else [("", model)])  # fmt: skip
 
     def values() -> Iterator[tuple[str, torch.Tensor]]:
         state = torch.Generator().manual_seed(seed).get_state()
-        for index, child in enumerate(model):
+        for prefix, child in children:
             with torch.random.fork_rng(devices=[]):  # the global generator, as reset_parameters
                 torch.set_rng_state(state)
                 made = _reset_on_cpu(child)
                 state = torch.get_rng_state()
             for name, param in made.named_parameters():
-                yield f"{index}.{name}", param.detach()
+                yield f"{prefix}{name}", param.detach()
 
     return values
 

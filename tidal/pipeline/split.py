@@ -136,7 +136,8 @@ class PipelineStage(nn.Module):
     The first stage takes token ids ``[B, T]`` (long), the others the hidden state ``[B, T, D]``;
     every stage but the last returns the hidden state, the last the mean next-token
     cross-entropy of the microbatch ([Note: loss convention]). ``source_names`` maps each of
-    the stage's parameter names to the name of the model parameter it was copied from.
+    the stage's parameter names to the name of the model parameter it was copied from,
+    ``source_buffers`` each persistent buffer's likewise.
     """
 
     def __init__(
@@ -163,6 +164,7 @@ class PipelineStage(nn.Module):
         self.block_inputs = block_inputs  # each stage recomputes what its blocks take
         self.loss_fn = loss_fn  # the last stage's; None: [Note: loss convention]
         self.source_names: dict[str, str] = {}
+        self.source_buffers: dict[str, str] = {}  # the persistent buffers' model names
 
     @property
     def block_range(self) -> tuple[int, int]:
@@ -249,6 +251,8 @@ def split_parts(
     stage ``s``'s blocks (see the module docstring)."""
     validate_block_ranges(block_ranges, len(parts.blocks))
     model_names = {id(p): name for name, p in model.named_parameters()}
+    state_names = set(model.state_dict())  # a non-persistent buffer is not the model's state
+    model_buffers = {id(b): name for name, b in model.named_buffers() if name in state_names}
     num_stages = len(block_ranges)
     stages = []
     for s, (start, end) in enumerate(block_ranges):
@@ -266,6 +270,8 @@ def split_parts(
         shell.source_names = {
             name: model_names[id(p)] for name, p in shell.named_parameters(remove_duplicate=False)
         }
+        shell.source_buffers = {name: model_buffers[id(b)] for name, b in shell.named_buffers()
+                                if id(b) in model_buffers}  # fmt: skip
         # ...then deep-copied: one copy per stage breaks a cross-stage tie and keeps an
         # in-stage one (see [Note: tied embeddings across stages]).
         stages.append(copy.deepcopy(shell))

@@ -25,7 +25,7 @@ import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -275,6 +275,23 @@ class PipelineRuntime:
             total = g + other if own[0] == sa else other + g
         for s, n in mine:
             self.weights[s].set_gradient(n, total)
+
+    def model_state_dict(self) -> dict[str, torch.Tensor]:
+        """This rank's stages' parameters, whole and fp32, under the model's names (a weight the
+        model ties under its first name); collective where a stage is sharded: every replica
+        calls it."""
+        from tidal.parallel.tensor_stage import model_order  # DTensor: loaded only for this
+
+        out: dict[str, torch.Tensor] = {}
+        for s, module in self.modules.items():
+            source = cast(dict[str, str], module.source_names)  # a PipelineStage's
+            values: dict[int, torch.Tensor] = {}
+            for name, param in module.named_parameters(remove_duplicate=False):
+                if id(param) not in values:
+                    value = self.weights[s].value(name)
+                    values[id(param)] = model_order(module, name, value)
+                out[source[name]] = values[id(param)]
+        return out
 
     # -- checkpoints -------------------------------------------------------------------------
 

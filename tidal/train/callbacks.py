@@ -44,7 +44,8 @@ def describe_start(trainer: Any, *, start_step: int) -> str:
     if job.pipelined:
         engine = f"pipeline of {job.parallel.pp} stages, {job.pipeline.schedule}"
     elif job.on_stages:  # [Note: one train step] in job.py
-        engine = f"one stage on {job.parallel.resolve(trainer.world_size)}"
+        held = "chunk stage" if job.engine == "chunk" else "stage"
+        engine = f"one {held} on {job.parallel.resolve(trainer.world_size)}"
     model = job.model.hf_config or job.model.factory or job.model.preset
     if trainer.user_model is not None:  # [Note: your own model] in engine_part.py
         model = f"your {type(trainer.user_model).__name__}"

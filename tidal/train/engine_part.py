@@ -37,7 +37,7 @@ from tidal.models.factory import load_factory
 from tidal.parallel.protocol import Checkpointable, Engine
 from tidal.train.engine_state import ReadsPipelines
 from tidal.train.losses import default_loss
-from tidal.train.tiers import StepTiers
+from tidal.train.tiers import CHUNK_FIGURES, StepTiers
 
 __all__ = ["LOSSES", "EnginePart", "TrainingPart", "custom_run"]
 
@@ -168,18 +168,9 @@ class EnginePart:
         """The engine's name, a plan run's mesh, model-data bytes and, for the chunk engines,
         their traffic and residency figures."""
         stats = self.engine.stats()
-        keys = ("mesh", *_CHUNK_FIGURES)
+        keys = ("mesh", *CHUNK_FIGURES)
         return {
             "model_data_bytes": self.engine.model_data_bytes(),
             "engine": stats["engine"],
             **{k: stats[k] for k in keys if k in stats},
         }
-
-
-# The chunk engines' traffic and residency figures (the sharded ones: rank 0's), the NVMe tier's.
-_CHUNK_FIGURES = (
-    "bytes_to_device", "bytes_to_host", "evictions", "device_budget", "peak_device_bytes",
-    "peak_non_model_bytes", "min_device_bytes", "chunk_size", "largest_chunk_elements",
-    "num_chunks", "host_budget", "peak_host_bytes", "bytes_all_gathered", "bytes_reduce_scattered", "bytes_to_nvme",
-    "bytes_from_nvme", "peak_nvme_bytes", "chunks_on_nvme", "param_shards_on_nvme",
-)  # fmt: skip

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import io
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -28,7 +28,9 @@ __all__ = ["PipelineStages", "ReadsPipelines"]
 # ``tidal export`` and every engine read it as any other. A weight two stages hold (a tied
 # embedding) is written by both, equal, and DCP keeps one; its optimizer state only by the
 # owner, the first of the pair (under an asynchronous schedule the second copy's is not the
-# matrix's: [Note: tied matrices without a flush] in tidal/runtime/tied.py). What only a stage has, its weight
+# matrix's: [Note: tied matrices without a flush] in tidal/runtime/tied.py). A persistent
+# buffer (BatchNorm's statistics, which only a model of one stage may have: [Note: sequential
+# pipelines]) goes under ``buffer/<name>``, as an engine's. What only a stage has, its weight
 # versions and measured delays (PipeMare), is one opaque tensor per stage,
 # ``pipeline/stage-<s>``. The extras record the schedule and split; a synchronous pipeline
 # resumes on any other ([Note: resuming on another split]), an asynchronous one on its own
@@ -37,6 +39,11 @@ __all__ = ["PipelineStages", "ReadsPipelines"]
 # leaves the weight versions behind, which only a pipeline has. The other way, a synchronous
 # pipeline resumes from an engine's checkpoint as from another split; an asynchronous one refuses
 # it, having no weight versions to resume its stages from.
+
+
+def _buffers_of(module: nn.Module) -> dict[str, str]:
+    """A stage's persistent buffers: its name -> the model's."""
+    return cast(dict[str, str], getattr(module, "source_buffers", {}))
 
 
 class PipelineStages:
@@ -74,6 +81,9 @@ class PipelineStages:
                 state = {i: {k: model_order(module, index_of[i], whole(v)) for k, v in saved.items()}
                          for i, saved in weights.optimizer.state_dict()["state"].items()}  # fmt: skip
                 optim, steps = flat_optimizer_state(state, names)
+            buffers = dict(module.named_buffers())  # a one-stage model's (BatchNorm's statistics)
+            for name, key in _buffers_of(module).items():
+                tensors[f"buffer/{key}"] = buffers[name].detach().reshape(-1)
             followers = {source[n] for n in self.runtime.rules.second_copies(s)}
             tensors.update((k, v) for k, v in optim.items()
                            if k[len("optim/") :].rsplit("/", 1)[0] not in followers)  # fmt: skip
@@ -93,6 +103,8 @@ class PipelineStages:
         keys = [k for k in numels if k.startswith("optim/")
                 and k[len("optim/") :].rsplit("/", 1)[0] in names]  # fmt: skip
         keys += [f"model/{name}" for name in names]
+        keys += [key for _, module, _, _ in self._stages() for key in
+                 (f"buffer/{name}" for name in _buffers_of(module).values()) if key in numels]  # fmt: skip
         targets = {key: torch.empty(numels[key]) for key in keys}
         stages = [k for k in numels if k.startswith("pipeline/stage-")] if every_stage else [
             f"pipeline/stage-{s}" for s in self.runtime.modules]  # fmt: skip
@@ -131,6 +143,12 @@ class PipelineStages:
                   else _merged_stages(targets) if resplit else None)  # fmt: skip
         for s, module, weights, source in self._stages():
             own = _from_bytes(targets[f"pipeline/stage-{s}"]) if shared is None else shared
+            buffers = dict(module.named_buffers())
+            with torch.no_grad():
+                for name, key in _buffers_of(module).items():
+                    if f"buffer/{key}" in targets:
+                        buffers[name].copy_(targets[f"buffer/{key}"].view(buffers[name].shape))
+            self.runtime.scaler.load_state_dict(own.get("loss_scale"))  # fp16's, every stage's
             if isinstance(weights, ChunkStageParams):
                 _restore_chunk_stage(module, weights, source, targets, own, meta)
                 continue
@@ -154,7 +172,6 @@ class PipelineStages:
                 weights.version = own["weights"]["version"]
             else:
                 weights.load_state_dict(own["weights"])
-            self.runtime.scaler.load_state_dict(own.get("loss_scale"))
         self.runtime.step = int(extras["global_step"])
 
 

@@ -116,16 +116,21 @@ class JobConfig:
     # microbatch's forward and backward; tidal/runtime/update.py: each dp group's reduction
     # once, the tied sum, the global norm over the mesh, the loss scaler, the clip; then the
     # update). tidal.initialize's StageEngine drives the same holders and update. A model of
-    # one stage is a schedule of one stage: ``--mesh tp=2`` or ``--mesh dp=2 --set
-    # parallel.fsdp2=true`` train through the same step as a pipeline. The engines (reference,
-    # chunk, ZeRO-3, plans) still own their step for the rest of pp = 1; moving them onto
-    # stages is what is left.
+    # one stage is a schedule of one stage: ``engine = "chunk"`` (one process, or ZeRO-3 over
+    # ``--nproc N``), ``--mesh tp=2`` and ``--mesh dp=2 --set parallel.fsdp2=true`` train
+    # through the same step as a pipeline, one process in a group of its own ([Note: a group
+    # of one] in tidal/distributed/env.py), any module as one block ([Note: sequential
+    # pipelines]). Still owning their step at pp = 1: the reference engine (plain PyTorch, the
+    # parity baseline) and plan runs; tidal.initialize keeps the chunk engine for a model in
+    # chunks.
     @property
     def on_stages(self) -> bool:
         """Whether the run trains on stages ([Note: one train step]): every pipeline, and a
-        model of one stage whose parameters a stage transform holds (tensor parallelism over
-        ``mesh["tp"]``, FSDP2 over ``mesh["dp"]``), which the engines do not do."""
-        return self.pipelined or self.parallel.tp > 1 or self.parallel.fsdp2
+        model of one stage whose parameters a stage transform holds (chunks, tensor parallelism
+        over ``mesh["tp"]``, FSDP2 over ``mesh["dp"]``)."""
+        return (
+            self.pipelined or self.parallel.tp > 1 or self.parallel.fsdp2 or self.engine == "chunk"
+        )
 
     @property
     def num_microbatches(self) -> int:

@@ -76,7 +76,7 @@ from tidal.train.pipeline_memory import (
     model_data_per_weight_byte,
     plan_pipeline_memory,
 )
-from tidal.train.tiers import StepTiers
+from tidal.train.tiers import CHUNK_FIGURES, StepTiers
 
 # the running counters of PipelineMemory.counters a step's record gives as that step's bytes
 _MOVED = ("to_host_bytes", "lent_bytes")
@@ -109,12 +109,12 @@ def check_pipeline_job(job: JobConfig, *, world_size: int, model: nn.Module | No
         "weights escape the saved-tensor redirection); set training.precision = 'fp32' or use "
         "gpipe, 1f1b or interleaved",
     )
-    require(
-        training.precision != "fp16" or resolve_device(training.device).type == "cuda",
+    chunked = job.engine == "chunk"  # [Note: chunk stages] in tidal/parallel/chunk_stage.py
+    require(  # the chunk engine's loss scale is tidal's own, on any device, as the stages' is
+        training.precision != "fp16" or resolve_device(training.device).type == "cuda" or chunked,
         "training.precision",
         "fp16 needs CUDA (loss scaling is a CUDA feature); use 'bf16' or 'fp32' on a CPU",
     )
-    chunked = job.engine == "chunk"  # [Note: chunk stages] in tidal/parallel/chunk_stage.py
     if chunked and pipe.asynchronous:  # [Note: PipeMare on chunk stages]
         require_one_version(pipe.schedule, stashes=pipe.stashes, correction=pipe.correction,
                             prediction=pipe.prediction,
@@ -124,11 +124,6 @@ def check_pipeline_job(job: JobConfig, *, world_size: int, model: nn.Module | No
         "parallel.fsdp2",
         f"{pipe.schedule} redirects saved weights to their versions, which FSDP2's gathered "
         "copies hide; use gpipe, 1f1b or interleaved, or parallel.fsdp2 = false",
-    )
-    require(
-        not (chunked and training.precision == "fp16"),
-        "training.precision",
-        "fp16 chunk stages would need the pipeline's loss scale in the chunk optimizer; use bf16",
     )
     num_stages = job.parallel.pp * pipe.virtual_stages
     if dims.tp > 1:
@@ -315,18 +310,21 @@ class PipelinePart:
                                   seed=training.seed)  # fmt: skip
             probe = _spec_probe(job, device) if budgeted else None
         else:
-            assert isinstance(model, nn.Sequential) and loss_fn is not None and sample is not None
+            assert loss_fn is not None and sample is not None
             model = model if is_meta(model) else model.to(device)
             self.num_params = sum(p.numel() for p in model.parameters())
             self.flops_per_token = None  # a model tidal did not write: FLOPs unknown
             inputs, targets = (t.to(device) for t in sample)
-            self.ranges = sequential_ranges(job, model, inputs)
+            # [Note: sequential pipelines]: another module is one block on one stage
+            self.ranges = (sequential_ranges(job, model, inputs)
+                           if isinstance(model, nn.Sequential) else ((0, 1),))  # fmt: skip
             self.stage_ids = list(range(pp_rank, len(self.ranges), pp_size))
             stages = split_parts(model, sequential_parts(model, loss_fn), self.ranges)
             if is_meta(model):  # [Note: sequential pipelines]
                 values = sequential_values(model, training.seed)
                 materialize_stages(stages, self.stage_ids, values, device)
-            probe = _sequential_probe(job, model, inputs, targets) if budgeted else None
+            one = model if isinstance(model, nn.Sequential) else nn.Sequential(model)
+            probe = _sequential_probe(job, one, inputs, targets) if budgeted else None
         layout = model_layout(model, {n: t.shape for n, t in model.state_dict().items()})
         del model
         self.memory = plan_pipeline_memory(job, stages, mine=self.stage_ids, rank=pp_rank,
@@ -445,13 +443,13 @@ class PipelinePart:
         max_delays: dict[int, int] = {}
         for (s, _), tau in self.engine.delays.items():
             max_delays[s] = max(max_delays.get(s, 0), tau)
-        return {
+        summary: dict[str, Any] = {
             "pipeline": {
                 "schedule": pipe.schedule,
                 "stages": self.job.parallel.pp,
                 "microbatches": self.job.num_microbatches,
                 "block_ranges": [list(r) for r in self.ranges],
-                "max_delay_per_stage": max_delays,
+                "max_delay_per_stage": {str(s): tau for s, tau in max_delays.items()},
                 "memory": self.memory.figures(self.mesh.get_local_rank("pp")),
                 "mesh": str(self.dims),
                 "chunk_stages": self._chunk_figures(),
@@ -462,12 +460,21 @@ class PipelinePart:
             + (" offloaded" if offload else "")
             + (f" tensor-parallel stages (tp{self.dims.tp})" if self.dims.tp > 1 else ""),
         }
+        chunked = [w for w in self.engine.weights.values() if isinstance(w, ChunkStageParams)]
+        if len(chunked) == 1:  # a rank of one chunk stage gives its figures as the engine did
+            stats = chunked[0].stats()
+            summary |= {key: stats[key] for key in CHUNK_FIGURES if key in stats}
+            summary["model_data_bytes"] = chunked[0].engine.model_data_bytes()
+            if self.dims.pp == 1:  # the model in chunks, nothing else: say it as the config does
+                summary["engine"] = stats["engine"]
+        return summary
 
-    def _chunk_figures(self) -> dict[int, dict[str, Any]]:
-        """This rank's chunk stages' store figures (none with plain stages)."""
+    def _chunk_figures(self) -> dict[str, dict[str, Any]]:
+        """This rank's chunk stages' store figures (none with plain stages), by stage (keys
+        that are strings, as summary.json has them)."""
         keep = ("evictions", "prefetches", "peak_device_bytes", "device_budget",
                 "min_device_bytes", "bytes_to_device", "bytes_to_host", "num_chunks",
                 "peak_host_bytes", "host_budget", "bytes_to_nvme", "bytes_from_nvme",
                 "peak_nvme_bytes", "bytes_all_gathered", "bytes_reduce_scattered")  # fmt: skip
-        return {s: {k: v for k, v in w.stats().items() if k in keep}
+        return {str(s): {k: v for k, v in w.stats().items() if k in keep}
                 for s, w in self.engine.weights.items() if isinstance(w, ChunkStageParams)}  # fmt: skip

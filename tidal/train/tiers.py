@@ -15,7 +15,16 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["StepTiers"]
+__all__ = ["CHUNK_FIGURES", "StepTiers"]
+
+# A chunk store's traffic and residency figures a run's summary gives (a sharded one's: rank
+# 0's), the NVMe tier's.
+CHUNK_FIGURES = (
+    "bytes_to_device", "bytes_to_host", "evictions", "device_budget", "peak_device_bytes",
+    "peak_non_model_bytes", "min_device_bytes", "chunk_size", "largest_chunk_elements",
+    "num_chunks", "host_budget", "peak_host_bytes", "bytes_all_gathered", "bytes_reduce_scattered", "bytes_to_nvme",
+    "bytes_from_nvme", "peak_nvme_bytes", "chunks_on_nvme", "param_shards_on_nvme",
+)  # fmt: skip
 
 _COUNTERS = ("bytes_to_device", "bytes_to_host", "bytes_all_gathered", "bytes_reduce_scattered")
 

@@ -258,6 +258,15 @@ class Trainer:
         join_alone(
             device=device, timeout_s=self.job.distributed.timeout_s
         )  # [Note: a group of one]
+        spec = None if self.model_config is None else spec_for(self.model_config)
+        if spec is not None and not spec.deferred:  # a factory model: yours, built for real
+            rows, seq_len = self.job.training.batch_size, spec.config.seq_len
+            tokens = torch.zeros((rows, seq_len), dtype=torch.long)
+            model = spec.build(device="cpu", seed=self.job.training.seed)
+            part = PipelinePart(self.job, device=device, world_size=self.world_size, model=model,
+                                loss_fn=default_loss, sample=(tokens, tokens))  # fmt: skip
+            self.num_params, self.flops_per_token = part.num_params, spec.flops_per_token(model)
+            return part
         if self.user_model is None:
             part = PipelinePart(self.job, device=device, world_size=self.world_size)
         else:  # [Note: sequential pipelines] in tidal/pipeline/sequential.py
@@ -567,11 +576,11 @@ class Trainer:
 
 def _runs_on(job: JobConfig, *, plan: bool, pipeline: bool) -> str | None:
     """What runs its own optimizer, for ``own_optimizer``; None: the reference engine."""
+    if job.engine == "chunk":  # in chunks, on stages or not
+        return "chunk"
     if pipeline:
         return "pipeline"
-    if plan:
-        return "plan"
-    return "chunk" if job.engine == "chunk" else None
+    return "plan" if plan else None
 
 
 def _user_model_and_job(

@@ -28,6 +28,7 @@ from tidal.pipeline.split import even_ranges, tied_parameters
 from tidal.runtime.executor import UpdateRules
 from tidal.runtime.local import LocalResult, run_local
 from tidal.runtime.pipemare import AsyncConfig, StageWeights, WeightMode
+from tidal.runtime.precision import LossScaler
 
 ATOL = 1e-5
 STEPS = 3
@@ -65,14 +66,15 @@ def adamw(stage: nn.Module) -> torch.optim.Optimizer:
 
 
 def run(
-    name: str, ranks: int, m: int, virtual: int, weights_of
+    name: str, ranks: int, m: int, virtual: int, weights_of, scaler: LossScaler | None = None
 ) -> tuple[list[nn.Module], list, LocalResult]:
     schedule = make_schedule(name, stages=ranks, microbatches=m, virtual=virtual, steps=STEPS)
     stages = split_gpt(tiny_gpt(), even_ranges(4, schedule.num_stages))
     rules = UpdateRules(max_grad_norm=MAX_NORM, tied=tuple(tied_parameters(stages)))
     assert rules.tied, "the tied embedding should span the first and last stage"
     weights = [weights_of(s, stage) for s, stage in enumerate(stages)]
-    return stages, weights, run_local(schedule, stages, weights, batch, lr_at, rules=rules)
+    result = run_local(schedule, stages, weights, batch, lr_at, rules=rules, scaler=scaler)
+    return stages, weights, result
 
 
 def plain(_index: int, stage: nn.Module) -> StageWeights:
@@ -158,16 +160,18 @@ def test_asynchronous_schedules_are_refused():
 
 @pytest.mark.parametrize(
     "change",
-    [{"chunk": dataclasses.replace(CHUNK, grads_in_params=True)}, {"precision": "fp16"}],
+    [{"chunk": dataclasses.replace(CHUNK, grads_in_params=True)}],
 )
 def test_config_refuses_what_a_pipeline_cannot_do(change):
     with pytest.raises(ConfigError):
         ChunkStageConfig(optimizer=OPTIMIZER, **change)
 
 
-def test_bf16_stages_follow_fp32_under_a_budget():
-    # bf16 parameter chunks with fp32 masters, the forward under autocast: close to fp32, not
-    # equal, and the gradients of every microbatch summed in fp32 gradient chunks
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_low_precision_stages_follow_fp32_under_a_budget(precision):
+    # bf16/fp16 parameter chunks with fp32 masters, the forward under autocast: close to fp32,
+    # not equal, and the gradients of every microbatch summed in fp32 gradient chunks; fp16's
+    # loss scale is the pipeline's (the one update: prepare_update unscales before the step)
     def make(precision: str):
         def stage_params(_index: int, stage: nn.Module) -> ChunkStageParams:
             config = ChunkStageConfig(optimizer=OPTIMIZER, chunk=CHUNK, precision=precision,
@@ -176,12 +180,14 @@ def test_bf16_stages_follow_fp32_under_a_budget():
 
         return stage_params
 
+    scaler = LossScaler(precision)
     _, fp32, want = run("1f1b", 2, 4, 1, make("fp32"))
-    _, bf16, got = run("1f1b", 2, 4, 1, make("bf16"))
+    _, low, got = run("1f1b", 2, 4, 1, make(precision), scaler=scaler)
     assert got.losses == pytest.approx(want.losses, abs=1e-2)
     assert got.losses != want.losses
-    for a, b in zip(fp32, bf16, strict=True):
-        assert b.store.chunks[0].dtype == torch.bfloat16
+    assert scaler.scale == (2.0**16 if precision == "fp16" else 1.0) / 2**scaler.skipped_steps
+    for a, b in zip(fp32, low, strict=True):
+        assert b.store.chunks[0].dtype == {"bf16": torch.bfloat16, "fp16": torch.float16}[precision]
         assert not b.optimizer.grads_in_params
         assert b.stats()["evictions"] > 0
         assert b.stats()["peak_device_bytes"] <= 60_000
