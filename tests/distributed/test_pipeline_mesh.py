@@ -329,7 +329,6 @@ def test_fsdp2_with_cpu_offload_in_one_process_equals_the_reference(tmp_path: Pa
     Trainer(job_at(tmp_path / "reference")).fit()
     job = job_at(tmp_path / "offloaded")
     job["parallel"] = {"fsdp2": True, "fsdp2_offload": True}
-    assert not dist.is_initialized()
     trainer = Trainer(job)
     try:
         assert trainer.fit()["engine"].endswith("fsdp2 stages offloaded")

@@ -386,6 +386,22 @@ class ChunkOptimizer:
         assert chunk is not None and chunk.payload is not None
         return chunk.view(slot)
 
+    def squares_in_params(self) -> torch.Tensor:
+        """The sum of the squared gradient entries held in the parameter chunks, in fp32 on the
+        CPU, read through the step's fp32 buffers ([Note: gradients in parameter chunks]): a
+        norm taken outside the step, as a pipeline takes it over every stage."""
+        assert self.grads_in_params, "the gradients are in fp32 gradient chunks: gradients()"
+        self.store.wait_for_copies()
+        by_chunk: dict[int, list[int]] = {}
+        for i in self._with_gradients():
+            by_chunk.setdefault(self._entries[i].chunk, []).append(i)
+        total = torch.zeros((), dtype=torch.float32)
+        with self._fp32_buffers(by_chunk) as fp32_grads:
+            for index, picked in by_chunk.items():
+                norms = torch._foreach_norm(fp32_grads(index, picked), 2.0)
+                total += torch.stack(norms).float().square().sum().cpu()
+        return total
+
     def scale_gradients(self, factor: torch.Tensor) -> None:
         """Multiply every gradient held by ``factor`` (clipping by a norm taken elsewhere)."""
         grads = [grad for _, grad in self.gradients()]

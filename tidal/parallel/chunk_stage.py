@@ -27,10 +27,20 @@ and its backward, [Note: chunk engine iterations]):
   trace, move chunks; none of that may come between a microbatch's forward and its backward.
 
 Every microbatch's gradient is summed into the fp32 gradient chunks by the optimizer's
-collector (the first backward of the step copies, the later ones add), so gradients never live
-in the parameters' low-precision slots (``chunk.grads_in_params`` is off: that needs one
-backward per step). Clipping is the pipeline's: ``grad_squares`` and ``scale_grads`` read and
-scale the gradient chunks, and the update runs with the optimizer's own clipping off.
+collector (the first backward of the step copies, the later ones add). Clipping is the
+pipeline's: ``grad_squares`` and ``scale_grads`` read and scale the gradient chunks, and the
+update runs with the optimizer's own clipping off.
+
+[Note: gradients in parameter slots]
+The chunk engine's ``chunk.grads_in_params`` ([Note: gradients in parameter chunks] in
+tidal/memory/optim.py) writes each gradient into its parameter's bf16/fp16 slot, whose weights
+the fp32 master keeps, and saves the fp32 gradient chunks: 4 bytes a parameter. A slot holds
+one gradient, not a sum, so a stage takes it only with one backward a step, in one process, as
+the whole model (``whole_model``: no matrix tied to another stage, whose gradient the tied sum
+would read), under a synchronous schedule; elsewhere it stays off, and ``true`` is refused.
+Then ``grad_squares`` reads the slots through the step's fp32 buffer, and ``scale_grads`` keeps
+its factor for the update, which applies it to each chunk's fp32 copy (scaling the slots in
+place would round the gradients to their precision first).
 
 The chunks hold one weight version. Synchronous schedules (gpipe, 1f1b, interleaved) need no
 other; of the asynchronous ones, PipeMare's (``pipemare``, ``pipemarew``) runs every forward and
@@ -117,8 +127,10 @@ class ChunkStageConfig:
             passes each step's rate).
         memory: the stage's tier budgets (``device_budget``: this stage's chunks, gradients
             and state on the device, and its activations).
-        chunk: chunk size and placement; ``grads_in_params`` must stay unset or false.
-        precision: ``fp32`` or ``bf16`` (fp32 masters, the forward under autocast).
+        chunk: chunk size and placement; ``grads_in_params`` applies to a stage that is the
+            whole model with one backward a step ([Note: gradients in parameter slots]).
+        precision: ``fp32``, ``bf16`` or ``fp16`` (fp32 masters, the forward under autocast;
+            fp16's loss scale is the pipeline's).
         device: where the stage computes.
         sharding: how a stage sharded over its dp group (:func:`zero3_parts`) gathers and
             reduces (``reduce_per_step``: [Note: reducing once per step] in
@@ -131,14 +143,6 @@ class ChunkStageConfig:
     precision: Precision = "fp32"
     device: str = "cpu"
     sharding: ShardingConfig = field(default_factory=ShardingConfig)
-
-    def __post_init__(self) -> None:
-        require(
-            self.chunk.grads_in_params is not True,
-            "chunk.grads_in_params",
-            "a pipeline stage sums several backwards per step, which the parameters' own "
-            "low-precision slots cannot hold; leave it unset or false",
-        )
 
 
 def require_synchronous(schedule: Schedule) -> None:
@@ -188,10 +192,16 @@ class ChunkStageParams:
         parts: ChunkParts | None = None,
         microbatches_per_step: int | None = None,
         weights: AsyncConfig | None = None,
+        whole_model: bool = False,
     ) -> None:
         training = TrainingConfig(device=config.device, precision=config.precision,
                                   grad_clip_norm=0.0)  # fmt: skip
-        chunk = dataclasses.replace(config.chunk, grads_in_params=False)
+        # [Note: gradients in parameter slots]
+        slots = whole_model and parts is None and weights is None and microbatches_per_step == 1
+        require(slots or config.chunk.grads_in_params is not True, "chunk.grads_in_params",
+                "gradients in the parameters' slots need one backward a step on a model of one "
+                "stage in one process; leave it unset or false")  # fmt: skip
+        chunk = config.chunk if slots else dataclasses.replace(config.chunk, grads_in_params=False)
         self.engine = ChunkEngine(module, optimizer=config.optimizer, training=training,
                                   memory=config.memory, chunk=chunk, init=init, parts=parts)  # fmt: skip
         self.module = module
@@ -214,7 +224,8 @@ class ChunkStageParams:
                                 correction=weights.correction, prediction=weights.prediction,
                                 reduce_per_step=self._reduce_per_step)  # fmt: skip
         self._by_name = dict(module.named_parameters(remove_duplicate=False))
-        self._grad_factor: torch.Tensor | None = None  # scale_grads' factor for shards on disk
+        # scale_grads' factor for the update to apply: gradient shards on disk, or in slots
+        self._grad_factor: torch.Tensor | None = None
 
     @property
     def version(self) -> int:
@@ -285,7 +296,7 @@ class ChunkStageParams:
             del self._in_flight[microbatch]
             self._pending.append(tau)
         if not self._in_flight:
-            engine.phases.backward()
+            engine.phases.backward(grads_in_params=bool(self.store.grads_in_slots))
 
     def _begin(self) -> None:
         if not self._open:
@@ -329,9 +340,16 @@ class ChunkStageParams:
         ran in each backward already."""
         self._end_iteration()
 
+    @property
+    def _in_slots(self) -> bool:
+        return bool(self.engine.optimizer.grads_in_params)
+
     def grad_squares(self, *, skip: frozenset[str] = frozenset()) -> torch.Tensor:
         if self.sharded:
             return self._sharded_grad_squares(skip)
+        if self._in_slots:  # the whole model: no tied copy to leave out
+            assert not skip, f"a stage of the whole model has no tied copy elsewhere: {skip}"
+            return self.engine.optimizer.squares_in_params()
         total = torch.zeros((), dtype=torch.float32)
         for name, grad in self.engine.optimizer.gradients():
             if name not in skip:
@@ -353,10 +371,12 @@ class ChunkStageParams:
 
     def scale_grads(self, factor: torch.Tensor) -> None:
         optimizer = self.engine.optimizer
-        if not self.sharded:
+        if not self.sharded and not self._in_slots:
             optimizer.scale_gradients(factor)
             return
-        if optimizer.gradients.on_disk:  # scaled as the update reads each shard back
+        # scaled as the update reads each gradient: a shard back from disk, or a chunk's slots
+        # into the step's fp32 buffer, not rounded to their precision in place
+        if self._in_slots or optimizer.gradients.on_disk:
             pending = self._grad_factor
             self._grad_factor = factor if pending is None else pending * factor
             return
@@ -432,6 +452,8 @@ class ChunkStageParams:
         factor, self._grad_factor = self._grad_factor, None
         if factor is None:
             norm = engine.optimizer.step(lr=lr, max_grad_norm=0.0)
+        elif self._in_slots:  # an unscaling by 1 / factor is a multiply by factor
+            norm = engine.optimizer.step(lr=lr, max_grad_norm=0.0, loss_scale=1.0 / float(factor))
         else:
             norm = engine.optimizer.step(lr=lr, max_grad_norm=0.0, grad_factor=factor)
         if norm is None:

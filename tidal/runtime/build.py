@@ -120,7 +120,8 @@ def stage_params(mine: Sequence[nn.Module], mesh: DeviceMesh, schedule: Schedule
         sharded = mesh["dp"].size() > 1 or chunks.memory.nvme_dir is not None
         pipemare = weights if schedule.asynchronous else None  # [Note: PipeMare on chunk stages]
         return [ChunkStageParams(s, chunks, parts=zero3_parts(chunks, dp_group) if sharded else None,
-                                 microbatches_per_step=microbatches, weights=pipemare)
+                                 microbatches_per_step=microbatches, weights=pipemare,
+                                 whole_model=schedule.num_stages == 1)
                 for s in mine]  # fmt: skip
     if fsdp2 and (mesh["dp"].size() > 1 or fsdp2_offload):
         # the optimizer goes over the shards, so each stage is sharded before it is built
