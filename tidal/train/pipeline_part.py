@@ -35,8 +35,10 @@ checkpoints that resume.
   stages] in tidal/parallel/tensor_stage.py); the tp ranks of a replica take its rows (the rows
   follow the dp coordinate alone) and compute one stage together.
 - bf16 and fp16 (fp32 masters, autocast compute, fp16's dynamic loss scale) under synchronous
-  schedules; asynchronous ones are fp32 only, and fp16 needs CUDA as in the reference engine
-  ([Note: pipeline mixed precision] in tidal/runtime/precision.py).
+  schedules; asynchronous ones are fp32 only, and fp16 needs CUDA as in the reference engine,
+  except on chunk stages, whose parameters are fp16 chunks under the pipeline's own loss scale,
+  as the chunk engine's are on any device ([Note: pipeline mixed precision] in
+  tidal/runtime/precision.py).
 """
 
 from __future__ import annotations
