@@ -266,3 +266,7 @@ def test_a_plan_and_a_pipeline_are_refused_together(tmp_path: Path) -> None:
     one_stage["parallel"] = {"fsdp2": True}  # no pipeline, but on stages all the same
     with pytest.raises(ConfigError, match="--plan: a run on stages .* parallel.fsdp2"):
         Trainer(one_stage, plan=plan)
+    in_chunks = _job(tmp_path / "chunk")
+    in_chunks["engine"] = "chunk"  # one chunk stage: refused as the chunk engine always was
+    with pytest.raises(ConfigError, match="--plan: .*the chunk engine would do too; drop --plan"):
+        Trainer(in_chunks, plan=plan)

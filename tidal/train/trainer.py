@@ -59,7 +59,7 @@ from tidal.distributed.faults import maybe_inject
 from tidal.models import spec_for
 from tidal.parallel.accumulation import split_rows
 from tidal.parallel.reference import ReferenceEngine
-from tidal.train.build import build_engine, build_samplers
+from tidal.train.build import build_engine, build_samplers, refuse_chunk_engine
 from tidal.train.callbacks import Callback, LogCallback, ProgressLine
 from tidal.train.checkpoint import (
     IDENTITY,
@@ -149,6 +149,7 @@ class Trainer:
         self.plan = _load_plan(plan) if isinstance(plan, str | Path) else plan
         pipeline = self.job.on_stages if pipeline is None else pipeline
         if pipeline and self.plan is not None:
+            refuse_chunk_engine(self.job)  # a model in chunks runs on stages: say it as such
             raise ConfigError(
                 "--plan",
                 "a run on stages (a pipeline, parallel.tp or parallel.fsdp2) places "
