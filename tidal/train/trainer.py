@@ -149,12 +149,7 @@ class Trainer:
         self.plan = _load_plan(plan) if isinstance(plan, str | Path) else plan
         pipeline = self.job.on_stages if pipeline is None else pipeline
         if pipeline and self.plan is not None:
-            refuse_chunk_engine(self.job)  # a model in chunks runs on stages: say it as such
-            raise ConfigError(
-                "--plan",
-                "a run on stages (a pipeline, parallel.tp or parallel.fsdp2) places "
-                "its parameters itself; drop --plan or those settings",
-            )
+            _refuse_plan_on_stages(self.job)
         runs_on = _runs_on(self.job, plan=self.plan is not None, pipeline=pipeline)
         self.job, self._torch_optimizer = own_optimizer(
             self.job, optimizer=optimizer, optimizer_kwargs=optimizer_kwargs,
@@ -573,6 +568,12 @@ class Trainer:
         torch.set_rng_state(state["torch"])
         if "cuda" in state and self.device.type == "cuda":
             torch.cuda.set_rng_state(state["cuda"], self.device)
+
+
+def _refuse_plan_on_stages(job: JobConfig) -> None:
+    refuse_chunk_engine(job)  # a model in chunks runs on stages: said as the engine said it
+    raise ConfigError("--plan", "a run on stages (a pipeline, parallel.tp or parallel.fsdp2) "
+                      "places its parameters itself; drop --plan or those settings")  # fmt: skip
 
 
 def _runs_on(job: JobConfig, *, plan: bool, pipeline: bool) -> str | None:
