@@ -76,7 +76,7 @@ def initialize(
     init_from_env(device=resolve_device(job.training.device), timeout_s=job.distributed.timeout_s)
     # [Note: one model on stages] in tidal/runtime/stage_engine.py; a model in chunks is the
     # chunk engine's, which composes the chunk transform and its step behind this convention
-    if job.on_stages and job.engine != "chunk":
+    if job.needs_stages and job.engine != "chunk":
         return _stage_engine(model, job, init=init)
     return build_engine(model, job, init=init)
 

@@ -6,6 +6,7 @@ the reference's own bf16 tolerance (its relative bf16-vs-fp32 gap, times 4 as in
 tests/unit/pipeline/test_pipeline_precision.py). ``training.grad_accum_steps = 2`` is not refused:
 the pipeline logs the reference engine's losses for the same recipe within 1e-5 (each step is its
 two batches in twice the microbatches), and a run resumed from a checkpoint continues exactly.
+A run without a pipeline, which trains one plain stage, does the same in one process.
 """
 
 from __future__ import annotations
@@ -87,9 +88,18 @@ def _worker(root: str, references: dict[str, list[float]]) -> None:
 @pytest.mark.slow
 def test_bf16_and_accumulating_pipelines_equal_the_reference(tmp_path: Path) -> None:
     references = {}
-    for name, training in (("fp32", {}), ("bf16", {"precision": "bf16"}),
-                           ("accum", {"grad_accum_steps": 2})):  # fmt: skip
-        Trainer(_job(tmp_path / name, pipeline=False, **training)).fit()
+    cases = (("fp32", {}), ("bf16", {"precision": "bf16"}), ("accum", {"grad_accum_steps": 2}))
+    for name, training in cases:  # the reference engine: plain PyTorch
+        Trainer(_job(tmp_path / name, pipeline=False, **training), pipeline=False).fit()
         references[name] = _losses(tmp_path / name)
     assert references["accum"] != references["fp32"]  # two batches a step: other numbers
+    # a run without a pipeline trains one plain stage ([Note: one train step]): the same
+    own = _relative_gap(references["bf16"], references["fp32"])
+    for name, training in cases:
+        Trainer(_job(tmp_path / f"stage-{name}", pipeline=False, **training)).fit()
+        got = _losses(tmp_path / f"stage-{name}")
+        if name == "bf16":
+            assert _relative_gap(got, references[name]) <= 4 * own, (got, references, own)
+        else:
+            assert got == pytest.approx(references[name], abs=TOL), (name, got, references)
     run_on_ranks(_worker, world_size=2, args=(str(tmp_path / "ranks"), references), timeout_s=240)

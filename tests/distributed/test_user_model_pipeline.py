@@ -28,17 +28,26 @@ CASES = {
 }
 
 
+def _your_sgd() -> dict[str, Any]:
+    """Your torch optimizer and scheduler ([Note: your optimizer] in tidal/train/user_optim.py)."""
+    return {"optimizer": torch.optim.SGD,
+            "optimizer_kwargs": {"lr": 0.05, "momentum": 0.9, "weight_decay": 0.01},
+            "lr_scheduler": lambda opt: torch.optim.lr_scheduler.StepLR(opt, 2, gamma=0.5)}  # fmt: skip
+
+
 def _fit(run_dir: Path, case: str, steps: int, *, stages: int, resume: bool = False,
-         memory: dict[str, Any] | None = None) -> dict:  # fmt: skip
+         memory: dict[str, Any] | None = None, own: dict[str, Any] | None = None) -> dict:  # fmt: skip
     build, data, loss_fn = CASES[case]
     config = run_config(run_dir, steps=steps, batch=BATCH)
+    if own is not None:  # the optimizer is said once: yours
+        del config["optimizer"]
     if stages > 1:
         config["pipeline"] = {"stages": stages, "microbatches": 2, "schedule": "1f1b"}
     if memory is not None:  # {"device_budget": ..., "pipeline": none | auto | ...}
         config["memory"] = {"device_budget": memory["device_budget"]}
         config["pipeline"]["memory"] = memory["pipeline"]
     trainer = tidal.Trainer(build(), config, train_data=data(), val_data=data()[:2],
-                            loss_fn=loss_fn)  # fmt: skip
+                            loss_fn=loss_fn, **(own or {}))  # fmt: skip
     return trainer.fit(resume=resume)
 
 
@@ -48,6 +57,9 @@ def _pipeline(root: str, case: str) -> dict:
     _fit(Path(root) / "split", case, 6, stages=2, resume=True)
     if case == "cnn":
         _fits_its_budget_with_savers(Path(root))
+    else:  # your optimizer and scheduler on each stage, stopped mid-schedule and resumed
+        _fit(Path(root) / "own-split", case, 3, stages=2, own=_your_sgd())
+        _fit(Path(root) / "own-split", case, 6, stages=2, own=_your_sgd(), resume=True)
     return summary
 
 
@@ -74,6 +86,10 @@ def _fits_its_budget_with_savers(root: Path) -> None:
     assert sum(f["blocks_recomputed"] + f["blocks_swapped"] for f in figures) > 0, figures
 
 
+def _lrs_and_losses(run_dir: Path) -> list[tuple[float, float]]:
+    return [(r["lr"], r["loss"]) for r in read_metrics(run_dir) if r["kind"] == "train"]
+
+
 def _records(run_dir: Path) -> list[tuple]:
     return [(r["step"], r.get("loss"), r.get("val_loss")) for r in read_metrics(run_dir)]
 
@@ -96,6 +112,14 @@ def test_your_sequential_model_as_a_pipeline_equals_the_reference_engine(
     for (_, loss, val), (_, ref_loss, ref_val) in zip(pipe, reference, strict=True):
         assert (loss or val) == pytest.approx(ref_loss or ref_val, abs=TOL)
     assert _records(tmp_path / "split") == pipe
+    if case == "mlp":  # your SGD and StepLR, one per stage: as on one stage, lr included
+        _fit(tmp_path / "own", case, 6, stages=1, own=_your_sgd())
+        own, piped = (_lrs_and_losses(tmp_path / name) for name in ("own", "own-split"))
+        assert [lr for lr, _ in own] == [lr for lr, _ in piped] == [0.05, 0.025, 0.025, 0.0125,
+                                                                     0.0125, 0.00625]  # fmt: skip
+        assert [v for _, v in piped] == pytest.approx([v for _, v in own], abs=TOL)
+        configured = _lrs_and_losses(tmp_path / "reference")  # [optimizer]'s AdamW: another run
+        assert [v for _, v in own] != pytest.approx([v for _, v in configured], abs=TOL)
     # The pipeline's checkpoint is the whole model under its own names, as any engine's.
     from tidal.train.export import check_export, export_run
 
@@ -163,7 +187,7 @@ def test_your_own_module_is_one_stage_and_is_cut_only_as_an_nn_sequential(tmp_pa
     from tidal.train.pipeline_part import check_pipeline_job
 
     job = tidal.load_job({"run_dir": str(tmp_path), "parallel": {"fsdp2": True}})
-    assert job.on_stages
+    assert job.needs_stages
     check_pipeline_job(job, world_size=1, model=nn.Linear(16, 1))
     check_pipeline_job(job, world_size=1, model=nn.Sequential(nn.Linear(16, 1), nn.BatchNorm1d(1)))
     piped = tidal.load_job({"run_dir": str(tmp_path), "parallel": {"pp": 2}})

@@ -239,7 +239,7 @@ def _fit(job: JobConfig, args: argparse.Namespace, console: Console, argv: list[
     if ranks > 1 and int(os.environ.get("WORLD_SIZE", "1")) == 1:
         args.nproc = ranks  # a recipe's [parallel] mesh: its ranks
         return _launch(args, argv)
-    trainer = Trainer(job, plan=args.plan, pipeline=job.on_stages)
+    trainer = Trainer(job, plan=args.plan)
     resume, overwrite = args.resume, args.overwrite
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     if restart > 0:
@@ -269,7 +269,6 @@ def _launch(args: argparse.Namespace, argv: list[str]) -> int:
     from tidal.distributed.launch import Nodes, launch_train
     from tidal.train.job import find_recipe, load_job
     from tidal.train.run_dir import check_run_dir
-    from tidal.train.trainer import rank_rows
 
     if args.nproc < 1:
         raise ConfigError("--nproc", f"must be >= 1 (processes to train on), got {args.nproc}")
@@ -291,13 +290,10 @@ def _launch(args: argparse.Namespace, argv: list[str]) -> int:
 
         model = spec_for(job.model).build(device="meta")
         check_plan_job(load_plan(args.plan), job, model=model, world_size=world_size)
-    elif job.on_stages:
+    else:  # [Note: one train step]: on stages; [Note: one mesh]: pp x dp x tp = N, in one line
         from tidal.train.pipeline_part import check_pipeline_job
 
         check_pipeline_job(job, world_size=world_size)
-    else:
-        job.parallel.resolve(world_size)  # [Note: one mesh]: pp x dp x tp = N, in one line
-        rank_rows(job.training.batch_size, rank=0, world_size=world_size)
     if args.resume != "auto":
         check_run_dir(job.run_path, resume=args.resume is not False, overwrite=args.overwrite)
     if args.max_restarts < 0:

@@ -17,7 +17,7 @@ from tidal.parallel.chunk_stage import (
     zero3_parts,
 )
 from tidal.parallel.config import OptimizerConfig, TrainingConfig
-from tidal.parallel.reference import build_optimizer, lr_schedule
+from tidal.parallel.reference import TorchOptimizer, build_optimizer, lr_schedule
 from tidal.parallel.stage_params import StageParams
 from tidal.pipeline.config import PipelineConfig
 from tidal.pipeline.ir import Schedule
@@ -35,7 +35,8 @@ def pipeline(stages: Sequence[PipelineStage], *, config: PipelineConfig, optimiz
              num_microbatches: int, device: torch.device, mesh: DeviceMesh,
              lending: Lending | None = None,
              chunks: ChunkStageConfig | None = None, fsdp2: bool = False,
-             fsdp2_offload: bool = False) -> PipelineRuntime:  # fmt: skip
+             fsdp2_offload: bool = False,
+             torch_optimizer: TorchOptimizer | None = None) -> PipelineRuntime:  # fmt: skip
     """Train ``stages`` (all of the model's, in order; ``block_ranges``: the blocks of each) as
     a pipeline over ``mesh["pp"]`` under ``config``'s schedule: the rank at pipeline position
     ``r`` of ``p`` keeps stages ``r, r + p, ...`` (each with its own optimizer and, for
@@ -51,7 +52,9 @@ def pipeline(stages: Sequence[PipelineStage], *, config: PipelineConfig, optimiz
     sharded over ``mesh["dp"]`` by FSDP2 instead of replicated ([Note: FSDP2 stages] in
     tidal/runtime/fsdp_stage.py), ``fsdp2_offload`` with its shards on the host (with one dp
     rank too). With ``mesh["tp"]`` of several ranks each stage's blocks are split over them
-    first ([Note: tensor-parallel stages] in tidal/parallel/tensor_stage.py)."""
+    first ([Note: tensor-parallel stages] in tidal/parallel/tensor_stage.py).
+    ``torch_optimizer``: yours, one per plain stage, at its own rates ([Note: your optimizer]
+    in tidal/train/user_optim.py)."""
     versions = {"pipedream": WeightMode.STASH, "2bw": WeightMode.TWO_VERSIONS}
     tied = tied_parameters(stages)
     rank, world_size = mesh.get_local_rank("pp"), mesh["pp"].size()
@@ -80,7 +83,8 @@ def pipeline(stages: Sequence[PipelineStage], *, config: PipelineConfig, optimiz
     held = stage_params(mine, mesh, runtime.make(world_size, steps=1),
                          optimizer=optimizer, weights=weights, precision=training.precision,
                          lr=first_lr, microbatches=microbatches, chunks=chunks, fsdp2=fsdp2,
-                         fsdp2_offload=fsdp2_offload)  # fmt: skip
+                         fsdp2_offload=fsdp2_offload,
+                         torch_optimizer=torch_optimizer)  # fmt: skip
     return PipelineRuntime(
         runtime,
         stages=mine,
@@ -97,13 +101,19 @@ def stage_params(mine: Sequence[nn.Module], mesh: DeviceMesh, schedule: Schedule
                   optimizer: OptimizerConfig, weights: AsyncConfig,
                   precision: str, lr: float, microbatches: int,
                   chunks: ChunkStageConfig | None, fsdp2: bool,
-                  fsdp2_offload: bool) -> list[StageParams]:  # fmt: skip
+                  fsdp2_offload: bool,
+                  torch_optimizer: TorchOptimizer | None = None) -> list[StageParams]:  # fmt: skip
     """What holds each of this rank's stages' parameters ([Note: the stage-parameter
     protocol]): tensor-parallel weights, chunks, FSDP2 shards, or plain replicas; the one
     choice, for a pipeline's stages and for a model of one stage (tidal.initialize's
     StageEngine). ``schedule``: one step of the run's, which decides what the stages must
-    support."""
+    support. ``torch_optimizer``: yours, which only plain replicas take (the Trainer maps a
+    torch class onto ``optimizer`` for the others: [Note: your optimizer])."""
     dp_group = mesh.get_group("dp")
+    if torch_optimizer is not None:
+        assert mesh["tp"].size() == 1 and chunks is None and not fsdp2, "user_optim's refusal"
+        return [_your_optimizer_stage(s, torch_optimizer, optimizer, weights, precision,
+                                      dp_group=dp_group) for s in mine]  # fmt: skip
     if mesh["tp"].size() > 1:
         require(
             not schedule.asynchronous,
@@ -160,3 +170,15 @@ def _tensor_stages(mine: Sequence[nn.Module], mesh: DeviceMesh, optimizer: Optim
                                             precision=precision,
                                             microbatches_per_step=microbatches))  # fmt: skip
     return held
+
+
+def _your_optimizer_stage(stage: nn.Module, yours: TorchOptimizer, optimizer: OptimizerConfig,
+                          weights: AsyncConfig, precision: str, *,
+                          dp_group: torch.distributed.ProcessGroup) -> StageWeights:  # fmt: skip
+    """A plain replica stepped by your optimizer at its own rates, or by ``optimizer``'s built
+    at its peak rate for your scheduler to set ([Note: your optimizer])."""
+    made = (build_optimizer(stage, optimizer, optimizer.lr) if yours.make is None
+            else yours.make(stage.parameters()))  # fmt: skip
+    return StageWeights(
+        stage, made, weights, precision=precision, dp_group=dp_group, own_rates=True
+    )

@@ -132,13 +132,18 @@ class StageWeights:
         *,
         dp_group: dist.ProcessGroup | None = None,
         precision: str = "fp32",
+        own_rates: bool = False,
     ) -> None:
         """``dp_group``: the replicas of this stage whose gradients :meth:`reduce_gradients`
         averages (None: no data parallelism). ``precision``: bf16 or fp16 run each forward
         under autocast on the fp32 parameters ([Note: pipeline mixed precision] in
-        precision.py)."""
+        precision.py). ``own_rates``: ``optimizer`` is yours and keeps its own learning rates
+        (or your scheduler's): :meth:`step` ignores the rate it is given ([Note: your
+        optimizer] in tidal/train/user_optim.py)."""
         require(precision in PRECISIONS, "training.precision",
                 f"must be one of {', '.join(PRECISIONS)}, got {precision!r}")  # fmt: skip
+        assert not (own_rates and config.lr_rescheduling), "a rescheduled rate is PipeMare's"
+        self.own_rates = own_rates
         self.module = module
         self.precision = precision
         self.optimizer = optimizer
@@ -496,9 +501,12 @@ class StageWeights:
         tau of the microbatches whose backward ran since the previous update ([Note: PipeMare
         rules]).
         """
-        lr_used, tau = update_rate(self.config, [self.delays[mb] for mb in self._pending], lr, step)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr_used
+        base = float(self.optimizer.param_groups[0]["lr"]) if self.own_rates else lr
+        lr_used, tau = update_rate(self.config, [self.delays[mb] for mb in self._pending], base,
+                                   step)  # fmt: skip
+        if not self.own_rates:
+            for group in self.optimizer.param_groups:
+                group["lr"] = lr_used
         self._stash_before_update()  # also drops copies no longer needed after this update
         # A transient copy of the old weights: w_new - w_old in one subtraction is exact enough
         # for tiny updates, where folding w_old into delta first would lose them to rounding.

@@ -43,7 +43,7 @@ def describe_start(trainer: Any, *, start_step: int) -> str:
     engine = f"plan dp {plan.dp} x tp {plan.tp}" if plan is not None else f"{job.engine} engine"
     if job.pipelined:
         engine = f"pipeline of {job.parallel.pp} stages, {job.pipeline.schedule}"
-    elif job.on_stages:  # [Note: one train step] in job.py
+    elif job.needs_stages:  # [Note: one train step] in job.py
         held = "chunk stage" if job.engine == "chunk" else "stage"
         engine = f"one {held} on {job.parallel.resolve(trainer.world_size)}"
     model = job.model.hf_config or job.model.factory or job.model.preset

@@ -8,9 +8,9 @@ engine.step()``; :class:`~tidal.train.pipeline_part.PipelinePart` that of a pipe
 [Note: your own model]
 ``Trainer(model, config, train_data=, val_data=, loss_fn=)`` trains a module tidal did not
 write on your batches, ``(inputs, targets)`` pairs of ``training.batch_size`` rows, through
-the same loop: the engine the config names (reference or chunk, sharded over ranks under
-torchrun, each rank its rows of every batch; or, for an ``nn.Sequential``, a pipeline: [Note:
-sequential pipelines] in tidal/pipeline/sequential.py), the progress line and metrics,
+the same loop: one stage held as the config says (plain replicas, or chunks sharded over the
+ranks under torchrun, each replica its rows of every batch; or, for an ``nn.Sequential``, a
+pipeline: [Note: sequential pipelines] in tidal/pipeline/sequential.py), the progress line and metrics,
 validation on ``val_data``, checkpoints and exact resume ([Note: data positions] in
 tidal/data/batches.py). "Tokens" are the positions of a row where the targets are token ids,
 ``(batch, seq)`` integers, and the model's FLOPs are then taken as ``6 x parameters`` per

@@ -8,7 +8,7 @@ model's own names (see [Note: pipeline checkpoints]).
 from __future__ import annotations
 
 import io
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any, cast
 
 import torch
@@ -50,10 +50,14 @@ class PipelineStages:
     """A :class:`~tidal.runtime.distributed.PipelineRuntime`'s stages in the one format; see
     [Note: pipeline checkpoints]. ``layout``: :func:`~tidal.parallel.flat_state.model_layout` of the whole model."""
 
-    def __init__(self, runtime: Any, layout: dict[str, Any], split: dict[str, Any]) -> None:
+    def __init__(self, runtime: Any, layout: dict[str, Any], split: dict[str, Any], *,
+                 schedulers: Sequence[Any] = ()) -> None:  # fmt: skip
+        """``schedulers``: your learning-rate schedulers, one per stage of this rank, all in
+        the same state (built alike, stepped alike), saved once as the engines save theirs."""
         self.runtime = runtime
         self.layout = layout
         self.split = split  # schedule, stages and block ranges: resuming needs the same
+        self.schedulers = list(schedulers)
 
     def _stages(self) -> Iterable[tuple[int, nn.Module, Any, dict[str, str]]]:
         for s, module in self.runtime.modules.items():
@@ -93,6 +97,8 @@ class PipelineStages:
                 "loss_scale": self.runtime.scaler.state_dict(),  # fp16's, the same on every rank
             })  # fmt: skip
         extras = {"global_step": self.runtime.step, "split": self.split}
+        if self.schedulers:
+            extras["lr_scheduler"] = self.schedulers[0].state_dict()
         return CheckpointTensors(tensors=tensors, extras=extras, meta=dict(self.layout))
 
     def _targets(self, meta: dict[str, Any], *, every_stage: bool) -> dict[str, torch.Tensor]:
@@ -115,6 +121,7 @@ class PipelineStages:
     def restore_checkpoint(
         self, load: LoadTensors, extras: dict[str, Any], meta: dict[str, Any]
     ) -> None:
+        self._restore_schedulers(extras.get("lr_scheduler"))
         if "split" not in extras:  # an engine's: [Note: resuming on another split]
             if not _flushes(self.split):
                 raise ConfigError(
@@ -173,6 +180,18 @@ class PipelineStages:
             else:
                 weights.load_state_dict(own["weights"])
         self.runtime.step = int(extras["global_step"])
+
+    def _restore_schedulers(self, state: dict[str, Any] | None) -> None:
+        if state is None:
+            return
+        for scheduler, weights in zip(self.schedulers, self.runtime.weights.values(),
+                                      strict=True):  # fmt: skip
+            scheduler.load_state_dict(state)
+            # torch's schedulers compute from the groups' current rates, which loading leaves
+            # as they were built: set them to where the saved run was
+            groups = weights.optimizer.param_groups
+            for group, lr in zip(groups, scheduler.get_last_lr(), strict=True):
+                group["lr"] = lr
 
 
 # [Note: resuming on another split]

@@ -109,25 +109,26 @@ class JobConfig:
         return self.parallel.pp > 1
 
     # [Note: one train step]
-    # A run trains either on stages or on an engine, and this property alone decides which.
-    # On stages, the parameters of each stage are held by a transform behind the stage-parameter
-    # protocol (plain replicas, chunks, FSDP2 shards, tensor-parallel shares: tidal/runtime/
-    # build.py picks it) and one step drives them all (tidal/runtime/executor.py: every
-    # microbatch's forward and backward; tidal/runtime/update.py: each dp group's reduction
-    # once, the tied sum, the global norm over the mesh, the loss scaler, the clip; then the
-    # update). tidal.initialize's StageEngine drives the same holders and update. A model of
-    # one stage is a schedule of one stage: ``engine = "chunk"`` (one process, or ZeRO-3 over
-    # ``--nproc N``), ``--mesh tp=2`` and ``--mesh dp=2 --set parallel.fsdp2=true`` train
-    # through the same step as a pipeline, one process in a group of its own ([Note: a group
-    # of one] in tidal/distributed/env.py), any module as one block ([Note: sequential
-    # pipelines]). Still owning their step at pp = 1: the reference engine (plain PyTorch, the
-    # parity baseline) and plan runs; tidal.initialize keeps the chunk engine for a model in
-    # chunks.
+    # A run without a plan trains on stages. The parameters of each stage are held by a
+    # transform behind the stage-parameter protocol (plain replicas, chunks, FSDP2 shards,
+    # tensor-parallel shares: tidal/runtime/build.py picks it) and one step drives them all
+    # (tidal/runtime/executor.py: every microbatch's forward and backward; tidal/runtime/
+    # update.py: each dp group's reduction once, the tied sum, the global norm over the mesh,
+    # the loss scaler, the clip; then the update). A model of one stage is a schedule of one
+    # stage, one process in a group of its own ([Note: a group of one] in tidal/distributed/
+    # env.py), any module one block ([Note: sequential pipelines]): ``engine = "reference"``
+    # is plain replicas (your torch optimizer and scheduler included), ``"chunk"`` chunks
+    # (ZeRO-3 over ``--nproc N``), ``--mesh tp=2`` and ``parallel.fsdp2`` their DTensors. Still
+    # owning its step: a plan run (the reference engine in the plan's layout), and the engines
+    # behind tidal.initialize, whose reference engine is the parity baseline every test of a
+    # stage compares with (tidal.initialize composes stages for tp and FSDP2: [Note: one model
+    # on stages] in tidal/runtime/stage_engine.py).
     @property
-    def on_stages(self) -> bool:
-        """Whether the run trains on stages ([Note: one train step]): every pipeline, and a
-        model of one stage whose parameters a stage transform holds (chunks, tensor parallelism
-        over ``mesh["tp"]``, FSDP2 over ``mesh["dp"]``)."""
+    def needs_stages(self) -> bool:
+        """Whether the config asks for what only stages do ([Note: one train step]): a
+        pipeline, a model in chunks, tensor parallelism over ``mesh["tp"]``, FSDP2 over
+        ``mesh["dp"]``; a plan refuses them, and tidal.initialize composes its stage engine for
+        tp and FSDP2."""
         return (
             self.pipelined or self.parallel.tp > 1 or self.parallel.fsdp2 or self.engine == "chunk"
         )

@@ -322,6 +322,7 @@ def _plan(job: JobConfig, stages: Sequence[PipelineStage], probe: MemoryProbe, *
     base = [0] * world_size
     for s, num_bytes in enumerate(weight_bytes):
         base[schedule.rank_of(s)] += per_weight_byte * num_bytes
+    _check_model_data(job, base, budget)
     host_budget = resolve_budget(job.memory.host_budget, kind=TierKind.HOST, device=device,
                                  key="memory.host_budget")  # fmt: skip
     # [Note: lending]: one stage per rank, a stage lends to any other rank; with virtual stages,
@@ -394,6 +395,25 @@ def _runnable(plan: SaverPlan) -> SaverPlan:
         )
         assert saver is Saver.KEEP or movable, f"a saver on {item}, which training cannot move"
     return plan
+
+
+def _check_model_data(job: JobConfig, base: Sequence[int], budget: int) -> None:
+    """A model of one plain stage whose model data (weights, gradients, optimizer state) no
+    saver can move is over the budget: the chunk engine's case, said in one line as the
+    reference engine says it. (A pipeline's refusal names its least budget with every saver:
+    PipeDream's stashes can leave the device.)"""
+    if len(base) > 1 or base[0] <= budget:
+        return
+    worst, who = 0, "the reference engine keeps all model data on the device"
+    num_state = model_data_per_weight_byte(job) - 2  # beside the weights and their grads
+    raise ConfigError(
+        "memory.device_budget",
+        f"{who}: {base[worst]:,} bytes ({format_bytes(base[worst])}: weights, grads and "
+        f"{job.optimizer.name} state of {num_state}x the weights) but the "
+        f'budget is {budget:,} bytes ({format_bytes(budget)}); set engine = "chunk" (--set '
+        f"engine=chunk), which keeps on the device only the chunks of model data each moment "
+        f"needs, or raise the budget",
+    )
 
 
 @dataclass(slots=True)

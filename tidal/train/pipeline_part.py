@@ -54,9 +54,11 @@ from tidal.data import Batches, BatchSampler
 from tidal.distributed import gather_ints
 from tidal.distributed.device import resolve_device
 from tidal.models import GPTConfig, build_stages, spec_for
+from tidal.parallel.accumulation import split_rows
 from tidal.parallel.chunk_stage import ChunkStageConfig, ChunkStageParams, require_one_version
 from tidal.parallel.flat_state import model_layout
 from tidal.parallel.lr import lr_schedule
+from tidal.parallel.reference import TorchOptimizer
 from tidal.pipeline.partition import LayerProfile
 from tidal.pipeline.sequential import (
     LossFn,
@@ -71,6 +73,7 @@ from tidal.pipeline.stage_init import materialize_stages
 from tidal.runtime.build import pipeline
 from tidal.runtime.eval import evaluate_stages
 from tidal.runtime.fsdp_stage import reshard_stage
+from tidal.runtime.weights import StageWeights
 from tidal.train.engine_state import PipelineStages
 from tidal.train.job import JobConfig
 from tidal.train.pipeline_memory import (
@@ -91,12 +94,10 @@ def check_pipeline_job(job: JobConfig, *, world_size: int, model: nn.Module | No
     your own, else the job's ``[model]``."""
     pipe, training = job.pipeline, job.training
     dims = job.parallel.resolve(world_size)
-    require(
-        training.batch_size % dims.dp == 0,
-        "training.batch_size",
-        f"{training.batch_size} rows do not split evenly over {dims.dp} data-parallel "
-        f"replicas; use a multiple of {dims.dp}",
-    )
+    split_rows(training.batch_size, index=0, parts=dims.dp,
+               over=f"{dims.dp} data-parallel replicas (it is the global batch; each replica "
+               f"trains batch_size / dp of its rows)",
+               fix=", or a data-parallel size that divides it")  # fmt: skip
     m, rows = job.num_microbatches, training.batch_size // dims.dp
     require(
         m <= rows,
@@ -286,9 +287,11 @@ class PipelinePart:
         model: nn.Module | None = None,
         loss_fn: LossFn | None = None,
         sample: tuple[torch.Tensor, torch.Tensor] | None = None,
+        torch_optimizer: TorchOptimizer | None = None,
     ) -> None:
         """``model``: your own (an ``nn.Sequential``, with ``loss_fn`` and a ``sample`` batch,
-        inputs and targets, to profile it on), else the job's ``[model]``."""
+        inputs and targets, to profile it on), else the job's ``[model]``. ``torch_optimizer``:
+        yours, on plain stages ([Note: your optimizer] in tidal/train/user_optim.py)."""
         self.job = job
         training, pipe = job.training, job.pipeline
         self.device = device
@@ -339,13 +342,20 @@ class PipelinePart:
                                lending=self.memory.lending,
                                chunks=_chunk_stages(job, device),
                                fsdp2=job.parallel.fsdp2,
-                               fsdp2_offload=job.parallel.fsdp2_offload)  # fmt: skip
+                               fsdp2_offload=job.parallel.fsdp2_offload,
+                               torch_optimizer=torch_optimizer)  # fmt: skip
+        # your scheduler, one per stage, stepped after each of its updates
+        make_scheduler = None if torch_optimizer is None else torch_optimizer.schedule
+        self.schedulers = [] if make_scheduler is None else [
+            make_scheduler(_plain(w).optimizer) for w in self.engine.weights.values()]  # fmt: skip
+        self.own_rates = torch_optimizer is not None
         self.memory.bind(self.engine.weights)
         self._moved_before: dict[int, dict[str, int]] = {}  # each rank's counters a step ago
         self._tiers = StepTiers()  # this rank's chunk stages'
         del stages
         split = {"schedule": pipe.schedule, "block_ranges": [list(r) for r in self.ranges]}
-        self.checkpointable = PipelineStages(self.engine, layout, split)
+        self.checkpointable = PipelineStages(self.engine, layout, split,
+                                             schedulers=self.schedulers)  # fmt: skip
 
     @property
     def global_step(self) -> int:
@@ -386,7 +396,14 @@ class PipelinePart:
             inputs, targets = inputs.tensor_split(dp)[at], targets.tensor_split(dp)[at]
             return inputs.to(self.device), targets.to(self.device)
 
-        losses = self.engine.train(num_steps, batch, self.lr.lr_at)
+        if self.schedulers:  # stepped after every update: one synchronous step at a time
+            losses = []
+            for _ in range(num_steps):
+                losses += self.engine.train(1, batch, self.lr.lr_at)
+                for scheduler in self.schedulers:
+                    scheduler.step()
+        else:
+            losses = self.engine.train(num_steps, batch, self.lr.lr_at)
         if isinstance(sampler, BatchSampler):  # its saved position: an engine resumes from it
             sampler.next_index = self.engine.step * k
         return losses
@@ -410,7 +427,7 @@ class PipelinePart:
         # The next step's rate, as the reference engine logs it.
         figures: dict[str, Any] = {
             "grad_norm": self.engine.last_grad_norm,
-            "lr": self.lr.lr_at(step),
+            "lr": self._lr_now(step),
             "max_delay": max(delays, default=0),
             "pipeline_ranks": self._rank_figures(),
         }
@@ -421,6 +438,17 @@ class PipelinePart:
         if tiers:
             figures["tiers"] = tiers
         return figures
+
+    def first_optimizer(self) -> torch.optim.Optimizer:
+        """This rank's first stage's optimizer: yours, where you gave one."""
+        return _plain(next(iter(self.engine.weights.values()))).optimizer
+
+    def _lr_now(self, step: int) -> float:
+        """The rate of step ``step``: ``[optimizer]``'s schedule, else your optimizer's own
+        (its first group's, on this rank's first stage)."""
+        if not self.own_rates:
+            return self.lr.lr_at(step)
+        return float(self.first_optimizer().param_groups[0]["lr"])
 
     def _rank_figures(self) -> list[dict[str, Any]]:
         """Every rank's stages and memory figures (a collective): the peak so far, and the bytes
@@ -462,7 +490,14 @@ class PipelinePart:
             + (" offloaded" if offload else "")
             + (f" tensor-parallel stages (tp{self.dims.tp})" if self.dims.tp > 1 else ""),
         }
-        chunked = [w for w in self.engine.weights.values() if isinstance(w, ChunkStageParams)]
+        held = list(self.engine.weights.values())
+        if self.dims.pp == 1 and all(type(w) is StageWeights for w in held):
+            # the whole model in plain replicas: the reference engine's figures and name
+            (plain,) = held
+            assert isinstance(plain, StageWeights)
+            summary["engine"] = "reference"
+            summary["model_data_bytes"] = _model_data_bytes(plain)
+        chunked = [w for w in held if isinstance(w, ChunkStageParams)]
         if len(chunked) == 1:  # a rank of one chunk stage gives its figures as the engine did
             stats = chunked[0].stats()
             summary |= {key: stats[key] for key in CHUNK_FIGURES if key in stats}
@@ -480,3 +515,21 @@ class PipelinePart:
                 "peak_nvme_bytes", "bytes_all_gathered", "bytes_reduce_scattered")  # fmt: skip
         return {str(s): {k: v for k, v in w.stats().items() if k in keep}
                 for s, w in self.engine.weights.items() if isinstance(w, ChunkStageParams)}  # fmt: skip
+
+
+def _model_data_bytes(weights: StageWeights) -> dict[str, int]:
+    """A plain stage's parameter, gradient and optimizer-state bytes, each tensor once."""
+    params = {id(p): p for p in weights.module.parameters()}.values()
+
+    def total(tensors: Any) -> int:
+        return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+
+    state = weights.optimizer.state.values()
+    return {"params": total(params), "grads": total(p.grad for p in params),
+            "optimizer_state": total(t for s in state for t in s.values())}  # fmt: skip
+
+
+def _plain(weights: Any) -> StageWeights:
+    """A stage's weights that your optimizer steps: plain ones ([Note: your optimizer])."""
+    assert isinstance(weights, StageWeights), type(weights)
+    return weights

@@ -111,9 +111,10 @@ class Trainer:
     plan of ``tidal plan`` (or the path of its JSON file) to train with, on its ``dp x tp``
     ranks ([Note: plan runs] in tidal/parallel/plan_layout.py); for your own model, one of
     ``tidal.planner.plan_for(model, inputs, devices=...)``. ``pipeline``: train on stages
-    ([Note: pipeline runs] in pipeline_part.py); by default when the job says so ([Note: one
-    train step] in job.py: a pipeline, tensor parallelism or FSDP2). The loop, the run folder, checkpoints and the summary are the same
-    for both; what trains is the ``part`` (engine_part.py). ``optimizer``, ``optimizer_kwargs``,
+    ([Note: pipeline runs] in pipeline_part.py), as every run without a plan does by default
+    ([Note: one train step] in job.py); ``False`` trains the job's engine instead (the parity
+    baseline of tests). The loop, the run folder, checkpoints and the summary are the same for
+    both; what trains is the ``part`` (engine_part.py). ``optimizer``, ``optimizer_kwargs``,
     ``lr_scheduler``: your own torch optimizer and schedule in place of ``[optimizer]``'s
     ([Note: your optimizer] in user_optim.py).
     """
@@ -147,10 +148,10 @@ class Trainer:
         if self.job.metrics.tensorboard:
             check_tensorboard()  # before any process group or step, in one line
         self.plan = _load_plan(plan) if isinstance(plan, str | Path) else plan
-        pipeline = self.job.on_stages if pipeline is None else pipeline
-        if pipeline and self.plan is not None:
+        if self.plan is not None and (pipeline or self.job.needs_stages):
             _refuse_plan_on_stages(self.job)
-        runs_on = _runs_on(self.job, plan=self.plan is not None, pipeline=pipeline)
+        pipeline = self.plan is None if pipeline is None else pipeline  # [Note: one train step]
+        runs_on = _runs_on(self.job, plan=self.plan is not None)
         self.job, self._torch_optimizer = own_optimizer(
             self.job, optimizer=optimizer, optimizer_kwargs=optimizer_kwargs,
             lr_scheduler=lr_scheduler, runs_on=runs_on,
@@ -260,17 +261,26 @@ class Trainer:
             tokens = torch.zeros((rows, seq_len), dtype=torch.long)
             model = spec.build(device="cpu", seed=self.job.training.seed)
             part = PipelinePart(self.job, device=device, world_size=self.world_size, model=model,
-                                loss_fn=default_loss, sample=(tokens, tokens))  # fmt: skip
+                                loss_fn=default_loss, sample=(tokens, tokens),
+                                torch_optimizer=self._torch_optimizer)  # fmt: skip
             self.num_params, self.flops_per_token = part.num_params, spec.flops_per_token(model)
             return part
         if self.user_model is None:
-            part = PipelinePart(self.job, device=device, world_size=self.world_size)
+            part = PipelinePart(
+                self.job,
+                device=device,
+                world_size=self.world_size,
+                torch_optimizer=self._torch_optimizer,
+            )
         else:  # [Note: sequential pipelines] in tidal/pipeline/sequential.py
             first = DataBatches(self._train_data, batch_size=self.job.training.batch_size)
             part = PipelinePart(self.job, device=device, world_size=self.world_size,
                                 model=self.user_model,
                                 loss_fn=self._loss_fn or default_loss,
-                                sample=first.fixed_batches(1)[0])  # fmt: skip
+                                sample=first.fixed_batches(1)[0],
+                                torch_optimizer=self._torch_optimizer)  # fmt: skip
+            # [Note: your own model] in engine_part.py: a model of tokens is priced as 6N
+            part.flops_per_token = 6.0 * part.num_params if self.tokens_per_row > 1 else None
         self.num_params, self.flops_per_token = part.num_params, part.flops_per_token
         return part
 
@@ -496,8 +506,14 @@ class Trainer:
             config["user_model"] = f"{kind.__module__}.{kind.__qualname__}"
         config.update(self._optimizer_notes)
         if self._torch_optimizer is not None:  # the algorithm a resume must keep
-            assert isinstance(self.engine, ReferenceEngine), "user_optim.own_optimizer"
-            config["user_optimizer_class"] = describe(type(self.engine.optimizer))
+            if isinstance(self.engine, ReferenceEngine):
+                optimizer = self.engine.optimizer
+            else:  # plain stages, each with its own of yours, of one class
+                from tidal.train.pipeline_part import PipelinePart
+
+                assert isinstance(self.part, PipelinePart), "user_optim.own_optimizer"
+                optimizer = self.part.first_optimizer()
+            config["user_optimizer_class"] = describe(type(optimizer))
         return config
 
     def save_checkpoint(self) -> Path:
@@ -576,13 +592,16 @@ def _refuse_plan_on_stages(job: JobConfig) -> None:
                       "places its parameters itself; drop --plan or those settings")  # fmt: skip
 
 
-def _runs_on(job: JobConfig, *, plan: bool, pipeline: bool) -> str | None:
-    """What runs its own optimizer, for ``own_optimizer``; None: the reference engine."""
+def _runs_on(job: JobConfig, *, plan: bool) -> str | None:
+    """What runs its own optimizer, for ``own_optimizer``; None: plain stages (or the
+    reference engine), which take yours ([Note: your optimizer] in user_optim.py)."""
     if job.engine == "chunk":  # in chunks, on stages or not
         return "chunk"
-    if pipeline:
-        return "pipeline"
-    return "plan" if plan else None
+    if plan:
+        return "plan"
+    if job.parallel.tp > 1 or job.parallel.fsdp2:
+        return "sharded stages"
+    return "asynchronous stages" if job.pipeline.asynchronous else None
 
 
 def _user_model_and_job(

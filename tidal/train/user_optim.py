@@ -12,13 +12,15 @@ section (which must then be left unset, so the optimizer is said once):
   ``[optimizer]``'s, built at its peak ``lr``. Without a scheduler, your optimizer's learning
   rate is its own, constant: ``[optimizer]``'s warm-up + cosine does not apply.
 
-The reference engine (no plan, no pipeline) trains with your torch objects as they are, so a
-run equals the plain PyTorch loop ``loss.backward(); opt.step(); sched.step();
-opt.zero_grad()`` on the same seed, once ``training.grad_clip_norm = 0`` turns off the
-clipping every engine does before the step (to 1.0 by default).
-The other ways of training run their own optimizer: the chunk engine (one process or
-sharded) over chunk storage, a plan's layout per mesh, a pipeline per stage, with
-``[optimizer]``'s schedule. They take ``torch.optim.AdamW``, ``Adam`` or ``SGD`` with the
+Plain stages (``engine = "reference"``: the whole model on one, or a synchronous pipeline's
+stages, replicated over ``mesh["dp"]``) train with your torch objects as they are, one
+optimizer and one scheduler per stage, so a run of one stage equals the plain PyTorch loop
+``loss.backward(); opt.step(); sched.step(); opt.zero_grad()`` on the same seed, once
+``training.grad_clip_norm = 0`` turns off the clipping every run does before the step (to 1.0
+by default); a checkpoint keeps the scheduler's state once, as the reference engine does.
+The other ways of training run their own optimizer: the chunk engine and chunk stages over
+chunk storage, a plan's layout per mesh, tensor-parallel and FSDP2 stages over their shards,
+an asynchronous pipeline at its own rates, with ``[optimizer]``'s schedule. They take ``torch.optim.AdamW``, ``Adam`` or ``SGD`` with the
 arguments they implement, mapped onto ``[optimizer]`` with torch's defaults for the rest, a
 constant learning rate (``warmup_steps = 0``, ``min_lr_ratio = 1``) and weight decay on every
 parameter (``weight_decay_on = "all"``), so the arithmetic is torch's; the section written to
@@ -90,9 +92,9 @@ def own_optimizer(
     lr_scheduler: Callable[[torch.optim.Optimizer], Any] | None,
     runs_on: str | None,
 ) -> tuple[JobConfig, TorchOptimizer | None]:
-    """The job and the engine's :class:`TorchOptimizer` for what you passed ([Note: your
-    optimizer]). ``runs_on``: None for the reference engine, else what runs its own optimizer:
-    ``"chunk"``, ``"plan"`` or ``"pipeline"``."""
+    """The job and the :class:`TorchOptimizer` of what you passed ([Note: your optimizer]).
+    ``runs_on``: None for plain stages (and the reference engine), else what runs its own
+    optimizer: a key of ``_OWN_OPTIMIZER``."""
     if optimizer is None:
         if optimizer_kwargs is not None:
             raise ConfigError("optimizer_kwargs", "go with optimizer= (a torch.optim class); "
@@ -151,12 +153,15 @@ def optimizer_config(
 
 
 # how each way of training with its own optimizer is named in a refusal, and the way out
+_PLAIN = "plain stages (engine = 'reference', parallel.tp = 1, parallel.fsdp2 = false"
 _OWN_OPTIMIZER = {
     "chunk": ("the chunk engine steps its own optimizer over chunk storage",
               "engine = 'reference'"),
     "plan": ("a plan run builds its optimizer mesh by mesh", "the reference engine without --plan"),
-    "pipeline": ("a pipeline steps each stage's optimizer itself",
-                 "the reference engine without a pipeline"),
+    "sharded stages": ("tensor-parallel and FSDP2 stages step their own optimizer over "
+                       "their DTensor shards", f"{_PLAIN})"),
+    "asynchronous stages": ("an asynchronous pipeline sets each stage's rate itself",
+                            f"{_PLAIN}, a synchronous schedule: gpipe, 1f1b or interleaved)"),
 }  # fmt: skip
 
 

@@ -55,7 +55,7 @@ def test_pipeline_stages_of_older_recipes_is_parallel_pp() -> None:
     with pytest.raises(ConfigError, match=r"pipeline.stages: is parallel.pp now; .* \(2 and 4\)"):
         load_job("tiny", ["parallel.pp=4", "pipeline.stages=2"])
     # [Note: one train step]: tensor parallelism or FSDP2 without a pipeline is one stage
-    assert load_job("tiny", ["parallel.tp=2"]).on_stages
-    assert load_job("tiny", ["parallel.fsdp2=true"]).on_stages
-    assert not load_job("tiny", ["parallel.dp=2"]).on_stages  # the engines' data parallelism
+    assert load_job("tiny", ["parallel.tp=2"]).needs_stages
+    assert load_job("tiny", ["parallel.fsdp2=true"]).needs_stages
+    assert not load_job("tiny", ["parallel.dp=2"]).needs_stages  # plain replicas
     assert load_job("tiny", ["parallel.pp=2", "parallel.tp=2"]).parallel.tp == 2

@@ -28,7 +28,7 @@ def test_torch_classes_map_with_torch_defaults() -> None:
 
 
 def test_arguments_it_does_not_implement_are_refused_naming_them() -> None:
-    with pytest.raises(ConfigError, match="a pipeline steps each stage's .*maximize=True"):
-        optimizer_config(torch.optim.SGD, {"maximize": True}, runs_on="pipeline")
+    with pytest.raises(ConfigError, match="FSDP2 stages step their own optimizer .*maximize=True"):
+        optimizer_config(torch.optim.SGD, {"maximize": True}, runs_on="sharded stages")
     with pytest.raises(ConfigError, match=r"optimizer_kwargs: torch.optim.sgd.SGD takes no betas"):
         optimizer_config(torch.optim.SGD, {"betas": (0.9, 0.9)}, runs_on="chunk")
