@@ -28,6 +28,7 @@ __all__ = [
     "build_samplers",
     "check_plan_job",
     "refuse_chunk_engine",
+    "refuse_plan_on_stages",
 ]
 
 
@@ -86,6 +87,13 @@ def refuse_chunk_engine(job: JobConfig) -> None:
             f"a plan says how to shard the model, which the {job.engine} engine would do too; "
             f"drop --plan, or set engine = 'reference' (--set engine=reference)",
         )
+
+
+def refuse_plan_on_stages(job: JobConfig) -> None:
+    """A plan places the parameters, which stages do themselves ([Note: one train step])."""
+    refuse_chunk_engine(job)  # a model in chunks runs on stages: said as the engine said it
+    raise ConfigError("--plan", "a run on stages (a pipeline, parallel.tp or parallel.fsdp2) "
+                      "places its parameters itself; drop --plan or those settings")  # fmt: skip
 
 
 def build_samplers(job: JobConfig) -> tuple[BatchSampler, BatchSampler]:

@@ -23,7 +23,7 @@ factory`` instead ([Note: factory models]).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -36,10 +36,11 @@ from tidal.distributed import all_reduce_mean
 from tidal.models.factory import load_factory
 from tidal.parallel.protocol import Checkpointable, Engine
 from tidal.train.engine_state import ReadsPipelines
+from tidal.train.job import JobConfig, load_job
 from tidal.train.losses import default_loss
 from tidal.train.tiers import CHUNK_FIGURES, StepTiers
 
-__all__ = ["LOSSES", "EnginePart", "TrainingPart", "custom_run"]
+__all__ = ["LOSSES", "EnginePart", "TrainingPart", "custom_run", "user_model_and_job"]
 
 # the losses a recipe's ``[custom] loss`` names
 LOSSES: dict[str, Callable[[Any, Any], torch.Tensor]] = {
@@ -174,3 +175,25 @@ class EnginePart:
             "engine": stats["engine"],
             **{k: stats[k] for k in keys if k in stats},
         }
+
+
+def user_model_and_job(
+    job: JobConfig | str | dict[str, Any] | nn.Module,
+    overrides: Sequence[str] | JobConfig | dict[str, Any],
+    train_data: Iterable[Any] | None,
+) -> tuple[nn.Module | None, JobConfig]:
+    """``Trainer(model, config, train_data=)``: your own model, whose config comes second
+    ([Note: your own model] in engine_part.py); else a job whose [model] says what to train."""
+    user_model = job if isinstance(job, nn.Module) else None
+    if user_model is not None:
+        job, overrides = (
+            (overrides, ()) if isinstance(overrides, JobConfig | dict) else ({}, overrides)
+        )
+        if train_data is None:
+            raise ConfigError("train_data", "your own model trains on your data: pass "
+                              "train_data= (and loss_fn=, else cross-entropy of its logits)")  # fmt: skip
+    if isinstance(overrides, JobConfig):
+        raise ConfigError("overrides", "a JobConfig is a whole job: pass it first, "
+                          "Trainer(job), or give overrides as a dict or 'key=value' strings")  # fmt: skip
+    assert not isinstance(job, nn.Module)
+    return user_model, load_job(job, overrides)

@@ -1,9 +1,8 @@
 """The training loop: a JobConfig in, a trained model, metrics, checkpoints and a summary out.
 
-The Trainer composes the parts (model preset, token source, and what trains: an engine or a
-pipeline, behind one small interface in engine_part.py) and owns only the loop, the run folder,
-checkpoints in the one format (checkpoint.py), resumption and the summary. Presentation is left
-to callbacks: the CLI adds a rich progress bar, library users get the same lines printed.
+The Trainer composes the parts (model, token source, and what trains: stages, or a plan's
+engine, behind one interface in engine_part.py) and owns only the loop, the run folder,
+checkpoints (checkpoint.py), resumption and the summary; callbacks present them.
 
 [Note: exact resume]
 A resumed run must continue bit for bit where the saved one stopped. Everything that decides the
@@ -59,7 +58,7 @@ from tidal.distributed.faults import maybe_inject
 from tidal.models import spec_for
 from tidal.parallel.accumulation import split_rows
 from tidal.parallel.reference import ReferenceEngine
-from tidal.train.build import build_engine, build_samplers, refuse_chunk_engine
+from tidal.train.build import build_engine, build_samplers, refuse_plan_on_stages
 from tidal.train.callbacks import Callback, LogCallback, ProgressLine
 from tidal.train.checkpoint import (
     IDENTITY,
@@ -67,10 +66,16 @@ from tidal.train.checkpoint import (
     load_checkpoint,
 )
 from tidal.train.checkpoint import save_checkpoint as write_checkpoint
-from tidal.train.engine_part import LOSSES, EnginePart, TrainingPart, custom_run
+from tidal.train.engine_part import (
+    LOSSES,
+    EnginePart,
+    TrainingPart,
+    custom_run,
+    user_model_and_job,
+)
 from tidal.train.integrity import choose_checkpoint
 from tidal.train.interrupts import Interrupted, StopFlag
-from tidal.train.job import JobConfig, load_job
+from tidal.train.job import JobConfig
 from tidal.train.losses import default_loss
 from tidal.train.metrics import (
     MetricsFile,
@@ -82,7 +87,13 @@ from tidal.train.run_dir import agree, check_one_run_dir, check_run_dir
 from tidal.train.same_data import check_same_data
 from tidal.train.summary import all_ranks_peak, run_summary
 from tidal.train.tensorboard import TensorBoardWriter, check_tensorboard
-from tidal.train.user_optim import OptimizerArg, describe, optimizer_notes, own_optimizer
+from tidal.train.user_optim import (
+    OptimizerArg,
+    describe,
+    optimizer_notes,
+    own_optimizer,
+    runs_on,
+)
 
 if TYPE_CHECKING:
     from tidal.planner import Plan
@@ -136,7 +147,7 @@ class Trainer:
         # Trainer(model, config, train_data=, loss_fn=): your own model and data ([Note: your
         # own model] in engine_part.py); else a job whose [model] and [data] say what to train.
         # optimizer=, optimizer_kwargs=, lr_scheduler=: [Note: your optimizer] in user_optim.py.
-        self.user_model, self.job = _user_model_and_job(job, overrides, train_data)
+        self.user_model, self.job = user_model_and_job(job, overrides, train_data)
         self._loss_fn = loss_fn
         self._train_data = train_data or ()
         if self.user_model is None and self.job.custom.factory is not None:
@@ -149,12 +160,12 @@ class Trainer:
             check_tensorboard()  # before any process group or step, in one line
         self.plan = _load_plan(plan) if isinstance(plan, str | Path) else plan
         if self.plan is not None and (pipeline or self.job.needs_stages):
-            _refuse_plan_on_stages(self.job)
+            refuse_plan_on_stages(self.job)
         pipeline = self.plan is None if pipeline is None else pipeline  # [Note: one train step]
-        runs_on = _runs_on(self.job, plan=self.plan is not None)
+        taken_by = runs_on(self.job, plan=self.plan is not None)
         self.job, self._torch_optimizer = own_optimizer(
             self.job, optimizer=optimizer, optimizer_kwargs=optimizer_kwargs,
-            lr_scheduler=lr_scheduler, runs_on=runs_on,
+            lr_scheduler=lr_scheduler, runs_on=taken_by,
         )  # fmt: skip
         self._optimizer_notes = optimizer_notes(optimizer, optimizer_kwargs, lr_scheduler)
         self.run_dir = self.job.run_path
@@ -584,46 +595,6 @@ class Trainer:
         torch.set_rng_state(state["torch"])
         if "cuda" in state and self.device.type == "cuda":
             torch.cuda.set_rng_state(state["cuda"], self.device)
-
-
-def _refuse_plan_on_stages(job: JobConfig) -> None:
-    refuse_chunk_engine(job)  # a model in chunks runs on stages: said as the engine said it
-    raise ConfigError("--plan", "a run on stages (a pipeline, parallel.tp or parallel.fsdp2) "
-                      "places its parameters itself; drop --plan or those settings")  # fmt: skip
-
-
-def _runs_on(job: JobConfig, *, plan: bool) -> str | None:
-    """What runs its own optimizer, for ``own_optimizer``; None: plain stages (or the
-    reference engine), which take yours ([Note: your optimizer] in user_optim.py)."""
-    if job.engine == "chunk":  # in chunks, on stages or not
-        return "chunk"
-    if plan:
-        return "plan"
-    if job.parallel.tp > 1 or job.parallel.fsdp2:
-        return "sharded stages"
-    return "asynchronous stages" if job.pipeline.asynchronous else None
-
-
-def _user_model_and_job(
-    job: JobConfig | str | dict[str, Any] | nn.Module,
-    overrides: Sequence[str] | JobConfig | dict[str, Any],
-    train_data: Iterable[Any] | None,
-) -> tuple[nn.Module | None, JobConfig]:
-    """``Trainer(model, config, train_data=)``: your own model, whose config comes second
-    ([Note: your own model] in engine_part.py); else a job whose [model] says what to train."""
-    user_model = job if isinstance(job, nn.Module) else None
-    if user_model is not None:
-        job, overrides = (
-            (overrides, ()) if isinstance(overrides, JobConfig | dict) else ({}, overrides)
-        )
-        if train_data is None:
-            raise ConfigError("train_data", "your own model trains on your data: pass "
-                              "train_data= (and loss_fn=, else cross-entropy of its logits)")  # fmt: skip
-    if isinstance(overrides, JobConfig):
-        raise ConfigError("overrides", "a JobConfig is a whole job: pass it first, "
-                          "Trainer(job), or give overrides as a dict or 'key=value' strings")  # fmt: skip
-    assert not isinstance(job, nn.Module)
-    return user_model, load_job(job, overrides)
 
 
 def _load_plan(path: str | Path) -> Plan:

@@ -43,7 +43,14 @@ from tidal.parallel.config import OptimizerConfig
 from tidal.parallel.reference import TorchOptimizer
 from tidal.train.job import JobConfig
 
-__all__ = ["OptimizerArg", "describe", "optimizer_config", "optimizer_notes", "own_optimizer"]
+__all__ = [
+    "OptimizerArg",
+    "describe",
+    "optimizer_config",
+    "optimizer_notes",
+    "own_optimizer",
+    "runs_on",
+]
 
 OptimizerArg = (
     type[torch.optim.Optimizer] | Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
@@ -172,3 +179,15 @@ def _refusal(runs_on: str, what: str) -> ConfigError:
         f"{why}, on [optimizer]'s warm-up + cosine: it takes {_TAKES}, not {what}; "
         f"train with {fix} for that",
     )
+
+
+def runs_on(job: JobConfig, *, plan: bool) -> str | None:
+    """What runs its own optimizer, for ``own_optimizer``; None: plain stages (or the
+    reference engine), which take yours ([Note: your optimizer] in user_optim.py)."""
+    if job.engine == "chunk":  # in chunks, on stages or not
+        return "chunk"
+    if plan:
+        return "plan"
+    if job.parallel.tp > 1 or job.parallel.fsdp2:
+        return "sharded stages"
+    return "asynchronous stages" if job.pipeline.asynchronous else None
