@@ -145,6 +145,9 @@ def test_two_ranks_match_one_process(tmp_path: Path) -> None:
     assert single_summary["peak_memory_bytes_per_rank"] == [single_summary["peak_memory_bytes"]]
     assert [r["rank"] for r in ranks] == [(0, 2), (1, 2)]
     assert summary["engine"] == single_summary["engine"] == "reference"  # plain replicas
+    held, num_params = single_summary["model_data_bytes"], single_summary["num_params"]
+    assert held["params"] == 4 * num_params and held["grads"] == 0  # dropped after the step
+    assert held["optimizer_state"] >= 8 * num_params  # AdamW's two fp32 moments
     # MFU divides by the peak of both devices.
     assert summary["peak_tflops"] == 2.0
 

@@ -49,7 +49,7 @@ from tidal.parallel.lr import lr_schedule
 from tidal.parallel.protocol import CheckpointTensors, LoadTensors, Phase, Phases
 
 __all__ = ["ReferenceEngine", "Replicas", "TorchLayout", "TorchOptimizer", "autocast",
-           "build_optimizer", "lr_schedule"]  # fmt: skip
+           "build_optimizer", "lr_schedule", "model_data_bytes"]  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,6 +95,23 @@ def build_optimizer(model: nn.Module, config: OptimizerConfig, lr: float) -> tor
         )
     adam = torch.optim.AdamW if config.name == "adamw" else torch.optim.Adam
     return adam(groups, lr=lr, betas=(config.beta1, config.beta2), eps=config.eps, fused=fused)
+
+
+def model_data_bytes(model: nn.Module, optimizer: torch.optim.Optimizer, *,
+                     nbytes: Callable[[torch.Tensor], int] | None = None) -> dict[str, int]:  # fmt: skip
+    """Bytes of ``model``'s parameters, their gradients and ``optimizer``'s state, each tensor
+    once; ``nbytes``: what a tensor holds here (default: all of it)."""
+    size = nbytes or (lambda t: t.numel() * t.element_size())
+    params = {id(p): p for p in model.parameters()}.values()
+
+    def total(tensors: Iterable[Any]) -> int:
+        return sum(size(t) for t in tensors if isinstance(t, torch.Tensor))
+
+    return {
+        "params": total(params),
+        "grads": total(p.grad for p in params),
+        "optimizer_state": total(t for s in optimizer.state.values() for t in s.values()),
+    }
 
 
 def autocast(precision: str, device: torch.device) -> contextlib.AbstractContextManager[Any]:
@@ -346,16 +363,7 @@ class ReferenceEngine:
     def model_data_bytes(self) -> dict[str, int]:
         """Bytes of (this rank's shares of) the parameters, gradients and optimizer state, each
         counted once."""
-        params = {id(p): p for p in self.model.parameters()}.values()
-
-        def total(tensors: Iterable[Any]) -> int:
-            return sum(self.layout.nbytes(t) for t in tensors if isinstance(t, torch.Tensor))
-
-        return {
-            "params": total(params),
-            "grads": total(p.grad for p in params),
-            "optimizer_state": total(t for s in self.optimizer.state.values() for t in s.values()),
-        }
+        return model_data_bytes(self.model, self.optimizer, nbytes=self.layout.nbytes)
 
     # -- state ---------------------------------------------------------------------------------
 

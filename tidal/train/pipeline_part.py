@@ -58,7 +58,7 @@ from tidal.parallel.accumulation import split_rows
 from tidal.parallel.chunk_stage import ChunkStageConfig, ChunkStageParams, require_one_version
 from tidal.parallel.flat_state import model_layout
 from tidal.parallel.lr import lr_schedule
-from tidal.parallel.reference import TorchOptimizer
+from tidal.parallel.reference import TorchOptimizer, model_data_bytes
 from tidal.pipeline.partition import LayerProfile
 from tidal.pipeline.sequential import (
     LossFn,
@@ -496,7 +496,7 @@ class PipelinePart:
             (plain,) = held
             assert isinstance(plain, StageWeights)
             summary["engine"] = "reference"
-            summary["model_data_bytes"] = _model_data_bytes(plain)
+            summary["model_data_bytes"] = model_data_bytes(plain.module, plain.optimizer)
         chunked = [w for w in held if isinstance(w, ChunkStageParams)]
         if len(chunked) == 1:  # a rank of one chunk stage gives its figures as the engine did
             stats = chunked[0].stats()
@@ -515,18 +515,6 @@ class PipelinePart:
                 "peak_nvme_bytes", "bytes_all_gathered", "bytes_reduce_scattered")  # fmt: skip
         return {str(s): {k: v for k, v in w.stats().items() if k in keep}
                 for s, w in self.engine.weights.items() if isinstance(w, ChunkStageParams)}  # fmt: skip
-
-
-def _model_data_bytes(weights: StageWeights) -> dict[str, int]:
-    """A plain stage's parameter, gradient and optimizer-state bytes, each tensor once."""
-    params = {id(p): p for p in weights.module.parameters()}.values()
-
-    def total(tensors: Any) -> int:
-        return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
-
-    state = weights.optimizer.state.values()
-    return {"params": total(params), "grads": total(p.grad for p in params),
-            "optimizer_state": total(t for s in state for t in s.values())}  # fmt: skip
 
 
 def _plain(weights: Any) -> StageWeights:
