@@ -650,11 +650,12 @@ def _fixed_tables(rows: Sequence[dict[str, Any]]) -> list[ResultTable]:
 
 
 _FIGURE_NOTE = (
-    "Ranks 0 to 3. prediction: the pipeline memory plan's peak for the rank (model data and "
-    "in-flight activations), made before the first step. accounting: chunks have no figure "
-    "before training; the store's after the first step is shown (model data held + least "
-    "device budget). Either plus the rank's RSS before the model (interpreter, torch) is "
-    "compared with its peak RSS. [Note: tidal's memory figure] in benchmarks/compose_ranks.py"
+    "Ranks 0 to 3. Each figure is made before the first step. Plain stages: the pipeline "
+    "memory plan's peak for the rank (model data and in-flight activations). Chunks: the "
+    "store's bound (the model data its tiers hold + its device budget, which counts gathered "
+    "chunks and activations). Runs before 2026-12-07 showed, for chunks, an accounting after "
+    "the first step instead. Either plus the rank's RSS before the model (interpreter, torch) "
+    "is compared with its peak RSS. [Note: tidal's memory figure] in benchmarks/compose_ranks.py"
 )
 
 

@@ -13,11 +13,12 @@ What tidal says a rank of a composition will hold, from the function its runtime
 - a pipeline of plain stages under ``memory.device_budget``: the pipeline memory plan's peak for
   the rank (:func:`~tidal.train.pipeline_memory.plan_pipeline_memory`: model data plus the
   activations of the microbatches the schedule keeps in flight), made before the first step;
-- chunks (the ZeRO-3 engine, chunk stages): no figure exists before training. The store's
-  accounting after the first step is the closest: the model data the rank's tiers hold (its
-  shards of parameters, gradients and optimizer state) plus the least device budget the step's
-  trace needs (gathered chunks, activations, gradient buffers: [Note: the least budget] in
-  tidal/memory/shortfall.py). It is reported as such, not as a prediction;
+- chunks (the ZeRO-3 engine, chunk stages): the store's bound, made before the first step from
+  what the store knows then: the model data the rank's tiers hold (its shards of parameters,
+  gradients and optimizer state, fixed by the chunk layout) plus each store's device budget,
+  which the store never passes and which counts everything on the device, gathered chunks and
+  activations included ([Note: the least budget] in tidal/memory/shortfall.py). On the CPU both
+  tiers are the process's memory, so the two add up;
 - anything else: none, and the row says so.
 
 Either figure counts model data and activations only; the process itself (the interpreter,
@@ -151,6 +152,7 @@ def _run_tidal(case: ComposeCase) -> dict[str, Any]:
     trainer = Trainer(job)
     part = trainer.part
     built = rss_figures()
+    predicted = _memory_figure(part)  # before the first step ([Note: tidal's memory figure])
     step_s: list[float] = []
     losses: list[float] = []
     before: dict[str, int] = {}
@@ -172,7 +174,7 @@ def _run_tidal(case: ComposeCase) -> dict[str, Any]:
         "median_step_s": statistics.median(step_s[case.warmup_steps :] or step_s),
         "losses": losses,
         "bytes_per_step": {k: (after[k] - before.get(k, 0)) / timed for k in after},
-        "tidal_memory": _memory_figure(part),
+        "tidal_memory": predicted,
         "base_rss_bytes": base["rss_bytes"],
         "hwm_rss_after_build_bytes": built["hwm_rss_bytes"],
         "rss_after_warmup_bytes": (after_warmup or end)["rss_bytes"],
@@ -218,9 +220,9 @@ def _memory_figure(part: Any) -> dict[str, Any]:
                 "source": "pipeline memory plan (model data + in-flight activations), "
                 "before the first step"}  # fmt: skip
     stats = _chunk_stats(part)
-    if stats:
-        held = sum(sum(s["model_data_bytes"].values()) + s["min_device_bytes"] for s in stats)
-        return {"bytes": int(held), "kind": "accounting",
-                "source": "chunk store after the first step: model data held + least device "
-                "budget (no prediction before training)"}  # fmt: skip
+    if stats and all(s["device_budget"] is not None for s in stats):
+        bound = sum(sum(s["model_data_bytes"].values()) + s["device_budget"] for s in stats)
+        return {"bytes": int(bound), "kind": "prediction",
+                "source": "chunk store before the first step: model data its tiers hold + its "
+                "device budget (gathered chunks and activations included), a bound"}  # fmt: skip
     return {"bytes": None, "kind": "none", "source": "tidal makes no figure for this composition"}

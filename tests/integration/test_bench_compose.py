@@ -1,6 +1,6 @@
 """``tidal bench compose``'s pure parts: the peers' byte formula, what a failed run means to the
 search ([Note: fits, refused, failed] in benchmarks/compose.py), the rows, ratios, targets and
-tables. Nothing here starts a rank: the runs are stood in for."""
+tables, and one rank's own memory figure. Nothing here starts a rank: the runs are stood in for."""
 
 from __future__ import annotations
 
@@ -203,3 +203,26 @@ def test_quick_changes_only_the_defaults_not_given() -> None:
     assert plain.recipe == "demo" and plain.compositions == ("pp4", "fsdp2")
     assert fixed_depth(plain, [_scale("a", 10), _scale("b", None)]) == 3
     assert fixed_depth(ComposeSettings(layers=7), []) == 7
+
+
+def test_a_chunk_ranks_figure_is_made_before_training_and_bounds_what_its_store_holds(
+    tmp_path: Any,
+) -> None:
+    """[Note: tidal's memory figure]: one chunk stage under a device budget it must evict
+    under; the figure, taken before the first step, is the model data plus the budget, and
+    the store's peaks on both tiers stay within it. (This test trains, in one process.)"""
+    from benchmarks.compose_ranks import _memory_figure
+    from tidal.train import Trainer
+
+    trainer = Trainer("tiny", [f"run_dir={tmp_path}", "engine=chunk", "training.device=cpu",
+                               "data.source=synthetic", "data.synthetic_num_tokens=20000",
+                               "training.steps=3", "memory.device_budget=4MiB"])  # fmt: skip
+    figure = _memory_figure(trainer.part)
+    (held,) = trainer.part.engine.weights.values()
+    before = held.stats()
+    assert figure["kind"] == "prediction" and before["bytes_to_device"] == 0  # nothing ran yet
+    assert figure["bytes"] == sum(before["model_data_bytes"].values()) + 4 * 2**20
+    trainer.fit(progress=False)
+    after = held.stats()
+    assert after["bytes_to_host"] > 0  # the budget made it evict
+    assert after["peak_device_bytes"] + after["peak_host_bytes"] <= figure["bytes"]
