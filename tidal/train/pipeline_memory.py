@@ -318,11 +318,7 @@ def _plan(job: JobConfig, stages: Sequence[PipelineStage], probe: MemoryProbe, *
     sim = simulate(schedule)
     units = measure_units(stages, probe.inputs, probe.targets, probe.block_forward_s)
     weight_bytes = [sum(p.numel() * p.element_size() for p in s.parameters()) for s in stages]
-    per_weight_byte = model_data_per_weight_byte(job)
-    base = [0] * world_size
-    for s, num_bytes in enumerate(weight_bytes):
-        base[schedule.rank_of(s)] += per_weight_byte * num_bytes
-    _check_model_data(job, base, budget)
+    base = _model_data(job, weight_bytes, schedule.rank_of, world_size=world_size, budget=budget)
     host_budget = resolve_budget(job.memory.host_budget, kind=TierKind.HOST, device=device,
                                  key="memory.host_budget")  # fmt: skip
     # [Note: lending]: one stage per rank, a stage lends to any other rank; with virtual stages,
@@ -395,6 +391,18 @@ def _runnable(plan: SaverPlan) -> SaverPlan:
         )
         assert saver is Saver.KEEP or movable, f"a saver on {item}, which training cannot move"
     return plan
+
+
+def _model_data(job: JobConfig, weight_bytes: Sequence[int], rank_of: Callable[[int], int], *,
+                world_size: int, budget: int) -> list[int]:  # fmt: skip
+    """Each rank's model data: its stages' weights, gradients and optimizer state, which no
+    saver moves (checked against the budget for one stage, :func:`_check_model_data`)."""
+    per_weight_byte = model_data_per_weight_byte(job)
+    base = [0] * world_size
+    for s, num_bytes in enumerate(weight_bytes):
+        base[rank_of(s)] += per_weight_byte * num_bytes
+    _check_model_data(job, base, budget)
+    return base
 
 
 def _check_model_data(job: JobConfig, base: Sequence[int], budget: int) -> None:
