@@ -182,7 +182,7 @@ class PipelineStages:
         self.runtime.step = int(extras["global_step"])
 
     def _restore_schedulers(self, state: dict[str, Any] | None) -> None:
-        if state is None:
+        if state is None or not self.schedulers:  # a run's own notes say if they differ
             return
         for scheduler, weights in zip(self.schedulers, self.runtime.weights.values(),
                                       strict=True):  # fmt: skip
