@@ -48,8 +48,8 @@ from benchmarks.dp_systems import TIDAL, Case, missing_reason
 from benchmarks.results import write_results
 from benchmarks.tables import ResultTable
 from tidal.config import format_bytes
+from tidal.parallel.accumulation import rank_rows
 from tidal.train.job import JobConfig
-from tidal.train.trainer import rank_rows
 
 __all__ = [
     "SECTIONS",

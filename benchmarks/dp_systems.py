@@ -48,12 +48,11 @@ from tidal.data import BatchSampler, build_token_splits
 from tidal.distributed import all_reduce_mean
 from tidal.models import build_gpt, gpt_init
 from tidal.models.gpt import GPT
-from tidal.parallel.accumulation import StepCounter
+from tidal.parallel.accumulation import StepCounter, rank_rows
 from tidal.parallel.lr import WarmupCosine
 from tidal.parallel.reference import build_optimizer
 from tidal.train.build import build_engine
 from tidal.train.job import JobConfig, find_recipe, load_job
-from tidal.train.trainer import rank_rows
 
 __all__ = [
     "DEEPSPEED",

@@ -260,13 +260,26 @@ def test_a_plan_and_a_pipeline_are_refused_together(tmp_path: Path) -> None:
     graph = measure_gpt(preset("tiny"), micro_batch=1)
     config = PlannerConfig(pipelines=False, tp=1, pareto=(), baselines=())
     plan = make_plan(graph, ClusterSpec(devices=2), config).plan
-    with pytest.raises(ConfigError, match="--plan: a run on stages .* places its parameters"):
+    with pytest.raises(
+        ConfigError, match="--plan: a plan sets the mesh .* pipeline, parallel.tp or parallel.fsdp2"
+    ):
         Trainer(_job(tmp_path / "both", schedule="1f1b"), plan=plan)
     one_stage = _job(tmp_path / "fsdp2")
     one_stage["parallel"] = {"fsdp2": True}  # no pipeline, but on stages all the same
-    with pytest.raises(ConfigError, match="--plan: a run on stages .* parallel.fsdp2"):
+    with pytest.raises(
+        ConfigError, match="--plan: a plan sets the mesh .* parallel.fsdp2 would do too"
+    ):
         Trainer(one_stage, plan=plan)
     in_chunks = _job(tmp_path / "chunk")
     in_chunks["engine"] = "chunk"  # one chunk stage: refused as the chunk engine always was
     with pytest.raises(ConfigError, match="--plan: .*the chunk engine would do too; drop --plan"):
         Trainer(in_chunks, plan=plan)
+    # what the plan's one stage cannot take, one line each ([Note: plan stages])
+    for section, setting, said in (
+        ("pipeline", {"memory": "recompute"}, "pipeline.memory: a plan chooses what each block"),
+        ("training", {"precision": "fp16"}, "training.precision: a plan run trains in 'fp32' or"),
+    ):
+        job = _job(tmp_path / section)
+        job.setdefault(section, {}).update(setting)
+        with pytest.raises(ConfigError, match=said):
+            Trainer(job, plan=plan)

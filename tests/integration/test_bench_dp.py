@@ -26,9 +26,9 @@ from benchmarks.dp_systems import (
 )
 from tidal.data import BatchSampler, build_token_splits
 from tidal.models import build_gpt
+from tidal.parallel.accumulation import rank_rows
 from tidal.testing import RankFailure, RankOutcome, run_on_ranks
 from tidal.train.job import JobConfig, find_recipe, load_job
-from tidal.train.trainer import rank_rows
 
 
 @pytest.mark.slow

@@ -1,6 +1,6 @@
 """``tidal.Trainer(model, config, train_data=..., loss_fn=...)``: your own model and data get
 the same loop, metrics, checkpoints and exact resume, on the reference and the chunk engine
-([Note: your own model] in tidal/train/engine_part.py)."""
+([Note: your own model] in tidal/train/training_part.py)."""
 
 from __future__ import annotations
 

@@ -16,7 +16,7 @@ from typing import Any
 
 from tidal.config import ConfigError
 
-__all__ = ["StepCounter", "split_rows"]
+__all__ = ["StepCounter", "rank_rows", "split_rows"]
 
 
 @dataclass(kw_only=True, slots=True)
@@ -63,3 +63,12 @@ def split_rows(batch_size: int, *, index: int, parts: int, over: str, fix: str) 
         )
     rows = batch_size // parts
     return slice(index * rows, (index + 1) * rows)
+
+
+def rank_rows(batch_size: int, *, rank: int, world_size: int) -> slice:
+    """Rank ``rank``'s rows of a global batch of ``batch_size`` split over ``world_size``
+    replicas ([Note: global batch] in tidal/train/trainer.py)."""
+    over = (f"{world_size} ranks (it is the global micro-batch; each rank trains on "
+            f"batch_size / world size of its rows)")  # fmt: skip
+    fix = ", or run on a world size that divides it"
+    return split_rows(batch_size, index=rank, parts=world_size, over=over, fix=fix)

@@ -49,7 +49,14 @@ from tidal.planner.check import check_plan
 from tidal.planner.measure import ModelGraph
 from tidal.planner.wiring import meta_twin, structure_graph
 
-__all__ = ["PlanLayout", "check_plan_fits", "load_plan", "plan_rows"]
+__all__ = [
+    "PlanLayout",
+    "build_plan_optimizer",
+    "check_plan_devices",
+    "check_plan_fits",
+    "load_plan",
+    "plan_rows",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -81,6 +88,34 @@ def check_plan_fits(
     """Raise a ConfigError naming ``--plan`` and the fix unless ``plan`` can train ``model`` (on
     the meta device or not) on ``world_size`` ranks with ``seq_len``-token sequences; ``graph``:
     the model's structure graph, traced here when not given."""
+    check_plan_devices(plan, world_size)
+    graph = graph or structure_graph(model, seq_len=seq_len)
+    blocks = {u.count for u in plan.units if "*" in u.name}
+    ours = set(graph.blocks.values())
+    planned = [(u.name, u.kind) for u in plan.units]
+    if not graph.tokens and (plan.seq_len, planned) != (graph.seq_len, _units(graph)):
+        raise ConfigError(
+            "--plan",
+            f"the plan was made for another model ({plan.model!r}: {len(planned)} units, dim 1 "
+            f"of its input {plan.seq_len}); this run's {graph.name!r} has {len(graph.units)} "
+            f"and {graph.seq_len}: make the plan for it with tidal.planner.plan_for(model, "
+            f"inputs, devices={plan.dp * plan.tp})",
+        )
+    if graph.tokens and (plan.seq_len != seq_len or blocks != ours):
+        raise ConfigError(
+            "--plan",
+            f"the plan was made for another model ({plan.model!r}: {_join(blocks)} blocks, "
+            f"{plan.seq_len}-token sequences); this run's has {_join(ours)} blocks and "
+            f"{seq_len}-token sequences: make the plan for it with {_MAKE_PLAN}",
+        )
+    try:
+        check_plan(model, plan, graph=graph)
+    except ValueError as err:
+        raise ConfigError("--plan", str(err)) from None
+
+
+def check_plan_devices(plan: Plan, world_size: int) -> None:
+    """A ConfigError naming ``--plan`` unless ``world_size`` ranks are the plan's ``dp x tp``."""
     devices = plan.dp * plan.tp
     if devices != world_size:
         ranks, other = "1 rank is", ""
@@ -94,29 +129,6 @@ def check_plan_fits(
             f"the plan is for {devices} devices (dp {plan.dp} x tp {plan.tp}) but {ranks} "
             f"running; run with --nproc {devices}{other}",
         )
-    graph = graph or structure_graph(model, seq_len=seq_len)
-    blocks = {u.count for u in plan.units if "*" in u.name}
-    ours = set(graph.blocks.values())
-    planned = [(u.name, u.kind) for u in plan.units]
-    if not graph.tokens and (plan.seq_len, planned) != (graph.seq_len, _units(graph)):
-        raise ConfigError(
-            "--plan",
-            f"the plan was made for another model ({plan.model!r}: {len(planned)} units, dim 1 "
-            f"of its input {plan.seq_len}); this run's {graph.name!r} has {len(graph.units)} "
-            f"and {graph.seq_len}: make the plan for it with tidal.planner.plan_for(model, "
-            f"inputs, devices={devices})",
-        )
-    if graph.tokens and (plan.seq_len != seq_len or blocks != ours):
-        raise ConfigError(
-            "--plan",
-            f"the plan was made for another model ({plan.model!r}: {_join(blocks)} blocks, "
-            f"{plan.seq_len}-token sequences); this run's has {_join(ours)} blocks and "
-            f"{seq_len}-token sequences: make the plan for it with {_MAKE_PLAN}",
-        )
-    try:
-        check_plan(model, plan, graph=graph)
-    except ValueError as err:
-        raise ConfigError("--plan", str(err)) from None
 
 
 def _units(graph: ModelGraph) -> list[tuple[str, str]]:
@@ -153,7 +165,9 @@ def _by_mesh(tensors: list[Any]) -> list[list[Any]]:
     return list(found.values())
 
 
-def _build_optimizer(model: nn.Module, config: OptimizerConfig, lr: float) -> torch.optim.Optimizer:
+def build_plan_optimizer(
+    model: nn.Module, config: OptimizerConfig, lr: float
+) -> torch.optim.Optimizer:
     """The reference engine's optimizer, each group split by mesh ([Note: one mesh per list])."""
     optimizer = build_optimizer(model, config, lr)
     groups, optimizer.param_groups = optimizer.param_groups, []
@@ -246,7 +260,7 @@ class PlanLayout:
 
     def build_optimizer(self, model: nn.Module, config: OptimizerConfig,
                         lr: float) -> torch.optim.Optimizer:  # fmt: skip
-        return _build_optimizer(model, config, lr)
+        return build_plan_optimizer(model, config, lr)
 
     def before_backward(self, model: nn.Module, *, boundary: bool) -> None:
         set_accumulating(model, not boundary)

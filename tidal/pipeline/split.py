@@ -62,6 +62,7 @@ __all__ = [
     "even_ranges",
     "split_parts",
     "tied_parameters",
+    "whole_model_stage",
     "validate_block_ranges",
 ]
 
@@ -151,8 +152,12 @@ class PipelineStage(nn.Module):
         block_inputs: nn.Module | None = None,
         first_block: int = 0,
         loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+        model_loss: bool = False,
     ) -> None:
+        """``model_loss``: the one layer is a whole model that takes the targets and returns
+        its loss (:func:`whole_model_stage`)."""
         super().__init__()
+        assert not model_loss or (len(layers) == 1 and embed is head is None), "one whole model"
         self.stage_index = stage_index
         self.num_stages = num_stages
         self.is_first = stage_index == 0
@@ -163,6 +168,7 @@ class PipelineStage(nn.Module):
         self.head = head
         self.block_inputs = block_inputs  # each stage recomputes what its blocks take
         self.loss_fn = loss_fn  # the last stage's; None: [Note: loss convention]
+        self.model_loss = model_loss
         self.source_names: dict[str, str] = {}
         self.source_buffers: dict[str, str] = {}  # the persistent buffers' model names
 
@@ -171,6 +177,8 @@ class PipelineStage(nn.Module):
         return (self.first_block, self.first_block + len(self.layers))
 
     def forward(self, x: torch.Tensor, targets_BT: torch.Tensor | None = None) -> torch.Tensor:
+        if self.model_loss:
+            return self.layers[0](x, targets_BT)
         x_BTD = self.embed(x) if self.embed is not None else x
         kwargs = self.block_inputs(x_BTD) if self.block_inputs is not None else {}
         for layer in self.layers:
@@ -276,6 +284,24 @@ def split_parts(
         # in-stage one (see [Note: tied embeddings across stages]).
         stages.append(copy.deepcopy(shell))
     return stages
+
+
+def whole_model_stage(
+    model: nn.Module,
+    *,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None,
+) -> PipelineStage:
+    """``model`` as the one stage of a schedule, itself and not a copy (a transform that hooks
+    into the model's own forward, a plan's layout, stays in force): the loss is ``loss_fn(
+    model(x), targets)``, or with no ``loss_fn`` ``model(x, targets)`` (tidal's GPT takes its
+    own)."""
+    stage = PipelineStage(stage_index=0, num_stages=1, embed=None, layers=[model], head=None,
+                          loss_fn=loss_fn, model_loss=loss_fn is None)  # fmt: skip
+    state_names = set(model.state_dict())
+    stage.source_names = {f"layers.0.{name}": name for name, _ in model.named_parameters()}
+    stage.source_buffers = {f"layers.0.{name}": name for name, _ in model.named_buffers()
+                            if name in state_names}  # fmt: skip
+    return stage
 
 
 def tied_parameters(

@@ -36,7 +36,8 @@ def pipeline(stages: Sequence[PipelineStage], *, config: PipelineConfig, optimiz
              lending: Lending | None = None,
              chunks: ChunkStageConfig | None = None, fsdp2: bool = False,
              fsdp2_offload: bool = False,
-             torch_optimizer: TorchOptimizer | None = None) -> PipelineRuntime:  # fmt: skip
+             torch_optimizer: TorchOptimizer | None = None,
+             planned: bool = False) -> PipelineRuntime:  # fmt: skip
     """Train ``stages`` (all of the model's, in order; ``block_ranges``: the blocks of each) as
     a pipeline over ``mesh["pp"]`` under ``config``'s schedule: the rank at pipeline position
     ``r`` of ``p`` keeps stages ``r, r + p, ...`` (each with its own optimizer and, for
@@ -54,7 +55,8 @@ def pipeline(stages: Sequence[PipelineStage], *, config: PipelineConfig, optimiz
     rank too). With ``mesh["tp"]`` of several ranks each stage's blocks are split over them
     first ([Note: tensor-parallel stages] in tidal/parallel/tensor_stage.py).
     ``torch_optimizer``: yours, one per plain stage, at its own rates ([Note: your optimizer]
-    in tidal/train/user_optim.py)."""
+    in tidal/train/user_optim.py). ``planned``: the one stage is a model a plan laid out on
+    ``mesh["dp"]`` and ``mesh["tp"]`` ([Note: plan stages] in tidal/runtime/plan_weights.py)."""
     versions = {"pipedream": WeightMode.STASH, "2bw": WeightMode.TWO_VERSIONS}
     tied = tied_parameters(stages)
     rank, world_size = mesh.get_local_rank("pp"), mesh["pp"].size()
@@ -84,7 +86,7 @@ def pipeline(stages: Sequence[PipelineStage], *, config: PipelineConfig, optimiz
                          optimizer=optimizer, weights=weights, precision=training.precision,
                          lr=first_lr, microbatches=microbatches, chunks=chunks, fsdp2=fsdp2,
                          fsdp2_offload=fsdp2_offload,
-                         torch_optimizer=torch_optimizer)  # fmt: skip
+                         torch_optimizer=torch_optimizer, planned=planned)  # fmt: skip
     return PipelineRuntime(
         runtime,
         stages=mine,
@@ -102,14 +104,18 @@ def stage_params(mine: Sequence[nn.Module], mesh: DeviceMesh, schedule: Schedule
                   precision: str, lr: float, microbatches: int,
                   chunks: ChunkStageConfig | None, fsdp2: bool,
                   fsdp2_offload: bool,
-                  torch_optimizer: TorchOptimizer | None = None) -> list[StageParams]:  # fmt: skip
+                  torch_optimizer: TorchOptimizer | None = None,
+                  planned: bool = False) -> list[StageParams]:  # fmt: skip
     """What holds each of this rank's stages' parameters ([Note: the stage-parameter
     protocol]): tensor-parallel weights, chunks, FSDP2 shards, or plain replicas; the one
     choice, for a pipeline's stages and for a model of one stage (tidal.initialize's
     StageEngine). ``schedule``: one step of the run's, which decides what the stages must
     support. ``torch_optimizer``: yours, which only plain replicas take (the Trainer maps a
-    torch class onto ``optimizer`` for the others: [Note: your optimizer])."""
+    torch class onto ``optimizer`` for the others: [Note: your optimizer]). ``planned``: a
+    model a plan laid out, the one stage ([Note: plan stages])."""
     dp_group = mesh.get_group("dp")
+    if planned:
+        return _planned_stage(mine, schedule, optimizer, weights, precision, lr, microbatches)
     if torch_optimizer is not None:
         assert mesh["tp"].size() == 1 and chunks is None and not fsdp2, "user_optim's refusal"
         return [_your_optimizer_stage(s, torch_optimizer, optimizer, weights, precision,
@@ -182,3 +188,16 @@ def _your_optimizer_stage(stage: nn.Module, yours: TorchOptimizer, optimizer: Op
     return StageWeights(
         stage, made, weights, precision=precision, dp_group=dp_group, own_rates=True
     )
+
+
+def _planned_stage(mine: Sequence[nn.Module], schedule: Schedule, optimizer: OptimizerConfig,
+                   weights: AsyncConfig, precision: str, lr: float,
+                   microbatches: int) -> list[StageParams]:  # fmt: skip
+    """The model a plan laid out, whose optimizer goes over its shards mesh by mesh."""
+    from tidal.parallel.plan_layout import build_plan_optimizer  # DTensor: plan runs only
+    from tidal.runtime.plan_weights import PlanStageWeights
+
+    assert schedule.num_stages == 1 and not schedule.asynchronous and len(mine) == 1, "a plan's"
+    (stage,) = mine
+    return [PlanStageWeights(stage, build_plan_optimizer(stage, optimizer, lr), weights,
+                             precision=precision, microbatches_per_step=microbatches)]  # fmt: skip

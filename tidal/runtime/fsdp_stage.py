@@ -34,7 +34,7 @@ from tidal.parallel.stage_params import whole
 from tidal.parallel.tensor_stage import tensor_grad_squares
 from tidal.runtime.weights import StageWeights
 
-__all__ = ["Fsdp2StageWeights", "fsdp2_stage", "reshard_stage"]
+__all__ = ["Fsdp2StageWeights", "fsdp2_stage", "reshard_stage", "set_share"]
 
 
 def fsdp2_stage(module: nn.Module, dp_mesh: DeviceMesh, *, offload: bool = False) -> nn.Module:
@@ -55,8 +55,9 @@ def fsdp2_stage(module: nn.Module, dp_mesh: DeviceMesh, *, offload: bool = False
 def reshard_stage(module: nn.Module) -> None:
     """Back to the shards after a forward without a backward (validation), which leaves the
     stage's own parameters gathered; nothing for a stage FSDP2 did not shard."""
-    if isinstance(module, FSDPModule):
-        module.reshard()
+    for sharded in module.modules():  # a plan's model is its stage's one layer
+        if isinstance(sharded, FSDPModule):
+            sharded.reshard()
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -101,9 +102,15 @@ class Fsdp2StageWeights(StageWeights):
         """This rank's shard of ``value`` (whole, the same on every replica: no collective)."""
         grad = super().gradient(name)
         assert grad is not None, f"{name} has no gradient to replace"
-        if not isinstance(grad, DTensor):
-            grad.copy_(value)
-            return
-        share = distribute_tensor(value.to(grad.device), grad.device_mesh, grad.placements,
-                                  src_data_rank=None)  # fmt: skip
-        grad.to_local().copy_(share.to_local())
+        set_share(grad, value)
+
+
+def set_share(grad: torch.Tensor, value: torch.Tensor) -> None:
+    """This rank's share of ``value`` (whole, the same on every rank: no collective) into
+    ``grad``, a DTensor or a plain tensor."""
+    if not isinstance(grad, DTensor):
+        grad.copy_(value)
+        return
+    share = distribute_tensor(value.to(grad.device), grad.device_mesh, grad.placements,
+                              src_data_rank=None)  # fmt: skip
+    grad.to_local().copy_(share.to_local())

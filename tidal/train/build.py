@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from tidal.config import ConfigError
+from tidal.config import ConfigError, require
 from tidal.data import BatchSampler, build_token_splits
 from tidal.memory.materialize import ParameterValues
 from tidal.parallel.protocol import Engine, TrainingEngine
@@ -27,8 +27,8 @@ __all__ = [
     "build_engine",
     "build_samplers",
     "check_plan_job",
+    "check_plan_settings",
     "refuse_chunk_engine",
-    "refuse_plan_on_stages",
 ]
 
 
@@ -74,7 +74,7 @@ def check_plan_job(plan: Plan, job: JobConfig, *, model: nn.Module, world_size: 
     device (its spec builds it: this layer builds no model)."""
     from tidal.parallel.plan_layout import check_plan_fits, plan_rows  # DTensor: plan runs only
 
-    refuse_chunk_engine(job)
+    check_plan_settings(job)
     check_plan_fits(plan, model, world_size=world_size, seq_len=job.model.resolve().seq_len)
     plan_rows(job.training.batch_size, plan, rank=0)
 
@@ -89,11 +89,27 @@ def refuse_chunk_engine(job: JobConfig) -> None:
         )
 
 
-def refuse_plan_on_stages(job: JobConfig) -> None:
-    """A plan places the parameters, which stages do themselves ([Note: one train step])."""
-    refuse_chunk_engine(job)  # a model in chunks runs on stages: said as the engine said it
-    raise ConfigError("--plan", "a run on stages (a pipeline, parallel.tp or parallel.fsdp2) "
-                      "places its parameters itself; drop --plan or those settings")  # fmt: skip
+def check_plan_settings(job: JobConfig) -> None:
+    """What of the job a plan run refuses, one line each naming the fix: a plan sets the mesh
+    and lays the model out on it, which the job's own pipeline, tensor parallelism, FSDP2 or
+    chunks would do too ([Note: plan stages] in tidal/runtime/plan_weights.py)."""
+    refuse_chunk_engine(job)  # said as the chunk engine said it
+    if job.needs_stages:
+        raise ConfigError("--plan", "a plan sets the mesh and places the parameters, which the "
+                          "job's pipeline, parallel.tp or parallel.fsdp2 would do too; drop "
+                          "--plan or those settings")  # fmt: skip
+    if job.training.precision == "fp16":
+        raise ConfigError(
+            "training.precision",
+            "a plan run trains in 'fp32' or 'bf16' (fp16's loss scaling is not wired to "
+            "sharded gradients); use 'bf16'",
+        )
+    require(job.pipeline.memory == "none", "pipeline.memory",
+            "a plan chooses what each block recomputes itself; drop pipeline.memory or "
+            "--plan")  # fmt: skip
+    require(not job.pipeline.asynchronous, "pipeline.schedule",
+            f"a plan runs one synchronous stage, not {job.pipeline.schedule}; drop "
+            f"pipeline.schedule or --plan")  # fmt: skip
 
 
 def build_samplers(job: JobConfig) -> tuple[BatchSampler, BatchSampler]:

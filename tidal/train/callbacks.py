@@ -47,7 +47,7 @@ def describe_start(trainer: Any, *, start_step: int) -> str:
         held = "chunk stage" if job.engine == "chunk" else "stage"
         engine = f"one {held} on {job.parallel.resolve(trainer.world_size)}"
     model = job.model.hf_config or job.model.factory or job.model.preset
-    if trainer.user_model is not None:  # [Note: your own model] in engine_part.py
+    if trainer.user_model is not None:  # [Note: your own model] in training_part.py
         model = f"your {type(trainer.user_model).__name__}"
     unit = "rows" if trainer.tokens_per_row == 1 else "tokens"
     return (

@@ -36,7 +36,7 @@ class CheckpointConfig:
 @dataclass(kw_only=True, slots=True)
 class CustomConfig:
     """Your own model and data from a recipe ([Note: your own model] in
-    tidal/train/engine_part.py), in place of ``[model]`` and ``[data]``.
+    tidal/train/training_part.py), in place of ``[model]`` and ``[data]``.
 
     Attributes:
         factory: "package.module:function" taking no arguments and returning ``(model,

@@ -17,9 +17,9 @@ from torch import nn
 from tidal.config import ConfigError
 from tidal.parallel.chunk_stage import ChunkStageParams
 from tidal.parallel.flat_state import flat_optimizer_state, index_names, unflatten_optimizer_state
-from tidal.parallel.protocol import Checkpointable, CheckpointTensors, LoadTensors
+from tidal.parallel.protocol import CheckpointTensors, LoadTensors
 
-__all__ = ["PipelineStages", "ReadsPipelines"]
+__all__ = ["PipelineStages"]
 
 
 # [Note: pipeline checkpoints]
@@ -34,11 +34,9 @@ __all__ = ["PipelineStages", "ReadsPipelines"]
 # versions and measured delays (PipeMare), is one opaque tensor per stage,
 # ``pipeline/stage-<s>``. The extras record the schedule and split; a synchronous pipeline
 # resumes on any other ([Note: resuming on another split]), an asynchronous one on its own
-# only. An engine resumes from it too (:class:`ReadsPipelines`): it takes the model and
-# optimizer keys as from any checkpoint, the stages' step counts from their own tensors, and
-# leaves the weight versions behind, which only a pipeline has. The other way, a synchronous
-# pipeline resumes from an engine's checkpoint as from another split; an asynchronous one refuses
-# it, having no weight versions to resume its stages from.
+# only. A synchronous pipeline resumes from an engine's checkpoint (written by tidal.initialize's
+# engines, or by a Trainer before every run was on stages) as from another split; an
+# asynchronous one refuses it, having no weight versions to resume its stages from.
 
 
 def _buffers_of(module: nn.Module) -> dict[str, str]:
@@ -252,41 +250,6 @@ def _restore_chunk_stage(module: nn.Module, weights: ChunkStageParams, source: d
     engine.load_state_dict({"model": model, "optimizer": optimizer, "global_step": step,
                             "micro_step": 0})  # fmt: skip
     weights.load_state_dict(own["weights"])
-
-
-class ReadsPipelines:
-    """An engine's :class:`~tidal.parallel.protocol.Checkpointable` that also resumes from a
-    pipeline's checkpoint ([Note: pipeline checkpoints]); ``grad_accum_steps``: the engine's."""
-
-    def __init__(self, engine: Checkpointable, *, grad_accum_steps: int) -> None:
-        self.engine = engine
-        self.grad_accum_steps = grad_accum_steps
-
-    def checkpoint_state(self) -> CheckpointTensors:
-        return self.engine.checkpoint_state()
-
-    def restore_checkpoint(
-        self, load: LoadTensors, extras: dict[str, Any], meta: dict[str, Any]
-    ) -> None:
-        if "split" in extras:  # a pipeline wrote it
-            extras = self._engine_extras(load, extras, meta)
-        self.engine.restore_checkpoint(load, extras, meta)
-
-    def _engine_extras(
-        self, load: LoadTensors, extras: dict[str, Any], meta: dict[str, Any]
-    ) -> dict[str, Any]:
-        """What an engine's extras hold, from a pipeline's: the step counters and every stage's
-        optimizer step counts (in the stages' own tensors)."""
-        numels = meta["numels"]
-        targets = {key: torch.empty(numels[key], dtype=torch.uint8)
-                   for key in numels if key.startswith("pipeline/stage-")}  # fmt: skip
-        load(targets)
-        steps: dict[str, float] = {}
-        for tensor in targets.values():
-            steps.update(_from_bytes(tensor)["optimizer_steps"])
-        step = int(extras["global_step"])  # checkpoints close an accumulation window
-        return {"global_step": step, "micro_step": step * self.grad_accum_steps,
-                "optimizer_steps": steps}  # fmt: skip
 
 
 def _split(split: dict[str, Any]) -> str:

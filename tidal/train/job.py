@@ -109,20 +109,21 @@ class JobConfig:
         return self.parallel.pp > 1
 
     # [Note: one train step]
-    # A run without a plan trains on stages. The parameters of each stage are held by a
+    # Every run of the Trainer trains on stages. The parameters of each stage are held by a
     # transform behind the stage-parameter protocol (plain replicas, chunks, FSDP2 shards,
-    # tensor-parallel shares: tidal/runtime/build.py picks it) and one step drives them all
-    # (tidal/runtime/executor.py: every microbatch's forward and backward; tidal/runtime/
-    # update.py: each dp group's reduction once, the tied sum, the global norm over the mesh,
-    # the loss scaler, the clip; then the update). A model of one stage is a schedule of one
-    # stage, one process in a group of its own ([Note: a group of one] in tidal/distributed/
-    # env.py), any module one block ([Note: sequential pipelines]): ``engine = "reference"``
-    # is plain replicas (your torch optimizer and scheduler included), ``"chunk"`` chunks
-    # (ZeRO-3 over ``--nproc N``), ``--mesh tp=2`` and ``parallel.fsdp2`` their DTensors. Still
-    # owning its step: a plan run (the reference engine in the plan's layout), and the engines
-    # behind tidal.initialize, whose reference engine is the parity baseline every test of a
-    # stage compares with (tidal.initialize composes stages for tp and FSDP2: [Note: one model
-    # on stages] in tidal/runtime/stage_engine.py).
+    # tensor-parallel shares, a plan's layout: tidal/runtime/build.py picks it) and one step
+    # drives them all (tidal/runtime/executor.py: every microbatch's forward and backward;
+    # tidal/runtime/update.py: each dp group's reduction once, the tied sum, the global norm
+    # over the mesh, the loss scaler, the clip; then the update). A model of one stage is a
+    # schedule of one stage, one process in a group of its own ([Note: a group of one] in
+    # tidal/distributed/env.py), any module one block ([Note: sequential pipelines]):
+    # ``engine = "reference"`` is plain replicas (your torch optimizer and scheduler
+    # included), ``"chunk"`` chunks (ZeRO-3 over ``--nproc N``), ``--mesh tp=2`` and
+    # ``parallel.fsdp2`` their DTensors, ``--plan`` the model the plan lays out on its ``dp x
+    # tp`` mesh ([Note: plan stages] in tidal/runtime/plan_weights.py). Still owning their
+    # step: the engines behind tidal.initialize, whose reference engine is the parity baseline
+    # every test of a stage compares with (tidal.initialize composes stages for tp and FSDP2:
+    # [Note: one model on stages] in tidal/runtime/stage_engine.py).
     @property
     def needs_stages(self) -> bool:
         """Whether the config asks for what only stages do ([Note: one train step]): a

@@ -175,14 +175,15 @@ class MemoryProbe:
 
 def plan_pipeline_memory(job: JobConfig, stages: Sequence[PipelineStage], *, mine: Sequence[int],
                          rank: int, world_size: int, device: torch.device,
-                         probe: MemoryProbe | None) -> PipelineMemory:  # fmt: skip
+                         probe: MemoryProbe | None, planned: bool = False) -> PipelineMemory:  # fmt: skip
     """[Note: pipeline memory] for this rank's stages ``mine`` of ``stages`` (all of them);
-    ``probe``: what to measure them on (needed with a device budget)."""
+    ``probe``: what to measure them on (needed with a device budget). ``planned``: the stage
+    is a model a plan laid out, which chose its recomputation itself: no savers."""
     pipe, mode = job.pipeline, job.pipeline.memory
     budget = resolve_budget(job.memory.device_budget, kind=TierKind.DEVICE, device=device,
                             key="memory.device_budget")  # fmt: skip
-    if job.engine == "chunk":  # chunk stages' stores hold the budget ([Note: chunk stages])
-        budget = None
+    if job.engine == "chunk" or planned:  # chunk stages' stores hold the budget ([Note: chunk
+        budget = None  # stages]); a plan was priced against its device's
     if budget is None and mode in ("auto", "peer"):
         raise ConfigError("pipeline.memory", f"{mode!r} plans against memory.device_budget; set "
                           "it (each rank's bytes, e.g. 2GiB)")  # fmt: skip

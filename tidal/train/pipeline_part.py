@@ -44,7 +44,7 @@ checkpoints that resume.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -68,7 +68,7 @@ from tidal.pipeline.sequential import (
     sequential_parts,
     sequential_values,
 )
-from tidal.pipeline.split import even_ranges, split_parts
+from tidal.pipeline.split import PipelineStage, even_ranges, split_parts
 from tidal.pipeline.stage_init import materialize_stages
 from tidal.runtime.build import pipeline
 from tidal.runtime.eval import evaluate_stages
@@ -81,7 +81,11 @@ from tidal.train.pipeline_memory import (
     model_data_per_weight_byte,
     plan_pipeline_memory,
 )
+from tidal.train.plan_stage import plan_dims, planned_stage
 from tidal.train.tiers import CHUNK_FIGURES, StepTiers
+
+if TYPE_CHECKING:
+    from tidal.planner import Plan
 
 # the running counters of PipelineMemory.counters a step's record gives as that step's bytes
 _MOVED = ("to_host_bytes", "lent_bytes")
@@ -288,53 +292,39 @@ class PipelinePart:
         loss_fn: LossFn | None = None,
         sample: tuple[torch.Tensor, torch.Tensor] | None = None,
         torch_optimizer: TorchOptimizer | None = None,
+        plan: Plan | None = None,
     ) -> None:
         """``model``: your own (an ``nn.Sequential``, with ``loss_fn`` and a ``sample`` batch,
         inputs and targets, to profile it on), else the job's ``[model]``. ``torch_optimizer``:
-        yours, on plain stages ([Note: your optimizer] in tidal/train/user_optim.py)."""
+        yours, on plain stages ([Note: your optimizer] in tidal/train/user_optim.py). ``plan``:
+        the model laid out as ``tidal plan`` said, the one stage of its ``dp x tp`` mesh
+        ([Note: plan stages] in tidal/runtime/plan_weights.py); with your model, ``sample``'s
+        inputs are this rank's rows it is traced on."""
         self.job = job
         training, pipe = job.training, job.pipeline
         self.device = device
-        check_pipeline_job(job, world_size=world_size, model=model)
-        self.dims = job.parallel.resolve(world_size)
+        if plan is None:
+            check_pipeline_job(job, world_size=world_size, model=model)
+            self.dims = job.parallel.resolve(world_size)
+        else:
+            self.dims = plan_dims(plan, world_size)
         self.mesh = self.dims.build_mesh(device.type)  # [Note: one mesh] in tidal/parallel/dims.py
         pp_rank, pp_size = self.mesh.get_local_rank("pp"), self.dims.pp
         self.dp_rank = self.mesh.get_local_rank("dp")
-        budgeted = job.memory.device_budget is not None and job.engine == "reference"
-        probe = None
-        # [Note: stages from the meta device]: the model stays on the meta device; only this
-        # rank's stages get storage
-        if model is None:
-            spec = spec_for(job.model.resolve_structured())
-            model = spec.build(device="meta")
-            self.num_params = spec.num_params(model)
-            self.flops_per_token: float | None = spec.flops_per_token(model)
-            self.ranges = block_ranges(job)
-            self.stage_ids = list(range(pp_rank, len(self.ranges), pp_size))
-            stages = build_stages(spec, model, self.ranges, mine=self.stage_ids, device=device,
-                                  seed=training.seed)  # fmt: skip
-            probe = _spec_probe(job, device) if budgeted else None
+        if plan is not None:
+            made = planned_stage(job, plan, device=device, mesh=self.mesh, world_size=world_size,
+                                 model=model, loss_fn=loss_fn,
+                                 inputs=None if sample is None else (sample[0].to(device),))  # fmt: skip
+            stages, layout, probe = [made.stage], made.layout, None
+            self.num_params = made.num_params
+            self.flops_per_token: float | None = made.flops_per_token
+            self.ranges: tuple[tuple[int, int], ...] = (made.block_range,)
+            self.stage_ids = [0]
         else:
-            assert loss_fn is not None and sample is not None
-            model = model if is_meta(model) else model.to(device)
-            self.num_params = sum(p.numel() for p in model.parameters())
-            self.flops_per_token = None  # a model tidal did not write: FLOPs unknown
-            inputs, targets = (t.to(device) for t in sample)
-            # [Note: sequential pipelines]: another module is one block on one stage
-            self.ranges = (sequential_ranges(job, model, inputs)
-                           if isinstance(model, nn.Sequential) else ((0, 1),))  # fmt: skip
-            self.stage_ids = list(range(pp_rank, len(self.ranges), pp_size))
-            stages = split_parts(model, sequential_parts(model, loss_fn), self.ranges)
-            if is_meta(model):  # [Note: sequential pipelines]
-                values = sequential_values(model, training.seed)
-                materialize_stages(stages, self.stage_ids, values, device)
-            one = model if isinstance(model, nn.Sequential) else nn.Sequential(model)
-            probe = _sequential_probe(job, one, inputs, targets) if budgeted else None
-        layout = model_layout(model, {n: t.shape for n, t in model.state_dict().items()})
-        del model
+            stages, layout, probe = self._stages(model, loss_fn, sample, pp_rank=pp_rank)
         self.memory = plan_pipeline_memory(job, stages, mine=self.stage_ids, rank=pp_rank,
                                            world_size=pp_size, device=device,
-                                           probe=probe)  # fmt: skip
+                                           probe=probe, planned=plan is not None)  # fmt: skip
         self.lr = lr_schedule(job.optimizer, training)
         self.engine = pipeline(stages, config=pipe, optimizer=job.optimizer, training=training,
                                block_ranges=self.ranges, num_microbatches=job.num_microbatches,
@@ -343,7 +333,9 @@ class PipelinePart:
                                chunks=_chunk_stages(job, device),
                                fsdp2=job.parallel.fsdp2,
                                fsdp2_offload=job.parallel.fsdp2_offload,
-                               torch_optimizer=torch_optimizer)  # fmt: skip
+                               torch_optimizer=torch_optimizer,
+                               planned=plan is not None)  # fmt: skip
+        self.plan = plan
         # your scheduler, one per stage, stepped after each of its updates
         make_scheduler = None if torch_optimizer is None else torch_optimizer.schedule
         self.schedulers = [] if make_scheduler is None else [
@@ -356,6 +348,45 @@ class PipelinePart:
         split = {"schedule": pipe.schedule, "block_ranges": [list(r) for r in self.ranges]}
         self.checkpointable = PipelineStages(self.engine, layout, split,
                                              schedulers=self.schedulers)  # fmt: skip
+
+    def _stages(self, model: nn.Module | None, loss_fn: LossFn | None,
+                sample: tuple[torch.Tensor, torch.Tensor] | None, *,
+                pp_rank: int) -> tuple[list[PipelineStage], dict[str, Any], MemoryProbe | None]:  # fmt: skip
+        """All the model's stages, this rank's with storage; the checkpoint layout of the whole
+        model; what the savers' plan measures the stages on (with a device budget)."""
+        job, device, training = self.job, self.device, self.job.training
+        budgeted = job.memory.device_budget is not None and job.engine == "reference"
+        probe = None
+        # [Note: stages from the meta device]: the model stays on the meta device; only this
+        # rank's stages get storage
+        if model is None:
+            spec = spec_for(job.model.resolve_structured())
+            model = spec.build(device="meta")
+            self.num_params = spec.num_params(model)
+            self.flops_per_token = spec.flops_per_token(model)
+            self.ranges = block_ranges(job)
+            self.stage_ids = list(range(pp_rank, len(self.ranges), self.dims.pp))
+            stages = build_stages(spec, model, self.ranges, mine=self.stage_ids, device=device,
+                                  seed=training.seed)  # fmt: skip
+            probe = _spec_probe(job, device) if budgeted else None
+        else:
+            assert loss_fn is not None and sample is not None
+            model = model if is_meta(model) else model.to(device)
+            self.num_params = sum(p.numel() for p in model.parameters())
+            self.flops_per_token = None  # a model tidal did not write: FLOPs unknown
+            inputs, targets = (t.to(device) for t in sample)
+            # [Note: sequential pipelines]: another module is one block on one stage
+            self.ranges = (sequential_ranges(job, model, inputs)
+                           if isinstance(model, nn.Sequential) else ((0, 1),))  # fmt: skip
+            self.stage_ids = list(range(pp_rank, len(self.ranges), self.dims.pp))
+            stages = split_parts(model, sequential_parts(model, loss_fn), self.ranges)
+            if is_meta(model):  # [Note: sequential pipelines]
+                values = sequential_values(model, training.seed)
+                materialize_stages(stages, self.stage_ids, values, device)
+            one = model if isinstance(model, nn.Sequential) else nn.Sequential(model)
+            probe = _sequential_probe(job, one, inputs, targets) if budgeted else None
+        layout = model_layout(model, {n: t.shape for n, t in model.state_dict().items()})
+        return stages, layout, probe
 
     @property
     def global_step(self) -> int:
@@ -491,7 +522,15 @@ class PipelinePart:
             + (f" tensor-parallel stages (tp{self.dims.tp})" if self.dims.tp > 1 else ""),
         }
         held = list(self.engine.weights.values())
-        if self.dims.pp == 1 and all(type(w) is StageWeights for w in held):
+        if self.plan is not None:  # the plan's figures and name, as the plan engine gave them
+            summary["engine"], summary["mesh"] = "plan", f"dp {self.plan.dp} x tp {self.plan.tp}"
+            from tidal.runtime.plan_weights import local_nbytes  # DTensor: plan runs only
+
+            (planned,) = held
+            summary["model_data_bytes"] = model_data_bytes(
+                _plain(planned).module, _plain(planned).optimizer, nbytes=local_nbytes
+            )
+        elif self.dims.pp == 1 and all(type(w) is StageWeights for w in held):
             # the whole model in plain replicas: the reference engine's figures and name
             (plain,) = held
             assert isinstance(plain, StageWeights)

@@ -1,7 +1,7 @@
 """The training loop: a JobConfig in, a trained model, metrics, checkpoints and a summary out.
 
-The Trainer composes the parts (model, token source, and what trains: stages, or a plan's
-engine, behind one interface in engine_part.py) and owns only the loop, the run folder,
+The Trainer composes the parts (model, token source, and what trains: the stages of the one
+train step, behind the interface in training_part.py) and owns only the loop, the run folder,
 checkpoints (checkpoint.py), resumption and the summary; callbacks present them.
 
 [Note: exact resume]
@@ -56,9 +56,7 @@ from tidal.distributed.device import (
 )
 from tidal.distributed.faults import maybe_inject
 from tidal.models import spec_for
-from tidal.parallel.accumulation import split_rows
-from tidal.parallel.reference import ReferenceEngine
-from tidal.train.build import build_engine, build_samplers, refuse_plan_on_stages
+from tidal.train.build import build_samplers, check_plan_settings
 from tidal.train.callbacks import Callback, LogCallback, ProgressLine
 from tidal.train.checkpoint import (
     IDENTITY,
@@ -66,13 +64,6 @@ from tidal.train.checkpoint import (
     load_checkpoint,
 )
 from tidal.train.checkpoint import save_checkpoint as write_checkpoint
-from tidal.train.engine_part import (
-    LOSSES,
-    EnginePart,
-    TrainingPart,
-    custom_run,
-    user_model_and_job,
-)
 from tidal.train.integrity import choose_checkpoint
 from tidal.train.interrupts import Interrupted, StopFlag
 from tidal.train.job import JobConfig
@@ -87,6 +78,12 @@ from tidal.train.run_dir import agree, check_one_run_dir, check_run_dir
 from tidal.train.same_data import check_same_data
 from tidal.train.summary import all_ranks_peak, run_summary
 from tidal.train.tensorboard import TensorBoardWriter, check_tensorboard
+from tidal.train.training_part import (
+    LOSSES,
+    TrainingPart,
+    custom_run,
+    user_model_and_job,
+)
 from tidal.train.user_optim import (
     OptimizerArg,
     describe,
@@ -98,7 +95,7 @@ from tidal.train.user_optim import (
 if TYPE_CHECKING:
     from tidal.planner import Plan
 
-__all__ = ["Callback", "LogCallback", "ProgressLine", "Trainer", "rank_rows"]
+__all__ = ["Callback", "LogCallback", "ProgressLine", "Trainer"]
 
 logger = logging.getLogger(__name__)
 
@@ -106,26 +103,17 @@ logger = logging.getLogger(__name__)
 Sampler = BatchSampler | DataBatches
 
 
-def rank_rows(batch_size: int, *, rank: int, world_size: int) -> slice:
-    """Rank ``rank``'s rows of a global batch of ``batch_size``; see [Note: global batch]."""
-    over = (f"{world_size} ranks (it is the global micro-batch; each rank trains on "
-            f"batch_size / world size of its rows)")  # fmt: skip
-    fix = ", or run on a world size that divides it"
-    return split_rows(batch_size, index=rank, parts=world_size, over=over, fix=fix)
-
-
 class Trainer:
     """Train the model of ``job`` (a GPT preset, or a Hugging Face config) on its token source
-    with the engine it names, or as the pipeline its ``[pipeline]`` section describes.
+    on stages held as its engine, ``[parallel]`` and ``[pipeline]`` sections say.
 
     Under torchrun every rank builds its own Trainer; see [Note: global batch]. ``plan``: a
     plan of ``tidal plan`` (or the path of its JSON file) to train with, on its ``dp x tp``
-    ranks ([Note: plan runs] in tidal/parallel/plan_layout.py); for your own model, one of
-    ``tidal.planner.plan_for(model, inputs, devices=...)``. ``pipeline``: train on stages
-    ([Note: pipeline runs] in pipeline_part.py), as every run without a plan does by default
-    ([Note: one train step] in job.py); ``False`` trains the job's engine instead (the parity
-    baseline of tests). The loop, the run folder, checkpoints and the summary are the same for
-    both; what trains is the ``part`` (engine_part.py). ``optimizer``, ``optimizer_kwargs``,
+    ranks ([Note: plan runs] in tidal/parallel/plan_layout.py), the model it lays out the one
+    stage of the train step ([Note: plan stages] in tidal/runtime/plan_weights.py); for your
+    own model, one of ``tidal.planner.plan_for(model, inputs, devices=...)``. Every run trains
+    on stages ([Note: pipeline runs] in pipeline_part.py, [Note: one train step] in job.py). The loop, the run folder, checkpoints and the summary are the same for
+    both; what trains is the ``part`` (training_part.py). ``optimizer``, ``optimizer_kwargs``,
     ``lr_scheduler``: your own torch optimizer and schedule in place of ``[optimizer]``'s
     ([Note: your optimizer] in user_optim.py).
     """
@@ -136,7 +124,6 @@ class Trainer:
         overrides: Sequence[str] | JobConfig | dict[str, Any] = (),
         *,
         plan: Plan | str | Path | None = None,
-        pipeline: bool | None = None,
         train_data: Iterable[Any] | None = None,
         val_data: Iterable[Any] | None = None,
         loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
@@ -145,7 +132,7 @@ class Trainer:
         lr_scheduler: Callable[[torch.optim.Optimizer], Any] | None = None,
     ) -> None:
         # Trainer(model, config, train_data=, loss_fn=): your own model and data ([Note: your
-        # own model] in engine_part.py); else a job whose [model] and [data] say what to train.
+        # own model] in training_part.py); else a job whose [model] and [data] say what to train.
         # optimizer=, optimizer_kwargs=, lr_scheduler=: [Note: your optimizer] in user_optim.py.
         self.user_model, self.job = user_model_and_job(job, overrides, train_data)
         self._loss_fn = loss_fn
@@ -159,9 +146,8 @@ class Trainer:
         if self.job.metrics.tensorboard:
             check_tensorboard()  # before any process group or step, in one line
         self.plan = _load_plan(plan) if isinstance(plan, str | Path) else plan
-        if self.plan is not None and (pipeline or self.job.needs_stages):
-            refuse_plan_on_stages(self.job)
-        pipeline = self.plan is None if pipeline is None else pipeline  # [Note: one train step]
+        if self.plan is not None:
+            check_plan_settings(self.job)
         taken_by = runs_on(self.job, plan=self.plan is not None)
         self.job, self._torch_optimizer = own_optimizer(
             self.job, optimizer=optimizer, optimizer_kwargs=optimizer_kwargs,
@@ -179,10 +165,8 @@ class Trainer:
                                          timeout_s=self.job.distributed.timeout_s)  # fmt: skip
         self.rank, self.world_size = current_rank(), current_world_size()
         torch.manual_seed(training.seed)
-        if pipeline:
-            self.part: TrainingPart = self._pipeline_part()
-        else:
-            self.part = self._engine_part()
+        self.part: TrainingPart = self._pipeline_part()
+        self.num_params, self.flops_per_token = self.part.num_params, self.part.flops_per_token
         self.engine = self.part.engine
         self.device = self.part.device
         self.adapter = IDENTITY  # tidal's GPT and Hugging Face models keep their names
@@ -207,51 +191,8 @@ class Trainer:
         self.last_val_loss: float | None = None
         self._checkpoint_s: float | None = None  # [Note: plotted steps] in plot_series.py
 
-    def _engine_part(self) -> EnginePart:
-        training = self.job.training
-        # Built on the meta device and streamed into the engine, so no rank ever holds the whole
-        # model ([Note: deferred construction] in tidal/memory/materialize.py).
-        if self.model_config is None:
-            assert self.user_model is not None
-            engine = build_engine(self.user_model, self.job, plan=self.plan,
-                                  inputs=self._sample_inputs() if self.plan else None,
-                                  torch_optimizer=self._torch_optimizer)  # fmt: skip
-            unique = {id(p): p for p in engine.model.parameters()}.values()
-            self.num_params = sum(p.numel() for p in unique)
-            # [Note: your own model] in engine_part.py: a factory model's convention for tokens
-            self.flops_per_token = 6.0 * self.num_params if self.tokens_per_row > 1 else None
-            return EnginePart(engine, rows=self._rank_rows(), world_size=self.world_size,
-                              grad_accum_steps=training.grad_accum_steps, computes_loss=False,
-                              loss_fn=self._loss_fn or default_loss)  # fmt: skip
-        spec = spec_for(self.model_config)
-        if spec.deferred:
-            model = spec.build(device="meta")
-            init = spec.init(model, training.seed)
-        else:  # a factory model is built for real ([Note: factory models] in models/factory.py)
-            if self.plan is not None:
-                self.job.model.resolve_structured()  # raises: a plan needs a known structure
-            model, init = spec.build(device="cpu", seed=training.seed), None
-        self.flops_per_token = spec.flops_per_token(model)
-        engine = build_engine(model, self.job, init=init, plan=self.plan,
-                              torch_optimizer=self._torch_optimizer)  # fmt: skip
-        self.num_params = spec.num_params(engine.model)
-        return EnginePart(
-            engine,
-            rows=self._rank_rows(),
-            world_size=self.world_size,
-            grad_accum_steps=training.grad_accum_steps,
-            computes_loss=spec.computes_loss,
-        )
-
-    def _sample_inputs(self) -> tuple[torch.Tensor, ...]:
-        """This rank's rows of your first batch's inputs, which a plan traces your model on
-        ([Note: models without tokens] in tidal/planner/wiring.py)."""
-        batches = DataBatches(self._train_data, batch_size=self.job.training.batch_size)
-        inputs = batches.fixed_batches(1)[0][0]
-        return (inputs[self._rank_rows()],)
-
     def _tokens_per_row(self) -> int:
-        """What a "token" of your data is ([Note: your own model] in engine_part.py): the
+        """What a "token" of your data is ([Note: your own model] in training_part.py): the
         positions of a row where the targets are token ids, ``(batch, seq)``; else the row."""
         first = DataBatches(self._train_data, batch_size=self.job.training.batch_size)
         for _, targets in first.fixed_batches(1):
@@ -266,6 +207,8 @@ class Trainer:
         join_alone(
             device=device, timeout_s=self.job.distributed.timeout_s
         )  # [Note: a group of one]
+        if self.plan is not None:
+            return self._planned_part(device)
         spec = None if self.model_config is None else spec_for(self.model_config)
         if spec is not None and not spec.deferred:  # a factory model: yours, built for real
             rows, seq_len = self.job.training.batch_size, spec.config.seq_len
@@ -274,34 +217,44 @@ class Trainer:
             part = PipelinePart(self.job, device=device, world_size=self.world_size, model=model,
                                 loss_fn=default_loss, sample=(tokens, tokens),
                                 torch_optimizer=self._torch_optimizer)  # fmt: skip
-            self.num_params, self.flops_per_token = part.num_params, spec.flops_per_token(model)
+            part.flops_per_token = spec.flops_per_token(model)
             return part
         if self.user_model is None:
-            part = PipelinePart(
-                self.job,
-                device=device,
-                world_size=self.world_size,
-                torch_optimizer=self._torch_optimizer,
-            )
-        else:  # [Note: sequential pipelines] in tidal/pipeline/sequential.py
-            first = DataBatches(self._train_data, batch_size=self.job.training.batch_size)
-            part = PipelinePart(self.job, device=device, world_size=self.world_size,
-                                model=self.user_model,
-                                loss_fn=self._loss_fn or default_loss,
-                                sample=first.fixed_batches(1)[0],
+            return PipelinePart(self.job, device=device, world_size=self.world_size,
                                 torch_optimizer=self._torch_optimizer)  # fmt: skip
-            # [Note: your own model] in engine_part.py: a model of tokens is priced as 6N
-            part.flops_per_token = 6.0 * part.num_params if self.tokens_per_row > 1 else None
-        self.num_params, self.flops_per_token = part.num_params, part.flops_per_token
-        return part
+        # [Note: sequential pipelines] in tidal/pipeline/sequential.py
+        first = DataBatches(self._train_data, batch_size=self.job.training.batch_size)
+        part = PipelinePart(self.job, device=device, world_size=self.world_size,
+                            model=self.user_model, loss_fn=self._loss_fn or default_loss,
+                            sample=first.fixed_batches(1)[0],
+                            torch_optimizer=self._torch_optimizer)  # fmt: skip
+        return self._priced_as_6n(part)
 
-    def _rank_rows(self) -> slice:
-        batch_size = self.job.training.batch_size
-        if self.plan is None:
-            return rank_rows(batch_size, rank=self.rank, world_size=self.world_size)
+    def _planned_part(self, device: torch.device) -> TrainingPart:
+        """The model the plan lays out, the one stage ([Note: plan stages]); yours is traced on
+        this rank's rows of your first batch ([Note: models without tokens] in
+        tidal/planner/wiring.py)."""
         from tidal.parallel.plan_layout import plan_rows
+        from tidal.train.pipeline_part import PipelinePart
 
-        return plan_rows(batch_size, self.plan, rank=self.rank)
+        assert self.plan is not None
+        sample = None
+        if self.user_model is not None:
+            batch_size = self.job.training.batch_size
+            inputs, targets = DataBatches(self._train_data, batch_size=batch_size).fixed_batches(1)[
+                0
+            ]
+            rows = plan_rows(batch_size, self.plan, rank=self.rank)
+            sample = (inputs[rows], targets[rows])
+        part = PipelinePart(self.job, device=device, world_size=self.world_size,
+                            model=self.user_model, loss_fn=self._loss_fn or default_loss,
+                            sample=sample, plan=self.plan)  # fmt: skip
+        return part if self.user_model is None else self._priced_as_6n(part)
+
+    def _priced_as_6n(self, part: TrainingPart) -> TrainingPart:
+        """[Note: your own model] in training_part.py: a model of tokens is priced as 6N."""
+        part.flops_per_token = 6.0 * part.num_params if self.tokens_per_row > 1 else None
+        return part
 
     # -- the run -------------------------------------------------------------------------------
 
@@ -517,14 +470,10 @@ class Trainer:
             config["user_model"] = f"{kind.__module__}.{kind.__qualname__}"
         config.update(self._optimizer_notes)
         if self._torch_optimizer is not None:  # the algorithm a resume must keep
-            if isinstance(self.engine, ReferenceEngine):
-                optimizer = self.engine.optimizer
-            else:  # plain stages, each with its own of yours, of one class
-                from tidal.train.pipeline_part import PipelinePart
+            from tidal.train.pipeline_part import PipelinePart
 
-                assert isinstance(self.part, PipelinePart), "user_optim.own_optimizer"
-                optimizer = self.part.first_optimizer()
-            config["user_optimizer_class"] = describe(type(optimizer))
+            assert isinstance(self.part, PipelinePart)  # plain stages, each with one of yours
+            config["user_optimizer_class"] = describe(type(self.part.first_optimizer()))
         return config
 
     def save_checkpoint(self) -> Path:
@@ -569,11 +518,12 @@ class Trainer:
         said = resume_changes(state.get("config", {}), self._run_config(), step=checkpoint.step)
         if said and self.rank == 0:
             logger.warning("%s", said)
-        if "plan" in state["engine"] and self.plan is None:
-            raise ConfigError(
+        if "plan" in state["engine"]:
+            raise ConfigError(  # its optimizer state is in the plan's layout, by name
                 "--plan",
-                f"the checkpoint in {path} was trained with a plan; resume with --plan and the "
-                f"same plan file (or export it with `tidal export {self.run_dir}`)",
+                f"the checkpoint in {path} was written by the plan engine of an earlier tidal; "
+                f"resume it with that version, or export it with `tidal export {self.run_dir}` "
+                f"and start from the export",
             )
         self.part.checkpointable.restore_checkpoint(
             checkpoint.load_tensors, state["engine"], checkpoint.meta

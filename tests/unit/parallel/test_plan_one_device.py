@@ -43,10 +43,11 @@ def test_a_one_device_plan_recomputes_and_trains_as_without_it(tmp_path: Path) -
     for name, with_plan in (("plan", plan), ("plain", None)):
         job = copy.deepcopy(JOB)
         job["run_dir"] = str(tmp_path / name)
-        # both on the reference engine: the plan's layout of it, and it plain
-        trainer = Trainer(job, plan=with_plan, pipeline=False)
+        trainer = Trainer(job, plan=with_plan)
         calls: list[int] = []
-        block = trainer.engine.model.get_submodule("blocks.0")
+        # the model a plan laid out is its stage's one layer; a plain stage holds the blocks
+        (stage,) = trainer.engine.modules.values()
+        block = stage.layers[0].blocks[0] if with_plan else stage.layers[0]
         block.register_forward_pre_hook(lambda *_, calls=calls: calls.append(1))
         trainer.fit()
         runs[name] = (_losses(tmp_path / name), len(calls))

@@ -1,0 +1,109 @@
+"""The stage a plan run trains: the job's model (or yours) laid out as ``tidal plan`` said.
+
+``tidal train --plan PATH`` is a schedule of one stage like every run ([Note: one train step]
+in job.py): :func:`planned_stage` builds the model, checks the plan against it, realises the
+plan on it in place over the run's mesh (``mesh["dp"]`` and ``mesh["tp"]``, [Note: plan runs]
+in tidal/parallel/plan_layout.py) and makes it the stage, which :class:`~tidal.runtime.
+plan_weights.PlanStageWeights` holds ([Note: plan stages] there).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from tidal.distributed import rank
+from tidal.memory.materialize import materialize
+from tidal.models import spec_for
+from tidal.parallel.dims import ParallelDims
+from tidal.parallel.flat_state import model_layout
+from tidal.pipeline.sequential import LossFn
+from tidal.pipeline.split import PipelineStage, whole_model_stage
+from tidal.train.job import JobConfig
+
+if TYPE_CHECKING:
+    from tidal.planner import Plan
+
+__all__ = ["PlannedStage", "plan_dims", "planned_stage"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlannedStage:
+    """What :func:`planned_stage` made: the stage, the checkpoint layout of the whole model (its
+    one-process shapes), the parameter count, FLOPs per token (None: not known) and the blocks
+    the stage holds, as a split's ranges count them."""
+
+    stage: PipelineStage
+    layout: dict[str, Any]
+    num_params: int
+    flops_per_token: float | None
+    block_range: tuple[int, int]
+
+
+def plan_dims(plan: Plan, world_size: int) -> ParallelDims:
+    """The mesh a plan runs on: one stage of ``dp x tp`` ranks ([Note: plan runs]), which must
+    be the ``world_size`` running."""
+    from tidal.parallel.plan_layout import check_plan_devices
+
+    check_plan_devices(plan, world_size)
+    return ParallelDims(pp=1, dp=plan.dp, tp=plan.tp)
+
+
+def planned_stage(job: JobConfig, plan: Plan, *, device: torch.device, mesh: DeviceMesh,
+                  world_size: int, model: nn.Module | None = None,
+                  loss_fn: LossFn | None = None,
+                  inputs: tuple[torch.Tensor, ...] | None = None) -> PlannedStage:  # fmt: skip
+    """The stage of a plan run; ``model``: yours (with ``loss_fn``, and ``inputs``, this rank's
+    rows of your first batch's inputs to trace it on), else the job's ``[model]``, built on the
+    meta device and given its values here, whole, until the plan shards it."""
+    from tidal.parallel.plan_apply import apply  # DTensor and FSDP2: plan runs only
+    from tidal.parallel.plan_layout import check_plan_fits
+    from tidal.planner.wiring import structure_graph
+    from tidal.runtime.plan_weights import name_reordered_rows
+
+    init = None
+    if model is None:
+        spec = spec_for(job.model.resolve())
+        if spec.deferred:
+            model = spec.build(device="meta")
+            init = spec.init(model, job.training.seed)
+        else:  # a factory model is built for real ([Note: factory models] in models/factory.py)
+            job.model.resolve_structured()  # raises: a plan needs a known structure
+            model = spec.build(device="cpu", seed=job.training.seed)
+        loss_fn = None if spec.computes_loss else loss_fn
+        num_params, flops = spec.num_params(model), spec.flops_per_token(model)
+        config = job.model.resolve_structured()
+        seq_len, block_range = config.seq_len, (0, config.num_layers)
+    else:
+        assert loss_fn is not None and inputs is not None, "your model's loss and inputs"
+        num_params, flops = sum(p.numel() for p in model.parameters()), None
+        seq_len, block_range = None, (0, 1)
+    graph = structure_graph(model, seq_len=seq_len, inputs=inputs)
+    check_plan_fits(plan, model, world_size=world_size, seq_len=graph.seq_len, graph=graph)
+    layout = model_layout(model, {n: t.shape for n, t in model.state_dict().items()})
+    _warn_on_micro_batch(job, plan)
+    if init is not None:  # all of it here, until apply shards it
+        materialize(model, init, device)
+    apply(model.to(device), plan, mesh["dp", "tp"], graph=graph)
+    stage = whole_model_stage(model, loss_fn=loss_fn)
+    name_reordered_rows(stage, model, "layers.0.")
+    return PlannedStage(stage=stage, layout=layout, num_params=num_params,
+                        flops_per_token=flops, block_range=block_range)  # fmt: skip
+
+
+def _warn_on_micro_batch(job: JobConfig, plan: Plan) -> None:
+    rows = job.training.batch_size // plan.dp // job.num_microbatches
+    if rank() == 0 and rows != plan.micro_batch:
+        logger.warning(
+            "the plan was priced for %d sequence(s) per data-parallel rank and micro-batch; "
+            "this run has %d (training.batch_size %d / dp %d / %d microbatch(es)), so its "
+            "memory differs from the plan's",
+            plan.micro_batch, rows, job.training.batch_size, plan.dp, job.num_microbatches,
+        )  # fmt: skip
