@@ -298,7 +298,9 @@ def whole_model_stage(
     stage = PipelineStage(stage_index=0, num_stages=1, embed=None, layers=[model], head=None,
                           loss_fn=loss_fn, model_loss=loss_fn is None)  # fmt: skip
     state_names = set(model.state_dict())
-    stage.source_names = {f"layers.0.{name}": name for name, _ in model.named_parameters()}
+    first = {id(p): name for name, p in model.named_parameters()}  # a tied weight's first name
+    stage.source_names = {f"layers.0.{name}": first[id(p)]
+                          for name, p in model.named_parameters(remove_duplicate=False)}  # fmt: skip
     stage.source_buffers = {f"layers.0.{name}": name for name, _ in model.named_buffers()
                             if name in state_names}  # fmt: skip
     return stage
