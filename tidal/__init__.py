@@ -56,8 +56,10 @@ def initialize(
 ) -> TrainingEngine:
     """Wrap ``model`` in the engine its config names (``engine = "reference" | "chunk"``).
 
-    The reference engine moves the model to the training device; the chunk engine moves its
-    parameters into chunks under ``memory.device_budget`` and ``memory.host_budget``.
+    ``"reference"``: the model on the training device, one stage of the train step every tidal
+    run takes, replicated over the ranks (or sharded by FSDP2 with ``parallel.fsdp2``: [Note:
+    one model on stages] in tidal/runtime/stage_engine.py); ``"chunk"``: the chunk engine, which
+    moves its parameters into chunks under ``memory.device_budget`` and ``memory.host_budget``.
 
     A model too large to build whole can be built on the meta device and its values given as
     ``init``: a function returning ``(name, value)`` pairs, one parameter at a time, which the
@@ -69,14 +71,14 @@ def initialize(
 
     Under torchrun it joins the process group torchrun's variables describe (gloo on CPU, NCCL
     on CUDA with ``cuda:LOCAL_RANK``), unless the program made one already, which is used: the
-    chunk engine then shards over the ranks (ZeRO-3) and the reference engine averages their
+    chunk engine then shards over the ranks (ZeRO-3) and plain replicas average their
     gradients. Each rank passes its own rows of the batch.
     """
     job = load_job(config)
     init_from_env(device=resolve_device(job.training.device), timeout_s=job.distributed.timeout_s)
     # [Note: one model on stages] in tidal/runtime/stage_engine.py; a model in chunks is the
     # chunk engine's, which composes the chunk transform and its step behind this convention
-    if job.needs_stages and job.engine != "chunk":
+    if job.engine != "chunk":
         return _stage_engine(model, job, init=init)
     return build_engine(model, job, init=init)
 
@@ -86,6 +88,7 @@ def _stage_engine(
 ) -> TrainingEngine:
     from tidal.config import require
     from tidal.distributed import world_size
+    from tidal.memory.tiers import TierKind, resolve_budget
     from tidal.runtime.stage_engine import stage_engine
 
     parallel = job.parallel
@@ -93,6 +96,10 @@ def _stage_engine(
         require(size == 1, key, f"{key.split('.')[1]} = {size} needs the stages and the schedule "
                 "tidal builds for its own models: train with tidal.Trainer or tidal train, or set "
                 f"{key} = 1")  # fmt: skip
+    budget = resolve_budget(job.memory.device_budget, kind=TierKind.DEVICE,
+                            device=resolve_device(job.training.device),
+                            key="memory.device_budget")  # fmt: skip
     return stage_engine(model, optimizer=job.optimizer, training=job.training,
                         dims=parallel.resolve(world_size()), fsdp2=parallel.fsdp2,
-                        fsdp2_offload=parallel.fsdp2_offload, init=init)  # fmt: skip
+                        fsdp2_offload=parallel.fsdp2_offload, init=init,
+                        device_budget=budget)  # fmt: skip

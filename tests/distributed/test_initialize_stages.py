@@ -1,10 +1,10 @@
-"""``tidal.initialize`` with ``parallel.fsdp2``: the model one stage sharded by FSDP2 over the
-ranks, driven by DeepSpeed's calling convention through the pipeline's parameter holder and
-update ([Note: one model on stages] in tidal/runtime/stage_engine.py). On 2 gloo ranks, each
-passing its rows, with accumulation and clipping, it must log the one-process reference
-engine's losses and gradient norms and end at its weights, hold only its shards, and resume from
-its state dict as the unbroken run goes on. Tensor parallelism and pipelines are refused in one
-line."""
+"""``tidal.initialize``: the model one stage, plain replicas (``engine = "reference"``) or sharded
+by FSDP2 over the ranks (``parallel.fsdp2``), driven by DeepSpeed's calling convention through
+the pipeline's parameter holder and update ([Note: one model on stages] in
+tidal/runtime/stage_engine.py). On 2 gloo ranks, each passing its rows, with accumulation and
+clipping, it must log the one-process reference engine's (plain PyTorch's) losses and gradient
+norms and end at its weights; FSDP2 must hold only its shards and resume from its state dict as
+the unbroken run goes on. Tensor parallelism and pipelines are refused in one line."""
 
 from __future__ import annotations
 
@@ -19,7 +19,10 @@ import tidal
 from tidal.config import ConfigError
 from tidal.models import build_gpt
 from tidal.models.gpt import GPTConfig
+from tidal.parallel.reference import ReferenceEngine
 from tidal.testing import run_on_ranks
+from tidal.train.build import build_engine
+from tidal.train.job import load_job
 
 WORLD = 2
 STEPS = 3
@@ -61,6 +64,14 @@ def _train(engine: Any, steps: range, rows: slice) -> tuple[list[float], list[fl
     return losses, norms
 
 
+def _replicas() -> dict[str, Any]:
+    engine = tidal.initialize(_model(), CONFIG)  # plain replicas, averaged over the ranks
+    rows = slice(2 * dist.get_rank(), 2 * dist.get_rank() + 2)
+    losses, norms = _train(engine, range(STEPS), rows)
+    return {"losses": losses, "norms": norms, "weights": engine.model_state_dict(),
+            "stats": engine.stats()}  # fmt: skip
+
+
 def _sharded() -> dict[str, Any]:
     engine = tidal.initialize(_model(), SHARDED)  # joins the group torchrun's variables name
     rows = slice(2 * dist.get_rank(), 2 * dist.get_rank() + 2)
@@ -84,14 +95,24 @@ def _sharded() -> dict[str, Any]:
         "local_elements": sum(p.to_local().numel() for p in sharded),
         "whole_elements": sum(p.numel() for p in sharded),
         "stats": engine.stats(),
+        "replicas": _replicas(),
     }
 
 
-def test_fsdp2_through_initialize_equals_the_reference_engine() -> None:
+def test_initialize_equals_the_reference_engine_on_replicas_and_fsdp2() -> None:
     ranks = run_on_ranks(_sharded, world_size=WORLD, backend=None, timeout_s=120)
-    engine = tidal.initialize(_model(), CONFIG)  # one process, every row
+    engine = build_engine(_model(), load_job(CONFIG))  # plain PyTorch, one process, every row
+    assert isinstance(engine, ReferenceEngine)
     losses, norms = _train(engine, range(STEPS), slice(0, 4))
     for rank, out in enumerate(ranks):
+        replicas = out["replicas"]
+        assert replicas["stats"]["engine"] == "reference", rank
+        assert replicas["norms"] == pytest.approx(norms, rel=TOL), (rank, replicas["norms"])
+        for name, value in engine.model.state_dict().items():
+            # the mean over the ranks sums in another order: Adam moves a near-zero gradient's
+            # weight by up to its rate on a rounding difference
+            torch.testing.assert_close(replicas["weights"][name], value, rtol=0,
+                                       atol=SHARDED_ATOL)  # fmt: skip
         assert out["all_sharded"] and out["local_elements"] * WORLD == out["whole_elements"], rank
         assert out["stats"]["engine"] == "fsdp2 stage" and out["stats"]["global_step"] == STEPS
         assert out["norms"] == pytest.approx(norms, rel=TOL), (rank, out["norms"], norms)
@@ -99,8 +120,10 @@ def test_fsdp2_through_initialize_equals_the_reference_engine() -> None:
         for name, value in engine.model.state_dict().items():
             if name in out["weights"]:
                 torch.testing.assert_close(out["weights"][name], value, rtol=0, atol=SHARDED_ATOL)
-    mean = [sum(r["losses"][s] for r in ranks) / WORLD for s in range(STEPS)]
-    assert mean == pytest.approx(losses, abs=TOL), (mean, losses)
+    for kind in ("fsdp2", "replicas"):
+        outs = [r if kind == "fsdp2" else r["replicas"] for r in ranks]
+        mean = [sum(o["losses"][s] for o in outs) / WORLD for s in range(STEPS)]
+        assert mean == pytest.approx(losses, abs=TOL), (kind, mean, losses)
     assert min(norms) > 0.5  # every step clipped
     start = _model().state_dict()
     assert not torch.equal(ranks[0]["weights"]["ln_f.weight"], start["ln_f.weight"])

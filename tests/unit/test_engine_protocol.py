@@ -22,6 +22,8 @@ from tidal.parallel.protocol import Engine, Phase, Phases, TrainingEngine
 from tidal.parallel.reference import ReferenceEngine
 from tidal.parallel.sharded_parts import ShardedParts
 from tidal.parallel.verbs import offload, shard
+from tidal.runtime.stage_engine import StageEngine
+from tidal.runtime.weights import StageWeights
 from tidal.sharding.config import ShardingConfig
 
 
@@ -198,7 +200,7 @@ def test_initialize_chooses_the_verb_from_the_config_alone(
         config["memory"] = {"nvme_dir": str(tmp_path)}
     engine = tidal.initialize(_Regression(), config)
     assert isinstance(engine, tidal.TrainingEngine)
-    if parts is None:
-        assert isinstance(engine, tidal.ReferenceEngine)
+    if parts is None:  # plain replicas, the one stage of the train step's holder
+        assert isinstance(engine, StageEngine) and type(engine.params) is StageWeights
     else:
         assert isinstance(engine, tidal.ChunkEngine) and isinstance(engine.parts, parts)

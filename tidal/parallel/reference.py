@@ -114,6 +114,25 @@ def model_data_bytes(model: nn.Module, optimizer: torch.optim.Optimizer, *,
     }
 
 
+def check_model_data_fits(weight_bytes: int, budget: int | None, *,
+                          optimizer: OptimizerConfig) -> None:  # fmt: skip
+    """Refuse, in one line naming the fix, model data (the fp32 weights of ``weight_bytes``,
+    their gradients and ``optimizer``'s state, all kept on the device as plain replicas keep
+    them) over the device ``budget`` (None: no budget)."""
+    num_state = optimizer.state_tensors_per_param
+    needed = weight_bytes * (2 + num_state)
+    if budget is None or needed <= budget:
+        return
+    raise ConfigError(
+        "memory.device_budget",
+        f"the reference engine keeps all model data on the device: {needed:,} bytes "
+        f"({format_bytes(needed)}: weights, grads and {optimizer.name} state of {num_state}x "
+        f"the weights) but the budget is {budget:,} bytes ({format_bytes(budget)}); set "
+        f'engine = "chunk" (--set engine=chunk), which keeps on the device only the chunks of '
+        f"model data each moment needs, or raise the budget",
+    )
+
+
 def autocast(precision: str, device: torch.device) -> contextlib.AbstractContextManager[Any]:
     """Autocast to ``precision`` (bf16, fp16) on ``device``; nothing for fp32."""
     if precision == "fp32":
@@ -172,22 +191,8 @@ class Replicas:
     def _check_device_budget(self, model: nn.Module, device: torch.device) -> None:
         budget = resolve_budget(self.memory.device_budget, kind=TierKind.DEVICE, device=device,
                                 key="memory.device_budget")  # fmt: skip
-        if budget is None:
-            return
         num_params = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
-        # Weights, gradients and the optimizer's state tensors, each the size of the fp32 weights.
-        num_state = self.optimizer.state_tensors_per_param
-        needed = num_params * _FP32_BYTES * (2 + num_state)
-        if needed > budget:
-            raise ConfigError(
-                "memory.device_budget",
-                f"the reference engine keeps all model data on the device: {num_params:,} "
-                f"params need {needed:,} bytes ({format_bytes(needed)}: weights, grads and "
-                f"{self.optimizer.name} state of {num_state}x the weights) but the budget is "
-                f'{budget:,} bytes ({format_bytes(budget)}); set engine = "chunk" (--set '
-                f"engine=chunk), which keeps on the device only the chunks of model data each "
-                f"moment needs, or raise the budget",
-            )
+        check_model_data_fits(num_params * _FP32_BYTES, budget, optimizer=self.optimizer)
 
     def build_optimizer(self, model: nn.Module, config: OptimizerConfig,
                         lr: float) -> torch.optim.Optimizer:  # fmt: skip

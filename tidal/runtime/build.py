@@ -99,7 +99,7 @@ def pipeline(stages: Sequence[PipelineStage], *, config: PipelineConfig, optimiz
     )
 
 
-def stage_params(mine: Sequence[nn.Module], mesh: DeviceMesh, schedule: Schedule, *,
+def stage_params(mine: Sequence[nn.Module], mesh: DeviceMesh | None, schedule: Schedule, *,
                   optimizer: OptimizerConfig, weights: AsyncConfig,
                   precision: str, lr: float, microbatches: int,
                   chunks: ChunkStageConfig | None, fsdp2: bool,
@@ -112,15 +112,20 @@ def stage_params(mine: Sequence[nn.Module], mesh: DeviceMesh, schedule: Schedule
     StageEngine). ``schedule``: one step of the run's, which decides what the stages must
     support. ``torch_optimizer``: yours, which only plain replicas take (the Trainer maps a
     torch class onto ``optimizer`` for the others: [Note: your optimizer]). ``planned``: a
-    model a plan laid out, the one stage ([Note: plan stages])."""
-    dp_group = mesh.get_group("dp")
+    model a plan laid out, the one stage ([Note: plan stages]). ``mesh``: None for one process
+    without a process group, whose stage only plain replicas hold ([Note: one model on
+    stages])."""
+    dp_group = None if mesh is None else mesh.get_group("dp")
+    dp_size, tp_size = (1, 1) if mesh is None else (mesh["dp"].size(), mesh["tp"].size())
+    assert mesh is not None or not (planned or chunks), "a transform needs its mesh"
     if planned:
         return _planned_stage(mine, schedule, optimizer, weights, precision, lr, microbatches)
     if torch_optimizer is not None:
-        assert mesh["tp"].size() == 1 and chunks is None and not fsdp2, "user_optim's refusal"
+        assert tp_size == 1 and chunks is None and not fsdp2, "user_optim's refusal"
         return [_your_optimizer_stage(s, torch_optimizer, optimizer, weights, precision,
                                       dp_group=dp_group) for s in mine]  # fmt: skip
-    if mesh["tp"].size() > 1:
+    if tp_size > 1:
+        assert mesh is not None
         require(
             not schedule.asynchronous,
             "pipeline.schedule",
@@ -133,13 +138,15 @@ def stage_params(mine: Sequence[nn.Module], mesh: DeviceMesh, schedule: Schedule
     if chunks is not None:
         require_synchronous(schedule)
         # the NVMe tier is the sharded optimizer's: a stage with a disk is a dp group of one
-        sharded = mesh["dp"].size() > 1 or chunks.memory.nvme_dir is not None
+        sharded = dp_size > 1 or chunks.memory.nvme_dir is not None
+        assert dp_group is not None
         pipemare = weights if schedule.asynchronous else None  # [Note: PipeMare on chunk stages]
         return [ChunkStageParams(s, chunks, parts=zero3_parts(chunks, dp_group) if sharded else None,
                                  microbatches_per_step=microbatches, weights=pipemare,
                                  whole_model=schedule.num_stages == 1)
                 for s in mine]  # fmt: skip
-    if fsdp2 and (mesh["dp"].size() > 1 or fsdp2_offload):
+    if fsdp2 and (dp_size > 1 or fsdp2_offload):
+        assert mesh is not None
         # the optimizer goes over the shards, so each stage is sharded before it is built
         return [Fsdp2StageWeights(s, build_optimizer(s, optimizer, lr), weights,
                                   precision=precision, microbatches_per_step=microbatches)
@@ -180,7 +187,7 @@ def _tensor_stages(mine: Sequence[nn.Module], mesh: DeviceMesh, optimizer: Optim
 
 def _your_optimizer_stage(stage: nn.Module, yours: TorchOptimizer, optimizer: OptimizerConfig,
                           weights: AsyncConfig, precision: str, *,
-                          dp_group: torch.distributed.ProcessGroup) -> StageWeights:  # fmt: skip
+                          dp_group: torch.distributed.ProcessGroup | None) -> StageWeights:  # fmt: skip
     """A plain replica stepped by your optimizer at its own rates, or by ``optimizer``'s built
     at its peak rate for your scheduler to set ([Note: your optimizer])."""
     made = (build_optimizer(stage, optimizer, optimizer.lr) if yours.make is None

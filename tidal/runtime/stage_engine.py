@@ -1,16 +1,19 @@
 """``tidal.initialize``'s engine for a model held on one stage: :class:`StageEngine`.
 
 [Note: one model on stages]
-``tidal.initialize(model, config)`` with ``parallel.fsdp2 = true`` trains the model as one stage
-sharded over the ranks by FSDP2 ([Note: FSDP2 stages] in fsdp_stage.py): the same transform a
-pipeline stage gets (``fsdp2_stage``), the same parameter holder chosen by the same function
-(:func:`~tidal.runtime.build.stage_params`: FSDP2 shards, or plain replicas with one rank and no
-offload) and the same update
+``tidal.initialize(model, config)`` trains the model as one stage (except ``engine = "chunk"``,
+the chunk engine's): plain replicas averaged over the ranks (``engine = "reference"``, the
+model data checked against ``memory.device_budget`` as the reference engine checks it) or
+sharded by FSDP2 (``parallel.fsdp2 = true``, [Note: FSDP2 stages] in fsdp_stage.py): the same
+transform a pipeline stage gets, the same parameter holder chosen by the same function
+(:func:`~tidal.runtime.build.stage_params`) and the same update
 (:func:`~tidal.runtime.update.prepare_update`: reduction, norm, loss scaler, clip), driven by
 DeepSpeed's calling convention instead of a schedule: each ``engine(...)`` is a microbatch's
 forward, each ``backward(loss)`` its backward, and every ``grad_accum_steps``-th ``step()``
 the update ([Note: accumulation boundary] in tidal/parallel/accumulation.py). Each rank passes
-its own rows, as with the reference engine; the gradient is the mean over the ranks.
+its own rows; the gradient is the mean over the ranks. One process of plain replicas makes no
+process group (nothing to reduce); the plain-PyTorch
+:class:`~tidal.parallel.reference.ReferenceEngine` stays the baseline every test compares with.
 
 The forward of a microbatch stays open until its backward, one at a time or several (their
 backwards in the order the forwards ran). A forward without gradients (evaluation, or
@@ -40,7 +43,7 @@ from tidal.parallel.config import OptimizerConfig, TrainingConfig
 from tidal.parallel.dims import ParallelDims
 from tidal.parallel.lr import lr_schedule
 from tidal.parallel.protocol import Phase, Phases
-from tidal.parallel.reference import autocast
+from tidal.parallel.reference import autocast, check_model_data_fits, model_data_bytes
 from tidal.parallel.stage_params import like, whole
 from tidal.pipeline.async_config import AsyncConfig
 from tidal.pipeline.schedules import make_schedule
@@ -54,6 +57,11 @@ from tidal.runtime.weights import StageWeights
 __all__ = ["StageEngine", "stage_engine"]
 
 
+def _local_nbytes(t: torch.Tensor) -> int:
+    local = t.to_local() if hasattr(t, "to_local") else t
+    return local.numel() * local.element_size()
+
+
 def stage_engine(
     model: nn.Module,
     *,
@@ -63,15 +71,22 @@ def stage_engine(
     fsdp2: bool,
     fsdp2_offload: bool = False,
     init: ParameterValues | None = None,
+    device_budget: int | None = None,
 ) -> StageEngine:
     """``model`` as one stage on ``dims``' mesh, held as a pipeline's stage would be
     (:func:`~tidal.runtime.build.stage_params`, the one choice of holder), behind the engine
-    calling convention ([Note: one model on stages])."""
+    calling convention ([Note: one model on stages]). ``device_budget``: the bytes plain
+    replicas' model data may take on the device (refused in one line over it)."""
     device = resolve_device(training.device)
+    if not (fsdp2 and (dims.dp > 1 or fsdp2_offload)):  # every replica holds all of it
+        num_params = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+        check_model_data_fits(4 * num_params, device_budget, optimizer=optimizer)  # fp32
     if init is not None:
         materialize(model, init, device)
     model = model.to(device)
-    mesh = dims.build_mesh(device.type)
+    # one process of plain replicas needs no process group, so none is made for it
+    alone = dims.world_size == 1 and not fsdp2_offload
+    mesh = None if alone else dims.build_mesh(device.type)
     accum = training.grad_accum_steps
     (params,) = stage_params([model], mesh, make_schedule("gpipe", stages=1, microbatches=accum),
                              optimizer=optimizer, weights=AsyncConfig(),
@@ -175,9 +190,14 @@ class StageEngine:
 
     # -- figures and state ---------------------------------------------------------------------
 
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        return self.params.optimizer
+
     def stats(self) -> dict[str, Any]:
+        # plain replicas are what engine = "reference" names
         return {
-            "engine": "fsdp2 stage" if isinstance(self.params, Fsdp2StageWeights) else "stage",
+            "engine": "fsdp2 stage" if isinstance(self.params, Fsdp2StageWeights) else "reference",
             "world_size": self.dims.world_size,
             "device": str(self.device),
             "precision": self.precision,
@@ -188,17 +208,13 @@ class StageEngine:
         }
 
     def model_data_bytes(self) -> dict[str, int]:
-        """This rank's shards of the weights and of the optimizer's state."""
-        local = [p.to_local() if hasattr(p, "to_local") else p for p in self.model.parameters()]
-        state = [t for s in self.params.optimizer.state.values() for t in s.values()
-                 if isinstance(t, torch.Tensor)]  # fmt: skip
-        state = [t.to_local() if hasattr(t, "to_local") else t for t in state]
-        return {"params": sum(t.numel() * t.element_size() for t in local),
-                "optimizer": sum(t.numel() * t.element_size() for t in state)}  # fmt: skip
+        """This rank's shares of the weights, their gradients and the optimizer's state."""
+        return model_data_bytes(self.model, self.params.optimizer, nbytes=_local_nbytes)
 
     def model_state_dict(self) -> dict[str, torch.Tensor]:
-        """The whole weights (gathered from the shards: every rank calls it)."""
-        return {name: whole(p.detach()).clone() for name, p in self.model.named_parameters()}
+        """The model's whole state dict, tied names and buffers included (gathered from the
+        shards: every rank calls it)."""
+        return {name: whole(t.detach()).clone() for name, t in self.model.state_dict().items()}
 
     def state_dict(self) -> dict[str, Any]:
         """Whole weights and optimizer state, the step counters and the loss scale (a

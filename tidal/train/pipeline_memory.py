@@ -63,6 +63,7 @@ from tidal.config import ConfigError, format_bytes
 from tidal.distributed import decided_on_main
 from tidal.memory.activations import SavedTensorMeter
 from tidal.memory.tiers import Tier, TierKind, make_tiers, resolve_budget
+from tidal.parallel.reference import check_model_data_fits
 from tidal.pipeline.lending import Lending, lender_ranks
 from tidal.pipeline.savers import (
     measure_units,
@@ -159,7 +160,7 @@ class PipelineMemory:
 def model_data_per_weight_byte(job: JobConfig) -> int:
     """A stage's model data per byte of its weights: the weights, their gradients and the
     optimizer's state (AdamW and Adam keep two moments, SGD one buffer at most)."""
-    return 4 if job.optimizer.name in ("adamw", "adam") else 3
+    return 2 + job.optimizer.state_tensors_per_param
 
 
 @dataclass(frozen=True, slots=True)
@@ -408,21 +409,12 @@ def _model_data(job: JobConfig, weight_bytes: Sequence[int], rank_of: Callable[[
 
 def _check_model_data(job: JobConfig, base: Sequence[int], budget: int) -> None:
     """A model of one plain stage whose model data (weights, gradients, optimizer state) no
-    saver can move is over the budget: the chunk engine's case, said in one line as the
-    reference engine says it. (A pipeline's refusal names its least budget with every saver:
-    PipeDream's stashes can leave the device.)"""
-    if len(base) > 1 or base[0] <= budget:
-        return
-    worst, who = 0, "the reference engine keeps all model data on the device"
-    num_state = model_data_per_weight_byte(job) - 2  # beside the weights and their grads
-    raise ConfigError(
-        "memory.device_budget",
-        f"{who}: {base[worst]:,} bytes ({format_bytes(base[worst])}: weights, grads and "
-        f"{job.optimizer.name} state of {num_state}x the weights) but the "
-        f'budget is {budget:,} bytes ({format_bytes(budget)}); set engine = "chunk" (--set '
-        f"engine=chunk), which keeps on the device only the chunks of model data each moment "
-        f"needs, or raise the budget",
-    )
+    saver can move is over the budget: the chunk engine's case, refused as the reference engine
+    refuses it. (A pipeline's refusal names its least budget with every saver: PipeDream's
+    stashes can leave the device.)"""
+    if len(base) == 1:
+        weight_bytes = base[0] // model_data_per_weight_byte(job)
+        check_model_data_fits(weight_bytes, budget, optimizer=job.optimizer)
 
 
 @dataclass(slots=True)
