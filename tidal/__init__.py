@@ -25,7 +25,6 @@ from tidal.parallel.chunk_engine import ChunkEngine
 from tidal.parallel.protocol import Engine, Phase, TrainingEngine
 from tidal.parallel.verbs import apply_plan, offload, shard
 from tidal.train import JobConfig, ReferenceEngine, Trainer, load_job
-from tidal.train.build import build_engine
 
 __version__ = "0.1.0"
 
@@ -76,11 +75,8 @@ def initialize(
     """
     job = load_job(config)
     init_from_env(device=resolve_device(job.training.device), timeout_s=job.distributed.timeout_s)
-    # [Note: one model on stages] in tidal/runtime/stage_engine.py; a model in chunks is the
-    # chunk engine's, which composes the chunk transform and its step behind this convention
-    if job.engine != "chunk":
-        return _stage_engine(model, job, init=init)
-    return build_engine(model, job, init=init)
+    # [Note: one model on stages] in tidal/runtime/stage_engine.py
+    return _stage_engine(model, job, init=init)
 
 
 def _stage_engine(
@@ -90,16 +86,18 @@ def _stage_engine(
     from tidal.distributed import world_size
     from tidal.memory.tiers import TierKind, resolve_budget
     from tidal.runtime.stage_engine import stage_engine
+    from tidal.train.build import chunk_stage_config
 
     parallel = job.parallel
     for key, size in (("parallel.pp", parallel.pp), ("parallel.tp", parallel.tp)):
         require(size == 1, key, f"{key.split('.')[1]} = {size} needs the stages and the schedule "
                 "tidal builds for its own models: train with tidal.Trainer or tidal train, or set "
                 f"{key} = 1")  # fmt: skip
-    budget = resolve_budget(job.memory.device_budget, kind=TierKind.DEVICE,
-                            device=resolve_device(job.training.device),
+    device = resolve_device(job.training.device)
+    budget = resolve_budget(job.memory.device_budget, kind=TierKind.DEVICE, device=device,
                             key="memory.device_budget")  # fmt: skip
     return stage_engine(model, optimizer=job.optimizer, training=job.training,
                         dims=parallel.resolve(world_size()), fsdp2=parallel.fsdp2,
-                        fsdp2_offload=parallel.fsdp2_offload, init=init,
+                        fsdp2_offload=parallel.fsdp2_offload,
+                        chunks=chunk_stage_config(job, device), init=init,
                         device_budget=budget)  # fmt: skip

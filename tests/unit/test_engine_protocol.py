@@ -200,7 +200,10 @@ def test_initialize_chooses_the_verb_from_the_config_alone(
         config["memory"] = {"nvme_dir": str(tmp_path)}
     engine = tidal.initialize(_Regression(), config)
     assert isinstance(engine, tidal.TrainingEngine)
-    if parts is None:  # plain replicas, the one stage of the train step's holder
-        assert isinstance(engine, StageEngine) and type(engine.params) is StageWeights
-    else:
-        assert isinstance(engine, tidal.ChunkEngine) and isinstance(engine.parts, parts)
+    assert isinstance(engine, StageEngine)  # [Note: one model on stages]: one stage, always
+    if parts is None:  # plain replicas
+        assert type(engine.params) is StageWeights and engine.chunks is None
+    else:  # the chunk transform, one process or a mesh of one for the disk
+        assert isinstance(engine.chunks, tidal.ChunkEngine) and isinstance(
+            engine.chunks.parts, parts
+        )

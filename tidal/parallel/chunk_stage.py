@@ -168,10 +168,14 @@ def require_one_version(schedule: str, *, stashes: bool, correction: bool = Fals
 
 
 def zero3_parts(
-    config: ChunkStageConfig, dp_group: dist.ProcessGroup, *, sharding: ShardingConfig | None = None
+    config: ChunkStageConfig,
+    dp_group: dist.ProcessGroup | None,
+    *,
+    sharding: ShardingConfig | None = None,
 ) -> ShardedParts:
     """A stage's chunks sharded over ``dp_group`` (its replicas: every rank of it holds the same
-    stage and runs the same schedule on its slice of the batch); pass as ``parts``."""
+    stage and runs the same schedule on its slice of the batch; None: the default group, or a
+    mesh of one without a process group); pass as ``parts``."""
     return ShardedParts(Collectives(dp_group), sharding=sharding or config.sharding,
                         memory=config.memory, optimizer=config.optimizer)  # fmt: skip
 

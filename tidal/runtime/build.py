@@ -10,6 +10,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from tidal.config import ConfigError, require
+from tidal.memory.materialize import ParameterValues
 from tidal.parallel.chunk_stage import (
     ChunkStageConfig,
     ChunkStageParams,
@@ -105,7 +106,8 @@ def stage_params(mine: Sequence[nn.Module], mesh: DeviceMesh | None, schedule: S
                   chunks: ChunkStageConfig | None, fsdp2: bool,
                   fsdp2_offload: bool,
                   torch_optimizer: TorchOptimizer | None = None,
-                  planned: bool = False) -> list[StageParams]:  # fmt: skip
+                  planned: bool = False,
+                  init: ParameterValues | None = None) -> list[StageParams]:  # fmt: skip
     """What holds each of this rank's stages' parameters ([Note: the stage-parameter
     protocol]): tensor-parallel weights, chunks, FSDP2 shards, or plain replicas; the one
     choice, for a pipeline's stages and for a model of one stage (tidal.initialize's
@@ -113,11 +115,12 @@ def stage_params(mine: Sequence[nn.Module], mesh: DeviceMesh | None, schedule: S
     support. ``torch_optimizer``: yours, which only plain replicas take (the Trainer maps a
     torch class onto ``optimizer`` for the others: [Note: your optimizer]). ``planned``: a
     model a plan laid out, the one stage ([Note: plan stages]). ``mesh``: None for one process
-    without a process group, whose stage only plain replicas hold ([Note: one model on
-    stages])."""
+    without a process group ([Note: one model on stages]). ``init``: the values of a stage on
+    the meta device, which chunks stream in (the other holders take a stage with storage)."""
     dp_group = None if mesh is None else mesh.get_group("dp")
     dp_size, tp_size = (1, 1) if mesh is None else (mesh["dp"].size(), mesh["tp"].size())
-    assert mesh is not None or not (planned or chunks), "a transform needs its mesh"
+    assert mesh is not None or not planned, "a plan's layout needs its mesh"
+    assert init is None or chunks is not None, "only chunks stream a meta stage's values in"
     if planned:
         return _planned_stage(mine, schedule, optimizer, weights, precision, lr, microbatches)
     if torch_optimizer is not None:
@@ -139,9 +142,9 @@ def stage_params(mine: Sequence[nn.Module], mesh: DeviceMesh | None, schedule: S
         require_synchronous(schedule)
         # the NVMe tier is the sharded optimizer's: a stage with a disk is a dp group of one
         sharded = dp_size > 1 or chunks.memory.nvme_dir is not None
-        assert dp_group is not None
         pipemare = weights if schedule.asynchronous else None  # [Note: PipeMare on chunk stages]
-        return [ChunkStageParams(s, chunks, parts=zero3_parts(chunks, dp_group) if sharded else None,
+        return [ChunkStageParams(s, chunks, init=init,
+                                 parts=zero3_parts(chunks, dp_group) if sharded else None,
                                  microbatches_per_step=microbatches, weights=pipemare,
                                  whole_model=schedule.num_stages == 1)
                 for s in mine]  # fmt: skip

@@ -26,7 +26,7 @@ block structure and the schedule the Trainer builds (``tidal train``, ``tidal.Tr
 from __future__ import annotations
 
 import collections
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -39,6 +39,7 @@ from torch.distributed.checkpoint.state_dict import (
 from tidal.distributed.device import resolve_device
 from tidal.memory.materialize import ParameterValues, materialize
 from tidal.parallel.accumulation import StepCounter
+from tidal.parallel.chunk_stage import ChunkStageConfig, ChunkStageParams
 from tidal.parallel.config import OptimizerConfig, TrainingConfig
 from tidal.parallel.dims import ParallelDims
 from tidal.parallel.lr import lr_schedule
@@ -54,6 +55,9 @@ from tidal.runtime.precision import LossScaler
 from tidal.runtime.update import prepare_update
 from tidal.runtime.weights import StageWeights
 
+if TYPE_CHECKING:
+    from tidal.parallel.chunk_engine import ChunkEngine
+
 __all__ = ["StageEngine", "stage_engine"]
 
 
@@ -68,23 +72,27 @@ def stage_engine(
     optimizer: OptimizerConfig,
     training: TrainingConfig,
     dims: ParallelDims,
-    fsdp2: bool,
+    fsdp2: bool = False,
     fsdp2_offload: bool = False,
+    chunks: ChunkStageConfig | None = None,
     init: ParameterValues | None = None,
     device_budget: int | None = None,
 ) -> StageEngine:
     """``model`` as one stage on ``dims``' mesh, held as a pipeline's stage would be
     (:func:`~tidal.runtime.build.stage_params`, the one choice of holder), behind the engine
-    calling convention ([Note: one model on stages]). ``device_budget``: the bytes plain
+    calling convention ([Note: one model on stages]). ``chunks``: its parameters in tidal's
+    chunks ([Note: chunk stages] in tidal/parallel/chunk_stage.py), which stream ``init``'s
+    values in; else the model is given them whole. ``device_budget``: the bytes plain
     replicas' model data may take on the device (refused in one line over it)."""
     device = resolve_device(training.device)
-    if not (fsdp2 and (dims.dp > 1 or fsdp2_offload)):  # every replica holds all of it
-        num_params = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
-        check_model_data_fits(4 * num_params, device_budget, optimizer=optimizer)  # fp32
-    if init is not None:
-        materialize(model, init, device)
-    model = model.to(device)
-    # one process of plain replicas needs no process group, so none is made for it
+    if chunks is None:
+        if not (fsdp2 and (dims.dp > 1 or fsdp2_offload)):  # every replica holds all of it
+            num_params = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+            check_model_data_fits(4 * num_params, device_budget, optimizer=optimizer)  # fp32
+        if init is not None:
+            materialize(model, init, device)
+        model = model.to(device)
+    # one process needs no process group (a chunk store of one shards over a mesh of one)
     alone = dims.world_size == 1 and not fsdp2_offload
     mesh = None if alone else dims.build_mesh(device.type)
     accum = training.grad_accum_steps
@@ -92,19 +100,20 @@ def stage_engine(
                              optimizer=optimizer, weights=AsyncConfig(),
                              precision=training.precision,
                              lr=lr_schedule(optimizer, training).lr_at(0), microbatches=accum,
-                             chunks=None, fsdp2=fsdp2, fsdp2_offload=fsdp2_offload)  # fmt: skip
-    assert isinstance(params, StageWeights), "a torch optimizer's holder: no chunks, no tp here"
+                             chunks=chunks, fsdp2=fsdp2, fsdp2_offload=fsdp2_offload,
+                             init=init if chunks is not None else None)  # fmt: skip
+    assert isinstance(params, StageWeights | ChunkStageParams), "no tensor parallelism here"
     return StageEngine(model, params, optimizer=optimizer, training=training, dims=dims)
 
 
 class StageEngine:
     """One model on one stage, its parameters held by ``params`` (plain replicas or FSDP2
-    shards, over a torch optimizer); see [Note: one model on stages]."""
+    shards over a torch optimizer, or tidal's chunks); see [Note: one model on stages]."""
 
     def __init__(
         self,
         model: nn.Module,
-        params: StageWeights,
+        params: StageWeights | ChunkStageParams,
         *,
         optimizer: OptimizerConfig,
         training: TrainingConfig,
@@ -191,13 +200,24 @@ class StageEngine:
     # -- figures and state ---------------------------------------------------------------------
 
     @property
-    def optimizer(self) -> torch.optim.Optimizer:
+    def optimizer(self) -> Any:
+        """The stage's optimizer: torch's over plain replicas or FSDP2 shards, else the chunk
+        optimizer."""
         return self.params.optimizer
 
+    @property
+    def chunks(self) -> ChunkEngine | None:
+        """The chunk transform's engine, whose store and parts hold the chunks (None: the
+        parameters are torch's)."""
+        return self.params.engine if isinstance(self.params, ChunkStageParams) else None
+
     def stats(self) -> dict[str, Any]:
+        figures = self.chunks.stats() if self.chunks is not None else {}  # the store's figures
         # plain replicas are what engine = "reference" names
+        name = "fsdp2 stage" if isinstance(self.params, Fsdp2StageWeights) else "reference"
         return {
-            "engine": "fsdp2 stage" if isinstance(self.params, Fsdp2StageWeights) else "reference",
+            "engine": name,
+            **figures,
             "world_size": self.dims.world_size,
             "device": str(self.device),
             "precision": self.precision,
@@ -209,33 +229,38 @@ class StageEngine:
 
     def model_data_bytes(self) -> dict[str, int]:
         """This rank's shares of the weights, their gradients and the optimizer's state."""
+        if self.chunks is not None:
+            return self.chunks.model_data_bytes()
         return model_data_bytes(self.model, self.params.optimizer, nbytes=_local_nbytes)
 
     def model_state_dict(self) -> dict[str, torch.Tensor]:
         """The model's whole state dict, tied names and buffers included (gathered from the
         shards: every rank calls it)."""
+        if self.chunks is not None:
+            return self.chunks.model_state_dict()
         return {name: whole(t.detach()).clone() for name, t in self.model.state_dict().items()}
 
     def state_dict(self) -> dict[str, Any]:
         """Whole weights and optimizer state, the step counters and the loss scale (a
         collective: every rank calls it)."""
+        counters = {"counter": self.counter.state(), "scaler": self.scaler.state_dict()}
+        if self.chunks is not None:  # the chunk engine's own state dict, read from the chunks
+            return {**self.chunks.state_dict(), **counters}
         options = StateDictOptions(full_state_dict=True)
-        return {
-            "model": self.model_state_dict(),
-            "optimizer": get_optimizer_state_dict(
-                self.model, self.params.optimizer, options=options
-            ),  # fmt: skip
-            "counter": self.counter.state(),
-            "scaler": self.scaler.state_dict(),
-        }
+        optimizer = get_optimizer_state_dict(self.model, self.params.optimizer, options=options)
+        return {"model": self.model_state_dict(), "optimizer": optimizer, **counters}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """What :meth:`state_dict` wrote, on this engine's shards (any number of ranks)."""
-        with torch.no_grad():
-            for name, p in self.model.named_parameters():
-                p.copy_(like(p, state["model"][name]))
-        options = StateDictOptions(full_state_dict=True)
-        set_optimizer_state_dict(self.model, self.params.optimizer, state["optimizer"],
-                                 options=options)  # fmt: skip
+        if isinstance(self.params, ChunkStageParams):
+            self.params.engine.load_state_dict(state)  # into the chunks, wherever they are
+            self.params.load_state_dict({"version": state["counter"]["global_step"]})
+        else:
+            with torch.no_grad():
+                for name, p in self.model.named_parameters():
+                    p.copy_(like(p, state["model"][name]))
+            options = StateDictOptions(full_state_dict=True)
+            set_optimizer_state_dict(self.model, self.params.optimizer, state["optimizer"],
+                                     options=options)  # fmt: skip
         self.counter.restore(state["counter"])
         self.scaler.load_state_dict(state["scaler"])

@@ -12,6 +12,7 @@ from torch import nn
 from tidal.config import ConfigError, require
 from tidal.data import BatchSampler, build_token_splits
 from tidal.memory.materialize import ParameterValues
+from tidal.parallel.chunk_stage import ChunkStageConfig
 from tidal.parallel.protocol import Engine, TrainingEngine
 from tidal.parallel.reference import ReferenceEngine, TorchOptimizer
 from tidal.parallel.verbs import apply_plan, offload, shard
@@ -28,6 +29,7 @@ __all__ = [
     "build_samplers",
     "check_plan_job",
     "check_plan_settings",
+    "chunk_stage_config",
     "refuse_chunk_engine",
 ]
 
@@ -110,6 +112,16 @@ def check_plan_settings(job: JobConfig) -> None:
     require(not job.pipeline.asynchronous, "pipeline.schedule",
             f"a plan runs one synchronous stage, not {job.pipeline.schedule}; drop "
             f"pipeline.schedule or --plan")  # fmt: skip
+
+
+def chunk_stage_config(job: JobConfig, device: torch.device | str) -> ChunkStageConfig | None:
+    """With ``engine = 'chunk'``, how each stage's chunks live ([Note: chunk stages] in
+    tidal/parallel/chunk_stage.py); None for the other engines."""
+    if job.engine != "chunk":
+        return None
+    return ChunkStageConfig(optimizer=job.optimizer, memory=job.memory, chunk=job.chunk,
+                            precision=job.training.precision, device=str(device),
+                            sharding=job.sharding)  # fmt: skip
 
 
 def build_samplers(job: JobConfig) -> tuple[BatchSampler, BatchSampler]:

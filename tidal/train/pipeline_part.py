@@ -55,7 +55,7 @@ from tidal.distributed import gather_ints
 from tidal.distributed.device import resolve_device
 from tidal.models import GPTConfig, build_stages, spec_for
 from tidal.parallel.accumulation import split_rows
-from tidal.parallel.chunk_stage import ChunkStageConfig, ChunkStageParams, require_one_version
+from tidal.parallel.chunk_stage import ChunkStageParams, require_one_version
 from tidal.parallel.flat_state import model_layout
 from tidal.parallel.lr import lr_schedule
 from tidal.parallel.reference import TorchOptimizer, model_data_bytes
@@ -74,6 +74,7 @@ from tidal.runtime.build import pipeline
 from tidal.runtime.eval import evaluate_stages
 from tidal.runtime.fsdp_stage import reshard_stage
 from tidal.runtime.weights import StageWeights
+from tidal.train.build import chunk_stage_config
 from tidal.train.engine_state import PipelineStages
 from tidal.train.job import JobConfig
 from tidal.train.pipeline_memory import (
@@ -263,15 +264,6 @@ def balanced_ranges(job: JobConfig, profiles: list[LayerProfile]) -> tuple[tuple
     return tuple(split.block_ranges)
 
 
-def _chunk_stages(job: JobConfig, device: torch.device) -> ChunkStageConfig | None:
-    """With ``engine = 'chunk'``, how each stage's chunks live ([Note: chunk stages])."""
-    if job.engine != "chunk":
-        return None
-    return ChunkStageConfig(optimizer=job.optimizer, memory=job.memory, chunk=job.chunk,
-                            precision=job.training.precision, device=str(device),
-                            sharding=job.sharding)  # fmt: skip
-
-
 class PipelinePart:
     """The pipeline behind the Trainer's loop: this rank's stages of ``job``'s model under its
     ``[pipeline]`` schedule; see [Note: pipeline runs]. ``engine`` is the
@@ -330,7 +322,7 @@ class PipelinePart:
                                block_ranges=self.ranges, num_microbatches=job.num_microbatches,
                                device=device, mesh=self.mesh,
                                lending=self.memory.lending,
-                               chunks=_chunk_stages(job, device),
+                               chunks=chunk_stage_config(job, device),
                                fsdp2=job.parallel.fsdp2,
                                fsdp2_offload=job.parallel.fsdp2_offload,
                                torch_optimizer=torch_optimizer,

@@ -204,7 +204,7 @@ def test_one_process_with_a_disk_tier_matches_the_reference(tmp_path: Path) -> N
                                  "optimizer": {"lr": 3e-3, "warmup_steps": 2}})  # fmt: skip
     disk = tidal.initialize(build_gpt(preset("tiny"), seed=0),
                             job(host_budget=1_500_000, nvme_dir=str(tmp_path)))  # fmt: skip
-    assert isinstance(disk.parts, ShardedParts) and disk.world_size == 1
+    assert isinstance(disk.chunks.parts, ShardedParts) and disk.chunks.world_size == 1
     g = torch.Generator().manual_seed(1)
     for _ in range(4):
         tokens = torch.randint(0, 256, (2, 33), generator=g)
