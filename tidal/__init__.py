@@ -55,14 +55,14 @@ def initialize(
 ) -> TrainingEngine:
     """Wrap ``model`` in the engine its config names (``engine = "reference" | "chunk"``).
 
-    ``"reference"``: the model on the training device, one stage of the train step every tidal
-    run takes, replicated over the ranks (or sharded by FSDP2 with ``parallel.fsdp2``: [Note:
-    one model on stages] in tidal/runtime/stage_engine.py); ``"chunk"``: the chunk engine, which
-    moves its parameters into chunks under ``memory.device_budget`` and ``memory.host_budget``.
+    The model is one stage of the train step every tidal run takes ([Note: one model on stages]
+    in tidal/runtime/stage_engine.py). ``"reference"``: on the training device, replicated over
+    the ranks (or sharded by FSDP2 with ``parallel.fsdp2``); ``"chunk"``: its parameters moved
+    into chunks under ``memory.device_budget`` and ``memory.host_budget``.
 
     A model too large to build whole can be built on the meta device and its values given as
     ``init``: a function returning ``(name, value)`` pairs, one parameter at a time, which the
-    chunk engine streams into its chunks (every rank keeps only its shards); for tidal's GPT
+    chunks stream in (every rank keeps only its shards); for tidal's GPT
     presets, ``tidal.models.gpt_init(model, seed)``::
 
         model = build_gpt(preset("gpt2-xl"), device="meta")   # shapes only
@@ -70,7 +70,7 @@ def initialize(
 
     Under torchrun it joins the process group torchrun's variables describe (gloo on CPU, NCCL
     on CUDA with ``cuda:LOCAL_RANK``), unless the program made one already, which is used: the
-    chunk engine then shards over the ranks (ZeRO-3) and plain replicas average their
+    chunks are then sharded over the ranks (ZeRO-3) and plain replicas average their
     gradients. Each rank passes its own rows of the batch.
     """
     job = load_job(config)

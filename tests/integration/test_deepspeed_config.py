@@ -84,7 +84,7 @@ def test_initialize_takes_a_deepspeed_dict_and_a_json_recipe_is_pointed_there(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     engine = tidal.initialize(nn.Linear(8, 8), {**DS, "bf16": {"enabled": False}})
-    assert isinstance(engine, ChunkEngine)
+    assert isinstance(engine.chunks, ChunkEngine)  # ZeRO-3 offload: the chunk transform
     ds_path = tmp_path / "ds_config.json"
     ds_path.write_text(json.dumps(DS))
     assert main(["train", "--recipe", str(ds_path)]) == 2

@@ -1,18 +1,20 @@
 """``tidal.initialize``'s engine for a model held on one stage: :class:`StageEngine`.
 
 [Note: one model on stages]
-``tidal.initialize(model, config)`` trains the model as one stage (except ``engine = "chunk"``,
-the chunk engine's): plain replicas averaged over the ranks (``engine = "reference"``, the
-model data checked against ``memory.device_budget`` as the reference engine checks it) or
-sharded by FSDP2 (``parallel.fsdp2 = true``, [Note: FSDP2 stages] in fsdp_stage.py): the same
+``tidal.initialize(model, config)`` trains the model as one stage: plain replicas averaged
+over the ranks (``engine = "reference"``, the model data checked against
+``memory.device_budget`` as the reference engine checks it), sharded by FSDP2
+(``parallel.fsdp2 = true``, [Note: FSDP2 stages] in fsdp_stage.py) or in tidal's chunks
+(``engine = "chunk"``, ZeRO-3 over the ranks, a meta model's values streamed in: [Note: chunk
+stages] in tidal/parallel/chunk_stage.py; the store's figures in ``stats()``): the same
 transform a pipeline stage gets, the same parameter holder chosen by the same function
 (:func:`~tidal.runtime.build.stage_params`) and the same update
 (:func:`~tidal.runtime.update.prepare_update`: reduction, norm, loss scaler, clip), driven by
 DeepSpeed's calling convention instead of a schedule: each ``engine(...)`` is a microbatch's
 forward, each ``backward(loss)`` its backward, and every ``grad_accum_steps``-th ``step()``
 the update ([Note: accumulation boundary] in tidal/parallel/accumulation.py). Each rank passes
-its own rows; the gradient is the mean over the ranks. One process of plain replicas makes no
-process group (nothing to reduce); the plain-PyTorch
+its own rows; the gradient is the mean over the ranks. One process makes no process group
+(nothing to reduce; a chunk store with a disk shards over a mesh of one); the plain-PyTorch
 :class:`~tidal.parallel.reference.ReferenceEngine` stays the baseline every test compares with.
 
 The forward of a microbatch stays open until its backward, one at a time or several (their
