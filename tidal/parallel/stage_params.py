@@ -54,6 +54,7 @@ __all__ = [
     "like",
     "plain_grad_squares",
     "plain_scale_grads",
+    "reshard_stage",
     "whole",
 ]
 
@@ -96,6 +97,18 @@ def _is_dtensor(t: torch.Tensor) -> bool:
     # (sympy) that a run without DTensors should not pay.
     module = sys.modules.get("torch.distributed.tensor")
     return module is not None and isinstance(t, module.DTensor)
+
+
+def reshard_stage(module: nn.Module) -> None:
+    """Back to the shards after a forward without a backward (validation), which leaves an
+    FSDP2-sharded module's own parameters gathered; nothing where FSDP2 sharded nothing (a
+    process that never loaded it has no shards to go back to)."""
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    if fsdp is None:
+        return
+    for sharded in module.modules():  # a plan's model is its stage's one layer
+        if isinstance(sharded, fsdp.FSDPModule):
+            sharded.reshard()
 
 
 def whole(t: torch.Tensor) -> torch.Tensor:

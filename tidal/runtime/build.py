@@ -25,7 +25,6 @@ from tidal.pipeline.ir import Schedule
 from tidal.pipeline.lending import Lending
 from tidal.pipeline.split import PipelineStage, tied_parameters
 from tidal.runtime.distributed import PipelineRuntime, RuntimeConfig
-from tidal.runtime.fsdp_stage import Fsdp2StageWeights, fsdp2_stage
 from tidal.runtime.pipemare import AsyncConfig, StageWeights, WeightMode
 
 __all__ = ["pipeline", "stage_params"]
@@ -150,6 +149,8 @@ def stage_params(mine: Sequence[nn.Module], mesh: DeviceMesh | None, schedule: S
                 for s in mine]  # fmt: skip
     if fsdp2 and (dp_size > 1 or fsdp2_offload):
         assert mesh is not None
+        from tidal.runtime.fsdp_stage import Fsdp2StageWeights, fsdp2_stage  # FSDP2 runs only
+
         # the optimizer goes over the shards, so each stage is sharded before it is built
         return [Fsdp2StageWeights(s, build_optimizer(s, optimizer, lr), weights,
                                   precision=precision, microbatches_per_step=microbatches)
@@ -165,6 +166,7 @@ def _tensor_stages(mine: Sequence[nn.Module], mesh: DeviceMesh, optimizer: Optim
     """Each stage split over ``mesh["tp"]``, then, with ``fsdp2``, its shares sharded over
     ``mesh["dp"]`` (torchtitan's 2D), then its optimizer over what this rank holds."""
     from tidal.parallel.tensor_stage import tensor_parallel_stage  # DTensor: tp runs only
+    from tidal.runtime.fsdp_stage import fsdp2_stage
     from tidal.runtime.tensor_weights import Fsdp2TensorStageWeights, TensorStageWeights
 
     if chunks:

@@ -28,13 +28,10 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, fully_shard
-from torch.distributed.tensor import DTensor, distribute_tensor
 
-from tidal.parallel.stage_params import whole
-from tidal.parallel.tensor_stage import tensor_grad_squares
-from tidal.runtime.weights import StageWeights
+from tidal.runtime.shares import ShardedStageWeights
 
-__all__ = ["Fsdp2StageWeights", "fsdp2_stage", "reshard_stage", "set_share"]
+__all__ = ["Fsdp2StageWeights", "fsdp2_stage"]
 
 
 def fsdp2_stage(module: nn.Module, dp_mesh: DeviceMesh, *, offload: bool = False) -> nn.Module:
@@ -52,20 +49,10 @@ def fsdp2_stage(module: nn.Module, dp_mesh: DeviceMesh, *, offload: bool = False
     return module
 
 
-def reshard_stage(module: nn.Module) -> None:
-    """Back to the shards after a forward without a backward (validation), which leaves the
-    stage's own parameters gathered; nothing for a stage FSDP2 did not shard."""
-    for sharded in module.modules():  # a plan's model is its stage's one layer
-        if isinstance(sharded, FSDPModule):
-            sharded.reshard()
+class Fsdp2StageWeights(ShardedStageWeights):
+    """The weights of a stage :func:`fsdp2_stage` sharded; see [Note: FSDP2 stages]."""
 
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
-class Fsdp2StageWeights(StageWeights):
-    """:class:`StageWeights` of a stage :func:`fsdp2_stage` sharded; see [Note: FSDP2 stages]."""
+    sharded_by_fsdp2 = True
 
     def __init__(self, *args: Any, microbatches_per_step: int, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -83,34 +70,3 @@ class Fsdp2StageWeights(StageWeights):
 
     def reduce_gradients(self) -> None:
         """FSDP2 reduce-scattered every backward's gradients into the shards already."""
-
-    def grad_squares(self, *, skip: frozenset[str] = frozenset()) -> torch.Tensor:
-        return tensor_grad_squares(self._named(), skip=skip)  # the shards summed over dp
-
-    def scale_grads(self, factor: torch.Tensor) -> None:
-        for p in self.params:
-            if p.grad is not None:
-                grad = _local(p.grad)
-                grad.mul_(factor.to(grad.device, grad.dtype))
-
-    def gradient(self, name: str) -> torch.Tensor | None:
-        """The whole gradient, gathered from the shards (every replica calls it)."""
-        grad = super().gradient(name)
-        return None if grad is None else whole(grad)
-
-    def set_gradient(self, name: str, value: torch.Tensor) -> None:
-        """This rank's shard of ``value`` (whole, the same on every replica: no collective)."""
-        grad = super().gradient(name)
-        assert grad is not None, f"{name} has no gradient to replace"
-        set_share(grad, value)
-
-
-def set_share(grad: torch.Tensor, value: torch.Tensor) -> None:
-    """This rank's share of ``value`` (whole, the same on every rank: no collective) into
-    ``grad``, a DTensor or a plain tensor."""
-    if not isinstance(grad, DTensor):
-        grad.copy_(value)
-        return
-    share = distribute_tensor(value.to(grad.device), grad.device_mesh, grad.placements,
-                              src_data_rank=None)  # fmt: skip
-    grad.to_local().copy_(share.to_local())

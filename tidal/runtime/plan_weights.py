@@ -31,28 +31,13 @@ import contextlib
 from collections.abc import Iterator
 from typing import Any
 
-import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from tidal.parallel.plan_apply import set_accumulating
-from tidal.parallel.stage_params import whole
 from tidal.parallel.tensor_axis import REORDERED
-from tidal.parallel.tensor_stage import tensor_grad_squares
-from tidal.runtime.fsdp_stage import set_share
-from tidal.runtime.weights import StageWeights
+from tidal.runtime.shares import ShardedStageWeights
 
-__all__ = ["PlanStageWeights", "local_nbytes", "name_reordered_rows"]
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
-def local_nbytes(t: torch.Tensor) -> int:
-    """Bytes of this rank's share of ``t``."""
-    local = _local(t)
-    return local.numel() * local.element_size()
+__all__ = ["PlanStageWeights", "name_reordered_rows"]
 
 
 def name_reordered_rows(stage: nn.Module, model: nn.Module, prefix: str) -> None:
@@ -62,7 +47,7 @@ def name_reordered_rows(stage: nn.Module, model: nn.Module, prefix: str) -> None
     setattr(stage, REORDERED, {f"{prefix}{name}": rows for name, rows in reordered.items()})
 
 
-class PlanStageWeights(StageWeights):
+class PlanStageWeights(ShardedStageWeights):
     """:class:`StageWeights` of a model a plan laid out; see [Note: plan stages]."""
 
     def __init__(self, *args: Any, microbatches_per_step: int, **kwargs: Any) -> None:
@@ -79,23 +64,3 @@ class PlanStageWeights(StageWeights):
 
     def reduce_gradients(self) -> None:
         """The layout reduced every backward's gradients already ([Note: plan stages])."""
-
-    def grad_squares(self, *, skip: frozenset[str] = frozenset()) -> torch.Tensor:
-        return tensor_grad_squares(self._named(), skip=skip)
-
-    def scale_grads(self, factor: torch.Tensor) -> None:
-        for p in self.params:
-            if p.grad is not None:
-                grad = _local(p.grad)
-                grad.mul_(factor.to(grad.device, grad.dtype))
-
-    def gradient(self, name: str) -> torch.Tensor | None:
-        """The whole gradient (gathered where sharded: every rank calls it)."""
-        grad = super().gradient(name)
-        return None if grad is None else whole(grad)
-
-    def set_gradient(self, name: str, value: torch.Tensor) -> None:
-        """This rank's share of ``value`` (whole, the same on every rank)."""
-        grad = super().gradient(name)
-        assert grad is not None, f"{name} has no gradient to replace"
-        set_share(grad, value)

@@ -32,11 +32,6 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_optimizer_state_dict,
-    set_optimizer_state_dict,
-)
 
 from tidal.distributed.device import resolve_device
 from tidal.memory.materialize import ParameterValues, materialize
@@ -47,12 +42,11 @@ from tidal.parallel.dims import ParallelDims
 from tidal.parallel.lr import lr_schedule
 from tidal.parallel.protocol import Phase, Phases
 from tidal.parallel.reference import autocast, check_model_data_fits, model_data_bytes
-from tidal.parallel.stage_params import like, whole
+from tidal.parallel.stage_params import like, reshard_stage, whole
 from tidal.pipeline.async_config import AsyncConfig
 from tidal.pipeline.schedules import make_schedule
 from tidal.runtime.build import stage_params
 from tidal.runtime.executor import UpdateRules
-from tidal.runtime.fsdp_stage import Fsdp2StageWeights, reshard_stage
 from tidal.runtime.precision import LossScaler
 from tidal.runtime.update import prepare_update
 from tidal.runtime.weights import StageWeights
@@ -216,7 +210,8 @@ class StageEngine:
     def stats(self) -> dict[str, Any]:
         figures = self.chunks.stats() if self.chunks is not None else {}  # the store's figures
         # plain replicas are what engine = "reference" names
-        name = "fsdp2 stage" if isinstance(self.params, Fsdp2StageWeights) else "reference"
+        fsdp2 = isinstance(self.params, StageWeights) and self.params.sharded_by_fsdp2
+        name = "fsdp2 stage" if fsdp2 else "reference"
         return {
             "engine": name,
             **figures,
@@ -248,8 +243,10 @@ class StageEngine:
         counters = {"counter": self.counter.state(), "scaler": self.scaler.state_dict()}
         if self.chunks is not None:  # the chunk engine's own state dict, read from the chunks
             return {**self.chunks.state_dict(), **counters}
-        options = StateDictOptions(full_state_dict=True)
-        optimizer = get_optimizer_state_dict(self.model, self.params.optimizer, options=options)
+        from torch.distributed.checkpoint import state_dict as dcp  # DTensor: only when asked
+
+        options = dcp.StateDictOptions(full_state_dict=True)
+        optimizer = dcp.get_optimizer_state_dict(self.model, self.params.optimizer, options=options)
         return {"model": self.model_state_dict(), "optimizer": optimizer, **counters}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -261,8 +258,10 @@ class StageEngine:
             with torch.no_grad():
                 for name, p in self.model.named_parameters():
                     p.copy_(like(p, state["model"][name]))
-            options = StateDictOptions(full_state_dict=True)
-            set_optimizer_state_dict(self.model, self.params.optimizer, state["optimizer"],
-                                     options=options)  # fmt: skip
+            from torch.distributed.checkpoint import state_dict as dcp
+
+            options = dcp.StateDictOptions(full_state_dict=True)
+            dcp.set_optimizer_state_dict(self.model, self.params.optimizer, state["optimizer"],
+                                         options=options)  # fmt: skip
         self.counter.restore(state["counter"])
         self.scaler.load_state_dict(state["scaler"])

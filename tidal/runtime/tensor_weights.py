@@ -21,20 +21,12 @@ import contextlib
 from collections.abc import Iterator
 from typing import Any
 
-import torch
-from torch.distributed.tensor import DTensor
-
 from tidal.distributed.collectives import FunctionalCollectiveBytes
 from tidal.parallel.stage_params import average_over
-from tidal.parallel.tensor_stage import tensor_grad_squares
 from tidal.runtime.fsdp_stage import Fsdp2StageWeights
-from tidal.runtime.weights import StageWeights
+from tidal.runtime.shares import ShardedStageWeights, local
 
 __all__ = ["Fsdp2TensorStageWeights", "TensorStageWeights"]
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
 
 
 class _CountsTensorBytes:
@@ -57,24 +49,15 @@ class _CountsTensorBytes:
         return self.tp_bytes.stats()
 
 
-class TensorStageWeights(_CountsTensorBytes, StageWeights):
-    """:class:`StageWeights` of a tensor-parallel stage; see the module docstring."""
+class TensorStageWeights(_CountsTensorBytes, ShardedStageWeights):
+    """The weights of a tensor-parallel stage; see the module docstring."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.tp_bytes = FunctionalCollectiveBytes()
 
     def reduce_gradients(self) -> None:
-        average_over([_local(p.grad) for p in self.params if p.grad is not None], self.dp_group)
-
-    def grad_squares(self, *, skip: frozenset[str] = frozenset()) -> torch.Tensor:
-        return tensor_grad_squares(self._named(), skip=skip)
-
-    def scale_grads(self, factor: torch.Tensor) -> None:
-        for p in self.params:
-            if p.grad is not None:
-                grad = _local(p.grad)
-                grad.mul_(factor.to(grad.device, grad.dtype))
+        average_over([local(p.grad) for p in self.params if p.grad is not None], self.dp_group)
 
 
 class Fsdp2TensorStageWeights(_CountsTensorBytes, Fsdp2StageWeights):

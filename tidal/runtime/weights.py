@@ -123,6 +123,7 @@ class StageWeights:
 
     version: int  # updates applied so far
     delays: dict[int, int]  # microbatch -> measured tau ([Note: weight delay tau])
+    sharded_by_fsdp2 = False  # the parameters are FSDP2's shards (fsdp_stage.py)
 
     def __init__(
         self,

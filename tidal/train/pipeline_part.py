@@ -59,6 +59,7 @@ from tidal.parallel.chunk_stage import ChunkStageParams, require_one_version
 from tidal.parallel.flat_state import model_layout
 from tidal.parallel.lr import lr_schedule
 from tidal.parallel.reference import TorchOptimizer, model_data_bytes
+from tidal.parallel.stage_params import reshard_stage
 from tidal.pipeline.partition import LayerProfile
 from tidal.pipeline.sequential import (
     LossFn,
@@ -72,7 +73,6 @@ from tidal.pipeline.split import PipelineStage, even_ranges, split_parts
 from tidal.pipeline.stage_init import materialize_stages
 from tidal.runtime.build import pipeline
 from tidal.runtime.eval import evaluate_stages
-from tidal.runtime.fsdp_stage import reshard_stage
 from tidal.runtime.weights import StageWeights
 from tidal.train.build import chunk_stage_config
 from tidal.train.engine_state import PipelineStages
@@ -516,7 +516,7 @@ class PipelinePart:
         held = list(self.engine.weights.values())
         if self.plan is not None:  # the plan's figures and name, as the plan engine gave them
             summary["engine"], summary["mesh"] = "plan", f"dp {self.plan.dp} x tp {self.plan.tp}"
-            from tidal.runtime.plan_weights import local_nbytes  # DTensor: plan runs only
+            from tidal.runtime.shares import local_nbytes  # DTensor: plan runs only
 
             (planned,) = held
             summary["model_data_bytes"] = model_data_bytes(
