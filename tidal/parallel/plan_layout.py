@@ -1,9 +1,13 @@
-"""A plan's layout: train a model as a planner's plan says (``tidal train --plan PATH``).
+"""A plan's layout: what ``tidal train --plan PATH`` checks and lays out, and ``tidal.apply_plan``.
 
-``tidal plan --json PATH`` writes a :class:`~tidal.planner.Plan`; :class:`PlanLayout` realises it
-with ``tidal.parallel.plan_apply`` (DTensor on the ``tp`` mesh axis, FSDP2 on ``dp``) as the layout of
-the reference engine, whose calling convention, optimizer, schedule and clipping rule it keeps,
-so a plan run and a one-device run of the same job take the same steps up to rounding.
+``tidal plan --json PATH`` writes a :class:`~tidal.planner.Plan`. ``tidal train --plan`` checks
+it here (:func:`check_plan_fits`, :func:`plan_rows`) and trains the model ``plan_apply.apply``
+lays out (DTensor on the ``tp`` mesh axis, FSDP2 on ``dp``) as the one stage of the train step
+([Note: plan stages] in tidal/runtime/plan_weights.py), its optimizer split mesh by mesh
+(:func:`build_plan_optimizer`). ``tidal.apply_plan`` gives the same layout to the reference
+engine instead (:class:`PlanLayout`), whose calling convention, optimizer, schedule and clipping
+rule it keeps, so a plan run and a one-device run of the same job take the same steps up to
+rounding.
 
 [Note: plan runs]
 A plan fixes the mesh: it runs on exactly ``dp * tp`` ranks, rank ``r`` at data-parallel index
@@ -14,10 +18,11 @@ FSDP and apply's hooks average the gradients over ``dp`` and finish the tensor a
 sums, so what is optimised is the mean over the global batch, as on one device. ZeRO-1 units
 accumulate unsynchronised until a step's last micro-batch (:func:`set_accumulating`).
 
-Checkpoints hold whole tensors, gathered by every rank: the model in the single-device layout
-(``full_state_dict``: ``tidal export`` and the reference engine read it as any other), the
-optimizer's state by parameter name in the plan's layout. So a plan run resumes with the same
-plan only; the checkpoint keeps the plan's choices and loading checks them.
+The Trainer's checkpoints of a plan run are the one format of every stage, so they resume on
+any mesh. :class:`PlanLayout`'s state (``tidal.apply_plan``'s engine) holds whole tensors,
+gathered by every rank: the model in the single-device layout (``full_state_dict``), the
+optimizer's state by parameter name in the plan's layout, so it loads under the same plan
+only; it keeps the plan's choices and loading checks them.
 """
 
 from __future__ import annotations
