@@ -28,19 +28,28 @@ block structure and the schedule the Trainer builds (``tidal train``, ``tidal.Tr
 from __future__ import annotations
 
 import collections
+import dataclasses
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
+from tidal.distributed import rank
 from tidal.distributed.device import resolve_device
 from tidal.memory.materialize import ParameterValues, materialize
 from tidal.parallel.accumulation import StepCounter
 from tidal.parallel.chunk_stage import ChunkStageConfig, ChunkStageParams
 from tidal.parallel.config import OptimizerConfig, TrainingConfig
 from tidal.parallel.dims import ParallelDims
+from tidal.parallel.flat_state import (
+    flat_optimizer_state,
+    model_layout,
+    model_tensors,
+    read_whole,
+    unflatten_optimizer_state,
+)
 from tidal.parallel.lr import lr_schedule
-from tidal.parallel.protocol import Phase, Phases
+from tidal.parallel.protocol import CheckpointTensors, LoadTensors, Phase, Phases
 from tidal.parallel.reference import autocast, check_model_data_fits, model_data_bytes
 from tidal.parallel.stage_params import like, reshard_stage, whole
 from tidal.pipeline.async_config import AsyncConfig
@@ -55,6 +64,8 @@ if TYPE_CHECKING:
     from tidal.parallel.chunk_engine import ChunkEngine
 
 __all__ = ["StageEngine", "stage_engine"]
+
+_LOSS_SCALE = "stage_loss_scale"  # a checkpoint's extras: the stage's loss scaler
 
 
 def _local_nbytes(t: torch.Tensor) -> int:
@@ -238,8 +249,8 @@ class StageEngine:
         return {name: whole(t.detach()).clone() for name, t in self.model.state_dict().items()}
 
     def state_dict(self) -> dict[str, Any]:
-        """Whole weights and optimizer state, the step counters and the loss scale (a
-        collective: every rank calls it)."""
+        """Whole weights and optimizer state (by parameter name), the step counters and the
+        loss scale (a collective: every rank calls it)."""
         counters = {"counter": self.counter.state(), "scaler": self.scaler.state_dict()}
         if self.chunks is not None:  # the chunk engine's own state dict, read from the chunks
             return {**self.chunks.state_dict(), **counters}
@@ -253,15 +264,62 @@ class StageEngine:
         """What :meth:`state_dict` wrote, on this engine's shards (any number of ranks)."""
         if isinstance(self.params, ChunkStageParams):
             self.params.engine.load_state_dict(state)  # into the chunks, wherever they are
-            self.params.load_state_dict({"version": state["counter"]["global_step"]})
         else:
-            with torch.no_grad():
-                for name, p in self.model.named_parameters():
-                    p.copy_(like(p, state["model"][name]))
-            from torch.distributed.checkpoint import state_dict as dcp
-
-            options = dcp.StateDictOptions(full_state_dict=True)
-            dcp.set_optimizer_state_dict(self.model, self.params.optimizer, state["optimizer"],
-                                         options=options)  # fmt: skip
+            self._load(state["model"], state["optimizer"]["state"])
         self.counter.restore(state["counter"])
         self.scaler.load_state_dict(state["scaler"])
+
+    def _load(self, model: dict[str, torch.Tensor], optimizer: dict[str, Any]) -> None:
+        """Whole values by state-dict name, and the optimizer's state by parameter name, into
+        this rank's shares (buffers too: BatchNorm's statistics)."""
+        from torch.distributed.checkpoint import state_dict as dcp
+
+        own = {**dict(self.model.named_buffers()), **dict(self.model.named_parameters())}
+        with torch.no_grad():
+            for name, value in model.items():
+                if name in own:
+                    own[name].copy_(like(own[name], value.to(own[name].dtype)))
+        names = {id(p): n for n, p in self.model.named_parameters()}
+        torch_optimizer = self.params.optimizer
+        groups = [{**{k: v for k, v in group.items() if k != "params"},
+                   "params": [names[id(p)] for p in group["params"]]}
+                  for group in torch_optimizer.param_groups]  # fmt: skip
+        options = dcp.StateDictOptions(full_state_dict=True)
+        dcp.set_optimizer_state_dict(self.model, torch_optimizer,
+                                     {"state": optimizer, "param_groups": groups},
+                                     options=options)  # fmt: skip
+
+    # -- the one checkpoint format -------------------------------------------------------------
+
+    def checkpoint_state(self) -> CheckpointTensors:
+        """The one checkpoint format ([Note: checkpoint keys] in tidal/train/checkpoint.py),
+        which every engine and the Trainer read: the chunks' shards as the chunk engine writes
+        them, else every tensor whole, written by rank 0, the optimizer's state by parameter
+        name; the counters are this engine's (a collective: every rank calls it)."""
+        counters = {**self.counter.state(), _LOSS_SCALE: self.scaler.state_dict()}
+        if self.chunks is not None:
+            saved = self.chunks.checkpoint_state()
+            return dataclasses.replace(saved, extras={**saved.extras, **counters})
+        state = self.state_dict()
+        meta = model_layout(self.model, {n: t.shape for n, t in state["model"].items()})
+        if rank() != 0:
+            return CheckpointTensors(tensors={}, extras={}, meta=meta)
+        tensors, steps = flat_optimizer_state(state["optimizer"]["state"])  # by name already
+        tensors.update(model_tensors(state["model"], meta))
+        return CheckpointTensors(tensors=tensors, extras={**counters, "optimizer_steps": steps},
+                                 meta=meta)  # fmt: skip
+
+    def restore_checkpoint(
+        self, load: LoadTensors, extras: dict[str, Any], meta: dict[str, Any]
+    ) -> None:
+        """Load what any engine's checkpoint holds (at any world size) through ``load``."""
+        if self.chunks is not None:
+            self.chunks.restore_checkpoint(load, extras, meta)
+        else:
+            model, flat = read_whole(load, meta)
+            by_name = unflatten_optimizer_state(flat, extras["optimizer_steps"],
+                                                meta["model_shapes"])  # fmt: skip
+            self._load(model, by_name)
+        self.counter.restore(extras)
+        if _LOSS_SCALE in extras:  # this engine's own (the engines keep theirs under others)
+            self.scaler.load_state_dict(extras[_LOSS_SCALE])
