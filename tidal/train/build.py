@@ -1,5 +1,6 @@
-"""Choose and build the engine a job asks for: one composition of the verbs in
-tidal/parallel/verbs.py, chosen from the job's config alone."""
+"""What a job's config builds, chosen from it alone: the engine that owns its step (the parity
+baseline; the verbs of tidal/parallel/verbs.py), the chunk stages' config, the checks of a
+plan run against the job, and the token samplers."""
 
 from __future__ import annotations
 
@@ -14,8 +15,8 @@ from tidal.data import BatchSampler, build_token_splits
 from tidal.memory.materialize import ParameterValues
 from tidal.parallel.chunk_stage import ChunkStageConfig
 from tidal.parallel.protocol import Engine, TrainingEngine
-from tidal.parallel.reference import ReferenceEngine, TorchOptimizer
-from tidal.parallel.verbs import apply_plan, offload, shard
+from tidal.parallel.reference import ReferenceEngine
+from tidal.parallel.verbs import offload, shard
 from tidal.train.job import JobConfig
 
 if TYPE_CHECKING:
@@ -34,33 +35,18 @@ __all__ = [
 ]
 
 
-def build_engine(
-    model: nn.Module,
-    job: JobConfig,
-    *,
-    init: ParameterValues | None = None,
-    plan: Plan | None = None,
-    inputs: tuple[torch.Tensor, ...] | None = None,
-    torch_optimizer: TorchOptimizer | None = None,
-) -> Engine:
-    """``engine = "reference"``: plain PyTorch; ``"chunk"``: parameters in chunks under budgets,
-    sharded over the ranks (ZeRO-3) when a process group of several ranks is initialised, and
-    on one process when ``memory.nvme_dir`` asks for the disk tier. With a ``plan`` (``tidal
-    plan``), the reference engine in the plan's layout on its ranks; ``inputs``: a sample of
-    your own model's inputs to trace it on (else the job's token ids). ``init``: the values of
-    a model built on the meta device ([Note: deferred construction] in
-    tidal/memory/materialize.py). ``torch_optimizer``: your own, for the reference engine
-    without a plan ([Note: your optimizer] in user_optim.py, which refuses it elsewhere)."""
-    assert torch_optimizer is None or (plan is None and job.engine == "reference"), "user_optim"
-    if plan is not None:
-        refuse_chunk_engine(job)
-        seq_len = None if inputs is not None else job.model.resolve().seq_len
-        return apply_plan(model, plan, optimizer=job.optimizer, training=job.training, init=init,
-                          seq_len=seq_len, inputs=inputs)  # fmt: skip
+def build_engine(model: nn.Module, job: JobConfig, *,
+                 init: ParameterValues | None = None) -> Engine:  # fmt: skip
+    """The engine the job names, owning its step: ``engine = "reference"``, plain PyTorch (the
+    parity baseline every stage is checked against: tidal/testing/reference.py); ``"chunk"``:
+    the chunk engine, sharded over the ranks (ZeRO-3) when a process group of several ranks is
+    initialised, and on one process when ``memory.nvme_dir`` asks for the disk tier. ``init``:
+    the values of a model built on the meta device ([Note: deferred construction] in
+    tidal/memory/materialize.py). Training runs (``tidal train``, ``tidal.initialize``) take
+    stages instead ([Note: one train step] in job.py)."""
     if job.engine == "reference":
         return ReferenceEngine(model, optimizer=job.optimizer, training=job.training,
-                               memory=job.memory, init=init,
-                               torch_optimizer=torch_optimizer)  # fmt: skip
+                               memory=job.memory, init=init)  # fmt: skip
     parts: dict[str, Any] = dict(optimizer=job.optimizer, training=job.training, memory=job.memory,
                  chunk=job.chunk, init=init)  # fmt: skip
     several = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
@@ -82,7 +68,7 @@ def check_plan_job(plan: Plan, job: JobConfig, *, model: nn.Module, world_size: 
 
 
 def refuse_chunk_engine(job: JobConfig) -> None:
-    """A plan runs on the reference engine alone (in the plan's layout)."""
+    """A plan lays the model out itself, which chunks would do too."""
     if job.engine != "reference":
         raise ConfigError(
             "--plan",
