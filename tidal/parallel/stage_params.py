@@ -52,6 +52,7 @@ __all__ = [
     "all_reduce_mean",
     "average_over",
     "like",
+    "local_nbytes",
     "plain_grad_squares",
     "plain_scale_grads",
     "reshard_stage",
@@ -109,6 +110,12 @@ def reshard_stage(module: nn.Module) -> None:
     for sharded in module.modules():  # a plan's model is its stage's one layer
         if isinstance(sharded, fsdp.FSDPModule):
             sharded.reshard()
+
+
+def local_nbytes(t: torch.Tensor) -> int:
+    """Bytes of this rank's share of ``t`` (all of it when plain)."""
+    share = t.to_local() if _is_dtensor(t) else t  # type: ignore[attr-defined]
+    return share.numel() * share.element_size()
 
 
 def whole(t: torch.Tensor) -> torch.Tensor:

@@ -19,18 +19,12 @@ from tidal.parallel.stage_params import whole
 from tidal.parallel.tensor_stage import tensor_grad_squares
 from tidal.runtime.weights import StageWeights
 
-__all__ = ["ShardedStageWeights", "local", "local_nbytes", "set_share"]
+__all__ = ["ShardedStageWeights", "local", "set_share"]
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
     """This rank's share of ``t`` (``t`` itself when plain)."""
     return t.to_local() if isinstance(t, DTensor) else t
-
-
-def local_nbytes(t: torch.Tensor) -> int:
-    """Bytes of this rank's share of ``t``."""
-    share = local(t)
-    return share.numel() * share.element_size()
 
 
 def set_share(grad: torch.Tensor, value: torch.Tensor) -> None:

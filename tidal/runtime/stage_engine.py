@@ -51,7 +51,7 @@ from tidal.parallel.flat_state import (
 from tidal.parallel.lr import lr_schedule
 from tidal.parallel.protocol import CheckpointTensors, LoadTensors, Phase, Phases
 from tidal.parallel.reference import autocast, check_model_data_fits, model_data_bytes
-from tidal.parallel.stage_params import like, reshard_stage, whole
+from tidal.parallel.stage_params import like, local_nbytes, reshard_stage, whole
 from tidal.pipeline.async_config import AsyncConfig
 from tidal.pipeline.schedules import make_schedule
 from tidal.runtime.build import stage_params
@@ -66,11 +66,6 @@ if TYPE_CHECKING:
 __all__ = ["StageEngine", "stage_engine"]
 
 _LOSS_SCALE = "stage_loss_scale"  # a checkpoint's extras: the stage's loss scaler
-
-
-def _local_nbytes(t: torch.Tensor) -> int:
-    local = t.to_local() if hasattr(t, "to_local") else t
-    return local.numel() * local.element_size()
 
 
 def stage_engine(
@@ -239,7 +234,7 @@ class StageEngine:
         """This rank's shares of the weights, their gradients and the optimizer's state."""
         if self.chunks is not None:
             return self.chunks.model_data_bytes()
-        return model_data_bytes(self.model, self.params.optimizer, nbytes=_local_nbytes)
+        return model_data_bytes(self.model, self.params.optimizer, nbytes=local_nbytes)
 
     def model_state_dict(self) -> dict[str, torch.Tensor]:
         """The model's whole state dict, tied names and buffers included (gathered from the

@@ -31,7 +31,6 @@ __all__ = [
     "check_plan_job",
     "check_plan_settings",
     "chunk_stage_config",
-    "refuse_chunk_engine",
 ]
 
 
@@ -67,21 +66,16 @@ def check_plan_job(plan: Plan, job: JobConfig, *, model: nn.Module, world_size: 
     plan_rows(job.training.batch_size, plan, rank=0)
 
 
-def refuse_chunk_engine(job: JobConfig) -> None:
-    """A plan lays the model out itself, which chunks would do too."""
+def check_plan_settings(job: JobConfig) -> None:
+    """What of the job a plan run refuses, one line each naming the fix: a plan sets the mesh
+    and lays the model out on it, which the job's own pipeline, tensor parallelism, FSDP2 or
+    chunks would do too ([Note: plan stages] in tidal/runtime/plan_weights.py)."""
     if job.engine != "reference":
         raise ConfigError(
             "--plan",
             f"a plan says how to shard the model, which the {job.engine} engine would do too; "
             f"drop --plan, or set engine = 'reference' (--set engine=reference)",
         )
-
-
-def check_plan_settings(job: JobConfig) -> None:
-    """What of the job a plan run refuses, one line each naming the fix: a plan sets the mesh
-    and lays the model out on it, which the job's own pipeline, tensor parallelism, FSDP2 or
-    chunks would do too ([Note: plan stages] in tidal/runtime/plan_weights.py)."""
-    refuse_chunk_engine(job)  # said as the chunk engine said it
     if job.needs_stages:
         raise ConfigError("--plan", "a plan sets the mesh and places the parameters, which the "
                           "job's pipeline, parallel.tp or parallel.fsdp2 would do too; drop "

@@ -59,7 +59,7 @@ from tidal.parallel.chunk_stage import ChunkStageParams, require_one_version
 from tidal.parallel.flat_state import model_layout
 from tidal.parallel.lr import lr_schedule
 from tidal.parallel.reference import TorchOptimizer, model_data_bytes
-from tidal.parallel.stage_params import reshard_stage
+from tidal.parallel.stage_params import local_nbytes, reshard_stage
 from tidal.pipeline.partition import LayerProfile
 from tidal.pipeline.sequential import (
     LossFn,
@@ -516,8 +516,6 @@ class PipelinePart:
         held = list(self.engine.weights.values())
         if self.plan is not None:  # the plan's figures and name, as the plan engine gave them
             summary["engine"], summary["mesh"] = "plan", f"dp {self.plan.dp} x tp {self.plan.tp}"
-            from tidal.runtime.shares import local_nbytes  # DTensor: plan runs only
-
             (planned,) = held
             summary["model_data_bytes"] = model_data_bytes(
                 _plain(planned).module, _plain(planned).optimizer, nbytes=local_nbytes
