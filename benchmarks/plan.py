@@ -113,7 +113,7 @@ def bench_plan(
                 baselines=report["baselines"],
                 pareto=report["pareto"],
                 megatron_best=report["megatron_best"],
-                pipeline=report["pipeline"],
+                pipeline=report["pipeline_search"],
                 phases_s=report["phases_s"],
             )
             rows.append(row)

@@ -36,7 +36,7 @@ def test_plan_writes_the_json_the_issue_names(tmp_path, capsys) -> None:
     qkv = next(u for u in report["units"] if u["name"] == "blocks.*.attn.qkv")
     assert qkv["count"] == 4 and qkv["memory"]["total"] > 0
     assert len(report["pareto"]) >= 2
-    assert [p["eps"] for p in report["pipeline"]["pareto"]] == [0.0, 1.0]
+    assert [p["eps"] for p in report["pipeline_search"]["pareto"]] == [0.0, 1.0]
     plan = Plan.load(out)  # what `tidal train --plan` reads
     assert plan.dp * plan.tp == 16
     captured = capsys.readouterr()

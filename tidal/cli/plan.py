@@ -75,6 +75,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="dropout a preset trains with (a Hugging Face model has its config's)",
     )  # fmt: skip
     plan.add_argument("--tp", type=int, default=None, help="force the tensor-parallel size")
+    plan.add_argument("--pp", type=int, default=None,
+                      help="force the pipeline size: 1 for flat plans only (default: the better "
+                      "of the flat and the pipelined plan)")  # fmt: skip
     plan.add_argument(
         "--pareto", default="0,0.02,0.05,0.1,0.2,0.5,1", metavar="EPS,EPS",
         help="slowdowns at which to report the least memory (the frontier); '' for none",
@@ -223,6 +226,7 @@ def run_plan(args: argparse.Namespace, console: Console) -> int:
         eps=args.eps,
         global_batch=args.global_batch,
         tp=args.tp,
+        pp=args.pp,
         pareto=pareto,
         pipeline_pareto=pipeline_pareto,
         schedules=tuple(x.strip() for x in args.schedules.split(",") if x.strip()),
@@ -249,8 +253,9 @@ def run_plan(args: argparse.Namespace, console: Console) -> int:
     console.print(UNITS_LEGEND, style="dim", soft_wrap=True)
     console.print(baselines_table(report))
     console.print(BASELINES_LEGEND, style="dim", soft_wrap=True)
-    if report.get("pipeline"):
-        console.print(pipeline_line(report["pipeline"]), soft_wrap=True)
+    if report.get("pipeline_search"):
+        chosen = "chosen" if report.get("pipeline") else "not chosen: the flat plan is better"
+        console.print(f"{pipeline_line(report['pipeline_search'])}; {chosen}", soft_wrap=True)
     if report.get("megatron_best"):
         console.print(megatron_table(report))
         console.print(MEGATRON_LEGEND, style="dim", soft_wrap=True)
@@ -268,12 +273,9 @@ def run_plan(args: argparse.Namespace, console: Console) -> int:
 def how_to_train(report: dict, args: argparse.Namespace) -> str:
     """The line that says how to train the plan: the ``tidal train`` command, after saving it
     with ``--json`` when it was not; or why this plan cannot train yet."""
-    offload = report.get("offload") or {}
-    kept = [*(["model data off the device (--offload)"] if any(offload.values()) else []),
-            *(["activations on the host (--swap)"] if "swap" in report["recompute"].values()
-              else [])]  # fmt: skip
+    kept = not_run(report)
     if kept:
-        return (f"this plan keeps {' and '.join(kept)}, priced but not run by tidal train yet: "
+        return (f"this plan {' and '.join(kept)}, priced but not run by tidal train yet: "
                 f"plan again without those flags for one it trains")  # fmt: skip
     recipe, settings = _recipe_for(args, report)
     command = shlex.join(train_argv(report, plan_path=args.json or "plan.json", recipe=recipe,
@@ -286,13 +288,31 @@ def how_to_train(report: dict, args: argparse.Namespace) -> str:
     return f"train it: save it with --json plan.json, then {command}{where}"
 
 
+def not_run(report: dict) -> list[str]:
+    """What of a plan ``tidal train --plan`` does not run yet, each naming the flag that
+    searched it."""
+    offload = report.get("offload") or {}
+    pipeline = report.get("pipeline") or {}
+    stages = list((pipeline.get("stages") or {}).values()) or [report]
+    swaps = any("swap" in stage["recompute"].values() for stage in stages)
+    lends = any(stage["memory"].get("lent") for stage in stages)
+    return [
+        *(["keeps model data off the device (--offload)"] if any(offload.values()) else []),
+        *(["keeps activations on the host (--swap)"] if swaps else []),
+        *(["keeps activations on a peer stage (--peer)"] if lends else []),
+        *(["runs PipeMare (--schedules pipemare)"]
+          if pipeline.get("schedule") == "pipemare" else []),
+    ]  # fmt: skip
+
+
 def train_argv(report: dict, *, plan_path: str, recipe: str, settings: list[str],
                devices_per_node: int) -> list[str]:  # fmt: skip
-    """``tidal train`` with the plan at ``plan_path``, on its dp x tp ranks (over machines of
-    ``devices_per_node``) with the rows and micro-batches per step it was priced with
-    ([Note: global batch] in tidal/train/trainer.py: the batch is over the dp ranks)."""
+    """``tidal train`` with the plan at ``plan_path``, on its pp x dp x tp ranks (over machines
+    of ``devices_per_node``) with the rows and micro-batches per step it was priced with
+    ([Note: global batch] in tidal/train/trainer.py: the batch is over the dp ranks; a
+    pipelined plan's micro-batches are its pipeline's, the others' accumulated steps)."""
     mesh = report["mesh"]
-    devices = mesh["dp"] * mesh["tp"]
+    devices = mesh.get("pp", 1) * mesh["dp"] * mesh["tp"]
     argv = ["tidal", "train", "--recipe", recipe, "--plan", plan_path]
     if devices > devices_per_node:
         nodes = -(-devices // devices_per_node)
@@ -300,9 +320,13 @@ def train_argv(report: dict, *, plan_path: str, recipe: str, settings: list[str]
                  "--rdzv-endpoint", "HOST:PORT"]  # fmt: skip
     elif devices > 1:
         argv += ["--nproc", str(devices)]
-    settings = [*settings, f"training.batch_size={report['micro_batch'] * mesh['dp']}"]
-    if report["num_microbatches"] > 1:
-        settings.append(f"training.grad_accum_steps={report['num_microbatches']}")
+    rows = report["micro_batch"] * mesh["dp"]
+    if report.get("pipeline"):  # a step's micro-batches are the pipeline's (the plan's)
+        settings = [*settings, f"training.batch_size={rows * report['num_microbatches']}"]
+    else:
+        settings = [*settings, f"training.batch_size={rows}"]
+        if report["num_microbatches"] > 1:
+            settings.append(f"training.grad_accum_steps={report['num_microbatches']}")
     for setting in settings:
         argv += ["--set", setting]
     return argv
@@ -334,8 +358,6 @@ def _recipe_for(args: argparse.Namespace, report: dict) -> tuple[str, list[str]]
 def priced_only(report: dict, args: argparse.Namespace) -> str:
     """One line: what this search priced that ``tidal train --plan`` cannot run yet."""
     searched = [
-        *([f"the pipelined plan ({report['pipeline']['layout']})"] if report.get("pipeline")
-          else []),
         *(["model data on the host or NVMe (--offload, --offload-params, --nvme)"]
           if args.nvme or any(_numbers(args.offload, "--offload"))
           or any(_numbers(args.offload_params, "--offload-params")) else []),
@@ -454,8 +476,15 @@ def _unit_name(unit: dict) -> str:
 def units_table(report: dict) -> Table:
     mesh = report["mesh"]
     recompute = ", ".join(f"{k}: {v}" for k, v in report["recompute"].items()) or "none"
+    stages = ""
+    if report.get("pipeline"):
+        first = report["pipeline"]["stages"]["first"]["blocks"]
+        stages = f"pp {mesh['pp']} x "
+        mesh_note = f", the first stage's {first} blocks"
+    else:
+        mesh_note = ""
     table = Table(
-        title=f"{report['model']} on dp {mesh['dp']} x tp {mesh['tp']} "
+        title=f"{report['model']} on {stages}dp {mesh['dp']} x tp {mesh['tp']}{mesh_note} "
         f"({report['num_microbatches']} micro-batches of {report['micro_batch']}; "
         f"recompute {recompute}); GiB per device",
         title_justify="left",
@@ -521,8 +550,7 @@ def pipeline_line(pipeline: dict) -> str:
         f"with pipeline stages ({pipeline['options_solved']} of {pipeline['options']} "
         f"p x dp x tp x v options solved, the rest bounded out): {pipeline['layout']}, "
         f"{_gib(pipeline['peak_memory_bytes'])} GiB, step {_seconds(pipeline['step_time_s'])} s "
-        f"({stages}; sends {_seconds(pipeline['send_s'])} s). Priced only: tidal train --plan "
-        f"runs the dp x tp plan above"
+        f"({stages}; sends {_seconds(pipeline['send_s'])} s)"
     )
 
 

@@ -53,6 +53,7 @@ fully recomputed blocks, whose checkpoint keeps nothing inside anyway.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import torch
@@ -66,9 +67,18 @@ from torch.distributed.tensor import DTensor
 from tidal.parallel.tensor_axis import REORDERED, parallelize_tensor_axis
 from tidal.planner.check import RECOMPUTE_CORE, PlanWiring, check_plan, wire_plan
 from tidal.planner.measure import ModelGraph
-from tidal.planner.plan import Plan, Recompute
+from tidal.planner.plan import Layout, Plan, Recompute
 
-__all__ = ["apply", "check_plan", "full_state_dict", "make_mesh", "set_accumulating"]
+__all__ = [
+    "apply",
+    "apply_to_stage",
+    "check_plan",
+    "full_state_dict",
+    "make_mesh",
+    "set_accumulating",
+    "stage_layouts",
+    "stage_output_layout",
+]
 
 
 def make_mesh(plan: Plan, device_type: str) -> DeviceMesh | None:
@@ -85,16 +95,22 @@ def make_mesh(plan: Plan, device_type: str) -> DeviceMesh | None:
 
 
 def apply(
-    model: nn.Module, plan: Plan, mesh: DeviceMesh | None, *, graph: ModelGraph | None = None
+    model: nn.Module,
+    plan: Plan,
+    mesh: DeviceMesh | None,
+    *,
+    graph: ModelGraph | None = None,
+    handed: Layout | None = None,
 ) -> nn.Module:
     """Realise ``plan`` on ``model`` in place and return it; see [Note: plan realisation].
 
     ``model`` must be the same on every rank (built from one seed). ``graph``: its
-    :func:`~tidal.planner.wiring.structure_graph`, traced here when not given. The order is
+    :func:`~tidal.planner.wiring.structure_graph`, traced here when not given. ``handed``: the
+    layout its first block's input arrives in (:func:`apply_to_stage`). The order is
     torchtitan's: the tensor axis, then recomputation, then FSDP, which must see the tensor
     axis's DTensors.
     """
-    wiring = wire_plan(model, plan, graph=graph)
+    wiring = wire_plan(model, plan, graph=graph, handed=handed)
     if mesh is None and plan.dp * plan.tp > 1:
         raise ValueError(f"a plan of dp {plan.dp} x tp {plan.tp} needs its mesh: make_mesh(plan)")
     if mesh is not None and (
@@ -240,3 +256,84 @@ def _shard_group(owner: nn.Module | None, members: list, mesh: DeviceMesh, ignor
                 for module in modules:
                     module._tidal_zero1 = True
     return any(zero for zero, _ in members)
+
+
+# ---------------------------------------------------------------------------------------------
+# pipeline stages
+
+
+def apply_to_stage(stage: nn.Module, model: nn.Module, plan: Plan, graph: ModelGraph,
+                   mesh: DeviceMesh | None, *, handed: Layout | None) -> None:  # fmt: skip
+    """Realise a stage's ``plan`` on ``stage``, a pipeline stage built around ``model``'s own
+    modules, in place; ``graph``: the stage's part of ``model``'s structure graph
+    (:func:`~tidal.planner.pipelines.stage_graph`), named as in ``model``; ``handed``: the
+    layout the stage before sends (None for the first stage). The plan's and the graph's module
+    paths are renamed to the stage's ([Note: planned pipeline stages] in
+    tidal/train/plan_stage.py), so the stage is laid out as a model of its own."""
+    paths = _stage_paths(stage, model, graph)
+    renamed_graph = dataclasses.replace(
+        graph,
+        units=[dataclasses.replace(u, module=paths[u.module]) for u in graph.units],
+        blocks={paths[p]: n for p, n in graph.blocks.items()},
+        shape_reads={paths.get(m, m): u for m, u in graph.shape_reads.items()},
+    )
+    renamed_plan = dataclasses.replace(
+        plan,
+        units=[dataclasses.replace(u, module=paths[u.module]) for u in plan.units],
+        recompute={paths[p]: mode for p, mode in plan.recompute.items()},
+    )
+    apply(stage, renamed_plan, mesh, graph=renamed_graph, handed=handed)
+
+
+def stage_layouts(plan: Plan, graph: ModelGraph) -> list[tuple[Plan, ModelGraph, Layout | None]]:
+    """Each stage of a pipelined ``plan`` for the model of structure ``graph``: the flat plan it
+    realises, its part of the graph, and the layout it is handed (None for the first)."""
+    from tidal.planner.pipelines import stage_graph
+
+    layout = plan.pipeline
+    assert layout is not None, "a pipelined plan"
+    found: list[tuple[Plan, ModelGraph, Layout | None]] = []
+    last = layout.num_stages - 1
+    for s, (start, end) in enumerate(layout.block_ranges):
+        mine = stage_graph(graph, blocks=end - start, first=s == 0, last=s == last)
+        handed = stage_output_layout(*found[-1][:2]) if found else None
+        found.append((plan.stage_plan(s), mine, handed))
+    return found
+
+
+def stage_output_layout(plan: Plan, graph: ModelGraph) -> Layout:
+    """The layout a stage that ``plan`` lays out sends on: its last block's output, as the
+    block hands it to the next (the block's last unit's)."""
+    (prefix,) = graph.blocks
+    inside = [u for u in plan.units if u.module == prefix or u.module.startswith(prefix + ".")]
+    layout = inside[-1].out_layout
+    if layout is Layout.P:
+        raise ValueError(
+            f"the plan's blocks end in partial sums ({inside[-1].name} gives P), which a stage "
+            "cannot send: make the plan again with `tidal plan`"
+        )
+    return layout
+
+
+def _stage_paths(stage: nn.Module, model: nn.Module, graph: ModelGraph) -> dict[str, str]:
+    """Each module path of ``graph`` (``*`` for a block's index) as the stage names it: the
+    same module, found by identity; a block pattern by the stage's first block."""
+    in_stage = {id(m): name for name, m in stage.named_modules()}
+    in_model = dict(model.named_modules())
+    (prefix,) = graph.blocks
+    first = min(int(n.removeprefix(prefix[:-1]).split(".")[0]) for n in in_model
+                if n.startswith(prefix[:-1]) and id(in_model[n]) in in_stage
+                and n.removeprefix(prefix[:-1]).split(".")[0].isdigit())  # fmt: skip
+    block = in_stage[id(in_model[prefix.replace("*", str(first))])]
+    # the stage's blocks are numbered from 0: its first block's index there is the pattern's
+    assert block.endswith(".0"), f"{block}: a stage's blocks are numbered from 0"
+    stage_prefix = block[:-1] + "*"
+    paths = {"": ""}
+    for unit in graph.units:
+        path = unit.module
+        if path == prefix or path.startswith(prefix + "."):
+            paths[path] = stage_prefix + path[len(prefix) :]
+        elif path:
+            paths[path] = in_stage[id(in_model[path])]
+    paths[prefix] = stage_prefix
+    return paths

@@ -96,6 +96,8 @@ def check_plan_fits(
     check_plan_devices(plan, world_size)
     graph = graph or structure_graph(model, seq_len=seq_len)
     blocks = {u.count for u in plan.units if "*" in u.name}
+    if plan.pipeline is not None:  # the stages' blocks together ([Note: plan pipelines])
+        blocks = {plan.pipeline.block_ranges[-1][1]}
     ours = set(graph.blocks.values())
     planned = [(u.name, u.kind) for u in plan.units]
     if not graph.tokens and (plan.seq_len, planned) != (graph.seq_len, _units(graph)):
@@ -114,14 +116,46 @@ def check_plan_fits(
             f"{seq_len}-token sequences: make the plan for it with {_MAKE_PLAN}",
         )
     try:
-        check_plan(model, plan, graph=graph)
+        if plan.pipeline is None:
+            check_plan(model, plan, graph=graph)
+        else:  # each stage on its part of the model ([Note: planned pipeline stages])
+            from tidal.parallel.plan_apply import stage_layouts
+
+            _check_pipeline_runs(plan)
+
+            for stage, (stage_plan, stage_graph, handed) in enumerate(stage_layouts(plan, graph)):
+                try:
+                    check_plan(model, stage_plan, graph=stage_graph, handed=handed)
+                except ValueError as err:
+                    raise ValueError(f"stage {stage}: {err}") from None
     except ValueError as err:
         raise ConfigError("--plan", str(err)) from None
 
 
+def _check_pipeline_runs(plan: Plan) -> None:
+    """What of a pipelined plan is priced but not run yet, one line each."""
+    layout = plan.pipeline
+    assert layout is not None
+    if layout.schedule not in ("1f1b", "interleaved"):
+        raise ValueError(
+            f"the plan runs {layout.schedule}, an asynchronous schedule, which plans do not run "
+            f"yet (tensor-parallel and FSDP2 stages hide the weights PipeMare versions): make "
+            f"it without --schedules pipemare"
+        )
+    if any(stage.memory.lent for stage in layout.stages.values()):
+        raise ValueError(
+            "the plan keeps activations on the mirror stage's device (MPress's peer swap), "
+            "which plans do not run yet: make it without --peer"
+        )
+
+
 def check_plan_devices(plan: Plan, world_size: int) -> None:
-    """A ConfigError naming ``--plan`` unless ``world_size`` ranks are the plan's ``dp x tp``."""
-    devices = plan.dp * plan.tp
+    """A ConfigError naming ``--plan`` unless ``world_size`` ranks are the plan's ``pp x dp x
+    tp``."""
+    devices = plan.pp * plan.dp * plan.tp
+    mesh = f"dp {plan.dp} x tp {plan.tp}"
+    if plan.pp > 1:
+        mesh = f"pp {plan.pp} x {mesh}"
     if devices != world_size:
         ranks, other = "1 rank is", ""
         if world_size > 1:
@@ -131,7 +165,7 @@ def check_plan_devices(plan: Plan, world_size: int) -> None:
             )
         raise ConfigError(
             "--plan",
-            f"the plan is for {devices} devices (dp {plan.dp} x tp {plan.tp}) but {ranks} "
+            f"the plan is for {devices} devices ({mesh}) but {ranks} "
             f"running; run with --nproc {devices}{other}",
         )
 

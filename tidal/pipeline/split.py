@@ -253,10 +253,18 @@ def even_ranges(num_blocks: int, num_stages: int) -> list[tuple[int, int]]:
 
 
 def split_parts(
-    model: nn.Module, parts: StageParts, block_ranges: Sequence[tuple[int, int]]
+    model: nn.Module,
+    parts: StageParts,
+    block_ranges: Sequence[tuple[int, int]],
+    *,
+    copy_stages: bool = True,
 ) -> list[PipelineStage]:
     """Stages of ``model`` whose parts are ``parts``; ``block_ranges[s] = (start, end)`` are
-    stage ``s``'s blocks (see the module docstring)."""
+    stage ``s``'s blocks (see the module docstring). ``copy_stages=False``: each stage holds
+    ``model``'s own modules, not copies, so that a layout made for ``model``'s module paths
+    finds them ([Note: planned pipeline stages] in tidal/train/plan_stage.py); a weight tied
+    across stages is then one parameter, which only a process holding one of its stages may
+    use so."""
     validate_block_ranges(block_ranges, len(parts.blocks))
     model_names = {id(p): name for name, p in model.named_parameters()}
     state_names = set(model.state_dict())  # a non-persistent buffer is not the model's state
@@ -282,7 +290,7 @@ def split_parts(
                                 if id(b) in model_buffers}  # fmt: skip
         # ...then deep-copied: one copy per stage breaks a cross-stage tie and keeps an
         # in-stage one (see [Note: tied embeddings across stages]).
-        stages.append(copy.deepcopy(shell))
+        stages.append(copy.deepcopy(shell) if copy_stages else shell)
     return stages
 
 

@@ -65,16 +65,20 @@ def model_name(model: nn.Module) -> str:
     return f"tidal's {name}" if type(model).__module__.startswith("tidal.") else name
 
 
-def check_plan(model: nn.Module, plan: Plan, *, graph: ModelGraph | None = None) -> None:
+def check_plan(model: nn.Module, plan: Plan, *, graph: ModelGraph | None = None,
+               handed: Layout | None = None) -> None:  # fmt: skip
     """Raise ``ValueError`` naming the problem and its fix unless ``apply`` can realise ``plan``
     on ``model``; ``graph``: the model's :func:`~tidal.planner.wiring.structure_graph`, traced
     here when not given."""
-    wire_plan(model, plan, graph=graph)
+    wire_plan(model, plan, graph=graph, handed=handed)
 
 
-def wire_plan(model: nn.Module, plan: Plan, *, graph: ModelGraph | None = None) -> PlanWiring:
+def wire_plan(model: nn.Module, plan: Plan, *, graph: ModelGraph | None = None,
+              handed: Layout | None = None) -> PlanWiring:  # fmt: skip
     """The checked plan with its wire layouts ([Note: plan realisation] in
-    tidal/parallel/plan_apply.py)."""
+    tidal/parallel/plan_apply.py). ``handed``: the layout the first block's input arrives in
+    from outside the model (a pipeline stage's from the stage before: [Note: planned pipeline
+    stages] in tidal/train/plan_stage.py); by default whole."""
     if plan.offload:
         raise ValueError(
             f"the plan keeps {plan.offload.describe()}, which is priced but not run yet ([Note: "
@@ -103,10 +107,11 @@ def wire_plan(model: nn.Module, plan: Plan, *, graph: ModelGraph | None = None) 
     _check_pairs(wiring, units)
     _check_whole(wiring, units)
     _check_recompute(wiring, plan, model)
-    return _wire(wiring, plan, units)
+    return _wire(wiring, plan, units, handed)
 
 
-def _wire(wiring: ModelWiring, plan: Plan, units: dict[str, UnitChoice]) -> PlanWiring:
+def _wire(wiring: ModelWiring, plan: Plan, units: dict[str, UnitChoice],
+          handed: Layout | None = None) -> PlanWiring:  # fmt: skip
     edges = _contract(wiring, units)
     entry = {p: _entry_layout(wiring, p, units) for p in wiring.blocks}
     # A block's input enters its forward, whose pre-hook converts it once for all its heads.
@@ -115,6 +120,9 @@ def _wire(wiring: ModelWiring, plan: Plan, units: dict[str, UnitChoice]) -> Plan
     feeders = {p: {s for s, d in into if wiring.block_of[d] == p} for p in wiring.blocks}
     wire_out = {name: _own_wire(name, wiring, units, edges, entry, feeders) for name in units}
     block_in = {p: _block_in(wiring, p, feeders[p], wire_out, entry[p]) for p in wiring.blocks}
+    if handed is not None:
+        assert handed is not Layout.P, "partial sums never travel between modules"
+        block_in = {p: (handed, later) for p, (_, later) in block_in.items()}
     positions = {n for n in units if wiring.units[n].role == "positions"}
     for src, dst in sorted(edges):
         spec = wiring.units[dst]

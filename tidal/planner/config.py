@@ -23,6 +23,9 @@ class PlannerConfig:
     eps: float = 0.05  # memory objective: allowed slowdown over the fastest plan
     global_batch: int | None = None  # sequences per step; default one per device
     tp: int | None = None  # force the tensor-parallel size
+    # force the pipeline size: 1 flat plans only, p > 1 pipelined plans of p stages only
+    # ([Note: the chosen plan] in search.py); None searches both
+    pp: int | None = None
     param_bytes: int = 2
     grad_bytes: int = 2
     optimizer_bytes: int = 12
@@ -32,8 +35,8 @@ class PlannerConfig:
     # blocks' recomputation modes to choose from; a model whose attention core cannot be
     # recomputed alone (a Hugging Face one) leaves out selective
     recompute: tuple[Recompute, ...] = (Recompute.NONE, Recompute.SELECTIVE, Recompute.FULL)
-    # also search pipeline stages ([Note: pipeline stages] in pipelines.py): priced, reported
-    # beside the plan and compared with Megatron-LM, not yet run by `tidal train --plan`
+    # also search pipeline stages ([Note: pipeline stages] in pipelines.py), the better of the
+    # two plans chosen ([Note: the chosen plan] in search.py)
     pipelines: bool = True
     # eps values of the pipelined plans' frontier (each a search over every option); () skips
     pipeline_pareto: tuple[float, ...] = ()
@@ -73,6 +76,9 @@ class PlannerConfig:
             require(
                 self.global_batch >= 1, "global_batch", f"must be >= 1, got {self.global_batch}"
             )
+        require(self.pp is None or self.pp >= 1, "pp", f"must be >= 1, got {self.pp}")
+        require(self.pp in (None, 1) or self.pipelines, "pp",
+                f"asks for {self.pp} pipeline stages, and pipelines are not searched")  # fmt: skip
         unknown = sorted(set(self.schedules) - set(SCHEDULES))
         require(not unknown, "schedules", f"unknown {unknown}; choose from {', '.join(SCHEDULES)}")
         unknown = sorted(set(self.stage_splits) - set(SPLITS))

@@ -95,6 +95,10 @@ class ModelGraph:
     # whether dim 1 of its activations is a sequence of tokens ([Note: models without tokens]
     # in wiring.py): traced on token ids, as tidal's GPT and Hugging Face decoders are
     tokens: bool = True
+    # whether its first block's input comes from outside the graph: a pipeline stage's, sent
+    # by the stage before (stage_graph in pipelines.py); the units the block's input enters
+    # then read what the caller hands, as an embedding reads the token ids
+    handed: bool = False
 
     def unit(self, name: str) -> Unit:
         for unit in self.units:

@@ -115,7 +115,8 @@ def stage_graph(graph: ModelGraph, *, blocks: int, first: bool, last: bool) -> M
     reads = {module: tuple(n for n in units if n in names)
              for module, units in graph.shape_reads.items()}  # fmt: skip
     return dataclasses.replace(graph, units=kept, edges=edges, blocks={prefix: blocks},
-                               shape_reads={m: u for m, u in reads.items() if u})  # fmt: skip
+                               shape_reads={m: u for m, u in reads.items() if u},
+                               handed=not first)  # fmt: skip
 
 
 def _names(graph: ModelGraph, prefix: str) -> set[str]:
@@ -326,7 +327,8 @@ def pipeline_options(graph: ModelGraph, cluster: ClusterSpec, *, global_batch: i
                      offloads: tuple[Offload, ...] = (NO_OFFLOAD,),
                      peer: bool = False, splits: tuple[str, ...] = ("even",),
                      micro_batches: tuple[int, ...] = (),
-                     retrace: Retrace | None = None) -> list[PipelineOption]:  # fmt: skip
+                     retrace: Retrace | None = None,
+                     pp: int | None = None) -> list[PipelineOption]:  # fmt: skip
     """Every ``p > 1`` dividing the devices, each split of the blocks into ``p`` stages
     (``splits``: [Note: stage splits] in stage_split.py), each mesh of the ``N / p`` devices a
     stage has (``meshes``), each micro-batch size (``micro_batches``, default the graph's; the
@@ -336,7 +338,7 @@ def pipeline_options(graph: ModelGraph, cluster: ClusterSpec, *, global_batch: i
     ``p``, ``v`` dividing the ``k`` blocks a rank holds), each offload ([Note: model data
     offload] in strategies.py). ``peer``: on even splits the first stage may lend to its mirror
     where the stages' micro-batches in flight fall linearly (all but 1F1B with ``m < p``:
-    [Note: activations on a peer])."""
+    [Note: activations on a peer]). ``pp``: that many stages only."""
     if repeated_block(graph) is None:
         return []
     options = []
@@ -347,18 +349,18 @@ def pipeline_options(graph: ModelGraph, cluster: ClusterSpec, *, global_batch: i
             scaled = dataclasses.replace(traced, name=graph.name)
         options += _options_at(scaled, cluster, global_batch=global_batch, base=base,
                                meshes=meshes, schedules=schedules, offloads=offloads, peer=peer,
-                               splits=splits)  # fmt: skip
+                               splits=splits, pp=pp)  # fmt: skip
     return options
 
 
 def _options_at(graph: ModelGraph, cluster: ClusterSpec, *, global_batch: int,
                 base: TrainingSpec, meshes: Callable[[ClusterSpec], list[Mesh]],
                 schedules: tuple[str, ...], offloads: tuple[Offload, ...], peer: bool,
-                splits: tuple[str, ...]) -> list[PipelineOption]:  # fmt: skip
+                splits: tuple[str, ...], pp: int | None) -> list[PipelineOption]:  # fmt: skip
     """:func:`pipeline_options` at the graph's micro-batch size."""
     options = []
     for p in range(2, cluster.devices + 1):
-        if cluster.devices % p:
+        if cluster.devices % p or pp not in (None, p):
             continue
         stage_cluster = _stage_cluster(cluster, p)
         for split in stage_splits(graph, p, kinds=splits, spec=base, cluster=cluster):
@@ -485,14 +487,15 @@ def search_pipelines(graph: ModelGraph, cluster: ClusterSpec, *, global_batch: i
                      offloads: tuple[Offload, ...] = (NO_OFFLOAD,),
                      peer: bool = False, splits: tuple[str, ...] = ("even",),
                      micro_batches: tuple[int, ...] = (),
-                     retrace: Retrace | None = None) -> PipelineSearch:  # fmt: skip
+                     retrace: Retrace | None = None,
+                     pp: int | None = None) -> PipelineSearch:  # fmt: skip
     """Build every option, bound each one's fastest step by its LP relaxations, and solve them
     in that order until the bound passes ``1 + slack`` times the fastest found (an option
     further out cannot hold a plan within ``slack`` of the fastest)."""
     options = pipeline_options(graph, cluster, global_batch=global_batch, base=base,
                                meshes=meshes, schedules=schedules, offloads=offloads,
                                peer=peer, splits=splits, micro_batches=micro_batches,
-                               retrace=retrace)  # fmt: skip
+                               retrace=retrace, pp=pp)  # fmt: skip
     for option in options:
         option.build(problem)
     bounded = sorted((o.time_bound_s(memory_limit=memory_limit), i) for i, o in enumerate(options))

@@ -34,13 +34,16 @@ __all__ = [
     "Layout",
     "MemoryBreakdown",
     "Offload",
+    "PipelineLayout",
     "Plan",
     "Recompute",
+    "StageChoices",
     "StrategyName",
     "UnitChoice",
 ]
 
-PLAN_FORMAT = 1
+# 2: pipelined plans (``pipeline``), whose choices are per kind of stage
+PLAN_FORMAT = 2
 
 
 class Layout(enum.StrEnum):
@@ -221,9 +224,91 @@ class UnitChoice:
         )
 
 
+def _units_to_json(units: list[UnitChoice]) -> list[dict[str, Any]]:
+    return [u.to_dict() for u in units]
+
+
+@dataclass(kw_only=True, slots=True)
+class StageChoices:
+    """What a kind of pipeline stage does ([Note: pipeline stages] in pipelines.py): its
+    units' choices as its own ILP made them, its recomputation, and its cost-model figures.
+    ``blocks`` is how many of the repeated block the kind was solved with on one rank (its
+    block units' ``count``)."""
+
+    kind: str  # "first", "last" or "middle"
+    blocks: int
+    units: list[UnitChoice]
+    recompute: dict[str, Recompute]
+    memory: MemoryBreakdown
+    step_time_s: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"kind": self.kind, "blocks": self.blocks, "units": _units_to_json(self.units),
+                "recompute": {k: str(v) for k, v in self.recompute.items()},
+                "memory": self.memory.to_dict(), "step_time_s": self.step_time_s}  # fmt: skip
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> StageChoices:
+        return cls(kind=str(data["kind"]), blocks=int(data["blocks"]),
+                   units=[UnitChoice.from_dict(u) for u in data["units"]],
+                   recompute={k: Recompute(v) for k, v in data["recompute"].items()},
+                   memory=MemoryBreakdown.from_dict(data["memory"]),
+                   step_time_s=float(data["step_time_s"]))  # fmt: skip
+
+
+@dataclass(kw_only=True, slots=True)
+class PipelineLayout:
+    """A pipelined plan's stages: ``pp`` ranks of ``dp x tp`` each under ``schedule`` with
+    ``virtual_stages`` model chunks a rank; stage ``s`` (of ``pp * virtual_stages``, on rank
+    ``s % pp``) holds the model's blocks ``block_ranges[s]`` and takes the choices of kind
+    ``kinds[s]`` ([Note: plan pipelines])."""
+
+    pp: int
+    virtual_stages: int
+    schedule: str
+    block_ranges: tuple[tuple[int, int], ...]
+    kinds: tuple[str, ...]
+    stages: dict[str, StageChoices]
+    send_s: float = 0.0  # the cost model's sends between stages over a step
+
+    def __post_init__(self) -> None:
+        assert len(self.block_ranges) == len(self.kinds) == self.pp * self.virtual_stages
+        assert set(self.kinds) <= set(self.stages), (self.kinds, list(self.stages))
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.block_ranges)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"pp": self.pp, "virtual_stages": self.virtual_stages, "schedule": self.schedule,
+                "block_ranges": [list(r) for r in self.block_ranges], "kinds": list(self.kinds),
+                "stages": {k: c.to_dict() for k, c in self.stages.items()},
+                "send_s": self.send_s}  # fmt: skip
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> PipelineLayout:
+        return cls(pp=int(data["pp"]), virtual_stages=int(data["virtual_stages"]),
+                   schedule=str(data["schedule"]),
+                   block_ranges=tuple((int(a), int(b)) for a, b in data["block_ranges"]),
+                   kinds=tuple(str(k) for k in data["kinds"]),
+                   stages={k: StageChoices.from_dict(c) for k, c in data["stages"].items()},
+                   send_s=float(data.get("send_s", 0.0)))  # fmt: skip
+
+
 @dataclass(kw_only=True, slots=True)
 class Plan:
-    """A whole plan: mesh, per-unit choices, recomputation, and the cost model's figures."""
+    """A whole plan: mesh, per-unit choices, recomputation, and the cost model's figures.
+
+    [Note: plan pipelines]
+    A pipelined plan (``pipeline`` set) runs ``pp`` stages of ``dp x tp`` ranks each, ``devices
+    = pp x dp x tp``. Its ``units``, ``recompute`` and ``edges`` are the first stage's (what a
+    reader sees first), ``memory`` is the stage with the highest peak's, ``step_time_s`` the
+    pipeline's; each kind of stage has its own choices (``pipeline.stages``). Stage ``s`` is
+    :meth:`stage_plan`: a flat plan of ``dp x tp`` over its own blocks, which
+    ``tidal train --plan`` realises on that stage alone ([Note: planned pipeline stages] in
+    tidal/train/plan_stage.py). ``num_microbatches`` is a step's, each of ``micro_batch`` rows
+    per data-parallel rank.
+    """
 
     model: str
     devices: int
@@ -240,10 +325,40 @@ class Plan:
     # the model data kept off the device ([Note: model data offload] in strategies.py);
     # priced, not yet run by `tidal train --plan`
     offload: Offload = NO_OFFLOAD
+    pipeline: PipelineLayout | None = None  # [Note: plan pipelines]
+
+    @property
+    def pp(self) -> int:
+        return 1 if self.pipeline is None else self.pipeline.pp
+
+    @property
+    def mesh_name(self) -> str:
+        """``"dp 2 x tp 2"``, ``"pp 2 x dp 1 x tp 2"``: the mesh it runs on, for a reader."""
+        mesh = f"dp {self.dp} x tp {self.tp}"
+        return mesh if self.pipeline is None else f"pp {self.pp} x {mesh}"
 
     @property
     def peak_memory_bytes(self) -> float:
         return self.memory.total
+
+    def stage_plan(self, stage: int) -> Plan:
+        """The flat plan stage ``stage`` realises ([Note: plan pipelines]): its kind's choices,
+        each block unit counted as often as the stage holds blocks, the units outside the blocks
+        only on the first and the last stage (the embeddings, the head)."""
+        layout = self.pipeline
+        if layout is None:
+            assert stage == 0, "a flat plan is one stage"
+            return self
+        choices = layout.stages[layout.kinds[stage]]
+        start, end = layout.block_ranges[stage]
+        ends = stage in (0, layout.num_stages - 1)
+        units = [dataclasses.replace(u, count=end - start) if "*" in u.module else u
+                 for u in choices.units if "*" in u.module or ends]  # fmt: skip
+        return Plan(model=self.model, devices=self.dp * self.tp, dp=self.dp, tp=self.tp,
+                    micro_batch=self.micro_batch, seq_len=self.seq_len,
+                    num_microbatches=self.num_microbatches, units=units,
+                    recompute=dict(choices.recompute), memory=choices.memory,
+                    step_time_s=choices.step_time_s, offload=self.offload)  # fmt: skip
 
     def unit(self, name: str) -> UnitChoice:
         for unit in self.units:
@@ -256,7 +371,7 @@ class Plan:
             "format": PLAN_FORMAT,
             "model": self.model,
             "devices": self.devices,
-            "mesh": {"dp": self.dp, "tp": self.tp},
+            "mesh": {"pp": self.pp, "dp": self.dp, "tp": self.tp},
             "micro_batch": self.micro_batch,
             "seq_len": self.seq_len,
             "num_microbatches": self.num_microbatches,
@@ -267,14 +382,16 @@ class Plan:
             "units": [u.to_dict() for u in self.units],
             "edges": [list(e) for e in self.edges],
             "offload": self.offload.to_dict(),
+            "pipeline": None if self.pipeline is None else self.pipeline.to_dict(),
         }
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Plan:
         if data.get("format") != PLAN_FORMAT:
             raise ValueError(
-                f"plan format {data.get('format')!r} is not {PLAN_FORMAT}; "
-                "make the plan again with this version's `tidal plan`"
+                f"the plan is format {data.get('format')!r}, written by another version of "
+                f"tidal; this one reads format {PLAN_FORMAT}: make the plan again with this "
+                f"version's `tidal plan`"
             )
         return cls(
             model=data["model"],
@@ -290,6 +407,9 @@ class Plan:
             step_time_s=float(data["step_time_s"]),
             edges=[(str(a), str(b), int(n)) for a, b, n in data.get("edges", [])],
             offload=Offload.from_json(data.get("offload")),
+            pipeline=None
+            if data.get("pipeline") is None
+            else PipelineLayout.from_dict(data["pipeline"]),
         )
 
     def save(self, path: str | Path, extra: dict[str, Any] | None = None) -> None:

@@ -64,7 +64,7 @@ def plan_report(result: PlanResult, cluster: ClusterSpec) -> dict[str, Any]:
         ],
         "pareto": result.pareto,
         "baselines": baselines,
-        "pipeline": _pipeline(result),
+        "pipeline_search": _pipeline(result),
         "megatron_best": _megatron(result, cluster),
     }
 

@@ -28,12 +28,13 @@ from tidal.config.configurable import ConfigError, format_bytes, require
 from tidal.planner.baselines import Baseline, baseline, megatron_tp
 from tidal.planner.cluster import ClusterSpec, Mesh
 from tidal.planner.config import PlannerConfig
-from tidal.planner.cost_model import Assignment, Costed, evaluate
+from tidal.planner.cost_model import Costed, evaluate
+from tidal.planner.emit import to_pipelined_plan, to_plan
 from tidal.planner.ilp import Problem, Solution, build_problem, on_threads
 from tidal.planner.measure import ModelGraph
 from tidal.planner.megatron import MegatronBest, TransformerShape, megatron_best, megatron_grid
 from tidal.planner.pipelines import PipelinePlan, PipelineSearch, Retrace, search_pipelines
-from tidal.planner.plan import NO_OFFLOAD, Offload, Plan, UnitChoice
+from tidal.planner.plan import NO_OFFLOAD, Offload, Plan
 from tidal.planner.strategies import (
     TrainingSpec,
     indivisible,
@@ -96,6 +97,9 @@ def _smaller(*plans: Compared | None) -> Compared | None:
 
 @dataclass(kw_only=True, slots=True)
 class PlanResult:
+    """What :func:`make_plan` found: ``plan`` is the chosen one, flat or pipelined ([Note: the
+    chosen plan]); ``solution`` and ``costed`` are the best flat plan's."""
+
     plan: Plan
     solution: Solution
     costed: Costed
@@ -115,6 +119,8 @@ class PlanResult:
     # plans set beside its rows: the smallest at its fastest fitting configuration's step time
     # and the smallest at any speed, flat or pipelined
     megatron: MegatronBest | None = None
+    # the best flat plan, where the pipelined one was chosen ([Note: the chosen plan])
+    flat: Plan | None = None
     against_megatron: dict[str, Compared | None] = field(default_factory=dict)
 
     def saving(self, name: str) -> float:
@@ -244,8 +250,9 @@ def make_plan(
         meshes=results,
         phases_s=phases_s,
     )
-    if config.pipelines:
+    if config.pipelines and config.pp != 1:
         _search_pipelines(result, graph, cluster, config, limit, say, retrace)
+        _choose(result, config)
         lap("pipelines")
     if config.pareto:
         say("the memory-time frontier")
@@ -343,7 +350,7 @@ def _search_pipelines(result: PlanResult, graph: ModelGraph, cluster: ClusterSpe
         solver_time_limit_s=config.solver_time_limit_s, slack=config.eps,
         schedules=config.schedules, offloads=config.offloads(),
         peer=config.peer, splits=config.stage_splits, micro_batches=config.micro_batches,
-        retrace=retrace,
+        retrace=retrace, pp=config.pp,
     )  # fmt: skip
     result.pipelines = search
     fastest = search.fastest
@@ -353,6 +360,39 @@ def _search_pipelines(result: PlanResult, graph: ModelGraph, cluster: ClusterSpe
         result.pipeline = fastest.plan(fastest.fastest)
     else:
         result.pipeline = search.smallest(time_limit=(1 + config.eps) * fastest.fastest_s)
+
+
+def _choose(result: PlanResult, config: PlannerConfig) -> None:
+    """Make the pipelined plan the chosen one where it beats the flat one.
+
+    [Note: the chosen plan]
+    The flat plan is the best of the ``dp x tp`` meshes and the pipelined one the best of the
+    pipelines, each chosen within its kind. Across the two: under ``time`` the faster; under
+    ``memory`` the smaller of those within ``1 + eps`` of the faster one's fastest step (each
+    kind's own choice is within ``1 + eps`` of its fastest, so the kind holding the overall
+    fastest step always qualifies). Ties keep the flat plan: it needs no pipeline.
+    """
+    pipelined, search = result.pipeline, result.pipelines
+    fastest = None if search is None else search.fastest
+    if pipelined is None or fastest is None:
+        require(config.pp is None, "pp", f"no plan of {config.pp} pipeline stages fits: "
+                "use another --pp, or leave it out")  # fmt: skip
+        return
+    flat = result.plan
+    if config.pp is not None:
+        better = True  # the pipeline asked for
+    elif config.objective == "time":
+        better = pipelined.step_time_s < flat.step_time_s
+    else:
+        window = (1 + config.eps) * min(result.fastest_s, fastest.fastest_s)
+        if flat.step_time_s > window * (1 + 1e-9):
+            better = True
+        else:
+            better = (pipelined.step_time_s <= window * (1 + 1e-9)
+                      and pipelined.peak_memory_bytes < flat.peak_memory_bytes)  # fmt: skip
+    if better:
+        result.flat = flat
+        result.plan = to_pipelined_plan(pipelined)
 
 
 def _pipeline_pareto(result: PlanResult, config: PlannerConfig) -> list[tuple[float, PipelinePlan]]:
@@ -526,42 +566,3 @@ def _diagnose(
     }
     top = sorted(held.items(), key=lambda kv: -kv[1])[:3]
     return Infeasible(cluster.device_memory_bytes, costed.memory.total, mesh, top)
-
-
-def to_plan(graph: ModelGraph, assignment: Assignment, costed: Costed, spec: TrainingSpec) -> Plan:
-    """The :class:`Plan` (plain data) of a costed assignment."""
-    units = []
-    for unit in graph.units:
-        cand = assignment.choice[unit.name]
-        units.append(
-            UnitChoice(
-                name=unit.name,
-                module=unit.module,
-                segment=unit.segment,
-                kind=unit.kind,
-                strategy=cand.strategy,
-                in_layout=cand.in_layout,
-                out_layout=cand.out_layout,
-                zero=cand.zero,
-                count=unit.count,
-                memory=costed.unit_memory[unit.name],
-                time_s=costed.unit_time_s[unit.name],
-                ops=unit.ops,
-            )
-        )
-    mesh = assignment.mesh
-    return Plan(
-        model=graph.name,
-        devices=mesh.devices,
-        dp=mesh.dp,
-        tp=mesh.tp,
-        micro_batch=graph.micro_batch,
-        seq_len=graph.seq_len,
-        num_microbatches=spec.num_microbatches,
-        units=units,
-        recompute=dict(assignment.recompute),
-        memory=costed.memory,
-        step_time_s=costed.step_time_s,
-        edges=[(e.src, e.dst, e.count) for e in graph.edges],
-        offload=assignment.offload,
-    )

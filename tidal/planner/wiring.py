@@ -278,7 +278,12 @@ def _reachable(graph: ModelGraph, sources: Iterable[str]) -> set[str]:
 
 def _positions(graph: ModelGraph) -> set[str]:
     """Units without parameters that nothing derived from the caller's tensors reaches."""
-    tokens = _reachable(graph, [u.name for u in graph.units if u.inputs])
+    sources = [u.name for u in graph.units if u.inputs]
+    if graph.handed:  # the block's input, handed by the stage before, enters its heads
+        block = {u.name: i for i, u in enumerate(graph.units) if graph.block_of(u) is not None}
+        sources += [e.dst for e in graph.edges
+                    if e.src in block and e.dst in block and block[e.src] >= block[e.dst]]  # fmt: skip
+    tokens = _reachable(graph, sources)
     return {u.name for u in graph.units if not u.params and u.name not in tokens}
 
 
@@ -365,7 +370,9 @@ def _hidden_size(graph: ModelGraph) -> int:
     if not graph.tokens:
         return 0
     tables = [u for u in graph.units if u.kind == "embedding" and u.params]
-    if not tables:
-        return 1
-    table = max(tables, key=lambda u: u.num_params)
-    return int(table.params[0].shape[-1])
+    if tables:
+        table = max(tables, key=lambda u: u.num_params)
+        return int(table.params[0].shape[-1])
+    # a pipeline stage after the first holds no table: its first norm's width is the stream's
+    norms = [u for u in graph.units if u.kind == "norm" and u.params]
+    return int(norms[0].params[0].shape[-1]) if norms else 1

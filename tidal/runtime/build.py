@@ -205,11 +205,11 @@ def _your_optimizer_stage(stage: nn.Module, yours: TorchOptimizer, optimizer: Op
 def _planned_stage(mine: Sequence[nn.Module], schedule: Schedule, optimizer: OptimizerConfig,
                    weights: AsyncConfig, precision: str, lr: float,
                    microbatches: int) -> list[StageParams]:  # fmt: skip
-    """The model a plan laid out, whose optimizer goes over its shards mesh by mesh."""
+    """Stages a plan laid out, whose optimizers go over their shards mesh by mesh."""
     from tidal.parallel.plan_layout import build_plan_optimizer  # DTensor: plan runs only
     from tidal.runtime.plan_weights import PlanStageWeights
 
-    assert schedule.num_stages == 1 and not schedule.asynchronous and len(mine) == 1, "a plan's"
-    (stage,) = mine
+    assert not schedule.asynchronous, "check_plan_settings: plans run synchronous schedules"
     return [PlanStageWeights(stage, build_plan_optimizer(stage, optimizer, lr), weights,
-                             precision=precision, microbatches_per_step=microbatches)]  # fmt: skip
+                             precision=precision, microbatches_per_step=microbatches)
+            for stage in mine]  # fmt: skip

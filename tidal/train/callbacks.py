@@ -40,7 +40,7 @@ def describe_start(trainer: Any, *, start_step: int) -> str:
     peak_text = f"{peak.tflops:.2f} TFLOP/s ({peak.source})" if peak else "unknown"
     verb = f"resuming at step {start_step}" if start_step else "starting"
     plan = trainer.plan
-    engine = f"plan dp {plan.dp} x tp {plan.tp}" if plan is not None else f"{job.engine} engine"
+    engine = f"plan {plan.mesh_name}" if plan is not None else f"{job.engine} engine"
     if job.pipelined:
         engine = f"pipeline of {job.parallel.pp} stages, {job.pipeline.schedule}"
     elif job.needs_stages:  # [Note: one train step] in job.py

@@ -82,7 +82,12 @@ from tidal.train.pipeline_memory import (
     model_data_per_weight_byte,
     plan_pipeline_memory,
 )
-from tidal.train.plan_stage import plan_dims, planned_stage
+from tidal.train.plan_stage import (
+    plan_dims,
+    plan_job,
+    planned_pipeline,
+    planned_stage,
+)
 from tidal.train.tiers import CHUNK_FIGURES, StepTiers
 
 if TYPE_CHECKING:
@@ -292,6 +297,8 @@ class PipelinePart:
         the model laid out as ``tidal plan`` said, the one stage of its ``dp x tp`` mesh
         ([Note: plan stages] in tidal/runtime/plan_weights.py); with your model, ``sample``'s
         inputs are this rank's rows it is traced on."""
+        if plan is not None:  # the plan's pipeline ([Note: planned pipeline stages])
+            job = plan_job(job, plan)
         self.job = job
         training, pipe = job.training, job.pipeline
         self.device = device
@@ -303,14 +310,24 @@ class PipelinePart:
         self.mesh = self.dims.build_mesh(device.type)  # [Note: one mesh] in tidal/parallel/dims.py
         pp_rank, pp_size = self.mesh.get_local_rank("pp"), self.dims.pp
         self.dp_rank = self.mesh.get_local_rank("dp")
-        if plan is not None:
+        self.flops_per_token: float | None
+        self.ranges: tuple[tuple[int, int], ...]
+        if plan is not None and plan.pipeline is not None:
+            assert model is None, "check_plan_settings: a pipelined plan is for the job's model"
+            self.ranges = plan.pipeline.block_ranges
+            self.stage_ids = list(range(pp_rank, len(self.ranges), pp_size))
+            piped = planned_pipeline(job, plan, mine=self.stage_ids, device=device,
+                                     mesh=self.mesh, world_size=world_size)  # fmt: skip
+            stages, layout, probe = piped.stages, piped.layout, None
+            self.num_params, self.flops_per_token = piped.num_params, piped.flops_per_token
+        elif plan is not None:
             made = planned_stage(job, plan, device=device, mesh=self.mesh, world_size=world_size,
                                  model=model, loss_fn=loss_fn,
                                  inputs=None if sample is None else (sample[0].to(device),))  # fmt: skip
             stages, layout, probe = [made.stage], made.layout, None
             self.num_params = made.num_params
-            self.flops_per_token: float | None = made.flops_per_token
-            self.ranges: tuple[tuple[int, int], ...] = (made.block_range,)
+            self.flops_per_token = made.flops_per_token
+            self.ranges = (made.block_range,)
             self.stage_ids = [0]
         else:
             stages, layout, probe = self._stages(model, loss_fn, sample, pp_rank=pp_rank)
@@ -515,7 +532,7 @@ class PipelinePart:
         }
         held = list(self.engine.weights.values())
         if self.plan is not None:  # the plan's figures and name, as the plan engine gave them
-            summary["engine"], summary["mesh"] = "plan", f"dp {self.plan.dp} x tp {self.plan.tp}"
+            summary["engine"], summary["mesh"] = "plan", self.plan.mesh_name
             (planned,) = held
             summary["model_data_bytes"] = model_data_bytes(
                 _plain(planned).module, _plain(planned).optimizer, nbytes=local_nbytes

@@ -1,14 +1,34 @@
-"""The stage a plan run trains: the job's model (or yours) laid out as ``tidal plan`` said.
+"""The stages a plan run trains: the job's model (or yours) laid out as ``tidal plan`` said.
 
-``tidal train --plan PATH`` is a schedule of one stage like every run ([Note: one train step]
-in job.py): :func:`planned_stage` builds the model, checks the plan against it, realises the
-plan on it in place over the run's mesh (``mesh["dp"]`` and ``mesh["tp"]``, [Note: plan runs]
-in tidal/parallel/plan_layout.py) and makes it the stage, which :class:`~tidal.runtime.
-plan_weights.PlanStageWeights` holds ([Note: plan stages] there).
+``tidal train --plan PATH`` is a schedule of stages like every run ([Note: one train step] in
+job.py). A flat plan is one stage: :func:`planned_stage` builds the model, checks the plan
+against it, realises the plan on it in place over the run's mesh (``mesh["dp"]`` and
+``mesh["tp"]``, [Note: plan runs] in tidal/parallel/plan_layout.py) and makes it the stage,
+which :class:`~tidal.runtime.plan_weights.PlanStageWeights` holds ([Note: plan stages] there).
+A pipelined plan is :func:`planned_pipeline`'s stages.
+
+[Note: planned pipeline stages]
+A pipelined plan ([Note: plan pipelines] in tidal/planner/plan.py) names its stages' blocks,
+its schedule and, per kind of stage, the choices the planner's ILP made for that stage's own
+graph (:func:`~tidal.planner.pipelines.stage_graph`: its blocks, the embeddings on the first,
+the head and the loss on the last, a weight tied across them a copy on each). Each rank builds
+the model on the meta device and splits it into stages around the model's own modules
+(``split_parts(copy_stages=False)``), gives storage and the deterministic init's values to
+its own stages alone, and realises each of them with :func:`~tidal.parallel.plan_apply.
+apply_to_stage`: the stage's plan (:meth:`Plan.stage_plan`) on the stage's graph, renamed to
+the stage's module paths, over this rank's ``mesh["dp", "tp"]``: DTensor, recomputation and
+FSDP2 at each unit's ZeRO level, as a flat plan's model. So the plan is applied, not
+re-interpreted. Between stages the residual stream travels as the sending stage's blocks hand
+it to each other (its last block unit's layout: a tensor rank sends its ``1 / t`` of a
+sequence-split stream, as the planner prices the sends), and the receiving stage's first
+block converts it to its own entry layout. Every stage is held by
+:class:`~tidal.runtime.plan_weights.PlanStageWeights` and trained by the schedule the plan
+names, under the one train step; checkpoints are the one format.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -29,7 +49,14 @@ from tidal.train.job import JobConfig
 if TYPE_CHECKING:
     from tidal.planner import Plan
 
-__all__ = ["PlannedStage", "plan_dims", "planned_stage"]
+__all__ = [
+    "PlannedPipeline",
+    "PlannedStage",
+    "plan_dims",
+    "plan_job",
+    "planned_pipeline",
+    "planned_stage",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -48,12 +75,71 @@ class PlannedStage:
 
 
 def plan_dims(plan: Plan, world_size: int) -> ParallelDims:
-    """The mesh a plan runs on: one stage of ``dp x tp`` ranks ([Note: plan runs]), which must
-    be the ``world_size`` running."""
+    """The mesh a plan runs on: ``pp`` stages of ``dp x tp`` ranks ([Note: plan runs]), which
+    must be the ``world_size`` running."""
     from tidal.parallel.plan_layout import check_plan_devices
 
     check_plan_devices(plan, world_size)
-    return ParallelDims(pp=1, dp=plan.dp, tp=plan.tp)
+    return ParallelDims(pp=plan.pp, dp=plan.dp, tp=plan.tp)
+
+
+def plan_job(job: JobConfig, plan: Plan) -> JobConfig:
+    """``job`` with the plan's pipeline: its stages, schedule, model chunks a rank and
+    micro-batches a step ([Note: planned pipeline stages]); ``job`` itself for a flat plan."""
+    layout = plan.pipeline
+    if layout is None:
+        return job
+    pipeline = dataclasses.replace(job.pipeline, schedule=layout.schedule,  # type: ignore[arg-type]
+                                   virtual_stages=layout.virtual_stages,
+                                   microbatches=plan.num_microbatches, partition="even")  # fmt: skip
+    parallel = dataclasses.replace(job.parallel, pp=plan.pp, dp=plan.dp, tp=plan.tp)
+    return dataclasses.replace(job, pipeline=pipeline, parallel=parallel)
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlannedPipeline:
+    """What :func:`planned_pipeline` made: every stage (this rank's laid out, the others on
+    the meta device), the checkpoint layout, the parameter count and FLOPs per token."""
+
+    stages: list[PipelineStage]
+    layout: dict[str, Any]
+    num_params: int
+    flops_per_token: float | None
+
+
+def planned_pipeline(job: JobConfig, plan: Plan, *, mine: list[int], device: torch.device,
+                     mesh: DeviceMesh, world_size: int) -> PlannedPipeline:  # fmt: skip
+    """The stages of a pipelined plan, ``mine`` realised on this rank; see [Note: planned
+    pipeline stages]."""
+    from tidal.parallel.plan_apply import apply_to_stage, stage_layouts
+    from tidal.parallel.plan_layout import check_plan_fits
+    from tidal.pipeline.split import split_parts
+    from tidal.pipeline.stage_init import materialize_stages
+    from tidal.planner.wiring import structure_graph
+
+    layout = plan.pipeline
+    assert layout is not None, "a pipelined plan"
+    spec = spec_for(job.model.resolve_structured())  # raises: a plan needs a known structure
+    model = spec.build(device="meta")
+    config = job.model.resolve_structured()
+    graph = structure_graph(model, seq_len=config.seq_len)
+    check_plan_fits(plan, model, world_size=world_size, seq_len=graph.seq_len, graph=graph)
+    _warn_on_micro_batch(plan_job(job, plan), plan)
+    num_params, flops = spec.num_params(model), spec.flops_per_token(model)  # tied: one here
+    state = model_layout(model, {n: t.shape for n, t in model.state_dict().items()})
+    stages = split_parts(model, spec.stage_parts(model), layout.block_ranges, copy_stages=False)
+    materialize_stages(stages, mine, spec.init(model, job.training.seed), device)
+    laid_out = stage_layouts(plan, graph)
+    for s in mine:
+        stage_plan, stage_graph, handed = laid_out[s]
+        apply_to_stage(stages[s].to(device), model, stage_plan, stage_graph, mesh["dp", "tp"],
+                       handed=handed)  # fmt: skip
+    return PlannedPipeline(
+        stages=stages,
+        layout=state,
+        num_params=num_params,
+        flops_per_token=flops,
+    )
 
 
 def planned_stage(job: JobConfig, plan: Plan, *, device: torch.device, mesh: DeviceMesh,

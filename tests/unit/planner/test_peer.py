@@ -124,5 +124,5 @@ def test_tidal_plan_peer_lends_only_when_asked(tmp_path: Path) -> None:
                 "--global-batch", "64", "--pareto", "", "--baselines", "", "--objective",
                 "memory", "--eps", "10", "--json", str(path), *flag]  # fmt: skip
         assert main(argv) == 0
-        lent[bool(flag)] = json.loads(path.read_text())["pipeline"]["lent_bytes"]
+        lent[bool(flag)] = json.loads(path.read_text())["pipeline_search"]["lent_bytes"]
     assert lent[False] == 0 and lent[True] > 0

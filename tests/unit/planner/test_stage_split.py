@@ -220,7 +220,7 @@ def test_tidal_plan_searches_splits_and_micro_batches(tmp_path: Path) -> None:
             "--baselines", "", "--objective", "time", "--stage-splits", "even,time,memory",
             "--micro-batches", "1,2", "--global-batch", "16", "--json", str(path)]  # fmt: skip
     assert main(argv) == 0
-    pipeline = json.loads(path.read_text())["pipeline"]
+    pipeline = json.loads(path.read_text())["pipeline_search"]
     assert pipeline["split"] in SPLITS and pipeline["micro_batch"] in (1, 2)
     assert sum(pipeline["stage_blocks"]) == 4 and len(pipeline["stage_blocks"]) == pipeline["pp"]
     with pytest.raises(ConfigError, match="stage_splits"):
