@@ -533,10 +533,10 @@ class PipelinePart:
         held = list(self.engine.weights.values())
         if self.plan is not None:  # the plan's figures and name, as the plan engine gave them
             summary["engine"], summary["mesh"] = "plan", self.plan.mesh_name
-            (planned,) = held
-            summary["model_data_bytes"] = model_data_bytes(
-                _plain(planned).module, _plain(planned).optimizer, nbytes=local_nbytes
-            )
+            figures = [model_data_bytes(_plain(w).module, _plain(w).optimizer,
+                                        nbytes=local_nbytes) for w in held]  # fmt: skip
+            # this rank's stages together
+            summary["model_data_bytes"] = {key: sum(f[key] for f in figures) for key in figures[0]}
         elif self.dims.pp == 1 and all(type(w) is StageWeights for w in held):
             # the whole model in plain replicas: the reference engine's figures and name
             (plain,) = held

@@ -1,0 +1,177 @@
+"""``tidal train --plan`` on pipelined plans ([Note: planned pipeline stages] in
+tidal/train/plan_stage.py): plans ``tidal plan`` makes for a tiny GPT (dropout 0) on 4 devices
+train on 4 gloo ranks as one process does.
+
+- ``pp2-dp2``: two stages of two data-parallel ranks (``--pp 2 --tp 1``): the planner's ZeRO
+  levels and recomputation per stage;
+- ``pp2-tp2``: two stages of two tensor-parallel ranks (``--pp 2 --tp 2``, a large ``--eps`` so
+  that it splits): sequence parallelism, so the stream crosses the stage boundary split along
+  the sequence, a vocabulary-split embedding and a loss on split logits;
+- ``pp2-v2``: the same GPT with four blocks, interleaved (``v = 2``): each rank holds two model
+  chunks, neither of which is the first or the last stage on both.
+
+Losses, gradient norms, validation losses and the checkpointed parameters (whole, in the
+one-process layout) must equal a one-process run's; a ``pp2-tp2`` run stopped at step 2
+resumes without a plan (the one checkpoint format) as the unbroken run goes on. One spawn of 4
+ranks runs every case.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tidal.cli.main import main
+from tidal.models import preset
+from tidal.models.gpt import measure_gpt
+from tidal.planner import ClusterSpec, Plan, PlannerConfig, StrategyName, make_plan
+from tidal.planner.plan import Layout
+from tidal.testing import run_on_ranks
+from tidal.train import Trainer
+from tidal.train.checkpoint import latest_checkpoint, load_model_state
+from tidal.train.metrics import read_metrics
+
+WORLD = 4
+STEPS = 3
+TOL = 1e-5
+CASES = ("pp2-dp2", "pp2-tp2", "pp2-v2")
+
+JOB: dict[str, Any] = {
+    "name": "plan-pipeline",
+    "model": {"preset": "tiny"},
+    "data": {"source": "synthetic", "synthetic_num_tokens": 20_000},
+    "training": {
+        "steps": STEPS,
+        "batch_size": 4,  # the plans' global batch: one sequence a device
+        "device": "cpu",
+        "log_every": 1,
+        "val_every": 2,
+        "val_batches": 1,
+    },
+    "optimizer": {"lr": 3e-3, "warmup_steps": 2, "decay_steps": STEPS, "eps": 1e-6},
+    "checkpoint": {"every_steps": 2},
+    "metrics": {"peak_tflops": 1.0},
+}
+
+
+def _job(run_dir: Path, *, layers: int = 2, **training: Any) -> dict[str, Any]:
+    job = copy.deepcopy(JOB)
+    job["run_dir"] = str(run_dir)
+    job["model"]["num_layers"] = layers
+    job["training"].update(training)
+    return job
+
+
+def _from_the_command_line(path: Path, *flags: str) -> Plan:
+    argv = ["plan", "--model", "tiny", "--devices", str(WORLD), "--dropout", "0", "--pp", "2"]
+    assert main([*argv, *flags, "--pareto", "", "--baselines", "", "--json", str(path)]) == 0
+    return Plan.load(path)
+
+
+def _interleaved() -> Plan:
+    config = dataclasses.replace(preset("tiny"), num_layers=4, dropout=0.0)
+    planner = PlannerConfig(pp=2, tp=1, schedules=("interleaved",), pareto=(), baselines=())
+    return make_plan(measure_gpt(config, micro_batch=1), ClusterSpec(devices=WORLD), planner).plan
+
+
+def _cases(root: Path) -> dict[str, Plan]:
+    cases = {
+        "pp2-dp2": _from_the_command_line(root / "pp2-dp2.json", "--tp", "1", "--eps", "10"),
+        "pp2-tp2": _from_the_command_line(root / "pp2-tp2.json", "--tp", "2", "--eps", "1000"),
+        "pp2-v2": _interleaved(),
+    }
+    # What each case is there for: a planner that changes its choices should not go unnoticed.
+    for plan in cases.values():
+        assert plan.pp == 2 and plan.pipeline is not None
+    assert {u.zero for u in cases["pp2-dp2"].units} - {0}, "some ZeRO sharding"
+    tp2 = cases["pp2-tp2"].pipeline
+    assert tp2 is not None
+    last = {u.name: u for u in tp2.stages["last"].units}
+    assert last["blocks.*[1]"].out_layout is Layout.SEQ  # the stream crosses split
+    assert last["blocks.*.attn.qkv"].strategy is StrategyName.COLWISE
+    v2 = cases["pp2-v2"].pipeline
+    assert v2 is not None and v2.virtual_stages == 2 and v2.schedule == "interleaved"
+    return cases
+
+
+# -- what each rank runs ---------------------------------------------------------------------------
+
+
+def _train_cases(cases: dict[str, Plan], root: Path) -> dict[str, Any]:
+    results = {}
+    for name, plan in cases.items():
+        layers = 4 if name == "pp2-v2" else 2
+        trainer = Trainer(_job(root / name / "whole", layers=layers), plan=plan)
+        trainer.fit()
+        results[name] = {
+            "holders": sorted({type(w).__name__ for w in trainer.engine.weights.values()}),
+            "stages": sorted(trainer.engine.weights),
+            "step": trainer.engine.step,
+        }
+    # stopped after step 2, then resumed without a plan: dp 4 plain replicas
+    Trainer(_job(root / "resumed", steps=2), plan=cases["pp2-tp2"]).fit()
+    if dist.get_rank() == 0:
+        shutil.copytree(root / "resumed", root / "without-plan")
+    dist.barrier()
+    Trainer(_job(root / "without-plan")).fit(resume=True)
+    return results
+
+
+# -- the tests -------------------------------------------------------------------------------------
+
+
+def _records(run_dir: Path, kind: str, key: str) -> list[tuple[int, float]]:
+    return [(r["step"], r[key]) for r in read_metrics(run_dir) if r["kind"] == kind]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    root = tmp_path_factory.mktemp("pipelined-plans")
+    cases = _cases(root)
+    ranks = run_on_ranks(_train_cases, world_size=WORLD, args=(cases, root), timeout_s=400)
+    for layers in (2, 4):
+        Trainer(_job(root / f"reference-{layers}", layers=layers)).fit()
+    return {"root": root, "cases": cases, "ranks": ranks}
+
+
+def _same_run(got: Path, want: Path) -> None:
+    for kind, key in (("train", "loss"), ("train", "grad_norm"), ("val", "val_loss")):
+        mine, theirs = _records(got, kind, key), _records(want, kind, key)
+        assert [s for s, _ in mine] == [s for s, _ in theirs], (kind, key)
+        assert [v for _, v in mine] == pytest.approx([v for _, v in theirs], abs=TOL, rel=0)
+    state, want_state = (load_model_state(latest_checkpoint(d)) for d in (got, want))
+    assert state.keys() == want_state.keys()
+    for name, value in want_state.items():
+        torch.testing.assert_close(state[name], value, atol=TOL, rtol=0, msg=name)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_a_pipelined_plan_trains_as_one_process_does(runs: dict[str, Any], case: str) -> None:
+    root = runs["root"]
+    reference = root / ("reference-4" if case == "pp2-v2" else "reference-2")
+    _same_run(root / case / "whole", reference)
+    losses = _records(reference, "train", "loss")
+    assert losses[-1][1] != pytest.approx(losses[0][1], abs=1e-3), "training must move"
+    summary = json.loads((root / case / "whole" / "summary.json").read_text())
+    plan = runs["cases"][case]
+    assert summary["engine"] == "plan" and summary["mesh"] == f"pp 2 x dp {plan.dp} x tp {plan.tp}"
+    stages = plan.pipeline.pp * plan.pipeline.virtual_stages
+    held = [rank[case]["stages"] for rank in runs["ranks"]]
+    assert sorted(s for stages_here in held for s in stages_here) == sorted(
+        s for s in range(stages) for _ in range(plan.dp * plan.tp)
+    )  # every stage on each of its dp x tp ranks, and only there
+    for rank in runs["ranks"]:
+        assert rank[case]["holders"] == ["PlanStageWeights"] and rank[case]["step"] == STEPS
+
+
+def test_a_pipelined_plan_runs_checkpoint_resumes_without_a_plan(runs: dict[str, Any]) -> None:
+    root = runs["root"]
+    _same_run(root / "without-plan", root / "pp2-tp2" / "whole")
