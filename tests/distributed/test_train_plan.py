@@ -191,10 +191,29 @@ TINY_RUN = [
 ]  # fmt: skip
 
 
-def _plan_file(path: Path, *, model: str = "tiny", devices: int = WORLD) -> Path:
-    argv = ["plan", "--model", model, "--devices", str(devices), "--json", str(path)]
-    assert main([*argv, "--pareto", "", "--baselines", ""]) == 0
+def _plan_file(path: Path, *, model: str = "tiny", devices: int = WORLD, pp: int = 1) -> Path:
+    argv = ["plan", "--model", model, "--devices", str(devices), "--pp", str(pp)]
+    assert main([*argv, "--json", str(path), "--pareto", "", "--baselines", ""]) == 0
     return path
+
+
+def _pipelined(path: Path) -> Path:
+    return _plan_file(path, devices=4, pp=2)
+
+
+def _edited(path: Path, edit: Any) -> Path:
+    data = json.loads(path.read_text())
+    edit(data)
+    path.write_text(json.dumps(data))
+    return path
+
+
+def _lending(data: dict[str, Any]) -> None:
+    data["pipeline"]["stages"]["last"]["memory"]["lent"] = 1024.0
+
+
+def _format_1(data: dict[str, Any]) -> None:
+    data["format"] = 1
 
 
 @pytest.mark.parametrize(
@@ -204,6 +223,9 @@ def _plan_file(path: Path, *, model: str = "tiny", devices: int = WORLD) -> Path
         ("2 devices", [], "but 1 rank is running; run with --nproc 2"),
         ("missing", ["--nproc", "2"], "no plan file at"),
         ("another model", ["--nproc", "2"], "the plan was made for another model ('demo'"),
+        ("pipelined", ["--nproc", "2"], "the plan is for 4 devices (pp 2 x dp "),
+        ("an older format", ["--nproc", "2"], "the plan is format 1, written by another version"),
+        ("lending", ["--nproc", "4"], "the plan keeps activations on the mirror stage's device"),
     ],
 )
 def test_a_plan_that_cannot_run_is_one_line_and_exit_2(
@@ -214,6 +236,9 @@ def test_a_plan_that_cannot_run_is_one_line_and_exit_2(
         "2 devices": lambda: _plan_file(tmp_path / "p.json"),
         "missing": lambda: tmp_path / "nothing.json",
         "another model": lambda: _plan_file(tmp_path / "p.json", model="demo"),
+        "pipelined": lambda: _pipelined(tmp_path / "p.json"),
+        "an older format": lambda: _edited(_plan_file(tmp_path / "p.json"), _format_1),
+        "lending": lambda: _edited(_pipelined(tmp_path / "p.json"), _lending),
     }[plan]()
     capsys.readouterr()
     run_dir = tmp_path / "run"

@@ -34,11 +34,13 @@ def test_plan_writes_the_json_the_issue_names(tmp_path, capsys) -> None:
         assert report["baselines"][name]["peak_memory_bytes"] > 0
         assert report["baselines"][name]["step_time_s"] > 0
     qkv = next(u for u in report["units"] if u["name"] == "blocks.*.attn.qkv")
-    assert qkv["count"] == 4 and qkv["memory"]["total"] > 0
+    # the units shown are the first stage's where the pipelined plan is chosen
+    blocks = report["pipeline"]["stages"]["first"]["blocks"] if report["pipeline"] else 4
+    assert qkv["count"] == blocks and qkv["memory"]["total"] > 0
     assert len(report["pareto"]) >= 2
     assert [p["eps"] for p in report["pipeline_search"]["pareto"]] == [0.0, 1.0]
     plan = Plan.load(out)  # what `tidal train --plan` reads
-    assert plan.dp * plan.tp == 16
+    assert plan.pp * plan.dp * plan.tp == 16
     captured = capsys.readouterr()
     printed = captured.out
     assert "blocks.*.mlp.fc" in printed and "megatron" in printed and "LP gap" in printed
@@ -77,9 +79,14 @@ def test_plan_writes_the_json_the_issue_names(tmp_path, capsys) -> None:
     assert (train.recipe, train.plan, train.nnodes, train.nproc) == ("demo", str(out), 2, 8)
     job = load_job(train.recipe, train.overrides)
     assert job.engine == "reference" and job.model.preset == "demo"  # the engine plans run on
-    assert job.training.batch_size == plan.micro_batch * plan.dp
-    assert job.training.grad_accum_steps == plan.num_microbatches
-    assert "priced, not run by tidal train yet: the pipelined plan (p" in printed
+    if plan.pipeline is None:
+        assert job.training.batch_size == plan.micro_batch * plan.dp
+        assert job.training.grad_accum_steps == plan.num_microbatches
+    else:  # issue 51: the pipelined plan is chosen, and trains
+        assert job.training.batch_size == plan.micro_batch * plan.dp * plan.num_microbatches
+        assert job.training.grad_accum_steps == 1  # not the recipe's 4
+        assert job.num_microbatches != plan.num_microbatches  # the plan sets its pipeline's
+    assert "priced, not run by tidal train yet: the pipelined plan" not in printed
 
 
 def test_every_plan_option_says_what_it_does() -> None:
@@ -105,7 +112,7 @@ def test_the_train_command_of_a_plan_and_how_to_save_it() -> None:
     one = train_argv({**report, "mesh": {"dp": 1, "tp": 1}, "num_microbatches": 1},
                      plan_path="p.json", recipe="tiny", settings=[], devices_per_node=8)  # fmt: skip
     assert one == ["tidal", "train", "--recipe", "tiny", "--plan", "p.json", "--set",
-                   "training.batch_size=2"]  # fmt: skip
+                   "training.batch_size=2", "--set", "training.grad_accum_steps=1"]  # fmt: skip
     offloaded = how_to_train({**report, "offload": {"optimizer": 1.0}}, args)
     assert offloaded.startswith("this plan keeps model data off the device (--offload), priced")
 
@@ -133,7 +140,7 @@ def test_plan_with_the_optimizer_on_the_host_says_so(tmp_path, capsys) -> None:
     assert "with 100% of the optimizer on the host (" in out
     assert "this plan keeps model data off the device (--offload), priced but not run" in out
     (priced,) = [x for x in out.splitlines() if x.startswith("priced, not run by tidal train")]
-    assert "; model data on the host or NVMe (--offload, --offload-params, --nvme); " in priced
+    assert "yet: model data on the host or NVMe (--offload, --offload-params, --nvme); " in priced
     plan = Plan.load(tmp_path / "p.json")
     assert plan.offload == Offload(optimizer=1.0) and plan.memory.host > 0
     assert plan.peak_memory_bytes <= 1024**2
@@ -224,18 +231,25 @@ def _hf_configs(root) -> dict[str, object]:
 def test_plan_takes_a_hugging_face_config(tmp_path, capsys, family: str) -> None:
     """A folder holding config.json, or the file: measured, planned, and a plan apply takes."""
     from tidal.models.hf import HFModelConfig, build_hf
+    from tidal.parallel.plan_layout import check_plan_fits
     from tidal.planner.check import check_plan
 
     path = _hf_configs(tmp_path)[family]
     out = tmp_path / "plan.json"
     args = ["plan", "--model", str(path), "--devices", "4", "--eps", "1000", "--seq-len", "32"]
-    assert main([*args, "--pareto", "", "--baselines", "megatron_sp", "--json", str(out)]) == 0
+    args += ["--pareto", "", "--json", str(out)]
+    assert main([*args, "--pp", "2", "--baselines", ""]) == 0
+    piped = Plan.load(out)
+    model = build_hf(HFModelConfig.load(path, seq_len=32, key="--model"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        check_plan_fits(piped, model, world_size=4, seq_len=32)  # each stage on its part
+    assert main([*args, "--pp", "1", "--baselines", "megatron_sp"]) == 0
     plan = Plan.load(out)
     assert plan.dp * plan.tp == 4 and plan.seq_len == 32
     assert set(plan.recompute.values()) <= {"none", "full"}  # HF cores do not recompute alone
     heads = {"llama": "model.layers.*.self_attn[2]", "gpt2": "transformer.h.*.attn[0]"}[family]
     assert plan.unit(heads).count == 2
-    model = build_hf(HFModelConfig.load(path, seq_len=32, key="--model"))
     with warnings.catch_warnings():  # a detour into the first block is allowed, and said
         warnings.simplefilter("ignore", UserWarning)
         check_plan(model, plan)  # the planner's HF plans are ones apply can carry out

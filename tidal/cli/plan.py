@@ -295,7 +295,7 @@ def not_run(report: dict) -> list[str]:
     pipeline = report.get("pipeline") or {}
     stages = list((pipeline.get("stages") or {}).values()) or [report]
     swaps = any("swap" in stage["recompute"].values() for stage in stages)
-    lends = any(stage["memory"].get("lent") for stage in stages)
+    lends = any(stage.get("memory", {}).get("lent") for stage in stages)
     return [
         *(["keeps model data off the device (--offload)"] if any(offload.values()) else []),
         *(["keeps activations on the host (--swap)"] if swaps else []),
@@ -320,13 +320,12 @@ def train_argv(report: dict, *, plan_path: str, recipe: str, settings: list[str]
                  "--rdzv-endpoint", "HOST:PORT"]  # fmt: skip
     elif devices > 1:
         argv += ["--nproc", str(devices)]
-    rows = report["micro_batch"] * mesh["dp"]
+    rows, m = report["micro_batch"] * mesh["dp"], report["num_microbatches"]
+    # the recipe's own accumulation would multiply the batch the plan was priced for
     if report.get("pipeline"):  # a step's micro-batches are the pipeline's (the plan's)
-        settings = [*settings, f"training.batch_size={rows * report['num_microbatches']}"]
+        settings = [*settings, f"training.batch_size={rows * m}", "training.grad_accum_steps=1"]
     else:
-        settings = [*settings, f"training.batch_size={rows}"]
-        if report["num_microbatches"] > 1:
-            settings.append(f"training.grad_accum_steps={report['num_microbatches']}")
+        settings = [*settings, f"training.batch_size={rows}", f"training.grad_accum_steps={m}"]
     for setting in settings:
         argv += ["--set", setting]
     return argv

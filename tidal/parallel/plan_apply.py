@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -110,7 +111,12 @@ def apply(
     torchtitan's: the tensor axis, then recomputation, then FSDP, which must see the tensor
     axis's DTensors.
     """
-    wiring = wire_plan(model, plan, graph=graph, handed=handed)
+    _apply(model, plan, mesh, wire_plan(model, plan, graph=graph, handed=handed))
+    return model
+
+
+def _apply(model: nn.Module, plan: Plan, mesh: DeviceMesh | None, wiring: PlanWiring) -> None:
+    """:func:`apply` of a plan already wired."""
     if mesh is None and plan.dp * plan.tp > 1:
         raise ValueError(f"a plan of dp {plan.dp} x tp {plan.tp} needs its mesh: make_mesh(plan)")
     if mesh is not None and (
@@ -136,7 +142,6 @@ def apply(
         if "dp" in (axes or ()) or (dp_group is None and axes is None):
             continue  # FSDP reduces its own; a plain parameter on one data rank needs nothing
         param.register_post_accumulate_grad_hook(functools.partial(_reduce_grad, group=dp_group))
-    return model
 
 
 def _recompute(model: nn.Module, wiring: PlanWiring, modes: dict[str, Recompute]) -> None:
@@ -282,7 +287,24 @@ def apply_to_stage(stage: nn.Module, model: nn.Module, plan: Plan, graph: ModelG
         units=[dataclasses.replace(u, module=paths[u.module]) for u in plan.units],
         recompute={paths[p]: mode for p, mode in plan.recompute.items()},
     )
-    apply(stage, renamed_plan, mesh, graph=renamed_graph, handed=handed)
+    wiring = wire_plan(stage, renamed_plan, graph=renamed_graph, handed=handed)
+    _apply(stage, renamed_plan, mesh, wiring)
+    (block,) = wiring.block_in.values()
+    block_inputs = getattr(stage, "block_inputs", None)
+    if block_inputs is not None and block[0] is Layout.SEQ:
+        assert mesh is not None
+        block_inputs.register_forward_pre_hook(functools.partial(_whole_sequence,
+                                                                 ranks=mesh["tp"].size()))  # fmt: skip
+
+
+def _whole_sequence(module: nn.Module, args: tuple[Any, ...], *, ranks: int) -> tuple[Any, ...]:
+    """What a stage's blocks take besides the stream (LLaMA's positions and rotary tables)
+    counts whole sequences ([Note: positions count whole sequences] in wiring.py), from the
+    stream's shape alone: a stream split along the sequence stands in as a whole one (an
+    expanded zero, no storage)."""
+    x = args[0]
+    whole = (x.shape[0], x.shape[1] * ranks, *x.shape[2:])
+    return (x.new_zeros(()).expand(whole), *args[1:])
 
 
 def stage_layouts(plan: Plan, graph: ModelGraph) -> list[tuple[Plan, ModelGraph, Layout | None]]:
@@ -333,7 +355,10 @@ def _stage_paths(stage: nn.Module, model: nn.Module, graph: ModelGraph) -> dict[
         path = unit.module
         if path == prefix or path.startswith(prefix + "."):
             paths[path] = stage_prefix + path[len(prefix) :]
-        elif path:
+        elif id(in_model[path]) in in_stage:
             paths[path] = in_stage[id(in_model[path])]
+        else:  # code of a module the stage does not hold (the stage's own forward runs it)
+            assert unit.segment is not None, f"{path}: a module the stage does not hold"
+            paths[path] = ""
     paths[prefix] = stage_prefix
     return paths

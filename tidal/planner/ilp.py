@@ -502,6 +502,7 @@ def _product(problem: Problem, x: int, r: int, name: str, mode: Recompute) -> in
 
 def _edge_terms(problem: Problem, cluster: ClusterSpec, spec: TrainingSpec) -> None:
     m, mesh = spec.slots, problem.mesh
+    verbatim = code_to_code(problem.graph)
     for edge in problem.graph.edges:
         a_opts, b_opts = problem.options[edge.src], problem.options[edge.dst]
         if edge.src == edge.dst:
@@ -514,6 +515,8 @@ def _edge_terms(problem: Problem, cluster: ClusterSpec, spec: TrainingSpec) -> N
         e = {}
         for ia, a_members in a_classes.items():
             for ib, b_members in b_classes.items():
+                if (edge.src, edge.dst) in verbatim and ia[0] != ib[0]:
+                    continue  # code hands code its tensor as it made it
                 col = problem.var()
                 e[(ia, ib)] = col
                 cost = edge_s(
@@ -522,15 +525,40 @@ def _edge_terms(problem: Problem, cluster: ClusterSpec, spec: TrainingSpec) -> N
                 _add(problem.time_row, col, edge.count * m * cost)
         tag = f"{edge.src}->{edge.dst}"
         for ia, members in a_classes.items():
-            coeffs = {e[(ia, ib)]: 1.0 for ib in b_classes}
+            coeffs = {e[(ia, ib)]: 1.0 for ib in b_classes if (ia, ib) in e}
             for k in members:
                 coeffs[problem.x[(edge.src, k)]] = -1.0
             problem.row(f"edge_out[{tag},{ia}]", coeffs, 0.0, 0.0)
         for ib, members in b_classes.items():
-            coeffs = {e[(ia, ib)]: 1.0 for ia in a_classes}
+            coeffs = {e[(ia, ib)]: 1.0 for ia in a_classes if (ia, ib) in e}
             for k in members:
                 coeffs[problem.x[(edge.dst, k)]] = -1.0
             problem.row(f"edge_in[{tag},{ib}]", coeffs, 0.0, 0.0)
+
+
+def code_to_code(graph: ModelGraph) -> set[tuple[str, str]]:
+    """Edges between two runs of a forward's own code (segments), where no hook can convert:
+    the consumer takes the tensor in the layout the producer made it ([Note: plan realisation]
+    in tidal/parallel/plan_apply.py, which refuses plans that convert there). Not an edge into a
+    block, whose pre-hook converts, nor one from code that computes positions, which is whole."""
+    from tidal.planner.wiring import derive_wiring
+
+    wiring = derive_wiring(graph)
+    units = {u.name: u for u in graph.units}
+    found = set()
+    for edge in graph.edges:
+        src, dst = wiring.units[edge.src], wiring.units[edge.dst]
+        if src.segment is None or dst.segment is None or src.role == "positions":
+            continue
+        block = wiring.block_of.get(edge.dst)
+        if block is not None and edge.dst in wiring.blocks[block].heads:
+            order = wiring.blocks[block].units
+            inside = wiring.block_of.get(edge.src) == block
+            if not inside or order.index(edge.src) >= order.index(edge.dst):
+                continue  # enters the block: its pre-hook converts
+        assert units[edge.src].segment is not None
+        found.add((edge.src, edge.dst))
+    return found
 
 
 def _classes(options: list[Candidate], key) -> dict[tuple, list[int]]:
