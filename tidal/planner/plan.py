@@ -279,6 +279,13 @@ class PipelineLayout:
     def num_stages(self) -> int:
         return len(self.block_ranges)
 
+    def rank_kind(self, rank: int) -> str:
+        """The kind a pipeline rank was priced as: its stages ``rank, rank + pp, ...``
+        together are one stage of the planner's (its blocks over all its model chunks), the
+        last stage's kind on the rank holding it, else its first stage's."""
+        held = range(rank, self.num_stages, self.pp)
+        return "last" if self.num_stages - 1 in held else self.kinds[rank]
+
     def to_dict(self) -> dict[str, Any]:
         return {"pp": self.pp, "virtual_stages": self.virtual_stages, "schedule": self.schedule,
                 "block_ranges": [list(r) for r in self.block_ranges], "kinds": list(self.kinds),
@@ -340,6 +347,13 @@ class Plan:
     @property
     def peak_memory_bytes(self) -> float:
         return self.memory.total
+
+    def rank_memory(self, pp_rank: int) -> MemoryBreakdown:
+        """What the cost model says a device of pipeline rank ``pp_rank`` holds: its kind's
+        figures ([Note: plan pipelines]); the plan's for a flat plan."""
+        if self.pipeline is None:
+            return self.memory
+        return self.pipeline.stages[self.pipeline.rank_kind(pp_rank)].memory
 
     def stage_plan(self, stage: int) -> Plan:
         """The flat plan stage ``stage`` realises ([Note: plan pipelines]): its kind's choices,
