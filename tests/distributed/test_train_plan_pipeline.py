@@ -8,7 +8,9 @@ train on 4 gloo ranks as one process does.
   that it splits): sequence parallelism, so the stream crosses the stage boundary split along
   the sequence, a vocabulary-split embedding and a loss on split logits;
 - ``pp2-v2``: the same GPT with four blocks, interleaved (``v = 2``): each rank holds two model
-  chunks, neither of which is the first or the last stage on both.
+  chunks, neither of which is the first or the last stage on both;
+- ``pp2-tp2-swap``: eight blocks on tensor-parallel stages whose blocks keep what they save on
+  the host (MPress's host swap, which the search picks where a fast host link hides it).
 
 Losses, gradient norms, validation losses and the checkpointed parameters (whole, in the
 one-process layout) must equal a one-process run's; a ``pp2-tp2`` run stopped at step 2
@@ -32,7 +34,7 @@ import torch.distributed as dist
 from tidal.cli.main import main
 from tidal.models import preset
 from tidal.models.gpt import measure_gpt
-from tidal.planner import ClusterSpec, Plan, PlannerConfig, StrategyName, make_plan
+from tidal.planner import ClusterSpec, Plan, PlannerConfig, Recompute, StrategyName, make_plan
 from tidal.planner.plan import Layout
 from tidal.testing import run_on_ranks
 from tidal.train import Trainer
@@ -44,7 +46,8 @@ STEPS = 3
 TOL = 1e-5
 MEMORY_TOL = 0.10  # the issue's bound on what the runtime meters
 FP32 = {"param_bytes": 4, "grad_bytes": 4, "optimizer_bytes": 8}
-CASES = ("pp2-dp2", "pp2-tp2", "pp2-v2")
+CASES = ("pp2-dp2", "pp2-tp2", "pp2-v2", "pp2-tp2-swap")
+LAYERS = {"pp2-v2": 4, "pp2-tp2-swap": 8}  # the others: the tiny GPT's 2
 
 JOB: dict[str, Any] = {
     "name": "plan-pipeline",
@@ -78,12 +81,13 @@ def _from_the_command_line(path: Path, *flags: str) -> Plan:
     return Plan.load(path)
 
 
-def _made(*, layers: int, **config: Any) -> Plan:
+def _made(*, layers: int, cluster: ClusterSpec | None = None, **config: Any) -> Plan:
     """``make_plan`` (what ``tidal plan`` calls) priced for the run's fp32 AdamW: 4 bytes a
     weight and a gradient, 8 of optimizer state, so that its memory can be held to the run's."""
     model = dataclasses.replace(preset("tiny"), num_layers=layers, dropout=0.0)
     planner = PlannerConfig(pp=2, pareto=(), baselines=(), **FP32, **config)
-    return make_plan(measure_gpt(model, micro_batch=1), ClusterSpec(devices=WORLD), planner).plan
+    cluster = cluster or ClusterSpec(devices=WORLD)
+    return make_plan(measure_gpt(model, micro_batch=1), cluster, planner).plan
 
 
 def _cases(root: Path) -> dict[str, Plan]:
@@ -91,6 +95,14 @@ def _cases(root: Path) -> dict[str, Plan]:
         "pp2-dp2": _made(layers=2, tp=1, eps=10.0),
         "pp2-tp2": _from_the_command_line(root / "pp2-tp2.json", "--tp", "2", "--eps", "1000"),
         "pp2-v2": _made(layers=4, tp=1, schedules=("interleaved",)),
+        # MPress's host swap, searched (tidal plan --swap) where a fast host link hides it
+        "pp2-tp2-swap": _made(
+            layers=8,
+            tp=2,
+            objective="time",
+            recompute=tuple(Recompute),
+            cluster=ClusterSpec(devices=WORLD, host_link_bandwidth=1e14),
+        ),
     }
     # What each case is there for: a planner that changes its choices should not go unnoticed.
     for plan in cases.values():
@@ -103,6 +115,9 @@ def _cases(root: Path) -> dict[str, Plan]:
     assert last["blocks.*.attn.qkv"].strategy is StrategyName.COLWISE
     v2 = cases["pp2-v2"].pipeline
     assert v2 is not None and v2.virtual_stages == 2 and v2.schedule == "interleaved"
+    swap = cases["pp2-tp2-swap"].pipeline
+    assert swap is not None and cases["pp2-tp2-swap"].tp == 2
+    assert {c.recompute["blocks.*"] for c in swap.stages.values()} == {Recompute.SWAP}
     return cases
 
 
@@ -112,14 +127,15 @@ def _cases(root: Path) -> dict[str, Plan]:
 def _train_cases(cases: dict[str, Plan], root: Path) -> dict[str, Any]:
     results = {}
     for name, plan in cases.items():
-        layers = 4 if name == "pp2-v2" else 2
-        trainer = Trainer(_job(root / name / "whole", layers=layers), plan=plan)
+        trainer = Trainer(_job(root / name / "whole", layers=LAYERS.get(name, 2)), plan=plan)
         trainer.fit()
+        figures = trainer.part.summary_figures()
         results[name] = {
+            "host_swap_bytes": figures.get("host_swap_bytes", 0),
             "holders": sorted({type(w).__name__ for w in trainer.engine.weights.values()}),
             "stages": sorted(trainer.engine.weights),
             "step": trainer.engine.step,
-            "model_data": trainer.part.summary_figures()["model_data_bytes"],
+            "model_data": figures["model_data_bytes"],
         }
     # stopped after step 2, then resumed without a plan: dp 4 plain replicas
     Trainer(_job(root / "resumed", steps=2), plan=cases["pp2-tp2"]).fit()
@@ -142,7 +158,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     root = tmp_path_factory.mktemp("pipelined-plans")
     cases = _cases(root)
     ranks = run_on_ranks(_train_cases, world_size=WORLD, args=(cases, root), timeout_s=400)
-    for layers in (2, 4):
+    for layers in {2, *LAYERS.values()}:
         Trainer(_job(root / f"reference-{layers}", layers=layers)).fit()
     return {"root": root, "cases": cases, "ranks": ranks}
 
@@ -161,7 +177,7 @@ def _same_run(got: Path, want: Path) -> None:
 @pytest.mark.parametrize("case", CASES)
 def test_a_pipelined_plan_trains_as_one_process_does(runs: dict[str, Any], case: str) -> None:
     root = runs["root"]
-    reference = root / ("reference-4" if case == "pp2-v2" else "reference-2")
+    reference = root / f"reference-{LAYERS.get(case, 2)}"
     _same_run(root / case / "whole", reference)
     losses = _records(reference, "train", "loss")
     assert losses[-1][1] != pytest.approx(losses[0][1], abs=1e-3), "training must move"
@@ -175,6 +191,8 @@ def test_a_pipelined_plan_trains_as_one_process_does(runs: dict[str, Any], case:
     )  # every stage on each of its dp x tp ranks, and only there
     for rank in runs["ranks"]:
         assert rank[case]["holders"] == ["PlanStageWeights"] and rank[case]["step"] == STEPS
+        # the swap moved what the blocks saved, on every rank, and nothing elsewhere
+        assert (rank[case]["host_swap_bytes"] > 0) == (case == "pp2-tp2-swap")
 
 
 def test_a_pipelined_plan_runs_checkpoint_resumes_without_a_plan(runs: dict[str, Any]) -> None:

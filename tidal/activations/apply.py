@@ -94,7 +94,7 @@ def apply_savers(model: nn.Module, savers: Mapping[str, Saver], *, host: Tier | 
             checkpoint(model.get_submodule(path))
         else:
             checkpoint(model.get_submodule(path), context_fn=_recompute_in(recompute_context))
-    params = frozenset(p.untyped_storage().data_ptr() for p in model.parameters())
+    params = frozenset(_local(p).untyped_storage().data_ptr() for p in model.parameters())
     if handles.host is not None:  # runs first: a saver on the whole model opens inside its run
         handles._hooks += around_forward(model, handles.host.running)
         for path in swaps:
@@ -107,6 +107,11 @@ def apply_savers(model: nn.Module, savers: Mapping[str, Saver], *, host: Tier | 
         )
     handles.lent = tuple(lent)
     return handles
+
+
+def _local(param: nn.Parameter) -> Any:
+    """A parameter's own storage: a DTensor's local share (a plan's layout)."""
+    return param._local_tensor if hasattr(param, "_local_tensor") else param
 
 
 def _recompute_in(

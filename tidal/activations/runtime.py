@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import sys
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -77,6 +78,21 @@ class _Outer:
 def _stays(tensor: torch.Tensor, outer: SavedHooks | None) -> Any:
     """What a swap does with a tensor it leaves where it is: the outer hooks get it."""
     return tensor if outer is None else _Outer(outer[0](tensor), outer[1])
+
+
+@dataclass(frozen=True, slots=True)
+class _Distributed:
+    """A DTensor a swap saved: its local share, packed, and its placement on the mesh."""
+
+    local: Any
+    spec: Any
+
+
+def _dtensor_class() -> Any:
+    """DTensor, where something has loaded it (a plan's layout); else None: no saved tensor
+    can be one, and a swap does not load it."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return None if module is None else module.DTensor
 
 
 def _back(packed: Any) -> torch.Tensor:
@@ -138,6 +154,10 @@ class HostSwap:
 
     def pack(self, tensor: torch.Tensor, params: frozenset[int],
              outer: SavedHooks | None = None) -> Any:  # fmt: skip
+        distributed = _dtensor_class()
+        if distributed is not None and isinstance(tensor, distributed):  # its local share moves
+            spec = tensor._spec
+            return _Distributed(self.pack(tensor._local_tensor, params, outer), spec)
         storage = tensor.untyped_storage()
         if storage.data_ptr() in params or tensor.layout is not torch.strided:
             return _stays(tensor, outer)  # a parameter or a view of one (or a sparse tensor)
@@ -173,6 +193,10 @@ class HostSwap:
         return held
 
     def unpack(self, packed: Any) -> torch.Tensor:
+        if isinstance(packed, _Distributed):
+            local, spec = self.unpack(packed.local), packed.spec
+            return _dtensor_class().from_local(local, spec.mesh, spec.placements, run_check=False,
+                                               shape=spec.shape, stride=spec.stride)  # fmt: skip
         if not isinstance(packed, _OnHost):
             return _back(packed)
         self.tensors_back += 1

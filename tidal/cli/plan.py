@@ -116,7 +116,7 @@ def add_search_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--swap", action="store_true",
         help="also search keeping a block's saved activations on the host between its forward "
-        "and backward (MPress's host swap; priced, not yet run by tidal train --plan)",
+        "and backward (MPress's host swap)",
     )  # fmt: skip
     parser.add_argument(
         "--peer", action="store_true",
@@ -294,11 +294,9 @@ def not_run(report: dict) -> list[str]:
     offload = report.get("offload") or {}
     pipeline = report.get("pipeline") or {}
     stages = list((pipeline.get("stages") or {}).values()) or [report]
-    swaps = any("swap" in stage["recompute"].values() for stage in stages)
     lends = any(stage.get("memory", {}).get("lent") for stage in stages)
     return [
         *(["keeps model data off the device (--offload)"] if any(offload.values()) else []),
-        *(["keeps activations on the host (--swap)"] if swaps else []),
         *(["keeps activations on a peer stage (--peer)"] if lends else []),
         *(["runs PipeMare (--schedules pipemare)"]
           if pipeline.get("schedule") == "pipemare" else []),
@@ -360,7 +358,6 @@ def priced_only(report: dict, args: argparse.Namespace) -> str:
         *(["model data on the host or NVMe (--offload, --offload-params, --nvme)"]
           if args.nvme or any(_numbers(args.offload, "--offload"))
           or any(_numbers(args.offload_params, "--offload-params")) else []),
-        *(["activations on the host (--swap)"] if args.swap else []),
         *(["activations on a peer stage (--peer)"] if args.peer else []),
     ]  # fmt: skip
     return ("priced, not run by tidal train yet: " + "".join(f"{kind}; " for kind in searched)

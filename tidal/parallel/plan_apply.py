@@ -65,12 +65,19 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
+from tidal.activations.apply import apply_savers
+from tidal.activations.costs import Saver
+from tidal.memory.tiers import Tier, TierKind
 from tidal.parallel.tensor_axis import REORDERED, parallelize_tensor_axis
 from tidal.planner.check import RECOMPUTE_CORE, PlanWiring, check_plan, wire_plan
 from tidal.planner.measure import ModelGraph
 from tidal.planner.plan import Layout, Plan, Recompute
 
+# the model's HostSwap (its counters) where the plan swaps blocks' saved tensors to the host
+HOST_SWAP = "_tidal_host_swap"
+
 __all__ = [
+    "HOST_SWAP",
     "apply",
     "apply_to_stage",
     "check_plan",
@@ -146,7 +153,16 @@ def _apply(model: nn.Module, plan: Plan, mesh: DeviceMesh | None, wiring: PlanWi
 
 def _recompute(model: nn.Module, wiring: PlanWiring, modes: dict[str, Recompute]) -> None:
     """Full: each block checkpointed whole; selective: attention cores that can recompute
-    alone ([Note: selective recomputation contract] in check.py; check_plan refuses others)."""
+    alone ([Note: selective recomputation contract] in check.py; check_plan refuses others);
+    swap: what each block saves goes to the host after its forward and comes back for its
+    backward (MPress's host swap, the activation savers' ``HOST``: [Note: savers in place] in
+    tidal/activations/apply.py)."""
+    swapped = {prefix.replace("*", str(i)): Saver.HOST for prefix, mode in modes.items()
+               if mode is Recompute.SWAP for i in range(wiring.model.blocks[prefix].count)}  # fmt: skip
+    if swapped:
+        cuda = any(p.device.type == "cuda" for p in model.parameters())
+        host = Tier(TierKind.HOST, torch.device("cpu"), budget_bytes=None, pin_memory=cuda)
+        setattr(model, HOST_SWAP, apply_savers(model, swapped, host=host).host)
     for prefix, mode in modes.items():
         block = wiring.model.blocks[prefix]
         cores = [n for n in block.units if n in wiring.model.attention]

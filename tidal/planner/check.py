@@ -85,13 +85,6 @@ def wire_plan(model: nn.Module, plan: Plan, *, graph: ModelGraph | None = None,
             f"model data offload] in tidal/planner/strategies.py): make it without --offload "
             f"(or offload=(0.0,)) to train it"
         )
-    swapped = sorted(p for p, mode in plan.recompute.items() if Recompute(mode) is Recompute.SWAP)
-    if swapped:
-        raise ValueError(
-            f"the plan keeps {', '.join(swapped)}'s activations on the host, which is priced but "
-            f"not run yet ([Note: activations on the host] in tidal/planner/ilp.py): make it "
-            f"without --swap to train it"
-        )
     graph = graph or structure_graph(model, seq_len=plan.seq_len)
     wiring = derive_wiring(graph)
     units = _check_units(wiring, plan, model_name(model))

@@ -28,7 +28,10 @@ the host ``in_flight`` micro-batches' worth of every swapped block (the host row
 forward and backward (``compute_s`` of its units): only what exceeds them adds to the step,
 ``z_b >= sum over the block's units (copy - compute)``, ``z_b >= 0`` (a continuous variable per
 block, exact at an optimum since it only costs time). The host link is also what offloaded
-model data crosses; the two are priced as if each had it alone.
+model data crosses; the two are priced as if each had it alone. ``tidal train --plan`` runs it
+with the activation savers' host swap on every repetition of the block (``_recompute`` in
+tidal/parallel/plan_apply.py; [Note: savers in place] in tidal/activations/apply.py), which
+copies a DTensor's local share.
 
 Every coefficient a product variable carries is non-negative and the products only appear on
 the cost side, so the lower bounds alone make them exact at an optimum. Objectives: minimum time

@@ -537,6 +537,12 @@ class PipelinePart:
                                         nbytes=local_nbytes) for w in held]  # fmt: skip
             # this rank's stages together
             summary["model_data_bytes"] = {key: sum(f[key] for f in figures) for key in figures[0]}
+            from tidal.parallel.plan_apply import HOST_SWAP  # DTensor: plan runs only
+
+            swaps = [getattr(m, HOST_SWAP) for w in held for m in _plain(w).module.modules()
+                     if hasattr(m, HOST_SWAP)]  # fmt: skip
+            if swaps:  # the plan's host swap ([Note: savers in place])
+                summary["host_swap_bytes"] = sum(h.bytes_out for h in swaps)
         elif self.dims.pp == 1 and all(type(w) is StageWeights for w in held):
             # the whole model in plain replicas: the reference engine's figures and name
             (plain,) = held
