@@ -124,6 +124,13 @@ def _trace(config: GPTConfig, micro_batch: int) -> ModelGraph:
     return measure_gpt(config, micro_batch=micro_batch)
 
 
+def _mesh(mesh: dict[str, int]) -> str:
+    """``"8 x 8"``, or ``"p16 x 1 x 4"`` where the chosen plan is pipelined (issue 51; runs
+    before it chose flat plans only and wrote no ``pp``)."""
+    flat = f"{mesh['dp']} x {mesh['tp']}"
+    return flat if mesh.get("pp", 1) == 1 else f"p{mesh['pp']} x {flat}"
+
+
 def _gib(value: float | None) -> str:
     return "-" if value is None else f"{value / 1024**3:.1f}"
 
@@ -133,7 +140,7 @@ def _pct(value: float | None) -> str:
 
 
 COLUMNS = (
-    "model", "N", "plan dp x tp", "plan GiB", "plan s", "megatron GiB", "megatron s",
+    "model", "N", "plan [pp x] dp x tp", "plan GiB", "plan s", "megatron GiB", "megatron s",
     "saves", "at megatron's s", "megatron-sp GiB", "saves", "zero3 GiB", "zero3 s", "saves",
     "solve s", "LP gap",
 )  # fmt: skip
@@ -150,7 +157,7 @@ def rows_table(rows: list[dict[str, Any]]) -> list[list[str]]:
         same = mega["at_same_step_time"] or {}
         cells.append(
             [
-                row["model"], str(row["devices"]), f"{row['mesh']['dp']} x {row['mesh']['tp']}",
+                row["model"], str(row["devices"]), _mesh(row["mesh"]),
                 _gib(row["peak_memory_bytes"]), f"{row['step_time_s']:.3f}",
                 _gib(mega["peak_memory_bytes"]) + ("" if mega["fits"] else " (no fit)"),
                 f"{mega['step_time_s']:.3f}", _pct(mega["saving"]), _pct(same.get("saving")),

@@ -66,6 +66,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--warmup-steps", type=int, default=4,
                         help="leading steps left out of the figures (4)")  # fmt: skip
     parser.add_argument("--results-dir", default=None, metavar="DIR")
+    parser.add_argument(
+        "--ranks", type=int, default=1,
+        help="1: one-device plans on this device (default); N > 1: the plans the search makes "
+        "for --model on N devices of a CPU cluster calibrated here, each trained on N gloo "
+        "ranks (benchmarks/plan_check_ranks.py)",
+    )  # fmt: skip
+    parser.add_argument("--model", default="demo",
+                        help="with --ranks: the GPT preset to plan and train (demo)")  # fmt: skip
+    parser.add_argument("--timeout-s", type=int, default=600,
+                        help="with --ranks: each plan's run on the ranks (600)")  # fmt: skip
 
 
 def bench_plan_check(args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -169,8 +179,16 @@ def run(args: argparse.Namespace, console: Console) -> int:
     from benchmarks.results import read_results
     from benchmarks.tables import show
 
-    rows = bench_plan_check(args)
     folder = None if args.results_dir is None else Path(args.results_dir)
+    if args.ranks > 1:
+        from benchmarks.plan_check_ranks import bench_plan_check_ranks
+        from benchmarks.plan_check_ranks import tables as ranks_tables
+
+        path = write_results("plan-check-ranks", bench_plan_check_ranks(args), folder=folder)
+        show(console, ranks_tables(read_results(path), args))
+        console.print(f"results: {path}")
+        return 0
+    rows = bench_plan_check(args)
     path = write_results("plan-check", rows, folder=folder)
     show(console, tables(read_results(path), args))
     console.print(f"results: {path}")

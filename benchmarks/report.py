@@ -69,6 +69,9 @@ BENCHES: dict[str, tuple[str, str]] = {
                      "against Megatron-LM (cost model).", "benchmarks.plan:largest_tables"),
     "plan-check": ("Plans trained on this device beside their prediction.",
                    "benchmarks.plan_check:tables"),
+    "plan-check-ranks": ("Plans the search makes for 4 devices (pipelined, tensor-parallel, "
+                         "swapping), trained on 4 gloo ranks, each rank beside its prediction.",
+                         "benchmarks.plan_check_ranks:tables"),
     "pipeline": ("Pipeline schedules on gloo ranks against the simulator.",
                  "benchmarks.pipeline:tables"),
     "pipemare": ("Asynchronous pipelines (PipeMare and kin) against synchronous training: "

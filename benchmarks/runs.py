@@ -62,6 +62,8 @@ BENCH_CODE: dict[str, tuple[str, ...]] = {
     "plan": ("tidal/planner", "benchmarks/plan.py"),
     "plan-largest": ("tidal/planner", "benchmarks/plan.py"),
     "plan-check": ("tidal/planner", "tidal/parallel", "tidal/train", "benchmarks/plan_check.py"),
+    "plan-check-ranks": ("tidal/planner", "tidal/parallel", "tidal/train", "tidal/runtime",
+                         "benchmarks/plan_check_ranks.py"),
     "make": ("Makefile", "pyproject.toml", "constraints.txt", "tidal/recipes/demo.toml",
              "benchmarks/make.py"),
 }  # fmt: skip

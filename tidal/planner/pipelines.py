@@ -28,8 +28,8 @@ The step time is the slower of the two, plus the sends between stages (each micr
 output, ``1 / t`` of it from each tensor rank as Megatron's scatter-gather does, forward and its
 gradient back, ``v`` times interleaved), over a node's links while the whole mesh fits in one
 node, else the inter-node ones; the gradient collectives of each stage are its own (its
-parameters over its data axis). The peak is the larger stage's. Running such a plan is a later
-step: ``tidal train --plan`` takes the flat plans only.
+parameters over its data axis). The peak is the larger stage's. ``tidal train --plan`` runs such a
+plan ([Note: planned pipeline stages] in tidal/train/plan_stage.py).
 
 [Note: activations on a peer]
 MPress's swap to a lightly loaded device, in a pipeline: stage ``s`` of ``p`` holds ``f(s)``

@@ -22,7 +22,9 @@ plan made ([Note: the stage-parameter protocol] in tidal/parallel/stage_params.p
   rows in the model's order, ``REORDERED`` under the stage's names), so a plan run resumes on
   any mesh, plan or none, and any run resumes under a plan.
 
-Only synchronous schedules of one stage run: a plan's pipeline is the planner's issue.
+A pipelined plan's stages are each one of these, under the plan's synchronous schedule
+([Note: planned pipeline stages] in tidal/train/plan_stage.py); a stage's ZeRO-1 units
+accumulate over the step's microbatches on that stage alike.
 """
 
 from __future__ import annotations

@@ -1,0 +1,254 @@
+"""``tidal bench plan-check --ranks 4``: the plans the search makes for a small GPT on 4 devices,
+each trained on 4 gloo ranks, every rank's measured figures beside the plan's prediction.
+
+[Note: the CPU cluster, calibrated once]
+The cost model needs a device's speed and its links'. Here the "devices" are the gloo ranks
+sharing this machine's cores, so the figures are measured once per bench run, on all the ranks
+at once (as they will train): a fp32 matmul's FLOP/s, an element-wise op's bytes per second,
+and an all-reduce's latency and ring bandwidth over the ranks, each the median over the ranks.
+The cluster spec takes them at efficiency 1 (they are achieved figures, not peaks), the host
+link at the element-wise rate (host and device are one memory here) and each rank's device
+memory as its share of the machine's. The JSON records the calibration; the step-time ratio is
+the cost model's error against these measured figures, not against a GPU's.
+
+What each rank measures: the model data its stages hold after the run, as the runtime meters it
+(``model_data_bytes``: parameters, AdamW's state; the gradients are freed by then), what its
+blocks swapped to the host, and the growth of its resident memory over the run (the process's
+peak RSS less its RSS before the model was built: allocator caches, gloo buffers and the
+interpreter's own growth are in it, so it bounds the plan's device figure from above rather
+than equals it). The step time is rank 0's median steady step (a synchronous step is the
+slowest rank's). Plans whose model data lives off the device (host offload, NVMe) are priced,
+not run by ``tidal train --plan`` yet: they are rows with their prediction and no run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import resource
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+__all__ = ["CASES", "bench_plan_check_ranks", "calibrate", "tables"]
+
+# case -> the search's settings (PlannerConfig fields) on the calibrated 4-device cluster
+CASES: dict[str, dict[str, Any]] = {
+    "pp2 x dp2": {"pp": 2, "tp": 1},
+    "pp2 x tp2, host swap": {"pp": 2, "tp": 2, "recompute": ("swap",)},
+    "dp4": {"pp": 1, "tp": 1},
+    "pp2 x dp2, optimizer on the host": {"pp": 2, "tp": 1, "offload": (1.0,)},
+    "dp4, optimizer on NVMe": {"pp": 1, "tp": 1, "offload": (1.0,), "offload_nvme": (1.0,)},
+}
+FP32 = {"param_bytes": 4, "grad_bytes": 4, "optimizer_bytes": 8}  # the run's fp32 AdamW
+
+
+def calibrate(world_size: int) -> dict[str, float]:
+    """The figures of [Note: the CPU cluster, calibrated once], measured on ``world_size``
+    ranks at once."""
+    from tidal.testing import run_on_ranks
+
+    ranks = run_on_ranks(_calibrate_rank, world_size=world_size, timeout_s=300)
+    return {key: statistics.median(r[key] for r in ranks) for key in ranks[0]}
+
+
+def _calibrate_rank() -> dict[str, float]:
+    import torch
+    import torch.distributed as dist
+
+    torch.manual_seed(0)
+    a = torch.randn(512, 512)
+
+    def timed(fn: Any, repeats: int) -> float:
+        fn()  # warm up
+        dist.barrier()
+        start = time.perf_counter()
+        for _ in range(repeats):
+            fn()
+        return (time.perf_counter() - start) / repeats
+
+    matmul_s = timed(lambda: a @ a, 20)
+    x = torch.randn(4 * 2**20)
+    add_s = timed(lambda: x + x, 20)
+    world = dist.get_world_size()
+    big, small = torch.zeros(2**20), torch.zeros(1)
+    reduce_s = timed(lambda: dist.all_reduce(big), 5)
+    latency_s = timed(lambda: dist.all_reduce(small), 20)
+    ring = 2 * (world - 1) / world
+    alpha = latency_s / (2 * (world - 1))
+    return {
+        "flops": 2 * 512**3 / matmul_s,
+        "bytes_per_s": 3 * x.numel() * 4 / add_s,
+        "link_bytes_per_s": ring * big.numel() * 4 / max(reduce_s - 2 * (world - 1) * alpha, 1e-9),
+        "link_latency_s": alpha,
+    }
+
+
+def _cluster(figures: dict[str, float], world_size: int) -> Any:
+    from tidal.planner import ClusterSpec
+
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return ClusterSpec(
+        devices=world_size, devices_per_node=world_size,
+        device_memory_bytes=memory // world_size // 2,  # half: the host's side holds the rest
+        peak_flops=figures["flops"], flops_efficiency=1.0,
+        memory_bandwidth=figures["bytes_per_s"], bandwidth_efficiency=1.0,
+        intra_node_bandwidth=figures["link_bytes_per_s"],
+        inter_node_bandwidth=figures["link_bytes_per_s"],
+        intra_node_latency_s=figures["link_latency_s"],
+        inter_node_latency_s=figures["link_latency_s"],
+        host_link_bandwidth=figures["bytes_per_s"], host_memory_per_node_bytes=memory // 2,
+        nvme_bytes_per_node=memory,  # a disk the size of memory: only the NVMe case reads it
+    )  # fmt: skip
+
+
+def _plan(model: Any, cluster: Any, settings: dict[str, Any], micro_batch: int) -> Any:
+    from tidal.models.gpt import measure_gpt
+    from tidal.planner import PlannerConfig, Recompute, make_plan
+
+    settings = dict(settings)
+    if "recompute" in settings:
+        settings["recompute"] = tuple(Recompute(m) for m in settings["recompute"])
+    config = PlannerConfig(pareto=(), baselines=(), pipelines=settings.get("pp", 1) > 1,
+                           **FP32, **settings)  # fmt: skip
+    return make_plan(measure_gpt(model, micro_batch=micro_batch), cluster, config).plan
+
+
+def bench_plan_check_ranks(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """One row per case and rank (one per case for a plan that does not run yet)."""
+    from tidal.models import preset
+    from tidal.testing import run_on_ranks
+
+    world = args.ranks
+    model = dataclasses.replace(preset(args.model), dropout=0.0)
+    figures = calibrate(world)
+    cluster = _cluster(figures, world)
+    rows: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory(prefix="tidal-plan-check-ranks-") as folder:
+        for case, settings in CASES.items():
+            plan = _plan(model, cluster, settings, args.micro_batch)
+            base = {"case": case, "model": args.model, "calibration": figures,
+                    "plan": plan.mesh_name, "recompute": _modes(plan),
+                    "offload": plan.offload.to_dict(),
+                    "predicted_step_s": plan.step_time_s}  # fmt: skip
+            if plan.offload:
+                memory = plan.rank_memory(0)
+                rows.append({**base, "ran": False, "why": "model data off the device is priced, "
+                             "not run by tidal train --plan yet",
+                             "predicted_host_bytes": memory.host,
+                             "predicted_nvme_bytes": memory.nvme,
+                             "predicted_device_bytes": memory.total})  # fmt: skip
+                continue
+            job = _job(args, Path(folder) / case.replace(" ", "-").replace(",", ""), plan)
+            ranks = run_on_ranks(_train_rank, world_size=world, args=(job, plan.to_dict()),
+                                 timeout_s=args.timeout_s)  # fmt: skip
+            step_s = ranks[0]["step_s"]
+            for rank, measured in enumerate(ranks):
+                pp_rank = rank // (plan.dp * plan.tp)
+                memory = plan.rank_memory(pp_rank)
+                data = measured["model_data"]
+                held = data["params"] + data["optimizer_state"]
+                predicted = memory.params + memory.optimizer
+                rows.append({**base, "ran": True, "rank": rank, "pp_rank": pp_rank,
+                             "kind": None if plan.pipeline is None
+                             else plan.pipeline.rank_kind(pp_rank),
+                             "predicted_memory": memory.to_dict(),
+                             "predicted_model_data_bytes": predicted,
+                             "measured_model_data": data, "measured_model_data_bytes": held,
+                             "model_data_measured_over_predicted": held / predicted,
+                             "predicted_device_bytes": memory.total,
+                             "rss_growth_bytes": measured["rss_growth_bytes"],
+                             "host_swap_bytes": measured["host_swap_bytes"],
+                             "measured_step_s": step_s,
+                             "step_measured_over_predicted": step_s / plan.step_time_s,
+                             "final_loss": measured["final_loss"]})  # fmt: skip
+    return rows
+
+
+def _modes(plan: Any) -> dict[str, int]:
+    kinds = [plan] if plan.pipeline is None else list(plan.pipeline.stages.values())
+    modes: dict[str, int] = {}
+    for kind in kinds:
+        for mode in kind.recompute.values():
+            modes[str(mode)] = modes.get(str(mode), 0) + 1
+    return modes
+
+
+def _job(args: argparse.Namespace, run_dir: Path, plan: Any) -> dict[str, Any]:
+    rows = plan.micro_batch * plan.dp * (plan.num_microbatches if plan.pipeline else 1)
+    accumulate = 1 if plan.pipeline else plan.num_microbatches
+    return {
+        "name": "plan-check-ranks", "run_dir": str(run_dir), "engine": "reference",
+        "model": {"preset": args.model, "dropout": 0.0},
+        "data": {"source": "synthetic", "synthetic_num_tokens": 200_000},
+        "training": {"steps": args.steps, "batch_size": rows, "grad_accum_steps": accumulate,
+                     "device": "cpu", "log_every": 1, "val_every": 0, "val_batches": 1},
+        "optimizer": {"lr": 1e-3, "warmup_steps": 1},
+        "checkpoint": {"every_steps": 0, "at_end": False},
+        "metrics": {"peak_tflops": 1.0},
+        "warmup_steps": args.warmup_steps,
+    }  # fmt: skip
+
+
+def _train_rank(job: dict[str, Any], plan_data: dict[str, Any]) -> dict[str, Any]:
+    from tidal.planner.plan import Plan
+    from tidal.train import Trainer
+    from tidal.train.metrics import read_metrics
+
+    job = dict(job)
+    warmup = job.pop("warmup_steps")
+    before = _rss_bytes()
+    trainer = Trainer(job, plan=Plan.from_dict(plan_data))
+    summary = trainer.fit()
+    figures = trainer.part.summary_figures()
+    steady = [r["step_s"] for r in read_metrics(trainer.run_dir)
+              if r["kind"] == "train" and r["step"] > warmup]  # fmt: skip
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return {
+        "step_s": statistics.median(steady) if steady else None,
+        "model_data": figures["model_data_bytes"],
+        "host_swap_bytes": figures.get("host_swap_bytes", 0),
+        "rss_growth_bytes": peak - before,
+        "final_loss": summary["final_loss"],
+    }
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def tables(result: dict[str, Any], args: argparse.Namespace) -> list[Any]:
+    """Each case's ranks, prediction beside measurement ([Note: one table per result] in
+    benchmarks/tables.py)."""
+    from benchmarks.tables import ResultTable
+    from tidal.config import format_bytes
+
+    columns = ("plan", "rank", "kind", "model data predicted", "metered", "ratio",
+               "device predicted", "RSS growth", "host swap", "step s predicted",
+               "step s measured", "ratio")  # fmt: skip
+    cells = []
+    for r in result["rows"]:
+        if not r["ran"]:
+            cells.append([f"{r['case']} ({r['plan']})", "-", "-", "-", "-", "-",
+                          format_bytes(int(r["predicted_device_bytes"])), "-", "-",
+                          f"{r['predicted_step_s']:.3g}", "priced, not run", "-"])  # fmt: skip
+            continue
+        cells.append([
+            f"{r['case']} ({r['plan']})", str(r["rank"]), r["kind"] or "-",
+            format_bytes(int(r["predicted_model_data_bytes"])),
+            format_bytes(int(r["measured_model_data_bytes"])),
+            f"{r['model_data_measured_over_predicted']:.2f}",
+            format_bytes(int(r["predicted_device_bytes"])),
+            format_bytes(int(r["rss_growth_bytes"])), format_bytes(int(r["host_swap_bytes"])),
+            f"{r['predicted_step_s']:.3g}", f"{r['measured_step_s']:.3g}",
+            f"{r['step_measured_over_predicted']:.2f}",
+        ])  # fmt: skip
+    calibration = result["rows"][0]["calibration"] if result["rows"] else {}
+    title = ("tidal bench plan-check --ranks: plans for a small GPT on 4 gloo ranks, each rank's "
+             "figures beside the plan's (cluster calibrated on this machine: "
+             + ", ".join(f"{k} {v:.3g}" for k, v in calibration.items()) + ")")  # fmt: skip
+    return [ResultTable.of(title, columns, cells)]

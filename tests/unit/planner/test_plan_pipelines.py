@@ -1,0 +1,111 @@
+"""Pipelined plans as plans (issue 51): the format that describes them, the stage each rank
+realises, the choice between the flat and the pipelined plan, and the two facts of a stage's
+graph the runtime forced on the search."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+
+from tidal.config import ConfigError
+from tidal.models import preset
+from tidal.models.gpt import measure_gpt
+from tidal.planner import ClusterSpec, Plan, PlannerConfig, make_plan
+from tidal.planner.graph import ModelGraph
+from tidal.planner.ilp import code_to_code
+from tidal.planner.pipelines import stage_graph
+from tidal.planner.wiring import derive_wiring
+
+QUICK = {"pareto": (), "baselines": ()}
+
+
+@pytest.fixture(scope="module")
+def four_blocks() -> ModelGraph:
+    """The tiny GPT with four blocks, and dropout: its dropout units are in the graph."""
+    model = dataclasses.replace(preset("tiny"), num_layers=4, dropout=0.1)
+    return measure_gpt(model, micro_batch=1)
+
+
+@pytest.fixture(scope="module")
+def interleaved(four_blocks: ModelGraph) -> Plan:
+    config = PlannerConfig(pp=2, tp=1, schedules=("interleaved",), **QUICK)
+    return make_plan(four_blocks, ClusterSpec(devices=4), config).plan
+
+
+def test_a_pipelined_plan_says_what_each_stage_holds_and_does(interleaved: Plan) -> None:
+    layout = interleaved.pipeline
+    assert layout is not None and (layout.pp, layout.virtual_stages) == (2, 2)
+    assert layout.schedule == "interleaved" and interleaved.devices == 4 == 2 * interleaved.dp
+    assert layout.block_ranges == ((0, 1), (1, 2), (2, 3), (3, 4))  # k / v blocks a chunk
+    assert layout.kinds == ("first", "first", "first", "last")
+    assert interleaved.mesh_name == f"pp 2 x dp {interleaved.dp} x tp 1"
+    # stage 2 is rank 0's second chunk: the first stage's choices, on its one block, no embedding
+    second = interleaved.stage_plan(2)
+    assert {u.count for u in second.units} == {1} and "tok_embed" not in {
+        u.name for u in second.units
+    }
+    assert second.devices == interleaved.dp and second.pipeline is None
+    assert "tok_embed" in {u.name for u in interleaved.stage_plan(0).units}
+    assert "lm_head" in {u.name for u in interleaved.stage_plan(3).units}
+    # a rank's chunks together are one of the planner's stages: rank 1 holds the last
+    assert (layout.rank_kind(0), layout.rank_kind(1)) == ("first", "last")
+    assert interleaved.rank_memory(1) is layout.stages["last"].memory
+    assert interleaved.memory.total == max(c.memory.total for c in layout.stages.values())
+
+
+def test_the_format_round_trips_and_an_older_one_is_one_line(
+    interleaved: Plan, tmp_path
+) -> None:
+    path = tmp_path / "plan.json"
+    interleaved.save(path)
+    again = Plan.load(path)
+    assert again.to_dict() == interleaved.to_dict()
+    assert again.pipeline == interleaved.pipeline
+    data = json.loads(path.read_text())
+    data["format"] = 1
+    path.write_text(json.dumps(data))
+    with pytest.raises(ValueError, match="format 1, written by another version") as err:
+        Plan.load(path)
+    assert "\n" not in str(err.value)
+
+
+def test_the_better_of_the_flat_and_the_pipelined_plan_is_chosen() -> None:
+    """demo on 16 devices: the pipelined plan holds less within eps of the fastest, so it is
+    the plan; --pp 1 keeps the flat one, which is the search's best flat plan either way."""
+    graph = measure_gpt(preset("demo"), micro_batch=1)
+    cluster = ClusterSpec(devices=16)
+    chosen = make_plan(graph, cluster, PlannerConfig(**QUICK))
+    flat = make_plan(graph, cluster, PlannerConfig(pp=1, **QUICK))
+    assert chosen.plan.pipeline is not None and flat.plan.pipeline is None
+    assert chosen.flat is not None and chosen.flat.to_dict() == flat.plan.to_dict()
+    assert chosen.plan.peak_memory_bytes < flat.plan.peak_memory_bytes
+    fastest = min(flat.fastest_s, chosen.pipelines.fastest.fastest_s)
+    assert chosen.plan.step_time_s <= 1.05 * fastest * (1 + 1e-9)
+    timed = make_plan(graph, cluster, PlannerConfig(objective="time", **QUICK)).plan
+    assert timed.step_time_s <= min(flat.plan.step_time_s, chosen.plan.step_time_s) + 1e-12
+    with pytest.raises(ConfigError, match="pp: asks for 2 pipeline stages"):
+        PlannerConfig(pp=2, pipelines=False)
+
+
+def test_code_hands_code_its_tensor_as_made(four_blocks: ModelGraph) -> None:
+    """The ILP may not convert between two runs of a forward's own code (no hook runs there),
+    except into a block, whose pre-hook converts, and out of position code, which is whole."""
+    pairs = code_to_code(four_blocks)
+    assert ("blocks.*[0]", "blocks.*[1]") in pairs  # the two residual adds of a block
+    assert ("blocks.*[1]", "blocks.*[0]") not in pairs  # enters the next block
+    wiring = derive_wiring(four_blocks)
+    for src, dst in pairs:
+        assert wiring.units[src].segment is not None and wiring.units[dst].segment is not None
+
+
+def test_a_stage_after_the_first_reads_the_stream_it_is_handed(four_blocks: ModelGraph) -> None:
+    """Its blocks' own code reads what the stage before sends (not position code, whose layout
+    is whole), as the first stage's reads what its embedding makes."""
+    for first in (True, False):
+        stage = stage_graph(four_blocks, blocks=2, first=first, last=not first)
+        assert stage.handed is not first
+        roles = {n: u.role for n, u in derive_wiring(stage).units.items()}
+        assert roles["blocks.*[0]"] == roles["blocks.*[1]"] == "elementwise"
+        assert roles["blocks.*.attn.resid_drop"] == "dropout"
