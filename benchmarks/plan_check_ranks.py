@@ -43,7 +43,7 @@ CASES: dict[str, dict[str, Any]] = {
     "pp2 x dp2, optimizer on the host": {"pp": 2, "tp": 1, "offload": (1.0,)},
     "dp4, optimizer on NVMe": {"pp": 1, "tp": 1, "offload": (1.0,), "offload_nvme": (1.0,)},
 }
-FP32 = {"param_bytes": 4, "grad_bytes": 4, "optimizer_bytes": 8}  # the run's fp32 AdamW
+FP32: dict[str, Any] = {"param_bytes": 4, "grad_bytes": 4, "optimizer_bytes": 8}  # fp32 AdamW
 
 
 def calibrate(world_size: int) -> dict[str, float]:

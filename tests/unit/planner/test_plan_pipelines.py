@@ -55,9 +55,7 @@ def test_a_pipelined_plan_says_what_each_stage_holds_and_does(interleaved: Plan)
     assert interleaved.memory.total == max(c.memory.total for c in layout.stages.values())
 
 
-def test_the_format_round_trips_and_an_older_one_is_one_line(
-    interleaved: Plan, tmp_path
-) -> None:
+def test_the_format_round_trips_and_an_older_one_is_one_line(interleaved: Plan, tmp_path) -> None:
     path = tmp_path / "plan.json"
     interleaved.save(path)
     again = Plan.load(path)
