@@ -345,6 +345,17 @@ TARGETS: tuple[Target, ...] = (
         fmt="{:.1%}", at_most=True, bound=0.1, set_by="issue 20",
     ),
     Target(
+        key="t-plan-check-ranks", bench="plan-check-ranks", device="cpu",
+        command="tidal bench plan-check --ranks 4",
+        figure="plans on 4 gloo ranks (pp2 x dp2, pp2 x tp2 swapping, dp4): metered model data per rank, the worst",
+        compared_with="the planner's prediction for its pipeline rank",
+        value=_worst_error("model_data_measured_over_predicted"),
+        context=lambda d: "optimizer state alone " + "{:.1%}".format(max(
+            abs(r["measured_model_data"]["optimizer_state"] / r["predicted_memory"]["optimizer"] - 1)
+            for r in d["rows"] if r["ran"])),
+        fmt="{:.1%}", at_most=True, bound=0.1, set_by="issue 51",
+    ),  # fmt: skip
+    Target(
         key="t-savers", bench="savers", device="h100", command="tidal bench savers",
         figure="MPress savers on one GPU: allocator peak per stage and strategy, the worst",
         compared_with="the memory model's prediction",
