@@ -10,7 +10,9 @@ train on 4 gloo ranks as one process does.
 - ``pp2-v2``: the same GPT with four blocks, interleaved (``v = 2``): each rank holds two model
   chunks, neither of which is the first or the last stage on both;
 - ``pp2-tp2-swap``: eight blocks on tensor-parallel stages whose blocks keep what they save on
-  the host (MPress's host swap, which the search picks where a fast host link hides it).
+  the host (MPress's host swap, which the search picks where a fast host link hides it);
+- ``pp2-dp2-offload``: all of the model data on the host, every unit ZeRO-3: FSDP2's CPU
+  offload on every group of every stage.
 
 Losses, gradient norms, validation losses and the checkpointed parameters (whole, in the
 one-process layout) must equal a one-process run's; a ``pp2-tp2`` run stopped at step 2
@@ -46,7 +48,7 @@ STEPS = 3
 TOL = 1e-5
 MEMORY_TOL = 0.10  # the issue's bound on what the runtime meters
 FP32 = {"param_bytes": 4, "grad_bytes": 4, "optimizer_bytes": 8}
-CASES = ("pp2-dp2", "pp2-tp2", "pp2-v2", "pp2-tp2-swap")
+CASES = ("pp2-dp2", "pp2-tp2", "pp2-v2", "pp2-tp2-swap", "pp2-dp2-offload")
 LAYERS = {"pp2-v2": 4, "pp2-tp2-swap": 8}  # the others: the tiny GPT's 2
 
 JOB: dict[str, Any] = {
@@ -103,6 +105,8 @@ def _cases(root: Path) -> dict[str, Plan]:
             recompute=tuple(Recompute),
             cluster=ClusterSpec(devices=WORLD, host_link_bandwidth=1e14),
         ),
+        # all of the model data on the host (tidal plan --offload 1 --offload-params 1)
+        "pp2-dp2-offload": _made(layers=2, tp=1, offload=(1.0,), offload_params=(1.0,)),
     }
     # What each case is there for: a planner that changes its choices should not go unnoticed.
     for plan in cases.values():
@@ -118,6 +122,10 @@ def _cases(root: Path) -> dict[str, Plan]:
     swap = cases["pp2-tp2-swap"].pipeline
     assert swap is not None and cases["pp2-tp2-swap"].tp == 2
     assert {c.recompute["blocks.*"] for c in swap.stages.values()} == {Recompute.SWAP}
+    offload = cases["pp2-dp2-offload"]
+    assert offload.offload.params == 1.0 and offload.dp == 2 and offload.pipeline is not None
+    assert {u.zero for c in offload.pipeline.stages.values() for u in c.units
+            if u.kind in ("linear", "embedding", "norm")} == {3}  # fmt: skip
     return cases
 
 
@@ -131,6 +139,7 @@ def _train_cases(cases: dict[str, Plan], root: Path) -> dict[str, Any]:
         trainer.fit()
         figures = trainer.part.summary_figures()
         results[name] = {
+            "offloaded": _offload_policies(trainer),
             "host_swap_bytes": figures.get("host_swap_bytes", 0),
             "holders": sorted({type(w).__name__ for w in trainer.engine.weights.values()}),
             "stages": sorted(trainer.engine.weights),
@@ -144,6 +153,20 @@ def _train_cases(cases: dict[str, Plan], root: Path) -> dict[str, Any]:
     dist.barrier()
     Trainer(_job(root / "without-plan")).fit(resume=True)
     return results
+
+
+def _offload_policies(trainer: Trainer) -> list[str]:
+    """The offload policy of every FSDP2 group of this rank's stages, by its class's name."""
+    from torch.distributed.fsdp import FSDPModule
+
+    found = []
+    for held in trainer.engine.weights.values():
+        for module in held.module.modules():
+            if isinstance(module, FSDPModule):
+                group = module._get_fsdp_state()._fsdp_param_group
+                if group is not None:
+                    found.append(type(group.offload_policy).__name__)
+    return found
 
 
 # -- the tests -------------------------------------------------------------------------------------
@@ -193,6 +216,9 @@ def test_a_pipelined_plan_trains_as_one_process_does(runs: dict[str, Any], case:
         assert rank[case]["holders"] == ["PlanStageWeights"] and rank[case]["step"] == STEPS
         # the swap moved what the blocks saved, on every rank, and nothing elsewhere
         assert (rank[case]["host_swap_bytes"] > 0) == (case == "pp2-tp2-swap")
+        # FSDP2's CPU offload holds every group of the offloading plan, and no other plan's
+        policies = set(rank[case]["offloaded"])
+        assert (policies == {"CPUOffloadPolicy"}) == (case == "pp2-dp2-offload"), policies
 
 
 def test_a_pipelined_plan_runs_checkpoint_resumes_without_a_plan(runs: dict[str, Any]) -> None:

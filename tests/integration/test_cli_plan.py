@@ -140,14 +140,14 @@ def test_plan_with_the_optimizer_on_the_host_says_so(tmp_path, capsys) -> None:
     assert "with 100% of the optimizer on the host (" in out
     assert "this plan keeps model data off the device (--offload), priced but not run" in out
     (priced,) = [x for x in out.splitlines() if x.startswith("priced, not run by tidal train")]
-    assert "yet: model data on the host or NVMe (--offload, --offload-params, --nvme); " in priced
+    assert "yet: model data on the host or NVMe (--offload, --offload-params, --nvme; " in priced
     plan = Plan.load(tmp_path / "p.json")
     assert plan.offload == Offload(optimizer=1.0) and plan.memory.host > 0
     assert plan.peak_memory_bytes <= 1024**2
     assert main(["plan", "--model", "tiny", "--devices", "2", "--offload", "0,x"]) == 2
     assert "--offload: expected numbers" in capsys.readouterr().err
     # the parameters too, and the optimizer state on a disk the nodes have
-    disk = [*args, "--offload", "1", "--offload-params", "0,1", "--nvme", "1GiB", "--device-memory",
+    disk = [*args, "--offload", "1", "--offload-params", "1", "--nvme", "1GiB", "--device-memory",
             "400KiB"]  # fmt: skip
     assert main(disk) == 0
     out = capsys.readouterr().out

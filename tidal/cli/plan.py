@@ -295,8 +295,14 @@ def not_run(report: dict) -> list[str]:
     pipeline = report.get("pipeline") or {}
     stages = list((pipeline.get("stages") or {}).values()) or [report]
     lends = any(stage.get("memory", {}).get("lent") for stage in stages)
+    zero3 = all(u["zero"] == 3 for stage in stages for u in stage.get("units", [])
+                if u.get("memory", {}).get("params"))  # fmt: skip
+    # check_plan's offload_runs: all of it on the host of ZeRO-3 units over dp ranks
+    runs = (offload.get("optimizer"), offload.get("params"), offload.get("nvme")) == (1, 1, 0)
+    runs = runs and zero3 and report["mesh"]["dp"] > 1
     return [
-        *(["keeps model data off the device (--offload)"] if any(offload.values()) else []),
+        *(["keeps model data off the device (--offload)"]
+          if any(offload.values()) and not runs else []),
         *(["keeps activations on a peer stage (--peer)"] if lends else []),
         *(["runs PipeMare (--schedules pipemare)"]
           if pipeline.get("schedule") == "pipemare" else []),
@@ -355,7 +361,8 @@ def _recipe_for(args: argparse.Namespace, report: dict) -> tuple[str, list[str]]
 def priced_only(report: dict, args: argparse.Namespace) -> str:
     """One line: what this search priced that ``tidal train --plan`` cannot run yet."""
     searched = [
-        *(["model data on the host or NVMe (--offload, --offload-params, --nvme)"]
+        *(["model data on the host or NVMe (--offload, --offload-params, --nvme; runs: all "
+           "of it on the host, every unit ZeRO-3)"]
           if args.nvme or any(_numbers(args.offload, "--offload"))
           or any(_numbers(args.offload_params, "--offload-params")) else []),
         *(["activations on a peer stage (--peer)"] if args.peer else []),
@@ -595,8 +602,9 @@ def summary_line(report: dict, cluster) -> str:
     if offload:  # [Note: model data offload] in tidal/planner/strategies.py
         memory = report["memory"]
         disk = f", {format_bytes(memory['nvme'])} on NVMe" if memory.get("nvme") else ""
+        priced = "; priced, not run" if not_run(report) else ""
         host = (f" with {offload.describe()} ({format_bytes(memory['host'])} a device on the "
-                f"host{disk}; priced, not run)")  # fmt: skip
+                f"host{disk}{priced})")  # fmt: skip
     return (
         f"peak {format_bytes(report['peak_memory_bytes'])} of "
         f"{format_bytes(cluster.device_memory_bytes)} per device{host}, step "

@@ -62,7 +62,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed._composable import checkpoint
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from tidal.activations.apply import apply_savers
@@ -142,7 +142,9 @@ def _apply(model: nn.Module, plan: Plan, mesh: DeviceMesh | None, wiring: PlanWi
     dp_group = None
     if plan.dp > 1:
         assert mesh is not None
-        _shard_data_axis(model, wiring, mesh["dp"])
+        # check_plan's: all of a ZeRO-3 plan's model data on the host is FSDP2's CPU offload
+        policy = {"offload_policy": CPUOffloadPolicy(pin_memory=torch.cuda.is_available())}
+        _shard_data_axis(model, wiring, mesh["dp"], **(policy if plan.offload else {}))
         dp_group = mesh.get_group("dp")
     for param in {id(p): p for p in model.parameters()}.values():
         axes = param.device_mesh.mesh_dim_names if isinstance(param, DTensor) else None
@@ -204,8 +206,10 @@ def _reduce_grad(param: nn.Parameter, *, group: dist.ProcessGroup | None) -> Non
 # the data axis
 
 
-def _shard_data_axis(model: nn.Module, wiring: PlanWiring, mesh: DeviceMesh) -> None:
-    """FSDP2 per block and on the root at the plan's ZeRO levels.
+def _shard_data_axis(model: nn.Module, wiring: PlanWiring, mesh: DeviceMesh,
+                     **policy: Any) -> None:  # fmt: skip
+    """FSDP2 per block and on the root at the plan's ZeRO levels; ``policy``: FSDP2's offload
+    policy for every group (a plan whose model data is on the host).
 
     ZeRO-3 reshards parameters after forward; ZeRO-1 and -2 do not (FSDP2 has no optimizer-only
     sharding). ZeRO-1 groups are tagged for :func:`set_accumulating`, which keeps their whole
@@ -215,7 +219,9 @@ def _shard_data_axis(model: nn.Module, wiring: PlanWiring, mesh: DeviceMesh) -> 
     """
     ignored: set[nn.Parameter] = set()
     sharded = [
-        _shard_group(model.get_submodule(prefix.replace("*", str(i))), members, mesh, ignored)
+        _shard_group(
+            model.get_submodule(prefix.replace("*", str(i))), members, mesh, ignored, **policy
+        )  # fmt: skip
         for prefix, block in wiring.model.blocks.items()
         for i in range(block.count)
         if (members := _members(model, wiring, prefix, i))
@@ -223,9 +229,10 @@ def _shard_data_axis(model: nn.Module, wiring: PlanWiring, mesh: DeviceMesh) -> 
     root_members = _members(model, wiring, None, 0)
     levels = {zero for zero, _ in root_members}
     if len(levels) == 1 and levels != {0}:  # the root's own group holds them
-        fully_shard(model, mesh=mesh, reshard_after_forward=levels == {3}, ignored_params=ignored)
-    elif _shard_group(None, root_members, mesh, ignored) or any(sharded):
-        fully_shard(model, mesh=mesh, ignored_params=ignored)  # a root for the groups below
+        fully_shard(model, mesh=mesh, reshard_after_forward=levels == {3}, ignored_params=ignored,
+                    **policy)  # fmt: skip
+    elif _shard_group(None, root_members, mesh, ignored, **policy) or any(sharded):
+        fully_shard(model, mesh=mesh, ignored_params=ignored, **policy)  # the groups' root
 
 
 def set_accumulating(model: nn.Module, accumulating: bool) -> None:
@@ -259,11 +266,12 @@ def _members(
     return list(found.values())
 
 
-def _shard_group(owner: nn.Module | None, members: list, mesh: DeviceMesh, ignored: set) -> bool:
+def _shard_group(owner: nn.Module | None, members: list, mesh: DeviceMesh, ignored: set,
+                 **policy: Any) -> bool:  # fmt: skip
     """Shard ``owner`` as one group if its units agree on a level, else each unit; say if any."""
     levels = {zero for zero, _ in members}
     if owner is not None and len(levels) == 1 and levels != {0}:
-        fully_shard(owner, mesh=mesh, reshard_after_forward=levels == {3})
+        fully_shard(owner, mesh=mesh, reshard_after_forward=levels == {3}, **policy)
         if levels == {1}:
             setattr(owner, "_tidal_zero1", True)  # noqa: B010 (a marker attribute nn.Module lacks)
         return True
@@ -272,7 +280,7 @@ def _shard_group(owner: nn.Module | None, members: list, mesh: DeviceMesh, ignor
             ignored.update(p for m in modules for p in m.parameters())
         else:
             group = modules[0] if len(modules) == 1 else modules
-            fully_shard(group, mesh=mesh, reshard_after_forward=zero == 3)
+            fully_shard(group, mesh=mesh, reshard_after_forward=zero == 3, **policy)
             if zero == 1:
                 for module in modules:
                     module._tidal_zero1 = True

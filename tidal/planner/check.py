@@ -79,15 +79,14 @@ def wire_plan(model: nn.Module, plan: Plan, *, graph: ModelGraph | None = None,
     tidal/parallel/plan_apply.py). ``handed``: the layout the first block's input arrives in
     from outside the model (a pipeline stage's from the stage before: [Note: planned pipeline
     stages] in tidal/train/plan_stage.py); by default whole."""
-    if plan.offload:
-        raise ValueError(
-            f"the plan keeps {plan.offload.describe()}, which is priced but not run yet ([Note: "
-            f"model data offload] in tidal/planner/strategies.py): make it without --offload "
-            f"(or offload=(0.0,)) to train it"
-        )
+    if plan.offload and not offload_runs(plan):
+        raise _offload_error(plan, [])
     graph = graph or structure_graph(model, seq_len=plan.seq_len)
     wiring = derive_wiring(graph)
     units = _check_units(wiring, plan, model_name(model))
+    below = sorted(n for n, u in units.items() if n in wiring.owns_params and u.zero != 3)
+    if plan.offload and below:
+        raise _offload_error(plan, below)
     for name, unit in units.items():
         role, shape = wiring.units[name].role, (unit.strategy, unit.in_layout, unit.out_layout)
         if role != "positions" and shape not in _SHAPES[role]:
@@ -101,6 +100,25 @@ def wire_plan(model: nn.Module, plan: Plan, *, graph: ModelGraph | None = None,
     _check_whole(wiring, units)
     _check_recompute(wiring, plan, model)
     return _wire(wiring, plan, units, handed)
+
+
+def offload_runs(plan: Plan) -> bool:
+    """Whether ``plan``'s model data offload is the one ``apply`` carries out: all of it on the
+    host, every parameter's unit ZeRO-3 over several data-parallel ranks, which is FSDP2's CPU
+    offload (shards, gradients and the optimizer's step on the host) exactly ([Note: model
+    data offload] in strategies.py)."""
+    offload = plan.offload
+    return (offload.optimizer, offload.params, offload.nvme) == (1.0, 1.0, 0.0) and plan.dp > 1
+
+
+def _offload_error(plan: Plan, below: list[str]) -> ValueError:
+    why = f"; {_join(map(repr, below[:3]))} are not ZeRO-3" if below else ""
+    return ValueError(
+        f"the plan keeps {plan.offload.describe()}{why}, which is priced but not run yet: "
+        f"tidal train --plan runs all of the model data on the host of ZeRO-3 units over "
+        f"several data-parallel ranks (FSDP2's CPU offload); make it with --offload 1 "
+        f"--offload-params 1, or without --offload to train it"
+    )
 
 
 def _wire(wiring: ModelWiring, plan: Plan, units: dict[str, UnitChoice],

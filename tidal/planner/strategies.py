@@ -54,6 +54,12 @@ is the slower side): the copies over the device's own host link, ``(grads down +
 parameters up) / host_link_bandwidth``, the node's CPU Adam, ``f s * n /
 host_adam_params_per_s``, and the disk's time. The fractions are one figure each for the whole
 plan, searched over ``PlannerConfig.offloads()``.
+
+What runs: ``tidal train --plan`` carries out all of the model data on the host (``optimizer =
+params = 1``, no disk) over several data-parallel ranks, as FSDP2's ``CPUOffloadPolicy`` on
+every group (``check_plan``'s ``offload_runs``), which holds ZeRO-3 units only; so under that
+offload every unit with parameters is offered ZeRO-3 alone, and the search prices what runs.
+Other fractions, the disk and one device's offload are priced, not run.
 """
 
 from __future__ import annotations
@@ -271,13 +277,17 @@ def unit_options(
     graph: ModelGraph, mesh: Mesh, cluster: ClusterSpec, spec: TrainingSpec
 ) -> dict[str, list[Candidate]]:
     """Every unit's candidates, less the input layouts its model cannot give it: units that
-    must keep the sequence whole ([Note: code counts whole sequences] in wiring.py)."""
+    must keep the sequence whole ([Note: code counts whole sequences] in wiring.py); under the
+    offload that runs, ZeRO-3 alone ([Note: model data offload])."""
     allowed = input_layouts(graph)
+    zero3_only = mesh.dp > 1 and _all_on_host(spec.offload)  # [Note: model data offload]
     options = {}
     for unit in graph.units:
         found = candidates(unit, mesh, cluster, spec)
         if unit.name in allowed:
             found = [c for c in found if c.in_layout in allowed[unit.name]]
+        if zero3_only and any(p.tied_to is None for p in unit.params):
+            found = [c for c in found if c.zero == 3]
         options[unit.name] = found
     return options
 
@@ -347,6 +357,12 @@ def _cost(
         sync_s=sync_s,
         forward_s=forward_s + (comm_s / 3 if shape.gather_input else 0.0),
     )
+
+
+def _all_on_host(offload: Offload) -> bool:
+    """The offload ``tidal train --plan`` runs: FSDP2's CPU offload ([Note: model data
+    offload])."""
+    return (offload.optimizer, offload.params, offload.nvme) == (1.0, 1.0, 0.0)
 
 
 def _offloaded(offload: Offload, owned: float, zero: int) -> tuple[float, float]:

@@ -1,6 +1,6 @@
 """A block's activations on the host between its forward and backward ([Note: activations on
 the host] in tidal/planner/ilp.py): priced by hand, chosen where it is the fastest way to fit,
-searched only where asked, and priced, not run."""
+searched only where asked, and run by apply (issue 51)."""
 
 from __future__ import annotations
 
@@ -88,9 +88,20 @@ def test_swap_within_the_host_memory_and_only_where_asked(graph: ModelGraph) -> 
         make_plan(graph, dataclasses.replace(cluster, device_memory_bytes=MiB), WITH_SWAP)
 
 
-def test_a_plan_that_swaps_is_priced_not_run(graph: ModelGraph) -> None:
+def test_a_plan_that_swaps_runs_where_one_that_offloads_part_does_not(graph: ModelGraph) -> None:
+    """Issue 51: check_plan takes a swapping plan (apply runs the activation savers' host swap
+    on every block: tests/distributed/test_train_plan_pipeline.py trains one); a plan keeping
+    part of its optimizer on the host is refused in one line, before the model is traced."""
+    from tidal.models import GPTConfig, build_gpt
+    from tidal.planner import Offload
+
     plan = make_plan(graph, ClusterSpec(devices=8), FLAT).plan
     swapped = dataclasses.replace(plan, recompute={"blocks.*": Recompute.SWAP})
-    with pytest.raises(ValueError, match=r"keeps blocks\.\*'s activations on the host, which is "
+    config = GPTConfig(
+        vocab_size=512, seq_len=128, num_layers=8, num_heads=4, d_model=128, dropout=0.1
+    )  # fmt: skip (the graph fixture's model)
+    check_plan(build_gpt(config, device="meta"), swapped)
+    half = dataclasses.replace(swapped, offload=Offload(optimizer=0.5))
+    with pytest.raises(ValueError, match="keeps 50% of the optimizer on the host, which is "
                        "priced but not run yet"):  # fmt: skip
-        check_plan(nn.Linear(2, 2), swapped)
+        check_plan(nn.Linear(2, 2), half)
