@@ -17,8 +17,9 @@ blocks swapped to the host, and the growth of its resident memory over the run (
 peak RSS less its RSS before the model was built: allocator caches, gloo buffers and the
 interpreter's own growth are in it, so it bounds the plan's device figure from above rather
 than equals it). The step time is rank 0's median steady step (a synchronous step is the
-slowest rank's). Plans whose model data lives off the device (host offload, NVMe) are priced,
-not run by ``tidal train --plan`` yet: they are rows with their prediction and no run.
+slowest rank's). All of the model data on the host runs (FSDP2's CPU offload: on a CPU the
+same memory, so it checks the path, not a transfer); the optimizer alone on the host and NVMe
+are priced, not run by ``tidal train --plan`` yet: rows with their prediction and no run.
 """
 
 from __future__ import annotations
@@ -40,6 +41,12 @@ CASES: dict[str, dict[str, Any]] = {
     "pp2 x dp2": {"pp": 2, "tp": 1},
     "pp2 x tp2, host swap": {"pp": 2, "tp": 2, "recompute": ("swap",)},
     "dp4": {"pp": 1, "tp": 1},
+    "pp2 x dp2, model data on the host": {
+        "pp": 2,
+        "tp": 1,
+        "offload": (1.0,),
+        "offload_params": (1.0,),
+    },  # fmt: skip
     "pp2 x dp2, optimizer on the host": {"pp": 2, "tp": 1, "offload": (1.0,)},
     "dp4, optimizer on NVMe": {"pp": 1, "tp": 1, "offload": (1.0,), "offload_nvme": (1.0,)},
 }
@@ -120,6 +127,7 @@ def _plan(model: Any, cluster: Any, settings: dict[str, Any], micro_batch: int) 
 def bench_plan_check_ranks(args: argparse.Namespace) -> list[dict[str, Any]]:
     """One row per case and rank (one per case for a plan that does not run yet)."""
     from tidal.models import preset
+    from tidal.planner.check import offload_runs
     from tidal.testing import run_on_ranks
 
     world = args.ranks
@@ -134,7 +142,7 @@ def bench_plan_check_ranks(args: argparse.Namespace) -> list[dict[str, Any]]:
                     "plan": plan.mesh_name, "recompute": _modes(plan),
                     "offload": plan.offload.to_dict(),
                     "predicted_step_s": plan.step_time_s}  # fmt: skip
-            if plan.offload:
+            if plan.offload and not offload_runs(plan):
                 memory = plan.rank_memory(0)
                 rows.append({**base, "ran": False, "why": "model data off the device is priced, "
                              "not run by tidal train --plan yet",
@@ -151,7 +159,10 @@ def bench_plan_check_ranks(args: argparse.Namespace) -> list[dict[str, Any]]:
                 memory = plan.rank_memory(pp_rank)
                 data = measured["model_data"]
                 held = data["params"] + data["optimizer_state"]
-                predicted = memory.params + memory.optimizer
+                # all of it on the host: every unit ZeRO-3, its shard, gradient and state there
+                kept = FP32["param_bytes"] + FP32["optimizer_bytes"]
+                host = memory.host * kept / sum(FP32.values())
+                predicted = memory.params + memory.optimizer + host
                 rows.append({**base, "ran": True, "rank": rank, "pp_rank": pp_rank,
                              "kind": None if plan.pipeline is None
                              else plan.pipeline.rank_kind(pp_rank),

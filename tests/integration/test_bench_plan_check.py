@@ -46,12 +46,15 @@ def test_the_ranks_check_trains_each_plan_on_4_ranks_beside_its_prediction(tmp_p
     data = json.loads(path.read_text())
     assert data["bench"] == "plan-check-ranks" and data["git_commit"]
     ran = [r for r in data["rows"] if r["ran"]]
-    assert {r["case"] for r in ran} == {"pp2 x dp2", "pp2 x tp2, host swap", "dp4"}
-    assert sorted(r["rank"] for r in ran) == sorted([0, 1, 2, 3] * 3)
+    assert {r["case"] for r in ran} == {"pp2 x dp2", "pp2 x tp2, host swap", "dp4",
+                                        "pp2 x dp2, model data on the host"}  # fmt: skip
+    assert sorted(r["rank"] for r in ran) == sorted([0, 1, 2, 3] * 4)
     for row in ran:
         assert all(v > 0 for v in row["calibration"].values())
         held, predicted = row["measured_model_data"], row["predicted_memory"]
-        assert held["optimizer_state"] == pytest.approx(predicted["optimizer"], rel=0.10), row
+        # on the host or not, the optimizer state a rank holds is its share
+        on_device = predicted["optimizer"] or predicted["host"] * 8 / (4 + 4 + 8)
+        assert held["optimizer_state"] == pytest.approx(on_device, rel=0.10), row
         assert (row["host_swap_bytes"] > 0) == (row["case"] == "pp2 x tp2, host swap")
         assert row["step_measured_over_predicted"] == pytest.approx(
             row["measured_step_s"] / row["predicted_step_s"]

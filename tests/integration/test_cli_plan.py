@@ -12,7 +12,7 @@ import pytest
 
 from tidal.cli.args import build_parser
 from tidal.cli.main import main
-from tidal.cli.plan import how_to_train, train_argv
+from tidal.cli.plan_command import how_to_train, train_argv
 from tidal.planner import Plan, Recompute
 from tidal.planner.plan import Offload
 from tidal.train.job import load_job

@@ -6,7 +6,6 @@ import argparse
 import dataclasses
 import json
 import os
-import shlex
 import sys
 import time
 from pathlib import Path
@@ -15,6 +14,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from tidal.cli.plan_command import how_to_train, is_hf_config, not_run
 from tidal.config.configurable import ConfigError, format_bytes, parse_bytes
 
 __all__ = [
@@ -23,7 +23,6 @@ __all__ = [
     "is_hf_config",
     "priced_only",
     "run_plan",
-    "train_argv",
 ]
 
 
@@ -154,11 +153,6 @@ def _cluster(args: argparse.Namespace):
     return ClusterSpec(devices=args.devices, devices_per_node=args.devices_per_node, **values)
 
 
-def is_hf_config(model: str) -> bool:
-    """Whether ``--model`` names a Hugging Face config (a path) rather than a preset."""
-    return model.endswith(".json") or "/" in model or Path(model).exists()
-
-
 def _graph(args: argparse.Namespace):
     """The measured graph of ``--model``, whether its attention core can be recomputed alone
     (tidal's GPT's can; a Hugging Face model's is code inside its attention forward), its
@@ -268,94 +262,6 @@ def run_plan(args: argparse.Namespace, console: Console) -> int:
     console.print(how_to_train(report, args), soft_wrap=True, markup=False)
     console.print(priced_only(report, args), soft_wrap=True, markup=False)
     return 0
-
-
-def how_to_train(report: dict, args: argparse.Namespace) -> str:
-    """The line that says how to train the plan: the ``tidal train`` command, after saving it
-    with ``--json`` when it was not; or why this plan cannot train yet."""
-    kept = not_run(report)
-    if kept:
-        return (f"this plan {' and '.join(kept)}, priced but not run by tidal train yet: "
-                f"plan again without those flags for one it trains")  # fmt: skip
-    recipe, settings = _recipe_for(args, report)
-    command = shlex.join(train_argv(report, plan_path=args.json or "plan.json", recipe=recipe,
-                                    settings=settings, devices_per_node=args.devices_per_node))  # fmt: skip
-    where = ""
-    if "--nnodes" in command:
-        where = " (on every machine, HOST:PORT a free port on one of them)"
-    if args.json:
-        return f"train it: {command}{where}"
-    return f"train it: save it with --json plan.json, then {command}{where}"
-
-
-def not_run(report: dict) -> list[str]:
-    """What of a plan ``tidal train --plan`` does not run yet, each naming the flag that
-    searched it."""
-    offload = report.get("offload") or {}
-    pipeline = report.get("pipeline") or {}
-    stages = list((pipeline.get("stages") or {}).values()) or [report]
-    lends = any(stage.get("memory", {}).get("lent") for stage in stages)
-    zero3 = all(u["zero"] == 3 for stage in stages for u in stage.get("units", [])
-                if u.get("memory", {}).get("params"))  # fmt: skip
-    # check_plan's offload_runs: all of it on the host of ZeRO-3 units over dp ranks
-    runs = (offload.get("optimizer"), offload.get("params"), offload.get("nvme")) == (1, 1, 0)
-    runs = runs and zero3 and report["mesh"]["dp"] > 1
-    return [
-        *(["keeps model data off the device (--offload)"]
-          if any(offload.values()) and not runs else []),
-        *(["keeps activations on a peer stage (--peer)"] if lends else []),
-        *(["runs PipeMare (--schedules pipemare)"]
-          if pipeline.get("schedule") == "pipemare" else []),
-    ]  # fmt: skip
-
-
-def train_argv(report: dict, *, plan_path: str, recipe: str, settings: list[str],
-               devices_per_node: int) -> list[str]:  # fmt: skip
-    """``tidal train`` with the plan at ``plan_path``, on its pp x dp x tp ranks (over machines
-    of ``devices_per_node``) with the rows and micro-batches per step it was priced with
-    ([Note: global batch] in tidal/train/trainer.py: the batch is over the dp ranks; a
-    pipelined plan's micro-batches are its pipeline's, the others' accumulated steps)."""
-    mesh = report["mesh"]
-    devices = mesh.get("pp", 1) * mesh["dp"] * mesh["tp"]
-    argv = ["tidal", "train", "--recipe", recipe, "--plan", plan_path]
-    if devices > devices_per_node:
-        nodes = -(-devices // devices_per_node)
-        argv += ["--nnodes", str(nodes), "--nproc", str(devices // nodes),
-                 "--rdzv-endpoint", "HOST:PORT"]  # fmt: skip
-    elif devices > 1:
-        argv += ["--nproc", str(devices)]
-    rows, m = report["micro_batch"] * mesh["dp"], report["num_microbatches"]
-    # the recipe's own accumulation would multiply the batch the plan was priced for
-    if report.get("pipeline"):  # a step's micro-batches are the pipeline's (the plan's)
-        settings = [*settings, f"training.batch_size={rows * m}", "training.grad_accum_steps=1"]
-    else:
-        settings = [*settings, f"training.batch_size={rows}", f"training.grad_accum_steps={m}"]
-    for setting in settings:
-        argv += ["--set", setting]
-    return argv
-
-
-def _recipe_for(args: argparse.Namespace, report: dict) -> tuple[str, list[str]]:
-    """The shipped recipe the command starts from (the preset's own, else ``tiny``) and the
-    settings that make it train the model planned, on the engine that runs plans."""
-    from tidal.train.job import load_job
-
-    if is_hf_config(args.model):
-        return "tiny", [f"model.hf_config={args.model}", f"model.seq_len={report['seq_len']}"]
-    recipe, settings = args.model, []
-    try:
-        job = load_job(recipe)
-    except ConfigError:  # no recipe of that name
-        job = None
-    if job is None or job.model.preset != args.model:
-        recipe, settings, job = "tiny", [f"model.preset={args.model}"], load_job("tiny")
-        if args.model == "tiny":
-            settings = []
-    if job.engine != "reference":
-        settings.append("engine=reference")
-    if args.seq_len is not None:
-        settings.append(f"model.seq_len={args.seq_len}")
-    return recipe, settings
 
 
 def priced_only(report: dict, args: argparse.Namespace) -> str:

@@ -61,6 +61,7 @@ from tidal.planner.cost_model import Assignment, block_input, edge_s
 from tidal.planner.measure import ModelGraph
 from tidal.planner.plan import NO_OFFLOAD, Layout, Offload, Recompute
 from tidal.planner.strategies import Candidate, TrainingSpec
+from tidal.planner.wiring import code_to_code
 
 __all__ = ["Problem", "Solution", "build_problem", "on_threads"]
 
@@ -505,7 +506,7 @@ def _product(problem: Problem, x: int, r: int, name: str, mode: Recompute) -> in
 
 def _edge_terms(problem: Problem, cluster: ClusterSpec, spec: TrainingSpec) -> None:
     m, mesh = spec.slots, problem.mesh
-    verbatim = code_to_code(problem.graph)
+    verbatim = code_to_code(problem.graph)  # [Note: plan realisation] in plan_apply.py
     for edge in problem.graph.edges:
         a_opts, b_opts = problem.options[edge.src], problem.options[edge.dst]
         if edge.src == edge.dst:
@@ -537,31 +538,6 @@ def _edge_terms(problem: Problem, cluster: ClusterSpec, spec: TrainingSpec) -> N
             for k in members:
                 coeffs[problem.x[(edge.dst, k)]] = -1.0
             problem.row(f"edge_in[{tag},{ib}]", coeffs, 0.0, 0.0)
-
-
-def code_to_code(graph: ModelGraph) -> set[tuple[str, str]]:
-    """Edges between two runs of a forward's own code (segments), where no hook can convert:
-    the consumer takes the tensor in the layout the producer made it ([Note: plan realisation]
-    in tidal/parallel/plan_apply.py, which refuses plans that convert there). Not an edge into a
-    block, whose pre-hook converts, nor one from code that computes positions, which is whole."""
-    from tidal.planner.wiring import derive_wiring
-
-    wiring = derive_wiring(graph)
-    units = {u.name: u for u in graph.units}
-    found = set()
-    for edge in graph.edges:
-        src, dst = wiring.units[edge.src], wiring.units[edge.dst]
-        if src.segment is None or dst.segment is None or src.role == "positions":
-            continue
-        block = wiring.block_of.get(edge.dst)
-        if block is not None and edge.dst in wiring.blocks[block].heads:
-            order = wiring.blocks[block].units
-            inside = wiring.block_of.get(edge.src) == block
-            if not inside or order.index(edge.src) >= order.index(edge.dst):
-                continue  # enters the block: its pre-hook converts
-        assert units[edge.src].segment is not None
-        found.add((edge.src, edge.dst))
-    return found
 
 
 def _classes(options: list[Candidate], key) -> dict[tuple, list[int]]:

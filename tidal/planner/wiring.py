@@ -72,6 +72,7 @@ __all__ = [
     "ModelWiring",
     "Projection",
     "UnitSpec",
+    "code_to_code",
     "derive_wiring",
     "example_inputs",
     "input_layouts",
@@ -376,3 +377,26 @@ def _hidden_size(graph: ModelGraph) -> int:
     # a pipeline stage after the first holds no table: its first norm's width is the stream's
     norms = [u for u in graph.units if u.kind == "norm" and u.params]
     return int(norms[0].params[0].shape[-1]) if norms else 1
+
+
+def code_to_code(graph: ModelGraph) -> set[tuple[str, str]]:
+    """Edges between two runs of a forward's own code (segments), where no hook can convert:
+    the consumer takes the tensor in the layout the producer made it ([Note: plan realisation]
+    in tidal/parallel/plan_apply.py, which refuses plans that convert there). Not an edge into a
+    block, whose pre-hook converts, nor one from code that computes positions, which is whole."""
+    wiring = derive_wiring(graph)
+    units = {u.name: u for u in graph.units}
+    found = set()
+    for edge in graph.edges:
+        src, dst = wiring.units[edge.src], wiring.units[edge.dst]
+        if src.segment is None or dst.segment is None or src.role == "positions":
+            continue
+        block = wiring.block_of.get(edge.dst)
+        if block is not None and edge.dst in wiring.blocks[block].heads:
+            order = wiring.blocks[block].units
+            inside = wiring.block_of.get(edge.src) == block
+            if not inside or order.index(edge.src) >= order.index(edge.dst):
+                continue  # enters the block: its pre-hook converts
+        assert units[edge.src].segment is not None
+        found.add((edge.src, edge.dst))
+    return found

@@ -14,9 +14,8 @@ from tidal.models import preset
 from tidal.models.gpt import measure_gpt
 from tidal.planner import ClusterSpec, Plan, PlannerConfig, make_plan
 from tidal.planner.graph import ModelGraph
-from tidal.planner.ilp import code_to_code
 from tidal.planner.pipelines import stage_graph
-from tidal.planner.wiring import derive_wiring
+from tidal.planner.wiring import code_to_code, derive_wiring
 
 QUICK = {"pareto": (), "baselines": ()}
 
