@@ -3,6 +3,8 @@ writes and ``tidal train --plan`` runs."""
 
 from __future__ import annotations
 
+import dataclasses
+
 from tidal.planner.cost_model import Assignment, Costed
 from tidal.planner.measure import ModelGraph
 from tidal.planner.pipelines import PipelinePlan
@@ -103,20 +105,11 @@ def to_pipelined_plan(pipelined: PipelinePlan) -> Plan:
         stages=stages, send_s=option.send_s,
     )  # fmt: skip
     peak = max(stages.values(), key=lambda c: c.memory.total)
-    first_graph = option.graphs[0]
-    return Plan(
-        model=first_graph.name,
-        devices=option.pp * option.mesh.devices,
-        dp=option.mesh.dp,
-        tp=option.mesh.tp,
-        micro_batch=option.micro_batch,
-        seq_len=first_graph.seq_len,
-        num_microbatches=option.num_microbatches,
-        units=stages["first"].units,
-        recompute=stages["first"].recompute,
-        memory=peak.memory,
-        step_time_s=pipelined.step_time_s,
-        edges=[(e.src, e.dst, e.count) for e in first_graph.edges],
-        offload=option.specs[0].offload,
-        pipeline=layout,
-    )
+    first = pipelined.stages[0].assignment
+    assert first is not None
+    # the first stage's plan, then what the whole pipeline holds and takes
+    return dataclasses.replace(
+        to_plan(option.graphs[0], first, pipelined.costed[0], option.specs[0]),
+        devices=option.pp * option.mesh.devices, memory=peak.memory,
+        step_time_s=pipelined.step_time_s, pipeline=layout,
+    )  # fmt: skip
