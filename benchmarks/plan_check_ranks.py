@@ -77,13 +77,14 @@ def _calibrate_rank() -> dict[str, float]:
             fn()
         return (time.perf_counter() - start) / repeats
 
-    matmul_s = timed(lambda: a @ a, 20)
+    # about a second each: four ranks share two cores, and the scheduler's slices are coarse
+    matmul_s = timed(lambda: a @ a, 100)
     x = torch.randn(4 * 2**20)
-    add_s = timed(lambda: x + x, 20)
+    add_s = timed(lambda: x + x, 100)
     world = dist.get_world_size()
     big, small = torch.zeros(2**20), torch.zeros(1)
-    reduce_s = timed(lambda: dist.all_reduce(big), 5)
-    latency_s = timed(lambda: dist.all_reduce(small), 20)
+    reduce_s = timed(lambda: dist.all_reduce(big), 20)
+    latency_s = timed(lambda: dist.all_reduce(small), 100)
     ring = 2 * (world - 1) / world
     alpha = latency_s / (2 * (world - 1))
     return {
@@ -160,8 +161,9 @@ def bench_plan_check_ranks(args: argparse.Namespace) -> list[dict[str, Any]]:
                 data = measured["model_data"]
                 held = data["params"] + data["optimizer_state"]
                 # all of it on the host: every unit ZeRO-3, its shard, gradient and state there
+                # (a swap's host bytes are activations, not model data)
                 kept = FP32["param_bytes"] + FP32["optimizer_bytes"]
-                host = memory.host * kept / sum(FP32.values())
+                host = memory.host * kept / sum(FP32.values()) if plan.offload else 0.0
                 predicted = memory.params + memory.optimizer + host
                 rows.append({**base, "ran": True, "rank": rank, "pp_rank": pp_rank,
                              "kind": None if plan.pipeline is None
