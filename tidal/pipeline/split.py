@@ -263,8 +263,8 @@ def split_parts(
     stage ``s``'s blocks (see the module docstring). ``copy_stages=False``: each stage holds
     ``model``'s own modules, not copies, so that a layout made for ``model``'s module paths
     finds them ([Note: planned pipeline stages] in tidal/train/plan_stage.py); a weight tied
-    across stages is then one parameter, which only a process holding one of its stages may
-    use so."""
+    across stages is then one parameter of this process's model, which is right only where
+    each process trains stages that do not share it (every rank builds its own model)."""
     validate_block_ranges(block_ranges, len(parts.blocks))
     model_names = {id(p): name for name, p in model.named_parameters()}
     state_names = set(model.state_dict())  # a non-persistent buffer is not the model's state

@@ -110,7 +110,7 @@ class PlannedPipeline:
 def planned_pipeline(job: JobConfig, plan: Plan, *, mine: list[int], device: torch.device,
                      mesh: DeviceMesh, world_size: int) -> PlannedPipeline:  # fmt: skip
     """The stages of a pipelined plan, ``mine`` realised on this rank; see [Note: planned
-    pipeline stages]."""
+    pipeline stages]. ``job``: :func:`plan_job`'s, with the plan's pipeline."""
     from tidal.parallel.plan_apply import apply_to_stage, stage_layouts
     from tidal.parallel.plan_layout import check_plan_fits
     from tidal.pipeline.split import split_parts
@@ -119,12 +119,12 @@ def planned_pipeline(job: JobConfig, plan: Plan, *, mine: list[int], device: tor
 
     layout = plan.pipeline
     assert layout is not None, "a pipelined plan"
-    spec = spec_for(job.model.resolve_structured())  # raises: a plan needs a known structure
+    config = job.model.resolve_structured()  # raises: a plan needs a known structure
+    spec = spec_for(config)
     model = spec.build(device="meta")
-    config = job.model.resolve_structured()
     graph = structure_graph(model, seq_len=config.seq_len)
     check_plan_fits(plan, model, world_size=world_size, seq_len=graph.seq_len, graph=graph)
-    _warn_on_micro_batch(plan_job(job, plan), plan)
+    _warn_on_micro_batch(job, plan)
     num_params, flops = spec.num_params(model), spec.flops_per_token(model)  # tied: one here
     state = model_layout(model, {n: t.shape for n, t in model.state_dict().items()})
     stages = split_parts(model, spec.stage_parts(model), layout.block_ranges, copy_stages=False)
