@@ -15,6 +15,7 @@ from tidal.models.gpt import measure_gpt
 from tidal.planner import ClusterSpec, Plan, PlannerConfig, make_plan
 from tidal.planner.graph import ModelGraph
 from tidal.planner.pipelines import stage_graph
+from tidal.planner.report import plan_report
 from tidal.planner.wiring import code_to_code, derive_wiring
 
 QUICK = {"pareto": (), "baselines": ()}
@@ -80,6 +81,8 @@ def test_the_better_of_the_flat_and_the_pipelined_plan_is_chosen() -> None:
     assert chosen.plan.peak_memory_bytes < flat.plan.peak_memory_bytes
     fastest = min(flat.fastest_s, chosen.pipelines.fastest.fastest_s)
     assert chosen.plan.step_time_s <= 1.05 * fastest * (1 + 1e-9)
+    # the report's fastest plan that fits is the faster kind's (the pipelined one's here)
+    assert plan_report(chosen, cluster)["fastest_step_time_s"] == fastest < flat.fastest_s
     timed = make_plan(graph, cluster, PlannerConfig(objective="time", **QUICK)).plan
     assert timed.step_time_s <= min(flat.plan.step_time_s, chosen.plan.step_time_s) + 1e-12
     with pytest.raises(ConfigError, match="pp: asks for 2 pipeline stages"):
