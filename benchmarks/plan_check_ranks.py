@@ -17,9 +17,13 @@ blocks swapped to the host, and the growth of its resident memory over the run (
 peak RSS less its RSS before the model was built: allocator caches, gloo buffers and the
 interpreter's own growth are in it, so it bounds the plan's device figure from above rather
 than equals it). The step time is rank 0's median steady step (a synchronous step is the
-slowest rank's). All of the model data on the host runs (FSDP2's CPU offload: on a CPU the
-same memory, so it checks the path, not a transfer); the optimizer alone on the host and NVMe
-are priced, not run by ``tidal train --plan`` yet: rows with their prediction and no run.
+slowest rank's). Offloading plans run (on a CPU host and device are one memory, so they check
+the path and the bytes each side is metered for, not a transfer): all of the model data on the
+host (FSDP2's CPU offload), half of the optimizer updated on the host, and all of it on NVMe
+(files under a temporary folder of this machine's disk). For the last two the host's share of
+AdamW's state, in host memory and on the disk together, is set beside the plan's: with ``f``
+of the optimizer on the host the rank's state is ``S = optimizer / (1 - f)`` (or ``nvme / h``
+with all of it there), of which the host holds ``f S``.
 """
 
 from __future__ import annotations
@@ -47,7 +51,7 @@ CASES: dict[str, dict[str, Any]] = {
         "offload": (1.0,),
         "offload_params": (1.0,),
     },  # fmt: skip
-    "pp2 x dp2, optimizer on the host": {"pp": 2, "tp": 1, "offload": (1.0,)},
+    "pp2 x dp2, half the optimizer on the host": {"pp": 2, "tp": 1, "offload": (0.5,)},
     "dp4, optimizer on NVMe": {"pp": 1, "tp": 1, "offload": (1.0,), "offload_nvme": (1.0,)},
 }
 FP32: dict[str, Any] = {"param_bytes": 4, "grad_bytes": 4, "optimizer_bytes": 8}  # fp32 AdamW
@@ -143,10 +147,10 @@ def bench_plan_check_ranks(args: argparse.Namespace) -> list[dict[str, Any]]:
                     "plan": plan.mesh_name, "recompute": _modes(plan),
                     "offload": plan.offload.to_dict(),
                     "predicted_step_s": plan.step_time_s}  # fmt: skip
-            if plan.offload and not offload_runs(plan):
+            if not offload_runs(plan):
                 memory = plan.rank_memory(0)
-                rows.append({**base, "ran": False, "why": "model data off the device is priced, "
-                             "not run by tidal train --plan yet",
+                rows.append({**base, "ran": False, "why": "part of the parameters off the device "
+                             "is priced, not run by tidal train --plan yet",
                              "predicted_host_bytes": memory.host,
                              "predicted_nvme_bytes": memory.nvme,
                              "predicted_device_bytes": memory.total})  # fmt: skip
@@ -165,6 +169,9 @@ def bench_plan_check_ranks(args: argparse.Namespace) -> list[dict[str, Any]]:
                 kept = FP32["param_bytes"] + FP32["optimizer_bytes"]
                 host = memory.host * kept / sum(FP32.values()) if plan.offload else 0.0
                 predicted = memory.params + memory.optimizer + host
+                host_optimizer = measured["host_optimizer"]
+                if host_optimizer is not None:  # the host's share of the state (module note)
+                    host_optimizer = host_optimizer["state"] + host_optimizer["nvme"]
                 rows.append({**base, "ran": True, "rank": rank, "pp_rank": pp_rank,
                              "kind": None if plan.pipeline is None
                              else plan.pipeline.rank_kind(pp_rank),
@@ -172,6 +179,10 @@ def bench_plan_check_ranks(args: argparse.Namespace) -> list[dict[str, Any]]:
                              "predicted_model_data_bytes": predicted,
                              "measured_model_data": data, "measured_model_data_bytes": held,
                              "model_data_measured_over_predicted": held / predicted,
+                             "predicted_host_optimizer_bytes": _host_state(plan, memory),
+                             "measured_host_optimizer_bytes": host_optimizer,
+                             "measured_nvme_bytes": (measured["host_optimizer"] or {}).get("nvme", 0),
+                             "predicted_nvme_bytes": memory.nvme,
                              "predicted_device_bytes": memory.total,
                              "rss_growth_bytes": measured["rss_growth_bytes"],
                              "host_swap_bytes": measured["host_swap_bytes"],
@@ -179,6 +190,16 @@ def bench_plan_check_ranks(args: argparse.Namespace) -> list[dict[str, Any]]:
                              "step_measured_over_predicted": step_s / plan.step_time_s,
                              "final_loss": measured["final_loss"]})  # fmt: skip
     return rows
+
+
+def _host_state(plan: Any, memory: Any) -> float | None:
+    """The host's share of the rank's optimizer state, ``f S`` (module note); None where the
+    host updates none of it or FSDP2 holds it all."""
+    f, h = plan.offload.optimizer, plan.offload.nvme
+    if not f or plan.offload.params:
+        return None
+    whole = memory.optimizer / (1 - f) if f < 1 else memory.nvme / h if h else None
+    return None if whole is None else f * whole
 
 
 def _modes(plan: Any) -> dict[str, int]:
@@ -201,6 +222,8 @@ def _job(args: argparse.Namespace, run_dir: Path, plan: Any) -> dict[str, Any]:
                      "device": "cpu", "log_every": 1, "val_every": 0, "val_batches": 1},
         "optimizer": {"lr": 1e-3, "warmup_steps": 1},
         "checkpoint": {"every_steps": 0, "at_end": False},
+        # the NVMe tier's files, in a folder of this machine's disk (the plan's disk)
+        "memory": {"nvme_dir": str(run_dir / "nvme")} if plan.offload.nvme else {},
         "metrics": {"peak_tflops": 1.0},
         "warmup_steps": args.warmup_steps,
     }  # fmt: skip
@@ -224,6 +247,7 @@ def _train_rank(job: dict[str, Any], plan_data: dict[str, Any]) -> dict[str, Any
         "step_s": statistics.median(steady) if steady else None,
         "model_data": figures["model_data_bytes"],
         "host_swap_bytes": figures.get("host_swap_bytes", 0),
+        "host_optimizer": figures.get("host_optimizer_bytes"),
         "rss_growth_bytes": peak - before,
         "final_loss": summary["final_loss"],
     }
@@ -241,12 +265,12 @@ def tables(result: dict[str, Any], args: argparse.Namespace) -> list[Any]:
     from tidal.config import format_bytes
 
     columns = ("plan", "rank", "kind", "model data predicted", "metered", "ratio",
-               "device predicted", "RSS growth", "host swap", "step s predicted",
-               "step s measured", "ratio")  # fmt: skip
+               "host optimizer predicted", "metered (NVMe)", "device predicted", "RSS growth",
+               "host swap", "step s predicted", "step s measured", "ratio")  # fmt: skip
     cells = []
     for r in result["rows"]:
         if not r["ran"]:
-            cells.append([f"{r['case']} ({r['plan']})", "-", "-", "-", "-", "-",
+            cells.append([f"{r['case']} ({r['plan']})", "-", "-", "-", "-", "-", "-", "-",
                           format_bytes(int(r["predicted_device_bytes"])), "-", "-",
                           f"{r['predicted_step_s']:.3g}", "priced, not run", "-"])  # fmt: skip
             continue
@@ -255,6 +279,7 @@ def tables(result: dict[str, Any], args: argparse.Namespace) -> list[Any]:
             format_bytes(int(r["predicted_model_data_bytes"])),
             format_bytes(int(r["measured_model_data_bytes"])),
             f"{r['model_data_measured_over_predicted']:.2f}",
+            *_host_cells(r, format_bytes),
             format_bytes(int(r["predicted_device_bytes"])),
             format_bytes(int(r["rss_growth_bytes"])), format_bytes(int(r["host_swap_bytes"])),
             f"{r['predicted_step_s']:.3g}", f"{r['measured_step_s']:.3g}",
@@ -265,3 +290,15 @@ def tables(result: dict[str, Any], args: argparse.Namespace) -> list[Any]:
              "figures beside the plan's (cluster calibrated on this machine: "
              + ", ".join(f"{k} {v:.3g}" for k, v in calibration.items()) + ")")  # fmt: skip
     return [ResultTable.of(title, columns, cells)]
+
+
+def _host_cells(row: dict[str, Any], format_bytes: Any) -> list[str]:
+    """The host's share of AdamW's state, predicted and metered (of it, on NVMe)."""
+    predicted, metered = row.get("predicted_host_optimizer_bytes"), row.get(
+        "measured_host_optimizer_bytes")  # fmt: skip
+    if predicted is None or metered is None:
+        return ["-", "-"]
+    return [
+        format_bytes(int(predicted)),
+        f"{format_bytes(int(metered))} ({format_bytes(int(row['measured_nvme_bytes']))})",
+    ]

@@ -87,7 +87,9 @@ def _stage_engine(
     from tidal.memory.tiers import TierKind, resolve_budget
     from tidal.runtime.stage_engine import stage_engine
     from tidal.train.build import chunk_stage_config
+    from tidal.train.job import check_nvme_dir
 
+    check_nvme_dir(job, plan=False)
     parallel = job.parallel
     for key, size in (("parallel.pp", parallel.pp), ("parallel.tp", parallel.tp)):
         require(size == 1, key, f"{key.split('.')[1]} = {size} needs the stages and the schedule "

@@ -12,7 +12,9 @@ train on 4 gloo ranks as one process does.
 - ``pp2-tp2-swap``: eight blocks on tensor-parallel stages whose blocks keep what they save on
   the host (MPress's host swap, which the search picks where a fast host link hides it);
 - ``pp2-dp2-offload``: all of the model data on the host, every unit ZeRO-3: FSDP2's CPU
-  offload on every group of every stage.
+  offload on every group of every stage;
+- ``pp2-dp2-nvme``: half of each rank's optimizer updated on the host and half of that kept on
+  NVMe ([Note: the optimizer on the host] in tidal/runtime/host_optimizer.py).
 
 Losses, gradient norms, validation losses and the checkpointed parameters (whole, in the
 one-process layout) must equal a one-process run's; a ``pp2-tp2`` run stopped at step 2
@@ -38,6 +40,7 @@ from tidal.models import preset
 from tidal.models.gpt import measure_gpt
 from tidal.planner import ClusterSpec, Plan, PlannerConfig, Recompute, StrategyName, make_plan
 from tidal.planner.plan import Layout
+from tidal.runtime.shares import local
 from tidal.testing import run_on_ranks
 from tidal.train import Trainer
 from tidal.train.checkpoint import latest_checkpoint, load_model_state
@@ -48,7 +51,7 @@ STEPS = 3
 TOL = 1e-5
 MEMORY_TOL = 0.10  # the issue's bound on what the runtime meters
 FP32 = {"param_bytes": 4, "grad_bytes": 4, "optimizer_bytes": 8}
-CASES = ("pp2-dp2", "pp2-tp2", "pp2-v2", "pp2-tp2-swap", "pp2-dp2-offload")
+CASES = ("pp2-dp2", "pp2-tp2", "pp2-v2", "pp2-tp2-swap", "pp2-dp2-offload", "pp2-dp2-nvme")
 LAYERS = {"pp2-v2": 4, "pp2-tp2-swap": 8}  # the others: the tiny GPT's 2
 
 JOB: dict[str, Any] = {
@@ -107,6 +110,14 @@ def _cases(root: Path) -> dict[str, Plan]:
         ),
         # all of the model data on the host (tidal plan --offload 1 --offload-params 1)
         "pp2-dp2-offload": _made(layers=2, tp=1, offload=(1.0,), offload_params=(1.0,)),
+        # half the optimizer on the host, half of that on NVMe (--offload 0.5 --nvme ...)
+        "pp2-dp2-nvme": _made(
+            layers=2,
+            tp=1,
+            offload=(0.5,),
+            offload_nvme=(0.5,),
+            cluster=ClusterSpec(devices=WORLD, nvme_bytes_per_node=2**40),
+        ),
     }
     # What each case is there for: a planner that changes its choices should not go unnoticed.
     for plan in cases.values():
@@ -126,6 +137,8 @@ def _cases(root: Path) -> dict[str, Plan]:
     assert offload.offload.params == 1.0 and offload.dp == 2 and offload.pipeline is not None
     assert {u.zero for c in offload.pipeline.stages.values() for u in c.units
             if u.kind in ("linear", "embedding", "norm")} == {3}  # fmt: skip
+    nvme = cases["pp2-dp2-nvme"]
+    assert (nvme.offload.optimizer, nvme.offload.nvme, nvme.dp) == (0.5, 0.5, 2)
     return cases
 
 
@@ -135,10 +148,26 @@ def _cases(root: Path) -> dict[str, Plan]:
 def _train_cases(cases: dict[str, Plan], root: Path) -> dict[str, Any]:
     results = {}
     for name, plan in cases.items():
-        trainer = Trainer(_job(root / name / "whole", layers=LAYERS.get(name, 2)), plan=plan)
+        job = _job(root / name / "whole", layers=LAYERS.get(name, 2))
+        if plan.offload.nvme:
+            job["memory"] = {"nvme_dir": str(root / name / f"nvme-{dist.get_rank()}")}
+        trainer = Trainer(job, plan=plan)
         trainer.fit()
         figures = trainer.part.summary_figures()
         results[name] = {
+            "optimizers": sorted(
+                {type(w.optimizer).__name__ for w in trainer.engine.weights.values()}
+            ),  # fmt: skip
+            "host_optimizer": figures.get("host_optimizer_bytes"),
+            # the largest AdamW state of one parameter the host updates: the split's granule
+            "granule": max(
+                [
+                    2 * local(p).nbytes
+                    for w in trainer.engine.weights.values()
+                    for p in getattr(w.optimizer, "on_host", [])
+                ],
+                default=0,
+            ),
             "offloaded": _offload_policies(trainer),
             "host_swap_bytes": figures.get("host_swap_bytes", 0),
             "holders": sorted({type(w).__name__ for w in trainer.engine.weights.values()}),
@@ -219,6 +248,8 @@ def test_a_pipelined_plan_trains_as_one_process_does(runs: dict[str, Any], case:
         # FSDP2's CPU offload holds every group of the offloading plan, and no other plan's
         policies = set(rank[case]["offloaded"])
         assert (policies == {"CPUOffloadPolicy"}) == (case == "pp2-dp2-offload"), policies
+        # the host's share of the optimizer is the host optimizer's, in its plan alone
+        assert (rank[case]["optimizers"] == ["HostStepped"]) == (case == "pp2-dp2-nvme")
 
 
 def test_a_pipelined_plan_runs_checkpoint_resumes_without_a_plan(runs: dict[str, Any]) -> None:
@@ -244,3 +275,25 @@ def test_each_ranks_model_data_is_what_the_plan_predicts(runs: dict[str, Any], c
         for kind, key in checked:
             want = getattr(predicted, kind)
             assert figures[key] == pytest.approx(want, rel=MEMORY_TOL), (case, rank, kind, figures)
+
+
+def test_the_optimizer_on_the_host_and_nvme_holds_what_the_plan_predicts(
+    runs: dict[str, Any],
+) -> None:
+    """Of each rank's AdamW state, the device's (half) and the host's (half, in its memory and
+    on NVMe together) within 10% of the plan's figures for its pipeline rank; the split between
+    host memory and NVMe (a quarter each) within one parameter's state, the granule the
+    runtime splits by ([Note: the optimizer on the host])."""
+    plan = runs["cases"]["pp2-dp2-nvme"]
+    for rank, held in enumerate(runs["ranks"]):
+        case = held["pp2-dp2-nvme"]
+        figures, host, granule = case["model_data"], case["host_optimizer"], case["granule"]
+        predicted = plan.rank_memory(rank // plan.dp)
+        assert figures["optimizer_state"] == pytest.approx(predicted.optimizer, rel=MEMORY_TOL)
+        # nvme = 1/2 of what the host updates, so what stays in its memory is as much
+        on_host = host["state"] + host["nvme"]
+        assert on_host == pytest.approx(2 * predicted.nvme, rel=MEMORY_TOL), (rank, host)
+        assert 0 < granule < on_host
+        assert abs(host["nvme"] - predicted.nvme) <= granule, (rank, host, granule)
+        assert abs(host["state"] - predicted.nvme) <= granule, (rank, host, granule)
+        assert host["masters"] == 0  # staged at each step from the device's share only

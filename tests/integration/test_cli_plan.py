@@ -113,8 +113,12 @@ def test_the_train_command_of_a_plan_and_how_to_save_it() -> None:
                      plan_path="p.json", recipe="tiny", settings=[], devices_per_node=8)  # fmt: skip
     assert one == ["tidal", "train", "--recipe", "tiny", "--plan", "p.json", "--set",
                    "training.batch_size=2", "--set", "training.grad_accum_steps=1"]  # fmt: skip
-    offloaded = how_to_train({**report, "offload": {"optimizer": 1.0}}, args)
-    assert offloaded.startswith("this plan keeps model data off the device (--offload), priced")
+    part = how_to_train({**report, "offload": {"optimizer": 1.0, "params": 0.5}}, args)
+    assert part.startswith("this plan keeps part of the parameters off the device "
+                           "(--offload-params), priced")  # fmt: skip
+    disk = how_to_train({**report, "offload": {"optimizer": 1.0, "nvme": 0.5}}, args)
+    assert "--set memory.nvme_dir=NVME_DIR" in disk
+    assert disk.endswith("NVME_DIR a folder on the node's NVMe drive)")
 
 
 def test_plan_bad_input_is_one_line_and_exit_2(capsys) -> None:
@@ -130,7 +134,7 @@ def test_plan_bad_input_is_one_line_and_exit_2(capsys) -> None:
 
 def test_plan_with_the_optimizer_on_the_host_says_so(tmp_path, capsys) -> None:
     """--offload: at 1 MiB a device only a plan with its optimizer on the host fits; the line
-    says so and the JSON records it, and such a plan is refused for training in one line."""
+    says so and the JSON records it, and the line after says how to train it."""
     args = ["plan", "--model", "tiny", "--devices", "2", "--device-memory", "1MiB",
             "--pareto", "", "--baselines", "", "--json", str(tmp_path / "p.json")]  # fmt: skip
     assert main(args) == 2  # nothing fits without offload
@@ -138,9 +142,9 @@ def test_plan_with_the_optimizer_on_the_host_says_so(tmp_path, capsys) -> None:
     assert main([*args, "--offload", "0,1"]) == 0
     out = capsys.readouterr().out
     assert "with 100% of the optimizer on the host (" in out
-    assert "this plan keeps model data off the device (--offload), priced but not run" in out
+    assert f"train it: tidal train --recipe tiny --plan {tmp_path / 'p.json'} --nproc 2" in out
     (priced,) = [x for x in out.splitlines() if x.startswith("priced, not run by tidal train")]
-    assert "yet: model data on the host or NVMe (--offload, --offload-params, --nvme; " in priced
+    assert "host" not in priced
     plan = Plan.load(tmp_path / "p.json")
     assert plan.offload == Offload(optimizer=1.0) and plan.memory.host > 0
     assert plan.peak_memory_bytes <= 1024**2

@@ -267,10 +267,9 @@ def run_plan(args: argparse.Namespace, console: Console) -> int:
 def priced_only(report: dict, args: argparse.Namespace) -> str:
     """One line: what this search priced that ``tidal train --plan`` cannot run yet."""
     searched = [
-        *(["model data on the host or NVMe (--offload, --offload-params, --nvme; runs: all "
-           "of it on the host, every unit ZeRO-3)"]
-          if args.nvme or any(_numbers(args.offload, "--offload"))
-          or any(_numbers(args.offload_params, "--offload-params")) else []),
+        *(["part of the parameters on the host (--offload-params between 0 and 1; runs: "
+           "none, or all of them over several data-parallel ranks)"]
+          if any(0 < g < 1 for g in _numbers(args.offload_params, "--offload-params")) else []),
         *(["activations on a peer stage (--peer)"] if args.peer else []),
     ]  # fmt: skip
     return ("priced, not run by tidal train yet: " + "".join(f"{kind}; " for kind in searched)

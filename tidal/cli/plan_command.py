@@ -26,9 +26,12 @@ def how_to_train(report: dict, args: argparse.Namespace) -> str:
     recipe, settings = _recipe_for(args, report)
     command = shlex.join(train_argv(report, plan_path=args.json or "plan.json", recipe=recipe,
                                     settings=settings, devices_per_node=args.devices_per_node))  # fmt: skip
-    where = ""
+    wheres = []
     if "--nnodes" in command:
-        where = " (on every machine, HOST:PORT a free port on one of them)"
+        wheres.append("on every machine, HOST:PORT a free port on one of them")
+    if "NVME_DIR" in command:
+        wheres.append("NVME_DIR a folder on the node's NVMe drive")
+    where = f" ({'; '.join(wheres)})" if wheres else ""
     if args.json:
         return f"train it: {command}{where}"
     return f"train it: save it with --json plan.json, then {command}{where}"
@@ -43,12 +46,12 @@ def not_run(report: dict) -> list[str]:
     lends = any(stage.get("memory", {}).get("lent") for stage in stages)
     zero3 = all(u["zero"] == 3 for stage in stages for u in stage.get("units", [])
                 if u.get("memory", {}).get("params"))  # fmt: skip
-    # check_plan's offload_runs: all of it on the host of ZeRO-3 units over dp ranks
-    runs = (offload.get("optimizer"), offload.get("params"), offload.get("nvme")) == (1, 1, 0)
-    runs = runs and zero3 and report["mesh"]["dp"] > 1
+    # check_plan's offload_runs: parameters on the host none, or all of ZeRO-3 units over dp
+    params = offload.get("params", 0)
+    runs = not params or (params == 1 and zero3 and report["mesh"]["dp"] > 1)
     return [
-        *(["keeps model data off the device (--offload)"]
-          if any(offload.values()) and not runs else []),
+        *(["keeps part of the parameters off the device (--offload-params)"]
+          if not runs else []),
         *(["keeps activations on a peer stage (--peer)"] if lends else []),
         *(["runs PipeMare (--schedules pipemare)"]
           if pipeline.get("schedule") == "pipemare" else []),
@@ -76,6 +79,8 @@ def train_argv(report: dict, *, plan_path: str, recipe: str, settings: list[str]
         settings = [*settings, f"training.batch_size={rows * m}", "training.grad_accum_steps=1"]
     else:
         settings = [*settings, f"training.batch_size={rows}", f"training.grad_accum_steps={m}"]
+    if (report.get("offload") or {}).get("nvme"):  # the optimizer's state there ([Note: the
+        settings = [*settings, "memory.nvme_dir=NVME_DIR"]  # optimizer on the host])
     for setting in settings:
         argv += ["--set", setting]
     return argv

@@ -142,9 +142,10 @@ def _apply(model: nn.Module, plan: Plan, mesh: DeviceMesh | None, wiring: PlanWi
     dp_group = None
     if plan.dp > 1:
         assert mesh is not None
-        # check_plan's: all of a ZeRO-3 plan's model data on the host is FSDP2's CPU offload
+        # check_plan's: a ZeRO-3 plan's parameters on the host are FSDP2's CPU offload (the
+        # optimizer's share on the host is the stage's optimizer's: host_optimizer.py)
         policy = {"offload_policy": CPUOffloadPolicy(pin_memory=torch.cuda.is_available())}
-        _shard_data_axis(model, wiring, mesh["dp"], **(policy if plan.offload else {}))
+        _shard_data_axis(model, wiring, mesh["dp"], **(policy if plan.offload.params else {}))
         dp_group = mesh.get_group("dp")
     for param in {id(p): p for p in model.parameters()}.values():
         axes = param.device_mesh.mesh_dim_names if isinstance(param, DTensor) else None

@@ -85,7 +85,7 @@ def wire_plan(model: nn.Module, plan: Plan, *, graph: ModelGraph | None = None,
     wiring = derive_wiring(graph)
     units = _check_units(wiring, plan, model_name(model))
     below = sorted(n for n, u in units.items() if n in wiring.owns_params and u.zero != 3)
-    if plan.offload and below:
+    if plan.offload.params and below:
         raise _offload_error(plan, below)
     for name, unit in units.items():
         role, shape = wiring.units[name].role, (unit.strategy, unit.in_layout, unit.out_layout)
@@ -103,21 +103,22 @@ def wire_plan(model: nn.Module, plan: Plan, *, graph: ModelGraph | None = None,
 
 
 def offload_runs(plan: Plan) -> bool:
-    """Whether ``plan``'s model data offload is the one ``apply`` carries out: all of it on the
-    host, every parameter's unit ZeRO-3 over several data-parallel ranks, which is FSDP2's CPU
-    offload (shards, gradients and the optimizer's step on the host) exactly ([Note: model
-    data offload] in strategies.py)."""
-    offload = plan.offload
-    return (offload.optimizer, offload.params, offload.nvme) == (1.0, 1.0, 0.0) and plan.dp > 1
+    """Whether ``plan``'s model data offload is one a plan run carries out: any part of the
+    optimizer on the host and of that on NVMe ([Note: the optimizer on the host] in
+    tidal/runtime/host_optimizer.py), and parameters on the host all or none, all only over
+    several data-parallel ranks (FSDP2's CPU offload of ZeRO-3 units: [Note: model data
+    offload] in strategies.py)."""
+    params = plan.offload.params
+    return params == 0 or (params == 1 and plan.dp > 1)
 
 
 def _offload_error(plan: Plan, below: list[str]) -> ValueError:
     why = f"; {_join(map(repr, below[:3]))} are not ZeRO-3" if below else ""
     return ValueError(
         f"the plan keeps {plan.offload.describe()}{why}, which is priced but not run yet: "
-        f"tidal train --plan runs all of the model data on the host of ZeRO-3 units over "
-        f"several data-parallel ranks (FSDP2's CPU offload); make it with --offload 1 "
-        f"--offload-params 1, or without --offload to train it"
+        f"tidal train --plan keeps parameters on the host all or none, all as FSDP2's CPU "
+        f"offload of ZeRO-3 units over several data-parallel ranks; make it with "
+        f"--offload-params 0 or 1 (1 on more than one device)"
     )
 
 

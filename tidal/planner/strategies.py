@@ -55,11 +55,13 @@ parameters up) / host_link_bandwidth``, the node's CPU Adam, ``f s * n /
 host_adam_params_per_s``, and the disk's time. The fractions are one figure each for the whole
 plan, searched over ``PlannerConfig.offloads()``.
 
-What runs: ``tidal train --plan`` carries out all of the model data on the host (``optimizer =
-params = 1``, no disk) over several data-parallel ranks, as FSDP2's ``CPUOffloadPolicy`` on
-every group (``check_plan``'s ``offload_runs``), which holds ZeRO-3 units only; so under that
-offload every unit with parameters is offered ZeRO-3 alone, and the search prices what runs.
-Other fractions, the disk and one device's offload are priced, not run.
+What runs (``check_plan``'s ``offload_runs``): ``tidal train --plan`` updates ``f`` of each
+device's optimizer on the host and keeps ``h`` of that on NVMe at any fractions, on one device
+or many ([Note: the optimizer on the host] in tidal/runtime/host_optimizer.py), and carries out
+``params = 1`` over several data-parallel ranks as FSDP2's ``CPUOffloadPolicy`` on every group,
+which holds ZeRO-3 units only; so with parameters offloaded every unit with parameters is
+offered ZeRO-3 alone, and the search prices what runs. A part of the parameters (``0 < g <
+1``), or any on one device, is priced, not run.
 """
 
 from __future__ import annotations
@@ -280,7 +282,7 @@ def unit_options(
     must keep the sequence whole ([Note: code counts whole sequences] in wiring.py); under the
     offload that runs, ZeRO-3 alone ([Note: model data offload])."""
     allowed = input_layouts(graph)
-    zero3_only = mesh.dp > 1 and _all_on_host(spec.offload)  # [Note: model data offload]
+    zero3_only = mesh.dp > 1 and spec.offload.params > 0  # [Note: model data offload]
     options = {}
     for unit in graph.units:
         found = candidates(unit, mesh, cluster, spec)
@@ -357,12 +359,6 @@ def _cost(
         sync_s=sync_s,
         forward_s=forward_s + (comm_s / 3 if shape.gather_input else 0.0),
     )
-
-
-def _all_on_host(offload: Offload) -> bool:
-    """The offload ``tidal train --plan`` runs: FSDP2's CPU offload ([Note: model data
-    offload])."""
-    return (offload.optimizer, offload.params, offload.nvme) == (1.0, 1.0, 0.0)
 
 
 def _offloaded(offload: Offload, owned: float, zero: int) -> tuple[float, float]:

@@ -4,6 +4,7 @@ part, tidal/train/pipeline_part.py, calls :func:`pipeline`)."""
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -27,6 +28,9 @@ from tidal.pipeline.split import PipelineStage, tied_parameters
 from tidal.runtime.distributed import PipelineRuntime, RuntimeConfig
 from tidal.runtime.pipemare import AsyncConfig, StageWeights, WeightMode
 
+if TYPE_CHECKING:
+    from tidal.runtime.host_optimizer import HostOptimizerConfig  # DTensor: plan runs only
+
 __all__ = ["pipeline", "stage_params"]
 
 
@@ -37,7 +41,8 @@ def pipeline(stages: Sequence[PipelineStage], *, config: PipelineConfig, optimiz
              chunks: ChunkStageConfig | None = None, fsdp2: bool = False,
              fsdp2_offload: bool = False,
              torch_optimizer: TorchOptimizer | None = None,
-             planned: bool = False) -> PipelineRuntime:  # fmt: skip
+             planned: bool = False,
+             host_optimizer: HostOptimizerConfig | None = None) -> PipelineRuntime:  # fmt: skip
     """Train ``stages`` (all of the model's, in order; ``block_ranges``: the blocks of each) as
     a pipeline over ``mesh["pp"]`` under ``config``'s schedule: the rank at pipeline position
     ``r`` of ``p`` keeps stages ``r, r + p, ...`` (each with its own optimizer and, for
@@ -56,7 +61,9 @@ def pipeline(stages: Sequence[PipelineStage], *, config: PipelineConfig, optimiz
     first ([Note: tensor-parallel stages] in tidal/parallel/tensor_stage.py).
     ``torch_optimizer``: yours, one per plain stage, at its own rates ([Note: your optimizer]
     in tidal/train/user_optim.py). ``planned``: the one stage is a model a plan laid out on
-    ``mesh["dp"]`` and ``mesh["tp"]`` ([Note: plan stages] in tidal/runtime/plan_weights.py)."""
+    ``mesh["dp"]`` and ``mesh["tp"]`` ([Note: plan stages] in tidal/runtime/plan_weights.py),
+    ``host_optimizer`` what of its optimizer the host updates ([Note: the optimizer on the host]
+    in tidal/runtime/host_optimizer.py)."""
     versions = {"pipedream": WeightMode.STASH, "2bw": WeightMode.TWO_VERSIONS}
     tied = tied_parameters(stages)
     rank, world_size = mesh.get_local_rank("pp"), mesh["pp"].size()
@@ -86,7 +93,8 @@ def pipeline(stages: Sequence[PipelineStage], *, config: PipelineConfig, optimiz
                          optimizer=optimizer, weights=weights, precision=training.precision,
                          lr=first_lr, microbatches=microbatches, chunks=chunks, fsdp2=fsdp2,
                          fsdp2_offload=fsdp2_offload,
-                         torch_optimizer=torch_optimizer, planned=planned)  # fmt: skip
+                         torch_optimizer=torch_optimizer, planned=planned,
+                         host_optimizer=host_optimizer)  # fmt: skip
     return PipelineRuntime(
         runtime,
         stages=mine,
@@ -106,6 +114,7 @@ def stage_params(mine: Sequence[nn.Module], mesh: DeviceMesh | None, schedule: S
                   fsdp2_offload: bool,
                   torch_optimizer: TorchOptimizer | None = None,
                   planned: bool = False,
+                  host_optimizer: HostOptimizerConfig | None = None,
                   init: ParameterValues | None = None) -> list[StageParams]:  # fmt: skip
     """What holds each of this rank's stages' parameters ([Note: the stage-parameter
     protocol]): tensor-parallel weights, chunks, FSDP2 shards, or plain replicas; the one
@@ -113,15 +122,18 @@ def stage_params(mine: Sequence[nn.Module], mesh: DeviceMesh | None, schedule: S
     StageEngine). ``schedule``: one step of the run's, which decides what the stages must
     support. ``torch_optimizer``: yours, which only plain replicas take (the Trainer maps a
     torch class onto ``optimizer`` for the others: [Note: your optimizer]). ``planned``: a
-    model a plan laid out, the one stage ([Note: plan stages]). ``mesh``: None for one process
+    model a plan laid out, the one stage ([Note: plan stages]), ``host_optimizer`` what of its
+    optimizer the host updates. ``mesh``: None for one process
     without a process group ([Note: one model on stages]). ``init``: the values of a stage on
     the meta device, which chunks stream in (the other holders take a stage with storage)."""
     dp_group = None if mesh is None else mesh.get_group("dp")
     dp_size, tp_size = (1, 1) if mesh is None else (mesh["dp"].size(), mesh["tp"].size())
     assert mesh is not None or not planned, "a plan's layout needs its mesh"
     assert init is None or chunks is not None, "only chunks stream a meta stage's values in"
+    assert host_optimizer is None or planned, "a plan's offload"
     if planned:
-        return _planned_stage(mine, schedule, optimizer, weights, precision, lr, microbatches)
+        return _planned_stage(mine, schedule, optimizer, weights, precision, lr, microbatches,
+                              host_optimizer)  # fmt: skip
     if torch_optimizer is not None:
         assert tp_size == 1 and chunks is None and not fsdp2, "user_optim's refusal"
         return [_your_optimizer_stage(s, torch_optimizer, optimizer, weights, precision,
@@ -203,13 +215,20 @@ def _your_optimizer_stage(stage: nn.Module, yours: TorchOptimizer, optimizer: Op
 
 
 def _planned_stage(mine: Sequence[nn.Module], schedule: Schedule, optimizer: OptimizerConfig,
-                   weights: AsyncConfig, precision: str, lr: float,
-                   microbatches: int) -> list[StageParams]:  # fmt: skip
-    """Stages a plan laid out, whose optimizers go over their shards mesh by mesh."""
+                   weights: AsyncConfig, precision: str, lr: float, microbatches: int,
+                   host_optimizer: HostOptimizerConfig | None) -> list[StageParams]:  # fmt: skip
+    """Stages a plan laid out, whose optimizers go over their shards mesh by mesh, with what
+    the plan offloads of each updated on the host."""
     from tidal.parallel.plan_layout import build_plan_optimizer  # DTensor: plan runs only
+    from tidal.runtime.host_optimizer import HostStepped
     from tidal.runtime.plan_weights import PlanStageWeights
 
     assert not schedule.asynchronous, "check_plan_settings: plans run synchronous schedules"
-    return [PlanStageWeights(stage, build_plan_optimizer(stage, optimizer, lr), weights,
-                             precision=precision, microbatches_per_step=microbatches)
-            for stage in mine]  # fmt: skip
+    held: list[StageParams] = []
+    for stage in mine:
+        made = build_plan_optimizer(stage, optimizer, lr)
+        if host_optimizer is not None:
+            made = HostStepped(made, host_optimizer)
+        held.append(PlanStageWeights(stage, made, weights, precision=precision,
+                                     microbatches_per_step=microbatches))  # fmt: skip
+    return held

@@ -31,7 +31,7 @@ from tidal.train.deepspeed_config import from_deepspeed, is_deepspeed_config
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["JobConfig", "find_recipe", "list_recipes", "load_job"]
+__all__ = ["JobConfig", "check_nvme_dir", "find_recipe", "list_recipes", "load_job"]
 
 
 @dataclass(kw_only=True, slots=True)
@@ -70,12 +70,6 @@ class JobConfig:
             bool(self.name) and "/" not in self.name,
             "name",
             f"must be a non-empty name without '/', got {self.name!r}",
-        )
-        require(
-            self.memory.nvme_dir is None or self.engine == "chunk",
-            "memory.nvme_dir",
-            "the NVMe tier holds chunks: set engine = 'chunk' (the reference engine keeps all "
-            "model data on the device)",
         )
         require(
             self.parallel.pp == 1 or self.engine == "reference" or self.pipeline.memory == "none",
@@ -287,3 +281,15 @@ def _merged(base: Mapping[str, Any], extra: Mapping[str, Any]) -> dict[str, Any]
         else:
             out[key] = value
     return out
+
+
+def check_nvme_dir(job: JobConfig, *, plan: bool) -> None:
+    """Refuse ``memory.nvme_dir`` where nothing of the run would use it: the NVMe tier holds
+    the chunk engine's chunks and a plan's optimizer state ([Note: the optimizer on the host]
+    in tidal/runtime/host_optimizer.py), not the reference engine's model data."""
+    require(
+        job.memory.nvme_dir is None or job.engine == "chunk" or plan,
+        "memory.nvme_dir",
+        "the NVMe tier holds chunks (or a plan's optimizer state): set engine = 'chunk' (the "
+        "reference engine keeps all model data on the device), or train a plan with --plan",
+    )

@@ -76,7 +76,7 @@ from tidal.runtime.eval import evaluate_stages
 from tidal.runtime.weights import StageWeights
 from tidal.train.build import chunk_stage_config
 from tidal.train.engine_state import PipelineStages
-from tidal.train.job import JobConfig
+from tidal.train.job import JobConfig, check_nvme_dir
 from tidal.train.pipeline_memory import (
     MemoryProbe,
     model_data_per_weight_byte,
@@ -84,6 +84,7 @@ from tidal.train.pipeline_memory import (
 )
 from tidal.train.plan_stage import (
     plan_dims,
+    plan_host_optimizer,
     plan_job,
     planned_pipeline,
     planned_stage,
@@ -103,6 +104,7 @@ def check_pipeline_job(job: JobConfig, *, world_size: int, model: nn.Module | No
     """What a pipeline run can refuse before any process starts (one line each). ``model``:
     your own, else the job's ``[model]``."""
     pipe, training = job.pipeline, job.training
+    check_nvme_dir(job, plan=False)
     dims = job.parallel.resolve(world_size)
     split_rows(training.batch_size, index=0, parts=dims.dp,
                over=f"{dims.dp} data-parallel replicas (it is the global batch; each replica "
@@ -343,7 +345,9 @@ class PipelinePart:
                                fsdp2=job.parallel.fsdp2,
                                fsdp2_offload=job.parallel.fsdp2_offload,
                                torch_optimizer=torch_optimizer,
-                               planned=plan is not None)  # fmt: skip
+                               planned=plan is not None,
+                               host_optimizer=None if plan is None
+                               else plan_host_optimizer(plan, job))  # fmt: skip
         self.plan = plan
         # your scheduler, one per stage, stepped after each of its updates
         make_scheduler = None if torch_optimizer is None else torch_optimizer.schedule
@@ -537,6 +541,14 @@ class PipelinePart:
                                         nbytes=local_nbytes) for w in held]  # fmt: skip
             # this rank's stages together
             summary["model_data_bytes"] = {key: sum(f[key] for f in figures) for key in figures[0]}
+            from tidal.runtime.host_optimizer import HostStepped
+
+            hosted = [h.host_bytes() for w in held
+                      if isinstance(h := _plain(w).optimizer, HostStepped)]  # fmt: skip
+            if hosted:  # the device's figures are the device's ([Note: the optimizer on the host])
+                summary["model_data_bytes"]["optimizer_state"] -= sum(h["state"] for h in hosted)
+                summary["host_optimizer_bytes"] = {key: sum(h[key] for h in hosted)
+                                                   for key in hosted[0]}  # fmt: skip
             from tidal.parallel.plan_apply import HOST_SWAP  # DTensor: plan runs only
 
             swaps = [getattr(m, HOST_SWAP) for w in held for m in _plain(w).module.modules()

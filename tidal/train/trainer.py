@@ -73,6 +73,7 @@ from tidal.train.metrics import (
     Throughput,
     write_json_atomic,
 )
+from tidal.train.plan_stage import plan_host_optimizer
 from tidal.train.resume_changes import resume_changes
 from tidal.train.run_dir import agree, check_one_run_dir, check_run_dir
 from tidal.train.same_data import check_same_data
@@ -148,6 +149,7 @@ class Trainer:
         self.plan = _load_plan(plan) if isinstance(plan, str | Path) else plan
         if self.plan is not None:
             check_plan_settings(self.job)
+            plan_host_optimizer(self.plan, self.job)  # a plan's NVMe needs memory.nvme_dir
         taken_by = runs_on(self.job, plan=self.plan is not None)
         self.job, self._torch_optimizer = own_optimizer(
             self.job, optimizer=optimizer, optimizer_kwargs=optimizer_kwargs,

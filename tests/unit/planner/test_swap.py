@@ -90,8 +90,9 @@ def test_swap_within_the_host_memory_and_only_where_asked(graph: ModelGraph) -> 
 
 def test_a_plan_that_swaps_runs_where_one_that_offloads_part_does_not(graph: ModelGraph) -> None:
     """Issue 51: check_plan takes a swapping plan (apply runs the activation savers' host swap
-    on every block: tests/distributed/test_train_plan_pipeline.py trains one); a plan keeping
-    part of its optimizer on the host is refused in one line, before the model is traced."""
+    on every block: tests/distributed/test_train_plan_pipeline.py trains one) and one keeping
+    half its optimizer on the host (host_optimizer.py); a plan keeping part of its parameters
+    there is refused in one line, before the model is traced."""
     from tidal.models import GPTConfig, build_gpt
     from tidal.planner import Offload
 
@@ -101,7 +102,9 @@ def test_a_plan_that_swaps_runs_where_one_that_offloads_part_does_not(graph: Mod
         vocab_size=512, seq_len=128, num_layers=8, num_heads=4, d_model=128, dropout=0.1
     )  # fmt: skip (the graph fixture's model)
     check_plan(build_gpt(config, device="meta"), swapped)
-    half = dataclasses.replace(swapped, offload=Offload(optimizer=0.5))
-    with pytest.raises(ValueError, match="keeps 50% of the optimizer on the host, which is "
-                       "priced but not run yet"):  # fmt: skip
-        check_plan(nn.Linear(2, 2), half)
+    half = dataclasses.replace(swapped, offload=Offload(optimizer=0.5, nvme=0.5))
+    check_plan(build_gpt(config, device="meta"), half)
+    part = dataclasses.replace(swapped, offload=Offload(optimizer=0.5, params=0.25))
+    with pytest.raises(ValueError, match="keeps 50% of the optimizer on the host, 25% of the "
+                       "parameters, which is priced but not run yet"):  # fmt: skip
+        check_plan(nn.Linear(2, 2), part)
