@@ -165,9 +165,10 @@ def bench_plan_check_ranks(args: argparse.Namespace) -> list[dict[str, Any]]:
                 data = measured["model_data"]
                 held = data["params"] + data["optimizer_state"]
                 # all of it on the host: every unit ZeRO-3, its shard, gradient and state there
-                # (a swap's host bytes are activations, not model data)
+                # (a swap's host bytes are activations, not model data; the optimizer's share on
+                # the host is set apart below)
                 kept = FP32["param_bytes"] + FP32["optimizer_bytes"]
-                host = memory.host * kept / sum(FP32.values()) if plan.offload else 0.0
+                host = memory.host * kept / sum(FP32.values()) if plan.offload.params else 0.0
                 predicted = memory.params + memory.optimizer + host
                 host_optimizer = measured["host_optimizer"]
                 if host_optimizer is not None:  # the host's share of the state (module note)

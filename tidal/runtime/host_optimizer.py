@@ -6,10 +6,11 @@ the parameter shares it updates, on the host and update them there (ZeRO-Offload
 fraction ``h`` of that on the node's NVMe (ZeRO-Infinity's optimizer tier); [Note: model data
 offload] in tidal/planner/strategies.py prices both. Here:
 
-- which parameters: :func:`host_share` takes, of the stage's trainable parameters in their
-  order, the prefix whose local bytes come nearest ``f`` of the rank's total, and the NVMe
-  share is the prefix of those nearest ``h`` of theirs. Each rank decides from its own shares,
-  the same on every rank of a data-parallel group, so no collective is needed;
+- which parameters: :func:`host_share` takes, of the stage's trainable parameters, those whose
+  local bytes come nearest ``f`` of the rank's total (the largest first, each that still fits:
+  the bytes taken fall short by less than the smallest share left out), and the NVMe share is
+  taken from those alike, ``h`` of theirs. Each rank decides from its own shares, the same on
+  every rank of a data-parallel group, so no collective is needed;
 - each such parameter gets a host master and the optimizer's state over that master, made by
   the same optimizer class with the same groups and hyperparameters, so its update is torch's
   own arithmetic on the same numbers. The parameters are fp32 on the device (a plan run's
@@ -37,7 +38,6 @@ the device holds it, which the plan does not count.
 from __future__ import annotations
 
 import inspect
-import itertools
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -78,13 +78,18 @@ class HostOptimizerConfig:
         )
 
 
-def host_share(sizes: Sequence[int], fraction: float) -> int:
-    """How many of ``sizes`` (in order) hold the part nearest ``fraction`` of their total: the
-    length of the prefix whose sum is closest to it (the longer one on a tie)."""
+def host_share(sizes: Sequence[int], fraction: float) -> frozenset[int]:
+    """The indices of ``sizes`` whose sum comes nearest ``fraction`` of their total from below:
+    the largest first, each that still fits in what is left, so the sum falls short by less
+    than the smallest size left out (none short at 0 and 1)."""
     assert 0 <= fraction <= 1, fraction
-    target = fraction * sum(sizes)
-    prefix = list(itertools.accumulate(sizes, initial=0))
-    return min(range(len(prefix)), key=lambda k: (abs(prefix[k] - target), -k))
+    left = fraction * sum(sizes)
+    taken = set()
+    for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
+        if sizes[i] <= left * (1 + 1e-9):
+            taken.add(i)
+            left -= sizes[i]
+    return frozenset(taken)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -104,9 +109,10 @@ class HostStepped(torch.optim.Optimizer):
     def __init__(self, optimizer: torch.optim.Optimizer, config: HostOptimizerConfig) -> None:
         params = [p for group in optimizer.param_groups for p in group["params"]]
         assert not optimizer.state, "offload an optimizer before its first step"
-        num_host = host_share([_share_bytes(p) for p in params], config.fraction)
-        on_host = params[:num_host]
-        num_nvme = host_share([_share_bytes(p) for p in on_host], config.nvme_fraction)
+        chosen = host_share([_share_bytes(p) for p in params], config.fraction)
+        on_host = [p for i, p in enumerate(params) if i in chosen]
+        chosen = host_share([_share_bytes(p) for p in on_host], config.nvme_fraction)
+        on_nvme = [p for i, p in enumerate(on_host) if i in chosen]
         self.config = config
         self.device = optimizer
         # the groups as the caller knows them: rates set on them reach both optimizers at step
@@ -125,9 +131,9 @@ class HostStepped(torch.optim.Optimizer):
         self.host = type(optimizer)(host_groups, **{k: v for k, v in optimizer.defaults.items()
                                                     if k in taken})  # fmt: skip
         self._pairs = [(p, masters[id(p)]) for p in on_host]
-        self._nvme_ids = {id(p) for p in on_host[:num_nvme]}
+        self._nvme_ids = {id(p) for p in on_nvme}
         self._grads: dict[int, torch.Tensor] = {}  # id(param) -> its host gradient buffer
-        self.nvme = (NvmeTier(config.nvme_dir, budget_bytes=None) if num_nvme and config.nvme_dir
+        self.nvme = (NvmeTier(config.nvme_dir, budget_bytes=None) if on_nvme and config.nvme_dir
                      else None)  # fmt: skip
         self._away: set[int] = set()  # ids of parameters whose state is in the NVMe tier now
         # (id(master), state key) -> the local shape, dtype and DTensor layout (mesh,

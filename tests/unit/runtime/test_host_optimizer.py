@@ -14,13 +14,18 @@ from tidal.parallel.reference import build_optimizer
 from tidal.runtime.host_optimizer import HostOptimizerConfig, HostStepped, host_share
 
 
-def test_host_share_is_the_prefix_nearest_the_fraction() -> None:
-    assert host_share([4, 4, 4, 4], 0.5) == 2
-    assert host_share([4, 4, 4, 4], 0.0) == 0
-    assert host_share([4, 4, 4, 4], 1.0) == 4
-    assert host_share([10, 1, 1], 0.5) == 1  # 10 of 12 is nearer half than none
-    assert host_share([1, 1, 10], 0.5) == 2  # a tie goes to the longer prefix
-    assert host_share([], 0.7) == 0
+def test_host_share_falls_short_by_less_than_the_smallest_share_left_out() -> None:
+    assert host_share([4, 4, 4, 4], 0.5) == {0, 1}
+    assert host_share([4, 4, 4, 4], 0.0) == set()
+    assert host_share([4, 4, 4, 4], 1.0) == {0, 1, 2, 3}
+    assert host_share([10, 1, 1], 0.5) == {1, 2}  # the large one would overshoot
+    assert host_share([1, 1, 10], 0.9) == {2}
+    assert host_share([], 0.7) == set()
+    sizes = [3, 700, 5, 120, 64, 64, 9, 300]
+    for fraction in (0.1, 0.25, 0.5, 0.8):
+        taken = host_share(sizes, fraction)
+        short = fraction * sum(sizes) - sum(sizes[i] for i in taken)
+        assert 0 <= short < min(s for i, s in enumerate(sizes) if i not in taken)
 
 
 def _model() -> nn.Module:
