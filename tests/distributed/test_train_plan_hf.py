@@ -31,6 +31,7 @@ REPO = Path(__file__).resolve().parents[2]
 TOL = 1e-5
 SEQ_LEN = 32
 
+
 def _records(run_dir: Path, kind: str, key: str) -> list[tuple[int, float]]:
     return [(r["step"], r[key]) for r in read_metrics(run_dir) if r["kind"] == kind]
 
