@@ -76,6 +76,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="with --ranks: the GPT preset to plan and train (demo)")  # fmt: skip
     parser.add_argument("--timeout-s", type=int, default=600,
                         help="with --ranks: each plan's run on the ranks (600)")  # fmt: skip
+    parser.add_argument("--cases", default=None, metavar="NAME;NAME",
+                        help="with --ranks: the cases to run, by name, ';' between them "
+                        "(all: benchmarks/plan_check_ranks.py's CASES)")  # fmt: skip
 
 
 def bench_plan_check(args: argparse.Namespace) -> list[dict[str, Any]]:

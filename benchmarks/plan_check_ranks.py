@@ -135,13 +135,13 @@ def bench_plan_check_ranks(args: argparse.Namespace) -> list[dict[str, Any]]:
     from tidal.planner.check import offload_runs
     from tidal.testing import run_on_ranks
 
-    world = args.ranks
+    world, chosen = args.ranks, _chosen(args.cases)  # a bad name before the calibration
     model = dataclasses.replace(preset(args.model), dropout=0.0)
     figures = calibrate(world)
     cluster = _cluster(figures, world)
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="tidal-plan-check-ranks-") as folder:
-        for case, settings in CASES.items():
+        for case, settings in chosen.items():
             plan = _plan(model, cluster, settings, args.micro_batch)
             base = {"case": case, "model": args.model, "calibration": figures,
                     "plan": plan.mesh_name, "recompute": _modes(plan),
@@ -191,6 +191,20 @@ def bench_plan_check_ranks(args: argparse.Namespace) -> list[dict[str, Any]]:
                              "step_measured_over_predicted": step_s / plan.step_time_s,
                              "final_loss": measured["final_loss"]})  # fmt: skip
     return rows
+
+
+def _chosen(names: str | None) -> dict[str, dict[str, Any]]:
+    """The cases ``--cases`` names (``;`` between them), all without it."""
+    if names is None:
+        return CASES
+    wanted = [name.strip() for name in names.split(";") if name.strip()]
+    unknown = [name for name in wanted if name not in CASES]
+    if unknown or not wanted:
+        from tidal.config import ConfigError
+
+        raise ConfigError("--cases", f"{'; '.join(unknown) or 'none given'} is not a case; the "
+                          f"cases are {'; '.join(CASES)}")  # fmt: skip
+    return {name: CASES[name] for name in wanted}
 
 
 def _host_state(plan: Any, memory: Any) -> float | None:
