@@ -149,8 +149,8 @@ def bench_plan_check_ranks(args: argparse.Namespace) -> list[dict[str, Any]]:
                     "predicted_step_s": plan.step_time_s}  # fmt: skip
             if not offload_runs(plan):
                 memory = plan.rank_memory(0)
-                rows.append({**base, "ran": False, "why": "part of the parameters off the device "
-                             "is priced, not run by tidal train --plan yet",
+                rows.append({**base, "ran": False, "why": "parameters on the host of one device "
+                             "are priced, not run by tidal train --plan yet",
                              "predicted_host_bytes": memory.host,
                              "predicted_nvme_bytes": memory.nvme,
                              "predicted_device_bytes": memory.total})  # fmt: skip

@@ -14,7 +14,10 @@ train on 4 gloo ranks as one process does.
 - ``pp2-dp2-offload``: all of the model data on the host, every unit ZeRO-3: FSDP2's CPU
   offload on every group of every stage;
 - ``pp2-dp2-nvme``: half of each rank's optimizer updated on the host and half of that kept on
-  NVMe ([Note: the optimizer on the host] in tidal/runtime/host_optimizer.py).
+  NVMe ([Note: the optimizer on the host] in tidal/runtime/host_optimizer.py);
+- ``pp2-dp2-part``: all of the optimizer on the host and half of the parameters: FSDP2's CPU
+  offload on the groups nearest half, the host optimizer updating them in place and the rest
+  beside them.
 
 Losses, gradient norms, validation losses and the checkpointed parameters (whole, in the
 one-process layout) must equal a one-process run's; a ``pp2-tp2`` run stopped at step 2
@@ -51,7 +54,10 @@ STEPS = 3
 TOL = 1e-5
 MEMORY_TOL = 0.10  # the issue's bound on what the runtime meters
 FP32 = {"param_bytes": 4, "grad_bytes": 4, "optimizer_bytes": 8}
-CASES = ("pp2-dp2", "pp2-tp2", "pp2-v2", "pp2-tp2-swap", "pp2-dp2-offload", "pp2-dp2-nvme")
+CASES = (
+    "pp2-dp2", "pp2-tp2", "pp2-v2", "pp2-tp2-swap", "pp2-dp2-offload", "pp2-dp2-nvme",
+    "pp2-dp2-part",
+)  # fmt: skip
 LAYERS = {"pp2-v2": 4, "pp2-tp2-swap": 8}  # the others: the tiny GPT's 2
 
 JOB: dict[str, Any] = {
@@ -118,6 +124,8 @@ def _cases(root: Path) -> dict[str, Plan]:
             offload_nvme=(0.5,),
             cluster=ClusterSpec(devices=WORLD, nvme_bytes_per_node=2**40),
         ),
+        # half the parameters on the host (--offload 1 --offload-params 0.5)
+        "pp2-dp2-part": _made(layers=2, tp=1, offload=(1.0,), offload_params=(0.5,)),
     }
     # What each case is there for: a planner that changes its choices should not go unnoticed.
     for plan in cases.values():
@@ -139,6 +147,8 @@ def _cases(root: Path) -> dict[str, Plan]:
             if u.kind in ("linear", "embedding", "norm")} == {3}  # fmt: skip
     nvme = cases["pp2-dp2-nvme"]
     assert (nvme.offload.optimizer, nvme.offload.nvme, nvme.dp) == (0.5, 0.5, 2)
+    part = cases["pp2-dp2-part"]
+    assert (part.offload.optimizer, part.offload.params, part.dp) == (1.0, 0.5, 2)
     return cases
 
 
@@ -248,8 +258,12 @@ def test_a_pipelined_plan_trains_as_one_process_does(runs: dict[str, Any], case:
         # FSDP2's CPU offload holds every group of the offloading plan, and no other plan's
         policies = set(rank[case]["offloaded"])
         assert (policies == {"CPUOffloadPolicy"}) == (case == "pp2-dp2-offload"), policies
-        # the host's share of the optimizer is the host optimizer's, in its plan alone
-        assert (rank[case]["optimizers"] == ["HostStepped"]) == (case == "pp2-dp2-nvme")
+        # half the parameters: some groups offloaded, some not, on every rank
+        mixed = {"CPUOffloadPolicy", "OffloadPolicy"}
+        assert (policies == mixed) == (case == "pp2-dp2-part"), policies
+        # the host's share of the optimizer is the host optimizer's, in those plans alone
+        hosted = rank[case]["optimizers"] == ["HostStepped"]
+        assert hosted == (case in ("pp2-dp2-nvme", "pp2-dp2-part")), rank[case]["optimizers"]
 
 
 def test_a_pipelined_plan_runs_checkpoint_resumes_without_a_plan(runs: dict[str, Any]) -> None:

@@ -113,9 +113,11 @@ def test_the_train_command_of_a_plan_and_how_to_save_it() -> None:
                      plan_path="p.json", recipe="tiny", settings=[], devices_per_node=8)  # fmt: skip
     assert one == ["tidal", "train", "--recipe", "tiny", "--plan", "p.json", "--set",
                    "training.batch_size=2", "--set", "training.grad_accum_steps=1"]  # fmt: skip
-    part = how_to_train({**report, "offload": {"optimizer": 1.0, "params": 0.5}}, args)
-    assert part.startswith("this plan keeps part of the parameters off the device "
-                           "(--offload-params), priced")  # fmt: skip
+    part = {"optimizer": 1.0, "params": 0.5}
+    alone = how_to_train({**report, "mesh": {"dp": 1, "tp": 1}, "offload": part}, args)
+    assert alone.startswith("this plan keeps parameters off one device (--offload-params), "
+                            "priced")  # fmt: skip
+    assert how_to_train({**report, "offload": part}, args).startswith("train it: ")
     disk = how_to_train({**report, "offload": {"optimizer": 1.0, "nvme": 0.5}}, args)
     assert "--set memory.nvme_dir=NVME_DIR" in disk
     assert disk.endswith("NVME_DIR a folder on the node's NVMe drive)")

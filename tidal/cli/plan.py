@@ -267,9 +267,10 @@ def run_plan(args: argparse.Namespace, console: Console) -> int:
 def priced_only(report: dict, args: argparse.Namespace) -> str:
     """One line: what this search priced that ``tidal train --plan`` cannot run yet."""
     searched = [
-        *(["part of the parameters on the host (--offload-params between 0 and 1; runs: "
-           "none, or all of them over several data-parallel ranks)"]
-          if any(0 < g < 1 for g in _numbers(args.offload_params, "--offload-params")) else []),
+        *(["parameters on the host of one device (--offload-params; runs over several "
+           "data-parallel ranks)"]
+          if args.devices == 1 and any(_numbers(args.offload_params, "--offload-params"))
+          else []),
         *(["activations on a peer stage (--peer)"] if args.peer else []),
     ]  # fmt: skip
     return ("priced, not run by tidal train yet: " + "".join(f"{kind}; " for kind in searched)

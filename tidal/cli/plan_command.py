@@ -46,12 +46,10 @@ def not_run(report: dict) -> list[str]:
     lends = any(stage.get("memory", {}).get("lent") for stage in stages)
     zero3 = all(u["zero"] == 3 for stage in stages for u in stage.get("units", [])
                 if u.get("memory", {}).get("params"))  # fmt: skip
-    # check_plan's offload_runs: parameters on the host none, or all of ZeRO-3 units over dp
-    params = offload.get("params", 0)
-    runs = not params or (params == 1 and zero3 and report["mesh"]["dp"] > 1)
+    # check_plan's offload_runs: parameters on the host of ZeRO-3 units over dp ranks
+    runs = not offload.get("params") or (zero3 and report["mesh"]["dp"] > 1)
     return [
-        *(["keeps part of the parameters off the device (--offload-params)"]
-          if not runs else []),
+        *(["keeps parameters off one device (--offload-params)"] if not runs else []),
         *(["keeps activations on a peer stage (--peer)"] if lends else []),
         *(["runs PipeMare (--schedules pipemare)"]
           if pipeline.get("schedule") == "pipemare" else []),

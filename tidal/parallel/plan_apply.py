@@ -67,6 +67,7 @@ from torch.distributed.tensor import DTensor
 
 from tidal.activations.apply import apply_savers
 from tidal.activations.costs import Saver
+from tidal.memory.share import ON_HOST, host_share
 from tidal.memory.tiers import Tier, TierKind
 from tidal.parallel.tensor_axis import REORDERED, parallelize_tensor_axis
 from tidal.planner.check import RECOMPUTE_CORE, PlanWiring, check_plan, wire_plan
@@ -142,10 +143,10 @@ def _apply(model: nn.Module, plan: Plan, mesh: DeviceMesh | None, wiring: PlanWi
     dp_group = None
     if plan.dp > 1:
         assert mesh is not None
-        # check_plan's: a ZeRO-3 plan's parameters on the host are FSDP2's CPU offload (the
-        # optimizer's share on the host is the stage's optimizer's: host_optimizer.py)
-        policy = {"offload_policy": CPUOffloadPolicy(pin_memory=torch.cuda.is_available())}
-        _shard_data_axis(model, wiring, mesh["dp"], **(policy if plan.offload.params else {}))
+        # check_plan's: a ZeRO-3 plan's parameters on the host are FSDP2's CPU offload of the
+        # groups nearest its fraction (the optimizer's share on the host is the stage's
+        # optimizer's: host_optimizer.py)
+        _shard_data_axis(model, wiring, mesh["dp"], params_on_host=plan.offload.params)
         dp_group = mesh.get_group("dp")
     for param in {id(p): p for p in model.parameters()}.values():
         axes = param.device_mesh.mesh_dim_names if isinstance(param, DTensor) else None
@@ -207,10 +208,11 @@ def _reduce_grad(param: nn.Parameter, *, group: dist.ProcessGroup | None) -> Non
 # the data axis
 
 
-def _shard_data_axis(model: nn.Module, wiring: PlanWiring, mesh: DeviceMesh,
-                     **policy: Any) -> None:  # fmt: skip
-    """FSDP2 per block and on the root at the plan's ZeRO levels; ``policy``: FSDP2's offload
-    policy for every group (a plan whose model data is on the host).
+def _shard_data_axis(model: nn.Module, wiring: PlanWiring, mesh: DeviceMesh, *,
+                     params_on_host: float = 0.0) -> None:  # fmt: skip
+    """FSDP2 per block and on the root at the plan's ZeRO levels; with ``params_on_host``,
+    FSDP2's CPU offload on the groups whose parameters come nearest that fraction of them
+    (:func:`~tidal.memory.share.host_share`), their parameters marked :data:`ON_HOST`.
 
     ZeRO-3 reshards parameters after forward; ZeRO-1 and -2 do not (FSDP2 has no optimizer-only
     sharding). ZeRO-1 groups are tagged for :func:`set_accumulating`, which keeps their whole
@@ -219,21 +221,41 @@ def _shard_data_axis(model: nn.Module, wiring: PlanWiring, mesh: DeviceMesh,
     one block (or of the root) at different levels get FSDP groups of their own.
     """
     ignored: set[nn.Parameter] = set()
-    sharded = [
-        _shard_group(
-            model.get_submodule(prefix.replace("*", str(i))), members, mesh, ignored, **policy
-        )  # fmt: skip
+    groups = [
+        (model.get_submodule(prefix.replace("*", str(i))), members)
         for prefix, block in wiring.model.blocks.items()
         for i in range(block.count)
         if (members := _members(model, wiring, prefix, i))
     ]
     root_members = _members(model, wiring, None, 0)
+    sizes = [_bytes(members) for _, members in [*groups, (model, root_members)]]
+    offloaded = host_share(sizes, params_on_host)
+
+    def policy(group: int) -> dict[str, Any]:
+        if group not in offloaded:
+            return {}
+        return {"offload_policy": CPUOffloadPolicy(pin_memory=torch.cuda.is_available())}
+
+    sharded = [_shard_group(owner, members, mesh, ignored, **policy(g))
+               for g, (owner, members) in enumerate(groups)]  # fmt: skip
+    root = policy(len(groups))
     levels = {zero for zero, _ in root_members}
     if len(levels) == 1 and levels != {0}:  # the root's own group holds them
         fully_shard(model, mesh=mesh, reshard_after_forward=levels == {3}, ignored_params=ignored,
-                    **policy)  # fmt: skip
-    elif _shard_group(None, root_members, mesh, ignored, **policy) or any(sharded):
-        fully_shard(model, mesh=mesh, ignored_params=ignored, **policy)  # the groups' root
+                    **root)  # fmt: skip
+    elif _shard_group(None, root_members, mesh, ignored, **root) or any(sharded):
+        fully_shard(model, mesh=mesh, ignored_params=ignored, **root)  # the groups' root
+    for g, (_, members) in enumerate([*groups, (model, root_members)]):
+        if g in offloaded:  # FSDP2's own parameters now: the host optimizer's masters
+            for param in (p for _, modules in members for m in modules for p in m.parameters()):
+                setattr(param, ON_HOST, True)
+
+
+def _bytes(members: list[tuple[int, list[nn.Module]]]) -> int:
+    """The bytes of the parameters of ``members`` that FSDP2 shards (ZeRO > 0)."""
+    params = {id(p): p for zero, modules in members if zero for m in modules
+              for p in m.parameters()}  # fmt: skip
+    return sum(p.numel() * p.element_size() for p in params.values())
 
 
 def set_accumulating(model: nn.Module, accumulating: bool) -> None:

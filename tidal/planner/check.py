@@ -105,20 +105,19 @@ def wire_plan(model: nn.Module, plan: Plan, *, graph: ModelGraph | None = None,
 def offload_runs(plan: Plan) -> bool:
     """Whether ``plan``'s model data offload is one a plan run carries out: any part of the
     optimizer on the host and of that on NVMe ([Note: the optimizer on the host] in
-    tidal/runtime/host_optimizer.py), and parameters on the host all or none, all only over
-    several data-parallel ranks (FSDP2's CPU offload of ZeRO-3 units: [Note: model data
-    offload] in strategies.py)."""
-    params = plan.offload.params
-    return params == 0 or (params == 1 and plan.dp > 1)
+    tidal/runtime/host_optimizer.py), and any part of the parameters over several
+    data-parallel ranks (FSDP2's CPU offload of the ZeRO-3 groups nearest it: [Note: model
+    data offload] in strategies.py)."""
+    return not plan.offload.params or plan.dp > 1
 
 
 def _offload_error(plan: Plan, below: list[str]) -> ValueError:
     why = f"; {_join(map(repr, below[:3]))} are not ZeRO-3" if below else ""
     return ValueError(
         f"the plan keeps {plan.offload.describe()}{why}, which is priced but not run yet: "
-        f"tidal train --plan keeps parameters on the host all or none, all as FSDP2's CPU "
-        f"offload of ZeRO-3 units over several data-parallel ranks; make it with "
-        f"--offload-params 0 or 1 (1 on more than one device)"
+        f"tidal train --plan keeps parameters on the host as FSDP2's CPU offload of ZeRO-3 "
+        f"units over several data-parallel ranks; make it for more than one device, or with "
+        f"--offload-params 0"
     )
 
 

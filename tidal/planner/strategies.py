@@ -58,10 +58,12 @@ plan, searched over ``PlannerConfig.offloads()``.
 What runs (``check_plan``'s ``offload_runs``): ``tidal train --plan`` updates ``f`` of each
 device's optimizer on the host and keeps ``h`` of that on NVMe at any fractions, on one device
 or many ([Note: the optimizer on the host] in tidal/runtime/host_optimizer.py), and carries out
-``params = 1`` over several data-parallel ranks as FSDP2's ``CPUOffloadPolicy`` on every group,
-which holds ZeRO-3 units only; so with parameters offloaded every unit with parameters is
-offered ZeRO-3 alone, and the search prices what runs. A part of the parameters (``0 < g <
-1``), or any on one device, is priced, not run.
+``params = g`` over several data-parallel ranks as FSDP2's ``CPUOffloadPolicy`` on the groups
+(a block's repetition, the root's) whose parameters come nearest ``g`` of them, which holds
+ZeRO-3 units only; so with parameters offloaded every unit with parameters is offered ZeRO-3
+alone, and the search prices what runs. Parameters on the host of one device are priced, not
+run. The runtime moves whole groups where the pricing moves ``g`` of each unit: the same bytes
+within a group's, placed per group.
 """
 
 from __future__ import annotations

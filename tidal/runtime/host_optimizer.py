@@ -15,8 +15,10 @@ offload] in tidal/planner/strategies.py prices both. Here:
   the same optimizer class with the same groups and hyperparameters, so its update is torch's
   own arithmetic on the same numbers. The parameters are fp32 on the device (a plan run's
   precision is autocast's), so the device's share is the weight and the master is staged
-  from it at each step and freed after: between steps the host keeps the state alone. Where FSDP2 already keeps the shares on the host (a plan's
-  ``params = 1``, FSDP2's CPU offload), the parameters are their own masters;
+  from it at each step and freed after: between steps the host keeps the state alone. Where
+  FSDP2 already keeps a group's shares on the host (a plan's ``params`` fraction: FSDP2's CPU
+  offload of the groups nearest it, marked :data:`~tidal.memory.share.ON_HOST`), those
+  parameters are updated there as their own masters and the share is made up beside them;
 - a step copies each gradient share down (into a host buffer of the step's, pinned beside a
   GPU), stages the master, updates it on the host and copies it up into the parameter's
   share, one parameter at a time; the device optimizer updates the rest. A parameter without
@@ -38,7 +40,7 @@ the device holds it, which the plan does not count.
 from __future__ import annotations
 
 import inspect
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,8 +50,9 @@ from torch.distributed.tensor import DTensor
 
 from tidal.config import require
 from tidal.memory.nvme import NvmeTier
+from tidal.memory.share import ON_HOST, host_share
 
-__all__ = ["HostOptimizerConfig", "HostStepped", "host_share"]
+__all__ = ["HostOptimizerConfig", "HostStepped"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -59,7 +62,6 @@ class HostOptimizerConfig:
     fraction: float  # of the rank's optimizer (masters and state), updated on the host
     nvme_fraction: float = 0.0  # of that, on NVMe between steps
     nvme_dir: str | None = None  # the NVMe tier's folder, where nvme_fraction > 0
-    params_on_host: bool = False  # FSDP2 keeps the shares on the host: they are the masters
 
     def __post_init__(self) -> None:
         for name in ("fraction", "nvme_fraction"):
@@ -71,25 +73,6 @@ class HostOptimizerConfig:
             f"the plan keeps {self.nvme_fraction:.0%} of the host's optimizer state on NVMe: "
             "set memory.nvme_dir to a folder on the node's NVMe drive",
         )
-        require(
-            not self.params_on_host or self.fraction == 1,
-            "offload.params",
-            "parameters on the host are updated there: the whole optimizer goes with them",
-        )
-
-
-def host_share(sizes: Sequence[int], fraction: float) -> frozenset[int]:
-    """The indices of ``sizes`` whose sum comes nearest ``fraction`` of their total from below:
-    the largest first, each that still fits in what is left, so the sum falls short by less
-    than the smallest size left out (none short at 0 and 1)."""
-    assert 0 <= fraction <= 1, fraction
-    left = fraction * sum(sizes)
-    taken = set()
-    for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
-        if sizes[i] <= left * (1 + 1e-9):
-            taken.add(i)
-            left -= sizes[i]
-    return frozenset(taken)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -109,8 +92,13 @@ class HostStepped(torch.optim.Optimizer):
     def __init__(self, optimizer: torch.optim.Optimizer, config: HostOptimizerConfig) -> None:
         params = [p for group in optimizer.param_groups for p in group["params"]]
         assert not optimizer.state, "offload an optimizer before its first step"
-        chosen = host_share([_share_bytes(p) for p in params], config.fraction)
-        on_host = [p for i, p in enumerate(params) if i in chosen]
+        # those FSDP2 keeps on the host are updated there, the rest of the share chosen beside
+        held = [p for p in params if getattr(p, ON_HOST, False)]
+        rest = [p for p in params if not getattr(p, ON_HOST, False)]
+        sizes = [_share_bytes(p) for p in rest]
+        wanted = config.fraction * sum(map(_share_bytes, params)) - sum(map(_share_bytes, held))
+        chosen = host_share(sizes, min(1.0, max(0.0, wanted / sum(sizes))) if sizes else 0.0)
+        on_host = held + [p for i, p in enumerate(rest) if i in chosen]
         chosen = host_share([_share_bytes(p) for p in on_host], config.nvme_fraction)
         on_nvme = [p for i, p in enumerate(on_host) if i in chosen]
         self.config = config
@@ -119,7 +107,7 @@ class HostStepped(torch.optim.Optimizer):
         groups = [dict(group) for group in optimizer.param_groups]
         masters: dict[int, nn.Parameter] = {}
         for p in on_host:
-            masters[id(p)] = p if config.params_on_host else nn.Parameter(
+            masters[id(p)] = p if getattr(p, ON_HOST, False) else nn.Parameter(
                 torch.empty_like(_local(p), device="cpu"), requires_grad=True)  # fmt: skip
         self._masters = masters
         host_groups = []

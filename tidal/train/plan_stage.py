@@ -88,8 +88,8 @@ def plan_dims(plan: Plan, world_size: int) -> ParallelDims:
 def plan_host_optimizer(plan: Plan, job: JobConfig) -> HostOptimizerConfig | None:
     """What of each stage's optimizer the plan updates on the host, and keeps on NVMe in
     ``memory.nvme_dir`` ([Note: the optimizer on the host] in tidal/runtime/host_optimizer.py);
-    None where the device's optimizer does it all, FSDP2's CPU offload included (its shares
-    are on the host and updated there). Raises naming ``memory.nvme_dir`` where the plan needs
+    None where the device's optimizer does it all, FSDP2's CPU offload of every group included
+    (its shares are on the host and updated there). Raises naming ``memory.nvme_dir`` where the plan needs
     a disk and the job names none."""
     from tidal.runtime.host_optimizer import HostOptimizerConfig
 
@@ -97,8 +97,7 @@ def plan_host_optimizer(plan: Plan, job: JobConfig) -> HostOptimizerConfig | Non
     if not offload.optimizer or (offload.params == 1 and not offload.nvme):
         return None
     return HostOptimizerConfig(fraction=offload.optimizer, nvme_fraction=offload.nvme,
-                               nvme_dir=job.memory.nvme_dir,
-                               params_on_host=offload.params == 1)  # fmt: skip
+                               nvme_dir=job.memory.nvme_dir)  # fmt: skip
 
 
 def plan_job(job: JobConfig, plan: Plan) -> JobConfig:

@@ -90,9 +90,10 @@ def test_swap_within_the_host_memory_and_only_where_asked(graph: ModelGraph) -> 
 
 def test_a_plan_that_swaps_runs_where_one_that_offloads_part_does_not(graph: ModelGraph) -> None:
     """Issue 51: check_plan takes a swapping plan (apply runs the activation savers' host swap
-    on every block: tests/distributed/test_train_plan_pipeline.py trains one) and one keeping
-    half its optimizer on the host (host_optimizer.py); a plan keeping part of its parameters
-    there is refused in one line, before the model is traced."""
+    on every block: tests/distributed/test_train_plan_pipeline.py trains one), one keeping half
+    its optimizer on the host (host_optimizer.py) and one keeping a quarter of its parameters
+    there (FSDP2's offload of some groups); parameters on the host of one device are refused in
+    one line, before the model is traced."""
     from tidal.models import GPTConfig, build_gpt
     from tidal.planner import Offload
 
@@ -104,7 +105,15 @@ def test_a_plan_that_swaps_runs_where_one_that_offloads_part_does_not(graph: Mod
     check_plan(build_gpt(config, device="meta"), swapped)
     half = dataclasses.replace(swapped, offload=Offload(optimizer=0.5, nvme=0.5))
     check_plan(build_gpt(config, device="meta"), half)
-    part = dataclasses.replace(swapped, offload=Offload(optimizer=0.5, params=0.25))
+    quarter = Offload(optimizer=0.5, params=0.25)
+    below = dataclasses.replace(swapped, offload=quarter)
+    assert below.dp > 1 and any(u.zero != 3 for u in below.units if u.memory.params)
+    with pytest.raises(ValueError, match="are not ZeRO-3, which is priced but not run yet"):
+        check_plan(build_gpt(config, device="meta"), below)  # FSDP2 offloads ZeRO-3 groups
+    units = [dataclasses.replace(u, zero=3) for u in swapped.units]
+    part = dataclasses.replace(swapped, offload=quarter, units=units)
+    check_plan(build_gpt(config, device="meta"), part)  # FSDP2's offload of some groups
+    alone = dataclasses.replace(part, dp=1, devices=plan.tp)
     with pytest.raises(ValueError, match="keeps 50% of the optimizer on the host, 25% of the "
                        "parameters, which is priced but not run yet"):  # fmt: skip
-        check_plan(nn.Linear(2, 2), part)
+        check_plan(nn.Linear(2, 2), alone)  # one device: refused before tracing

@@ -9,9 +9,10 @@ import torch
 from torch import nn
 
 from tidal.config import ConfigError
+from tidal.memory.share import ON_HOST, host_share
 from tidal.parallel.config import OptimizerConfig
 from tidal.parallel.reference import build_optimizer
-from tidal.runtime.host_optimizer import HostOptimizerConfig, HostStepped, host_share
+from tidal.runtime.host_optimizer import HostOptimizerConfig, HostStepped
 
 
 def test_host_share_falls_short_by_less_than_the_smallest_share_left_out() -> None:
@@ -86,6 +87,25 @@ def test_host_update_equals_the_device_update_and_resumes(tmp_path, fraction, nv
         torch.testing.assert_close(a, c, rtol=0, atol=1e-6)
     stepped.close()
     assert not list(tmp_path.iterdir()) or not any(p.iterdir() for p in tmp_path.iterdir())
+
+
+def test_parameters_already_on_the_host_are_their_own_masters() -> None:
+    """FSDP2's offloaded groups (marked ON_HOST) are updated in place on the host, and the
+    share is made up beside them: ``f`` of the bytes in all."""
+    config = OptimizerConfig(weight_decay=0.1)
+    reference = _model()
+    ref_opt = build_optimizer(reference, config, 1e-2)
+    model = copy.deepcopy(reference)
+    first = model[0].weight  # 128 of the 264 elements
+    setattr(first, ON_HOST, True)
+    stepped = HostStepped(build_optimizer(model, config, 1e-2), HostOptimizerConfig(fraction=0.6))
+    assert stepped.on_host[0] is first and stepped.host.param_groups[0]["params"][0] is first
+    share = sum(p.numel() for p in stepped.on_host) / sum(p.numel() for p in model.parameters())
+    assert 0.5 < share <= 0.6
+    _train(reference, ref_opt, range(4))
+    _train(model, stepped, range(4))
+    for a, b in zip(reference.parameters(), model.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-7)
 
 
 def test_nvme_without_a_folder_is_refused_naming_the_setting() -> None:
