@@ -20,12 +20,13 @@ ON_HOST = "_tidal_on_host"
 def host_share(sizes: Sequence[int], fraction: float) -> frozenset[int]:
     """The indices of ``sizes`` whose sum comes nearest ``fraction`` of their total from below:
     the largest first, each that still fits in what is left, so the sum falls short by less
-    than the smallest size left out (none short at 0 and 1)."""
+    than the smallest size left out (none short at 0 and 1). A piece of no bytes goes only with
+    all of them: at a fraction below 1 moving it would change nothing but where it is."""
     assert 0 <= fraction <= 1, fraction
     left = fraction * sum(sizes)
     taken = set()
     for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
-        if sizes[i] <= left * (1 + 1e-9):
+        if (sizes[i] or fraction == 1) and sizes[i] <= left * (1 + 1e-9):
             taken.add(i)
             left -= sizes[i]
     return frozenset(taken)

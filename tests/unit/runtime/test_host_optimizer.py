@@ -22,6 +22,9 @@ def test_host_share_falls_short_by_less_than_the_smallest_share_left_out() -> No
     assert host_share([10, 1, 1], 0.5) == {1, 2}  # the large one would overshoot
     assert host_share([1, 1, 10], 0.9) == {2}
     assert host_share([], 0.7) == set()
+    # an empty piece (a stage's root without parameters) moves only with everything
+    assert host_share([0, 4, 4], 0.0) == set() and host_share([0, 4, 4], 0.5) == {1}
+    assert host_share([0, 4, 4], 1.0) == {0, 1, 2}
     sizes = [3, 700, 5, 120, 64, 64, 9, 300]
     for fraction in (0.1, 0.25, 0.5, 0.8):
         taken = host_share(sizes, fraction)
