@@ -13,6 +13,7 @@ from __future__ import annotations
 import heapq
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from tidal.activations.costs import (
     Choice,
@@ -44,7 +45,8 @@ def plan_greedy(saved: Sequence[Saved], links: Links) -> SaverPlan:
     rank whose moves are all small holds less, and one whose largest copy is a stashed weight
     version it need not move holds none of it back; the plan is evaluated as it is, so a smaller
     reserve only ever adds plans); the fastest plan that fits, else the first (``fits`` False)."""
-    plans = [_greedy(saved, links, scarce_for_all=all_, reserve_share=share)
+    table = _offer_table(saved, links)
+    plans = [_greedy(saved, links, table, scarce_for_all=all_, reserve_share=share)
              for all_ in (True, False) for share in (1.0, 0.5, 0.25, 0.0)]  # fmt: skip
     fitting = [_refine(saved, links, p) for p in plans if p.fits]
     return min(fitting, key=_step_key) if fitting else plans[0]
@@ -209,7 +211,7 @@ def _make_room(saved: Sequence[Saved], links: Links, choices: list[Choice],
     return choices
 
 
-def _greedy(saved: Sequence[Saved], links: Links, *, scarce_for_all: bool,
+def _greedy(saved: Sequence[Saved], links: Links, table: _OfferTable, *, scarce_for_all: bool,
             reserve_share: float) -> SaverPlan:  # fmt: skip
     choices: list[Choice] = [(Saver.KEEP, None)] * len(saved)
     # A rank that moves anything holds one copy back for its block's backward: reserve its
@@ -226,7 +228,7 @@ def _greedy(saved: Sequence[Saved], links: Links, *, scarce_for_all: bool,
         rank = max(range(links.num_ranks), key=lambda r: over[r])
         if over[rank] <= 0:
             return plan
-        best = _best_move(saved, choices, links, plan, rank, scarce_for_all=scarce_for_all)
+        best = _best_move(saved, choices, links, plan, rank, table, scarce_for_all=scarce_for_all)
         if best is not None:
             index, choice = best
             choices[index] = choice
@@ -299,8 +301,42 @@ def _kept_peak(plan: SaverPlan, saved: Sequence[Saved], choices: Sequence[Choice
     return plan.peak_bytes[rank] - transient_bytes_per_rank(saved, choices, links)[rank]
 
 
+@dataclass(frozen=True, slots=True)
+class _Offer:
+    """A saver a tensor could move to, with what does not change while the greedy runs."""
+
+    choice: Choice
+    held_bytes: int  # what its rank holds of the tensor under it
+    fixed_s: float  # the seconds it adds (a host swap's depend on its link's users: unused)
+    lent: tuple[tuple[int, int], ...]  # a peer swap's: what each lender holds of it
+
+
+@dataclass(frozen=True, slots=True)
+class _OfferTable:
+    """Per saved tensor its offers but keep, per rank the tensors its stages save: the greedy
+    asks for them at every move of every rank (pricing each again was most of its time)."""
+
+    offers: tuple[tuple[_Offer, ...], ...]
+    by_rank: tuple[tuple[int, ...], ...]
+
+
+def _offer_table(saved: Sequence[Saved], links: Links) -> _OfferTable:
+    offers = tuple(
+        tuple(_Offer(choice=choice, held_bytes=item.held_under(choice[0]),
+                     fixed_s=0.0 if choice[0] is Saver.HOST else price_s(item, choice, links, 1),
+                     lent=tuple(lent_shares(item, choice[1], links))
+                     if choice[0] is Saver.PEER else ())
+              for choice in saver_options(item, links)[1:])
+        for item in saved
+    )  # fmt: skip
+    by_rank = tuple(tuple(i for i, item in enumerate(saved) if links.stage_rank[item.stage] == r)
+                    for r in range(links.num_ranks))  # fmt: skip
+    return _OfferTable(offers=offers, by_rank=by_rank)
+
+
 def _best_move(saved: Sequence[Saved], choices: list[Choice], links: Links, plan: SaverPlan,
-               rank: int, *, scarce_for_all: bool) -> tuple[int, Choice] | None:  # fmt: skip
+               rank: int, table: _OfferTable, *,
+               scarce_for_all: bool) -> tuple[int, Choice] | None:  # fmt: skip
     spare = [b - p for b, p in zip(links.budget_bytes, plan.peak_bytes, strict=True)]
     host_room = [math.inf if cap is None else cap - held
                  for cap, held in zip(links.host_budget_bytes, plan.host_bytes, strict=True)]  # fmt: skip
@@ -315,33 +351,32 @@ def _best_move(saved: Sequence[Saved], choices: list[Choice], links: Links, plan
         if choice[0] is Saver.HOST and links.host_link[links.stage_rank[item.stage]] == link
     )  # fmt: skip
     best: tuple[tuple[float, float], int, Choice] | None = None
-    for index, item in enumerate(saved):
-        now = choices[index]
-        if links.stage_rank[item.stage] != rank or now[0] not in (Saver.KEEP, Saver.RECOMPUTE):
+    for index in table.by_rank[rank]:
+        item, now = saved[index], choices[index][0]
+        if now is not Saver.KEEP and now is not Saver.RECOMPUTE:
             continue
-        if item.held_under(now[0]) == 0:  # nothing left to free (a recompute keeping nothing)
+        held_now = item.held_under(now)
+        if held_now == 0:  # nothing left to free (a recompute keeping nothing)
             continue
-        for choice in saver_options(item, links)[1:]:
-            saver, lender = choice
-            freed = item.held_under(now[0]) - item.held_under(saver)
-            if freed <= 0:
+        # a recomputable tensor leaves the host and the lenders to those that cannot be
+        kept_off = not scarce_for_all and item.recompute_s is not None and now is Saver.KEEP
+        for offer in table.offers[index]:
+            freed = held_now - offer.held_bytes
+            saver = offer.choice[0]
+            if freed <= 0 or kept_off and saver is not Saver.RECOMPUTE:
                 continue
-            if (
-                saver in (Saver.HOST, Saver.PEER)
-                and not scarce_for_all
-                and item.recompute_s is not None
-                and now[0] is Saver.KEEP
-            ):
+            if saver is Saver.HOST:
+                added = price_s(item, offer.choice, links, users) - plan.item_added_s[index]
+                added += joining_s
+            else:
+                added = offer.fixed_s - plan.item_added_s[index]
+            key = (added / freed, -freed)  # s per byte freed; free ones by size
+            if best is not None and not key < best[0]:
                 continue
+            # where it goes must have room (asked only of a move that would be the best)
             if saver is Saver.HOST and host_room[link] < item.held_bytes:
                 continue
-            if saver is Saver.PEER and any(
-                spare[to] < num_bytes for to, num_bytes in lent_shares(item, lender, links)
-            ):
+            if saver is Saver.PEER and any(spare[to] < b for to, b in offer.lent):
                 continue
-            added = price_s(item, choice, links, users) - plan.item_added_s[index]
-            added += joining_s if saver is Saver.HOST else 0.0
-            key = (added / freed, -freed)  # s per byte freed; free ones by size
-            if best is None or key < best[0]:
-                best = (key, index, choice)
+            best = (key, index, offer.choice)
     return None if best is None else (best[1], best[2])
