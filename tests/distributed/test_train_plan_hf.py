@@ -1,9 +1,8 @@
 """``tidal train --plan`` on a Hugging Face LLaMA (GQA), end to end through the command line.
 
 ``tidal plan --model config.json --pp 2`` makes a pipelined plan of tensor-parallel stages for
-4 devices and prints the command that trains it; that command trains it on 4 gloo ranks under
-torchrun, and the same settings train in this process on the reference engine. The losses,
-validation losses and the checkpointed (gathered, single-device layout) parameters must match
+4 devices and prints the command that trains it; that command's 4 ranks train it on gloo, and
+the same settings train in this process on the reference engine. The losses, validation losses and the checkpointed (gathered, single-device layout) parameters must match
 within 1e-5. (A flat plan of a Hugging Face model is test_plan_apply_hf.py's; a plan run
 stopped and resumed by new processes is test_train_plan.py's.)
 """
@@ -11,10 +10,7 @@ stopped and resumed by new processes is test_train_plan.py's.)
 from __future__ import annotations
 
 import json
-import os
 import shlex
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -22,12 +18,12 @@ import torch
 
 from tidal.cli.main import main
 from tidal.planner import Plan, StrategyName
+from tidal.testing import run_command_on_ranks
 from tidal.train.checkpoint import latest_checkpoint, load_model_state
 from tidal.train.metrics import read_metrics
 
 transformers = pytest.importorskip("transformers")
 
-REPO = Path(__file__).resolve().parents[2]
 TOL = 1e-5
 SEQ_LEN = 32
 
@@ -42,7 +38,7 @@ def test_hf_llama_pipelined_plan_trains_with_the_command_tidal_plan_prints(
 ) -> None:
     """Issue 51: ``tidal plan --pp 2`` on 4 devices chooses a pipelined plan of tensor-parallel
     stages for the LLaMA and prints the ``tidal train`` command that trains it; that command,
-    run as printed (4 gloo ranks under torchrun), trains as one process does with the same
+    run as printed on its 4 gloo ranks, trains as one process does with the same
     batch."""
     transformers.LlamaConfig(
         vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -65,13 +61,10 @@ def test_hf_llama_pipelined_plan_trains_with_the_command_tidal_plan_prints(
              "data.source=synthetic", "data.synthetic_num_tokens=20000", "optimizer.eps=1e-6",
              "metrics.peak_tflops=1.0", "checkpoint.every_steps=0"]  # fmt: skip
     run_dir, reference = tmp_path / "plan", tmp_path / "reference"
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    result = subprocess.run(
-        [sys.executable, "-m", "tidal", *command[1:], "--no-plots",
-         *(a for s in steps for a in ("--set", s)), "--set", f"run_dir={run_dir}"],
-        capture_output=True, text=True, timeout=300, cwd=REPO, env=env, check=False,
-    )  # fmt: skip
-    assert result.returncode == 0, result.stdout + result.stderr
+    # its 4 ranks as the launcher starts them, forked from the fork server (the launch itself
+    # is the README quick start's, whose plan trains under torchrun)
+    run_command_on_ranks([*command[2:], "--no-plots", *(a for s in steps for a in ("--set", s)),
+                          "--set", f"run_dir={run_dir}"], world_size=4, timeout_s=300)  # fmt: skip
     one = ["train", "--recipe", command[command.index("--recipe") + 1], "--no-plots"]
     assert main([*one, *(a for s in [*settings, *steps] for a in ("--set", s)),
                  "--set", f"run_dir={reference}"]) == 0  # fmt: skip

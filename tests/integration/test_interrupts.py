@@ -19,7 +19,7 @@ from tidal.train import Trainer
 from tidal.train.checkpoint import list_checkpoints
 from tidal.train.metrics import read_metrics
 
-STEPS = 50
+STEPS = 30
 OVERRIDES = [
     "engine=chunk",
     "chunk.size=128",
@@ -29,7 +29,7 @@ OVERRIDES = [
     "training.log_every=1",
     "checkpoint.every_steps=0",
     "checkpoint.at_end=false",
-    "optimizer.decay_steps=50",
+    "optimizer.decay_steps=30",
     "metrics.peak_tflops=1.0",
 ]
 
@@ -72,7 +72,7 @@ def test_sigint_or_sigterm_at_random_moments_exits_130_in_one_line_and_resumes_e
     rng = random.Random(0)
     stopped: dict[int, Path] = {}  # the step a trial stopped after -> its run folder
     interrupted = 0
-    for trial in range(20):  # the 20 trials: at most 20 processes of 50 steps
+    for trial in range(20):  # the 20 trials: at most 20 processes of 30 steps
         run_dir, err_path = tmp_path / f"trial{trial}", tmp_path / f"trial{trial}.err"
         child = ctx.Process(target=_train_in_child, args=(str(run_dir), str(err_path)))
         child.start()
@@ -83,7 +83,7 @@ def test_sigint_or_sigterm_at_random_moments_exits_130_in_one_line_and_resumes_e
                 time.sleep(0.002)
             time.sleep(rng.uniform(0.0, 0.5))
         else:
-            _wait_for_step(run_dir, rng.randint(1, 20), child)
+            _wait_for_step(run_dir, rng.randint(1, 12), child)
             time.sleep(rng.uniform(0.0, 0.03))
         sent = signal.SIGTERM if trial % 5 == 4 else signal.SIGINT  # what a scheduler sends
         with contextlib.suppress(ProcessLookupError):

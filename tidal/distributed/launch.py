@@ -43,6 +43,7 @@ from tidal.config import require
 __all__ = [
     "Nodes",
     "launch_train",
+    "rank_argv",
     "say_once",
     "torchrun_args",
     "torchrun_command",
@@ -134,9 +135,7 @@ def torchrun_args(
     """torchrun's arguments for ``nproc`` ranks of ``tidal train`` on this machine (and as many
     on each of ``nodes``), restarted up to ``max_restarts`` times, with ``train_argv`` minus the
     launch flags."""
-    ranks_argv = list(train_argv)
-    for flag in _LAUNCH_FLAGS:
-        ranks_argv = without_flag(ranks_argv, flag)
+    ranks = rank_argv(train_argv)
     if nodes.rdzv_endpoint is None:
         where = ["--standalone"]
     elif nodes.node_rank is None:  # c10d rendezvous: numbered as they arrive
@@ -147,7 +146,15 @@ def torchrun_args(
         where = [f"--nnodes={nodes.num_nodes}", f"--node-rank={nodes.node_rank}",
                  f"--master-addr={host}", f"--master-port={port}"]  # fmt: skip
     restarts = [f"--max-restarts={max_restarts}"] if max_restarts else []
-    return [*where, *restarts, f"--nproc-per-node={nproc}", "-m", "tidal", "train", *ranks_argv]
+    return [*where, *restarts, f"--nproc-per-node={nproc}", "-m", "tidal", "train", *ranks]
+
+
+def rank_argv(train_argv: Sequence[str]) -> list[str]:
+    """What each rank's ``tidal train`` is given: ``train_argv`` minus the launch flags."""
+    argv = list(train_argv)
+    for flag in _LAUNCH_FLAGS:
+        argv = without_flag(argv, flag)
+    return argv
 
 
 def torchrun_command(train_argv: Sequence[str], *, nproc: int, nodes: Nodes = Nodes()) -> list[str]:

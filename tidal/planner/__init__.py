@@ -6,13 +6,42 @@ is the ILP on scipy's HiGHS; ``make_plan`` (search.py) runs it over every mesh a
 the baselines (baselines.py); a :class:`Plan` (plan.py) is the result as plain data. Everything
 here is pure: a plan is realised on a model with DTensor and FSDP2 by
 ``tidal.parallel.plan_apply.apply``, a layer above.
+
+[Note: a lazy package]
+Importing any module below imports this package first; it names its exports without importing
+them, because search.py brings scipy's solver (about a second) that a process reading a Plan,
+wiring one or writing a checkpoint never uses.
 """
 
-from tidal.planner.cluster import CLUSTER_PRESETS, ClusterSpec, Mesh
-from tidal.planner.config import PlannerConfig
-from tidal.planner.measure import ModelGraph, Unit, measure
-from tidal.planner.plan import Layout, Offload, Plan, Recompute, StrategyName, UnitChoice
-from tidal.planner.search import Infeasible, PlanResult, make_plan, plan_for
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from tidal.planner.cluster import CLUSTER_PRESETS, ClusterSpec, Mesh
+    from tidal.planner.config import PlannerConfig
+    from tidal.planner.measure import ModelGraph, Unit, measure
+    from tidal.planner.plan import Layout, Offload, Plan, Recompute, StrategyName, UnitChoice
+    from tidal.planner.search import Infeasible, PlanResult, make_plan, plan_for
+
+_HOMES = {
+    "cluster": ("CLUSTER_PRESETS", "ClusterSpec", "Mesh"),
+    "config": ("PlannerConfig",),
+    "measure": ("ModelGraph", "Unit", "measure"),
+    "plan": ("Layout", "Offload", "Plan", "Recompute", "StrategyName", "UnitChoice"),
+    "search": ("Infeasible", "PlanResult", "make_plan", "plan_for"),
+}
+_HOME_OF = {name: module for module, names in _HOMES.items() for name in names}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _HOME_OF:
+        raise AttributeError(f"module 'tidal.planner' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"tidal.planner.{_HOME_OF[name]}"), name)
+    globals()[name] = value
+    return value
+
 
 __all__ = [
     "CLUSTER_PRESETS",

@@ -28,7 +28,14 @@ from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
 from typing import Any, Literal
 
-__all__ = ["RankFailure", "RankOutcome", "free_port", "process_context", "run_on_ranks"]
+__all__ = [
+    "RankFailure",
+    "RankOutcome",
+    "free_port",
+    "process_context",
+    "run_command_on_ranks",
+    "run_on_ranks",
+]
 
 # Long enough for a peer to report its own error, short enough not to matter in a test run.
 _GRACE_S = 3.0
@@ -282,7 +289,16 @@ def _supervise(ranks: list[_Rank], timeout_s: float) -> list[RankOutcome]:
 # that imports those modules once and computes nothing, so a fork of it is as clean as a new
 # interpreter: no threads, no process group, no device context. What a spawned rank would
 # take from its parent at start, the environment and stdout/stderr, is passed along explicitly.
-_PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "tidal", "tidal.train"]
+# DTensor's modules too (tensor_stage's): most ranks shard, and every checkpoint of a sharded
+# stage reads them (another 1-2 s each).
+_PRELOAD = [
+    "torch",
+    "torch.distributed",
+    "torch._dynamo",
+    "tidal",
+    "tidal.train",
+    "tidal.parallel.tensor_stage",
+]
 
 
 class _ParentStdio:
@@ -350,6 +366,28 @@ def run_on_ranks(
     if any(o.status != "ok" for o in outcomes):
         raise RankFailure(outcomes, world_size)
     return results
+
+
+def run_command_on_ranks(train_argv: list[str], *, world_size: int,
+                         timeout_s: float = 120.0) -> None:  # fmt: skip
+    """Run ``tidal train TRAIN_ARGV`` as the launcher's ``world_size`` ranks do (its launch
+    flags dropped, torchrun's variables set, one intra-op thread each as OMP_NUM_THREADS=1
+    gives them) on ranks forked from the fork server: the ranks of ``tidal train --nproc N``
+    without starting N interpreters. Raises :class:`RankFailure` unless each exits 0."""
+    from tidal.distributed.launch import rank_argv
+
+    run_on_ranks(_run_command, world_size=world_size, args=(rank_argv(train_argv),),
+                 timeout_s=timeout_s, backend=None)  # fmt: skip
+
+
+def _run_command(argv: list[str]) -> None:
+    import torch
+
+    from tidal.cli.main import main
+
+    torch.set_num_threads(1)
+    code = main(["train", *argv])
+    assert code == 0, f"tidal train exited {code} on this rank"
 
 
 # A port taken between free_port and rank 0's listen fails the rendezvous before fn did any

@@ -63,9 +63,6 @@ class PipelineStages:
             yield s, module, weights, module.source_names
 
     def checkpoint_state(self) -> CheckpointTensors:
-        from tidal.parallel.stage_params import whole
-        from tidal.parallel.tensor_stage import model_order  # DTensor: a checkpoint's import
-
         tensors: dict[str, Any] = {}
         for s, module, weights, source in self._stages():
             if isinstance(weights, ChunkStageParams):  # read from the chunks (gathered: ZeRO-3)
@@ -75,6 +72,9 @@ class PipelineStages:
                 by_source = {source[n]: saved for n, saved in state["optimizer"].items()}
                 optim, steps = flat_optimizer_state(by_source)
             else:  # FSDP2 and tensor-parallel stages' DTensors whole, in the model's order
+                from tidal.parallel.stage_params import whole  # DTensor: imported when used
+                from tidal.parallel.tensor_stage import model_order
+
                 for name, param in module.named_parameters():
                     value = model_order(module, name, whole(param.detach()))
                     tensors[f"model/{source[name]}"] = value.reshape(-1)
