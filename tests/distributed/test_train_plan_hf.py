@@ -15,10 +15,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from command_ranks import run_command_on_ranks
 
 from tidal.cli.main import main
 from tidal.planner import Plan, StrategyName
-from tidal.testing import run_command_on_ranks
 from tidal.train.checkpoint import latest_checkpoint, load_model_state
 from tidal.train.metrics import read_metrics
 

@@ -13,10 +13,10 @@ import time
 from pathlib import Path
 
 import pytest
+from command_ranks import run_command_on_ranks
 
 from tidal.config import ConfigError
 from tidal.distributed.faults import Fault, maybe_inject, parse_fault
-from tidal.testing import run_command_on_ranks
 from tidal.train.checkpoint import list_checkpoints
 from tidal.train.integrity import choose_checkpoint
 

@@ -18,18 +18,17 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+# torch's and tidal's own modules: imported now (``measure`` names a module and its function)
+from tidal.planner.cluster import CLUSTER_PRESETS, ClusterSpec, Mesh
+from tidal.planner.measure import ModelGraph, Unit, measure
+from tidal.planner.plan import Layout, Offload, Plan, Recompute, StrategyName, UnitChoice
+
 if TYPE_CHECKING:
-    from tidal.planner.cluster import CLUSTER_PRESETS, ClusterSpec, Mesh
     from tidal.planner.config import PlannerConfig
-    from tidal.planner.measure import ModelGraph, Unit, measure
-    from tidal.planner.plan import Layout, Offload, Plan, Recompute, StrategyName, UnitChoice
     from tidal.planner.search import Infeasible, PlanResult, make_plan, plan_for
 
 _HOMES = {
-    "cluster": ("CLUSTER_PRESETS", "ClusterSpec", "Mesh"),
-    "config": ("PlannerConfig",),
-    "measure": ("ModelGraph", "Unit", "measure"),
-    "plan": ("Layout", "Offload", "Plan", "Recompute", "StrategyName", "UnitChoice"),
+    "config": ("PlannerConfig",),  # imports the search's baselines
     "search": ("Infeasible", "PlanResult", "make_plan", "plan_for"),
 }
 _HOME_OF = {name: module for module, names in _HOMES.items() for name in names}

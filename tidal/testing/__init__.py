@@ -1,11 +1,5 @@
 """Test helpers for tidal and for code built on it."""
 
-from tidal.testing.dist import (
-    RankFailure,
-    RankOutcome,
-    free_port,
-    run_command_on_ranks,
-    run_on_ranks,
-)
+from tidal.testing.dist import RankFailure, RankOutcome, free_port, run_on_ranks
 
-__all__ = ["RankFailure", "RankOutcome", "free_port", "run_command_on_ranks", "run_on_ranks"]
+__all__ = ["RankFailure", "RankOutcome", "free_port", "run_on_ranks"]
