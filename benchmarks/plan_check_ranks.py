@@ -132,7 +132,7 @@ def _plan(model: Any, cluster: Any, settings: dict[str, Any], micro_batch: int) 
 def bench_plan_check_ranks(args: argparse.Namespace) -> list[dict[str, Any]]:
     """One row per case and rank (one per case for a plan that does not run yet)."""
     from tidal.models import preset
-    from tidal.planner.check import offload_runs
+    from tidal.planner.check import not_run
     from tidal.testing import run_on_ranks
 
     world, chosen = args.ranks, _chosen(args.cases)  # a bad name before the calibration
@@ -147,10 +147,10 @@ def bench_plan_check_ranks(args: argparse.Namespace) -> list[dict[str, Any]]:
                     "plan": plan.mesh_name, "recompute": _modes(plan),
                     "offload": plan.offload.to_dict(),
                     "predicted_step_s": plan.step_time_s}  # fmt: skip
-            if not offload_runs(plan):
+            gaps = not_run(plan)
+            if gaps:
                 memory = plan.rank_memory(0)
-                rows.append({**base, "ran": False, "why": "parameters on the host of one device "
-                             "are priced, not run by tidal train --plan yet",
+                rows.append({**base, "ran": False, "why": gaps[0].why,
                              "predicted_host_bytes": memory.host,
                              "predicted_nvme_bytes": memory.nvme,
                              "predicted_device_bytes": memory.total})  # fmt: skip

@@ -212,6 +212,10 @@ def _lending(data: dict[str, Any]) -> None:
     data["pipeline"]["stages"]["last"]["memory"]["lent"] = 1024.0
 
 
+def _pipemare(data: dict[str, Any]) -> None:
+    data["pipeline"]["schedule"] = "pipemare"
+
+
 def _format_1(data: dict[str, Any]) -> None:
     data["format"] = 1
 
@@ -226,6 +230,7 @@ def _format_1(data: dict[str, Any]) -> None:
         ("pipelined", ["--nproc", "2"], "the plan is for 4 devices (pp 2 x dp "),
         ("an older format", ["--nproc", "2"], "the plan is format 1, written by another version"),
         ("lending", ["--nproc", "4"], "the plan keeps activations on the mirror stage's device"),
+        ("pipemare", ["--nproc", "4"], "the plan runs pipemare, an asynchronous schedule"),
     ],
 )
 def test_a_plan_that_cannot_run_is_one_line_and_exit_2(
@@ -239,6 +244,7 @@ def test_a_plan_that_cannot_run_is_one_line_and_exit_2(
         "pipelined": lambda: _pipelined(tmp_path / "p.json"),
         "an older format": lambda: _edited(_plan_file(tmp_path / "p.json"), _format_1),
         "lending": lambda: _edited(_pipelined(tmp_path / "p.json"), _lending),
+        "pipemare": lambda: _edited(_pipelined(tmp_path / "p.json"), _pipemare),
     }[plan]()
     capsys.readouterr()
     run_dir = tmp_path / "run"

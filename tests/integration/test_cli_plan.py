@@ -14,7 +14,7 @@ from tidal.cli.args import build_parser
 from tidal.cli.main import main
 from tidal.cli.plan_command import how_to_train, train_argv
 from tidal.planner import Plan, Recompute
-from tidal.planner.plan import Offload
+from tidal.planner.plan import Layout, MemoryBreakdown, Offload, StrategyName, UnitChoice
 from tidal.train.job import load_job
 
 
@@ -99,26 +99,38 @@ def test_every_plan_option_says_what_it_does() -> None:
 def test_the_train_command_of_a_plan_and_how_to_save_it() -> None:
     """Without --json the line says to save the plan first; a plan over machines runs on each
     (--nnodes); a one-device plan runs in this process."""
-    report = {"mesh": {"dp": 4, "tp": 4}, "micro_batch": 2, "num_microbatches": 3,
-              "recompute": {}, "offload": None, "seq_len": 64}  # fmt: skip
+    plan = Plan(model="gpt2-small", devices=16, dp=4, tp=4, micro_batch=2, seq_len=64,
+                num_microbatches=3, units=[], recompute={}, memory=MemoryBreakdown(),
+                step_time_s=1.0)  # fmt: skip
     args = build_parser().parse_args(["plan", "--model", "gpt2-small", "--devices", "16"])
-    line = how_to_train(report, args)
+    line = how_to_train(plan, args)
     assert line.startswith("train it: save it with --json plan.json, then tidal train ")
     argv = shlex.split(line.split(", then ")[1].split(" (on every machine")[0])
     train = build_parser().parse_args(argv[1:])
     assert (train.plan, train.nnodes, train.nproc, train.rdzv_endpoint) == ("plan.json", 2, 8,
                                                                           "HOST:PORT")  # fmt: skip
     assert train.overrides[-2:] == ["training.batch_size=8", "training.grad_accum_steps=3"]
-    one = train_argv({**report, "mesh": {"dp": 1, "tp": 1}, "num_microbatches": 1},
-                     plan_path="p.json", recipe="tiny", settings=[], devices_per_node=8)  # fmt: skip
+    alone = dataclasses.replace(plan, devices=1, dp=1, tp=1)
+    one = train_argv(dataclasses.replace(alone, num_microbatches=1), plan_path="p.json",
+                     recipe="tiny", settings=[], devices_per_node=8)  # fmt: skip
     assert one == ["tidal", "train", "--recipe", "tiny", "--plan", "p.json", "--set",
                    "training.batch_size=2", "--set", "training.grad_accum_steps=1"]  # fmt: skip
-    part = {"optimizer": 1.0, "params": 0.5}
-    alone = how_to_train({**report, "mesh": {"dp": 1, "tp": 1}, "offload": part}, args)
-    assert alone.startswith("this plan keeps parameters off one device (--offload-params), "
-                            "priced")  # fmt: skip
-    assert how_to_train({**report, "offload": part}, args).startswith("train it: ")
-    disk = how_to_train({**report, "offload": {"optimizer": 1.0, "nvme": 0.5}}, args)
+    # the refusals are check_plan's own (planner.check.not_run): parameters on one device, or
+    # on units that keep their weights whole, are priced, not run
+    part = Offload(optimizer=1.0, params=0.5)
+    sharded = UnitChoice(name="fc", module="fc", segment=None, kind="linear",
+                         strategy=StrategyName.REPLICATE, in_layout=Layout.R, out_layout=Layout.R,
+                         zero=3, count=1, memory=MemoryBreakdown(params=1.0))  # fmt: skip
+    refused = how_to_train(dataclasses.replace(alone, offload=part, units=[sharded]), args)
+    assert refused.startswith("this plan keeps parameters off one device (--offload-params), "
+                              "priced")  # fmt: skip
+    assert how_to_train(dataclasses.replace(plan, offload=part, units=[sharded]),
+                        args).startswith("train it: ")  # fmt: skip
+    whole = dataclasses.replace(sharded, zero=1, memory=MemoryBreakdown(host=1.0))
+    assert how_to_train(dataclasses.replace(plan, offload=part, units=[whole]),
+                        args).startswith("this plan keeps parameters of units below ZeRO-3 on the "
+                                         "host (--offload-params), priced")  # fmt: skip
+    disk = how_to_train(dataclasses.replace(plan, offload=Offload(optimizer=1.0, nvme=0.5)), args)
     assert "--set memory.nvme_dir=NVME_DIR" in disk
     assert disk.endswith("NVME_DIR a folder on the node's NVMe drive)")
 

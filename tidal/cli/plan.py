@@ -14,7 +14,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from tidal.cli.plan_command import how_to_train, is_hf_config, not_run
+from tidal.cli.plan_command import how_to_train, is_hf_config
 from tidal.config.configurable import ConfigError, format_bytes, parse_bytes
 
 __all__ = [
@@ -259,7 +259,7 @@ def run_plan(args: argparse.Namespace, console: Console) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
         console.print(f"plan: {args.json}")
-    console.print(how_to_train(report, args), soft_wrap=True, markup=False)
+    console.print(how_to_train(result.plan, args), soft_wrap=True, markup=False)
     console.print(priced_only(report, args), soft_wrap=True, markup=False)
     return 0
 
@@ -502,13 +502,14 @@ def summary_line(report: dict, cluster) -> str:
     timing = report["timing_s"]
     phases = ", ".join(f"{name} {seconds:.1f} s" for name, seconds in timing["phases"].items())
     host = ""
-    from tidal.planner.plan import Offload  # the planner loads scipy: not for every command
+    from tidal.planner.check import not_run
+    from tidal.planner.plan import Offload, Plan
 
     offload = Offload.from_json(report.get("offload"))
     if offload:  # [Note: model data offload] in tidal/planner/strategies.py
         memory = report["memory"]
         disk = f", {format_bytes(memory['nvme'])} on NVMe" if memory.get("nvme") else ""
-        priced = "; priced, not run" if not_run(report) else ""
+        priced = "; priced, not run" if not_run(Plan.from_dict(report)) else ""
         host = (f" with {offload.describe()} ({format_bytes(memory['host'])} a device on the "
                 f"host{disk}{priced})")  # fmt: skip
     return (

@@ -7,8 +7,10 @@ import shlex
 from pathlib import Path
 
 from tidal.config.configurable import ConfigError
+from tidal.planner.check import not_run
+from tidal.planner.plan import Plan
 
-__all__ = ["how_to_train", "is_hf_config", "not_run", "train_argv"]
+__all__ = ["how_to_train", "is_hf_config", "train_argv"]
 
 
 def is_hf_config(model: str) -> bool:
@@ -16,15 +18,15 @@ def is_hf_config(model: str) -> bool:
     return model.endswith(".json") or "/" in model or Path(model).exists()
 
 
-def how_to_train(report: dict, args: argparse.Namespace) -> str:
+def how_to_train(plan: Plan, args: argparse.Namespace) -> str:
     """The line that says how to train the plan: the ``tidal train`` command, after saving it
     with ``--json`` when it was not; or why this plan cannot train yet."""
-    kept = not_run(report)
-    if kept:
-        return (f"this plan {' and '.join(kept)}, priced but not run by tidal train yet: "
-                f"plan again without those flags for one it trains")  # fmt: skip
-    recipe, settings = _recipe_for(args, report)
-    command = shlex.join(train_argv(report, plan_path=args.json or "plan.json", recipe=recipe,
+    gaps = not_run(plan)
+    if gaps:
+        return (f"this plan {' and '.join(g.what for g in gaps)}, priced but not run by tidal "
+                f"train yet: plan again without those flags for one it trains")  # fmt: skip
+    recipe, settings = _recipe_for(args, plan)
+    command = shlex.join(train_argv(plan, plan_path=args.json or "plan.json", recipe=recipe,
                                     settings=settings, devices_per_node=args.devices_per_node))  # fmt: skip
     wheres = []
     if "--nnodes" in command:
@@ -37,33 +39,13 @@ def how_to_train(report: dict, args: argparse.Namespace) -> str:
     return f"train it: save it with --json plan.json, then {command}{where}"
 
 
-def not_run(report: dict) -> list[str]:
-    """What of a plan ``tidal train --plan`` does not run yet, each naming the flag that
-    searched it."""
-    offload = report.get("offload") or {}
-    pipeline = report.get("pipeline") or {}
-    stages = list((pipeline.get("stages") or {}).values()) or [report]
-    lends = any(stage.get("memory", {}).get("lent") for stage in stages)
-    zero3 = all(u["zero"] == 3 for stage in stages for u in stage.get("units", [])
-                if u.get("memory", {}).get("params"))  # fmt: skip
-    # check_plan's offload_runs: parameters on the host of ZeRO-3 units over dp ranks
-    runs = not offload.get("params") or (zero3 and report["mesh"]["dp"] > 1)
-    return [
-        *(["keeps parameters off one device (--offload-params)"] if not runs else []),
-        *(["keeps activations on a peer stage (--peer)"] if lends else []),
-        *(["runs PipeMare (--schedules pipemare)"]
-          if pipeline.get("schedule") == "pipemare" else []),
-    ]  # fmt: skip
-
-
-def train_argv(report: dict, *, plan_path: str, recipe: str, settings: list[str],
+def train_argv(plan: Plan, *, plan_path: str, recipe: str, settings: list[str],
                devices_per_node: int) -> list[str]:  # fmt: skip
     """``tidal train`` with the plan at ``plan_path``, on its pp x dp x tp ranks (over machines
     of ``devices_per_node``) with the rows and micro-batches per step it was priced with
     ([Note: global batch] in tidal/train/trainer.py: the batch is over the dp ranks; a
     pipelined plan's micro-batches are its pipeline's, the others' accumulated steps)."""
-    mesh = report["mesh"]
-    devices = mesh.get("pp", 1) * mesh["dp"] * mesh["tp"]
+    devices = plan.pp * plan.dp * plan.tp
     argv = ["tidal", "train", "--recipe", recipe, "--plan", plan_path]
     if devices > devices_per_node:
         nodes = -(-devices // devices_per_node)
@@ -71,26 +53,26 @@ def train_argv(report: dict, *, plan_path: str, recipe: str, settings: list[str]
                  "--rdzv-endpoint", "HOST:PORT"]  # fmt: skip
     elif devices > 1:
         argv += ["--nproc", str(devices)]
-    rows, m = report["micro_batch"] * mesh["dp"], report["num_microbatches"]
+    rows, m = plan.micro_batch * plan.dp, plan.num_microbatches
     # the recipe's own accumulation would multiply the batch the plan was priced for
-    if report.get("pipeline"):  # a step's micro-batches are the pipeline's (the plan's)
+    if plan.pipeline is not None:  # a step's micro-batches are the pipeline's (the plan's)
         settings = [*settings, f"training.batch_size={rows * m}", "training.grad_accum_steps=1"]
     else:
         settings = [*settings, f"training.batch_size={rows}", f"training.grad_accum_steps={m}"]
-    if (report.get("offload") or {}).get("nvme"):  # the optimizer's state there ([Note: the
-        settings = [*settings, "memory.nvme_dir=NVME_DIR"]  # optimizer on the host])
+    if plan.offload.nvme:  # the optimizer's state there ([Note: the optimizer on the host])
+        settings = [*settings, "memory.nvme_dir=NVME_DIR"]
     for setting in settings:
         argv += ["--set", setting]
     return argv
 
 
-def _recipe_for(args: argparse.Namespace, report: dict) -> tuple[str, list[str]]:
+def _recipe_for(args: argparse.Namespace, plan: Plan) -> tuple[str, list[str]]:
     """The shipped recipe the command starts from (the preset's own, else ``tiny``) and the
     settings that make it train the model planned, on the engine that runs plans."""
     from tidal.train.job import load_job
 
     if is_hf_config(args.model):
-        return "tiny", [f"model.hf_config={args.model}", f"model.seq_len={report['seq_len']}"]
+        return "tiny", [f"model.hf_config={args.model}", f"model.seq_len={plan.seq_len}"]
     recipe, settings = args.model, []
     try:
         job = load_job(recipe)

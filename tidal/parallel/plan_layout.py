@@ -50,7 +50,7 @@ from tidal.parallel.config import OptimizerConfig
 from tidal.parallel.plan_apply import apply, full_state_dict, make_mesh, set_accumulating
 from tidal.parallel.reference import build_optimizer
 from tidal.planner import Plan
-from tidal.planner.check import check_plan
+from tidal.planner.check import check_plan, not_run
 from tidal.planner.measure import ModelGraph
 from tidal.planner.wiring import meta_twin, structure_graph
 
@@ -121,8 +121,8 @@ def check_plan_fits(
         else:  # each stage on its part of the model ([Note: planned pipeline stages])
             from tidal.parallel.plan_apply import stage_layouts
 
-            _check_pipeline_runs(plan)
-
+            for gap in not_run(plan):  # the whole plan's, before its stages'
+                raise ValueError(gap.why)
             for stage, (stage_plan, stage_graph, handed) in enumerate(stage_layouts(plan, graph)):
                 try:
                     check_plan(model, stage_plan, graph=stage_graph, handed=handed)
@@ -130,23 +130,6 @@ def check_plan_fits(
                     raise ValueError(f"stage {stage}: {err}") from None
     except ValueError as err:
         raise ConfigError("--plan", str(err)) from None
-
-
-def _check_pipeline_runs(plan: Plan) -> None:
-    """What of a pipelined plan is priced but not run yet, one line each."""
-    layout = plan.pipeline
-    assert layout is not None
-    if layout.schedule not in ("1f1b", "interleaved"):
-        raise ValueError(
-            f"the plan runs {layout.schedule}, an asynchronous schedule, which plans do not run "
-            f"yet (tensor-parallel and FSDP2 stages hide the weights PipeMare versions): make "
-            f"it without --schedules pipemare"
-        )
-    if any(stage.memory.lent for stage in layout.stages.values()):
-        raise ValueError(
-            "the plan keeps activations on the mirror stage's device (MPress's peer swap), "
-            "which plans do not run yet: make it without --peer"
-        )
 
 
 def check_plan_devices(plan: Plan, world_size: int) -> None:

@@ -21,7 +21,16 @@ from tidal.planner.measure import ModelGraph
 from tidal.planner.plan import Layout, Plan, Recompute, StrategyName, UnitChoice
 from tidal.planner.wiring import ModelWiring, derive_wiring, structure_graph
 
-__all__ = ["PlanWiring", "check_plan", "model_name", "split_dim", "wire_plan"]
+__all__ = [
+    "NotRun",
+    "PlanWiring",
+    "check_plan",
+    "model_name",
+    "not_run",
+    "offload_runs",
+    "split_dim",
+    "wire_plan",
+]
 
 S = StrategyName
 R, SEQ, HID, P = Layout.R, Layout.SEQ, Layout.HID, Layout.P
@@ -79,14 +88,11 @@ def wire_plan(model: nn.Module, plan: Plan, *, graph: ModelGraph | None = None,
     tidal/parallel/plan_apply.py). ``handed``: the layout the first block's input arrives in
     from outside the model (a pipeline stage's from the stage before: [Note: planned pipeline
     stages] in tidal/train/plan_stage.py); by default whole."""
-    if plan.offload and not offload_runs(plan):
-        raise _offload_error(plan, [])
+    for gap in not_run(plan):
+        raise ValueError(gap.why)
     graph = graph or structure_graph(model, seq_len=plan.seq_len)
     wiring = derive_wiring(graph)
     units = _check_units(wiring, plan, model_name(model))
-    below = sorted(n for n, u in units.items() if n in wiring.owns_params and u.zero != 3)
-    if plan.offload.params and below:
-        raise _offload_error(plan, below)
     for name, unit in units.items():
         role, shape = wiring.units[name].role, (unit.strategy, unit.in_layout, unit.out_layout)
         if role != "positions" and shape not in _SHAPES[role]:
@@ -102,18 +108,62 @@ def wire_plan(model: nn.Module, plan: Plan, *, graph: ModelGraph | None = None,
     return _wire(wiring, plan, units, handed)
 
 
+@dataclass(frozen=True, slots=True)
+class NotRun:
+    """What of a plan ``tidal train --plan`` does not carry out yet: ``what`` says it the way
+    ``tidal plan`` does, naming the search option that chose it; ``why`` is the one-line
+    refusal a run gives, naming the fix."""
+
+    what: str
+    why: str
+
+
+def not_run(plan: Plan) -> list[NotRun]:
+    """What of ``plan`` a plan run refuses (empty: it runs), the one decision ``check_plan``,
+    a pipelined plan's load and ``tidal plan``'s printed command share."""
+    gaps = []
+    if not offload_runs(plan):
+        where = "off one device" if plan.dp == 1 else "of units below ZeRO-3 on the host"
+        gaps.append(NotRun(what=f"keeps parameters {where} (--offload-params)",
+                           why=_offload_refusal(plan)))  # fmt: skip
+    layout = plan.pipeline
+    if layout is not None and layout.schedule not in ("1f1b", "interleaved"):
+        gaps.append(NotRun(
+            what=f"runs {layout.schedule} (--schedules {layout.schedule})",
+            why=f"the plan runs {layout.schedule}, an asynchronous schedule, which plans do not "
+                f"run yet (tensor-parallel and FSDP2 stages hide the weights PipeMare versions): "
+                f"make it without --schedules {layout.schedule}",
+        ))  # fmt: skip
+    stages = [plan.memory] if layout is None else [s.memory for s in layout.stages.values()]
+    if any(memory.lent for memory in stages):
+        gaps.append(NotRun(
+            what="keeps activations on a peer stage (--peer)",
+            why="the plan keeps activations on the mirror stage's device (MPress's peer swap), "
+                "which plans do not run yet: make it without --peer",
+        ))  # fmt: skip
+    return gaps
+
+
 def offload_runs(plan: Plan) -> bool:
     """Whether ``plan``'s model data offload is one a plan run carries out: any part of the
     optimizer on the host and of that on NVMe ([Note: the optimizer on the host] in
     tidal/runtime/host_optimizer.py), and any part of the parameters over several
-    data-parallel ranks (FSDP2's CPU offload of the ZeRO-3 groups nearest it: [Note: model
-    data offload] in strategies.py)."""
-    return not plan.offload.params or plan.dp > 1
+    data-parallel ranks of ZeRO-3 units (FSDP2's CPU offload of the groups nearest it: [Note:
+    model data offload] in strategies.py)."""
+    return not plan.offload.params or plan.dp > 1 and not _below_zero3(plan)
 
 
-def _offload_error(plan: Plan, below: list[str]) -> ValueError:
+def _below_zero3(plan: Plan) -> list[str]:
+    """The units holding model data (on the device or off it) whose weights are not sharded."""
+    stages = [plan] if plan.pipeline is None else list(plan.pipeline.stages.values())
+    return sorted({u.name for stage in stages for u in stage.units if u.zero != 3
+                   and u.memory.resident + u.memory.host + u.memory.nvme > 0})  # fmt: skip
+
+
+def _offload_refusal(plan: Plan) -> str:
+    below = _below_zero3(plan) if plan.dp > 1 else []
     why = f"; {_join(map(repr, below[:3]))} are not ZeRO-3" if below else ""
-    return ValueError(
+    return (
         f"the plan keeps {plan.offload.describe()}{why}, which is priced but not run yet: "
         f"tidal train --plan keeps parameters on the host as FSDP2's CPU offload of ZeRO-3 "
         f"units over several data-parallel ranks; make it for more than one device, or with "
