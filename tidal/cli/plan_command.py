@@ -5,10 +5,12 @@ from __future__ import annotations
 import argparse
 import shlex
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from tidal.config.configurable import ConfigError
-from tidal.planner.check import not_run
-from tidal.planner.plan import Plan
+
+if TYPE_CHECKING:  # the planner loads for `tidal plan`, not on the train path (test_imports.py)
+    from tidal.planner.plan import Plan
 
 __all__ = ["how_to_train", "is_hf_config", "train_argv"]
 
@@ -21,6 +23,8 @@ def is_hf_config(model: str) -> bool:
 def how_to_train(plan: Plan, args: argparse.Namespace) -> str:
     """The line that says how to train the plan: the ``tidal train`` command, after saving it
     with ``--json`` when it was not; or why this plan cannot train yet."""
+    from tidal.planner.check import not_run
+
     gaps = not_run(plan)
     if gaps:
         return (f"this plan {' and '.join(g.what for g in gaps)}, priced but not run by tidal "
