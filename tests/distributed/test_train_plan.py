@@ -157,6 +157,42 @@ def test_a_plan_trains_as_one_process_does(runs: dict[str, Any], case: str) -> N
         assert rank[case]["holder"] == "PlanStageWeights" and rank[case]["step"] == STEPS
 
 
+def test_a_one_device_plan_with_half_its_parameters_on_the_host(
+    runs: dict[str, Any], tmp_path: Path
+) -> None:
+    """Issue 51: the search's plan for one device with the optimizer and half the parameters on
+    the host trains as the reference does: FSDP2 on a mesh of one, CPU offload on the groups
+    nearest half the parameters (others on the device), the host optimizer updating them."""
+    from torch.distributed.fsdp import FSDPModule
+
+    from tidal.memory.share import ON_HOST
+
+    config = PlannerConfig(pipelines=False, pareto=(), baselines=(), offload=(1.0,),
+                           offload_params=(0.5,))  # fmt: skip
+    plan = make_plan(measure_gpt(TINY, micro_batch=1), ClusterSpec(devices=1), config).plan
+    assert (plan.dp, plan.tp, plan.offload.params) == (1, 1, 0.5)
+    assert {u.zero for u in plan.units if u.memory.resident + u.memory.host} == {3}
+    trainer = Trainer(_job(tmp_path / "alone"), plan=plan)
+    trainer.fit()
+    whole, reference = tmp_path / "alone", runs["root"] / "reference"
+    for kind, key in (("train", "loss"), ("train", "grad_norm"), ("val", "val_loss")):
+        got, want = _records(whole, kind, key), _records(reference, kind, key)
+        assert [s for s, _ in got] == [s for s, _ in want]
+        assert [v for _, v in got] == pytest.approx([v for _, v in want], abs=TOL, rel=0)
+    state, want_state = (load_model_state(latest_checkpoint(d)) for d in (whole, reference))
+    for name, value in want_state.items():
+        torch.testing.assert_close(state[name], value, atol=TOL, rtol=0, msg=name)
+    (held,) = trainer.engine.weights.values()
+    policies = {type(m._get_fsdp_state()._fsdp_param_group.offload_policy).__name__
+                for m in held.module.modules() if isinstance(m, FSDPModule)
+                and m._get_fsdp_state()._fsdp_param_group is not None}  # fmt: skip
+    assert policies == {"CPUOffloadPolicy", "OffloadPolicy"}, policies
+    params = list(held.module.parameters())
+    on_host = sum(p.numel() for p in params if getattr(p, ON_HOST, False))
+    assert 0 < on_host < sum(p.numel() for p in params)
+    assert type(held.optimizer).__name__ == "HostStepped"
+
+
 @pytest.mark.parametrize("case", RESUMED)
 def test_a_plan_runs_checkpoint_resumes_on_another_plan_and_without_one(
     runs: dict[str, Any], case: str

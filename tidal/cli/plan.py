@@ -266,13 +266,7 @@ def run_plan(args: argparse.Namespace, console: Console) -> int:
 
 def priced_only(report: dict, args: argparse.Namespace) -> str:
     """One line: what this search priced that ``tidal train --plan`` cannot run yet."""
-    searched = [
-        *(["parameters on the host of one device (--offload-params; runs over several "
-           "data-parallel ranks)"]
-          if args.devices == 1 and any(_numbers(args.offload_params, "--offload-params"))
-          else []),
-        *(["activations on a peer stage (--peer)"] if args.peer else []),
-    ]  # fmt: skip
+    searched = ["activations on a peer stage (--peer)"] if args.peer else []
     return ("priced, not run by tidal train yet: " + "".join(f"{kind}; " for kind in searched)
             + "the baselines and Megatron-LM (other systems' layouts, priced to compare)")  # fmt: skip
 

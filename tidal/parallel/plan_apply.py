@@ -92,9 +92,15 @@ __all__ = [
 
 def make_mesh(plan: Plan, device_type: str) -> DeviceMesh | None:
     """The ``(dp, tp)`` mesh ``plan`` runs on, over the default process group; none for a plan
-    of one device (its choices are recomputation alone, which needs no process group)."""
-    if plan.dp * plan.tp == 1:
+    of one device that keeps its parameters there (its choices are recomputation alone, which
+    needs no process group). One that keeps some on the host runs FSDP2 on a mesh of one."""
+    if plan.dp * plan.tp == 1 and not plan.offload.params:
         return None
+    if not dist.is_initialized():
+        raise ValueError(
+            f"the plan keeps {plan.offload.describe()}, which FSDP2 holds on a mesh of one: "
+            f"join a process group first (tidal.distributed.join_alone, as tidal train does)"
+        )
     if dist.get_world_size() != plan.dp * plan.tp:
         raise ValueError(
             f"the plan's mesh is dp {plan.dp} x tp {plan.tp}, but {dist.get_world_size()} ranks "
@@ -141,7 +147,7 @@ def _apply(model: nn.Module, plan: Plan, mesh: DeviceMesh | None, wiring: PlanWi
         parallelize_tensor_axis(model, wiring, mesh["tp"], full)
     _recompute(model, wiring, modes)
     dp_group = None
-    if plan.dp > 1:
+    if plan.dp > 1 or plan.offload.params:  # one device's parameters on the host: FSDP2 too
         assert mesh is not None
         # check_plan's: a ZeRO-3 plan's parameters on the host are FSDP2's CPU offload of the
         # groups nearest its fraction (the optimizer's share on the host is the stage's

@@ -123,9 +123,8 @@ def not_run(plan: Plan) -> list[NotRun]:
     a pipelined plan's load and ``tidal plan``'s printed command share."""
     gaps = []
     if not offload_runs(plan):
-        where = "off one device" if plan.dp == 1 else "of units below ZeRO-3 on the host"
-        gaps.append(NotRun(what=f"keeps parameters {where} (--offload-params)",
-                           why=_offload_refusal(plan)))  # fmt: skip
+        gaps.append(NotRun(what="keeps parameters of units below ZeRO-3 on the host "
+                                "(--offload-params)", why=_offload_refusal(plan)))  # fmt: skip
     layout = plan.pipeline
     if layout is not None and layout.schedule not in ("1f1b", "interleaved"):
         gaps.append(NotRun(
@@ -147,10 +146,10 @@ def not_run(plan: Plan) -> list[NotRun]:
 def offload_runs(plan: Plan) -> bool:
     """Whether ``plan``'s model data offload is one a plan run carries out: any part of the
     optimizer on the host and of that on NVMe ([Note: the optimizer on the host] in
-    tidal/runtime/host_optimizer.py), and any part of the parameters over several
-    data-parallel ranks of ZeRO-3 units (FSDP2's CPU offload of the groups nearest it: [Note:
-    model data offload] in strategies.py)."""
-    return not plan.offload.params or plan.dp > 1 and not _below_zero3(plan)
+    tidal/runtime/host_optimizer.py), and any part of the parameters of ZeRO-3 units, on one
+    device or several (FSDP2's CPU offload of the groups nearest it: [Note: model data
+    offload] in strategies.py)."""
+    return not plan.offload.params or not _below_zero3(plan)
 
 
 def _below_zero3(plan: Plan) -> list[str]:
@@ -161,13 +160,12 @@ def _below_zero3(plan: Plan) -> list[str]:
 
 
 def _offload_refusal(plan: Plan) -> str:
-    below = _below_zero3(plan) if plan.dp > 1 else []
-    why = f"; {_join(map(repr, below[:3]))} are not ZeRO-3" if below else ""
+    below = _below_zero3(plan)
     return (
-        f"the plan keeps {plan.offload.describe()}{why}, which is priced but not run yet: "
-        f"tidal train --plan keeps parameters on the host as FSDP2's CPU offload of ZeRO-3 "
-        f"units over several data-parallel ranks; make it for more than one device, or with "
-        f"--offload-params 0"
+        f"the plan keeps {plan.offload.describe()}; {_join(map(repr, below[:3]))} are not "
+        f"ZeRO-3, which is priced but not run yet: tidal train --plan keeps parameters on the "
+        f"host as FSDP2's CPU offload of ZeRO-3 units; make the plan again with this tidal's "
+        f"tidal plan (it offers such units ZeRO-3 alone), or with --offload-params 0"
     )
 
 

@@ -45,8 +45,8 @@ class PlannerConfig:
     # model data searched off the device ([Note: model data offload] in strategies.py), as
     # fractions: of the optimizer state on the host, of a ZeRO-3 unit's parameters there (at
     # most the optimizer's), and of the offloaded state on the node's NVMe (the cluster's
-    # disk); every combination is searched (offloads()). Priced, not yet run by `tidal train
-    # --plan`; (0.0,) keeps it all on the device
+    # disk); every combination is searched (offloads()), and `tidal train --plan` runs each
+    # (planner.check.offload_runs); (0.0,) keeps it all on the device
     offload: tuple[float, ...] = (0.0,)
     offload_params: tuple[float, ...] = (0.0,)
     offload_nvme: tuple[float, ...] = (0.0,)

@@ -58,12 +58,13 @@ plan, searched over ``PlannerConfig.offloads()``.
 What runs (``check_plan``'s ``offload_runs``): ``tidal train --plan`` updates ``f`` of each
 device's optimizer on the host and keeps ``h`` of that on NVMe at any fractions, on one device
 or many ([Note: the optimizer on the host] in tidal/runtime/host_optimizer.py), and carries out
-``params = g`` over several data-parallel ranks as FSDP2's ``CPUOffloadPolicy`` on the groups
-(a block's repetition, the root's) whose parameters come nearest ``g`` of them, which holds
-ZeRO-3 units only; so with parameters offloaded every unit with parameters is offered ZeRO-3
-alone, and the search prices what runs. Parameters on the host of one device are priced, not
-run. The runtime moves whole groups where the pricing moves ``g`` of each unit: the same bytes
-within a group's, placed per group.
+``params = g`` as FSDP2's ``CPUOffloadPolicy`` on the groups (a block's repetition, the root's)
+whose parameters come nearest ``g`` of them, which holds ZeRO-3 units only; so with parameters
+offloaded every unit with parameters is offered ZeRO-3 alone, and the search prices what runs.
+On one device too: ZeRO-3 over a data axis of one rank is FSDP2 on a mesh of one, which gathers
+nothing but copies its host-held parameters up for every use, as the pricing says. The runtime
+moves whole groups where the pricing moves ``g`` of each unit: the same bytes within a group's,
+placed per group.
 """
 
 from __future__ import annotations
@@ -273,7 +274,9 @@ def candidates(
     if unit.kind == "linear" and any(p.tied_to for p in unit.params):
         shapes = tuple(s for s in shapes if s.weight_split != "S1")
     own_params = any(p.tied_to is None for p in unit.params)
-    zeros = zero_levels if own_params and mesh.dp > 1 else (0,)
+    # one device's ZeRO-3 is its parameters on the host ([Note: model data offload])
+    sharded = mesh.dp > 1 or spec.offload.params > 0
+    zeros = zero_levels if own_params and sharded else (0,)
     return [_cost(unit, shape, z, mesh, cluster, spec) for shape in shapes for z in zeros]
 
 
@@ -284,7 +287,7 @@ def unit_options(
     must keep the sequence whole ([Note: code counts whole sequences] in wiring.py); under the
     offload that runs, ZeRO-3 alone ([Note: model data offload])."""
     allowed = input_layouts(graph)
-    zero3_only = mesh.dp > 1 and spec.offload.params > 0  # [Note: model data offload]
+    zero3_only = spec.offload.params > 0  # [Note: model data offload]
     options = {}
     for unit in graph.units:
         found = candidates(unit, mesh, cluster, spec)

@@ -261,8 +261,8 @@ def test_a_plan_with_offload_is_priced_not_run_and_its_file_says_what_moves(
     with pytest.raises(
         ValueError,
         match="keeps 100% of the optimizer on the host, 50% of the parameters, 100% of that "
-        "state on NVMe, which is priced but not run yet: .* make it for more than one device",
-    ):  # parameters on the host of one device: FSDP2's offload needs a data axis
+        "state on NVMe; .* are not ZeRO-3, which is priced but not run yet: .* --offload-params 0",
+    ):  # a plan made without parameter offload keeps whole weights: FSDP2 offloads ZeRO-3 units
         check_plan(nn.Linear(2, 2), moved)  # fmt: skip
     moved.save(tmp_path / "plan.json")
     assert Plan.load(tmp_path / "plan.json").offload == offload

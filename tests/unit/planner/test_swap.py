@@ -92,8 +92,8 @@ def test_a_plan_that_swaps_runs_where_one_that_offloads_part_does_not(graph: Mod
     """Issue 51: check_plan takes a swapping plan (apply runs the activation savers' host swap
     on every block: tests/distributed/test_train_plan_pipeline.py trains one), one keeping half
     its optimizer on the host (host_optimizer.py) and one keeping a quarter of its parameters
-    there (FSDP2's offload of some groups); parameters on the host of one device are refused in
-    one line, before the model is traced."""
+    there (FSDP2's offload of some groups), on one device too (FSDP2 on a mesh of one); units
+    below ZeRO-3 with parameters on the host are refused in one line, before tracing."""
     from tidal.models import GPTConfig, build_gpt
     from tidal.planner import Offload
 
@@ -114,6 +114,8 @@ def test_a_plan_that_swaps_runs_where_one_that_offloads_part_does_not(graph: Mod
     part = dataclasses.replace(swapped, offload=quarter, units=units)
     check_plan(build_gpt(config, device="meta"), part)  # FSDP2's offload of some groups
     alone = dataclasses.replace(part, dp=1, devices=plan.tp)
+    check_plan(build_gpt(config, device="meta"), alone)  # dp 1: FSDP2 on a mesh of one
+    whole = dataclasses.replace(alone, units=swapped.units)
     with pytest.raises(ValueError, match="keeps 50% of the optimizer on the host, 25% of the "
-                       "parameters, which is priced but not run yet"):  # fmt: skip
-        check_plan(nn.Linear(2, 2), alone)  # one device: refused before tracing
+                       "parameters; .* are not ZeRO-3, which is priced"):  # fmt: skip
+        check_plan(nn.Linear(2, 2), whole)  # refused before tracing
