@@ -119,6 +119,7 @@ class HostStepped(torch.optim.Optimizer):
         self.host = type(optimizer)(host_groups, **{k: v for k, v in optimizer.defaults.items()
                                                     if k in taken})  # fmt: skip
         self._pairs = [(p, masters[id(p)]) for p in on_host]
+        self._group_of = {id(m): i for i, group in enumerate(host_groups) for m in group["params"]}
         self._nvme_ids = {id(p) for p in on_nvme}
         self._grads: dict[int, torch.Tensor] = {}  # id(param) -> its host gradient buffer
         self.nvme = (NvmeTier(config.nvme_dir, budget_bytes=None) if on_nvme and config.nvme_dir
@@ -204,10 +205,10 @@ class HostStepped(torch.optim.Optimizer):
 
     def _step_one(self, master: nn.Parameter) -> None:
         """The host optimizer's update of ``master`` alone (its group's settings)."""
-        others = []
-        for group in self.host.param_groups:
-            others.append(group["params"])
-            group["params"] = [q for q in group["params"] if q is master]
+        others = [group["params"] for group in self.host.param_groups]
+        mine = self._group_of[id(master)]
+        for index, group in enumerate(self.host.param_groups):
+            group["params"] = [master] if index == mine else []
         try:
             self.host.step()
         finally:
