@@ -267,7 +267,7 @@ def largest_fitting(name: str, devices: int, *, device_memory_bytes: int = 80 * 
     [Note: pipeline stages] in tidal/planner/pipelines.py lets one see) and for Megatron-LM's
     grid; and for tidal's flat plans with model data off the device too ([Note: model data
     offload] in tidal/planner/strategies.py: the optimizer state and parameters on the host, and
-    that state on the nodes' NVMe when they have one; priced, not yet run) beside Megatron-LM's
+    that state on the nodes' NVMe when they have one) beside Megatron-LM's
     grid with its optimizer on the CPU (all it can offload), each with the step time at its
     largest. Layers are added to the measured graph (one block's units, repeated), not traced
     again."""

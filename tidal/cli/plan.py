@@ -105,7 +105,7 @@ def add_search_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--offload", default="0", metavar="F,F",
         help="fractions of the fp32 masters and optimizer state to search on the host, updated "
-        "there (priced, not yet run by tidal train --plan), e.g. 0,0.5,1 (default 0: none)",
+        "there (tidal train --plan runs them), e.g. 0,0.5,1 (default 0: none)",
     )  # fmt: skip
     parser.add_argument(
         "--offload-params", default="0", metavar="F,F",

@@ -8,9 +8,9 @@ here is pure: a plan is realised on a model with DTensor and FSDP2 by
 ``tidal.parallel.plan_apply.apply``, a layer above.
 
 [Note: a lazy package]
-Importing any module below imports this package first; it names its exports without importing
-them, because search.py brings scipy's solver (about a second) that a process reading a Plan,
-wiring one or writing a checkpoint never uses.
+Importing any module below imports this package first; it names the exports of config.py and
+search.py without importing them, because they bring scipy's solver (about a second) that a
+process reading a Plan, wiring one or writing a checkpoint never uses.
 """
 
 from __future__ import annotations

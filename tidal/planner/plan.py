@@ -329,8 +329,8 @@ class Plan:
     memory: MemoryBreakdown
     step_time_s: float
     edges: list[tuple[str, str, int]] = field(default_factory=list)
-    # the model data kept off the device ([Note: model data offload] in strategies.py);
-    # priced, not yet run by `tidal train --plan`
+    # the model data kept off the device ([Note: model data offload] in strategies.py), which
+    # `tidal train --plan` keeps there (planner.check.offload_runs)
     offload: Offload = NO_OFFLOAD
     pipeline: PipelineLayout | None = None  # [Note: plan pipelines]
 
