@@ -145,7 +145,7 @@ def bench_plan_check_ranks(args: argparse.Namespace) -> list[dict[str, Any]]:
             plan = _plan(model, cluster, settings, args.micro_batch)
             base = {"case": case, "model": args.model, "calibration": figures,
                     "plan": plan.mesh_name, "recompute": _modes(plan),
-                    "offload": plan.offload.to_dict(),
+                    "offload": [o.to_dict() for o in plan.offloads()],
                     "predicted_step_s": plan.step_time_s}  # fmt: skip
             gaps = not_run(plan)
             if gaps:
@@ -161,14 +161,14 @@ def bench_plan_check_ranks(args: argparse.Namespace) -> list[dict[str, Any]]:
             step_s = ranks[0]["step_s"]
             for rank, measured in enumerate(ranks):
                 pp_rank = rank // (plan.dp * plan.tp)
-                memory = plan.rank_memory(pp_rank)
+                memory, offload = plan.rank_memory(pp_rank), plan.rank_offload(pp_rank)
                 data = measured["model_data"]
                 held = data["params"] + data["optimizer_state"]
                 # all of it on the host: every unit ZeRO-3, its shard, gradient and state there
                 # (a swap's host bytes are activations, not model data; the optimizer's share on
                 # the host is set apart below)
                 kept = FP32["param_bytes"] + FP32["optimizer_bytes"]
-                host = memory.host * kept / sum(FP32.values()) if plan.offload.params else 0.0
+                host = memory.host * kept / sum(FP32.values()) if offload.params else 0.0
                 predicted = memory.params + memory.optimizer + host
                 host_optimizer = measured["host_optimizer"]
                 if host_optimizer is not None:  # the host's share of the state (module note)
@@ -180,7 +180,7 @@ def bench_plan_check_ranks(args: argparse.Namespace) -> list[dict[str, Any]]:
                              "predicted_model_data_bytes": predicted,
                              "measured_model_data": data, "measured_model_data_bytes": held,
                              "model_data_measured_over_predicted": held / predicted,
-                             "predicted_host_optimizer_bytes": _host_state(plan, memory),
+                             "predicted_host_optimizer_bytes": _host_state(offload, memory),
                              "measured_host_optimizer_bytes": host_optimizer,
                              "measured_nvme_bytes": (measured["host_optimizer"] or {}).get("nvme", 0),
                              "predicted_nvme_bytes": memory.nvme,
@@ -207,11 +207,11 @@ def _chosen(names: str | None) -> dict[str, dict[str, Any]]:
     return {name: CASES[name] for name in wanted}
 
 
-def _host_state(plan: Any, memory: Any) -> float | None:
+def _host_state(offload: Any, memory: Any) -> float | None:
     """The host's share of the rank's optimizer state, ``f S`` (module note); None where the
     host updates none of it or FSDP2 holds it all."""
-    f, h = plan.offload.optimizer, plan.offload.nvme
-    if not f or plan.offload.params:
+    f, h = offload.optimizer, offload.nvme
+    if not f or offload.params:
         return None
     whole = memory.optimizer / (1 - f) if f < 1 else memory.nvme / h if h else None
     return None if whole is None else f * whole
@@ -238,7 +238,8 @@ def _job(args: argparse.Namespace, run_dir: Path, plan: Any) -> dict[str, Any]:
         "optimizer": {"lr": 1e-3, "warmup_steps": 1},
         "checkpoint": {"every_steps": 0, "at_end": False},
         # the NVMe tier's files, in a folder of this machine's disk (the plan's disk)
-        "memory": {"nvme_dir": str(run_dir / "nvme")} if plan.offload.nvme else {},
+        "memory": {"nvme_dir": str(run_dir / "nvme")} if any(o.nvme for o in plan.offloads())
+        else {},
         "metrics": {"peak_tflops": 1.0},
         "warmup_steps": args.warmup_steps,
     }  # fmt: skip

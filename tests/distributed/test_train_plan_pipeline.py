@@ -17,7 +17,10 @@ train on 4 gloo ranks as one process does.
   NVMe ([Note: the optimizer on the host] in tidal/runtime/host_optimizer.py);
 - ``pp2-dp2-part``: all of the optimizer on the host and half of the parameters: FSDP2's CPU
   offload on the groups nearest half, the host optimizer updating them in place and the rest
-  beside them.
+  beside them;
+- ``pp2-dp2-stages``: each stage its own offload ([Note: offload per stage] in
+  tidal/planner/pipelines.py): on devices of 0.97 MiB the fastest plan keeps the first stage on
+  the device and half of the last stage's optimizer on the host.
 
 Losses, gradient norms, validation losses and the checkpointed parameters (whole, in the
 one-process layout) must equal a one-process run's; a ``pp2-tp2`` run stopped at step 2
@@ -42,7 +45,7 @@ from tidal.cli.main import main
 from tidal.models import preset
 from tidal.models.gpt import measure_gpt
 from tidal.planner import ClusterSpec, Plan, PlannerConfig, Recompute, StrategyName, make_plan
-from tidal.planner.plan import Layout
+from tidal.planner.plan import Layout, Offload
 from tidal.runtime.shares import local
 from tidal.testing import run_on_ranks
 from tidal.train import Trainer
@@ -56,8 +59,9 @@ MEMORY_TOL = 0.10  # the issue's bound on what the runtime meters
 FP32 = {"param_bytes": 4, "grad_bytes": 4, "optimizer_bytes": 8}
 CASES = (
     "pp2-dp2", "pp2-tp2", "pp2-v2", "pp2-tp2-swap", "pp2-dp2-offload", "pp2-dp2-nvme",
-    "pp2-dp2-part",
+    "pp2-dp2-part", "pp2-dp2-stages",
 )  # fmt: skip
+HOSTED = {"pp2-dp2-nvme": (0, 1), "pp2-dp2-part": (0, 1), "pp2-dp2-stages": (1,)}  # pp ranks
 LAYERS = {"pp2-v2": 4, "pp2-tp2-swap": 8}  # the others: the tiny GPT's 2
 
 JOB: dict[str, Any] = {
@@ -126,6 +130,14 @@ def _cases(root: Path) -> dict[str, Plan]:
         ),
         # half the parameters on the host (--offload 1 --offload-params 0.5)
         "pp2-dp2-part": _made(layers=2, tp=1, offload=(1.0,), offload_params=(0.5,)),
+        # each stage its own (--offload 0,0.5 --objective time on devices of 0.97 MiB)
+        "pp2-dp2-stages": _made(
+            layers=2,
+            tp=1,
+            objective="time",
+            offload=(0.0, 0.5),
+            cluster=ClusterSpec(devices=WORLD, device_memory_bytes=int(0.97 * 2**20)),
+        ),
     }
     # What each case is there for: a planner that changes its choices should not go unnoticed.
     for plan in cases.values():
@@ -149,6 +161,8 @@ def _cases(root: Path) -> dict[str, Plan]:
     assert (nvme.offload.optimizer, nvme.offload.nvme, nvme.dp) == (0.5, 0.5, 2)
     part = cases["pp2-dp2-part"]
     assert (part.offload.optimizer, part.offload.params, part.dp) == (1.0, 0.5, 2)
+    stages = cases["pp2-dp2-stages"]
+    assert stages.offloads() == [Offload(), Offload(optimizer=0.5)] and stages.dp == 2
     return cases
 
 
@@ -159,7 +173,7 @@ def _train_cases(cases: dict[str, Plan], root: Path) -> dict[str, Any]:
     results = {}
     for name, plan in cases.items():
         job = _job(root / name / "whole", layers=LAYERS.get(name, 2))
-        if plan.offload.nvme:
+        if any(o.nvme for o in plan.offloads()):
             job["memory"] = {"nvme_dir": str(root / name / f"nvme-{dist.get_rank()}")}
         trainer = Trainer(job, plan=plan)
         trainer.fit()
@@ -251,7 +265,7 @@ def test_a_pipelined_plan_trains_as_one_process_does(runs: dict[str, Any], case:
     assert sorted(s for stages_here in held for s in stages_here) == sorted(
         s for s in range(stages) for _ in range(plan.dp * plan.tp)
     )  # every stage on each of its dp x tp ranks, and only there
-    for rank in runs["ranks"]:
+    for r, rank in enumerate(runs["ranks"]):
         assert rank[case]["holders"] == ["PlanStageWeights"] and rank[case]["step"] == STEPS
         # the swap moved what the blocks saved, on every rank, and nothing elsewhere
         assert (rank[case]["host_swap_bytes"] > 0) == (case == "pp2-tp2-swap")
@@ -261,9 +275,10 @@ def test_a_pipelined_plan_trains_as_one_process_does(runs: dict[str, Any], case:
         # half the parameters: some groups offloaded, some not, on every rank
         mixed = {"CPUOffloadPolicy", "OffloadPolicy"}
         assert (policies == mixed) == (case == "pp2-dp2-part"), policies
-        # the host's share of the optimizer is the host optimizer's, in those plans alone
+        # the host's share of the optimizer is the host optimizer's, on those ranks alone
         hosted = rank[case]["optimizers"] == ["HostStepped"]
-        assert hosted == (case in ("pp2-dp2-nvme", "pp2-dp2-part")), rank[case]["optimizers"]
+        pp_rank = r // (plan.dp * plan.tp)
+        assert hosted == (pp_rank in HOSTED.get(case, ())), (r, rank[case]["optimizers"])
 
 
 def test_a_pipelined_plan_runs_checkpoint_resumes_without_a_plan(runs: dict[str, Any]) -> None:
@@ -271,13 +286,14 @@ def test_a_pipelined_plan_runs_checkpoint_resumes_without_a_plan(runs: dict[str,
     _same_run(root / "without-plan", root / "pp2-tp2" / "whole")
 
 
-@pytest.mark.parametrize("case", ["pp2-dp2", "pp2-v2"])
+@pytest.mark.parametrize("case", ["pp2-dp2", "pp2-v2", "pp2-dp2-stages"])
 def test_each_ranks_model_data_is_what_the_plan_predicts(runs: dict[str, Any], case: str) -> None:
     """What a rank's stages hold after a step, as the runtime meters it, within 10% of the
     cost model's figures for its pipeline rank: AdamW's state (its shards), and the parameters
     where every unit is ZeRO-3 (sharded at rest as at the peak; ZeRO-1 and -2 units hold
     their weights whole from forward to backward, which the plan counts and a rest between
-    steps does not show). The gradients are freed by then."""
+    steps does not show). The gradients are freed by then. With each stage its own offload,
+    the device's share of the optimizer state is its rank's."""
     plan = runs["cases"][case]
     sharded = all(u.zero == 3 for c in plan.pipeline.stages.values() for u in c.units
                   if u.memory.params)  # fmt: skip

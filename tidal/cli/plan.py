@@ -497,15 +497,20 @@ def summary_line(report: dict, cluster) -> str:
     phases = ", ".join(f"{name} {seconds:.1f} s" for name, seconds in timing["phases"].items())
     host = ""
     from tidal.planner.check import not_run
-    from tidal.planner.plan import Offload, Plan
+    from tidal.planner.plan import Plan
 
-    offload = Offload.from_json(report.get("offload"))
-    if offload:  # [Note: model data offload] in tidal/planner/strategies.py
-        memory = report["memory"]
-        disk = f", {format_bytes(memory['nvme'])} on NVMe" if memory.get("nvme") else ""
-        priced = "; priced, not run" if not_run(Plan.from_dict(report)) else ""
-        host = (f" with {offload.describe()} ({format_bytes(memory['host'])} a device on the "
-                f"host{disk}{priced})")  # fmt: skip
+    plan = Plan.from_dict(report)
+    if any(plan.offloads()):  # [Note: model data offload] in tidal/planner/strategies.py
+        ranks = [plan.rank_memory(r) for r in range(plan.pp)]
+        host_bytes, nvme_bytes = max(m.host for m in ranks), max(m.nvme for m in ranks)
+        disk = f", {format_bytes(nvme_bytes)} on NVMe" if nvme_bytes else ""
+        priced = "; priced, not run" if not_run(plan) else ""
+        most = "at most " if plan.pp > 1 else ""
+        what = plan.describe_offload()
+        if len(set(plan.offloads())) > 1:  # [Note: offload per stage] in planner/pipelines.py
+            what = f"each stage's own offload ({what})"
+        host = (f" with {what} ({most}{format_bytes(host_bytes)} a device on the host{disk}"
+                f"{priced})")  # fmt: skip
     return (
         f"peak {format_bytes(report['peak_memory_bytes'])} of "
         f"{format_bytes(cluster.device_memory_bytes)} per device{host}, step "

@@ -18,7 +18,7 @@ from typing import Any
 from torch import nn
 
 from tidal.planner.measure import ModelGraph
-from tidal.planner.plan import Layout, Plan, Recompute, StrategyName, UnitChoice
+from tidal.planner.plan import Layout, Offload, Plan, Recompute, StrategyName, UnitChoice
 from tidal.planner.wiring import ModelWiring, derive_wiring, structure_graph
 
 __all__ = [
@@ -148,21 +148,28 @@ def offload_runs(plan: Plan) -> bool:
     optimizer on the host and of that on NVMe ([Note: the optimizer on the host] in
     tidal/runtime/host_optimizer.py), and any part of the parameters of ZeRO-3 units, on one
     device or several (FSDP2's CPU offload of the groups nearest it: [Note: model data
-    offload] in strategies.py)."""
-    return not plan.offload.params or not _below_zero3(plan)
+    offload] in strategies.py), each pipeline stage by its own offload."""
+    return not _below_zero3(plan)
+
+
+def _stages(plan: Plan) -> list[tuple[Offload, list[UnitChoice]]]:
+    """Each kind of stage's offload and units (the plan's own when flat)."""
+    if plan.pipeline is None:
+        return [(plan.offload, plan.units)]
+    return [(c.offload, c.units) for c in plan.pipeline.stages.values()]
 
 
 def _below_zero3(plan: Plan) -> list[str]:
-    """The units holding model data (on the device or off it) whose weights are not sharded."""
-    stages = [plan] if plan.pipeline is None else list(plan.pipeline.stages.values())
-    return sorted({u.name for stage in stages for u in stage.units if u.zero != 3
-                   and u.memory.resident + u.memory.host + u.memory.nvme > 0})  # fmt: skip
+    """The units holding model data (on the device or off it) whose weights are not sharded,
+    in stages that keep parameters on the host."""
+    return sorted({u.name for offload, units in _stages(plan) if offload.params for u in units
+                   if u.zero != 3 and u.memory.resident + u.memory.host + u.memory.nvme > 0})  # fmt: skip
 
 
 def _offload_refusal(plan: Plan) -> str:
     below = _below_zero3(plan)
     return (
-        f"the plan keeps {plan.offload.describe()}; {_join(map(repr, below[:3]))} are not "
+        f"the plan keeps {plan.describe_offload()}; {_join(map(repr, below[:3]))} are not "
         f"ZeRO-3, which is priced but not run yet: tidal train --plan keeps parameters on the "
         f"host as FSDP2's CPU offload of ZeRO-3 units; make the plan again with this tidal's "
         f"tidal plan (it offers such units ZeRO-3 alone), or with --offload-params 0"

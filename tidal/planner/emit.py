@@ -95,7 +95,7 @@ def to_pipelined_plan(pipelined: PipelinePlan) -> Plan:
         stages[name] = StageChoices(
             kind=name, blocks=count, units=_unit_choices(graph, solution.assignment, costed),
             recompute=dict(solution.assignment.recompute), memory=costed.memory,
-            step_time_s=costed.step_time_s,
+            step_time_s=costed.step_time_s, offload=solution.assignment.offload,
         )  # fmt: skip
     blocks = option.split.blocks
     layout = PipelineLayout(

@@ -61,12 +61,27 @@ lends nothing. With ``D`` the first stage's model data and ``t`` its largest tra
 So the ILP's peak ``M`` has a row per transient for each of the three (``lend``, ``lent_row``
 and ``base_shifts`` of its ``Problem``, ``_lend_terms`` in ilp.py). Opt-in (``--peer``), for
 pipelined plans only (a flat plan's devices are alike: none has room to lend).
+
+[Note: offload per stage]
+Each kind of stage keeps its own share of model data off the device (Mist's per-stage offload
+ratios): the first stage, holding the most micro-batches in flight, may move its optimizer to
+the host while the last keeps all of it. A stage's offload changes only that stage's memory and
+time: its host memory, CPUs and disk are its own devices' share of the node's
+(``_stage_cluster``), and the sends between stages do not depend on it. So for one option (p, mesh, split,
+schedule, micro-batches) the fastest plan that fits is each stage at its own fastest offload
+that fits, and the smallest within a step time each stage at its own smallest within it: the
+choice is separable, and solving each stage once per offload (``o`` solves, not ``o`` to the
+number of stages) finds the best of every combination. :meth:`PipelineOption._best` solves a
+stage's offloads in the order of their LP bounds and stops where the next bound cannot beat the
+best found. Lending ties the first stage to the last one's peak; there the last is solved
+first (its offload its own, as its choices are) and the first chooses given it. A pipeline
+rank's model chunks are one stage of this search, so ``tidal train --plan`` gives each rank
+its kind's offload for all its chunks (``Plan.rank_offload``).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -143,8 +158,9 @@ Retrace = Callable[[int], ModelGraph]  # the model's graph at micro-batches of t
 class PipelineOption:
     """One point of the pipeline search: ``pp`` stages of ``mesh`` split as ``split``, ``vp``
     chunks a rank, and the ILPs of its first and last stage, and of a middle one where the
-    first does not bound them ([Note: stage splits] in stage_split.py), in that order (built by
-    :meth:`build`)."""
+    first does not bound them ([Note: stage splits] in stage_split.py), in that order, each
+    once per offload in ``offloads`` (built by :meth:`build`; each stage takes its best:
+    [Note: offload per stage])."""
 
     pp: int
     vp: int
@@ -154,9 +170,10 @@ class PipelineOption:
     num_microbatches: int
     split: StageSplit
     graphs: tuple[ModelGraph, ...]  # first, last[, middle]
-    specs: tuple[TrainingSpec, ...]
+    specs: tuple[TrainingSpec, ...]  # each stage's, its offload one of `offloads`
     send_s: float  # the sends between stages over the whole step
-    problems: tuple[Problem, ...] | None = None
+    offloads: tuple[Offload, ...] = (NO_OFFLOAD,)
+    problems: tuple[tuple[Problem, ...], ...] | None = None  # each stage's, one per offload
     fastest: tuple[Solution, ...] | None = None
 
     @property
@@ -167,35 +184,57 @@ class PipelineOption:
     def lends(self) -> bool:
         """Whether the first stage may keep activations on its mirror ([Note: activations on
         a peer])."""
-        return bool(self._problems()[0].lent_row)
+        return bool(self._problems()[0][0].lent_row)
 
-    def _each(self, solve: Callable[[Problem], Any]) -> tuple[Any, ...]:
-        """``solve`` on every stage's ILP at once (HiGHS releases the GIL)."""
-        return tuple(on_threads(solve, self._problems()))
+    def spec(self, stage: int, offload: Offload) -> TrainingSpec:
+        """Stage ``stage``'s training spec with ``offload``."""
+        return dataclasses.replace(self.specs[stage], offload=offload)
 
-    def _lending(self, solve: Callable[..., Solution]) -> tuple[Solution, Solution]:
-        """``solve`` on the last stage, then on the first, whose peak covers the last's with
+    def _each(self, best: Callable[[int], Any]) -> tuple[Any, ...]:
+        """``best`` on every stage at once (HiGHS releases the GIL)."""
+        return tuple(on_threads(best, range(len(self.graphs))))
+
+    def _lending(self, best: Callable[..., Solution]) -> tuple[Solution, Solution]:
+        """``best`` on the last stage, then on the first, whose peak covers the last's with
         what it lends: the lender's plan first ([Note: activations on a peer]; even splits
         only, so two stages)."""
-        first, last = self._problems()
-        last_solved = solve(last)
+        last_solved = best(1)
         if not last_solved.feasible:
             return Solution(assignment=None, status="the last stage does not fit"), last_solved
-        return solve(first, mirror_peak=last_solved.peak_bytes), last_solved
+        return best(0, mirror_peak=last_solved.peak_bytes), last_solved
 
     def build(self, problem: ProblemFn) -> None:
         self.problems = tuple(
-            problem(g, self.mesh, self.cluster, s)
-            for g, s in zip(self.graphs, self.specs, strict=True)
+            tuple(problem(g, self.mesh, self.cluster, self.spec(i, o)) for o in self.offloads)
+            for i, g in enumerate(self.graphs)
         )
 
-    def _problems(self) -> tuple[Problem, ...]:
+    def _problems(self) -> tuple[tuple[Problem, ...], ...]:
         assert self.problems is not None, "build() first"
         return self.problems
 
+    def _best(self, stage: int, solve: Callable[..., Solution], bound: Callable[[Problem], float],
+              key: Callable[[Solution], float], mirror_peak: float = -float("inf")) -> Solution:  # fmt: skip
+        """Stage ``stage``'s best solution over its offloads (the least ``key``, which
+        ``bound`` bounds from below for each offload's problem): solved in the order of their
+        bounds until the next bound reaches the best found ([Note: offload per stage])."""
+        problems = self._problems()[stage]
+        if len(problems) == 1:
+            return solve(problems[0], mirror_peak)
+        best: Solution | None = None
+        for b, i in sorted((bound(p), i) for i, p in enumerate(problems)):
+            if best is not None and best.feasible and b >= key(best):
+                break
+            solved = solve(problems[i], mirror_peak)
+            if best is None or solved.feasible and (not best.feasible or key(solved) < key(best)):
+                best = solved
+        assert best is not None
+        return best
+
     def time_bound_s(self, *, memory_limit: float) -> float:
         """No plan of this option that fits ``memory_limit`` steps faster (LP relaxations)."""
-        stages = self._each(lambda p: p.bound(objective="time", memory_limit=memory_limit))
+        stages = self._each(lambda i: min(p.bound(objective="time", memory_limit=memory_limit)
+                                          for p in self._problems()[i]))  # fmt: skip
         return max(stages) + self.send_s
 
     def memory_bound_bytes(self, *, time_limit: float) -> float:
@@ -203,7 +242,8 @@ class PipelineOption:
         budget = time_limit - self.send_s
         if budget <= 0:
             return float("inf")
-        return max(self._each(lambda p: p.bound(objective="memory", time_limit=budget)))
+        return max(self._each(lambda i: min(p.bound(objective="memory", time_limit=budget)
+                                            for p in self._problems()[i])))  # fmt: skip
 
     @property
     def fastest_s(self) -> float:
@@ -212,40 +252,49 @@ class PipelineOption:
         return max(s.step_time_s for s in self.fastest) + self.send_s
 
     def solve_fastest(self, *, memory_limit: float, solver_time_limit_s: float) -> float:
-        def solve(problem: Problem, mirror_peak: float = -float("inf")) -> Solution:
+        def solve(problem: Problem, mirror_peak: float) -> Solution:
             return problem.solve(objective="time", memory_limit=memory_limit,
                                  solver_time_limit_s=solver_time_limit_s, refine=False,
                                  mirror_peak=mirror_peak)  # fmt: skip
 
-        self.fastest = (self._lending(solve) if self.lends
-                        else self._each(solve))  # fmt: skip
+        def best(stage: int, mirror_peak: float = -float("inf")) -> Solution:
+            return self._best(stage, solve, key=lambda s: s.step_time_s, mirror_peak=mirror_peak,
+                              bound=lambda p: p.bound(objective="time", memory_limit=memory_limit,
+                                                      mirror_peak=mirror_peak))  # fmt: skip
+
+        self.fastest = self._lending(best) if self.lends else self._each(best)
         return self.fastest_s
 
     def smallest(self, *, memory_limit: float, time_limit: float,
                  solver_time_limit_s: float) -> PipelinePlan | None:  # fmt: skip
-        """Both stages at their least memory with the step no slower than ``time_limit``."""
+        """Every stage at its least memory with the step no slower than ``time_limit``."""
         budget = time_limit - self.send_s
         if budget <= 0:
             return None
 
-        def solve(problem: Problem, mirror_peak: float = -float("inf")) -> Solution:
+        def solve(problem: Problem, mirror_peak: float) -> Solution:
             return problem.solve(objective="memory", memory_limit=memory_limit,
                                  time_limit=budget * (1 + 1e-9),
                                  solver_time_limit_s=solver_time_limit_s, refine=False,
                                  mirror_peak=mirror_peak)  # fmt: skip
 
-        solved = (self._lending(solve) if self.lends
-                  else self._each(solve))  # fmt: skip
+        def best(stage: int, mirror_peak: float = -float("inf")) -> Solution:
+            return self._best(stage, solve, key=lambda s: s.peak_bytes, mirror_peak=mirror_peak,
+                              bound=lambda p: p.bound(objective="memory", memory_limit=memory_limit,
+                                                      time_limit=budget, mirror_peak=mirror_peak))  # fmt: skip
+
+        solved = self._lending(best) if self.lends else self._each(best)
         if not all(s.feasible for s in solved):
             return None
         return self.plan(solved)
 
     def plan(self, solved: tuple[Solution, ...]) -> PipelinePlan:
-        costed = tuple(
-            evaluate(graph, solution.assignment, self.cluster, spec)  # type: ignore[arg-type]
-            for graph, solution, spec in zip(self.graphs, solved, self.specs, strict=True)
-        )
-        return PipelinePlan(option=self, stages=solved, costed=costed)
+        costed = []
+        for i, (graph, solution) in enumerate(zip(self.graphs, solved, strict=True)):
+            assert solution.assignment is not None
+            spec = self.spec(i, solution.assignment.offload)
+            costed.append(evaluate(graph, solution.assignment, self.cluster, spec))
+        return PipelinePlan(option=self, stages=solved, costed=tuple(costed))
 
 
 @dataclass(kw_only=True, slots=True)
@@ -286,12 +335,25 @@ class PipelinePlan:
         o = self.option
         chunks = f", v{o.vp}" if o.vp > 1 else ""
         schedule = ", PipeMare (asynchronous)" if o.schedule == "pipemare" else ""
-        offload = o.specs[0].offload
-        host = f", {offload.describe()}" if offload else ""
+        host = self.describe_offload()
+        host = f", {host}" if host else ""
         lent = ", activations lent to the mirror stage" if self.lent_bytes else ""
         split = "" if o.split.is_even else f", blocks {o.split.describe()}"
         return (f"p{o.pp} x dp {o.mesh.dp} x tp {o.mesh.tp}{chunks}{schedule}, "
                 f"{o.num_microbatches} micro-batches of {o.micro_batch}{split}{host}{lent}")  # fmt: skip
+
+    def offloads(self) -> tuple[Offload, ...]:
+        """Each stage's offload: the first's, the last's[, the middle's]."""
+        return tuple(s.assignment.offload for s in self.stages if s.assignment is not None)
+
+    def describe_offload(self) -> str:
+        """One offload, or each stage's where they differ; ``""`` for none."""
+        offloads = self.offloads()
+        if len(set(offloads)) == 1:
+            return offloads[0].describe()
+        names = ("first", "last", "middle")
+        return "; ".join(f"{n} stage: {o.describe() or 'all on the device'}"
+                         for n, o in zip(names, offloads, strict=False))  # fmt: skip
 
 
 def _in_flight(p: int, v: int, m: int) -> tuple[float, float, float]:
@@ -335,8 +397,8 @@ def pipeline_options(graph: ModelGraph, cluster: ClusterSpec, *, global_batch: i
     model traced at that size by ``retrace``, else the graph scaled: [Note: micro-batch
     scaling] in graph.py) whose micro-batches split the global batch, 1F1B
     and, on even splits, each interleaving ``v`` the micro-batches allow (``m`` divisible by
-    ``p``, ``v`` dividing the ``k`` blocks a rank holds), each offload ([Note: model data
-    offload] in strategies.py). ``peer``: on even splits the first stage may lend to its mirror
+    ``p``, ``v`` dividing the ``k`` blocks a rank holds); each stage of an option takes its
+    own of ``offloads`` ([Note: offload per stage]). ``peer``: on even splits the first stage may lend to its mirror
     where the stages' micro-batches in flight fall linearly (all but 1F1B with ``m < p``:
     [Note: activations on a peer]). ``pp``: that many stages only."""
     if repeated_block(graph) is None:
@@ -371,12 +433,11 @@ def _options_at(graph: ModelGraph, cluster: ClusterSpec, *, global_batch: int,
                     continue
                 m = global_batch // per_step
                 runs = _runs(schedules, split, m)
-                for (schedule, v), offload in itertools.product(runs, offloads):
+                for schedule, v in runs:
                     slots, flights, copies = _schedule_figures(schedule, p, v, m)
                     specs = tuple(
                         dataclasses.replace(base, num_microbatches=m, in_flight=f,
-                                            time_slots=slots, weight_copies=copies,
-                                            offload=offload)
+                                            time_slots=slots, weight_copies=copies)
                         for f in flights[: len(graphs)]
                     )  # fmt: skip
                     if peer and split.is_even and (schedule != "1f1b" or m >= p):
@@ -387,7 +448,7 @@ def _options_at(graph: ModelGraph, cluster: ClusterSpec, *, global_batch: int,
                     options.append(PipelineOption(
                         pp=p, vp=v, schedule=schedule, mesh=mesh, cluster=stage_cluster,
                         num_microbatches=m, split=split, graphs=graphs, specs=specs,
-                        send_s=_send_s(graph, mesh, p, v, slots, cluster),
+                        send_s=_send_s(graph, mesh, p, v, slots, cluster), offloads=offloads,
                     ))  # fmt: skip
     return options
 

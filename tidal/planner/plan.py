@@ -43,7 +43,8 @@ __all__ = [
 ]
 
 # 2: pipelined plans (``pipeline``), whose choices are per kind of stage
-PLAN_FORMAT = 2
+# 3: each kind of stage its own offload (``pipeline.stages[kind].offload``)
+PLAN_FORMAT = 3
 
 
 class Layout(enum.StrEnum):
@@ -231,7 +232,8 @@ def _units_to_json(units: list[UnitChoice]) -> list[dict[str, Any]]:
 @dataclass(kw_only=True, slots=True)
 class StageChoices:
     """What a kind of pipeline stage does ([Note: pipeline stages] in pipelines.py): its
-    units' choices as its own ILP made them, its recomputation, and its cost-model figures.
+    units' choices as its own ILP made them, its recomputation, the model data it keeps off
+    the device ([Note: offload per stage] in pipelines.py), and its cost-model figures.
     ``blocks`` is how many of the repeated block the kind was solved with on one rank (its
     block units' ``count``)."""
 
@@ -241,11 +243,13 @@ class StageChoices:
     recompute: dict[str, Recompute]
     memory: MemoryBreakdown
     step_time_s: float
+    offload: Offload = NO_OFFLOAD
 
     def to_dict(self) -> dict[str, Any]:
         return {"kind": self.kind, "blocks": self.blocks, "units": _units_to_json(self.units),
                 "recompute": {k: str(v) for k, v in self.recompute.items()},
-                "memory": self.memory.to_dict(), "step_time_s": self.step_time_s}  # fmt: skip
+                "memory": self.memory.to_dict(), "step_time_s": self.step_time_s,
+                "offload": self.offload.to_dict()}  # fmt: skip
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> StageChoices:
@@ -253,7 +257,8 @@ class StageChoices:
                    units=[UnitChoice.from_dict(u) for u in data["units"]],
                    recompute={k: Recompute(v) for k, v in data["recompute"].items()},
                    memory=MemoryBreakdown.from_dict(data["memory"]),
-                   step_time_s=float(data["step_time_s"]))  # fmt: skip
+                   step_time_s=float(data["step_time_s"]),
+                   offload=Offload.from_json(data["offload"]))  # fmt: skip
 
 
 @dataclass(kw_only=True, slots=True)
@@ -310,7 +315,8 @@ class Plan:
     A pipelined plan (``pipeline`` set) runs ``pp`` stages of ``dp x tp`` ranks each, ``devices
     = pp x dp x tp``. Its ``units``, ``recompute`` and ``edges`` are the first stage's (what a
     reader sees first), ``memory`` is the stage with the highest peak's, ``step_time_s`` the
-    pipeline's; each kind of stage has its own choices (``pipeline.stages``). Stage ``s`` is
+    pipeline's, ``offload`` the first stage's; each kind of stage has its own choices, offload
+    included (``pipeline.stages``). Stage ``s`` is
     :meth:`stage_plan`: a flat plan of ``dp x tp`` over its own blocks, which
     ``tidal train --plan`` realises on that stage alone ([Note: planned pipeline stages] in
     tidal/train/plan_stage.py). ``num_microbatches`` is a step's, each of ``micro_batch`` rows
@@ -330,7 +336,8 @@ class Plan:
     step_time_s: float
     edges: list[tuple[str, str, int]] = field(default_factory=list)
     # the model data kept off the device ([Note: model data offload] in strategies.py), which
-    # `tidal train --plan` keeps there (planner.check.offload_runs)
+    # `tidal train --plan` keeps there (planner.check.offload_runs); a pipeline's stages each
+    # their own (rank_offload)
     offload: Offload = NO_OFFLOAD
     pipeline: PipelineLayout | None = None  # [Note: plan pipelines]
 
@@ -355,10 +362,31 @@ class Plan:
             return self.memory
         return self.pipeline.stages[self.pipeline.rank_kind(pp_rank)].memory
 
+    def rank_offload(self, pp_rank: int) -> Offload:
+        """What of its model data a device of pipeline rank ``pp_rank`` keeps off the device:
+        its kind's, for every stage the rank holds, as it was priced; the plan's when flat."""
+        if self.pipeline is None:
+            return self.offload
+        return self.pipeline.stages[self.pipeline.rank_kind(pp_rank)].offload
+
+    def offloads(self) -> list[Offload]:
+        """Each pipeline rank's offload (the plan's alone when flat)."""
+        return [self.rank_offload(r) for r in range(self.pp)]
+
+    def describe_offload(self) -> str:
+        """What the plan keeps off its devices, for a reader: one offload, or each kind of
+        stage's where they differ; ``""`` for none."""
+        offloads = set(self.offloads())
+        if len(offloads) == 1 or self.pipeline is None:
+            return offloads.pop().describe()
+        return "; ".join(f"{kind} stage: {c.offload.describe() or 'all on the device'}"
+                         for kind, c in self.pipeline.stages.items())  # fmt: skip
+
     def stage_plan(self, stage: int) -> Plan:
         """The flat plan stage ``stage`` realises ([Note: plan pipelines]): its kind's choices,
         each block unit counted as often as the stage holds blocks, the units outside the blocks
-        only on the first and the last stage (the embeddings, the head)."""
+        only on the first and the last stage (the embeddings, the head), and its rank's offload
+        (:meth:`rank_offload`: a rank's model chunks are priced as one stage)."""
         layout = self.pipeline
         if layout is None:
             assert stage == 0, "a flat plan is one stage"
@@ -372,7 +400,8 @@ class Plan:
                     micro_batch=self.micro_batch, seq_len=self.seq_len,
                     num_microbatches=self.num_microbatches, units=units,
                     recompute=dict(choices.recompute), memory=choices.memory,
-                    step_time_s=choices.step_time_s, offload=self.offload)  # fmt: skip
+                    step_time_s=choices.step_time_s,
+                    offload=self.rank_offload(stage % layout.pp))  # fmt: skip
 
     def unit(self, name: str) -> UnitChoice:
         for unit in self.units:

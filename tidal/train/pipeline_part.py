@@ -347,7 +347,7 @@ class PipelinePart:
                                torch_optimizer=torch_optimizer,
                                planned=plan is not None,
                                host_optimizer=None if plan is None
-                               else plan_host_optimizer(plan, job))  # fmt: skip
+                               else plan_host_optimizer(plan, job, pp_rank=pp_rank))  # fmt: skip
         self.plan = plan
         # your scheduler, one per stage, stepped after each of its updates
         make_scheduler = None if torch_optimizer is None else torch_optimizer.schedule

@@ -85,15 +85,16 @@ def plan_dims(plan: Plan, world_size: int) -> ParallelDims:
     return ParallelDims(pp=plan.pp, dp=plan.dp, tp=plan.tp)
 
 
-def plan_host_optimizer(plan: Plan, job: JobConfig) -> HostOptimizerConfig | None:
-    """What of each stage's optimizer the plan updates on the host, and keeps on NVMe in
-    ``memory.nvme_dir`` ([Note: the optimizer on the host] in tidal/runtime/host_optimizer.py);
-    None where the device's optimizer does it all, FSDP2's CPU offload of every group included
-    (its shares are on the host and updated there). Raises naming ``memory.nvme_dir`` where the plan needs
-    a disk and the job names none."""
+def plan_host_optimizer(plan: Plan, job: JobConfig, *, pp_rank: int) -> HostOptimizerConfig | None:
+    """What of pipeline rank ``pp_rank``'s optimizer the plan updates on the host, and keeps on
+    NVMe in ``memory.nvme_dir`` ([Note: the optimizer on the host] in
+    tidal/runtime/host_optimizer.py; a rank's own offload: [Note: offload per stage] in
+    tidal/planner/pipelines.py); None where the device's optimizer does it all, FSDP2's CPU
+    offload of every group included (its shares are on the host and updated there). Raises
+    naming ``memory.nvme_dir`` where the rank needs a disk and the job names none."""
     from tidal.runtime.host_optimizer import HostOptimizerConfig
 
-    offload = plan.offload
+    offload = plan.rank_offload(pp_rank)
     if not offload.optimizer or (offload.params == 1 and not offload.nvme):
         return None
     return HostOptimizerConfig(fraction=offload.optimizer, nvme_fraction=offload.nvme,

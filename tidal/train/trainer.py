@@ -149,7 +149,8 @@ class Trainer:
         self.plan = _load_plan(plan) if isinstance(plan, str | Path) else plan
         if self.plan is not None:
             check_plan_settings(self.job)
-            plan_host_optimizer(self.plan, self.job)  # a plan's NVMe needs memory.nvme_dir
+            for pp_rank in range(self.plan.pp):  # a plan's NVMe needs memory.nvme_dir
+                plan_host_optimizer(self.plan, self.job, pp_rank=pp_rank)
         taken_by = runs_on(self.job, plan=self.plan is not None)
         self.job, self._torch_optimizer = own_optimizer(
             self.job, optimizer=optimizer, optimizer_kwargs=optimizer_kwargs,

@@ -7,6 +7,8 @@ with offload priced, not run."""
 from __future__ import annotations
 
 import dataclasses
+import itertools
+import json
 import math
 from collections.abc import Callable
 from typing import Any
@@ -15,8 +17,9 @@ import pytest
 from torch import nn
 
 from tidal.config import ConfigError
-from tidal.planner import ClusterSpec, Infeasible, Mesh, PlannerConfig, make_plan
+from tidal.planner import ClusterSpec, Infeasible, Mesh, PlannerConfig, Recompute, make_plan
 from tidal.planner.check import check_plan
+from tidal.planner.emit import to_pipelined_plan
 from tidal.planner.graph import ModelGraph
 from tidal.planner.pipelines import pipeline_options, search_pipelines
 from tidal.planner.plan import Offload, Plan
@@ -217,7 +220,7 @@ def test_the_pipeline_search_with_offload_finds_what_solving_every_option_finds(
                               solver_time_limit_s=60, slack=0.05, offloads=offloads)  # fmt: skip
     every = pipeline_options(graph, cluster, global_batch=16, base=TrainingSpec(), meshes=meshes,
                              offloads=offloads)  # fmt: skip
-    assert {o.specs[0].offload for o in every} == set(offloads)
+    assert all(o.offloads == offloads for o in every)
     matches_every_option(search, every, problem, memory)
     # without the host, nothing fits these stages' devices
     plain = pipeline_options(graph, cluster, global_batch=16, base=TrainingSpec(), meshes=meshes)
@@ -225,6 +228,58 @@ def test_the_pipeline_search_with_offload_finds_what_solving_every_option_finds(
         option.build(problem)
     assert all(
         o.solve_fastest(memory_limit=memory, solver_time_limit_s=60) == math.inf for o in plain
+    )
+
+
+def test_each_pipeline_stage_takes_its_own_offload(
+    graph: ModelGraph, search_parts: Callable[..., Any]
+) -> None:
+    """Mist's per-stage offload ([Note: offload per stage] in pipelines.py): on two devices of
+    16 MiB, without recomputation, the first stage (the embedding, two micro-batches in flight)
+    must move half its optimizer to the host and the last fits as it is, so it keeps its own:
+    the step is the first stage's, faster than with both at half. Each option's fastest step
+    and smallest plan are the best of every combination of its stages' offloads, each solved
+    alone; the plan file carries each stage's and a run gives each rank its own."""
+    config = dataclasses.replace(FLAT, recompute=(Recompute.NONE,))
+    meshes, problem = search_parts(graph, config)
+    memory = 16 * MiB
+    cluster = ClusterSpec(devices=2, device_memory_bytes=memory)
+    half = Offload(optimizer=0.5)
+    offloads = (Offload(), half, Offload(optimizer=1.0), Offload(optimizer=1.0, params=1.0))
+    search = search_pipelines(graph, cluster, global_batch=4, base=TrainingSpec(), meshes=meshes,
+                              problem=problem, memory_limit=memory, solver_time_limit_s=60,
+                              slack=0.05, offloads=offloads)  # fmt: skip
+    best = search.fastest
+    assert best is not None and best.fastest is not None
+    chosen = best.plan(best.fastest)
+    assert chosen.offloads() == (half, Offload())
+    for option in search.options:
+        times = [[p.solve(objective="time", memory_limit=memory, refine=False).step_time_s
+                  for p in stage] for stage in option.problems]  # fmt: skip
+        combos = list(itertools.product(range(len(offloads)), repeat=len(times)))
+        fastest = min(max(t[c] for t, c in zip(times, combo, strict=True)) for combo in combos)
+        option.solve_fastest(memory_limit=memory, solver_time_limit_s=60)
+        assert option.fastest_s == pytest.approx(fastest + option.send_s, rel=1e-6)
+        if option is best:
+            uniform = min(max(t[j] for t in times) for j in range(len(offloads)))
+            assert option.fastest_s < uniform + option.send_s  # both at half: the last's step
+        if not math.isfinite(fastest):
+            continue
+        budget = 1.05 * option.fastest_s
+        peaks = [[p.solve(objective="memory", memory_limit=memory, refine=False,
+                          time_limit=(budget - option.send_s) * (1 + 1e-9)).peak_bytes
+                  for p in stage] for stage in option.problems]  # fmt: skip
+        smallest = option.smallest(memory_limit=memory, time_limit=budget, solver_time_limit_s=60)
+        assert smallest is not None
+        assert smallest.peak_memory_bytes == pytest.approx(
+            min(max(p[c] for p, c in zip(peaks, combo, strict=True)) for combo in combos), rel=1e-3
+        )
+    plan = Plan.from_dict(json.loads(json.dumps(to_pipelined_plan(chosen).to_dict())))
+    assert plan.pipeline is not None and plan.pipeline.stages["last"].offload == Offload()
+    assert [plan.rank_offload(r) for r in (0, 1)] == [half, Offload()]
+    assert [plan.stage_plan(s).offload for s in (0, 1)] == [half, Offload()]
+    assert plan.describe_offload() == (
+        "first stage: 50% of the optimizer on the host; last stage: all on the device"
     )
 
 
