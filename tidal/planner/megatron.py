@@ -63,6 +63,18 @@ share of its node's memory; a step adds the ``f / d`` share's fp32 gradients dow
 weights up over the host link and the node's CPU Adam over it, with no overlap (Megatron
 overlaps part of the copies, so this is its slower side, as it is tidal's). The grid searches it
 only where asked (``offloads``), with the distributed optimizer.
+
+[Note: Megatron's activation offload]
+Megatron-Core also moves activations to the host (``--fine-grained-activation-offloading
+--offload-modules ...``, with pipelines and interleaving, beside selective recompute): a
+layer's saved inputs go down after its forward and come back before its backward, on their own
+stream. Priced as tidal's host swap ([Note: activations on the host] in ilp.py), with every
+module a layer saves offloaded: the device keeps none of its layers' activations but two
+layers' worth per micro-batch as a transient (one in use, the next coming back), the host the
+layers' terms of the activation formula within the device's share of its node's memory, and
+each layer adds per micro-batch only what its copies (``2 x`` its saved bytes over the host
+link) take beyond its own forward and backward. The grid searches it only where tidal's search
+has its host swap (``activation_offloads``), with selective recompute.
 """
 
 from __future__ import annotations
@@ -143,6 +155,7 @@ class MegatronConfig:
     distributed_optimizer: bool = True
     vp: int = 1
     optimizer_offload: float = 0.0  # [Note: Megatron's optimizer offload]
+    activation_offload: bool = False  # [Note: Megatron's activation offload]
     # Megatron-Core's fused attention never writes the scores; the published A100 runs of
     # 2021-22 (fused softmax) did ([Note: Megatron's step time])
     flash_attention: bool = True
@@ -157,6 +170,8 @@ class MegatronConfig:
         require(0 <= self.optimizer_offload <= 1 and (self.distributed_optimizer
                 or not self.optimizer_offload), "optimizer_offload",
                 "is a fraction in [0, 1] of the distributed optimizer's state")  # fmt: skip
+        require(not self.activation_offload or self.recompute is Recompute.SELECTIVE,
+                "activation_offload", "is searched beside selective recompute")  # fmt: skip
 
     @property
     def name(self) -> str:
@@ -171,6 +186,8 @@ class MegatronConfig:
         parts.append("dist-opt" if self.distributed_optimizer else "ddp")
         if self.optimizer_offload:
             parts.append(f"{self.optimizer_offload:.0%} optimizer on the CPU")
+        if self.activation_offload:
+            parts.append("activations on the CPU")
         if not self.flash_attention:
             parts.append("softmax attention")
         return ", ".join(parts)
@@ -181,6 +198,7 @@ class MegatronConfig:
                 "sequence_parallel": self.sequence_parallel, "recompute": str(self.recompute),
                 "distributed_optimizer": self.distributed_optimizer,
                 "optimizer_offload": self.optimizer_offload,
+                "activation_offload": self.activation_offload,
                 "flash_attention": self.flash_attention}  # fmt: skip
 
 
@@ -191,7 +209,9 @@ class MegatronMemory:
     weights_and_optimizer: float
     activations: float
     transient: float
-    host: float = 0.0  # optimizer state on the host ([Note: Megatron's optimizer offload])
+    # optimizer state and activations on the host ([Note: Megatron's optimizer offload],
+    # [Note: Megatron's activation offload])
+    host: float = 0.0
 
     @property
     def estimator_bytes(self) -> float:
@@ -207,12 +227,16 @@ def megatron_memory(shape: TransformerShape, c: MegatronConfig) -> MegatronMemor
     """Per-device peak of ``c``; see [Note: Megatron's memory]."""
     shard, f = _shard_params(shape, c), c.optimizer_offload
     per_param = 6 + 12 * (1 - f) / c.dp if c.distributed_optimizer else 18
-    return MegatronMemory(
-        weights_and_optimizer=shard * per_param,
-        activations=_activation_bytes(shape, c),
-        transient=_layer_bytes(shape, c) if c.recompute is Recompute.FULL else 0.0,
-        host=shard * 12 * f / c.dp,
-    )
+    activations = _activation_bytes(shape, c)
+    transient = _layer_bytes(shape, c) if c.recompute is Recompute.FULL else 0.0
+    host = shard * 12 * f / c.dp
+    if c.activation_offload:  # [Note: Megatron's activation offload]
+        on_host = _activation_bytes(shape, c) - _activation_bytes(shape, c, layers=False)
+        activations -= on_host
+        host += on_host
+        transient = 2 * _layer_bytes(shape, c)
+    return MegatronMemory(weights_and_optimizer=shard * per_param, activations=activations,
+                          transient=transient, host=host)  # fmt: skip
 
 
 def _shard_params(shape: TransformerShape, c: MegatronConfig) -> float:
@@ -233,15 +257,15 @@ def _layer_bytes(shape: TransformerShape, c: MegatronConfig) -> float:
     return sbh * (10 / outside + (8 + 4 * shape.ffn / shape.hidden) / c.tp)
 
 
-def _activation_bytes(shape: TransformerShape, c: MegatronConfig) -> float:
+def _activation_bytes(shape: TransformerShape, c: MegatronConfig, *, layers: bool = True) -> float:
     """Megatron's estimator's activation formulas, extended to full recompute as [Note:
     Megatron's memory] says; written in its order (the schedule's factor applies to the
-    embedding terms too)."""
+    embedding terms too). ``layers=False``: without the layers' terms."""
     s, b, h, t, p = shape.seq_len, c.micro_batch, shape.hidden, c.tp, c.pp
     V = shape.padded_vocab(t)
     outside = t if c.sequence_parallel else 1
     full = c.recompute is Recompute.FULL
-    layer = 2 * s * b * h / outside if full else _layer_bytes(shape, c)
+    layer = (2 * s * b * h / outside if full else _layer_bytes(shape, c)) if layers else 0.0
     if c.sequence_parallel or full:
         total = layer * shape.num_layers + 8 * s * b * p / t + s * b * h * p / outside
         total *= _schedule_factor(c)
@@ -306,6 +330,8 @@ def megatron_step_s(shape: TransformerShape, c: MegatronConfig, cluster: Cluster
     layer_s += _layer_memory_bound_bytes(shape, c) / (
         cluster.memory_bandwidth * cluster.bandwidth_efficiency
     )
+    if c.activation_offload:  # what the copies take beyond the layer's own work
+        layer_s += max(0.0, 2 * _layer_bytes(shape, c) / cluster.host_link_bandwidth - layer_s)
     head_s = 3 * 2 * s * b * h * shape.padded_vocab(t) / t / rate
     stage_s = shape.num_layers / p * layer_s + head_s
     if p > 1:
@@ -365,8 +391,8 @@ def _divisors(n: int) -> list[int]:
 
 
 def _configs(shape: TransformerShape, cluster: ClusterSpec, global_batch: int,
-             micro_batches: tuple[int, ...],
-             offloads: tuple[float, ...] = (0.0,)) -> Iterator[MegatronConfig]:  # fmt: skip
+             micro_batches: tuple[int, ...], offloads: tuple[float, ...] = (0.0,),
+             activation_offloads: tuple[bool, ...] = (False,)) -> Iterator[MegatronConfig]:  # fmt: skip
     n = cluster.devices
     for t in _divisors(min(n, cluster.devices_per_node)):
         if shape.heads % t or shape.groups % t or shape.ffn % t or n % t:
@@ -384,13 +410,23 @@ def _configs(shape: TransformerShape, cluster: ClusterSpec, global_batch: int,
                 ]
                 for vp in vps:
                     for sp in (False, True) if t > 1 else (False,):
-                        for recompute in (Recompute.SELECTIVE, Recompute.FULL):
+                        for recompute, moved in _recomputes(activation_offloads):
                             for dist_opt, f in _optimizers(d, offloads):
                                 yield MegatronConfig(
                                     tp=t, pp=p, dp=d, micro_batch=mb, num_microbatches=m,
                                     sequence_parallel=sp, recompute=recompute,
                                     distributed_optimizer=dist_opt, vp=vp, optimizer_offload=f,
+                                    activation_offload=moved,
                                 )  # fmt: skip
+
+
+def _recomputes(activation_offloads: tuple[bool, ...]) -> Iterator[tuple[Recompute, bool]]:
+    """(recompute, activations on the host) pairs: selective recompute with each of
+    ``activation_offloads``, full recompute keeping them ([Note: Megatron's activation
+    offload])."""
+    for moved in activation_offloads:
+        yield Recompute.SELECTIVE, moved
+    yield Recompute.FULL, False
 
 
 def _optimizers(d: int, offloads: tuple[float, ...]) -> Iterator[tuple[bool, float]]:
@@ -405,19 +441,23 @@ def _optimizers(d: int, offloads: tuple[float, ...]) -> Iterator[tuple[bool, flo
 
 def megatron_grid(shape: TransformerShape, cluster: ClusterSpec, *, global_batch: int,
                   micro_batches: tuple[int, ...] = (1, 2, 4, 8),
-                  offloads: tuple[float, ...] = (0.0,)) -> list[MegatronRow]:  # fmt: skip
+                  offloads: tuple[float, ...] = (0.0,),
+                  activation_offloads: tuple[bool, ...] = (False,)) -> list[MegatronRow]:  # fmt: skip
     """Every configuration Megatron-LM accepts for ``shape`` on ``cluster`` with ``global_batch``
     sequences a step: ``t`` within a node dividing heads, groups and the MLP; ``p`` dividing the
     layers; interleaving when the micro-batches divide by ``p``; with the distributed optimizer,
     each fraction of ``offloads`` on the CPU whose state fits the host ([Note: Megatron's
-    optimizer offload])."""
+    optimizer offload]); with selective recompute, activations on the host or not, each of
+    ``activation_offloads`` whose bytes fit it ([Note: Megatron's activation offload])."""
     rows = [
         MegatronRow(
             config=c,
             memory=megatron_memory(shape, c),
             step_time_s=megatron_step_s(shape, c, cluster),
         )  # fmt: skip
-        for c in _configs(shape, cluster, global_batch, micro_batches, offloads)
+        for c in _configs(
+            shape, cluster, global_batch, micro_batches, offloads, activation_offloads
+        )
     ]
     return [r for r in rows if r.memory.host <= cluster.host_bytes_per_device]
 

@@ -34,7 +34,7 @@ from tidal.planner.ilp import Problem, Solution, build_problem, on_threads
 from tidal.planner.measure import ModelGraph
 from tidal.planner.megatron import MegatronBest, TransformerShape, megatron_best, megatron_grid
 from tidal.planner.pipelines import PipelinePlan, PipelineSearch, Retrace, search_pipelines
-from tidal.planner.plan import NO_OFFLOAD, Offload, Plan
+from tidal.planner.plan import NO_OFFLOAD, Offload, Plan, Recompute
 from tidal.planner.strategies import (
     TrainingSpec,
     indivisible,
@@ -421,9 +421,12 @@ def _compare_with_megatron(result: PlanResult, shape: TransformerShape, cluster:
     say("Megatron-LM's grid (t x p x d, sequence parallel, recompute, distributed optimizer, "
         "interleaving, micro-batch)")  # fmt: skip
     global_batch = config.global_batch or cluster.devices * micro_batch
-    # Megatron-Core offloads its optimizer only ([Note: Megatron's optimizer offload])
+    # Megatron-Core offloads its optimizer only ([Note: Megatron's optimizer offload]), and its
+    # activations where tidal's search has its host swap ([Note: Megatron's activation offload])
     offloads = tuple(sorted({o.optimizer for o in config.offloads()}))
-    rows = megatron_grid(shape, cluster, global_batch=global_batch, offloads=offloads)
+    swaps = (False, True) if Recompute.SWAP in config.recompute else (False,)
+    rows = megatron_grid(shape, cluster, global_batch=global_batch, offloads=offloads,
+                         activation_offloads=swaps)  # fmt: skip
     result.megatron = megatron_best(rows, cluster.device_memory_bytes)
     fastest = result.megatron.fastest
     found: dict[str, Compared | None] = {"at_fastest_step_time": None}

@@ -373,3 +373,48 @@ def test_megatrons_optimizer_on_the_cpu_by_hand() -> None:
     kept = megatron_grid(shape, small, global_batch=256, offloads=(0.0, 1.0))
     assert all(r.memory.host <= 8 * GiB for r in kept)
     assert len([r for r in kept if r.config.optimizer_offload]) < len(offloaded)
+
+
+def test_megatrons_activations_on_the_cpu_by_hand() -> None:
+    """[Note: Megatron's activation offload]: with selective recompute, the layers' terms of
+    the activation formula move to the host and two layers' worth stay as a transient; a step
+    adds, per layer and micro-batch, only what the copies take beyond the layer's own work; the
+    grid searches it only where asked and keeps only what fits the host."""
+    shape, cluster = gpt3_175b(), ClusterSpec(devices=256)
+    c = MegatronConfig(tp=8, pp=8, dp=4, micro_batch=1, num_microbatches=8, vp=1)
+    moved = dataclasses.replace(c, activation_offload=True)
+    s, b, h, t, p, L = 2048, 1, 12288, 8, 8, 96
+    layer = s * b * h * (10 / t + (8 + 4 * 4) / t)  # sequence parallel, selective: one layer
+    kept, offloaded = megatron_memory(shape, c), megatron_memory(shape, moved)
+    layers = layer * L * min(1.0, 8 / p)  # p micro-batches of L / p layers in flight
+    assert offloaded.activations == pytest.approx(kept.activations - layers, rel=1e-12)
+    assert offloaded.host == pytest.approx(layers, rel=1e-12)
+    assert offloaded.transient == pytest.approx(2 * layer, rel=1e-12)
+    assert offloaded.weights_and_optimizer == kept.weights_and_optimizer
+    assert offloaded.total < kept.total
+    assert "activations on the CPU" in moved.name
+    # a fast link hides the copies behind the layer; a slow one shows them, per layer and
+    # micro-batch over the pipeline's slots
+    fast = dataclasses.replace(cluster, host_link_bandwidth=1e15)
+    assert megatron_step_s(shape, moved, fast) == pytest.approx(megatron_step_s(shape, c, fast))
+    slow = dataclasses.replace(cluster, host_link_bandwidth=1e9)
+    copy_s = 2 * layer / 1e9
+    plain_s = megatron_step_s(shape, c, slow)
+    layer_s = (megatron_step_s(shape, moved, slow) - plain_s) / ((8 + (p - 1)) * L / p)
+    assert layer_s > 0 and layer_s < copy_s  # the copies less the layer's own work
+    with pytest.raises(ConfigError, match="activation_offload"):
+        dataclasses.replace(moved, recompute=Recompute.FULL)
+    plain = megatron_grid(shape, cluster, global_batch=256)
+    assert not any(r.config.activation_offload for r in plain)
+    rows = megatron_grid(shape, cluster, global_batch=256, activation_offloads=(False, True))
+    with_offload = [r for r in rows if r.config.activation_offload]
+    # each selective configuration once more with its activations on the host, where they fit
+    selective = [r.config for r in plain if r.config.recompute is Recompute.SELECTIVE]
+    fits = [m for m in (dataclasses.replace(c, activation_offload=True) for c in selective)
+            if megatron_memory(shape, m).host <= cluster.host_bytes_per_device]  # fmt: skip
+    assert 0 < len(fits) < len(selective)  # the largest micro-batches do not fit 256 GiB
+    assert {r.config for r in with_offload} == set(fits)
+    small = dataclasses.replace(cluster, host_memory_per_node_bytes=64 * GiB)
+    kept_rows = megatron_grid(shape, small, global_batch=256, activation_offloads=(False, True))
+    assert all(r.memory.host <= 8 * GiB for r in kept_rows)
+    assert len([r for r in kept_rows if r.config.activation_offload]) < len(with_offload)

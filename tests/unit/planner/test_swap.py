@@ -119,3 +119,21 @@ def test_a_plan_that_swaps_runs_where_one_that_offloads_part_does_not(graph: Mod
     with pytest.raises(ValueError, match="keeps 50% of the optimizer on the host, 25% of the "
                        "parameters; .* are not ZeRO-3, which is priced"):  # fmt: skip
         check_plan(nn.Linear(2, 2), whole)  # refused before tracing
+
+
+def test_megatron_moves_its_activations_where_the_search_swaps() -> None:
+    """Against Megatron-LM at its best ([Note: Megatron's activation offload] in megatron.py):
+    where tidal's search may keep activations on the host, Megatron's grid may too (its
+    fine-grained activation offloading, with selective recompute), and only there."""
+    from tidal.models import GPTConfig, GPTSpec
+    from tidal.models.gpt import measure_gpt
+
+    config = GPTConfig(vocab_size=512, seq_len=128, num_layers=8, num_heads=4, d_model=128)
+    graph, shape = measure_gpt(config, micro_batch=1), GPTSpec(config=config).transformer_shape()
+    cluster = ClusterSpec(devices=8)
+    plain = make_plan(graph, cluster, FLAT, shape=shape).megatron
+    swapping = make_plan(graph, cluster, WITH_SWAP, shape=shape).megatron
+    assert plain is not None and swapping is not None
+    moved = swapping.num_configs - plain.num_configs
+    assert moved > 0  # selective configurations, once more with their activations moved
+    assert not any(r.config.activation_offload for r in plain.frontier)
