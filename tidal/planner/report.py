@@ -121,6 +121,7 @@ def _pipeline(result: PlanResult) -> dict[str, Any] | None:
             "memory": costed.memory.to_dict(),
             "step_time_s": costed.step_time_s,
             "recompute": {k: str(v) for k, v in solution.assignment.recompute.items()},
+            "offload": solution.assignment.offload.to_dict(),
         }
     return {
         "layout": plan.describe(),
