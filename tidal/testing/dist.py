@@ -289,7 +289,9 @@ def _supervise(ranks: list[_Rank], timeout_s: float) -> list[RankOutcome]:
 # interpreter: no threads, no process group, no device context. What a spawned rank would
 # take from its parent at start, the environment and stdout/stderr, is passed along explicitly.
 # DTensor's modules too (tensor_stage's): most ranks shard, and every checkpoint of a sharded
-# stage reads them (another 1-2 s each).
+# stage reads them (another 1-2 s each). And what a rank imports with the test function it runs
+# (its module, unpickled in the rank): pytest, and the planner's search with scipy (about a
+# second a rank) for the many tests that plan; a module that is not installed is passed over.
 _PRELOAD = [
     "torch",
     "torch.distributed",
@@ -297,6 +299,9 @@ _PRELOAD = [
     "tidal",
     "tidal.train",
     "tidal.parallel.tensor_stage",
+    "tidal.planner.search",
+    "torch.distributed.checkpoint",
+    "pytest",
 ]
 
 
