@@ -371,3 +371,15 @@ def test_the_plan_near_megatrons_fastest_step_time(tmp_path) -> None:
     assert near["saving"] == pytest.approx(1 - near["peak_memory_bytes"] / fastest)
     assert near["saving"] > 0 and near["layout"].startswith("p")  # a pipelined plan
     assert same is None or near["peak_memory_bytes"] <= same["peak_memory_bytes"] * (1 + 1e-6)
+    # Megatron's own least memory within the same slack: no larger than its fastest's, and the
+    # plan's saving against it the smaller one
+    mine = best["near_fastest"]
+    assert mine["fits"] and mine["step_time_s"] <= 1.05 * best["fastest"]["step_time_s"] * (
+        1 + 1e-9
+    )
+    assert mine["peak_memory_bytes"] <= fastest
+    against = best["plan_near_its_near_fastest"]
+    assert against["saving"] == pytest.approx(
+        1 - near["peak_memory_bytes"] / mine["peak_memory_bytes"]
+    )
+    assert against["saving"] <= near["saving"] + 1e-12
