@@ -42,7 +42,7 @@ def reference_losses(job: JobConfig | str | dict[str, Any]) -> list[float]:
             loss = (engine(inputs, targets) if spec.computes_loss
                     else default_loss(engine(inputs), targets))  # fmt: skip
             engine.backward(loss)
-            total += float(loss)
+            total += float(loss.detach())
             engine.step()
         losses.append(total / training.grad_accum_steps)
     return losses
