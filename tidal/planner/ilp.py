@@ -125,6 +125,10 @@ class Problem:
     rows: list[tuple[str, dict[int, float], float, float]] = field(default_factory=list)
     # the constraint matrix with its bounds, built at the first solve ([Note: the ILP])
     _rows: tuple[Any, np.ndarray, np.ndarray] | None = field(default=None, repr=False)
+    # each bound computed, by its arguments: a search bounds an option, then its stages again
+    _bounds_seen: dict[tuple[str, float, float, float], float] = field(
+        default_factory=dict, repr=False
+    )
 
     def var(self, integer: bool = False) -> int:
         self.num_vars += 1
@@ -181,15 +185,17 @@ class Problem:
         """A lower bound on :meth:`solve`'s optimum for ``objective`` (step seconds, or peak
         bytes): the LP relaxation without the tie-break term; inf where even it is infeasible.
         Cheaper than a solve, so a search over many problems solves only those it cannot rule
-        out."""
-        c, constraint, peak = self._program(objective, memory_limit, time_limit, mirror_peak,
-                                            tie=0.0)  # fmt: skip
-        with _native_stdout_silenced():
-            relaxed = milp(c, constraints=constraint, bounds=self._bounds(peak))
-        self.num_vars -= 1
-        if relaxed.x is None:
-            return float("inf")
-        return float(relaxed.fun) * (GiB if objective == "memory" else 1.0)
+        out. Each is computed once: the rows do not change after the first solve or bound."""
+        key = (objective, memory_limit, time_limit, mirror_peak)
+        if key not in self._bounds_seen:
+            c, constraint, peak = self._program(objective, memory_limit, time_limit, mirror_peak,
+                                                tie=0.0)  # fmt: skip
+            with _native_stdout_silenced():
+                relaxed = milp(c, constraints=constraint, bounds=self._bounds(peak))
+            self.num_vars -= 1
+            found = float("inf") if relaxed.x is None else float(relaxed.fun)
+            self._bounds_seen[key] = found * (GiB if objective == "memory" else 1.0)
+        return self._bounds_seen[key]
 
     def _program(
         self, objective: str, memory_limit: float, time_limit: float,

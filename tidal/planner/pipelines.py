@@ -280,8 +280,8 @@ class PipelineOption:
 
         def best(stage: int, mirror_peak: float = -float("inf")) -> Solution:
             return self._best(stage, solve, key=lambda s: s.peak_bytes, mirror_peak=mirror_peak,
-                              bound=lambda p: p.bound(objective="memory", memory_limit=memory_limit,
-                                                      time_limit=budget, mirror_peak=mirror_peak))  # fmt: skip
+                              bound=lambda p: p.bound(objective="memory", time_limit=budget,
+                                                      mirror_peak=mirror_peak))  # fmt: skip
 
         solved = self._lending(best) if self.lends else self._each(best)
         if not all(s.feasible for s in solved):
