@@ -125,10 +125,7 @@ class Problem:
     rows: list[tuple[str, dict[int, float], float, float]] = field(default_factory=list)
     # the constraint matrix with its bounds, built at the first solve ([Note: the ILP])
     _rows: tuple[Any, np.ndarray, np.ndarray] | None = field(default=None, repr=False)
-    # each bound computed, by its arguments: a search bounds an option, then its stages again
-    _bounds_seen: dict[tuple[str, float, float, float], float] = field(
-        default_factory=dict, repr=False
-    )
+    _bounds_seen: dict[tuple[Any, ...], float] = field(default_factory=dict, repr=False)
 
     def var(self, integer: bool = False) -> int:
         self.num_vars += 1
