@@ -153,10 +153,10 @@ def offload_runs(plan: Plan) -> bool:
 
 
 def _stages(plan: Plan) -> list[tuple[Offload, list[UnitChoice]]]:
-    """Each kind of stage's offload and units (the plan's own when flat)."""
-    if plan.pipeline is None:
-        return [(plan.offload, plan.units)]
-    return [(c.offload, c.units) for c in plan.pipeline.stages.values()]
+    """Each stage's offload and units as a run realises them (:meth:`Plan.stage_plan`)."""
+    plans = [plan.stage_plan(s) for s in range(1 if plan.pipeline is None else
+                                               plan.pipeline.num_stages)]  # fmt: skip
+    return [(p.offload, p.units) for p in plans]
 
 
 def _below_zero3(plan: Plan) -> list[str]:

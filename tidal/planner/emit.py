@@ -61,12 +61,13 @@ def to_plan(graph: ModelGraph, assignment: Assignment, costed: Costed, spec: Tra
 def stage_kinds(blocks: tuple[int, ...], virtual_stages: int, *,
                 middle: bool) -> tuple[str, ...]:  # fmt: skip
     """Whose choices each of the ``len(blocks) * virtual_stages`` stages takes ([Note: pipeline
-    stages] in pipelines.py): the first's, the last's, or the middle's where it was solved."""
-    num_stages = len(blocks) * virtual_stages
-    return tuple(
-        "first" if s == 0 else "last" if s == num_stages - 1 else "middle" if middle else "first"
-        for s in range(num_stages)
-    )
+    stages] in pipelines.py): its rank's, as the rank was priced (its model chunks together are
+    one stage of the search): the first's on rank 0, the last's on the rank holding the last
+    stage, the middle's where it was solved, else the first's."""
+    pp = len(blocks)
+    ranks = ["first" if r == 0 else "last" if r == pp - 1 else "middle" if middle else "first"
+             for r in range(pp)]  # fmt: skip
+    return tuple(ranks[s % pp] for s in range(pp * virtual_stages))
 
 
 def _block_ranges(blocks: tuple[int, ...], virtual_stages: int) -> tuple[tuple[int, int], ...]:

@@ -44,7 +44,8 @@ __all__ = [
 
 # 2: pipelined plans (``pipeline``), whose choices are per kind of stage
 # 3: each kind of stage its own offload (``pipeline.stages[kind].offload``)
-PLAN_FORMAT = 3
+# 4: an interleaved rank's stages all of its kind (``pipeline.kinds``), as the rank was priced
+PLAN_FORMAT = 4
 
 
 class Layout(enum.StrEnum):
@@ -266,7 +267,8 @@ class PipelineLayout:
     """A pipelined plan's stages: ``pp`` ranks of ``dp x tp`` each under ``schedule`` with
     ``virtual_stages`` model chunks a rank; stage ``s`` (of ``pp * virtual_stages``, on rank
     ``s % pp``) holds the model's blocks ``block_ranges[s]`` and takes the choices of kind
-    ``kinds[s]`` ([Note: plan pipelines])."""
+    ``kinds[s]``, its rank's: a rank's chunks together were priced as one stage of the search
+    ([Note: plan pipelines])."""
 
     pp: int
     virtual_stages: int
@@ -279,17 +281,15 @@ class PipelineLayout:
     def __post_init__(self) -> None:
         assert len(self.block_ranges) == len(self.kinds) == self.pp * self.virtual_stages
         assert set(self.kinds) <= set(self.stages), (self.kinds, list(self.stages))
+        assert all(k == self.kinds[s % self.pp] for s, k in enumerate(self.kinds)), self.kinds
 
     @property
     def num_stages(self) -> int:
         return len(self.block_ranges)
 
     def rank_kind(self, rank: int) -> str:
-        """The kind a pipeline rank was priced as: its stages ``rank, rank + pp, ...``
-        together are one stage of the planner's (its blocks over all its model chunks), the
-        last stage's kind on the rank holding it, else its first stage's."""
-        held = range(rank, self.num_stages, self.pp)
-        return "last" if self.num_stages - 1 in held else self.kinds[rank]
+        """The kind pipeline rank ``rank`` was priced as, every one of its stages'."""
+        return self.kinds[rank]
 
     def to_dict(self) -> dict[str, Any]:
         return {"pp": self.pp, "virtual_stages": self.virtual_stages, "schedule": self.schedule,
@@ -383,15 +383,15 @@ class Plan:
                          for kind, c in self.pipeline.stages.items())  # fmt: skip
 
     def stage_plan(self, stage: int) -> Plan:
-        """The flat plan stage ``stage`` realises ([Note: plan pipelines]): its kind's choices,
-        each block unit counted as often as the stage holds blocks, the units outside the blocks
-        only on the first and the last stage (the embeddings, the head), and its rank's offload
-        (:meth:`rank_offload`: a rank's model chunks are priced as one stage)."""
+        """The flat plan stage ``stage`` realises ([Note: plan pipelines]): its kind's choices
+        and offload (its rank's: a rank's model chunks are priced as one stage), each block unit
+        counted as often as the stage holds blocks, the units outside the blocks only on the
+        first and the last stage (the embeddings, the head)."""
         layout = self.pipeline
         if layout is None:
             assert stage == 0, "a flat plan is one stage"
             return self
-        choices = layout.stages[layout.kinds[stage]]
+        choices = layout.stages[layout.kinds[stage]]  # its rank's, as it was priced
         start, end = layout.block_ranges[stage]
         ends = stage in (0, layout.num_stages - 1)
         units = [dataclasses.replace(u, count=end - start) if "*" in u.module else u
@@ -401,7 +401,7 @@ class Plan:
                     num_microbatches=self.num_microbatches, units=units,
                     recompute=dict(choices.recompute), memory=choices.memory,
                     step_time_s=choices.step_time_s,
-                    offload=self.rank_offload(stage % layout.pp))  # fmt: skip
+                    offload=choices.offload)  # fmt: skip
 
     def unit(self, name: str) -> UnitChoice:
         for unit in self.units:

@@ -15,6 +15,7 @@ from tidal.models.gpt import measure_gpt
 from tidal.planner import ClusterSpec, Plan, PlannerConfig, make_plan
 from tidal.planner.graph import ModelGraph
 from tidal.planner.pipelines import stage_graph
+from tidal.planner.plan import Recompute
 from tidal.planner.report import plan_report
 from tidal.planner.wiring import code_to_code, derive_wiring
 
@@ -39,7 +40,7 @@ def test_a_pipelined_plan_says_what_each_stage_holds_and_does(interleaved: Plan)
     assert layout is not None and (layout.pp, layout.virtual_stages) == (2, 2)
     assert layout.schedule == "interleaved" and interleaved.devices == 4 == 2 * interleaved.dp
     assert layout.block_ranges == ((0, 1), (1, 2), (2, 3), (3, 4))  # k / v blocks a chunk
-    assert layout.kinds == ("first", "first", "first", "last")
+    assert layout.kinds == ("first", "last", "first", "last")  # each stage its rank's kind
     assert interleaved.mesh_name == f"pp 2 x dp {interleaved.dp} x tp 1"
     # stage 2 is rank 0's second chunk: the first stage's choices, on its one block, no embedding
     second = interleaved.stage_plan(2)
@@ -49,8 +50,20 @@ def test_a_pipelined_plan_says_what_each_stage_holds_and_does(interleaved: Plan)
     assert second.devices == interleaved.dp and second.pipeline is None
     assert "tok_embed" in {u.name for u in interleaved.stage_plan(0).units}
     assert "lm_head" in {u.name for u in interleaved.stage_plan(3).units}
-    # a rank's chunks together are one of the planner's stages: rank 1 holds the last
+    # a rank's chunks together are one of the planner's stages: rank 1 holds the last, so its
+    # first chunk realises the last stage's choices and offload, as the rank was priced
     assert (layout.rank_kind(0), layout.rank_kind(1)) == ("first", "last")
+    # (the last stage's choices made unlike the first's, so that taking either shows)
+    last = dataclasses.replace(layout.stages["last"], recompute={"marker": Recompute.FULL},
+                               units=[dataclasses.replace(u, zero=2) for u in layout.stages["last"].units])  # fmt: skip
+    assert last.units != layout.stages["first"].units
+    marked = dataclasses.replace(
+        interleaved, pipeline=dataclasses.replace(layout, stages={**layout.stages, "last": last})
+    )
+    one = marked.stage_plan(1)
+    blocks = {u.name: u for u in last.units if "*" in u.module}
+    assert {u.name: dataclasses.replace(u, count=last.blocks) for u in one.units} == blocks
+    assert one.offload is last.offload and one.recompute == {"marker": Recompute.FULL}
     assert interleaved.rank_memory(1) is layout.stages["last"].memory
     assert interleaved.memory.total == max(c.memory.total for c in layout.stages.values())
 
