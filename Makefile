@@ -21,21 +21,19 @@ run: $(STAMP)
 
 # The tests run on two pytest-xdist workers, each with one intra-op thread (two threads per
 # worker on two cores spin against each other: the unit tests took 478 s so, 157 s like this).
-# Most multi-process tests wait (process start-up, rendezvous, a watchdog's deadline) more than
-# they compute, which a second worker fills; a worker that runs out of tests takes some of the
-# other's (worksteal), so the long ones do not end the run on one worker. mypy (75 s on one
-# core, most of it reading torch) runs beside the unit tests; its report is printed after
-# theirs, and either failing fails the target.
+# The suite is one run: a worker that runs out of tests takes some of the other's (worksteal),
+# so a long test does not end the run on one worker while the other idles, and the workers
+# start and collect once. mypy (75 s on one core, most of it reading torch) runs beside them;
+# its report is printed after theirs, and either failing fails the target.
 PYTEST := OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n 2 --dist worksteal
 
 test: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	@report=$$(mktemp); $(BIN)/mypy > $$report 2>&1 & mypy=$$!; \
-	$(PYTEST) tests/unit; units=$$?; \
+	$(PYTEST) tests; tested=$$?; \
 	wait $$mypy; typed=$$?; echo "mypy:"; cat $$report; rm -f $$report; \
-	test $$units -eq 0 && test $$typed -eq 0
-	$(PYTEST) --ignore=tests/unit
+	test $$tested -eq 0 && test $$typed -eq 0
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
