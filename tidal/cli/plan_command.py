@@ -63,6 +63,8 @@ def train_argv(plan: Plan, *, plan_path: str, recipe: str, settings: list[str],
         settings = [*settings, f"training.batch_size={rows * m}", "training.grad_accum_steps=1"]
     else:
         settings = [*settings, f"training.batch_size={rows}", f"training.grad_accum_steps={m}"]
+    if plan.pipeline is not None and plan.pipeline.schedule == "pipemare":
+        settings = [*settings, "training.precision=fp32"]  # asynchronous schedules' only
     # the optimizer's state there ([Note: the optimizer on the host])
     if any(o.nvme for o in plan.offloads()):
         settings = [*settings, "memory.nvme_dir=NVME_DIR"]

@@ -126,12 +126,14 @@ def not_run(plan: Plan) -> list[NotRun]:
         gaps.append(NotRun(what="keeps parameters of units below ZeRO-3 on the host "
                                 "(--offload-params)", why=_offload_refusal(plan)))  # fmt: skip
     layout = plan.pipeline
-    if layout is not None and layout.schedule not in ("1f1b", "interleaved"):
+    unversioned = _unversioned(plan)
+    if layout is not None and layout.schedule not in ("1f1b", "interleaved") and unversioned:
         gaps.append(NotRun(
-            what=f"runs {layout.schedule} (--schedules {layout.schedule})",
-            why=f"the plan runs {layout.schedule}, an asynchronous schedule, which plans do not "
-                f"run yet (tensor-parallel and FSDP2 stages hide the weights PipeMare versions): "
-                f"make it without --schedules {layout.schedule}",
+            what=f"runs {layout.schedule} on {unversioned} (--schedules {layout.schedule})",
+            why=f"the plan runs {layout.schedule} on {unversioned}, which hides or moves the "
+                f"weights an asynchronous schedule versions in place ([Note: PipeMare plans] "
+                f"in tidal/planner/pipelines.py): make the plan again with this tidal's "
+                f"tidal plan, which gives {layout.schedule} stages it can version",
         ))  # fmt: skip
     stages = [plan.memory] if layout is None else [s.memory for s in layout.stages.values()]
     if any(memory.lent for memory in stages):
@@ -143,6 +145,20 @@ def not_run(plan: Plan) -> list[NotRun]:
     return gaps
 
 
+def _unversioned(plan: Plan) -> str:
+    """What of ``plan``'s stages PipeMare cannot version ([Note: PipeMare plans] in
+    pipelines.py), for a reader; ``""``: nothing."""
+    stages = _plans(plan)
+    recomputed = {m for p in stages for m in p.recompute.values()} - {Recompute.NONE}
+    found = {
+        "tensor-parallel stages": plan.tp > 1,
+        "ZeRO-sharded units": any(u.zero for p in stages for u in p.units),
+        "recomputed blocks": bool(recomputed),
+        "model data off the device": any(p.offload for p in stages),
+    }
+    return _join(what for what, yes in found.items() if yes)
+
+
 def offload_runs(plan: Plan) -> bool:
     """Whether ``plan``'s model data offload is one a plan run carries out: any part of the
     optimizer on the host and of that on NVMe ([Note: the optimizer on the host] in
@@ -152,11 +168,15 @@ def offload_runs(plan: Plan) -> bool:
     return not _below_zero3(plan)
 
 
+def _plans(plan: Plan) -> list[Plan]:
+    """Each stage as a run realises it (:meth:`Plan.stage_plan`)."""
+    return [plan.stage_plan(s) for s in range(1 if plan.pipeline is None else
+                                              plan.pipeline.num_stages)]  # fmt: skip
+
+
 def _stages(plan: Plan) -> list[tuple[Offload, list[UnitChoice]]]:
-    """Each stage's offload and units as a run realises them (:meth:`Plan.stage_plan`)."""
-    plans = [plan.stage_plan(s) for s in range(1 if plan.pipeline is None else
-                                               plan.pipeline.num_stages)]  # fmt: skip
-    return [(p.offload, p.units) for p in plans]
+    """Each stage's offload and units as a run realises them."""
+    return [(p.offload, p.units) for p in _plans(plan)]
 
 
 def _below_zero3(plan: Plan) -> list[str]:

@@ -22,6 +22,18 @@ first stage whatever ``m`` is, and one weight-sized copy more per stage (its del
 discrepancy correction), plus one more built for a unit's backward while it runs ([Note:
 backward weights] in tidal/runtime/weights.py).
 
+[Note: PipeMare plans]
+PipeMare updates a stage's weights in place between a micro-batch's forward and its backward,
+which reads them back through the saved-tensor redirection ([Note: saved-tensor redirection]
+in tidal/runtime/weights.py): by the storage of the parameters themselves. A tensor-parallel
+stage's DTensors and FSDP2's gathered copies hide that storage, a recompute would run on the
+updated weights, and the host optimizer updates elsewhere. So its options are the stages a plan
+run can version: one tensor rank, every unit ZeRO-0 (whole on each data rank, whose gradients
+the layout's hooks all-reduce), nothing recomputed, none of the model data off the device
+(``TrainingSpec.versioned_weights``: the stage's ILP offers nothing else); PipeMare is not
+searched where ``--offload`` leaves no offload of none. Lending is left out too (plan runs do
+not lend). ``tidal train --plan`` then trains every PipeMare plan ``tidal plan`` makes.
+
 Only the first and the last stage are solved: a middle stage given the first stage's choices
 holds fewer micro-batches and no embedding, so it needs no more memory or time than the first.
 The step time is the slower of the two, plus the sends between stages (each micro-batch's block
@@ -434,13 +446,18 @@ def _options_at(graph: ModelGraph, cluster: ClusterSpec, *, global_batch: int,
                 m = global_batch // per_step
                 runs = _runs(schedules, split, m)
                 for schedule, v in runs:
+                    versioned = schedule == "pipemare"  # [Note: PipeMare plans]
+                    stage_offloads = tuple(o for o in offloads if not o) if versioned else offloads
+                    if versioned and (mesh.tp > 1 or not stage_offloads):
+                        continue
                     slots, flights, copies = _schedule_figures(schedule, p, v, m)
                     specs = tuple(
                         dataclasses.replace(base, num_microbatches=m, in_flight=f,
-                                            time_slots=slots, weight_copies=copies)
+                                            time_slots=slots, weight_copies=copies,
+                                            versioned_weights=versioned)
                         for f in flights[: len(graphs)]
                     )  # fmt: skip
-                    if peer and split.is_even and (schedule != "1f1b" or m >= p):
+                    if peer and split.is_even and not versioned and (schedule != "1f1b" or m >= p):
                         lender = dataclasses.replace(specs[0], peer_stages=p,
                                                      mirror_in_flight=flights[1],
                                                      peer_bandwidth=_peer_bandwidth(mesh, cluster))  # fmt: skip
@@ -448,7 +465,8 @@ def _options_at(graph: ModelGraph, cluster: ClusterSpec, *, global_batch: int,
                     options.append(PipelineOption(
                         pp=p, vp=v, schedule=schedule, mesh=mesh, cluster=stage_cluster,
                         num_microbatches=m, split=split, graphs=graphs, specs=specs,
-                        send_s=_send_s(graph, mesh, p, v, slots, cluster), offloads=offloads,
+                        send_s=_send_s(graph, mesh, p, v, slots, cluster),
+                        offloads=stage_offloads,
                     ))  # fmt: skip
     return options
 

@@ -194,7 +194,9 @@ def _problem(
     graph: ModelGraph, mesh: Mesh, cluster: ClusterSpec, spec: TrainingSpec, config: PlannerConfig
 ) -> Problem:
     options = unit_options(graph, mesh, cluster, spec)
-    modes = dict.fromkeys(graph.blocks, config.recompute)
+    # PipeMare recomputes nothing ([Note: PipeMare plans] in pipelines.py)
+    modes = dict.fromkeys(graph.blocks, (Recompute.NONE,) if spec.versioned_weights
+                          else config.recompute)  # fmt: skip
     return build_problem(graph, mesh, options, cluster, spec, recompute_modes=modes)
 
 

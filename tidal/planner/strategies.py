@@ -112,6 +112,9 @@ class TrainingSpec:
     # weight-sized copies held besides the live weights (PipeMare's delta, 1), and one more
     # built for a unit's backward (its corrected weights) while it runs
     weight_copies: float = 0.0
+    # the schedule versions the weights in place (PipeMare): every unit's parameters whole on
+    # each data rank (ZeRO-0) and nothing recomputed ([Note: PipeMare plans] in pipelines.py)
+    versioned_weights: bool = False
     # the model data kept off the device ([Note: model data offload])
     offload: Offload = NO_OFFLOAD
     # the first of ``peer_stages`` pipeline stages may keep activations on its mirror (the
@@ -285,7 +288,8 @@ def unit_options(
 ) -> dict[str, list[Candidate]]:
     """Every unit's candidates, less the input layouts its model cannot give it: units that
     must keep the sequence whole ([Note: code counts whole sequences] in wiring.py); under the
-    offload that runs, ZeRO-3 alone ([Note: model data offload])."""
+    offload that runs, ZeRO-3 alone ([Note: model data offload]); under PipeMare, ZeRO-0
+    alone ([Note: PipeMare plans] in pipelines.py)."""
     allowed = input_layouts(graph)
     zero3_only = spec.offload.params > 0  # [Note: model data offload]
     options = {}
@@ -295,6 +299,8 @@ def unit_options(
             found = [c for c in found if c.in_layout in allowed[unit.name]]
         if zero3_only and any(p.tied_to is None for p in unit.params):
             found = [c for c in found if c.zero == 3]
+        if spec.versioned_weights:  # [Note: PipeMare plans] in pipelines.py
+            found = [c for c in found if c.zero == 0]
         options[unit.name] = found
     return options
 

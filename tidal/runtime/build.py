@@ -223,7 +223,9 @@ def _planned_stage(mine: Sequence[nn.Module], schedule: Schedule, optimizer: Opt
     from tidal.runtime.host_optimizer import HostStepped
     from tidal.runtime.plan_weights import PlanStageWeights
 
-    assert not schedule.asynchronous, "check_plan_settings: plans run synchronous schedules"
+    # a PipeMare plan keeps all of its model data on the device ([Note: PipeMare plans] in
+    # tidal/planner/pipelines.py)
+    assert not schedule.asynchronous or host_optimizer is None, "check_plan: nothing off it"
     held: list[StageParams] = []
     for stage in mine:
         made = build_plan_optimizer(stage, optimizer, lr)

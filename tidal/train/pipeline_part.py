@@ -117,13 +117,7 @@ def check_pipeline_job(job: JobConfig, *, world_size: int, model: nn.Module | No
         f"{m} microbatches need at least {m} rows per replica, each of the {dims.dp} gets "
         f"{rows} of training.batch_size; lower pipeline.microbatches or raise the batch",
     )
-    require(
-        training.precision == "fp32" or not pipe.asynchronous,
-        "training.precision",
-        f"{pipe.schedule} is asynchronous, which trains in fp32 only (autocast's copies of the "
-        "weights escape the saved-tensor redirection); set training.precision = 'fp32' or use "
-        "gpipe, 1f1b or interleaved",
-    )
+    _check_asynchronous_precision(job)
     chunked = job.engine == "chunk"  # [Note: chunk stages] in tidal/parallel/chunk_stage.py
     require(  # the chunk engine's loss scale is tidal's own, on any device, as the stages' is
         training.precision != "fp16" or resolve_device(training.device).type == "cuda" or chunked,
@@ -153,6 +147,18 @@ def check_pipeline_job(job: JobConfig, *, world_size: int, model: nn.Module | No
         "parallel.pp",
         f"{num_stages} stages for {num_layers} blocks (plus the embedding and the head); use "
         f"at most {num_layers + 2}",
+    )
+
+
+def _check_asynchronous_precision(job: JobConfig) -> None:
+    """An asynchronous schedule trains in fp32 only, a plan's as any other's."""
+    pipe = job.pipeline
+    require(
+        job.training.precision == "fp32" or not pipe.asynchronous,
+        "training.precision",
+        f"{pipe.schedule} is asynchronous, which trains in fp32 only (autocast's copies of the "
+        "weights escape the saved-tensor redirection); set training.precision = 'fp32' or use "
+        "gpipe, 1f1b or interleaved",
     )
 
 
@@ -301,6 +307,7 @@ class PipelinePart:
         inputs are this rank's rows it is traced on."""
         if plan is not None:  # the plan's pipeline ([Note: planned pipeline stages])
             job = plan_job(job, plan)
+            _check_asynchronous_precision(job)
         self.job = job
         training, pipe = job.training, job.pipeline
         self.device = device

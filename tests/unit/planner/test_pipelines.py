@@ -184,12 +184,12 @@ def test_pipemare_never_drains_and_holds_a_weight_copy_more(
     the first stage whatever m is; each stage holds its delta, one weight-sized copy more, and
     builds a unit's corrected weights in its backward. On the same stages it is faster than
     1F1B and holds more."""
-    cluster = ClusterSpec(devices=8)
+    cluster = ClusterSpec(devices=4)
     config = PlannerConfig(pareto=(), baselines=())
     meshes, problem = search_parts(graph, config)
     options = pipeline_options(graph, cluster, global_batch=2, base=TrainingSpec(),
                                meshes=meshes, schedules=("1f1b", "pipemare"))  # fmt: skip
-    pair = {o.schedule: o for o in options if o.pp == 4 and o.mesh == Mesh(dp=1, tp=2)}
+    pair = {o.schedule: o for o in options if o.pp == 4 and o.mesh == Mesh(dp=1, tp=1)}
     sync, pipemare = pair["1f1b"], pair["pipemare"]
     assert sync.num_microbatches == pipemare.num_microbatches == 2
     assert [s.in_flight for s in sync.specs] == [2.0, 1.0]  # 1F1B: min(p, m)

@@ -9,10 +9,12 @@ import json
 
 import pytest
 
+from tidal.cli.plan_command import train_argv
 from tidal.config import ConfigError
 from tidal.models import preset
 from tidal.models.gpt import measure_gpt
 from tidal.planner import ClusterSpec, Plan, PlannerConfig, make_plan
+from tidal.planner.check import not_run
 from tidal.planner.graph import ModelGraph
 from tidal.planner.pipelines import stage_graph
 from tidal.planner.plan import Recompute
@@ -122,3 +124,36 @@ def test_a_stage_after_the_first_reads_the_stream_it_is_handed(four_blocks: Mode
         roles = {n: u.role for n, u in derive_wiring(stage).units.items()}
         assert roles["blocks.*[0]"] == roles["blocks.*[1]"] == "elementwise"
         assert roles["blocks.*.attn.resid_drop"] == "dropout"
+
+
+def test_pipemare_plans_are_of_stages_it_can_version(four_blocks: ModelGraph) -> None:
+    """[Note: PipeMare plans]: where 1F1B shards units or recomputes blocks to hold less,
+    PipeMare's stages keep every unit whole on each data rank on one tensor rank and recompute
+    nothing, so a run carries them out; a PipeMare plan on sharded units (no tidal plan's) is
+    refused in one line naming what it cannot version."""
+    cluster = ClusterSpec(devices=4)
+    synchronous = make_plan(four_blocks, cluster, PlannerConfig(pp=2, tp=1, **QUICK)).plan
+    assert synchronous.pipeline is not None
+    sharded = {u.zero for c in synchronous.pipeline.stages.values() for u in c.units}
+    assert sharded != {0}  # what PipeMare is held back from
+    config = PlannerConfig(pp=2, schedules=("pipemare",), recompute=tuple(Recompute), **QUICK)
+    plan = make_plan(four_blocks, cluster, config).plan
+    layout = plan.pipeline
+    assert layout is not None and layout.schedule == "pipemare" and plan.tp == 1
+    assert {u.zero for c in layout.stages.values() for u in c.units} == {0}
+    assert {m for c in layout.stages.values() for m in c.recompute.values()} == {Recompute.NONE}
+    assert not any(plan.offloads()) and not_run(plan) == []
+    # the command tidal plan prints trains it in fp32, an asynchronous schedule's precision
+    asynchronous, synchronous_argv = (
+        train_argv(p, plan_path="p.json", recipe="tiny", settings=[], devices_per_node=8)
+        for p in (plan, synchronous)
+    )
+    assert "training.precision=fp32" in asynchronous and "--nproc" in asynchronous
+    assert "training.precision=fp32" not in synchronous_argv
+    stages = {k: dataclasses.replace(c, units=[dataclasses.replace(u, zero=3) for u in c.units])
+              for k, c in layout.stages.items()}  # fmt: skip
+    edited = dataclasses.replace(plan, pipeline=dataclasses.replace(layout, stages=stages))
+    (gap,) = not_run(edited)
+    assert (
+        gap.why.startswith("the plan runs pipemare on ZeRO-sharded units") and "\n" not in gap.why
+    )
