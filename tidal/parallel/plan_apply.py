@@ -70,7 +70,7 @@ from tidal.activations.costs import Saver
 from tidal.memory.share import ON_HOST, host_share
 from tidal.memory.tiers import Tier, TierKind
 from tidal.parallel.tensor_axis import REORDERED, parallelize_tensor_axis
-from tidal.planner.check import RECOMPUTE_CORE, PlanWiring, check_plan, wire_plan
+from tidal.planner.check import RECOMPUTE_CORE, PlanWiring, check_plan, sent_layout, wire_plan
 from tidal.planner.measure import ModelGraph
 from tidal.planner.plan import Layout, Plan, Recompute
 
@@ -86,7 +86,6 @@ __all__ = [
     "make_mesh",
     "set_accumulating",
     "stage_layouts",
-    "stage_output_layout",
 ]
 
 
@@ -371,23 +370,9 @@ def stage_layouts(plan: Plan, graph: ModelGraph) -> list[tuple[Plan, ModelGraph,
     last = layout.num_stages - 1
     for s, (start, end) in enumerate(layout.block_ranges):
         mine = stage_graph(graph, blocks=end - start, first=s == 0, last=s == last)
-        handed = stage_output_layout(*found[-1][:2]) if found else None
+        handed = sent_layout(*found[-1][:2], handed=found[-1][2]) if found else None
         found.append((plan.stage_plan(s), mine, handed))
     return found
-
-
-def stage_output_layout(plan: Plan, graph: ModelGraph) -> Layout:
-    """The layout a stage that ``plan`` lays out sends on: its last block's output, as the
-    block hands it to the next (the block's last unit's)."""
-    (prefix,) = graph.blocks
-    inside = [u for u in plan.units if u.module == prefix or u.module.startswith(prefix + ".")]
-    layout = inside[-1].out_layout
-    if layout is Layout.P:
-        raise ValueError(
-            f"the plan's blocks end in partial sums ({inside[-1].name} gives P), which a stage "
-            "cannot send: make the plan again with `tidal plan`"
-        )
-    return layout
 
 
 def _stage_paths(stage: nn.Module, model: nn.Module, graph: ModelGraph) -> dict[str, str]:

@@ -28,6 +28,7 @@ __all__ = [
     "model_name",
     "not_run",
     "offload_runs",
+    "sent_layout",
     "split_dim",
     "wire_plan",
 ]
@@ -106,6 +107,16 @@ def wire_plan(model: nn.Module, plan: Plan, *, graph: ModelGraph | None = None,
     _check_whole(wiring, units)
     _check_recompute(wiring, plan, model)
     return _wire(wiring, plan, units, handed)
+
+
+def sent_layout(plan: Plan, graph: ModelGraph, *, handed: Layout | None = None) -> Layout:
+    """The layout a pipeline stage laid out by ``plan`` (its part of the model: ``graph``,
+    handed the stream in ``handed``) sends the next stage: the stream as its blocks hand it to
+    one another (:attr:`PlanWiring.block_in`'s later layout), the wiring the stage runs."""
+    wiring = derive_wiring(graph)
+    units = _check_units(wiring, plan, plan.model)
+    ((_, later),) = _wire(wiring, plan, units, handed).block_in.values()
+    return later
 
 
 @dataclass(frozen=True, slots=True)

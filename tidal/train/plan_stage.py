@@ -19,7 +19,7 @@ apply_to_stage`: the stage's plan (:meth:`Plan.stage_plan`) on the stage's graph
 the stage's module paths, over this rank's ``mesh["dp", "tp"]``: DTensor, recomputation and
 FSDP2 at each unit's ZeRO level, as a flat plan's model. So the plan is applied, not
 re-interpreted. Between stages the residual stream travels as the sending stage's blocks hand
-it to each other (its last block unit's layout: a tensor rank sends its ``1 / t`` of a
+it to each other (``check.sent_layout``, its wiring's: a tensor rank sends its ``1 / t`` of a
 sequence-split stream, as the planner prices the sends), and the receiving stage's first
 block converts it to its own entry layout. Every stage is held by
 :class:`~tidal.runtime.plan_weights.PlanStageWeights` and trained by the schedule the plan
