@@ -245,7 +245,10 @@ def _edited(path: Path, edit: Any) -> Path:
 
 
 def _lending(data: dict[str, Any]) -> None:
-    data["pipeline"]["stages"]["last"]["memory"]["lent"] = 1024.0
+    """Lending from blocks recomputed whole, which a plan run does not lend from."""
+    first = data["pipeline"]["stages"]["first"]
+    first["memory"]["lent"] = 1024.0
+    first["recompute"] = dict.fromkeys(first["recompute"], "full")
 
 
 def _pipemare(data: dict[str, Any]) -> None:
@@ -269,7 +272,11 @@ def _format_1(data: dict[str, Any]) -> None:
         ("another model", ["--nproc", "2"], "the plan was made for another model ('demo'"),
         ("pipelined", ["--nproc", "2"], "the plan is for 4 devices (pp 2 x dp "),
         ("an older format", ["--nproc", "2"], "the plan is format 1, written by another version"),
-        ("lending", ["--nproc", "4"], "the plan keeps activations on the mirror stage's device"),
+        (
+            "lending",
+            ["--nproc", "4"],
+            "the plan keeps activations of full blocks on the mirror stage's device",
+        ),
         ("pipemare", ["--nproc", "4"], "the plan runs pipemare on ZeRO-sharded units"),
     ],
 )

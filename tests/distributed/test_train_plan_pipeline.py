@@ -22,6 +22,9 @@ train on 4 gloo ranks as one process does.
   can version ([Note: PipeMare plans] in tidal/planner/pipelines.py): every unit whole on each
   data rank, nothing recomputed; it must equal the hand-written pp2 x dp2 mesh under PipeMare
   (its delays and discrepancy correction alike);
+- ``pp2-dp2-peer``: MPress's peer swap (``--peer``) on four blocks under a device limit that
+  only lending meets: the first stage keeps one block's saved activations on its mirror's
+  devices ([Note: lending in plan runs] in tidal/train/plan_lending.py);
 - ``pp2-dp2-stages``: each stage its own offload ([Note: offload per stage] in
   tidal/planner/pipelines.py): on devices of 0.97 MiB the fastest plan keeps the first stage on
   the device and half of the last stage's optimizer on the host.
@@ -55,6 +58,7 @@ from tidal.testing import run_on_ranks
 from tidal.train import Trainer
 from tidal.train.checkpoint import latest_checkpoint, load_model_state
 from tidal.train.metrics import read_metrics
+from tidal.train.plan_lending import blocks_lent
 
 WORLD = 4
 STEPS = 3
@@ -63,10 +67,10 @@ MEMORY_TOL = 0.10  # the issue's bound on what the runtime meters
 FP32 = {"param_bytes": 4, "grad_bytes": 4, "optimizer_bytes": 8}
 CASES = (
     "pp2-dp2", "pp2-tp2", "pp2-v2", "pp2-tp2-swap", "pp2-dp2-offload", "pp2-dp2-nvme",
-    "pp2-dp2-part", "pp2-dp2-stages", "pp2-dp2-pipemare",
+    "pp2-dp2-part", "pp2-dp2-stages", "pp2-dp2-pipemare", "pp2-dp2-peer",
 )  # fmt: skip
 HOSTED = {"pp2-dp2-nvme": (0, 1), "pp2-dp2-part": (0, 1), "pp2-dp2-stages": (1,)}  # pp ranks
-LAYERS = {"pp2-v2": 4, "pp2-tp2-swap": 8}  # the others: the tiny GPT's 2
+LAYERS = {"pp2-v2": 4, "pp2-tp2-swap": 8, "pp2-dp2-peer": 4}  # the others: the tiny GPT's 2
 # the run each case must equal: one process without a pipeline for a synchronous schedule;
 # for PipeMare, whose stale weights depend on the pipeline, the hand-written mesh of the same
 # pipeline on the same 4 ranks (plain replicas of each stage)
@@ -115,6 +119,18 @@ def _made(*, layers: int, cluster: ClusterSpec | None = None, **config: Any) -> 
     return make_plan(measure_gpt(model, micro_batch=1), cluster, planner).plan
 
 
+def _lending() -> Plan:
+    """The fastest plan without recomputation on devices of 98% of what the first stage of
+    the best such plan holds without lending (the last stage holds less): it lends."""
+    config: dict[str, Any] = {"tp": 1, "objective": "time", "recompute": (Recompute.NONE,)}
+    alone = _made(layers=4, **config).pipeline
+    assert alone is not None
+    first, last = (alone.stages[k].memory.total for k in ("first", "last"))
+    assert last < 0.98 * first, (first, last)
+    cluster = ClusterSpec(devices=WORLD, device_memory_bytes=int(0.98 * first))
+    return _made(layers=4, cluster=cluster, peer=True, **config)
+
+
 def _cases(root: Path) -> dict[str, Plan]:
     cases = {
         "pp2-dp2": _made(layers=2, tp=1, eps=10.0),
@@ -140,6 +156,8 @@ def _cases(root: Path) -> dict[str, Plan]:
         ),
         # half the parameters on the host (--offload 1 --offload-params 0.5)
         "pp2-dp2-part": _made(layers=2, tp=1, offload=(1.0,), offload_params=(0.5,)),
+        # lending to the mirror stage (--peer), where nothing else fits
+        "pp2-dp2-peer": _lending(),
         # asynchronous (--schedules pipemare)
         "pp2-dp2-pipemare": _made(layers=2, tp=1, schedules=("pipemare",)),
         # each stage its own (--offload 0,0.5 --objective time on devices of 0.97 MiB)
@@ -175,6 +193,9 @@ def _cases(root: Path) -> dict[str, Plan]:
     assert (part.offload.optimizer, part.offload.params, part.dp) == (1.0, 0.5, 2)
     stages = cases["pp2-dp2-stages"]
     assert stages.offloads() == [Offload(), Offload(optimizer=0.5)] and stages.dp == 2
+    peer = cases["pp2-dp2-peer"]
+    assert peer.pipeline is not None and peer.pipeline.stages["first"].memory.lent > 0
+    assert [blocks_lent(peer, s) for s in (0, 1)] == [1, 0]
     pipemare = cases["pp2-dp2-pipemare"]
     assert pipemare.pipeline is not None and pipemare.pipeline.schedule == "pipemare"
     assert (pipemare.dp, pipemare.tp, pipemare.num_microbatches) == (2, 1, 2)
@@ -214,6 +235,7 @@ def _train_cases(cases: dict[str, Plan], root: Path) -> dict[str, Any]:
             "stages": sorted(trainer.engine.weights),
             "step": trainer.engine.step,
             "model_data": figures["model_data_bytes"],
+            "lent_bytes": trainer.part.memory.counters()["lent_bytes"],
         }
     Trainer({**_job(root / "reference-pipemare"), **PIPEMARE}).fit()
     # stopped after step 2, then resumed without a plan: dp 4 plain replicas
@@ -295,9 +317,12 @@ def test_a_pipelined_plan_trains_as_one_process_does(runs: dict[str, Any], case:
         # half the parameters: some groups offloaded, some not, on every rank
         mixed = {"CPUOffloadPolicy", "OffloadPolicy"}
         assert (policies == mixed) == (case == "pp2-dp2-part"), policies
+        # the first stage's ranks lend (to the mirror's), and only in the lending plan
+        pp_rank = r // (plan.dp * plan.tp)
+        lends = case == "pp2-dp2-peer" and pp_rank == 0
+        assert (rank[case]["lent_bytes"] > 0) == lends, (r, rank[case]["lent_bytes"])
         # the host's share of the optimizer is the host optimizer's, on those ranks alone
         hosted = rank[case]["optimizers"] == ["HostStepped"]
-        pp_rank = r // (plan.dp * plan.tp)
         assert hosted == (pp_rank in HOSTED.get(case, ())), (r, rank[case]["optimizers"])
 
 

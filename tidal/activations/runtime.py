@@ -95,6 +95,13 @@ def _dtensor_class() -> Any:
     return None if module is None else module.DTensor
 
 
+def _a_parameter(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is a parameter or a view of one (``weight.t()``), as a module holds it
+    while its forward runs: FSDP2's gathered weights among them, whose storage FSDP2 frees after
+    the forward and fills again for the backward."""
+    return isinstance(tensor, nn.Parameter) or isinstance(tensor._base, nn.Parameter)
+
+
 def _back(packed: Any) -> torch.Tensor:
     return packed.unpack(packed.packed) if isinstance(packed, _Outer) else packed
 
@@ -376,6 +383,12 @@ class PeerSwap:
 
     def pack(self, tensor: torch.Tensor, stripe: Stripe, params: frozenset[int],
              outer: SavedHooks | None = None) -> Any:  # fmt: skip
+        if _a_parameter(tensor):  # FSDP2's gathered weights: freed after the forward, gathered
+            return _stays(tensor, outer)  # again for the backward, never lent
+        distributed = _dtensor_class()
+        if distributed is not None and isinstance(tensor, distributed):  # its local share goes
+            return _Distributed(self.pack(tensor._local_tensor, stripe, params, outer),
+                                tensor._spec)  # fmt: skip
         storage = tensor.untyped_storage()
         if storage.data_ptr() in params or tensor.layout is not torch.strided:
             return _stays(tensor, outer)
@@ -396,6 +409,10 @@ class PeerSwap:
         return lambda: [self.unpack(x) for x in packed]
 
     def unpack(self, packed: Any) -> torch.Tensor:
+        if isinstance(packed, _Distributed):
+            local, spec = self.unpack(packed.local), packed.spec
+            return _dtensor_class().from_local(local, spec.mesh, spec.placements, run_check=False,
+                                               shape=spec.shape, stride=spec.stride)  # fmt: skip
         if not isinstance(packed, _Lent):
             return _back(packed)
         flat, start = packed.storage.back()

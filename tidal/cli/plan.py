@@ -266,7 +266,9 @@ def run_plan(args: argparse.Namespace, console: Console) -> int:
 
 def priced_only(report: dict, args: argparse.Namespace) -> str:
     """One line: what this search priced that ``tidal train --plan`` cannot run yet."""
-    searched = ["activations on a peer stage (--peer)"] if args.peer else []
+    # plan runs lend under 1F1B from blocks that keep what they save (check.not_run)
+    searched = ["activations on a peer stage from interleaved stages or from blocks recomputed "
+                "whole or swapped (--peer)"] if args.peer else []  # fmt: skip
     return ("priced, not run by tidal train yet: " + "".join(f"{kind}; " for kind in searched)
             + "the baselines and Megatron-LM (other systems' layouts, priced to compare)")  # fmt: skip
 

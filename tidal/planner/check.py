@@ -146,12 +146,16 @@ def not_run(plan: Plan) -> list[NotRun]:
                 f"in tidal/planner/pipelines.py): make the plan again with this tidal's "
                 f"tidal plan, which gives {layout.schedule} stages it can version",
         ))  # fmt: skip
-    stages = [plan.memory] if layout is None else [s.memory for s in layout.stages.values()]
-    if any(memory.lent for memory in stages):
+    lending = [p for p in _plans(plan) if p.memory.lent]
+    whole = {m for p in lending for m in p.recompute.values()} & {Recompute.FULL, Recompute.SWAP}
+    if lending and (whole or (layout is not None and layout.virtual_stages > 1)):
+        how = _join(f"{m} blocks" for m in whole) or "interleaved stages"
         gaps.append(NotRun(
-            what="keeps activations on a peer stage (--peer)",
-            why="the plan keeps activations on the mirror stage's device (MPress's peer swap), "
-                "which plans do not run yet: make it without --peer",
+            what=f"keeps activations of {how} on a peer stage (--peer)",
+            why=f"the plan keeps activations of {how} on the mirror stage's device (MPress's "
+                f"peer swap), which plan runs lend from blocks that keep what they save, under "
+                f"1F1B ([Note: lending in plan runs] in tidal/train/plan_lending.py): make it "
+                f"without --peer",
         ))  # fmt: skip
     return gaps
 

@@ -82,6 +82,7 @@ from tidal.train.pipeline_memory import (
     model_data_per_weight_byte,
     plan_pipeline_memory,
 )
+from tidal.train.plan_lending import plan_lending
 from tidal.train.plan_stage import (
     plan_dims,
     plan_host_optimizer,
@@ -343,6 +344,9 @@ class PipelinePart:
         self.memory = plan_pipeline_memory(job, stages, mine=self.stage_ids, rank=pp_rank,
                                            world_size=pp_size, device=device,
                                            probe=probe, planned=plan is not None)  # fmt: skip
+        if plan is not None:  # [Note: lending in plan runs] in plan_lending.py
+            lent = plan_lending(plan, stages, mine=self.stage_ids)
+            self.memory.lending, self.memory.handles = lent.lending, lent.handles
         self.lr = lr_schedule(job.optimizer, training)
         self.engine = pipeline(stages, config=pipe, optimizer=job.optimizer, training=training,
                                block_ranges=self.ranges, num_microbatches=job.num_microbatches,
