@@ -405,8 +405,9 @@ def _unit_terms(problem: Problem, cluster: ClusterSpec, spec: TrainingSpec) -> N
     nvme: dict[int, float] = {}  # ... and on the node's disk
     swapped: dict[str, dict[int, float]] = {}  # [Note: activations on the host]
     excess: dict[str, dict[int, float]] = {}  # ... its copies' seconds past the compute
-    # [Note: activations on a peer] in pipelines.py: a micro-batch's kept on the device
-    kept: dict[int, float] = {}
+    # [Note: activations on a peer] in pipelines.py: a micro-batch's kept on the device, by
+    kept: dict[int, float] = {}  # ... units outside the blocks and full recomputation's inputs
+    lendable: dict[int, float] = {}  # ... blocks that keep what they save (runs lend those)
     compute: dict[int, float] = {}  # ... and its compute seconds
     kept_src = {prefix: block_input(graph, prefix) for prefix in graph.blocks}
     for unit in graph.units:
@@ -431,8 +432,8 @@ def _unit_terms(problem: Problem, cluster: ClusterSpec, spec: TrainingSpec) -> N
             }
             _add(problem.base_row, y[Recompute.NONE], held * n * cand.memory.activations)
             _add(problem.base_row, y[Recompute.SELECTIVE], held * n * cand.selective_activations)
-            _add(kept, y[Recompute.NONE], n * cand.memory.activations)
-            _add(kept, y[Recompute.SELECTIVE], n * cand.selective_activations)
+            _add(lendable, y[Recompute.NONE], n * cand.memory.activations)
+            _add(lendable, y[Recompute.SELECTIVE], n * cand.selective_activations)
             _add(problem.time_row, y[Recompute.FULL], n * m * cand.forward_s)
             full_block.setdefault(block, {})
             _add(full_block[block], y[Recompute.FULL], cand.memory.activations)
@@ -471,21 +472,20 @@ def _unit_terms(problem: Problem, cluster: ClusterSpec, spec: TrainingSpec) -> N
                     0.0, np.inf)  # fmt: skip
         _add(problem.time_row, z, graph.blocks[block] * m)
     if spec.peer_stages:
-        _lend_terms(problem, spec, kept, compute)
+        _lend_terms(problem, spec, {**kept, **lendable}, lendable, compute)
     if host:  # the node's devices together within its host memory
         problem.row("host_memory", host, 0.0, cluster.host_bytes_per_device)
     if nvme:  # ... and its disk (none: a plan that puts bytes there is infeasible)
         problem.row("nvme", nvme, 0.0, cluster.nvme_bytes_per_device)
 
 
-def _lend_terms(problem: Problem, spec: TrainingSpec, kept: dict[int, float],
-                compute: dict[int, float]) -> None:  # fmt: skip
-    """The first stage's lending to its mirror: [Note: activations on a peer] in pipelines.py."""
+def _lend_terms(problem: Problem, spec: TrainingSpec, kept: dict[int, float], lendable: dict[int, float], compute: dict[int, float]) -> None:  # fmt: skip
+    """[Note: activations on a peer] in pipelines.py, of what its blocks keep."""
     lend = problem.lend = problem.var()  # GiB a micro-batch: bytes would upset HiGHS
     problem.seconds.append(lend)
     held, p, blocks = spec.in_flight, spec.peer_stages, sum(problem.graph.blocks.values())
     _add(problem.base_row, lend, -held * GiB)
-    problem.row("lent<=kept", {**{c: v / GiB for c, v in kept.items()}, lend: -1.0}, 0.0, np.inf)
+    problem.row("lent<=lendable", {**{c: v / GiB for c, v in lendable.items()}, lend: -1.0}, 0.0, np.inf)  # fmt: skip
     problem.transient_rows.append(("lent_coming_back", {lend: 2 * GiB / blocks}))
     z = problem.var()  # the copies' seconds a micro-batch past the stage's compute
     problem.seconds.append(z)

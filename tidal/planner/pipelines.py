@@ -31,8 +31,8 @@ updated weights, and the host optimizer updates elsewhere. So its options are th
 run can version: one tensor rank, every unit ZeRO-0 (whole on each data rank, whose gradients
 the layout's hooks all-reduce), nothing recomputed, none of the model data off the device
 (``TrainingSpec.versioned_weights``: the stage's ILP offers nothing else); PipeMare is not
-searched where ``--offload`` leaves no offload of none. Lending is left out too (plan runs do
-not lend). ``tidal train --plan`` then trains every PipeMare plan ``tidal plan`` makes.
+searched where ``--offload`` leaves no offload of none, and lends nothing (plan runs lend
+under 1F1B). ``tidal train --plan`` then trains every PipeMare plan ``tidal plan`` makes.
 
 Only the first and the last stage are solved: a middle stage given the first stage's choices
 holds fewer micro-batches and no embedding, so it needs no more memory or time than the first.
@@ -52,8 +52,10 @@ mirror ``p - 1 - s`` (``f(s) + f(p - 1 - s)`` in flight between the two, the sam
 pair), laid out on one node where two stages' devices fit in it (then the pair's link is the
 node's, else the inter-node one; the sends between neighbouring stages cross nodes either way
 once the pipeline spans more than one). The first stage may keep ``l`` bytes of each
-micro-batch's saved activations (any of its tensors: MPress moves tensors, not whole blocks) on
-its mirror's device: a continuous variable, at most what the stage keeps, ``a`` a micro-batch.
+micro-batch's saved activations on its mirror's device: a continuous variable, at most what its
+blocks keep that are neither recomputed whole nor swapped to the host (the tensors a plan run
+lends, in whole blocks: [Note: lending in plan runs] in tidal/train/plan_lending.py), of the
+``a`` the stage keeps a micro-batch; under 1F1B with ``m >= p``, where plan runs lend.
 They go after the forward and come back before the backward, spread over the stage's ``k``
 blocks: the device holds two blocks' worth coming back (``2 l / k``, a transient), and the
 copies (``2 l`` a micro-batch over the pair's link) add only what the stage's compute does not
@@ -457,7 +459,9 @@ def _options_at(graph: ModelGraph, cluster: ClusterSpec, *, global_batch: int,
                                             versioned_weights=versioned)
                         for f in flights[: len(graphs)]
                     )  # fmt: skip
-                    if peer and split.is_even and not versioned and (schedule != "1f1b" or m >= p):
+                    # plan runs lend under 1F1B ([Note: lending in plan runs] in
+                    # tidal/train/plan_lending.py), with m >= p: fewer clip f(s), not linear
+                    if peer and split.is_even and schedule == "1f1b" and m >= p:
                         lender = dataclasses.replace(specs[0], peer_stages=p,
                                                      mirror_in_flight=flights[1],
                                                      peer_bandwidth=_peer_bandwidth(mesh, cluster))  # fmt: skip

@@ -98,8 +98,8 @@ def test_only_a_first_stage_with_a_mirror_lends(graph: ModelGraph) -> None:
     for o in options:
         first, last = o.specs
         clipped = o.schedule == "1f1b" and o.num_microbatches < o.pp  # min(p - s, m) in flight
-        # PipeMare's stages lend nothing: plan runs do not lend ([Note: PipeMare plans])
-        held = clipped or o.schedule == "pipemare"
+        # plan runs lend under 1F1B alone ([Note: lending in plan runs])
+        held = clipped or o.schedule != "1f1b"
         assert last.peer_stages == 0 and first.peer_stages == (0 if held else o.pp)
         if held:
             continue
@@ -107,7 +107,7 @@ def test_only_a_first_stage_with_a_mirror_lends(graph: ModelGraph) -> None:
         # two stages' devices fit in the node of 8: its links
         assert first.peer_bandwidth == cluster.intra_node_bandwidth
     lending = {o.schedule for o in options if o.specs[0].peer_stages}
-    assert lending == {"1f1b", "interleaved"} and "pipemare" in {o.schedule for o in options}
+    assert lending == {"1f1b"} and {"interleaved", "pipemare"} <= {o.schedule for o in options}
     assert any(o.specs[0].peer_stages == 0 for o in options)
     # nodes of 4: two stages of 4 devices do not fit in one, the pair crosses nodes
     small = dataclasses.replace(cluster, devices_per_node=4)
@@ -120,12 +120,18 @@ def test_only_a_first_stage_with_a_mirror_lends(graph: ModelGraph) -> None:
 
 
 def test_tidal_plan_peer_lends_only_when_asked(tmp_path: Path) -> None:
-    lent = {}
+    """The fastest plan on devices of 17 MiB (about 96% of what the fastest pipeline's first
+    stage holds): without --peer its first stage recomputes its blocks whole, with it the
+    stage keeps them and lends (the blocks a plan run lends from: [Note: lending in plan
+    runs]), a faster step."""
+    lent, step_s = {}, {}
     for flag in ([], ["--peer"]):
         path = tmp_path / f"plan{len(flag)}.json"
         argv = ["plan", "--model", "demo", "--devices", "8", "--schedules", "1f1b",
                 "--global-batch", "64", "--pareto", "", "--baselines", "", "--objective",
-                "memory", "--eps", "10", "--json", str(path), *flag]  # fmt: skip
+                "time", "--device-memory", "17MiB", "--json", str(path), *flag]  # fmt: skip
         assert main(argv) == 0
-        lent[bool(flag)] = json.loads(path.read_text())["pipeline_search"]["lent_bytes"]
-    assert lent[False] == 0 and lent[True] > 0
+        report = json.loads(path.read_text())
+        lent[bool(flag)] = report["pipeline_search"]["lent_bytes"]
+        step_s[bool(flag)] = report["step_time_s"]
+    assert lent[False] == 0 and lent[True] > 0 and step_s[True] < step_s[False]
