@@ -90,7 +90,7 @@ def test_the_command_line_quick_start_runs_line_by_line(
     (line,) = [x for x in printed["plan"].splitlines() if x.startswith("train it: ")]
     train = build_parser().parse_args(shlex.split(line.removeprefix("train it: "))[1:])
     assert (train.recipe, train.plan, train.nproc) == ("tiny", "plan.json", 2)
-    assert "priced, not run by tidal train yet: " in printed["plan"]
+    assert "priced, not run by tidal train: the baselines" in printed["plan"]
     # and the summary table of the ZeRO-3 run says its world size and what it gathered
     rows = dict(summary_rows(summaries["runs/zero3"]))
     assert rows["world size"] == "2 ranks" and "ZeRO-3 over 2 ranks" in rows["engine"]

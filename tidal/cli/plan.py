@@ -21,7 +21,7 @@ __all__ = [
     "add_parser",
     "add_search_arguments",
     "is_hf_config",
-    "priced_only",
+    "PRICED_ONLY",
     "run_plan",
 ]
 
@@ -260,17 +260,14 @@ def run_plan(args: argparse.Namespace, console: Console) -> int:
         Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
         console.print(f"plan: {args.json}")
     console.print(how_to_train(result.plan, args), soft_wrap=True, markup=False)
-    console.print(priced_only(report, args), soft_wrap=True, markup=False)
+    console.print(PRICED_ONLY, soft_wrap=True, markup=False)
     return 0
 
 
-def priced_only(report: dict, args: argparse.Namespace) -> str:
-    """One line: what this search priced that ``tidal train --plan`` cannot run yet."""
-    # plan runs lend under 1F1B from blocks that keep what they save (check.not_run)
-    searched = ["activations on a peer stage from interleaved stages or from blocks recomputed "
-                "whole or swapped (--peer)"] if args.peer else []  # fmt: skip
-    return ("priced, not run by tidal train yet: " + "".join(f"{kind}; " for kind in searched)
-            + "the baselines and Megatron-LM (other systems' layouts, priced to compare)")  # fmt: skip
+# what a search prices that ``tidal train --plan`` does not run: every plan of tidal's runs
+# (``check.not_run`` refuses only hand-made ones), the other systems' layouts do not
+PRICED_ONLY = ("priced, not run by tidal train: the baselines and Megatron-LM (other systems' "
+               "layouts, priced to compare)")  # fmt: skip
 
 
 UNITS_LEGEND = (
