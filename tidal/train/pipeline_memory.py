@@ -41,7 +41,7 @@ import dataclasses
 import functools
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -78,6 +78,10 @@ from tidal.pipeline.split import PipelineStage
 from tidal.runtime.weights import Lend
 from tidal.train.job import JobConfig
 from tidal.train.links import measure_links
+from tidal.train.plan_lending import plan_lending
+
+if TYPE_CHECKING:
+    from tidal.planner import Plan
 
 __all__ = ["MemoryProbe", "PipelineMemory", "model_data_per_weight_byte", "plan_pipeline_memory"]
 
@@ -176,15 +180,20 @@ class MemoryProbe:
 
 def plan_pipeline_memory(job: JobConfig, stages: Sequence[PipelineStage], *, mine: Sequence[int],
                          rank: int, world_size: int, device: torch.device,
-                         probe: MemoryProbe | None, planned: bool = False) -> PipelineMemory:  # fmt: skip
+                         probe: MemoryProbe | None, planned: Plan | None = None) -> PipelineMemory:  # fmt: skip
     """[Note: pipeline memory] for this rank's stages ``mine`` of ``stages`` (all of them);
-    ``probe``: what to measure them on (needed with a device budget). ``planned``: the stage
-    is a model a plan laid out, which chose its recomputation itself: no savers."""
+    ``probe``: what to measure them on (needed with a device budget). ``planned``: the stages'
+    plan, which chose their recomputation itself and was priced against its device: no savers
+    and no budget of the job's, its own lending ([Note: lending in plan runs])."""
     pipe, mode = job.pipeline, job.pipeline.memory
+    if planned is not None:
+        lent = plan_lending(planned, stages, mine=mine)
+        return PipelineMemory(mode=mode, plan=None, handles=lent.handles, guard=None,
+                              budget_bytes=None, lending=lent.lending)  # fmt: skip
     budget = resolve_budget(job.memory.device_budget, kind=TierKind.DEVICE, device=device,
                             key="memory.device_budget")  # fmt: skip
-    if job.engine == "chunk" or planned:  # chunk stages' stores hold the budget ([Note: chunk
-        budget = None  # stages]); a plan was priced against its device's
+    if job.engine == "chunk":  # chunk stages' stores hold the budget ([Note: chunk stages])
+        budget = None
     if budget is None and mode in ("auto", "peer"):
         raise ConfigError("pipeline.memory", f"{mode!r} plans against memory.device_budget; set "
                           "it (each rank's bytes, e.g. 2GiB)")  # fmt: skip

@@ -82,7 +82,6 @@ from tidal.train.pipeline_memory import (
     model_data_per_weight_byte,
     plan_pipeline_memory,
 )
-from tidal.train.plan_lending import plan_lending
 from tidal.train.plan_stage import (
     plan_dims,
     plan_host_optimizer,
@@ -343,10 +342,7 @@ class PipelinePart:
             stages, layout, probe = self._stages(model, loss_fn, sample, pp_rank=pp_rank)
         self.memory = plan_pipeline_memory(job, stages, mine=self.stage_ids, rank=pp_rank,
                                            world_size=pp_size, device=device,
-                                           probe=probe, planned=plan is not None)  # fmt: skip
-        if plan is not None:  # [Note: lending in plan runs] in plan_lending.py
-            lent = plan_lending(plan, stages, mine=self.stage_ids)
-            self.memory.lending, self.memory.handles = lent.lending, lent.handles
+                                           probe=probe, planned=plan)  # fmt: skip
         self.lr = lr_schedule(job.optimizer, training)
         self.engine = pipeline(stages, config=pipe, optimizer=job.optimizer, training=training,
                                block_ranges=self.ranges, num_microbatches=job.num_microbatches,
