@@ -63,8 +63,9 @@ def time_targets(checkout: Path, targets: list[str], folder: Path) -> list[dict[
 
 def _figures(target: str, clone: Path, stdout: str) -> dict[str, Any]:
     lines = stdout.splitlines()
-    if target == "test":
-        return {"pytest_totals": [line.strip("= ") for line in lines if _PYTEST_TOTAL.search(line)]}
+    if target == "test":  # the totals, and which tests failed (a flaky one is named)
+        return {"pytest_totals": [line.strip("= ") for line in lines if _PYTEST_TOTAL.search(line)],
+                "failed": [line.split()[1] for line in lines if line.startswith(("FAILED ", "ERROR "))]}  # fmt: skip
     if target != "run":
         return {}
     progress = [line.strip() for line in lines if _PROGRESS.match(line.strip())]
@@ -93,7 +94,9 @@ def tables(result: dict[str, Any], args: object = None) -> list[ResultTable]:
     benchmarks/tables.py)."""
     cells = []
     for row in result["rows"]:
-        outcome = row.get("last_progress_line") or "; ".join(row.get("pytest_totals", []))
+        outcome = row.get("last_progress_line") or "; ".join(
+            [*row.get("pytest_totals", []), *(f"failed: {t}" for t in row.get("failed", []))]
+        )
         cells.append([row["target"], f"{row['minutes']:.1f}", str(row["rc"]),
                       "yes" if row["includes_setup"] else "no", outcome or "-"])  # fmt: skip
     columns = ("target", "minutes", "exit", "set-up included", "result")

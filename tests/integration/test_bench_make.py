@@ -18,7 +18,8 @@ MAKEFILE = """run:
 
 test:
 \t@test -d .venv || (echo "run did not set up" && exit 4)
-\t@echo "===== 12 passed, 1 skipped in 3.00s ====="
+\t@echo "FAILED tests/unit/test_a.py::test_flaky - AssertionError: 0 >= 1"
+\t@echo "===== 1 failed, 12 passed, 1 skipped in 3.00s ====="
 \t@cat uncommitted.txt 2>/dev/null && exit 5 || true
 """
 
@@ -40,6 +41,7 @@ def test_targets_run_in_turn_in_a_fresh_clone_of_head(tmp_path: Path) -> None:
     assert run["last_progress_line"] == "step 40/40  loss 2.5000  tps 10"
     assert run["summary"] == {"final_loss": 2.5}
     assert (test["target"], test["rc"], test["includes_setup"]) == ("test", 0, False)
-    assert test["pytest_totals"] == ["12 passed, 1 skipped in 3.00s"]
+    assert test["pytest_totals"] == ["1 failed, 12 passed, 1 skipped in 3.00s"]
+    assert test["failed"] == ["tests/unit/test_a.py::test_flaky"]  # which, by name
     assert run["wall_s"] >= 0 and json.loads((folder / "tidal/runs/demo/summary.json").read_text())
     assert "step 40/40" in (folder / "make-run.log").read_text()
