@@ -19,8 +19,10 @@ interpreter's own growth are in it, so it bounds the plan's device figure from a
 than equals it). The step time is rank 0's median steady step (a synchronous step is the
 slowest rank's). Offloading plans run (on a CPU host and device are one memory, so they check
 the path and the bytes each side is metered for, not a transfer): all of the model data on the
-host (FSDP2's CPU offload), half of the optimizer updated on the host, and all of it on NVMe
-(files under a temporary folder of this machine's disk). For the last two the host's share of
+host (FSDP2's CPU offload, and again in tidal's chunks under the plan's budgets, whose store
+meters its device's peak, activations included, beside the plan's device figure), half of the
+optimizer updated on the host, and all of it on NVMe (files under a temporary folder of this
+machine's disk). For the last two the host's share of
 AdamW's state, in host memory and on the disk together, is set beside the plan's: with ``f``
 of the optimizer on the host the rank's state is ``S = optimizer / (1 - f)`` (or ``nvme / h``
 with all of it there), of which the host holds ``f S``.
@@ -50,9 +52,30 @@ CASES: dict[str, dict[str, Any]] = {
         "tp": 1,
         "offload": (1.0,),
         "offload_params": (1.0,),
+        "model_data": "fsdp2",
     },  # fmt: skip
-    "pp2 x dp2, half the optimizer on the host": {"pp": 2, "tp": 1, "offload": (0.5,)},
-    "dp4, optimizer on NVMe": {"pp": 1, "tp": 1, "offload": (1.0,), "offload_nvme": (1.0,)},
+    # the same search as tidal plan's default makes it: in tidal's chunks under the plan's
+    # budgets ([Note: chunk stages in plans] in tidal/planner/model_data.py)
+    "pp2 x dp2, model data on the host in chunks": {
+        "pp": 2,
+        "tp": 1,
+        "offload": (1.0,),
+        "offload_params": (1.0,),
+        "model_data": "auto",
+    },  # fmt: skip
+    "pp2 x dp2, half the optimizer on the host": {
+        "pp": 2,
+        "tp": 1,
+        "offload": (0.5,),
+        "model_data": "fsdp2",
+    },  # fmt: skip
+    "dp4, optimizer on NVMe": {
+        "pp": 1,
+        "tp": 1,
+        "offload": (1.0,),
+        "offload_nvme": (1.0,),
+        "model_data": "fsdp2",
+    },  # fmt: skip
 }
 FP32: dict[str, Any] = {"param_bytes": 4, "grad_bytes": 4, "optimizer_bytes": 8}  # fp32 AdamW
 
@@ -185,6 +208,8 @@ def bench_plan_check_ranks(args: argparse.Namespace) -> list[dict[str, Any]]:
                              "measured_nvme_bytes": (measured["host_optimizer"] or {}).get("nvme", 0),
                              "predicted_nvme_bytes": memory.nvme,
                              "predicted_device_bytes": memory.total,
+                             "chunks": plan.rank_chunks(pp_rank) is not None,
+                             "measured_device_bytes": measured["chunk_peak_device_bytes"],
                              "rss_growth_bytes": measured["rss_growth_bytes"],
                              "host_swap_bytes": measured["host_swap_bytes"],
                              "measured_step_s": step_s,
@@ -264,6 +289,11 @@ def _train_rank(job: dict[str, Any], plan_data: dict[str, Any]) -> dict[str, Any
         "model_data": figures["model_data_bytes"],
         "host_swap_bytes": figures.get("host_swap_bytes", 0),
         "host_optimizer": figures.get("host_optimizer_bytes"),
+        # a chunk store meters its device's bytes, the activations included (None: FSDP2's)
+        "chunk_peak_device_bytes": max(
+            (c["peak_device_bytes"] for c in figures["pipeline"]["chunk_stages"].values()),
+            default=None,
+        ),  # fmt: skip
         "rss_growth_bytes": peak - before,
         "final_loss": summary["final_loss"],
     }
@@ -281,13 +311,14 @@ def tables(result: dict[str, Any], args: argparse.Namespace) -> list[Any]:
     from tidal.config import format_bytes
 
     columns = ("plan", "rank", "kind", "model data predicted", "metered", "ratio",
-               "host optimizer predicted", "metered (NVMe)", "device predicted", "RSS growth",
+               "host optimizer predicted", "metered (NVMe)", "device predicted",
+               "chunk store's peak", "RSS growth",
                "host swap", "step s predicted", "step s measured", "ratio")  # fmt: skip
     cells = []
     for r in result["rows"]:
         if not r["ran"]:
             cells.append([f"{r['case']} ({r['plan']})", "-", "-", "-", "-", "-", "-", "-",
-                          format_bytes(int(r["predicted_device_bytes"])), "-", "-",
+                          format_bytes(int(r["predicted_device_bytes"])), "-", "-", "-",
                           f"{r['predicted_step_s']:.3g}", "priced, not run", "-"])  # fmt: skip
             continue
         cells.append([
@@ -297,6 +328,8 @@ def tables(result: dict[str, Any], args: argparse.Namespace) -> list[Any]:
             f"{r['model_data_measured_over_predicted']:.2f}",
             *_host_cells(r, format_bytes),
             format_bytes(int(r["predicted_device_bytes"])),
+            "-" if r.get("measured_device_bytes") is None
+            else format_bytes(int(r["measured_device_bytes"])),
             format_bytes(int(r["rss_growth_bytes"])), format_bytes(int(r["host_swap_bytes"])),
             f"{r['predicted_step_s']:.3g}", f"{r['measured_step_s']:.3g}",
             f"{r['step_measured_over_predicted']:.2f}",

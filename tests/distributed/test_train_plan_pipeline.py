@@ -27,7 +27,11 @@ train on 4 gloo ranks as one process does.
   devices ([Note: lending in plan runs] in tidal/train/plan_lending.py);
 - ``pp2-dp2-stages``: each stage its own offload ([Note: offload per stage] in
   tidal/planner/pipelines.py): on devices of 0.97 MiB the fastest plan keeps the first stage on
-  the device and half of the last stage's optimizer on the host.
+  the device and half of the last stage's optimizer on the host;
+- ``pp2-dp2-chunks``: all of the model data on the host, as ``tidal plan`` chooses by default
+  (``--model-data auto``): each stage's in tidal's chunks under the plan's device budget, ZeRO-3
+  over its two data ranks ([Note: chunk stages in plans] in tidal/planner/model_data.py). The
+  other cases' plans are made with ``--model-data fsdp2``, so that FSDP2 realises them.
 
 Losses, gradient norms, validation losses and the checkpointed parameters (whole, in the
 one-process layout) must equal a one-process run's (PipeMare's: the hand-written mesh's); a ``pp2-tp2`` run stopped at step 2
@@ -67,7 +71,7 @@ MEMORY_TOL = 0.10  # the issue's bound on what the runtime meters
 FP32 = {"param_bytes": 4, "grad_bytes": 4, "optimizer_bytes": 8}
 CASES = (
     "pp2-dp2", "pp2-tp2", "pp2-v2", "pp2-tp2-swap", "pp2-dp2-offload", "pp2-dp2-nvme",
-    "pp2-dp2-part", "pp2-dp2-stages", "pp2-dp2-pipemare", "pp2-dp2-peer",
+    "pp2-dp2-part", "pp2-dp2-stages", "pp2-dp2-pipemare", "pp2-dp2-peer", "pp2-dp2-chunks",
 )  # fmt: skip
 HOSTED = {"pp2-dp2-nvme": (0, 1), "pp2-dp2-part": (0, 1), "pp2-dp2-stages": (1,)}  # pp ranks
 LAYERS = {"pp2-v2": 4, "pp2-tp2-swap": 8, "pp2-dp2-peer": 4}  # the others: the tiny GPT's 2
@@ -114,6 +118,7 @@ def _made(*, layers: int, cluster: ClusterSpec | None = None, **config: Any) -> 
     """``make_plan`` (what ``tidal plan`` calls) priced for the run's fp32 AdamW: 4 bytes a
     weight and a gradient, 8 of optimizer state, so that its memory can be held to the run's."""
     model = dataclasses.replace(preset("tiny"), num_layers=layers, dropout=0.0)
+    config.setdefault("model_data", "fsdp2")  # [Note: chunk stages in plans]: one case has them
     planner = PlannerConfig(pp=2, pareto=(), baselines=(), **FP32, **config)
     cluster = cluster or ClusterSpec(devices=WORLD)
     return make_plan(measure_gpt(model, micro_batch=1), cluster, planner).plan
@@ -158,6 +163,10 @@ def _cases(root: Path) -> dict[str, Plan]:
         "pp2-dp2-part": _made(layers=2, tp=1, offload=(1.0,), offload_params=(0.5,)),
         # lending to the mirror stage (--peer), where nothing else fits
         "pp2-dp2-peer": _lending(),
+        # all of it on the host, in chunks (tidal plan's default --model-data auto)
+        "pp2-dp2-chunks": _made(
+            layers=2, tp=1, offload=(1.0,), offload_params=(1.0,), model_data="auto"
+        ),  # fmt: skip
         # asynchronous (--schedules pipemare)
         "pp2-dp2-pipemare": _made(layers=2, tp=1, schedules=("pipemare",)),
         # each stage its own (--offload 0,0.5 --objective time on devices of 0.97 MiB)
@@ -196,6 +205,10 @@ def _cases(root: Path) -> dict[str, Plan]:
     peer = cases["pp2-dp2-peer"]
     assert peer.pipeline is not None and peer.pipeline.stages["first"].memory.lent > 0
     assert [blocks_lent(peer, s) for s in (0, 1)] == [1, 0]
+    chunked = cases["pp2-dp2-chunks"]
+    assert [chunked.rank_chunks(r) is not None for r in (0, 1)] == [True, True]
+    assert all(p.rank_chunks(r) is None for n, p in cases.items() if n != "pp2-dp2-chunks"
+               for r in (0, 1))  # fmt: skip
     pipemare = cases["pp2-dp2-pipemare"]
     assert pipemare.pipeline is not None and pipemare.pipeline.schedule == "pipemare"
     assert (pipemare.dp, pipemare.tp, pipemare.num_microbatches) == (2, 1, 2)
@@ -236,6 +249,7 @@ def _train_cases(cases: dict[str, Plan], root: Path) -> dict[str, Any]:
             "step": trainer.engine.step,
             "model_data": figures["model_data_bytes"],
             "lent_bytes": trainer.part.memory.counters()["lent_bytes"],
+            "chunk_stages": figures["pipeline"]["chunk_stages"],
         }
     Trainer({**_job(root / "reference-pipemare"), **PIPEMARE}).fit()
     # stopped after step 2, then resumed without a plan: dp 4 plain replicas
@@ -308,7 +322,8 @@ def test_a_pipelined_plan_trains_as_one_process_does(runs: dict[str, Any], case:
         s for s in range(stages) for _ in range(plan.dp * plan.tp)
     )  # every stage on each of its dp x tp ranks, and only there
     for r, rank in enumerate(runs["ranks"]):
-        assert rank[case]["holders"] == ["PlanStageWeights"] and rank[case]["step"] == STEPS
+        holder = "ChunkStageParams" if case == "pp2-dp2-chunks" else "PlanStageWeights"
+        assert rank[case]["holders"] == [holder] and rank[case]["step"] == STEPS
         # the swap moved what the blocks saved, on every rank, and nothing elsewhere
         assert (rank[case]["host_swap_bytes"] > 0) == (case == "pp2-tp2-swap")
         # FSDP2's CPU offload holds every group of the offloading plan, and no other plan's
@@ -350,6 +365,25 @@ def test_each_ranks_model_data_is_what_the_plan_predicts(runs: dict[str, Any], c
         for kind, key in checked:
             want = getattr(predicted, kind)
             assert figures[key] == pytest.approx(want, rel=MEMORY_TOL), (case, rank, kind, figures)
+
+
+def test_chunk_stages_hold_the_plans_device_bytes(runs: dict[str, Any]) -> None:
+    """Each rank's chunk store under its pipeline rank's budget, the plan's predicted peak, and
+    within 10% of it at its own peak (the store meters its chunks and the activations, as the
+    plan counts them); the model data went through the host (its parameters and optimizer
+    state are there by the plan) and was sharded over the two data ranks."""
+    plan = runs["cases"]["pp2-dp2-chunks"]
+    for rank, held in enumerate(runs["ranks"]):
+        pp_rank = rank // plan.dp
+        (figures,) = held["pp2-dp2-chunks"]["chunk_stages"].values()
+        budgets = plan.rank_chunks(pp_rank)
+        assert budgets is not None and figures["device_budget"] == budgets.device_bytes
+        predicted = plan.rank_memory(pp_rank).total
+        assert budgets.device_bytes == pytest.approx(predicted, abs=1)
+        peak = figures["peak_device_bytes"]
+        assert (1 - MEMORY_TOL) * predicted <= peak <= predicted, (rank, peak, predicted)
+        assert figures["bytes_to_host"] > 0 and figures["evictions"] > 0, (rank, figures)
+        assert figures["bytes_reduce_scattered"] > 0, (rank, figures)
 
 
 def test_the_optimizer_on_the_host_and_nvme_holds_what_the_plan_predicts(

@@ -123,6 +123,12 @@ def add_search_arguments(parser: argparse.ArgumentParser) -> None:
         "device, the first stages lending to the last (MPress's peer swap; pipelined plans "
         "only, priced)",
     )  # fmt: skip
+    parser.add_argument(
+        "--model-data", default="auto", choices=("auto", "fsdp2", "chunks"),
+        help="what holds each stage's model data: tidal's chunks under the plan's byte budgets "
+        "or FSDP2's units; auto: chunks where a stage keeps model data off the device and chunks "
+        "can hold it (one tensor rank, ZeRO-3 units), FSDP2 elsewhere",
+    )  # fmt: skip
     parser.add_argument("--stage-splits", default="even", metavar="S,S",
                         help="pipeline stage splits to search: even, time, memory")  # fmt: skip
     parser.add_argument("--micro-batches", default="", metavar="B,B",
@@ -232,6 +238,7 @@ def run_plan(args: argparse.Namespace, console: Console) -> int:
         peer=args.peer,  # [Note: activations on a peer] in tidal/planner/pipelines.py
         stage_splits=_names(args.stage_splits),
         micro_batches=_sizes(args.micro_batches, "--micro-batches"),
+        model_data=args.model_data,  # [Note: chunk stages in plans] in planner/model_data.py
     )
     result = make_plan(graph, cluster, config, progress=say, shape=shape, retrace=retrace)
     report = plan_report(result, cluster)
@@ -508,8 +515,11 @@ def summary_line(report: dict, cluster) -> str:
         what = plan.describe_offload()
         if len(set(plan.offloads())) > 1:  # [Note: offload per stage] in planner/pipelines.py
             what = f"each stage's own offload ({what})"
+        chunked = sum(plan.rank_chunks(r) is not None for r in range(plan.pp))
+        held = ("" if not chunked else ", in tidal's chunks" if chunked == plan.pp
+                else f", in tidal's chunks on {chunked} of {plan.pp} pipeline ranks")  # fmt: skip
         host = (f" with {what} ({most}{format_bytes(host_bytes)} a device on the host{disk}"
-                f"{priced})")  # fmt: skip
+                f"{held}{priced})")  # fmt: skip
     return (
         f"peak {format_bytes(report['peak_memory_bytes'])} of "
         f"{format_bytes(cluster.device_memory_bytes)} per device{host}, step "

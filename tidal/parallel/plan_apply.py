@@ -145,6 +145,8 @@ def _apply(model: nn.Module, plan: Plan, mesh: DeviceMesh | None, wiring: PlanWi
         assert mesh is not None
         parallelize_tensor_axis(model, wiring, mesh["tp"], full)
     _recompute(model, wiring, modes)
+    if plan.chunks is not None:  # the stage's chunks shard and reduce its model data themselves
+        return  # ([Note: chunk stages in plans] in tidal/planner/model_data.py)
     dp_group = None
     if plan.dp > 1 or plan.offload.params:  # one device's parameters on the host: FSDP2 too
         assert mesh is not None

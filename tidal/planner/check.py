@@ -18,6 +18,7 @@ from typing import Any
 from torch import nn
 
 from tidal.planner.measure import ModelGraph
+from tidal.planner.model_data import chunk_refusal
 from tidal.planner.plan import Layout, Offload, Plan, Recompute, StrategyName, UnitChoice
 from tidal.planner.wiring import ModelWiring, derive_wiring, structure_graph
 
@@ -146,6 +147,16 @@ def not_run(plan: Plan) -> list[NotRun]:
                 f"in tidal/planner/pipelines.py): make the plan again with this tidal's "
                 f"tidal plan, which gives {layout.schedule} stages it can version",
         ))  # fmt: skip
+    unheld = _join(sorted({why for p in _plans(plan) if p.chunks is not None
+                           for why in [chunk_refusal(plan, p)] if why}))  # fmt: skip
+    if unheld:
+        gaps.append(NotRun(
+            what="keeps model data in tidal's chunks where chunks cannot hold it",
+            why=f"the plan keeps a stage's model data in tidal's chunks, and {unheld} "
+                f"([Note: chunk stages in plans] in tidal/planner/model_data.py): make the "
+                f"plan again with this tidal's tidal plan, which gives chunks the stages they "
+                f"can hold, or with --model-data fsdp2",
+        ))  # fmt: skip
     lending = [p for p in _plans(plan) if p.memory.lent]
     whole = {m for p in lending for m in p.recompute.values()} & {Recompute.FULL, Recompute.SWAP}
     if lending and (whole or (layout is not None and layout.virtual_stages > 1)):
@@ -190,8 +201,9 @@ def _plans(plan: Plan) -> list[Plan]:
 
 
 def _stages(plan: Plan) -> list[tuple[Offload, list[UnitChoice]]]:
-    """Each stage's offload and units as a run realises them."""
-    return [(p.offload, p.units) for p in _plans(plan)]
+    """Each stage's offload and units as a run realises them, of the stages FSDP2 holds (chunks
+    place any unit's model data: [Note: chunk stages in plans] in model_data.py)."""
+    return [(p.offload, p.units) for p in _plans(plan) if p.chunks is None]
 
 
 def _below_zero3(plan: Plan) -> list[str]:

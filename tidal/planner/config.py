@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from tidal.config.configurable import require
 from tidal.planner.baselines import BASELINES
+from tidal.planner.model_data import MODEL_DATA
 from tidal.planner.pipelines import SCHEDULES
 from tidal.planner.plan import Offload, Recompute
 from tidal.planner.stage_split import SPLITS
@@ -58,6 +59,10 @@ class PlannerConfig:
     # pipelined plans' micro-batch sizes, the graph's scaled to each ([Note: micro-batch
     # scaling] in graph.py); () keeps the traced one
     micro_batches: tuple[int, ...] = ()
+    # which transform holds each stage's model data, FSDP2's units or tidal's chunks, chosen
+    # after the search ([Note: chunk stages in plans] in model_data.py): "auto", "fsdp2" or
+    # "chunks"
+    model_data: str = "auto"
 
     def __post_init__(self) -> None:
         require(
@@ -84,6 +89,8 @@ class PlannerConfig:
         unknown = sorted(set(self.stage_splits) - set(SPLITS))
         require(bool(self.stage_splits) and not unknown, "stage_splits",
                 f"must be some of {', '.join(SPLITS)}, got {self.stage_splits!r}")  # fmt: skip
+        require(self.model_data in MODEL_DATA, "model_data",
+                f"must be one of {', '.join(MODEL_DATA)}, got {self.model_data!r}")  # fmt: skip
         require(all(b >= 1 for b in self.micro_batches), "micro_batches",
                 f"must be sizes >= 1, got {self.micro_batches!r}")  # fmt: skip
         for name in ("offload", "offload_params", "offload_nvme"):

@@ -34,6 +34,7 @@ __all__ = [
     "Layout",
     "MemoryBreakdown",
     "Offload",
+    "ChunkBudgets",
     "PipelineLayout",
     "Plan",
     "Recompute",
@@ -45,7 +46,8 @@ __all__ = [
 # 2: pipelined plans (``pipeline``), whose choices are per kind of stage
 # 3: each kind of stage its own offload (``pipeline.stages[kind].offload``)
 # 4: an interleaved rank's stages all of its kind (``pipeline.kinds``), as the rank was priced
-PLAN_FORMAT = 4
+# 5: a stage's model data in tidal's chunks under byte budgets (``chunks``)
+PLAN_FORMAT = 5
 
 
 class Layout(enum.StrEnum):
@@ -135,6 +137,48 @@ class Offload:
 
 
 NO_OFFLOAD = Offload()
+
+
+@dataclass(kw_only=True, frozen=True, slots=True)
+class ChunkBudgets:
+    """A stage whose model data lives in tidal's chunks, and the budgets of each of its devices
+    ([Note: chunk stages in plans] in tidal/planner/model_data.py). ``device_bytes``: the chunk
+    store's, its chunks, gradients and optimizer state on the device and its activations (the
+    stage's predicted peak); ``host_bytes``: the host tier's (None: what the host holds is not
+    bounded, where nothing goes on to NVMe); ``nvme_bytes``: what the plan keeps on the node's
+    NVMe (0: no disk)."""
+
+    device_bytes: int
+    host_bytes: int | None = None
+    nvme_bytes: int = 0
+
+    def __post_init__(self) -> None:
+        require(self.device_bytes > 0, "chunks.device_bytes",
+                f"must be > 0, got {self.device_bytes}")  # fmt: skip
+        require(self.host_bytes is None or self.host_bytes >= 0, "chunks.host_bytes",
+                f"must be >= 0 or null, got {self.host_bytes}")  # fmt: skip
+        require(self.nvme_bytes >= 0, "chunks.nvme_bytes", f"must be >= 0, got {self.nvme_bytes}")
+
+    def describe(self) -> str:
+        """``"tidal chunks, 40.0 MiB a device"``, and the host's and disk's where bounded."""
+        parts = [f"tidal chunks, {self.device_bytes / 2**20:.1f} MiB a device"]
+        if self.host_bytes is not None:
+            parts.append(f"{self.host_bytes / 2**20:.1f} MiB of host")
+        if self.nvme_bytes:
+            parts.append(f"{self.nvme_bytes / 2**20:.1f} MiB on NVMe")
+        return ", ".join(parts)
+
+    def to_dict(self) -> dict[str, int | None]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any] | None) -> ChunkBudgets | None:
+        if data is None:
+            return None
+        host = data.get("host_bytes")
+        return cls(device_bytes=int(data["device_bytes"]),
+                   host_bytes=None if host is None else int(host),
+                   nvme_bytes=int(data.get("nvme_bytes", 0)))  # fmt: skip
 
 
 @dataclass(kw_only=True, slots=True)
@@ -236,7 +280,8 @@ class StageChoices:
     units' choices as its own ILP made them, its recomputation, the model data it keeps off
     the device ([Note: offload per stage] in pipelines.py), and its cost-model figures.
     ``blocks`` is how many of the repeated block the kind was solved with on one rank (its
-    block units' ``count``)."""
+    block units' ``count``); ``chunks``: its model data in tidal's chunks under those budgets
+    instead of FSDP2's units ([Note: chunk stages in plans] in model_data.py)."""
 
     kind: str  # "first", "last" or "middle"
     blocks: int
@@ -245,12 +290,14 @@ class StageChoices:
     memory: MemoryBreakdown
     step_time_s: float
     offload: Offload = NO_OFFLOAD
+    chunks: ChunkBudgets | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {"kind": self.kind, "blocks": self.blocks, "units": _units_to_json(self.units),
                 "recompute": {k: str(v) for k, v in self.recompute.items()},
                 "memory": self.memory.to_dict(), "step_time_s": self.step_time_s,
-                "offload": self.offload.to_dict()}  # fmt: skip
+                "offload": self.offload.to_dict(),
+                "chunks": None if self.chunks is None else self.chunks.to_dict()}  # fmt: skip
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> StageChoices:
@@ -259,7 +306,8 @@ class StageChoices:
                    recompute={k: Recompute(v) for k, v in data["recompute"].items()},
                    memory=MemoryBreakdown.from_dict(data["memory"]),
                    step_time_s=float(data["step_time_s"]),
-                   offload=Offload.from_json(data["offload"]))  # fmt: skip
+                   offload=Offload.from_json(data["offload"]),
+                   chunks=ChunkBudgets.from_json(data.get("chunks")))  # fmt: skip
 
 
 @dataclass(kw_only=True, slots=True)
@@ -340,6 +388,9 @@ class Plan:
     # their own (rank_offload)
     offload: Offload = NO_OFFLOAD
     pipeline: PipelineLayout | None = None  # [Note: plan pipelines]
+    # the model data in tidal's chunks under these budgets, not FSDP2's units ([Note: chunk
+    # stages in plans] in model_data.py); a pipeline's stages each their own (rank_chunks)
+    chunks: ChunkBudgets | None = None
 
     @property
     def pp(self) -> int:
@@ -368,6 +419,13 @@ class Plan:
         if self.pipeline is None:
             return self.offload
         return self.pipeline.stages[self.pipeline.rank_kind(pp_rank)].offload
+
+    def rank_chunks(self, pp_rank: int) -> ChunkBudgets | None:
+        """Whether a device of pipeline rank ``pp_rank`` holds its stages' model data in chunks,
+        and under what budgets: its kind's ([Note: chunk stages in plans] in model_data.py)."""
+        if self.pipeline is None:
+            return self.chunks
+        return self.pipeline.stages[self.pipeline.rank_kind(pp_rank)].chunks
 
     def offloads(self) -> list[Offload]:
         """Each pipeline rank's offload (the plan's alone when flat)."""
@@ -401,7 +459,7 @@ class Plan:
                     num_microbatches=self.num_microbatches, units=units,
                     recompute=dict(choices.recompute), memory=choices.memory,
                     step_time_s=choices.step_time_s,
-                    offload=choices.offload)  # fmt: skip
+                    offload=choices.offload, chunks=choices.chunks)  # fmt: skip
 
     def unit(self, name: str) -> UnitChoice:
         for unit in self.units:
@@ -425,6 +483,7 @@ class Plan:
             "units": [u.to_dict() for u in self.units],
             "edges": [list(e) for e in self.edges],
             "offload": self.offload.to_dict(),
+            "chunks": None if self.chunks is None else self.chunks.to_dict(),
             "pipeline": None if self.pipeline is None else self.pipeline.to_dict(),
         }
 
@@ -450,6 +509,7 @@ class Plan:
             step_time_s=float(data["step_time_s"]),
             edges=[(str(a), str(b), int(n)) for a, b, n in data.get("edges", [])],
             offload=Offload.from_json(data.get("offload")),
+            chunks=ChunkBudgets.from_json(data.get("chunks")),
             pipeline=None
             if data.get("pipeline") is None
             else PipelineLayout.from_dict(data["pipeline"]),

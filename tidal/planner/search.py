@@ -33,6 +33,7 @@ from tidal.planner.emit import to_pipelined_plan, to_plan
 from tidal.planner.ilp import Problem, Solution, build_problem, on_threads
 from tidal.planner.measure import ModelGraph
 from tidal.planner.megatron import MegatronBest, TransformerShape, megatron_best, megatron_grid
+from tidal.planner.model_data import with_model_data
 from tidal.planner.pipelines import PipelinePlan, PipelineSearch, Retrace, search_pipelines
 from tidal.planner.plan import NO_OFFLOAD, Offload, Plan, Recompute
 from tidal.planner.strategies import (
@@ -161,6 +162,7 @@ def _spec_if_split(
         grad_bytes=config.grad_bytes,
         optimizer_bytes=config.optimizer_bytes,
         offload=offload,
+        chunked_weights=config.model_data == "chunks",  # [Note: chunk stages in plans]
     )
 
 
@@ -256,6 +258,7 @@ def make_plan(
         _search_pipelines(result, graph, cluster, config, limit, say, retrace)
         _choose(result, config)
         lap("pipelines")
+    result.plan = with_model_data(result.plan, config.model_data)
     if config.pareto:
         say("the memory-time frontier")
         result.pareto = _pareto(graph, cluster, feasible, config, limit, fastest_s)

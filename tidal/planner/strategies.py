@@ -115,6 +115,10 @@ class TrainingSpec:
     # the schedule versions the weights in place (PipeMare): every unit's parameters whole on
     # each data rank (ZeRO-0) and nothing recomputed ([Note: PipeMare plans] in pipelines.py)
     versioned_weights: bool = False
+    # every stage's model data in tidal's chunks where they can hold it (``--model-data
+    # chunks``): a unit with parameters on a data axis of one tensor rank is ZeRO-3, as a chunk
+    # stage shards it ([Note: chunk stages in plans] in model_data.py)
+    chunked_weights: bool = False
     # the model data kept off the device ([Note: model data offload])
     offload: Offload = NO_OFFLOAD
     # the first of ``peer_stages`` pipeline stages may keep activations on its mirror (the
@@ -288,10 +292,12 @@ def unit_options(
 ) -> dict[str, list[Candidate]]:
     """Every unit's candidates, less the input layouts its model cannot give it: units that
     must keep the sequence whole ([Note: code counts whole sequences] in wiring.py); under the
-    offload that runs, ZeRO-3 alone ([Note: model data offload]); under PipeMare, ZeRO-0
-    alone ([Note: PipeMare plans] in pipelines.py)."""
+    offload that runs, ZeRO-3 alone ([Note: model data offload]), and so in chunks on a data
+    axis ([Note: chunk stages in plans] in model_data.py); under PipeMare, ZeRO-0 alone
+    ([Note: PipeMare plans] in pipelines.py)."""
     allowed = input_layouts(graph)
-    zero3_only = spec.offload.params > 0  # [Note: model data offload]
+    chunked = spec.chunked_weights and mesh.tp == 1 and mesh.dp > 1 and not spec.versioned_weights
+    zero3_only = spec.offload.params > 0 or chunked
     options = {}
     for unit in graph.units:
         found = candidates(unit, mesh, cluster, spec)

@@ -123,7 +123,8 @@ def stage_params(mine: Sequence[nn.Module], mesh: DeviceMesh | None, schedule: S
     support. ``torch_optimizer``: yours, which only plain replicas take (the Trainer maps a
     torch class onto ``optimizer`` for the others: [Note: your optimizer]). ``planned``: a
     model a plan laid out, the one stage ([Note: plan stages]), ``host_optimizer`` what of its
-    optimizer the host updates. ``mesh``: None for one process
+    optimizer the host updates; with ``chunks``, the plan's stages in chunks under its budgets
+    ([Note: chunk stages in plans] in tidal/planner/model_data.py). ``mesh``: None for one process
     without a process group ([Note: one model on stages]). ``init``: the values of a stage on
     the meta device, which chunks stream in (the other holders take a stage with storage)."""
     dp_group = None if mesh is None else mesh.get_group("dp")
@@ -131,7 +132,7 @@ def stage_params(mine: Sequence[nn.Module], mesh: DeviceMesh | None, schedule: S
     assert mesh is not None or not planned, "a plan's layout needs its mesh"
     assert init is None or chunks is not None, "only chunks stream a meta stage's values in"
     assert host_optimizer is None or planned, "a plan's offload"
-    if planned:
+    if planned and chunks is None:
         return _planned_stage(mine, schedule, optimizer, weights, precision, lr, microbatches,
                               host_optimizer)  # fmt: skip
     if torch_optimizer is not None:

@@ -59,7 +59,7 @@ from tidal.parallel.chunk_stage import ChunkStageParams, require_one_version
 from tidal.parallel.flat_state import model_layout
 from tidal.parallel.lr import lr_schedule
 from tidal.parallel.reference import TorchOptimizer, model_data_bytes
-from tidal.parallel.stage_params import local_nbytes, reshard_stage
+from tidal.parallel.stage_params import reshard_stage
 from tidal.pipeline.partition import LayerProfile
 from tidal.pipeline.sequential import (
     LossFn,
@@ -83,9 +83,11 @@ from tidal.train.pipeline_memory import (
     plan_pipeline_memory,
 )
 from tidal.train.plan_stage import (
+    plan_chunks,
     plan_dims,
     plan_host_optimizer,
     plan_job,
+    planned_figures,
     planned_pipeline,
     planned_stage,
 )
@@ -348,7 +350,8 @@ class PipelinePart:
                                block_ranges=self.ranges, num_microbatches=job.num_microbatches,
                                device=device, mesh=self.mesh,
                                lending=self.memory.lending,
-                               chunks=chunk_stage_config(job, device),
+                               chunks=chunk_stage_config(job, device) if plan is None
+                               else plan_chunks(plan, job, pp_rank=pp_rank, device=device),
                                fsdp2=job.parallel.fsdp2,
                                fsdp2_offload=job.parallel.fsdp2_offload,
                                torch_optimizer=torch_optimizer,
@@ -542,39 +545,25 @@ class PipelinePart:
             + (f" tensor-parallel stages (tp{self.dims.tp})" if self.dims.tp > 1 else ""),
         }
         held = list(self.engine.weights.values())
-        if self.plan is not None:  # the plan's figures and name, as the plan engine gave them
+        chunked = [w for w in held if isinstance(w, ChunkStageParams)]
+        if self.plan is not None:  # the plan's name, as the plan engine gave it
             summary["engine"], summary["mesh"] = "plan", self.plan.mesh_name
-            figures = [model_data_bytes(_plain(w).module, _plain(w).optimizer,
-                                        nbytes=local_nbytes) for w in held]  # fmt: skip
-            # this rank's stages together
+        if chunked:
+            if len(chunked) == 1:  # a rank of one chunk stage gives its figures as the engine did
+                stats = chunked[0].stats()
+                summary |= {key: stats[key] for key in CHUNK_FIGURES if key in stats}
+                if self.dims.pp == 1 and self.plan is None:  # the model in chunks, nothing else:
+                    summary["engine"] = stats["engine"]  # say it as the config does
+            figures = [w.engine.model_data_bytes() for w in chunked]  # this rank's together
             summary["model_data_bytes"] = {key: sum(f[key] for f in figures) for key in figures[0]}
-            from tidal.runtime.host_optimizer import HostStepped
-
-            hosted = [h.host_bytes() for w in held
-                      if isinstance(h := _plain(w).optimizer, HostStepped)]  # fmt: skip
-            if hosted:  # the device's figures are the device's ([Note: the optimizer on the host])
-                summary["model_data_bytes"]["optimizer_state"] -= sum(h["state"] for h in hosted)
-                summary["host_optimizer_bytes"] = {key: sum(h[key] for h in hosted)
-                                                   for key in hosted[0]}  # fmt: skip
-            from tidal.parallel.plan_apply import HOST_SWAP  # DTensor: plan runs only
-
-            swaps = [getattr(m, HOST_SWAP) for w in held for m in _plain(w).module.modules()
-                     if hasattr(m, HOST_SWAP)]  # fmt: skip
-            if swaps:  # the plan's host swap ([Note: savers in place])
-                summary["host_swap_bytes"] = sum(h.bytes_out for h in swaps)
+        elif self.plan is not None:
+            summary |= planned_figures(held)
         elif self.dims.pp == 1 and all(type(w) is StageWeights for w in held):
             # the whole model in plain replicas: the reference engine's figures and name
             (plain,) = held
             assert isinstance(plain, StageWeights)
             summary["engine"] = "reference"
             summary["model_data_bytes"] = model_data_bytes(plain.module, plain.optimizer)
-        chunked = [w for w in held if isinstance(w, ChunkStageParams)]
-        if len(chunked) == 1:  # a rank of one chunk stage gives its figures as the engine did
-            stats = chunked[0].stats()
-            summary |= {key: stats[key] for key in CHUNK_FIGURES if key in stats}
-            summary["model_data_bytes"] = chunked[0].engine.model_data_bytes()
-            if self.dims.pp == 1:  # the model in chunks, nothing else: say it as the config does
-                summary["engine"] = stats["engine"]
         return summary
 
     def _chunk_figures(self) -> dict[str, dict[str, Any]]:

@@ -37,6 +37,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from tidal.config import require
 from tidal.distributed import rank
 from tidal.memory.materialize import materialize
 from tidal.models import spec_for
@@ -44,9 +45,11 @@ from tidal.parallel.dims import ParallelDims
 from tidal.parallel.flat_state import model_layout
 from tidal.pipeline.sequential import LossFn
 from tidal.pipeline.split import PipelineStage, whole_model_stage
+from tidal.runtime.weights import StageWeights
 from tidal.train.job import JobConfig
 
 if TYPE_CHECKING:
+    from tidal.parallel.chunk_stage import ChunkStageConfig
     from tidal.planner import Plan
     from tidal.runtime.host_optimizer import HostOptimizerConfig
 
@@ -54,8 +57,10 @@ __all__ = [
     "PlannedPipeline",
     "PlannedStage",
     "plan_dims",
+    "plan_chunks",
     "plan_host_optimizer",
     "plan_job",
+    "planned_figures",
     "planned_pipeline",
     "planned_stage",
 ]
@@ -95,10 +100,35 @@ def plan_host_optimizer(plan: Plan, job: JobConfig, *, pp_rank: int) -> HostOpti
     from tidal.runtime.host_optimizer import HostOptimizerConfig
 
     offload = plan.rank_offload(pp_rank)
+    if plan.rank_chunks(pp_rank) is not None:  # the chunk store places the optimizer itself
+        return None
     if not offload.optimizer or (offload.params == 1 and not offload.nvme):
         return None
     return HostOptimizerConfig(fraction=offload.optimizer, nvme_fraction=offload.nvme,
                                nvme_dir=job.memory.nvme_dir)  # fmt: skip
+
+
+def plan_chunks(plan: Plan, job: JobConfig, *, pp_rank: int,
+                device: torch.device) -> ChunkStageConfig | None:  # fmt: skip
+    """How pipeline rank ``pp_rank``'s stages hold their model data in tidal's chunks, under
+    the plan's budgets and the job's chunk and sharding settings ([Note: chunk stages in plans]
+    in tidal/planner/model_data.py); None where FSDP2 holds it. Raises naming
+    ``memory.nvme_dir`` where the rank needs a disk and the job names none."""
+    from tidal.parallel.chunk_stage import ChunkStageConfig
+    from tidal.parallel.config import MemoryConfig
+
+    budgets = plan.rank_chunks(pp_rank)
+    if budgets is None:
+        return None
+    nvme_dir = job.memory.nvme_dir if budgets.nvme_bytes else None
+    require(not budgets.nvme_bytes or nvme_dir is not None, "memory.nvme_dir",
+            f"the plan keeps {budgets.nvme_bytes / 2**20:.1f} MiB of a device's optimizer state "
+            f"on NVMe; name a directory on a fast disk (--set memory.nvme_dir=/path)")  # fmt: skip
+    memory = MemoryConfig(device_budget=budgets.device_bytes, host_budget=budgets.host_bytes,
+                          nvme_dir=nvme_dir)  # fmt: skip
+    return ChunkStageConfig(optimizer=job.optimizer, memory=memory, chunk=job.chunk,
+                            precision=job.training.precision, device=str(device),
+                            sharding=job.sharding)  # fmt: skip
 
 
 def plan_job(job: JobConfig, plan: Plan) -> JobConfig:
@@ -211,3 +241,33 @@ def _warn_on_micro_batch(job: JobConfig, plan: Plan) -> None:
             "memory differs from the plan's",
             plan.micro_batch, rows, job.training.batch_size, plan.dp, job.num_microbatches,
         )  # fmt: skip
+
+
+def planned_figures(held: list[Any]) -> dict[str, Any]:
+    """The model data of a rank's plan stages FSDP2 holds, this rank's stages together: on the
+    device, with the host's part of the optimizer apart ([Note: the optimizer on the host]),
+    and the bytes the plan's host swap sent ([Note: savers in place])."""
+    from tidal.parallel.plan_apply import HOST_SWAP  # DTensor: plan runs only
+    from tidal.parallel.reference import model_data_bytes
+    from tidal.parallel.stage_params import local_nbytes
+    from tidal.runtime.host_optimizer import HostStepped
+
+    figures = [model_data_bytes(_plain(w).module, _plain(w).optimizer, nbytes=local_nbytes)
+               for w in held]  # fmt: skip
+    out: dict[str, Any] = {"model_data_bytes": {key: sum(f[key] for f in figures)
+                                                for key in figures[0]}}  # fmt: skip
+    hosted = [h.host_bytes() for w in held
+              if isinstance(h := _plain(w).optimizer, HostStepped)]  # fmt: skip
+    if hosted:
+        out["model_data_bytes"]["optimizer_state"] -= sum(h["state"] for h in hosted)
+        out["host_optimizer_bytes"] = {key: sum(h[key] for h in hosted) for key in hosted[0]}
+    swaps = [getattr(m, HOST_SWAP) for w in held for m in _plain(w).module.modules()
+             if hasattr(m, HOST_SWAP)]  # fmt: skip
+    if swaps:
+        out["host_swap_bytes"] = sum(h.bytes_out for h in swaps)
+    return out
+
+
+def _plain(weights: Any) -> StageWeights:
+    assert isinstance(weights, StageWeights), type(weights)
+    return weights

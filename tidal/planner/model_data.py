@@ -1,0 +1,107 @@
+"""Which transform holds each stage's model data: FSDP2's units or tidal's chunks.
+
+[Note: chunk stages in plans]
+A plan prices each device's model data by the fractions of [Note: model data offload] in
+strategies.py: ``f`` of the optimizer state updated on the host, ``g`` of a ZeRO-3 unit's
+parameter shard kept there and copied up for every use, ``h`` of the offloaded state on NVMe.
+Two transforms carry those bytes out:
+
+- FSDP2 (``fully_shard`` with ``CPUOffloadPolicy``, the host's share of the optimizer stepped
+  by ``HostStepped``): it moves whole groups (a block's repetition, the root), the ones whose
+  parameters come nearest ``g``, so the bytes on the host are ``g`` of the stage's only to a
+  group's size;
+- tidal's chunks ([Note: chunk stages] in tidal/parallel/chunk_stage.py): the stage's model
+  data in chunks under a device budget, the store placing chunk by chunk along the warm-up
+  trace (Belady eviction, prefetch, the optimizer of what fits on the device updated there:
+  PatrickStar's device-aware placement), ZeRO-3 over the stage's data axis, NVMe through the
+  sharded optimizer's tier.
+
+A chunk stage's budgets are the plan's figures, not a re-reading of them: the device's is the
+stage's predicted peak (the store's budget covers its chunks, gradients, optimizer state and
+the activations it meters, as the prediction does), the host's what the plan keeps there when
+part of it goes on to NVMe (the store sends what does not fit to the disk, the optimizer state
+first), unbounded otherwise. The same bytes are priced either way: the store keeps on the
+device what the budget lets it, which is what the fractions leave there, at a chunk's
+granularity instead of a group's. So the choice does not move the search's figures, and
+:func:`with_model_data` makes it after the search, per kind of stage:
+
+- ``fsdp2``: every stage FSDP2's;
+- ``chunks``: every stage chunks can hold (:func:`chunk_refusal`), the search offering units
+  with parameters ZeRO-3 alone on meshes of one tensor rank and several data ranks
+  (``TrainingSpec.chunked_weights``), so that they can hold every such stage;
+- ``auto`` (the default): chunks where they can hold the stage and it keeps model data off
+  the device (where the placement is the budget's, which chunks follow byte for byte), FSDP2
+  elsewhere (its all-gathers, where nothing moves to the host, are torch's own).
+
+Chunks hold a stage only where their runtime does what the plan says: one tensor rank (chunks
+take plain parameters, not DTensors), every unit with model data ZeRO-3 when the data axis has
+several ranks (a chunk stage shards all of it), a synchronous schedule (chunks hold one weight
+version), no block swapped to the host (the swap would copy the parameters' chunk views that
+autograd saves) and nothing lent to a peer (the lending packs what the blocks save, chunk
+views included). ``check_plan`` refuses a hand-made plan that asks for more, in one line.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from tidal.planner.plan import ChunkBudgets, Plan, Recompute
+
+__all__ = ["MODEL_DATA", "chunk_budgets", "chunk_refusal", "with_model_data"]
+
+MODEL_DATA = ("auto", "fsdp2", "chunks")
+SYNCHRONOUS = ("1f1b", "interleaved", "gpipe")
+
+
+def chunk_refusal(plan: Plan, stage: Plan) -> str:
+    """Why chunks cannot hold ``stage`` (a stage of ``plan`` as a run realises it,
+    :meth:`Plan.stage_plan`), for a reader; ``""``: they can."""
+    schedule = "" if plan.pipeline is None else plan.pipeline.schedule
+    sharded = [u.name for u in stage.units if u.zero != 3
+               and u.memory.resident + u.memory.host + u.memory.nvme > 0]  # fmt: skip
+    reasons = {
+        "it is tensor-parallel (chunks take plain parameters)": stage.tp > 1,
+        f"it runs {schedule} (chunks hold one weight version)": bool(schedule)
+        and schedule not in SYNCHRONOUS,
+        f"{', '.join(sharded[:2])} are not ZeRO-3 (a chunk stage shards all of its model "
+        "data over the data axis)": stage.dp > 1 and bool(sharded),
+        "it swaps blocks to the host": Recompute.SWAP in stage.recompute.values(),
+        "it lends activations to a peer": stage.memory.lent > 0,
+    }
+    return "; ".join(why for why, yes in reasons.items() if yes)
+
+
+def chunk_budgets(stage: Plan) -> ChunkBudgets:
+    """The budgets that carry out ``stage``'s figures in chunks ([Note: chunk stages in
+    plans])."""
+    memory = stage.memory
+    disk = math.ceil(memory.nvme)
+    return ChunkBudgets(device_bytes=math.ceil(memory.total),
+                        host_bytes=math.ceil(memory.host) if disk else None,
+                        nvme_bytes=disk)  # fmt: skip
+
+
+def with_model_data(plan: Plan, mode: str) -> Plan:
+    """``plan`` with each kind of stage's model data held as ``mode`` says ([Note: chunk
+    stages in plans]): ``fsdp2``, ``chunks`` or ``auto``."""
+    assert mode in MODEL_DATA, mode
+
+    def chosen(stage: Plan) -> ChunkBudgets | None:
+        if mode == "fsdp2" or chunk_refusal(plan, stage):
+            return None
+        if mode == "auto" and not stage.offload:
+            return None
+        return chunk_budgets(stage)
+
+    layout = plan.pipeline
+    if layout is None:
+        return dataclasses.replace(plan, chunks=chosen(plan))
+    # a kind's choice is its first stage's (with the model's ends where it holds them, the
+    # most units): every stage of a kind is realised alike
+    first = {kind: layout.kinds.index(kind) for kind in layout.stages if kind in layout.kinds}
+    stages = {kind: dataclasses.replace(c, chunks=None if kind not in first
+                                        else chosen(plan.stage_plan(first[kind])))
+              for kind, c in layout.stages.items()}  # fmt: skip
+    pipelined = dataclasses.replace(plan, pipeline=dataclasses.replace(layout, stages=stages))
+    return dataclasses.replace(pipelined, chunks=stages[layout.kinds[0]].chunks)
