@@ -20,7 +20,8 @@ than equals it). The step time is rank 0's median steady step (a synchronous ste
 slowest rank's). Offloading plans run (on a CPU host and device are one memory, so they check
 the path and the bytes each side is metered for, not a transfer): all of the model data on the
 host (FSDP2's CPU offload, and again in tidal's chunks under the plan's budgets, whose store
-meters its device's peak, activations included, beside the plan's device figure), half of the
+meters its device's peak, activations included up to the plan's share for them, beside the
+plan's device figure, and how far the activations went over that share), half of the
 optimizer updated on the host, and all of it on NVMe (files under a temporary folder of this
 machine's disk). For the last two the host's share of
 AdamW's state, in host memory and on the disk together, is set beside the plan's: with ``f``
@@ -210,6 +211,7 @@ def bench_plan_check_ranks(args: argparse.Namespace) -> list[dict[str, Any]]:
                              "predicted_device_bytes": memory.total,
                              "chunks": plan.rank_chunks(pp_rank) is not None,
                              "measured_device_bytes": measured["chunk_peak_device_bytes"],
+                             "activations_over_bytes": measured["activations_over_bytes"],
                              "rss_growth_bytes": measured["rss_growth_bytes"],
                              "host_swap_bytes": measured["host_swap_bytes"],
                              "measured_step_s": step_s,
@@ -289,13 +291,21 @@ def _train_rank(job: dict[str, Any], plan_data: dict[str, Any]) -> dict[str, Any
         "model_data": figures["model_data_bytes"],
         "host_swap_bytes": figures.get("host_swap_bytes", 0),
         "host_optimizer": figures.get("host_optimizer_bytes"),
-        # a chunk store meters its device's bytes, the activations included (None: FSDP2's)
-        "chunk_peak_device_bytes": max(
-            (c["peak_device_bytes"] for c in figures["pipeline"]["chunk_stages"].values()),
-            default=None,
-        ),  # fmt: skip
+        # a chunk store meters its device's bytes, the activations included up to the plan's
+        # share for them, and how far they went over it (None: FSDP2's stages)
+        **_chunk_figures(figures["pipeline"]["chunk_stages"].values()),
         "rss_growth_bytes": peak - before,
         "final_loss": summary["final_loss"],
+    }
+
+
+def _chunk_figures(stages: Any) -> dict[str, int | None]:
+    stages = list(stages)
+    return {
+        "chunk_peak_device_bytes": max((c["peak_device_bytes"] for c in stages), default=None),
+        "activations_over_bytes": max(
+            (c["non_model_over_budget_bytes"] for c in stages), default=None
+        ),  # fmt: skip
     }
 
 
@@ -312,7 +322,7 @@ def tables(result: dict[str, Any], args: argparse.Namespace) -> list[Any]:
 
     columns = ("plan", "rank", "kind", "model data predicted", "metered", "ratio",
                "host optimizer predicted", "metered (NVMe)", "device predicted",
-               "chunk store's peak", "RSS growth",
+               "chunk store's peak (+ activations over)", "RSS growth",
                "host swap", "step s predicted", "step s measured", "ratio")  # fmt: skip
     cells = []
     for r in result["rows"]:
@@ -328,8 +338,7 @@ def tables(result: dict[str, Any], args: argparse.Namespace) -> list[Any]:
             f"{r['model_data_measured_over_predicted']:.2f}",
             *_host_cells(r, format_bytes),
             format_bytes(int(r["predicted_device_bytes"])),
-            "-" if r.get("measured_device_bytes") is None
-            else format_bytes(int(r["measured_device_bytes"])),
+            _chunk_cell(r, format_bytes),
             format_bytes(int(r["rss_growth_bytes"])), format_bytes(int(r["host_swap_bytes"])),
             f"{r['predicted_step_s']:.3g}", f"{r['measured_step_s']:.3g}",
             f"{r['step_measured_over_predicted']:.2f}",
@@ -339,6 +348,15 @@ def tables(result: dict[str, Any], args: argparse.Namespace) -> list[Any]:
              "figures beside the plan's (cluster calibrated on this machine: "
              + ", ".join(f"{k} {v:.3g}" for k, v in calibration.items()) + ")")  # fmt: skip
     return [ResultTable.of(title, columns, cells)]
+
+
+def _chunk_cell(row: dict[str, Any], format_bytes: Any) -> str:
+    """A chunk store's metered peak, and (+) how far its activations went over their share."""
+    if row.get("measured_device_bytes") is None:
+        return "-"
+    over = row.get("activations_over_bytes") or 0
+    extra = f" (+{format_bytes(int(over))})" if over else ""
+    return format_bytes(int(row["measured_device_bytes"])) + extra
 
 
 def _host_cells(row: dict[str, Any], format_bytes: Any) -> list[str]:

@@ -22,6 +22,13 @@ start, which is what placement must leave room for ([Note: placement] in policy.
 reports the live figure to the device tier's non-model gauge, so the tier's peak and its budget
 check cover activations.
 
+A device tier may set aside at most ``non_model_cap_bytes`` of its budget for non-model bytes
+(``memory.non_model_budget``; a plan's chunk stage sets its predicted activations: [Note: chunk
+stages in plans] in tidal/planner/model_data.py). The store then sees the meter's figures capped
+there (:class:`CappedMeter`): the chunks always get the budget less the cap, and non-model bytes
+above it go over the budget instead of evicting the chunks or failing the iteration. The meter
+keeps how far they went over (``over_cap_bytes``), which the engine reports.
+
 Both meters also see the *model* tensors autograd saves (parameters, or views of them): those are
 handed back through ``on_model_unpack(storage key, tensor)`` when backward unpacks them, which is how a
 parameter used outside its own module gets its chunk back on the device in time ([Note:
@@ -38,7 +45,7 @@ import torch
 
 from tidal.memory.tiers import Tier
 
-__all__ = ["AllocatorMeter", "NonModelMeter", "SavedTensorMeter", "make_meter"]
+__all__ = ["AllocatorMeter", "CappedMeter", "NonModelMeter", "SavedTensorMeter", "make_meter"]
 
 
 class NonModelMeter(Protocol):
@@ -215,6 +222,32 @@ class AllocatorMeter(_ModelTensorHooks):
         )
 
 
+class CappedMeter:
+    """Another meter's figures (``inner``'s), none above ``cap_bytes`` (see [Note: non-model
+    memory]); ``over_cap_bytes``: the most the figures went above it."""
+
+    def __init__(self, cap_bytes: int) -> None:
+        self.cap_bytes = cap_bytes
+        self.over_cap_bytes = 0
+        self.inner: NonModelMeter | None = None  # make_meter's, which reports through capped
+
+    def capped(self, num_bytes: int) -> int:
+        self.over_cap_bytes = max(self.over_cap_bytes, num_bytes - self.cap_bytes)
+        return min(num_bytes, self.cap_bytes)
+
+    def tracking(self) -> contextlib.AbstractContextManager[None]:
+        assert self.inner is not None
+        return self.inner.tracking()
+
+    def live_bytes(self) -> int:
+        assert self.inner is not None
+        return self.capped(self.inner.live_bytes())
+
+    def take_peak_bytes(self) -> int:
+        assert self.inner is not None
+        return self.capped(self.inner.take_peak_bytes())
+
+
 def make_meter(
     device: torch.device,
     device_tier: Tier,
@@ -223,7 +256,19 @@ def make_meter(
     on_change: Callable[[int], None],
     on_model_unpack: Callable[[int, torch.Tensor], None] | None = None,
 ) -> NonModelMeter:
-    """The meter for ``device``: the allocator's figures on CUDA, saved tensors elsewhere."""
+    """The meter for ``device``: the allocator's figures on CUDA, saved tensors elsewhere,
+    capped at the tier's ``non_model_cap_bytes`` where it has one."""
+    if device_tier.non_model_cap_bytes is None:
+        return _meter(device, device_tier, is_model_storage, on_change, on_model_unpack)
+    capped = CappedMeter(device_tier.non_model_cap_bytes)
+    capped.inner = _meter(device, device_tier, is_model_storage,
+                          lambda live_bytes: on_change(capped.capped(live_bytes)), on_model_unpack)  # fmt: skip
+    return capped
+
+
+def _meter(device: torch.device, device_tier: Tier, is_model_storage: Callable[[int], bool],
+           on_change: Callable[[int], None],
+           on_model_unpack: Callable[[int, torch.Tensor], None] | None) -> NonModelMeter:  # fmt: skip
     if device.type == "cuda":
         return AllocatorMeter(
             device, device_tier, is_model_storage=is_model_storage, on_model_unpack=on_model_unpack

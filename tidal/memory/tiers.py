@@ -121,6 +121,7 @@ class Tier:
         *,
         budget_bytes: int | None,
         pin_memory: bool = False,
+        non_model_cap_bytes: int | None = None,
     ) -> None:
         device = torch.device(device)
         if kind is TierKind.HOST and device.type != "cpu":
@@ -130,6 +131,9 @@ class Tier:
         self.kind = kind
         self.device = device
         self.budget_bytes = budget_bytes
+        # the most non-model bytes the budget sets aside: above it they go over the budget and
+        # leave the chunks' room alone ([Note: non-model memory] in activations.py); None: all
+        self.non_model_cap_bytes = non_model_cap_bytes
         self.pinned = pin_memory and device.type == "cpu" and torch.cuda.is_available()
         self._live: dict[int, _Allocation] = {}  # id(storage) -> allocation
         self._held_bytes = 0
@@ -464,9 +468,14 @@ def mapped_on_its_own(num_bytes: int) -> Iterator[bool]:
 
 
 def make_tiers(
-    *, device: torch.device, device_budget: int | str | None, host_budget: int | str | None
+    *,
+    device: torch.device,
+    device_budget: int | str | None,
+    host_budget: int | str | None,
+    non_model_budget: int | None = None,
 ) -> tuple[Tier, Tier]:
-    """The (device tier, host tier) pair for training on ``device``; budgets as resolve_budget.
+    """The (device tier, host tier) pair for training on ``device``; budgets as resolve_budget,
+    ``non_model_budget`` the device budget's share set aside for non-model bytes at most.
 
     The host tier is pinned when the device is CUDA, so moves between the two can overlap.
     """
@@ -479,6 +488,8 @@ def make_tiers(
     )
     pinned = device.type == "cuda"
     return (
-        Tier(TierKind.DEVICE, device, budget_bytes=device_bytes),
+        Tier(
+            TierKind.DEVICE, device, budget_bytes=device_bytes, non_model_cap_bytes=non_model_budget
+        ),  # fmt: skip
         Tier(TierKind.HOST, torch.device("cpu"), budget_bytes=host_bytes, pin_memory=pinned),
     )

@@ -108,8 +108,9 @@ class ChunkEngine:
         self.loss_scale = LossScale() if training.precision == "fp16" else None
         _move_buffers(model, self.device, param_dtype)
         self.device_tier, self.host_tier = make_tiers(
-            device=self.device, device_budget=memory.device_budget, host_budget=memory.host_budget
-        )
+            device=self.device, device_budget=memory.device_budget, host_budget=memory.host_budget,
+            non_model_budget=memory.non_model_budget,
+        )  # fmt: skip
         self.parts.agree_budgets(self.device_tier, self.host_tier)
         self.layout = _layout(model, chunk, self.parts.world_size)
         # With a disk tier the host's room is planned ([Note: nvme placement] in swap.py).
@@ -323,6 +324,8 @@ class ChunkEngine:
             "non_model_bytes_last_trace": self.store.trace.peak_non_model_bytes
             if self.store.trace is not None
             else 0,
+            # the most they went over memory.non_model_budget, outside the device budget
+            "non_model_over_budget_bytes": getattr(self.store.meter, "over_cap_bytes", 0),
             "traces_recorded": self.store.num_traces,
             "grads_in_params": self.optimizer.grads_in_params,
             "model_data_bytes": self.model_data_bytes(),

@@ -201,6 +201,11 @@ class MemoryConfig:
         nvme_budget: the most bytes the run may keep under ``nvme_dir``; unset: no limit.
         nvme_read_ahead: parameter shards on disk read ahead of the gathers that need them,
             along the trace; each holds one shard of host memory while it waits.
+        non_model_budget: the most of ``device_budget`` set aside for activations and other
+            non-model data: the chunks always get the rest, and non-model data above it goes
+            over the budget instead of evicting them or failing the step (a plan's chunk stages
+            set their predicted activations). Unset: the two share the budget, the chunks
+            getting what the activations leave.
     """
 
     device_budget: ByteSize | Literal["auto"] | None = None
@@ -208,13 +213,16 @@ class MemoryConfig:
     nvme_dir: str | None = None
     nvme_budget: ByteSize | None = None
     nvme_read_ahead: int = 2
+    non_model_budget: ByteSize | None = None
 
     def __post_init__(self) -> None:
         if self.nvme_budget is not None:
             require(self.nvme_dir is not None, "nvme_budget", "needs memory.nvme_dir (where)")
         require(self.nvme_read_ahead >= 0, "nvme_read_ahead",
                 f"must be >= 0, got {self.nvme_read_ahead}")  # fmt: skip
-        for name in ("device_budget", "host_budget", "nvme_budget"):
+        require(self.non_model_budget is None or self.device_budget is not None,
+                "non_model_budget", "is a share of memory.device_budget; set that too")  # fmt: skip
+        for name in ("device_budget", "host_budget", "nvme_budget", "non_model_budget"):
             value = getattr(self, name)
             if isinstance(value, int):
                 require(value > 0, name, f"must be > 0, got {value}")

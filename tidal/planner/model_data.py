@@ -18,9 +18,13 @@ Two transforms carry those bytes out:
 
 A chunk stage's budgets are the plan's figures, not a re-reading of them: the device's is the
 stage's predicted peak (the store's budget covers its chunks, gradients, optimizer state and
-the activations it meters, as the prediction does), the host's what the plan keeps there when
-part of it goes on to NVMe (the store sends what does not fit to the disk, the optimizer state
-first), unbounded otherwise. The same bytes are priced either way: the store keeps on the
+the activations it meters, as the prediction does), of which the predicted activations are set
+aside for the activations at most (``memory.non_model_budget``: the chunks always get the rest,
+the plan's model data on the device and its transient gathers; activations the cost model
+undercounted go over the budget, and show as ``non_model_over_budget_bytes``, rather than fail
+a plan that FSDP2 would run), the host's what the plan keeps there when part of it goes on to
+NVMe (the store sends what does not fit to the disk, the optimizer state first), unbounded
+otherwise. The same bytes are priced either way: the store keeps on the
 device what the budget lets it, which is what the fractions leave there, at a chunk's
 granularity instead of a group's. So the choice does not move the search's figures, and
 :func:`with_model_data` makes it after the search, per kind of stage:
@@ -78,6 +82,7 @@ def chunk_budgets(stage: Plan) -> ChunkBudgets:
     memory = stage.memory
     disk = math.ceil(memory.nvme)
     return ChunkBudgets(device_bytes=math.ceil(memory.total),
+                        activation_bytes=math.floor(memory.activations),
                         host_bytes=math.ceil(memory.host) if disk else None,
                         nvme_bytes=disk)  # fmt: skip
 

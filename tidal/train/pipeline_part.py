@@ -572,7 +572,8 @@ class PipelinePart:
         keep = ("evictions", "prefetches", "peak_device_bytes", "device_budget",
                 "min_device_bytes", "bytes_to_device", "bytes_to_host", "num_chunks",
                 "peak_host_bytes", "host_budget", "bytes_to_nvme", "bytes_from_nvme",
-                "peak_nvme_bytes", "bytes_all_gathered", "bytes_reduce_scattered")  # fmt: skip
+                "peak_nvme_bytes", "bytes_all_gathered", "bytes_reduce_scattered",
+                "non_model_over_budget_bytes")  # fmt: skip
         return {str(s): {k: v for k, v in w.stats().items() if k in keep}
                 for s, w in self.engine.weights.items() if isinstance(w, ChunkStageParams)}  # fmt: skip
 

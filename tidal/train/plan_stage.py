@@ -125,7 +125,8 @@ def plan_chunks(plan: Plan, job: JobConfig, *, pp_rank: int,
             f"the plan keeps {budgets.nvme_bytes / 2**20:.1f} MiB of a device's optimizer state "
             f"on NVMe; name a directory on a fast disk (--set memory.nvme_dir=/path)")  # fmt: skip
     memory = MemoryConfig(device_budget=budgets.device_bytes, host_budget=budgets.host_bytes,
-                          nvme_dir=nvme_dir)  # fmt: skip
+                          nvme_dir=nvme_dir,
+                          non_model_budget=budgets.activation_bytes or None)  # fmt: skip
     return ChunkStageConfig(optimizer=job.optimizer, memory=memory, chunk=job.chunk,
                             precision=job.training.precision, device=str(device),
                             sharding=job.sharding)  # fmt: skip

@@ -136,6 +136,32 @@ def test_a_budget_below_the_step_names_its_least():
         run("gpipe", 2, 4, 1, chunked([least // 2, None]))
 
 
+def test_a_non_model_budget_keeps_the_chunks_room_when_activations_grow():
+    """``memory.non_model_budget`` ([Note: non-model memory] in tidal/memory/activations.py):
+    one byte below the least budget the step fails; with half the activations' peak set aside
+    for them, the chunks keep the rest, the activations above it go over the budget (and are
+    reported), and the step runs as plain stages do."""
+    _, _, want = run("1f1b", 2, 4, 1, plain)
+    _, probes, _ = run("1f1b", 2, 4, 1, chunked())
+    least = [int(w.stats()["min_device_bytes"]) for w in probes]
+    peaks = [int(w.stats()["peak_non_model_bytes"]) for w in probes]
+    budgets = [b - 1 for b in least]
+    with pytest.raises(DeviceBudgetTooSmall):
+        run("1f1b", 2, 4, 1, chunked(budgets))
+
+    def capped(index: int, stage: nn.Module) -> ChunkStageParams:
+        memory = MemoryConfig(device_budget=budgets[index], non_model_budget=peaks[index] // 2)
+        return ChunkStageParams(stage, ChunkStageConfig(optimizer=OPTIMIZER, memory=memory,
+                                                        chunk=CHUNK))  # fmt: skip
+
+    _, weights, got = run("1f1b", 2, 4, 1, capped)
+    assert got.losses == pytest.approx(want.losses, abs=ATOL)
+    for s, w in enumerate(weights):
+        stats = w.stats()
+        assert stats["non_model_over_budget_bytes"] == peaks[s] - peaks[s] // 2, (s, stats)
+        assert stats["peak_device_bytes"] <= budgets[s] and stats["evictions"] > 0, (s, stats)
+
+
 def test_forward_refuses_another_version():
     stage = split_gpt(tiny_gpt(), even_ranges(4, 2))[0]
     weights = chunked()(0, stage)

@@ -40,7 +40,8 @@ def test_auto_gives_chunks_the_stages_that_keep_model_data_off_the_device(tiny) 
     assert [on_device.rank_chunks(r) for r in (0, 1)] == [None, None]
     for r in (0, 1):  # each kind's budgets are its own figures
         budgets, memory = offloaded.rank_chunks(r), offloaded.rank_memory(r)
-        assert budgets == ChunkBudgets(device_bytes=math.ceil(memory.total))
+        assert budgets == ChunkBudgets(device_bytes=math.ceil(memory.total),
+                                       activation_bytes=math.floor(memory.activations))  # fmt: skip
     assert offloaded.chunks == offloaded.rank_chunks(0)  # a pipelined plan's: its first stage's
     # fsdp2 leaves every stage to FSDP2, chunks takes every stage they can hold
     assert _plan(tiny, pp=2, tp=1, model_data="fsdp2", **ON_HOST).rank_chunks(0) is None
@@ -75,6 +76,7 @@ def test_nvme_budgets_bound_the_host_and_name_the_disk(tiny) -> None:
     memory = plan.memory
     assert memory.nvme > 0
     assert chunk_budgets(plan) == ChunkBudgets(device_bytes=math.ceil(memory.total),
+                                               activation_bytes=math.floor(memory.activations),
                                                host_bytes=math.ceil(memory.host),
                                                nvme_bytes=math.ceil(memory.nvme))  # fmt: skip
     assert plan.chunks == chunk_budgets(plan)
