@@ -55,8 +55,8 @@ CASES: dict[str, dict[str, Any]] = {
         "offload_params": (1.0,),
         "model_data": "fsdp2",
     },  # fmt: skip
-    # the same search as tidal plan's default makes it: in tidal's chunks under the plan's
-    # budgets ([Note: chunk stages in plans] in tidal/planner/model_data.py)
+    # the same search with --model-data auto: in tidal's chunks under the plan's budgets
+    # ([Note: chunk stages in plans] in tidal/planner/model_data.py)
     "pp2 x dp2, model data on the host in chunks": {
         "pp": 2,
         "tp": 1,

@@ -170,7 +170,7 @@ def test_a_one_device_plan_with_half_its_parameters_on_the_host(
     from tidal.memory.share import ON_HOST
 
     config = PlannerConfig(pipelines=False, pareto=(), baselines=(), offload=(1.0,),
-                           offload_params=(0.5,), model_data="fsdp2")  # fmt: skip
+                           offload_params=(0.5,))  # fmt: skip
     plan = make_plan(measure_gpt(TINY, micro_batch=1), ClusterSpec(devices=1), config).plan
     assert (plan.dp, plan.tp, plan.offload.params) == (1, 1, 0.5) and plan.chunks is None
     assert {u.zero for u in plan.units if u.memory.resident + u.memory.host} == {3}
@@ -196,13 +196,12 @@ def test_a_one_device_plan_with_half_its_parameters_on_the_host(
 
 
 def test_a_one_device_plan_in_chunks(runs: dict[str, Any], tmp_path: Path) -> None:
-    """The same search as tidal plan makes it by default (``--model-data auto``) keeps the
-    model's data in tidal's chunks ([Note: chunk stages in plans] in
+    """The same search with ``--model-data auto`` keeps the model's data in tidal's chunks ([Note: chunk stages in plans] in
     tidal/planner/model_data.py): it trains as the reference does, its store under the plan's
     device budget and within 10% of it at its peak, the rest of the model data on the host."""
     config = PlannerConfig(pipelines=False, pareto=(), baselines=(), offload=(1.0,),
                            offload_params=(0.5,), param_bytes=4, grad_bytes=4,
-                           optimizer_bytes=8)  # fmt: skip
+                           optimizer_bytes=8, model_data="auto")  # fmt: skip
     plan = make_plan(measure_gpt(TINY, micro_batch=1), ClusterSpec(devices=1), config).plan
     assert plan.chunks is not None and plan.chunks.device_bytes == math.ceil(plan.memory.total)
     trainer = Trainer(_job(tmp_path / "chunks"), plan=plan)

@@ -28,10 +28,9 @@ train on 4 gloo ranks as one process does.
 - ``pp2-dp2-stages``: each stage its own offload ([Note: offload per stage] in
   tidal/planner/pipelines.py): on devices of 0.97 MiB the fastest plan keeps the first stage on
   the device and half of the last stage's optimizer on the host;
-- ``pp2-dp2-chunks``: all of the model data on the host, as ``tidal plan`` chooses by default
-  (``--model-data auto``): each stage's in tidal's chunks under the plan's device budget, ZeRO-3
-  over its two data ranks ([Note: chunk stages in plans] in tidal/planner/model_data.py). The
-  other cases' plans are made with ``--model-data fsdp2``, so that FSDP2 realises them.
+- ``pp2-dp2-chunks``: all of the model data on the host, ``--model-data auto``: each stage's in
+  tidal's chunks under the plan's device budget, ZeRO-3 over its two data ranks ([Note: chunk
+  stages in plans] in tidal/planner/model_data.py). The other cases' are FSDP2's (the default).
 
 Losses, gradient norms, validation losses and the checkpointed parameters (whole, in the
 one-process layout) must equal a one-process run's (PipeMare's: the hand-written mesh's); a ``pp2-tp2`` run stopped at step 2
@@ -118,7 +117,6 @@ def _made(*, layers: int, cluster: ClusterSpec | None = None, **config: Any) -> 
     """``make_plan`` (what ``tidal plan`` calls) priced for the run's fp32 AdamW: 4 bytes a
     weight and a gradient, 8 of optimizer state, so that its memory can be held to the run's."""
     model = dataclasses.replace(preset("tiny"), num_layers=layers, dropout=0.0)
-    config.setdefault("model_data", "fsdp2")  # [Note: chunk stages in plans]: one case has them
     planner = PlannerConfig(pp=2, pareto=(), baselines=(), **FP32, **config)
     cluster = cluster or ClusterSpec(devices=WORLD)
     return make_plan(measure_gpt(model, micro_batch=1), cluster, planner).plan
@@ -163,7 +161,7 @@ def _cases(root: Path) -> dict[str, Plan]:
         "pp2-dp2-part": _made(layers=2, tp=1, offload=(1.0,), offload_params=(0.5,)),
         # lending to the mirror stage (--peer), where nothing else fits
         "pp2-dp2-peer": _lending(),
-        # all of it on the host, in chunks (tidal plan's default --model-data auto)
+        # all of it on the host, in chunks (tidal plan --model-data auto)
         "pp2-dp2-chunks": _made(
             layers=2, tp=1, offload=(1.0,), offload_params=(1.0,), model_data="auto"
         ),  # fmt: skip

@@ -124,10 +124,10 @@ def add_search_arguments(parser: argparse.ArgumentParser) -> None:
         "only, priced)",
     )  # fmt: skip
     parser.add_argument(
-        "--model-data", default="auto", choices=("auto", "fsdp2", "chunks"),
-        help="what holds each stage's model data: tidal's chunks under the plan's byte budgets "
-        "or FSDP2's units; auto: chunks where a stage keeps model data off the device and chunks "
-        "can hold it (one tensor rank, ZeRO-3 units), FSDP2 elsewhere",
+        "--model-data", default="fsdp2", choices=("fsdp2", "auto", "chunks"),
+        help="what holds each stage's model data: FSDP2's units (default), or tidal's chunks "
+        "under the plan's byte budgets: auto, where a stage keeps model data off the device and "
+        "chunks can hold it (one tensor rank, ZeRO-3 units); chunks, wherever they can",
     )  # fmt: skip
     parser.add_argument("--stage-splits", default="even", metavar="S,S",
                         help="pipeline stage splits to search: even, time, memory")  # fmt: skip

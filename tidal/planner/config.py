@@ -61,8 +61,9 @@ class PlannerConfig:
     micro_batches: tuple[int, ...] = ()
     # which transform holds each stage's model data, FSDP2's units or tidal's chunks, chosen
     # after the search ([Note: chunk stages in plans] in model_data.py): "auto", "fsdp2" or
-    # "chunks"
-    model_data: str = "auto"
+    # "chunks"; FSDP2 by default, the faster of the two where both were measured (bench
+    # plan-check --ranks: 1.05 s against 1.64 s a step on 4 gloo ranks)
+    model_data: str = "fsdp2"
 
     def __post_init__(self) -> None:
         require(

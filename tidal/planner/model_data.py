@@ -29,13 +29,17 @@ device what the budget lets it, which is what the fractions leave there, at a ch
 granularity instead of a group's. So the choice does not move the search's figures, and
 :func:`with_model_data` makes it after the search, per kind of stage:
 
-- ``fsdp2``: every stage FSDP2's;
+- ``fsdp2`` (the default): every stage FSDP2's;
 - ``chunks``: every stage chunks can hold (:func:`chunk_refusal`), the search offering units
   with parameters ZeRO-3 alone on meshes of one tensor rank and several data ranks
   (``TrainingSpec.chunked_weights``), so that they can hold every such stage;
-- ``auto`` (the default): chunks where they can hold the stage and it keeps model data off
-  the device (where the placement is the budget's, which chunks follow byte for byte), FSDP2
-  elsewhere (its all-gathers, where nothing moves to the host, are torch's own).
+- ``auto``: chunks where they can hold the stage and it keeps model data off the device (where
+  the placement is the budget's, which chunks follow byte for byte), FSDP2 elsewhere.
+
+FSDP2 is the default because it was the faster where both were measured: the same pp2 x dp2
+plan with all of its model data on the host, 1.05 s a step under FSDP2 and 1.64 s in chunks on
+4 gloo ranks sharing 2 cores (``tidal bench plan-check --ranks 4`` at 24d7a82; the chunk
+store's per-moment work and its per-chunk gathers, issue 52's ZeRO-3 step on gloo).
 
 Chunks hold a stage only where their runtime does what the plan says: one tensor rank (chunks
 take plain parameters, not DTensors), every unit with model data ZeRO-3 when the data axis has

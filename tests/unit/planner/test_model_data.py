@@ -34,8 +34,8 @@ def _plan(graph: ModelGraph, devices: int = 4, **config) -> Plan:  # noqa: ANN00
 
 
 def test_auto_gives_chunks_the_stages_that_keep_model_data_off_the_device(tiny) -> None:
-    offloaded = _plan(tiny, pp=2, tp=1, **ON_HOST)
-    on_device = _plan(tiny, pp=2, tp=1)
+    offloaded = _plan(tiny, pp=2, tp=1, model_data="auto", **ON_HOST)
+    on_device = _plan(tiny, pp=2, tp=1, model_data="auto")
     assert [offloaded.rank_chunks(r) is not None for r in (0, 1)] == [True, True]
     assert [on_device.rank_chunks(r) for r in (0, 1)] == [None, None]
     for r in (0, 1):  # each kind's budgets are its own figures
@@ -43,8 +43,8 @@ def test_auto_gives_chunks_the_stages_that_keep_model_data_off_the_device(tiny) 
         assert budgets == ChunkBudgets(device_bytes=math.ceil(memory.total),
                                        activation_bytes=math.floor(memory.activations))  # fmt: skip
     assert offloaded.chunks == offloaded.rank_chunks(0)  # a pipelined plan's: its first stage's
-    # fsdp2 leaves every stage to FSDP2, chunks takes every stage they can hold
-    assert _plan(tiny, pp=2, tp=1, model_data="fsdp2", **ON_HOST).rank_chunks(0) is None
+    # fsdp2 (the default) leaves every stage to FSDP2, chunks takes every stage they can hold
+    assert _plan(tiny, pp=2, tp=1, **ON_HOST).rank_chunks(0) is None
     assert _plan(tiny, pp=2, tp=1, model_data="chunks").rank_chunks(0) is not None
 
 
@@ -54,7 +54,7 @@ def test_chunks_hold_only_the_stages_their_runtime_can(tiny) -> None:
     split = _plan(tiny, pp=2, tp=2, model_data="chunks", eps=1000.0)
     assert split.tp == 2 and split.rank_chunks(0) is None
     assert "tensor-parallel" in chunk_refusal(split, split.stage_plan(0))
-    plan = _plan(tiny, pp=2, tp=1, **ON_HOST)
+    plan = _plan(tiny, pp=2, tp=1, model_data="auto", **ON_HOST)
     stage = plan.stage_plan(0)
     assert chunk_refusal(plan, stage) == ""
     below = dataclasses.replace(stage, units=[dataclasses.replace(u, zero=1) for u in stage.units])
@@ -72,7 +72,7 @@ def test_chunks_hold_only_the_stages_their_runtime_can(tiny) -> None:
 
 def test_nvme_budgets_bound_the_host_and_name_the_disk(tiny) -> None:
     plan = _plan(tiny, devices=1, pp=1, offload=(1.0,), offload_params=(1.0,),
-                 offload_nvme=(0.5,))  # fmt: skip
+                 offload_nvme=(0.5,), model_data="auto")  # fmt: skip
     memory = plan.memory
     assert memory.nvme > 0
     assert chunk_budgets(plan) == ChunkBudgets(device_bytes=math.ceil(memory.total),
@@ -84,7 +84,7 @@ def test_nvme_budgets_bound_the_host_and_name_the_disk(tiny) -> None:
 
 
 def test_the_budgets_round_trip_and_a_hand_made_plan_is_refused_in_one_line(tiny, tmp_path) -> None:
-    plan = _plan(tiny, pp=2, tp=1, **ON_HOST)
+    plan = _plan(tiny, pp=2, tp=1, model_data="auto", **ON_HOST)
     path = tmp_path / "plan.json"
     plan.save(path)
     again = Plan.load(path)
