@@ -26,7 +26,7 @@ import torch.distributed as dist
 from tidal.cli.main import main
 from tidal.models import closed_form_num_params, preset
 from tidal.models.gpt import measure_gpt
-from tidal.planner import ClusterSpec, Plan, PlannerConfig, StrategyName, make_plan
+from tidal.planner import ClusterSpec, Plan, PlannerConfig, Recompute, StrategyName, make_plan
 from tidal.testing import run_on_ranks
 from tidal.train import Trainer
 from tidal.train.checkpoint import latest_checkpoint, load_model_state
@@ -220,6 +220,30 @@ def test_a_one_device_plan_in_chunks(runs: dict[str, Any], tmp_path: Path) -> No
     peak, predicted = stats["peak_device_bytes"], plan.memory.total
     assert (1 - MEMORY_TOL) * predicted <= peak <= predicted, (peak, predicted)
     assert stats["bytes_to_host"] > 0 and stats["evictions"] > 0, stats
+
+
+def test_one_class_of_what_blocks_save_on_the_host(runs: dict[str, Any], tmp_path: Path) -> None:
+    """Plans that keep one class of what each block saves on the host ([Note: savers per tensor
+    class] in tidal/planner/block_savers.py) train as the reference does; the host swap moves
+    the attention's or the MLP's tensors alone (with the attention core recomputed, the MLP's
+    bytes again), together less than the whole block's."""
+    graph = measure_gpt(TINY, micro_batch=1)
+    moved = {}
+    for mode in (Recompute.SWAP, Recompute.SWAP_ATTENTION, Recompute.SWAP_MLP,
+                 Recompute.SELECTIVE_SWAP_MLP):  # fmt: skip
+        config = PlannerConfig(pipelines=False, pareto=(), baselines=(), recompute=(mode,))
+        plan = make_plan(graph, ClusterSpec(devices=1), config).plan
+        assert plan.recompute == {"blocks.*": mode}
+        trainer = Trainer(_job(tmp_path / str(mode)), plan=plan)
+        trainer.fit()
+        for kind, key in (("train", "loss"), ("train", "grad_norm"), ("val", "val_loss")):
+            got = _records(tmp_path / str(mode), kind, key)
+            want = _records(runs["root"] / "reference", kind, key)
+            assert [v for _, v in got] == pytest.approx([v for _, v in want], abs=TOL, rel=0)
+        moved[mode] = trainer.part.summary_figures()["host_swap_bytes"]
+    attention, mlp = moved[Recompute.SWAP_ATTENTION], moved[Recompute.SWAP_MLP]
+    assert attention > 0 and mlp > 0 and attention + mlp < moved[Recompute.SWAP], moved
+    assert moved[Recompute.SELECTIVE_SWAP_MLP] == mlp, moved
 
 
 @pytest.mark.parametrize("case", RESUMED)

@@ -177,8 +177,9 @@ def test_plan_with_the_optimizer_on_the_host_says_so(tmp_path, capsys) -> None:
 
 
 def test_swap_reaches_the_search_only_when_asked(tmp_path, monkeypatch) -> None:
-    """--swap adds the host swap to the blocks' modes the search chooses among; without it the
-    search never sees it ([Note: activations on the host] in tidal/planner/ilp.py)."""
+    """--swap adds the host swap to the blocks' modes the search chooses among, whole and by
+    class of tensor; without it the search never sees it ([Note: activations on the host] in
+    tidal/planner/ilp.py, [Note: savers per tensor class] in tidal/planner/block_savers.py)."""
     import tidal.planner as planner
 
     seen = []
@@ -194,7 +195,8 @@ def test_swap_reaches_the_search_only_when_asked(tmp_path, monkeypatch) -> None:
     assert main(args) == 0 and main([*args, "--swap"]) == 0
     without, with_swap = seen
     assert Recompute.SWAP not in without and Recompute.SWAP in with_swap
-    assert set(with_swap) - set(without) == {Recompute.SWAP}
+    assert set(with_swap) - set(without) == {Recompute.SWAP, Recompute.SWAP_ATTENTION,
+                                             Recompute.SWAP_MLP, Recompute.SELECTIVE_SWAP_MLP}  # fmt: skip
 
 
 def test_bench_plan_writes_results(tmp_path, capsys) -> None:

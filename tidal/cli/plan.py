@@ -115,7 +115,8 @@ def add_search_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--swap", action="store_true",
         help="also search keeping a block's saved activations on the host between its forward "
-        "and backward (MPress's host swap)",
+        "and backward (MPress's host swap), all of them or by class: the attention's, the "
+        "MLP's, or the MLP's with the attention core recomputed",
     )  # fmt: skip
     parser.add_argument(
         "--peer", action="store_true",
@@ -219,8 +220,9 @@ def run_plan(args: argparse.Namespace, console: Console) -> int:
     # known, so a bad input still fails in one line.
     say = _progress(started)
     modes = (Recompute.NONE, *([Recompute.SELECTIVE] if selective else []), Recompute.FULL)
-    if args.swap:  # [Note: activations on the host] in tidal/planner/ilp.py
-        modes = (*modes, Recompute.SWAP)
+    if args.swap:  # [Note: savers per tensor class] in tidal/planner/block_savers.py
+        modes = (*modes, Recompute.SWAP, Recompute.SWAP_ATTENTION, Recompute.SWAP_MLP,
+                 *([Recompute.SELECTIVE_SWAP_MLP] if selective else []))  # fmt: skip
     config = PlannerConfig(
         objective=args.objective,
         eps=args.eps,

@@ -70,6 +70,7 @@ from tidal.activations.costs import Saver
 from tidal.memory.share import ON_HOST, host_share
 from tidal.memory.tiers import Tier, TierKind
 from tidal.parallel.tensor_axis import REORDERED, parallelize_tensor_axis
+from tidal.planner.block_savers import host_children
 from tidal.planner.check import RECOMPUTE_CORE, PlanWiring, check_plan, sent_layout, wire_plan
 from tidal.planner.measure import ModelGraph
 from tidal.planner.plan import Layout, Plan, Recompute
@@ -167,9 +168,17 @@ def _recompute(model: nn.Module, wiring: PlanWiring, modes: dict[str, Recompute]
     alone ([Note: selective recomputation contract] in check.py; check_plan refuses others);
     swap: what each block saves goes to the host after its forward and comes back for its
     backward (MPress's host swap, the activation savers' ``HOST``: [Note: savers in place] in
-    tidal/activations/apply.py)."""
-    swapped = {prefix.replace("*", str(i)): Saver.HOST for prefix, mode in modes.items()
-               if mode is Recompute.SWAP for i in range(wiring.model.blocks[prefix].count)}  # fmt: skip
+    tidal/activations/apply.py), or what the child modules of a class save ([Note: savers per
+    tensor class] in tidal/planner/block_savers.py)."""
+    swapped: dict[str, Saver] = {}
+    for prefix, mode in modes.items():
+        children = host_children(wiring.model, prefix, mode)
+        if children == ():
+            continue
+        for i in range(wiring.model.blocks[prefix].count):
+            path = prefix.replace("*", str(i))
+            paths = [path] if children is None else [f"{path}.{c}" for c in children]
+            swapped.update(dict.fromkeys(paths, Saver.HOST))
     if swapped:
         cuda = any(p.device.type == "cuda" for p in model.parameters())
         host = Tier(TierKind.HOST, torch.device("cpu"), budget_bytes=None, pin_memory=cuda)
@@ -183,7 +192,8 @@ def _recompute(model: nn.Module, wiring: PlanWiring, modes: dict[str, Recompute]
             for core in cores:
                 module = model.get_submodule(wiring.model.module_path(core, i))
                 if hasattr(module, RECOMPUTE_CORE):
-                    setattr(module, RECOMPUTE_CORE, mode is Recompute.SELECTIVE)
+                    setattr(module, RECOMPUTE_CORE,
+                            mode in (Recompute.SELECTIVE, Recompute.SELECTIVE_SWAP_MLP))  # fmt: skip
 
 
 def full_state_dict(model: nn.Module, plan: Plan) -> dict[str, torch.Tensor]:

@@ -17,6 +17,7 @@ from typing import Any
 
 from torch import nn
 
+from tidal.planner.block_savers import HOST_MODES
 from tidal.planner.measure import ModelGraph
 from tidal.planner.model_data import chunk_refusal
 from tidal.planner.plan import Layout, Offload, Plan, Recompute, StrategyName, UnitChoice
@@ -158,7 +159,7 @@ def not_run(plan: Plan) -> list[NotRun]:
                 f"can hold, or with --model-data fsdp2",
         ))  # fmt: skip
     lending = [p for p in _plans(plan) if p.memory.lent]
-    whole = {m for p in lending for m in p.recompute.values()} & {Recompute.FULL, Recompute.SWAP}
+    whole = {m for p in lending for m in p.recompute.values()} & {Recompute.FULL, *HOST_MODES}
     if lending and (whole or (layout is not None and layout.virtual_stages > 1)):
         how = _join(f"{m} blocks" for m in whole) or "interleaved stages"
         gaps.append(NotRun(
@@ -455,7 +456,7 @@ def _check_whole(wiring: ModelWiring, units: dict[str, UnitChoice]) -> None:
 
 def _check_recompute(wiring: ModelWiring, plan: Plan, model: nn.Module) -> None:
     for prefix, mode in plan.recompute.items():
-        if Recompute(mode) is not Recompute.SELECTIVE:
+        if Recompute(mode) not in (Recompute.SELECTIVE, Recompute.SELECTIVE_SWAP_MLP):
             continue
         for name in (n for n in wiring.blocks[prefix].units if n in wiring.attention):
             module = model.get_submodule(wiring.module_path(name, 0))

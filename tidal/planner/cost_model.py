@@ -23,8 +23,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from tidal.planner.block_savers import HOST_MODES, Fate, fate
 from tidal.planner.cluster import Axis, ClusterSpec, Collective, Mesh, collective_s
-from tidal.planner.measure import ModelGraph, Unit
+from tidal.planner.measure import ModelGraph
 from tidal.planner.plan import NO_OFFLOAD, Layout, MemoryBreakdown, Offload, Recompute
 from tidal.planner.strategies import Candidate, TrainingSpec
 
@@ -91,18 +92,11 @@ class Costed:
     unit_time_s: dict[str, float]
 
 
-def _activations(unit: Unit, cand: Candidate, mode: Recompute) -> float:
-    if mode in (Recompute.FULL, Recompute.SWAP):
-        return 0.0
-    if mode is Recompute.SELECTIVE:
+def _activations(found: Fate, cand: Candidate) -> float:
+    """What a unit keeps on the device between its forward and backward, by its fate."""
+    if found is Fate.SELECTIVE:
         return cand.selective_activations
-    return cand.memory.activations
-
-
-def _recompute_s(unit: Unit, cand: Candidate, mode: Recompute) -> float:
-    if mode is Recompute.FULL or (mode is Recompute.SELECTIVE and unit.kind == "attention"):
-        return cand.forward_s
-    return 0.0
+    return cand.memory.activations if found is Fate.KEPT else 0.0
 
 
 def evaluate(
@@ -121,31 +115,34 @@ def evaluate(
         cand = choice[unit.name]
         block = graph.block_of(unit)
         mode = assignment.recompute.get(block, Recompute.NONE) if block else Recompute.NONE
+        # [Note: savers per tensor class] in block_savers.py
+        found = Fate.KEPT if block is None else fate(graph, unit, mode)
         mine = MemoryBreakdown(
             params=cand.memory.params,
             grads=cand.memory.grads,
             optimizer=cand.memory.optimizer,
-            activations=held * _activations(unit, cand, mode),
+            activations=held * _activations(found, cand),
             transient=cand.memory.transient,
             redundant=cand.memory.redundant,
             host=cand.memory.host,
             nvme=cand.memory.nvme,
         )
-        if block is not None and mode is Recompute.SWAP:
-            act = cand.memory.activations
-            mine.host += held * act
-            swapped[block] = swapped.get(block, 0.0) + 2 * act
-            copy_s = 2 * act / cluster.host_link_bandwidth - cand.compute_s
+        if block is not None and mode in HOST_MODES:
+            on_host = cand.memory.activations if found is Fate.ON_HOST else 0.0
+            mine.host += held * on_host
+            swapped[block] = swapped.get(block, 0.0) + 2 * on_host
+            copy_s = 2 * on_host / cluster.host_link_bandwidth - cand.compute_s
             excess[block] = excess.get(block, 0.0) + copy_s
         unit_memory[unit.name] = mine
         for name in ("params", "grads", "optimizer", "activations", "redundant", "host", "nvme"):
             setattr(total, name, getattr(total, name) + unit.count * getattr(mine, name))
         transients.append(cand.memory.transient)
-        if block is not None and mode is Recompute.FULL:
+        if block is not None and found is Fate.RECOMPUTED:
             recomputed[block] = recomputed.get(block, 0.0) + cand.memory.activations
-        elif mode is Recompute.SELECTIVE and unit.kind == "attention":
+        elif found is Fate.SELECTIVE:
             transients.append(cand.memory.activations - cand.selective_activations)
-        per_mb = cand.compute_s + cand.comm_s + _recompute_s(unit, cand, mode)
+        again_s = cand.forward_s if found in (Fate.RECOMPUTED, Fate.SELECTIVE) else 0.0
+        per_mb = cand.compute_s + cand.comm_s + again_s
         unit_time[unit.name] = unit.count * (m * per_mb + cand.sync_s)
     for prefix, mode in assignment.recompute.items():
         if mode is Recompute.FULL:

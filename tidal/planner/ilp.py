@@ -56,6 +56,7 @@ import numpy as np
 from scipy.optimize import Bounds, LinearConstraint, milp
 from scipy.sparse import csr_array
 
+from tidal.planner.block_savers import HOST_MODES, Fate, fate
 from tidal.planner.cluster import ClusterSpec, Mesh
 from tidal.planner.cost_model import Assignment, block_input, edge_s
 from tidal.planner.measure import ModelGraph
@@ -358,6 +359,10 @@ def _constraints(rows: list, num_vars: int) -> LinearConstraint:
     return LinearConstraint(matrix, np.array(lo), np.array(hi))
 
 
+def _host_modes(modes: tuple[Recompute, ...]) -> tuple[Recompute, ...]:
+    return tuple(m for m in modes if m in HOST_MODES)
+
+
 def _add(target: dict[int, float], col: int, value: float) -> None:
     if value:
         target[col] = target.get(col, 0.0) + value
@@ -374,8 +379,8 @@ def build_problem(
 ) -> Problem:
     """The ILP of [Note: the ILP] for ``graph`` on ``mesh`` with the candidates ``options``."""
     problem = Problem(graph=graph, mesh=mesh, options=options, offload=spec.offload)
-    if any(Recompute.SWAP in modes for modes in (recompute_modes or {}).values()):
-        problem.modes = (*_MODES, Recompute.SWAP)
+    asked = {mode for modes in (recompute_modes or {}).values() for mode in modes}
+    problem.modes = (*_MODES, *(m for m in HOST_MODES if m in asked))
     for unit in graph.units:
         if not options[unit.name]:
             raise ValueError(f"unit {unit.name} has no candidate strategy on {mesh}")
@@ -403,8 +408,10 @@ def _unit_terms(problem: Problem, cluster: ClusterSpec, spec: TrainingSpec) -> N
     full_block: dict[str, dict[int, float]] = {}
     host: dict[int, float] = {}  # bytes on the host ([Note: model data offload])
     nvme: dict[int, float] = {}  # ... and on the node's disk
-    swapped: dict[str, dict[int, float]] = {}  # [Note: activations on the host]
-    excess: dict[str, dict[int, float]] = {}  # ... its copies' seconds past the compute
+    # [Note: activations on the host], by block and mode: what goes, its copies' seconds past
+    # the block's compute
+    swapped: dict[tuple[str, Recompute], dict[int, float]] = {}
+    excess: dict[tuple[str, Recompute], dict[int, float]] = {}
     # [Note: activations on a peer] in pipelines.py: a micro-batch's kept on the device, by
     kept: dict[int, float] = {}  # ... units outside the blocks and full recomputation's inputs
     lendable: dict[int, float] = {}  # ... blocks that keep what they save (runs lend those)
@@ -430,28 +437,32 @@ def _unit_terms(problem: Problem, cluster: ClusterSpec, spec: TrainingSpec) -> N
                 mode: _product(problem, x, problem.r[(block, mode)], unit.name, mode)
                 for mode in problem.modes
             }
-            _add(problem.base_row, y[Recompute.NONE], held * n * cand.memory.activations)
-            _add(problem.base_row, y[Recompute.SELECTIVE], held * n * cand.selective_activations)
-            _add(lendable, y[Recompute.NONE], n * cand.memory.activations)
-            _add(lendable, y[Recompute.SELECTIVE], n * cand.selective_activations)
-            _add(problem.time_row, y[Recompute.FULL], n * m * cand.forward_s)
-            full_block.setdefault(block, {})
-            _add(full_block[block], y[Recompute.FULL], cand.memory.activations)
-            if unit.kind == "attention":
-                _add(problem.time_row, y[Recompute.SELECTIVE], n * m * cand.forward_s)
-                extra = cand.memory.activations - cand.selective_activations
-                _add(selective_extra, y[Recompute.SELECTIVE], extra)
-            if Recompute.SWAP in y:
+            act, swaps = cand.memory.activations, _host_modes(problem.modes)
+            for mode in problem.modes:  # [Note: savers per tensor class] in block_savers.py
+                found = fate(graph, unit, mode)
+                kept_now = cand.selective_activations if found is Fate.SELECTIVE else act
+                if found in (Fate.KEPT, Fate.SELECTIVE):
+                    _add(problem.base_row, y[mode], held * n * kept_now)
+                if found in (Fate.KEPT, Fate.SELECTIVE) and mode in _MODES:
+                    _add(lendable, y[mode], n * kept_now)  # runs lend blocks that keep all
+                if found in (Fate.RECOMPUTED, Fate.SELECTIVE):
+                    _add(problem.time_row, y[mode], n * m * cand.forward_s)
+                if found is Fate.RECOMPUTED:
+                    _add(full_block.setdefault(block, {}), y[mode], act)
+                if found is Fate.SELECTIVE:
+                    _add(selective_extra, y[mode], act - cand.selective_activations)
+                if mode not in swaps:
+                    continue
                 # the excess row gives some products negative coefficients: bound them above too
-                swap = y[Recompute.SWAP]
-                problem.row(f"swap<=x[{unit.name},{k}]", {swap: 1.0, x: -1.0}, -np.inf, 0.0)
-                r = problem.r[(block, Recompute.SWAP)]
-                problem.row(f"swap<=r[{unit.name},{k}]", {swap: 1.0, r: -1.0}, -np.inf, 0.0)
-                act = cand.memory.activations
-                _add(host, y[Recompute.SWAP], held * n * act)
-                _add(swapped.setdefault(block, {}), y[Recompute.SWAP], 2 * act)
-                copy_s = 2 * act / cluster.host_link_bandwidth - cand.compute_s
-                _add(excess.setdefault(block, {}), y[Recompute.SWAP], copy_s)
+                problem.row(f"swap<=x[{unit.name},{k},{mode}]", {y[mode]: 1.0, x: -1.0},
+                            -np.inf, 0.0)  # fmt: skip
+                problem.row(f"swap<=r[{unit.name},{k},{mode}]",
+                            {y[mode]: 1.0, problem.r[(block, mode)]: -1.0}, -np.inf, 0.0)  # fmt: skip
+                on_host = act if found is Fate.ON_HOST else 0.0
+                _add(host, y[mode], held * n * on_host)
+                _add(swapped.setdefault((block, mode), {}), y[mode], 2 * on_host)
+                copy_s = 2 * on_host / cluster.host_link_bandwidth - cand.compute_s
+                _add(excess.setdefault((block, mode), {}), y[mode], copy_s)
             src, nbytes = kept_src[block]
             if unit.name == src:
                 split = cand.out_layout in (Layout.SEQ, Layout.HID)
@@ -463,13 +474,13 @@ def _unit_terms(problem: Problem, cluster: ClusterSpec, spec: TrainingSpec) -> N
             problem.transient_rows.append((f"selective[{unit.name}]", selective_extra))
     for block, coeffs in full_block.items():
         problem.transient_rows.append((f"recomputed[{block}]", coeffs))
-    for block, coeffs in swapped.items():
-        problem.transient_rows.append((f"swapped[{block}]", coeffs))
-    for block, coeffs in excess.items():
+    for (block, mode), coeffs in swapped.items():
+        problem.transient_rows.append((f"swapped[{block},{mode}]", coeffs))
+    for (block, mode), coeffs in excess.items():
         z = problem.var()
         problem.seconds.append(z)
-        problem.row(f"swap_excess[{block}]", {z: 1.0, **{c: -v for c, v in coeffs.items()}},
-                    0.0, np.inf)  # fmt: skip
+        problem.row(f"swap_excess[{block},{mode}]",
+                    {z: 1.0, **{c: -v for c, v in coeffs.items()}}, 0.0, np.inf)  # fmt: skip
         _add(problem.time_row, z, graph.blocks[block] * m)
     if spec.peer_stages:
         _lend_terms(problem, spec, {**kept, **lendable}, lendable, compute)

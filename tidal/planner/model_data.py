@@ -54,7 +54,8 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from tidal.planner.plan import ChunkBudgets, Plan, Recompute
+from tidal.planner.block_savers import HOST_MODES
+from tidal.planner.plan import ChunkBudgets, Plan
 
 __all__ = ["MODEL_DATA", "chunk_budgets", "chunk_refusal", "with_model_data"]
 
@@ -74,7 +75,7 @@ def chunk_refusal(plan: Plan, stage: Plan) -> str:
         and schedule not in SYNCHRONOUS,
         f"{', '.join(sharded[:2])} are not ZeRO-3 (a chunk stage shards all of its model "
         "data over the data axis)": stage.dp > 1 and bool(sharded),
-        "it swaps blocks to the host": Recompute.SWAP in stage.recompute.values(),
+        "it swaps blocks to the host": bool(set(HOST_MODES) & set(stage.recompute.values())),
         "it lends activations to a peer": stage.memory.lent > 0,
     }
     return "; ".join(why for why, yes in reasons.items() if yes)

@@ -46,7 +46,8 @@ __all__ = [
 # 2: pipelined plans (``pipeline``), whose choices are per kind of stage
 # 3: each kind of stage its own offload (``pipeline.stages[kind].offload``)
 # 4: an interleaved rank's stages all of its kind (``pipeline.kinds``), as the rank was priced
-# 5: a stage's model data in tidal's chunks under byte budgets (``chunks``)
+# 5: a stage's model data in tidal's chunks under byte budgets (``chunks``); blocks keeping one
+# class of what they save on the host (``swap-attention``, ``swap-mlp``, ``selective+swap-mlp``)
 PLAN_FORMAT = 5
 
 
@@ -73,12 +74,17 @@ class StrategyName(enum.StrEnum):
 
 class Recompute(enum.StrEnum):
     """What a repeated block does with the tensors its backward needs: keep them, recompute
-    them, or keep them on the host ([Note: activations on the host] in ilp.py)."""
+    them, or keep them on the host ([Note: activations on the host] in ilp.py), whole or by
+    class of tensor ([Note: savers per tensor class] in block_savers.py)."""
 
     NONE = "none"
     SELECTIVE = "selective"  # recompute the attention core only (Megatron's selective)
     FULL = "full"  # keep the block's input, recompute everything in backward
     SWAP = "swap"  # every saved tensor to the host after the forward, back for the backward
+    SWAP_ATTENTION = "swap-attention"  # the attention's saved tensors on the host, the rest kept
+    SWAP_MLP = "swap-mlp"  # the MLP's on the host, the rest kept
+    # the attention core recomputed, the MLP's on the host, the rest kept
+    SELECTIVE_SWAP_MLP = "selective+swap-mlp"
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)

@@ -137,3 +137,61 @@ def test_megatron_moves_its_activations_where_the_search_swaps() -> None:
     moved = swapping.num_configs - plain.num_configs
     assert moved > 0  # selective configurations, once more with their activations moved
     assert not any(r.config.activation_offload for r in plain.frontier)
+
+
+CLASS_MODES = (Recompute.SWAP_ATTENTION, Recompute.SWAP_MLP, Recompute.SELECTIVE_SWAP_MLP)
+
+
+@pytest.mark.parametrize("mode", CLASS_MODES)
+def test_a_class_on_the_host_is_priced_by_hand(graph: ModelGraph, mode: Recompute) -> None:
+    """[Note: savers per tensor class] in tidal/planner/block_savers.py: the class's units'
+    activations go to the host, the others stay (the attention core's selective share where
+    the mode recomputes it), and the class's copies add what the whole block's compute does
+    not cover."""
+    from tidal.planner.block_savers import unit_class
+
+    link, held = 1e8, 2.0
+    cluster = ClusterSpec(devices=8, host_link_bandwidth=link)
+    choice, spec, kept = _priced(graph, cluster, Recompute.NONE, held)
+    _, _, priced = _priced(graph, cluster, mode, held)
+    inside = [u for u in graph.units if graph.block_of(u) == "blocks.*"]
+    assert {unit_class(graph, u) for u in inside} == {"attention", "mlp", "rest"}
+    moved = "attention" if mode is Recompute.SWAP_ATTENTION else "mlp"
+    blocks = graph.blocks["blocks.*"]
+    act = {u.name: choice[u.name].memory.activations for u in inside}
+    on_host = sum(act[u.name] for u in inside if unit_class(graph, u) == moved)
+    core = next(u for u in inside if u.kind == "attention")
+    recomputed = mode is Recompute.SELECTIVE_SWAP_MLP
+    saved = act[core.name] - choice[core.name].selective_activations if recomputed else 0.0
+    assert priced.memory.host == pytest.approx(held * blocks * on_host) and on_host > 0
+    assert kept.memory.activations - priced.memory.activations == pytest.approx(
+        held * blocks * (on_host + saved)
+    )
+    compute = sum(choice[u.name].compute_s for u in inside)
+    added = blocks * spec.slots * max(0.0, 2 * on_host / link - compute)
+    again = blocks * spec.slots * choice[core.name].forward_s if recomputed else 0.0
+    assert priced.step_time_s - kept.step_time_s == pytest.approx(added + again, abs=1e-12)
+    assert added > 0  # the slow link shows
+
+
+def test_the_search_keeps_one_class_on_the_host_where_that_is_the_fastest_fit(
+    graph: ModelGraph,
+) -> None:
+    """Where the block's compute hides the MLP's copies but not the whole block's, at a device
+    between what keeping the MLP's activations on the host and keeping nothing there need, one
+    class goes to the host: faster than every whole-block mode that fits; the solver's figures
+    are the cost model's."""
+    config = dataclasses.replace(FLAT, objective="time", tp=2)
+    cluster = ClusterSpec(devices=8, device_memory_bytes=int(15.3 * MiB),
+                          host_link_bandwidth=3e11)  # fmt: skip
+    whole = dataclasses.replace(config, recompute=(*FLAT.recompute, Recompute.SWAP))
+    by_class = dataclasses.replace(whole, recompute=(*whole.recompute, *CLASS_MODES))
+    found = make_plan(graph, cluster, by_class)
+    assert found.plan.recompute["blocks.*"] in CLASS_MODES
+    assert found.plan.step_time_s < make_plan(graph, cluster, whole).plan.step_time_s
+    assert found.plan.memory.host > 0 and found.plan.peak_memory_bytes <= 15.3 * MiB
+    assignment = found.solution.assignment
+    assert assignment is not None
+    again = evaluate(graph, assignment, cluster, _spec(graph, assignment.mesh, by_class, 8))
+    assert again.step_time_s == pytest.approx(found.plan.step_time_s, rel=1e-9)
+    assert again.memory.total == pytest.approx(found.plan.peak_memory_bytes, rel=1e-9)
