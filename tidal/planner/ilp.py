@@ -56,11 +56,12 @@ import numpy as np
 from scipy.optimize import Bounds, LinearConstraint, milp
 from scipy.sparse import csr_array
 
-from tidal.planner.block_savers import HOST_MODES, Fate, fate
+from tidal.planner.block_savers import HOST_MODES
 from tidal.planner.cluster import ClusterSpec, Mesh
 from tidal.planner.cost_model import Assignment, block_input, edge_s
+from tidal.planner.ilp_blocks import GiB, Sums, _add, block_rows, block_unit_terms, lend_terms
 from tidal.planner.measure import ModelGraph
-from tidal.planner.plan import NO_OFFLOAD, Layout, Offload, Recompute
+from tidal.planner.plan import NO_OFFLOAD, Offload, Recompute
 from tidal.planner.strategies import Candidate, TrainingSpec
 from tidal.planner.wiring import code_to_code
 
@@ -72,7 +73,6 @@ R = TypeVar("R")
 _MODES = (Recompute.NONE, Recompute.SELECTIVE, Recompute.FULL)
 _TIE = 1e-4
 MIP_REL_GAP = 1e-4  # HiGHS stops within this relative gap of its bound
-GiB = 1024**3
 
 
 @dataclass(kw_only=True, slots=True)
@@ -359,15 +359,6 @@ def _constraints(rows: list, num_vars: int) -> LinearConstraint:
     return LinearConstraint(matrix, np.array(lo), np.array(hi))
 
 
-def _host_modes(modes: tuple[Recompute, ...]) -> tuple[Recompute, ...]:
-    return tuple(m for m in modes if m in HOST_MODES)
-
-
-def _add(target: dict[int, float], col: int, value: float) -> None:
-    if value:
-        target[col] = target.get(col, 0.0) + value
-
-
 def build_problem(
     graph: ModelGraph,
     mesh: Mesh,
@@ -405,17 +396,7 @@ def build_problem(
 
 def _unit_terms(problem: Problem, cluster: ClusterSpec, spec: TrainingSpec) -> None:
     graph, m, held = problem.graph, spec.slots, spec.in_flight
-    full_block: dict[str, dict[int, float]] = {}
-    host: dict[int, float] = {}  # bytes on the host ([Note: model data offload])
-    nvme: dict[int, float] = {}  # ... and on the node's disk
-    # [Note: activations on the host], by block and mode: what goes, its copies' seconds past
-    # the block's compute
-    swapped: dict[tuple[str, Recompute], dict[int, float]] = {}
-    excess: dict[tuple[str, Recompute], dict[int, float]] = {}
-    # [Note: activations on a peer] in pipelines.py: a micro-batch's kept on the device, by
-    kept: dict[int, float] = {}  # ... units outside the blocks and full recomputation's inputs
-    lendable: dict[int, float] = {}  # ... blocks that keep what they save (runs lend those)
-    compute: dict[int, float] = {}  # ... and its compute seconds
+    sums = Sums()
     kept_src = {prefix: block_input(graph, prefix) for prefix in graph.blocks}
     for unit in graph.units:
         block, n = graph.block_of(unit), unit.count
@@ -424,98 +405,27 @@ def _unit_terms(problem: Problem, cluster: ClusterSpec, spec: TrainingSpec) -> N
         for k, cand in enumerate(problem.options[unit.name]):
             x = problem.x[(unit.name, k)]
             _add(problem.base_row, x, n * cand.memory.resident)
-            _add(compute, x, n * cand.compute_s)
+            _add(sums.compute, x, n * cand.compute_s)
             _add(problem.time_row, x, n * (m * (cand.compute_s + cand.comm_s) + cand.sync_s))
             _add(transient, x, cand.memory.transient)
-            _add(host, x, n * cand.memory.host)
-            _add(nvme, x, n * cand.memory.nvme)
+            _add(sums.host, x, n * cand.memory.host)
+            _add(sums.nvme, x, n * cand.memory.nvme)
             if block is None:
                 _add(problem.base_row, x, held * n * cand.memory.activations)
-                _add(kept, x, n * cand.memory.activations)
+                _add(sums.kept, x, n * cand.memory.activations)
                 continue
-            y = {
-                mode: _product(problem, x, problem.r[(block, mode)], unit.name, mode)
-                for mode in problem.modes
-            }
-            act, swaps = cand.memory.activations, _host_modes(problem.modes)
-            for mode in problem.modes:  # [Note: savers per tensor class] in block_savers.py
-                found = fate(graph, unit, mode)
-                kept_now = cand.selective_activations if found is Fate.SELECTIVE else act
-                if found in (Fate.KEPT, Fate.SELECTIVE):
-                    _add(problem.base_row, y[mode], held * n * kept_now)
-                if found in (Fate.KEPT, Fate.SELECTIVE) and mode in _MODES:
-                    _add(lendable, y[mode], n * kept_now)  # runs lend blocks that keep all
-                if found in (Fate.RECOMPUTED, Fate.SELECTIVE):
-                    _add(problem.time_row, y[mode], n * m * cand.forward_s)
-                if found is Fate.RECOMPUTED:
-                    _add(full_block.setdefault(block, {}), y[mode], act)
-                if found is Fate.SELECTIVE:
-                    _add(selective_extra, y[mode], act - cand.selective_activations)
-                if mode not in swaps:
-                    continue
-                # the excess row gives some products negative coefficients: bound them above too
-                problem.row(f"swap<=x[{unit.name},{k},{mode}]", {y[mode]: 1.0, x: -1.0},
-                            -np.inf, 0.0)  # fmt: skip
-                problem.row(f"swap<=r[{unit.name},{k},{mode}]",
-                            {y[mode]: 1.0, problem.r[(block, mode)]: -1.0}, -np.inf, 0.0)  # fmt: skip
-                on_host = act if found is Fate.ON_HOST else 0.0
-                _add(host, y[mode], held * n * on_host)
-                _add(swapped.setdefault((block, mode), {}), y[mode], 2 * on_host)
-                copy_s = 2 * on_host / cluster.host_link_bandwidth - cand.compute_s
-                _add(excess.setdefault((block, mode), {}), y[mode], copy_s)
-            src, nbytes = kept_src[block]
-            if unit.name == src:
-                split = cand.out_layout in (Layout.SEQ, Layout.HID)
-                kept_in = nbytes / (problem.mesh.tp if split else 1)
-                _add(problem.base_row, y[Recompute.FULL], held * graph.blocks[block] * kept_in)
-                _add(kept, y[Recompute.FULL], graph.blocks[block] * kept_in)
+            block_unit_terms(problem, cluster, spec, sums, unit=unit, k=k, x=x, block=block,
+                             kept_src=kept_src[block], selective_extra=selective_extra)  # fmt: skip
         problem.transient_rows.append((unit.name, transient))
         if selective_extra:
             problem.transient_rows.append((f"selective[{unit.name}]", selective_extra))
-    for block, coeffs in full_block.items():
-        problem.transient_rows.append((f"recomputed[{block}]", coeffs))
-    for (block, mode), coeffs in swapped.items():
-        problem.transient_rows.append((f"swapped[{block},{mode}]", coeffs))
-    for (block, mode), coeffs in excess.items():
-        z = problem.var()
-        problem.seconds.append(z)
-        problem.row(f"swap_excess[{block},{mode}]",
-                    {z: 1.0, **{c: -v for c, v in coeffs.items()}}, 0.0, np.inf)  # fmt: skip
-        _add(problem.time_row, z, graph.blocks[block] * m)
+    block_rows(problem, spec, sums)
     if spec.peer_stages:
-        _lend_terms(problem, spec, {**kept, **lendable}, lendable, compute)
-    if host:  # the node's devices together within its host memory
-        problem.row("host_memory", host, 0.0, cluster.host_bytes_per_device)
-    if nvme:  # ... and its disk (none: a plan that puts bytes there is infeasible)
-        problem.row("nvme", nvme, 0.0, cluster.nvme_bytes_per_device)
-
-
-def _lend_terms(problem: Problem, spec: TrainingSpec, kept: dict[int, float], lendable: dict[int, float], compute: dict[int, float]) -> None:  # fmt: skip
-    """[Note: activations on a peer] in pipelines.py, of what its blocks keep."""
-    lend = problem.lend = problem.var()  # GiB a micro-batch: bytes would upset HiGHS
-    problem.seconds.append(lend)
-    held, p, blocks = spec.in_flight, spec.peer_stages, sum(problem.graph.blocks.values())
-    _add(problem.base_row, lend, -held * GiB)
-    problem.row("lent<=lendable", {**{c: v / GiB for c, v in lendable.items()}, lend: -1.0}, 0.0, np.inf)  # fmt: skip
-    problem.transient_rows.append(("lent_coming_back", {lend: 2 * GiB / blocks}))
-    z = problem.var()  # the copies' seconds a micro-batch past the stage's compute
-    problem.seconds.append(z)
-    problem.row("lend_excess", {z: 1.0, lend: -2 * GiB / spec.peer_bandwidth, **compute},
-                0.0, np.inf)  # fmt: skip
-    _add(problem.time_row, z, spec.slots)
-    problem.lent_row = {lend: held * GiB}
-    for s in sorted({1, p - 2}) if p >= 3 else ():
-        # f(s) (a - l) + f(p - 1 - s) l against f(0) (a - l): f(s) = f(0) - s step
-        fewer = s * spec.in_flight_step
-        shift = {c: -fewer * v for c, v in kept.items()}
-        shift[lend] = (2 * fewer + spec.mirror_in_flight) * GiB
-        problem.base_shifts.append((f"[stage {s}]", shift))
-
-
-def _product(problem: Problem, x: int, r: int, name: str, mode: Recompute) -> int:
-    y = problem.var()
-    problem.row(f"product[{name},{mode}]", {y: 1.0, x: -1.0, r: -1.0}, -1.0, np.inf)
-    return y
+        lend_terms(problem, spec, {**sums.kept, **sums.lendable}, sums.lendable, sums.compute)
+    if sums.host:  # the node's devices together within its host memory
+        problem.row("host_memory", sums.host, 0.0, cluster.host_bytes_per_device)
+    if sums.nvme:  # ... and its disk (none: a plan that puts bytes there is infeasible)
+        problem.row("nvme", sums.nvme, 0.0, cluster.nvme_bytes_per_device)
 
 
 def _edge_terms(problem: Problem, cluster: ClusterSpec, spec: TrainingSpec) -> None:

@@ -348,12 +348,10 @@ class PipelinePart:
         self.lr = lr_schedule(job.optimizer, training)
         self.engine = pipeline(stages, config=pipe, optimizer=job.optimizer, training=training,
                                block_ranges=self.ranges, num_microbatches=job.num_microbatches,
-                               device=device, mesh=self.mesh,
-                               lending=self.memory.lending,
+                               device=device, mesh=self.mesh, lending=self.memory.lending,
                                chunks=chunk_stage_config(job, device) if plan is None
                                else plan_chunks(plan, job, pp_rank=pp_rank, device=device),
-                               fsdp2=job.parallel.fsdp2,
-                               fsdp2_offload=job.parallel.fsdp2_offload,
+                               fsdp2=job.parallel.fsdp2, fsdp2_offload=job.parallel.fsdp2_offload,
                                torch_optimizer=torch_optimizer,
                                planned=plan is not None,
                                host_optimizer=None if plan is None

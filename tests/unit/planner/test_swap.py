@@ -13,7 +13,7 @@ from tidal.planner import ClusterSpec, Infeasible, Mesh, PlannerConfig, Recomput
 from tidal.planner.check import check_plan
 from tidal.planner.cost_model import Assignment, evaluate
 from tidal.planner.graph import ModelGraph
-from tidal.planner.search import _problem, _spec
+from tidal.planner.search import PlanResult, _problem, _spec
 
 FLAT = PlannerConfig(pareto=(), baselines=(), pipelines=False)
 WITH_SWAP = dataclasses.replace(FLAT, recompute=(*FLAT.recompute, Recompute.SWAP))
@@ -28,6 +28,16 @@ def _priced(graph: ModelGraph, cluster: ClusterSpec, mode: Recompute, in_flight:
     choice = {u.name: options[u.name][0] for u in graph.units}
     assignment = Assignment(mesh=mesh, choice=choice, recompute={"blocks.*": mode})
     return choice, spec, evaluate(graph, assignment, cluster, spec)
+
+
+def _as_the_cost_model_prices(graph: ModelGraph, cluster: ClusterSpec, config: PlannerConfig,
+                              found: PlanResult) -> None:  # fmt: skip
+    """The solver's figures for its plan are the cost model's."""
+    assignment = found.solution.assignment
+    assert assignment is not None
+    again = evaluate(graph, assignment, cluster, _spec(graph, assignment.mesh, config, 8))
+    assert again.step_time_s == pytest.approx(found.plan.step_time_s, rel=1e-6)
+    assert again.memory.total == pytest.approx(found.plan.peak_memory_bytes, rel=1e-6)
 
 
 @pytest.mark.parametrize("link", [1e14, 1e8])
@@ -67,12 +77,7 @@ def test_a_fast_host_link_makes_swap_the_fastest_plan_that_fits(graph: ModelGrap
     assert swap.plan.recompute["blocks.*"] is Recompute.SWAP
     assert swap.plan.step_time_s < no_swap.plan.step_time_s
     assert swap.plan.memory.host > 0 and swap.plan.peak_memory_bytes <= 8 * MiB
-    # the solver's figures are the cost model's
-    assignment = swap.solution.assignment
-    assert assignment is not None
-    again = evaluate(graph, assignment, fast, _spec(graph, assignment.mesh, WITH_SWAP, 8))
-    assert again.step_time_s == pytest.approx(swap.plan.step_time_s, rel=1e-6)
-    assert again.memory.total == pytest.approx(swap.plan.peak_memory_bytes, rel=1e-6)
+    _as_the_cost_model_prices(graph, fast, WITH_SWAP, swap)
     slow = dataclasses.replace(fast, host_link_bandwidth=1e6)
     plan = make_plan(graph, slow, dataclasses.replace(WITH_SWAP, objective="time")).plan
     assert plan.recompute["blocks.*"] is not Recompute.SWAP
@@ -190,8 +195,4 @@ def test_the_search_keeps_one_class_on_the_host_where_that_is_the_fastest_fit(
     assert found.plan.recompute["blocks.*"] in CLASS_MODES
     assert found.plan.step_time_s < make_plan(graph, cluster, whole).plan.step_time_s
     assert found.plan.memory.host > 0 and found.plan.peak_memory_bytes <= 15.3 * MiB
-    assignment = found.solution.assignment
-    assert assignment is not None
-    again = evaluate(graph, assignment, cluster, _spec(graph, assignment.mesh, by_class, 8))
-    assert again.step_time_s == pytest.approx(found.plan.step_time_s, rel=1e-9)
-    assert again.memory.total == pytest.approx(found.plan.peak_memory_bytes, rel=1e-9)
+    _as_the_cost_model_prices(graph, cluster, by_class, found)
