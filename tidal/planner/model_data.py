@@ -16,16 +16,15 @@ Two transforms carry those bytes out:
   PatrickStar's device-aware placement), ZeRO-3 over the stage's data axis, NVMe through the
   sharded optimizer's tier.
 
-A chunk stage's budgets are the plan's figures, not a re-reading of them: the device's is the
+A chunk stage's budget is the plan's figure, not a re-reading of it: the device's is the
 stage's predicted peak (the store's budget covers its chunks, gradients, optimizer state and
 the activations it meters, as the prediction does), of which the predicted activations are set
 aside for the activations at most (``memory.non_model_budget``: the chunks always get the rest,
 the plan's model data on the device and its transient gathers; activations the cost model
 undercounted go over the budget, and show as ``non_model_over_budget_bytes``, rather than fail
-a plan that FSDP2 would run), the host's what the plan keeps there when part of it goes on to
-NVMe (the store sends what does not fit to the disk, the optimizer state first), unbounded
-otherwise. The same bytes are priced either way: the store keeps on the
-device what the budget lets it, which is what the fractions leave there, at a chunk's
+a plan that FSDP2 would run). The host holds the rest, unbounded (the plan prices it against the
+host's memory). The same bytes are priced either way: the store keeps on the device what the
+budget lets it, which is what the fractions leave there, at a chunk's
 granularity instead of a group's. So the choice does not move the search's figures, and
 :func:`with_model_data` makes it after the search, per kind of stage:
 
@@ -45,8 +44,11 @@ Chunks hold a stage only where their runtime does what the plan says: one tensor
 take plain parameters, not DTensors), every unit with model data ZeRO-3 when the data axis has
 several ranks (a chunk stage shards all of it), a synchronous schedule (chunks hold one weight
 version), no block swapped to the host (the swap would copy the parameters' chunk views that
-autograd saves) and nothing lent to a peer (the lending packs what the blocks save, chunk
-views included). ``check_plan`` refuses a hand-made plan that asks for more, in one line.
+autograd saves), nothing lent to a peer (the lending packs what the blocks save, chunk views
+included) and nothing on NVMe: the chunks' disk tier takes what does not fit a host budget,
+and besides the shards it stages several chunks in host memory, which the plan does not price
+(on the tiny GPT more than its whole host figure), so such stages stay FSDP2's, whose host
+optimizer keeps any share on the disk. ``check_plan`` refuses a hand-made plan that asks for more, in one line.
 """
 
 from __future__ import annotations
@@ -77,6 +79,7 @@ def chunk_refusal(plan: Plan, stage: Plan) -> str:
         "data over the data axis)": stage.dp > 1 and bool(sharded),
         "it swaps blocks to the host": bool(set(HOST_MODES) & set(stage.recompute.values())),
         "it lends activations to a peer": stage.memory.lent > 0,
+        "it keeps optimizer state on NVMe": stage.memory.nvme > 0 or stage.offload.nvme > 0,
     }
     return "; ".join(why for why, yes in reasons.items() if yes)
 
@@ -85,11 +88,8 @@ def chunk_budgets(stage: Plan) -> ChunkBudgets:
     """The budgets that carry out ``stage``'s figures in chunks ([Note: chunk stages in
     plans])."""
     memory = stage.memory
-    disk = math.ceil(memory.nvme)
     return ChunkBudgets(device_bytes=math.ceil(memory.total),
-                        activation_bytes=math.floor(memory.activations),
-                        host_bytes=math.ceil(memory.host) if disk else None,
-                        nvme_bytes=disk)  # fmt: skip
+                        activation_bytes=math.floor(memory.activations))  # fmt: skip
 
 
 def with_model_data(plan: Plan, mode: str) -> Plan:

@@ -147,49 +147,35 @@ NO_OFFLOAD = Offload()
 
 @dataclass(kw_only=True, frozen=True, slots=True)
 class ChunkBudgets:
-    """A stage whose model data lives in tidal's chunks, and the budgets of each of its devices
+    """A stage whose model data lives in tidal's chunks, and the budget of each of its devices
     ([Note: chunk stages in plans] in tidal/planner/model_data.py). ``device_bytes``: the chunk
     store's, its chunks, gradients and optimizer state on the device and its activations (the
     stage's predicted peak), of which ``activation_bytes`` are set aside for the activations at
-    most (the chunks always get the rest); ``host_bytes``: the host tier's (None: what the host
-    holds is not bounded, where nothing goes on to NVMe); ``nvme_bytes``: what the plan keeps on
-    the node's NVMe (0: no disk)."""
+    most (the chunks always get the rest). The host holds the rest of the model data, as the
+    plan prices it against the host's memory."""
 
     device_bytes: int
     activation_bytes: int = 0
-    host_bytes: int | None = None
-    nvme_bytes: int = 0
 
     def __post_init__(self) -> None:
         require(self.device_bytes > 0, "chunks.device_bytes",
                 f"must be > 0, got {self.device_bytes}")  # fmt: skip
-        require(self.host_bytes is None or self.host_bytes >= 0, "chunks.host_bytes",
-                f"must be >= 0 or null, got {self.host_bytes}")  # fmt: skip
-        require(self.nvme_bytes >= 0, "chunks.nvme_bytes", f"must be >= 0, got {self.nvme_bytes}")
         require(0 <= self.activation_bytes < self.device_bytes, "chunks.activation_bytes",
                 f"must be in [0, device_bytes), got {self.activation_bytes}")  # fmt: skip
 
     def describe(self) -> str:
-        """``"tidal chunks, 40.0 MiB a device"``, and the host's and disk's where bounded."""
-        parts = [f"tidal chunks, {self.device_bytes / 2**20:.1f} MiB a device"]
-        if self.host_bytes is not None:
-            parts.append(f"{self.host_bytes / 2**20:.1f} MiB of host")
-        if self.nvme_bytes:
-            parts.append(f"{self.nvme_bytes / 2**20:.1f} MiB on NVMe")
-        return ", ".join(parts)
+        """``"tidal chunks, 40.0 MiB a device"``."""
+        return f"tidal chunks, {self.device_bytes / 2**20:.1f} MiB a device"
 
-    def to_dict(self) -> dict[str, int | None]:
+    def to_dict(self) -> dict[str, int]:
         return dataclasses.asdict(self)
 
     @classmethod
     def from_json(cls, data: dict[str, Any] | None) -> ChunkBudgets | None:
         if data is None:
             return None
-        host = data.get("host_bytes")
         return cls(device_bytes=int(data["device_bytes"]),
-                   activation_bytes=int(data.get("activation_bytes", 0)),
-                   host_bytes=None if host is None else int(host),
-                   nvme_bytes=int(data.get("nvme_bytes", 0)))  # fmt: skip
+                   activation_bytes=int(data.get("activation_bytes", 0)))  # fmt: skip
 
 
 @dataclass(kw_only=True, slots=True)

@@ -37,7 +37,6 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from tidal.config import require
 from tidal.distributed import rank
 from tidal.memory.materialize import materialize
 from tidal.models import spec_for
@@ -111,21 +110,15 @@ def plan_host_optimizer(plan: Plan, job: JobConfig, *, pp_rank: int) -> HostOpti
 def plan_chunks(plan: Plan, job: JobConfig, *, pp_rank: int,
                 device: torch.device) -> ChunkStageConfig | None:  # fmt: skip
     """How pipeline rank ``pp_rank``'s stages hold their model data in tidal's chunks, under
-    the plan's budgets and the job's chunk and sharding settings ([Note: chunk stages in plans]
-    in tidal/planner/model_data.py); None where FSDP2 holds it. Raises naming
-    ``memory.nvme_dir`` where the rank needs a disk and the job names none."""
+    the plan's budget and the job's chunk and sharding settings ([Note: chunk stages in plans]
+    in tidal/planner/model_data.py); None where FSDP2 holds it."""
     from tidal.parallel.chunk_stage import ChunkStageConfig
     from tidal.parallel.config import MemoryConfig
 
     budgets = plan.rank_chunks(pp_rank)
     if budgets is None:
         return None
-    nvme_dir = job.memory.nvme_dir if budgets.nvme_bytes else None
-    require(not budgets.nvme_bytes or nvme_dir is not None, "memory.nvme_dir",
-            f"the plan keeps {budgets.nvme_bytes / 2**20:.1f} MiB of a device's optimizer state "
-            f"on NVMe; name a directory on a fast disk (--set memory.nvme_dir=/path)")  # fmt: skip
-    memory = MemoryConfig(device_budget=budgets.device_bytes, host_budget=budgets.host_bytes,
-                          nvme_dir=nvme_dir,
+    memory = MemoryConfig(device_budget=budgets.device_bytes,
                           non_model_budget=budgets.activation_bytes or None)  # fmt: skip
     return ChunkStageConfig(optimizer=job.optimizer, memory=memory, chunk=job.chunk,
                             precision=job.training.precision, device=str(device),

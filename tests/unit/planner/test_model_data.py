@@ -70,17 +70,17 @@ def test_chunks_hold_only_the_stages_their_runtime_can(tiny) -> None:
     assert "pipemare" in chunk_refusal(pipemare, stage)
 
 
-def test_nvme_budgets_bound_the_host_and_name_the_disk(tiny) -> None:
+def test_a_stage_with_optimizer_state_on_nvme_stays_fsdp2s(tiny) -> None:
+    """The chunks' disk tier stages chunks in host memory the plan does not price, so a stage
+    keeping state on NVMe stays FSDP2's (its host optimizer keeps the disk's share), named."""
     plan = _plan(tiny, devices=1, pp=1, offload=(1.0,), offload_params=(1.0,),
-                 offload_nvme=(0.5,), model_data="auto")  # fmt: skip
-    memory = plan.memory
-    assert memory.nvme > 0
-    assert chunk_budgets(plan) == ChunkBudgets(device_bytes=math.ceil(memory.total),
-                                               activation_bytes=math.floor(memory.activations),
-                                               host_bytes=math.ceil(memory.host),
-                                               nvme_bytes=math.ceil(memory.nvme))  # fmt: skip
-    assert plan.chunks == chunk_budgets(plan)
-    assert "on NVMe" in plan.chunks.describe()
+                 offload_nvme=(0.5,), model_data="chunks")  # fmt: skip
+    assert plan.memory.nvme > 0 and plan.chunks is None
+    assert "on NVMe" in chunk_refusal(plan, plan)
+    on_host = _plan(tiny, devices=1, pp=1, offload=(1.0,), offload_params=(1.0,),
+                    model_data="auto")  # fmt: skip
+    assert on_host.chunks == chunk_budgets(on_host) and on_host.chunks is not None
+    assert on_host.chunks.device_bytes == math.ceil(on_host.memory.total)
 
 
 def test_the_budgets_round_trip_and_a_hand_made_plan_is_refused_in_one_line(tiny, tmp_path) -> None:
