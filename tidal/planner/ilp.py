@@ -59,7 +59,8 @@ from scipy.sparse import csr_array
 from tidal.planner.block_savers import HOST_MODES
 from tidal.planner.cluster import ClusterSpec, Mesh
 from tidal.planner.cost_model import Assignment, block_input, edge_s
-from tidal.planner.ilp_blocks import GiB, Sums, _add, block_rows, block_unit_terms, lend_terms
+from tidal.planner.ilp_blocks import GiB, Sums, block_rows, block_unit_terms, lend_terms
+from tidal.planner.ilp_blocks import add as _add
 from tidal.planner.measure import ModelGraph
 from tidal.planner.plan import NO_OFFLOAD, Offload, Recompute
 from tidal.planner.strategies import Candidate, TrainingSpec

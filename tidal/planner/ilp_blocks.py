@@ -7,7 +7,7 @@ prices the same fates unit by unit (cost_model.evaluate)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
@@ -15,12 +15,33 @@ from tidal.planner.block_savers import HOST_MODES, Fate, fate
 from tidal.planner.plan import Layout, Recompute
 
 if TYPE_CHECKING:
-    from tidal.planner.cluster import ClusterSpec
-    from tidal.planner.graph import Unit
-    from tidal.planner.ilp import Problem
-    from tidal.planner.strategies import TrainingSpec
+    from tidal.planner.cluster import ClusterSpec, Mesh
+    from tidal.planner.graph import ModelGraph, Unit
+    from tidal.planner.strategies import Candidate, TrainingSpec
 
-__all__ = ["GiB", "Sums", "block_rows", "block_unit_terms", "lend_terms"]
+__all__ = ["GiB", "Sums", "add", "block_rows", "block_unit_terms", "lend_terms"]
+
+
+class Problem(Protocol):
+    """The ILP as these terms write it (ilp.Problem)."""
+
+    graph: ModelGraph
+    mesh: Mesh
+    options: dict[str, list[Candidate]]
+    modes: tuple[Recompute, ...]
+    r: dict[tuple[str, Recompute], int]
+    base_row: dict[int, float]
+    time_row: dict[int, float]
+    seconds: list[int]
+    transient_rows: list[tuple[str, dict[int, float]]]
+    lend: int | None
+    lent_row: dict[int, float]
+    base_shifts: list[tuple[str, dict[int, float]]]
+
+    def var(self, integer: bool = False) -> int: ...
+
+    def row(self, name: str, coeffs: dict[int, float], lo: float, hi: float) -> None: ...
+
 
 GiB = 1024**3
 # the modes whose blocks keep all they save, which plan runs lend from ([Note: lending in plan
@@ -59,15 +80,15 @@ def block_unit_terms(problem: Problem, cluster: ClusterSpec, spec: TrainingSpec,
         found = fate(graph, unit, mode)
         kept_now = cand.selective_activations if found is Fate.SELECTIVE else act
         if found in (Fate.KEPT, Fate.SELECTIVE):
-            _add(problem.base_row, y[mode], held * n * kept_now)
+            add(problem.base_row, y[mode], held * n * kept_now)
         if found in (Fate.KEPT, Fate.SELECTIVE) and mode in _KEEPING:
-            _add(sums.lendable, y[mode], n * kept_now)
+            add(sums.lendable, y[mode], n * kept_now)
         if found in (Fate.RECOMPUTED, Fate.SELECTIVE):
-            _add(problem.time_row, y[mode], n * m * cand.forward_s)
+            add(problem.time_row, y[mode], n * m * cand.forward_s)
         if found is Fate.RECOMPUTED:
-            _add(sums.full_block.setdefault(block, {}), y[mode], act)
+            add(sums.full_block.setdefault(block, {}), y[mode], act)
         if found is Fate.SELECTIVE:
-            _add(selective_extra, y[mode], act - cand.selective_activations)
+            add(selective_extra, y[mode], act - cand.selective_activations)
         if mode not in HOST_MODES:
             continue
         # the excess row gives some products negative coefficients: bound them above too
@@ -75,16 +96,16 @@ def block_unit_terms(problem: Problem, cluster: ClusterSpec, spec: TrainingSpec,
         problem.row(f"swap<=r[{unit.name},{k},{mode}]",
                     {y[mode]: 1.0, problem.r[(block, mode)]: -1.0}, -np.inf, 0.0)  # fmt: skip
         on_host = act if found is Fate.ON_HOST else 0.0
-        _add(sums.host, y[mode], held * n * on_host)
-        _add(sums.swapped.setdefault((block, mode), {}), y[mode], 2 * on_host)
+        add(sums.host, y[mode], held * n * on_host)
+        add(sums.swapped.setdefault((block, mode), {}), y[mode], 2 * on_host)
         copy_s = 2 * on_host / cluster.host_link_bandwidth - cand.compute_s
-        _add(sums.excess.setdefault((block, mode), {}), y[mode], copy_s)
+        add(sums.excess.setdefault((block, mode), {}), y[mode], copy_s)
     src, nbytes = kept_src
     if unit.name == src:  # a full recomputation keeps the block's input
         split = cand.out_layout in (Layout.SEQ, Layout.HID)
         kept_in = nbytes / (problem.mesh.tp if split else 1)
-        _add(problem.base_row, y[Recompute.FULL], held * graph.blocks[block] * kept_in)
-        _add(sums.kept, y[Recompute.FULL], graph.blocks[block] * kept_in)
+        add(problem.base_row, y[Recompute.FULL], held * graph.blocks[block] * kept_in)
+        add(sums.kept, y[Recompute.FULL], graph.blocks[block] * kept_in)
 
 
 def block_rows(problem: Problem, spec: TrainingSpec, sums: Sums) -> None:
@@ -98,7 +119,7 @@ def block_rows(problem: Problem, spec: TrainingSpec, sums: Sums) -> None:
         problem.seconds.append(z)
         problem.row(f"swap_excess[{block},{mode}]",
                     {z: 1.0, **{c: -v for c, v in coeffs.items()}}, 0.0, np.inf)  # fmt: skip
-        _add(problem.time_row, z, problem.graph.blocks[block] * spec.slots)
+        add(problem.time_row, z, problem.graph.blocks[block] * spec.slots)
 
 
 def lend_terms(problem: Problem, spec: TrainingSpec, kept: dict[int, float], lendable: dict[int, float], compute: dict[int, float]) -> None:  # fmt: skip
@@ -106,14 +127,14 @@ def lend_terms(problem: Problem, spec: TrainingSpec, kept: dict[int, float], len
     lend = problem.lend = problem.var()  # GiB a micro-batch: bytes would upset HiGHS
     problem.seconds.append(lend)
     held, p, blocks = spec.in_flight, spec.peer_stages, sum(problem.graph.blocks.values())
-    _add(problem.base_row, lend, -held * GiB)
+    add(problem.base_row, lend, -held * GiB)
     problem.row("lent<=lendable", {**{c: v / GiB for c, v in lendable.items()}, lend: -1.0}, 0.0, np.inf)  # fmt: skip
     problem.transient_rows.append(("lent_coming_back", {lend: 2 * GiB / blocks}))
     z = problem.var()  # the copies' seconds a micro-batch past the stage's compute
     problem.seconds.append(z)
     problem.row("lend_excess", {z: 1.0, lend: -2 * GiB / spec.peer_bandwidth, **compute},
                 0.0, np.inf)  # fmt: skip
-    _add(problem.time_row, z, spec.slots)
+    add(problem.time_row, z, spec.slots)
     problem.lent_row = {lend: held * GiB}
     for s in sorted({1, p - 2}) if p >= 3 else ():
         # f(s) (a - l) + f(p - 1 - s) l against f(0) (a - l): f(s) = f(0) - s step
@@ -129,6 +150,7 @@ def _product(problem: Problem, x: int, r: int, name: str, mode: Recompute) -> in
     return y
 
 
-def _add(target: dict[int, float], col: int, value: float) -> None:
+def add(target: dict[int, float], col: int, value: float) -> None:
+    """``value`` more on column ``col`` of ``target``: a row's coefficients, or a sum's."""
     if value:
         target[col] = target.get(col, 0.0) + value
