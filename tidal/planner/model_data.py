@@ -13,8 +13,7 @@ Two transforms carry those bytes out:
 - tidal's chunks ([Note: chunk stages] in tidal/parallel/chunk_stage.py): the stage's model
   data in chunks under a device budget, the store placing chunk by chunk along the warm-up
   trace (Belady eviction, prefetch, the optimizer of what fits on the device updated there:
-  PatrickStar's device-aware placement), ZeRO-3 over the stage's data axis, NVMe through the
-  sharded optimizer's tier.
+  PatrickStar's device-aware placement), ZeRO-3 over the stage's data axis.
 
 A chunk stage's budget is the plan's figure, not a re-reading of it: the device's is the
 stage's predicted peak (the store's budget covers its chunks, gradients, optimizer state and
@@ -22,11 +21,11 @@ the activations it meters, as the prediction does), of which the predicted activ
 aside for the activations at most (``memory.non_model_budget``: the chunks always get the rest,
 the plan's model data on the device and its transient gathers; activations the cost model
 undercounted go over the budget, and show as ``non_model_over_budget_bytes``, rather than fail
-a plan that FSDP2 would run). The host holds the rest, unbounded (the plan prices it against the
-host's memory). The same bytes are priced either way: the store keeps on the device what the
-budget lets it, which is what the fractions leave there, at a chunk's
-granularity instead of a group's. So the choice does not move the search's figures, and
-:func:`with_model_data` makes it after the search, per kind of stage:
+a plan that FSDP2 would run). The host holds the rest, unbounded (the plan prices it against
+the host's memory). The same bytes are priced either way: the store keeps on the device what
+the budget lets it, which is what the fractions leave there, at a chunk's granularity instead
+of a group's. So the choice does not move the search's figures, and :func:`with_model_data`
+makes it after the search, per kind of stage:
 
 - ``fsdp2`` (the default): every stage FSDP2's;
 - ``chunks``: every stage chunks can hold (:func:`chunk_refusal`), the search offering units
@@ -48,7 +47,8 @@ autograd saves), nothing lent to a peer (the lending packs what the blocks save,
 included) and nothing on NVMe: the chunks' disk tier takes what does not fit a host budget,
 and besides the shards it stages several chunks in host memory, which the plan does not price
 (on the tiny GPT more than its whole host figure), so such stages stay FSDP2's, whose host
-optimizer keeps any share on the disk. ``check_plan`` refuses a hand-made plan that asks for more, in one line.
+optimizer keeps any share on the disk. ``check_plan`` refuses a hand-made plan that asks for
+more, in one line.
 """
 
 from __future__ import annotations
