@@ -19,6 +19,7 @@ from tidal.distributed import (
     init_from_env,
     install_watchdog,
     is_main,
+    leave_alike,
     rank,
     world_size,
 )
@@ -149,3 +150,14 @@ def _opt_in_on_an_existing_group() -> bool:
 
 def test_install_watchdog_on_an_existing_group_starts_it_at_once() -> None:
     assert run_on_ranks(_opt_in_on_an_existing_group, world_size=2, timeout_s=60) == [True, True]
+
+
+def _leave() -> tuple[bool, bool]:
+    return leave_alike(timeout_s=30.0), dist.is_initialized()
+
+
+def test_ranks_that_met_one_error_leave_the_group_together() -> None:
+    """leave_alike: ranks failing alike part at a barrier and leave the group, so no rank tears
+    its gloo pairs down under a peer (the run's one-line error otherwise became a SIGABRT
+    report now and then)."""
+    assert run_on_ranks(_leave, world_size=2, timeout_s=60) == [(True, False), (True, False)]

@@ -46,6 +46,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not console.is_terminal:  # logs and CI: rich would fold tables at 80 columns
             console = Console(highlight=False, width=160)
         from tidal.config import ConfigError
+        from tidal.distributed import leave_alike
         from tidal.distributed.launch import say_once
         from tidal.distributed.watchdog import EXIT_CODE as RANK_DIED_EXIT_CODE
         from tidal.distributed.watchdog import RankDiedError
@@ -65,6 +66,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     # Ranks failing alike say so once ([Note: one line per run] in tidal/distributed/launch.py).
     except bad_input as err:
         say_once(f"tidal: error: {err}")
+        leave_alike()  # every rank met it: they part together
         return EXIT_BAD_INPUT
     except (FloatingPointError, CheckpointWriteError) as err:
         say_once(f"tidal: run failed: {err}")

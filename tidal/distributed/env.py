@@ -50,6 +50,7 @@ __all__ = [
     "install_watchdog",
     "is_main",
     "join_alone",
+    "leave_alike",
     "rank",
     "shutdown",
     "world_size",
@@ -165,6 +166,31 @@ def shutdown() -> None:
     if _initialized():
         dist.barrier()  # see the teardown comment in tidal/testing/dist.py
         dist.destroy_process_group()
+
+
+def leave_alike(*, timeout_s: float = 30.0) -> bool:
+    """Leave the default process group after an error every rank meets alike (a bad setting,
+    a device budget below the step), as :func:`shutdown` does after a run: together, so that no
+    rank tears its gloo pairs down while a peer still uses them (that aborted a rank now and
+    then, its one-line error turned into a SIGABRT report: see the teardown comment in
+    tidal/testing/dist.py). A peer that does not come within ``timeout_s`` (it failed
+    otherwise, or works on) is not waited for: the group is left to the process's end, and its
+    watchdog goes on, so that the peer learns of this rank's exit. NCCL has no barrier that
+    times out, so there the group is left as before; a group of one ([Note: a group of one])
+    has no peer to part from and stays for the process's later runs. Whether the group was
+    left."""
+    global _watchdog
+    if not _initialized() or dist.get_world_size() == 1 or dist.get_backend() != "gloo":
+        return False
+    try:
+        dist.monitored_barrier(timeout=timedelta(seconds=timeout_s))
+    except RuntimeError:
+        return False
+    if _watchdog is not None:
+        _watchdog.stop(done=True)
+        _watchdog = None
+    dist.destroy_process_group()
+    return True
 
 
 def rank() -> int:
