@@ -127,7 +127,9 @@ def _hook_module(
 
     return [
         module.register_forward_pre_hook(StoreHook(before_forward)),
-        module.register_forward_hook(StoreHook(after_forward)),
+        # always: a recompute that stops early (non-reentrant checkpoint, once it has what the
+        # backward needs) ends a forward by an exception, which would leave its chunks held
+        module.register_forward_hook(StoreHook(after_forward), always_call=True),
         module.register_full_backward_pre_hook(StoreHook(before_backward)),
         module.register_full_backward_hook(StoreHook(after_backward)),
     ]

@@ -154,3 +154,25 @@ def test_pinning_is_a_pure_choice_from_figures() -> None:
     # chunks, not for a second one.
     assert choose(2 + 8 + 4 + 12) == {0}
     assert choose(2 + 8) == frozenset()  # no room for any state
+
+
+def test_a_recompute_that_stops_early_leaves_no_chunk_held() -> None:
+    """Non-reentrant checkpoint stops recomputing a block once it has what the backward needs,
+    by an exception inside the block's last module: that module's forward hook must still
+    release its chunks. Before it did, the last module of every block stayed held to the end
+    of the iteration, and each block's recompute needed more room than the one before."""
+    from torch.distributed._composable import checkpoint
+
+    model, store = _store(None)
+    for block in model.blocks:  # type: ignore[index, union-attr]
+        checkpoint(block)
+    _iteration(model, store)
+    trace = store.trace
+    assert trace is not None
+    assert trace.moments[-1].chunks == frozenset(), trace.moments[-1]
+    # the first block's backward holds none of the last block's own chunks
+    last = {store.slot_of[id(p)][0] for p in model.blocks[-1].parameters()}  # type: ignore[index, union-attr]
+    first = {store.slot_of[id(p)][0] for p in model.blocks[0].parameters()}  # type: ignore[index, union-attr]
+    only_last = last - first
+    start = next(m.index for m in trace.moments if m.label.endswith("bwd:blocks.0.mlp.proj"))
+    assert only_last and not any(m.chunks & only_last for m in trace.moments[start:])
