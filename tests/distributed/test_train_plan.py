@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from tidal.cli.main import main
+from tidal.config import ConfigError
 from tidal.models import closed_form_num_params, preset
 from tidal.models.gpt import measure_gpt
 from tidal.planner import ClusterSpec, Plan, PlannerConfig, Recompute, StrategyName, make_plan
@@ -220,6 +221,49 @@ def test_a_one_device_plan_in_chunks(runs: dict[str, Any], tmp_path: Path) -> No
     peak, predicted = stats["peak_device_bytes"], plan.memory.total
     assert (1 - MEMORY_TOL) * predicted <= peak <= predicted, (peak, predicted)
     assert stats["bytes_to_host"] > 0 and stats["evictions"] > 0, stats
+
+
+def test_a_one_device_plan_in_chunks_with_state_on_nvme(
+    runs: dict[str, Any], tmp_path: Path
+) -> None:
+    """All of the model data on the host and half of its optimizer state on NVMe, in chunks
+    ([Note: chunk stages in plans]): it trains as the reference does, its store at the plan's
+    device budget, the disk holding half the chunks' state to the nearest chunk (the chunks'
+    padding on top of the plan's figure, which prices parameters), the host the rest and the
+    staging it reports; without ``memory.nvme_dir`` the run is refused in one line."""
+    config = PlannerConfig(pipelines=False, pareto=(), baselines=(), offload=(1.0,),
+                           offload_params=(1.0,), offload_nvme=(0.5,), param_bytes=4,
+                           grad_bytes=4, optimizer_bytes=8, model_data="chunks")  # fmt: skip
+    cluster = ClusterSpec(devices=1, nvme_bytes_per_node=2**40)
+    plan = make_plan(measure_gpt(TINY, micro_batch=1), cluster, config).plan
+    assert plan.chunks is not None and plan.chunks.nvme_fraction == 0.5
+    with pytest.raises(ConfigError, match="memory.nvme_dir") as refused:
+        Trainer(_job(tmp_path / "no-disk"), plan=plan)
+    assert "\n" not in str(refused.value)
+    job = _job(tmp_path / "nvme")
+    job["memory"] = {"nvme_dir": str(tmp_path / "disk")}
+    trainer = Trainer(job, plan=plan)
+    trainer.fit()
+    for kind, key in (("train", "loss"), ("train", "grad_norm"), ("val", "val_loss")):
+        got, want = (
+            _records(tmp_path / "nvme", kind, key),
+            _records(runs["root"] / "reference", kind, key),
+        )
+        assert [v for _, v in got] == pytest.approx([v for _, v in want], abs=TOL, rel=0)
+    (held,) = trainer.engine.weights.values()
+    assert type(held).__name__ == "ChunkStageParams"
+    stats = held.stats()
+    peak, predicted = stats["peak_device_bytes"], plan.memory.total
+    assert (1 - MEMORY_TOL) * predicted <= peak <= predicted, (peak, predicted)
+    capacities = [c.spec.capacity for c in held.store.chunks]
+    state = [8 * n for n in capacities]  # AdamW's two fp32 moments; fp32 weights are the masters
+    on_disk = stats["peak_nvme_bytes"]
+    assert stats["chunks_on_nvme"] > 0 and abs(on_disk - sum(state) / 2) <= max(state) / 2
+    padded = sum(capacities) / sum(p.numel() for p in held.module.parameters())
+    assert plan.memory.nvme <= on_disk <= padded * plan.memory.nvme + max(state) / 2
+    assert 0 < stats["host_staging_bytes"] <= 3 * max(state)
+    host_bound = padded * plan.memory.host + stats["host_staging_bytes"] + max(state) / 2
+    assert plan.memory.host <= stats["peak_host_bytes"] <= host_bound, stats
 
 
 def test_one_class_of_what_blocks_save_on_the_host(runs: dict[str, Any], tmp_path: Path) -> None:

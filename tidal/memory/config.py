@@ -16,6 +16,9 @@ class ChunkConfig:
 
     Attributes:
         size: elements per chunk; ``None`` searches the size that wastes the least padding.
+        max_size: the largest size that search may choose (``None``: the layout's default
+            ceiling); a parameter larger than it gets a chunk of its own. A plan's chunk stage
+            sets it from its device budget ([Note: chunk stages in plans]).
         align: slot offsets are multiples of this many elements.
         policy: which chunk leaves the device when room is needed: ``belady`` (the one whose
             next use in the last iteration's trace is furthest away) or ``lru``.
@@ -36,6 +39,7 @@ class ChunkConfig:
     """
 
     size: int | None = None
+    max_size: int | None = None
     align: int = 64
     policy: Literal["belady", "lru"] = "belady"
     prefetch: bool = True
@@ -45,4 +49,8 @@ class ChunkConfig:
     def __post_init__(self) -> None:
         if self.size is not None:
             require(self.size >= 1, "size", f"must be >= 1 element, got {self.size}")
+        if self.max_size is not None:
+            require(self.size is None, "max_size", "bounds the size search; with chunk.size "
+                    "set there is none: set one of them")  # fmt: skip
+            require(self.max_size >= 1, "max_size", f"must be >= 1 element, got {self.max_size}")
         require(self.align >= 1, "align", f"must be >= 1, got {self.align}")

@@ -395,7 +395,8 @@ def _layout(model: nn.Module, chunk: ChunkConfig, world_size: int) -> ChunkLayou
     budget exceeds one process's."""
     align = math.lcm(chunk.align, world_size)
     params = unique_parameters(model)
-    size = chunk.size or default_chunk_size(params, align=align).chunk_size
+    ceiling = {} if chunk.max_size is None else {"max_chunk_size": max(align, chunk.max_size)}
+    size = chunk.size or default_chunk_size(params, align=align, **ceiling).chunk_size
     size = max(align, size // align * align) if world_size > 1 else size
     return plan_layout(params, chunk_size=size, align=align)
 

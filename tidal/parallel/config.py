@@ -206,6 +206,10 @@ class MemoryConfig:
             over the budget instead of evicting them or failing the step (a plan's chunk stages
             set their predicted activations). Unset: the two share the budget, the chunks
             getting what the activations leave.
+        nvme_state_fraction: keep this share of the optimizer's state (fp32 masters included)
+            on NVMe, the last chunks first, to the nearest chunk, instead of what does not fit
+            ``host_budget``: a plan's share ([Note: nvme placement] in tidal/sharding/swap.py).
+            Unset: the host budget decides.
     """
 
     device_budget: ByteSize | Literal["auto"] | None = None
@@ -214,8 +218,14 @@ class MemoryConfig:
     nvme_budget: ByteSize | None = None
     nvme_read_ahead: int = 2
     non_model_budget: ByteSize | None = None
+    nvme_state_fraction: float | None = None
 
     def __post_init__(self) -> None:
+        if self.nvme_state_fraction is not None:
+            require(self.nvme_dir is not None, "nvme_state_fraction",
+                    "needs memory.nvme_dir (where)")  # fmt: skip
+            require(0 <= self.nvme_state_fraction <= 1, "nvme_state_fraction",
+                    f"must be in [0, 1], got {self.nvme_state_fraction}")  # fmt: skip
         if self.nvme_budget is not None:
             require(self.nvme_dir is not None, "nvme_budget", "needs memory.nvme_dir (where)")
         require(self.nvme_read_ahead >= 0, "nvme_read_ahead",

@@ -39,7 +39,7 @@ from tidal.sharding.config import ShardingConfig
 from tidal.sharding.optim import ShardedOptimizer, make_master_shards
 from tidal.sharding.state import sharded_tensors
 from tidal.sharding.store import ShardedChunkStore
-from tidal.sharding.swap import ShardReader, StateSwapper, plan_nvme
+from tidal.sharding.swap import ShardReader, StateSwapper, nvme_staging_bytes, plan_nvme
 
 __all__ = ["ShardedParts"]
 
@@ -59,6 +59,7 @@ class ShardedParts:
         self.optimizer_config = optimizer
         self.nvme: NvmeTier | None = None
         self.swapper: StateSwapper | None = None  # which shards live on disk; see _plan_disk
+        self.host_staging_bytes = 0  # host memory the disk's traffic streams through
         self._placed = False  # whether before_step placed the shards
 
     def agree_budgets(self, device_tier: Tier, host_tier: Tier) -> None:
@@ -89,13 +90,15 @@ class ShardedParts:
         chunks = engine.layout.chunks
         numels = [spec.capacity // self.world_size for spec in chunks]
         is_trainable = [any(i.names[0] in trainable for i in spec.slots) for spec in chunks]
-        plan = plan_nvme(
-            state_bytes=[4 * kinds * n * t for n, t in zip(numels, is_trainable, strict=True)],
-            param_bytes=[n * param_dtype.itemsize for n in numels],
-            grad_bytes=[4 * n * t for n, t in zip(numels, is_trainable, strict=True)],
-            host_budget_bytes=engine.host_tier.budget_bytes,
-            read_ahead=self.memory.nvme_read_ahead,
-        )
+        state = [4 * kinds * n * t for n, t in zip(numels, is_trainable, strict=True)]
+        params = [n * param_dtype.itemsize for n in numels]
+        grads = [4 * n * t for n, t in zip(numels, is_trainable, strict=True)]
+        read_ahead = self.memory.nvme_read_ahead
+        plan = plan_nvme(state_bytes=state, param_bytes=params, grad_bytes=grads,
+                         host_budget_bytes=engine.host_tier.budget_bytes, read_ahead=read_ahead,
+                         state_fraction=self.memory.nvme_state_fraction)  # fmt: skip
+        self.host_staging_bytes = nvme_staging_bytes(plan, state_bytes=state, param_bytes=params,
+                                                     grad_bytes=grads, read_ahead=read_ahead)  # fmt: skip
         return StateSwapper(self.nvme, engine.host_tier, plan)
 
     def make_store(self, engine: PartsHost, dtype: torch.dtype, chunk: ChunkConfig) -> Any:
@@ -191,7 +194,8 @@ class ShardedParts:
         if self.nvme is not None:
             nvme = self.nvme.stats()
             stats.update(bytes_to_nvme=nvme["in_bytes"], bytes_from_nvme=nvme["out_bytes"],
-                         peak_nvme_bytes=nvme["peak_bytes"], nvme_budget=nvme["budget_bytes"])  # fmt: skip
+                         peak_nvme_bytes=nvme["peak_bytes"], nvme_budget=nvme["budget_bytes"],
+                         host_staging_bytes=self.host_staging_bytes)  # fmt: skip
         if engine.store.reader is not None:
             reader = engine.store.reader
             stats.update(param_reads_ahead=reader.num_read_ahead,

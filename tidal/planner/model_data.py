@@ -22,7 +22,16 @@ aside for the activations at most (``memory.non_model_budget``: the chunks alway
 the plan's model data on the device and its transient gathers; activations the cost model
 undercounted go over the budget, and show as ``non_model_over_budget_bytes``, rather than fail
 a plan that FSDP2 would run). The host holds the rest, unbounded (the plan prices it against
-the host's memory). The same bytes are priced either way: the store keeps on the device what
+the host's memory), except the share ``h`` of the optimizer's state the plan keeps on NVMe,
+which the chunks' disk tier takes by that share (``nvme_fraction``: the last chunks' state, to
+the nearest chunk, [Note: nvme placement] in tidal/sharding/swap.py), not as what a host
+budget leaves, since the plan's host figure prices parameters and the chunks add their padding.
+The disk's traffic streams through a few chunks of host memory the plan does not price; the
+run reports it (``host_staging_bytes``). A moment of a chunk store holds whole chunks, so a
+plan's chunk stage bounds the chunk-size search (``chunk.max_size``) to a third of the room
+its budget leaves the chunks: a ZeRO-3 unit's transient is priced as three of its copies, and
+the store's worst moment, a recomputed block's, holds the chunks of the module whose backward
+began, those of the module running again and a prefetch. The same bytes are priced either way: the store keeps on the device what
 the budget lets it, which is what the fractions leave there, at a chunk's granularity instead
 of a group's. So the choice does not move the search's figures, and :func:`with_model_data`
 makes it after the search, per kind of stage:
@@ -44,11 +53,10 @@ take plain parameters, not DTensors), every unit with model data ZeRO-3 when the
 several ranks (a chunk stage shards all of it), a synchronous schedule (chunks hold one weight
 version), no block swapped to the host (the swap would copy the parameters' chunk views that
 autograd saves), nothing lent to a peer (the lending packs what the blocks save, chunk views
-included) and nothing on NVMe: the chunks' disk tier takes what does not fit a host budget,
-and besides the shards it stages several chunks in host memory, which the plan does not price
-(on the tiny GPT more than its whole host figure), so such stages stay FSDP2's, whose host
-optimizer keeps any share on the disk. ``check_plan`` refuses a hand-made plan that asks for
-more, in one line.
+included) and no optimizer state on NVMe unless all of the stage's model data is on the host
+(chunks on a disk are sharded, and a sharded store with a device budget keeps every shard on
+the host, which a plan keeping part of them on the device did not price). ``check_plan``
+refuses a hand-made plan that asks for more, in one line.
 """
 
 from __future__ import annotations
@@ -79,7 +87,9 @@ def chunk_refusal(plan: Plan, stage: Plan) -> str:
         "data over the data axis)": stage.dp > 1 and bool(sharded),
         "it swaps blocks to the host": bool(set(HOST_MODES) & set(stage.recompute.values())),
         "it lends activations to a peer": stage.memory.lent > 0,
-        "it keeps optimizer state on NVMe": stage.memory.nvme > 0 or stage.offload.nvme > 0,
+        "it keeps optimizer state on NVMe with part of its model data on the device (chunks "
+        "on a disk are sharded, and sharded chunks keep every shard on the host)": _on_disk(stage)
+        and (stage.offload.optimizer < 1 or stage.offload.params < 1),
     }
     return "; ".join(why for why, yes in reasons.items() if yes)
 
@@ -89,7 +99,12 @@ def chunk_budgets(stage: Plan) -> ChunkBudgets:
     plans])."""
     memory = stage.memory
     return ChunkBudgets(device_bytes=math.ceil(memory.total),
-                        activation_bytes=math.floor(memory.activations))  # fmt: skip
+                        activation_bytes=math.floor(memory.activations),
+                        nvme_fraction=stage.offload.nvme if _on_disk(stage) else 0.0)  # fmt: skip
+
+
+def _on_disk(stage: Plan) -> bool:
+    return stage.memory.nvme > 0 or stage.offload.nvme > 0
 
 
 def with_model_data(plan: Plan, mode: str) -> Plan:

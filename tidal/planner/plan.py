@@ -152,22 +152,27 @@ class ChunkBudgets:
     store's, its chunks, gradients and optimizer state on the device and its activations (the
     stage's predicted peak), of which ``activation_bytes`` are set aside for the activations at
     most (the chunks always get the rest). The host holds the rest of the model data, as the
-    plan prices it against the host's memory."""
+    plan prices it against the host's memory, except ``nvme_fraction`` of the optimizer's
+    state, which the chunks' disk tier keeps on NVMe."""
 
     device_bytes: int
     activation_bytes: int = 0
+    nvme_fraction: float = 0.0
 
     def __post_init__(self) -> None:
         require(self.device_bytes > 0, "chunks.device_bytes",
                 f"must be > 0, got {self.device_bytes}")  # fmt: skip
         require(0 <= self.activation_bytes < self.device_bytes, "chunks.activation_bytes",
                 f"must be in [0, device_bytes), got {self.activation_bytes}")  # fmt: skip
+        require(0 <= self.nvme_fraction <= 1, "chunks.nvme_fraction",
+                f"must be in [0, 1], got {self.nvme_fraction}")  # fmt: skip
 
     def describe(self) -> str:
-        """``"tidal chunks, 40.0 MiB a device"``."""
-        return f"tidal chunks, {self.device_bytes / 2**20:.1f} MiB a device"
+        """``"tidal chunks, 40.0 MiB a device"`` (``", 50% of the state on NVMe"``)."""
+        disk = f", {self.nvme_fraction:.0%} of the state on NVMe" if self.nvme_fraction else ""
+        return f"tidal chunks, {self.device_bytes / 2**20:.1f} MiB a device{disk}"
 
-    def to_dict(self) -> dict[str, int]:
+    def to_dict(self) -> dict[str, float]:
         return dataclasses.asdict(self)
 
     @classmethod
@@ -175,7 +180,8 @@ class ChunkBudgets:
         if data is None:
             return None
         return cls(device_bytes=int(data["device_bytes"]),
-                   activation_bytes=int(data.get("activation_bytes", 0)))  # fmt: skip
+                   activation_bytes=int(data.get("activation_bytes", 0)),
+                   nvme_fraction=float(data.get("nvme_fraction", 0.0)))  # fmt: skip
 
 
 @dataclass(kw_only=True, slots=True)

@@ -17,10 +17,17 @@ collective):
    (:class:`ShardReader`); a gradient shard is written when its reduction completes and read
    back at the step.
 
-What the host must hold besides the shards in memory is staging, counted in the plan: three
-indices' worth for the streamed step, ``read_ahead + 1`` parameter shards being read and
-``GRAD_WRITES`` gradient shards being written. A budget below that even with everything on
-disk is a one-line error that gives the minimum.
+What the host must hold besides the shards in memory is staging (:func:`nvme_staging_bytes`),
+counted in the plan: three indices' worth for the streamed step, and at the third level
+``read_ahead + 1`` parameter shards being read and ``GRAD_WRITES`` gradient shards being
+written. A budget below that even with everything on disk is a one-line error that gives the
+minimum.
+
+A share instead of a budget (``state_fraction``, ``memory.nvme_state_fraction``): the state of
+that fraction of the optimizer's bytes goes to disk, the last indices first, to the nearest
+index (second level only). A plan says so ([Note: chunk stages in plans] in
+tidal/planner/model_data.py): its host figure was priced per parameter, without the chunks'
+padding, which a budget would take out of the state the plan keeps in memory.
 
 [Note: streamed optimizer]
 An index on disk has, between steps, no host memory for what is on disk: the shard lists hold
@@ -55,6 +62,7 @@ __all__ = [
     "ShardReader",
     "StateSwapper",
     "nvme_key",
+    "nvme_staging_bytes",
     "plan_nvme",
 ]
 
@@ -83,9 +91,13 @@ def plan_nvme(
     grad_bytes: list[int],
     host_budget_bytes: int | None,
     read_ahead: int,
+    state_fraction: float | None = None,
 ) -> NvmePlan:
     """Which indices go to disk at which level ([Note: nvme placement]); per index the bytes of
-    its optimizer state (masters included; 0: none), parameter shard and gradient shard."""
+    its optimizer state (masters included; 0: none), parameter shard and gradient shard;
+    ``state_fraction``: that share of the state on disk, whatever the host's budget."""
+    if state_fraction is not None:
+        return NvmePlan(state=_state_share(state_bytes, state_fraction))
     if host_budget_bytes is None:
         return NvmePlan()
     in_memory = sum(param_bytes) + sum(grad_bytes)
@@ -116,6 +128,30 @@ def plan_nvme(
         in_memory -= param_bytes[index] + grad_bytes[index]
     state = frozenset(i for i, num_bytes in enumerate(state_bytes) if num_bytes)
     return NvmePlan(state=state, params=frozenset(params))
+
+
+def nvme_staging_bytes(plan: NvmePlan, *, state_bytes: list[int], param_bytes: list[int],
+                       grad_bytes: list[int], read_ahead: int) -> int:  # fmt: skip
+    """The host bytes ``plan``'s disk traffic stages besides the shards kept in memory ([Note:
+    nvme placement]): three indices' state at the second level, the third level's whole
+    staging."""
+    if plan.params:
+        return (STAGING_GROUPS * max(map(sum, zip(state_bytes, param_bytes, grad_bytes, strict=True)))
+                + (read_ahead + 1) * max(param_bytes) + GRAD_WRITES * max(grad_bytes))  # fmt: skip
+    return STAGING_GROUPS * max((state_bytes[i] for i in plan.state), default=0)
+
+
+def _state_share(state_bytes: list[int], fraction: float) -> frozenset[int]:
+    """The last indices whose state comes nearest ``fraction`` of it all (an index goes to disk
+    when at least half of it is within the share)."""
+    assert 0 <= fraction <= 1, fraction
+    share, on_disk = fraction * sum(state_bytes), set()
+    for index in reversed(range(len(state_bytes))):
+        num_bytes = state_bytes[index]
+        if num_bytes and num_bytes / 2 <= share:
+            on_disk.add(index)
+            share -= num_bytes
+    return frozenset(on_disk)
 
 
 def _state_beyond(state_bytes: list[int], room: int) -> frozenset[int]:

@@ -37,6 +37,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from tidal.config import require
 from tidal.distributed import rank
 from tidal.memory.materialize import materialize
 from tidal.models import spec_for
@@ -65,6 +66,12 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+
+# [Note: chunk stages in plans]: the chunks a plan stage's moment may hold at once: a plan
+# prices a ZeRO-3 unit's transient as three of its copies (in use, prefetched, its gradient),
+# and a chunk store's worst moment is a recomputed block's, the chunks of the module whose
+# backward began held while the block runs again, beside the module running and a prefetch
+MOMENT_CHUNKS = 3
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -111,16 +118,31 @@ def plan_chunks(plan: Plan, job: JobConfig, *, pp_rank: int,
                 device: torch.device) -> ChunkStageConfig | None:  # fmt: skip
     """How pipeline rank ``pp_rank``'s stages hold their model data in tidal's chunks, under
     the plan's budget and the job's chunk and sharding settings ([Note: chunk stages in plans]
-    in tidal/planner/model_data.py); None where FSDP2 holds it."""
+    in tidal/planner/model_data.py); None where FSDP2 holds it. Raises naming
+    ``memory.nvme_dir`` where the rank keeps state on NVMe and the job names no disk."""
     from tidal.parallel.chunk_stage import ChunkStageConfig
     from tidal.parallel.config import MemoryConfig
 
     budgets = plan.rank_chunks(pp_rank)
     if budgets is None:
         return None
+    disk: dict[str, Any] = {}
+    if budgets.nvme_fraction:  # the plan's share of the state, not a host budget's remainder
+        require(job.memory.nvme_dir is not None, "memory.nvme_dir",
+                f"the plan keeps part of pipeline rank {pp_rank}'s optimizer state on NVMe: "
+                "set memory.nvme_dir to a folder on the node's NVMe drive")  # fmt: skip
+        disk = {"nvme_dir": job.memory.nvme_dir, "nvme_read_ahead": job.memory.nvme_read_ahead,
+                "nvme_state_fraction": budgets.nvme_fraction}  # fmt: skip
     memory = MemoryConfig(device_budget=budgets.device_bytes,
-                          non_model_budget=budgets.activation_bytes or None)  # fmt: skip
-    return ChunkStageConfig(optimizer=job.optimizer, memory=memory, chunk=job.chunk,
+                          non_model_budget=budgets.activation_bytes or None, **disk)  # fmt: skip
+    chunk = job.chunk
+    if chunk.size is None and chunk.max_size is None:  # chunks the budget's moments can hold
+        itemsize = 4 if job.training.precision == "fp32" else 2
+        room_bytes = budgets.device_bytes - budgets.activation_bytes
+        chunk = dataclasses.replace(
+            chunk, max_size=max(1, room_bytes // (MOMENT_CHUNKS * itemsize))
+        )
+    return ChunkStageConfig(optimizer=job.optimizer, memory=memory, chunk=chunk,
                             precision=job.training.precision, device=str(device),
                             sharding=job.sharding)  # fmt: skip
 

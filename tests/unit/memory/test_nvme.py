@@ -11,6 +11,7 @@ import torch
 from tidal.config import ConfigError
 from tidal.memory.nvme import NvmeTier
 from tidal.memory.tiers import Tier, TierKind
+from tidal.parallel.config import MemoryConfig
 from tidal.sharding.swap import (
     GRAD_WRITES,
     STAGING_GROUPS,
@@ -18,6 +19,7 @@ from tidal.sharding.swap import (
     ShardList,
     ShardReader,
     StateSwapper,
+    nvme_staging_bytes,
     plan_nvme,
 )
 
@@ -77,6 +79,37 @@ def test_plan_puts_state_on_disk_first_keeping_what_fits() -> None:
     assert _plan(None, state=state) == NvmePlan()
     assert _plan(shards + staging + 250, state=state) == NvmePlan(state=frozenset({3, 4}))
     assert _plan(shards + staging, state=state) == NvmePlan(state=frozenset({0, 2, 3, 4}))
+
+
+def test_a_share_of_the_state_goes_to_disk_to_the_nearest_index_whatever_the_budget() -> None:
+    """``memory.nvme_state_fraction`` (a plan's ``h``): the last indices first, an index going
+    when at least half of it is within the share; the host budget does not enter."""
+    state = [100, 0, 100, 100, 100]
+    for budget in (None, 10**9, 1):
+
+        def plan(f: float, budget: int | None = budget) -> NvmePlan:
+            return plan_nvme(state_bytes=state, param_bytes=[10] * 5, grad_bytes=[10] * 5,
+                             host_budget_bytes=budget, read_ahead=1, state_fraction=f)  # fmt: skip
+
+        assert plan(0.5) == NvmePlan(state=frozenset({3, 4}))
+        assert plan(0.0) == NvmePlan() and plan(1.0) == NvmePlan(state=frozenset({0, 2, 3, 4}))
+        assert plan(0.3).state == {4} and plan(0.4).state == {3, 4}  # 120 of 400: 100 nearest
+    shards = {
+        "state_bytes": state,
+        "param_bytes": [10] * 5,
+        "grad_bytes": [10] * 5,
+        "read_ahead": 1,
+    }
+    assert nvme_staging_bytes(NvmePlan(state=frozenset({3, 4})), **shards) == STAGING_GROUPS * 100
+    assert nvme_staging_bytes(NvmePlan(), **shards) == 0
+    everything = NvmePlan(state=frozenset({0, 2, 3, 4}), params=frozenset({4}))
+    assert (
+        nvme_staging_bytes(everything, **shards) == STAGING_GROUPS * 120 + 2 * 10 + GRAD_WRITES * 10
+    )
+    with pytest.raises(ConfigError, match="nvme_state_fraction.*nvme_dir"):
+        MemoryConfig(nvme_state_fraction=0.5)
+    with pytest.raises(ConfigError, match=r"nvme_state_fraction.*\[0, 1\]"):
+        MemoryConfig(nvme_state_fraction=1.5, nvme_dir="/tmp")
 
 
 def test_plan_moves_parameter_and_gradient_shards_when_state_is_not_enough() -> None:

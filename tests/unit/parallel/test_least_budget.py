@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tidal.config import ConfigError
 from tidal.memory.config import ChunkConfig
 from tidal.memory.store import DeviceBudgetTooSmall
 from tidal.models import build_gpt, preset
@@ -126,3 +127,22 @@ def test_a_budget_error_says_to_what_to_lower_chunk_size() -> None:
     with pytest.raises(DeviceBudgetTooSmall) as err:
         _train(one_each, _batches((16,)))
     assert "chunk.size" not in str(err.value)
+
+
+def test_a_ceiling_on_the_size_search_lowers_what_a_moment_holds() -> None:
+    """``chunk.max_size`` bounds the searched size (a plan's chunk stage sets it from its
+    budget): smaller chunks, fewer bytes a moment holds; with ``chunk.size`` it is refused."""
+    searched = _engine(None, None)
+    ceiling = searched.layout.chunk_size // 2
+    bounded = ChunkEngine(build_gpt(TINY, seed=0),
+                          optimizer=OptimizerConfig(lr=1e-3, warmup_steps=0),
+                          training=TrainingConfig(device="cpu"), memory=MemoryConfig(),
+                          chunk=ChunkConfig(max_size=ceiling))  # fmt: skip
+    assert bounded.layout.chunk_size <= ceiling < searched.layout.chunk_size
+    for engine in (searched, bounded):
+        _train(engine, _batches((64,)))
+    held = [max(map(t.bytes_of, (m.chunks for m in t.moments)))
+            for t in (searched.store.trace, bounded.store.trace)]  # fmt: skip
+    assert held[1] < held[0], held  # the most chunk bytes a moment holds
+    with pytest.raises(ConfigError, match="max_size"):
+        ChunkConfig(size=1024, max_size=2048)

@@ -70,17 +70,23 @@ def test_chunks_hold_only_the_stages_their_runtime_can(tiny) -> None:
     assert "pipemare" in chunk_refusal(pipemare, stage)
 
 
-def test_a_stage_with_optimizer_state_on_nvme_stays_fsdp2s(tiny) -> None:
-    """The chunks' disk tier stages chunks in host memory the plan does not price, so a stage
-    keeping state on NVMe stays FSDP2's (its host optimizer keeps the disk's share), named."""
+def test_chunks_keep_the_plans_share_of_the_state_on_nvme(tiny) -> None:
+    """A stage with all of its model data off the device and part of its optimizer state on
+    NVMe: the chunks' disk tier keeps that share (``nvme_fraction``); with part of it on the
+    device the stage stays FSDP2's (sharded chunks keep every shard on the host), named."""
     plan = _plan(tiny, devices=1, pp=1, offload=(1.0,), offload_params=(1.0,),
                  offload_nvme=(0.5,), model_data="chunks")  # fmt: skip
-    assert plan.memory.nvme > 0 and plan.chunks is None
-    assert "on NVMe" in chunk_refusal(plan, plan)
+    assert plan.memory.nvme > 0 and plan.chunks == chunk_budgets(plan)
+    assert plan.chunks.nvme_fraction == 0.5 and "50% of the state on NVMe" in plan.chunks.describe()
+    assert not_run(plan) == []
+    part = _plan(tiny, devices=1, pp=1, offload=(0.5,), offload_nvme=(0.5,), model_data="chunks")
+    assert part.memory.nvme > 0 and part.chunks is None
+    assert "on NVMe with part of its model data on the device" in chunk_refusal(part, part)
     on_host = _plan(tiny, devices=1, pp=1, offload=(1.0,), offload_params=(1.0,),
                     model_data="auto")  # fmt: skip
     assert on_host.chunks == chunk_budgets(on_host) and on_host.chunks is not None
     assert on_host.chunks.device_bytes == math.ceil(on_host.memory.total)
+    assert on_host.chunks.nvme_fraction == 0.0
 
 
 def test_the_budgets_round_trip_and_a_hand_made_plan_is_refused_in_one_line(tiny, tmp_path) -> None:
@@ -89,6 +95,9 @@ def test_the_budgets_round_trip_and_a_hand_made_plan_is_refused_in_one_line(tiny
     plan.save(path)
     again = Plan.load(path)
     assert again.to_dict() == plan.to_dict() and again.rank_chunks(1) == plan.rank_chunks(1)
+    disk = dataclasses.replace(plan, chunks=ChunkBudgets(device_bytes=10, nvme_fraction=0.25))
+    disk.save(path)
+    assert Plan.load(path).chunks == disk.chunks
     assert not_run(plan) == []
     # chunks asked for on units below ZeRO-3 over two data ranks: one line, naming the fix
     layout = plan.pipeline
