@@ -113,11 +113,16 @@ def _hook_module(
 ) -> list[RemovableHandle]:
     forward_label, backward_label = f"fwd:{name}", f"bwd:{name}"
 
+    entered = [0]  # forwards whose access went through (a refused one holds nothing)
+
     def before_forward(_module: nn.Module, _args: Any) -> None:
         store.access(forward_label, own)
+        entered[0] += 1
 
     def after_forward(_module: nn.Module, _args: Any, _output: Any) -> None:
-        store.release(own, label=forward_label)
+        if entered[0]:
+            entered[0] -= 1
+            store.release(own, label=forward_label)
 
     def before_backward(_module: nn.Module, _grad_output: Any) -> None:
         store.access(backward_label, own)
