@@ -64,7 +64,7 @@ from tidal.testing import run_on_ranks
 from tidal.train import Trainer
 from tidal.train.checkpoint import latest_checkpoint, load_model_state
 from tidal.train.metrics import read_metrics
-from tidal.train.plan_lending import blocks_lent
+from tidal.train.plan_lending import LentParts, lent_parts
 
 WORLD = 4
 STEPS = 3
@@ -206,7 +206,10 @@ def _cases(root: Path) -> dict[str, Plan]:
     assert stages.offloads() == [Offload(), Offload(optimizer=0.5)] and stages.dp == 2
     peer = cases["pp2-dp2-peer"]
     assert peer.pipeline is not None and peer.pipeline.stages["first"].memory.lent > 0
-    assert [blocks_lent(peer, s) for s in (0, 1)] == [1, 0]
+    # the plan lends 60% of a block's saved bytes: the MLP's 55% comes nearer than a block
+    parts, lent = lent_parts(peer, 0), peer.pipeline.stages["first"].memory.lent
+    assert (parts.blocks, parts.child, lent_parts(peer, 1)) == (0, "mlp", LentParts())
+    assert abs(parts.priced_bytes - lent) < 0.1 * lent
     chunked = cases["pp2-dp2-chunks"]
     assert [chunked.rank_chunks(r) is not None for r in (0, 1)] == [True, True]
     assert all(p.rank_chunks(r) is None for n, p in cases.items() if n != "pp2-dp2-chunks"
@@ -338,6 +341,10 @@ def test_a_pipelined_plan_trains_as_one_process_does(runs: dict[str, Any], case:
         pp_rank = r // (plan.dp * plan.tp)
         lends = case == "pp2-dp2-peer" and pp_rank == 0
         assert (rank[case]["lent_bytes"] > 0) == lends, (r, rank[case]["lent_bytes"])
+        if lends:  # each micro-batch lends what the MLP saves, as its units are priced
+            each = rank[case]["lent_bytes"] / (STEPS * plan.num_microbatches)
+            priced = lent_parts(plan, 0).priced_bytes
+            assert each == pytest.approx(priced, rel=MEMORY_TOL), (r, each, priced)
         # the host's share of the optimizer is the host optimizer's, on those ranks alone
         hosted = rank[case]["optimizers"] == ["HostStepped"]
         assert hosted == (pp_rank in HOSTED.get(case, ())), (r, rank[case]["optimizers"])

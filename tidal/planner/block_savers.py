@@ -37,12 +37,21 @@ child module of every repetition of the block with the activation savers' host s
 from __future__ import annotations
 
 import enum
+from collections.abc import Iterable
 
 from tidal.planner.graph import ModelGraph, Unit
 from tidal.planner.plan import Recompute
 from tidal.planner.wiring import ModelWiring
 
-__all__ = ["HOST_MODES", "Fate", "class_children", "fate", "host_children", "unit_class"]
+__all__ = [
+    "HOST_MODES",
+    "Fate",
+    "class_children",
+    "classes_of",
+    "fate",
+    "host_children",
+    "unit_class",
+]
 
 
 class Fate(enum.Enum):
@@ -77,6 +86,13 @@ def class_children(graph: ModelGraph | ModelWiring, prefix: str) -> dict[str, st
     else:
         units = [(spec.module, spec.kind) for name, spec in graph.units.items()
                  if graph.block_of.get(name) == prefix]  # fmt: skip
+    return classes_of(units, prefix)
+
+
+def classes_of(units: Iterable[tuple[str, str]], prefix: str) -> dict[str, str]:
+    """:func:`class_children` from the ``(module, kind)`` of block ``prefix``'s units (a
+    plan's, whose modules name the block ``prefix``: ``blocks.*``)."""
+    units = list(units)
     found = {c: "attention" for module, kind in units if kind == "attention"
              for c in [_child(prefix, module)] if c is not None}  # fmt: skip
     for module, kind in units:

@@ -54,8 +54,9 @@ node's, else the inter-node one; the sends between neighbouring stages cross nod
 once the pipeline spans more than one). The first stage may keep ``l`` bytes of each
 micro-batch's saved activations on its mirror's device: a continuous variable, at most what its
 blocks keep that are neither recomputed whole nor swapped to the host (the tensors a plan run
-lends, in whole blocks: [Note: lending in plan runs] in tidal/train/plan_lending.py), of the
-``a`` the stage keeps a micro-batch; under 1F1B with ``m >= p``, where plan runs lend.
+lends, whole blocks and a class of one: [Note: lending in plan runs] in
+tidal/train/plan_lending.py), of the ``a`` the stage keeps a micro-batch; under 1F1B with
+``m >= p``, where plan runs lend.
 They go after the forward and come back before the backward, spread over the stage's ``k``
 blocks: the device holds two blocks' worth coming back (``2 l / k``, a transient), and the
 copies (``2 l`` a micro-batch over the pair's link) add only what the stage's compute does not
