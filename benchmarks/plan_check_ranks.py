@@ -22,8 +22,10 @@ the path and the bytes each side is metered for, not a transfer): all of the mod
 host (FSDP2's CPU offload, and again in tidal's chunks under the plan's budgets, whose store
 meters its device's peak, activations included up to the plan's share for them, beside the
 plan's device figure, and how far the activations went over that share), half of the
-optimizer updated on the host, and all of it on NVMe (files under a temporary folder of this
-machine's disk). For the last two the host's share of
+optimizer updated on the host, all of it on NVMe (files under a temporary folder of this
+machine's disk), and all of the model data on the host in chunks with half of the optimizer's
+state on NVMe (the disk's share set beside the plan's). For the FSDP2 runs of the optimizer on
+the host the host's share of
 AdamW's state, in host memory and on the disk together, is set beside the plan's: with ``f``
 of the optimizer on the host the rank's state is ``S = optimizer / (1 - f)`` (or ``nvme / h``
 with all of it there), of which the host holds ``f S``.
@@ -63,6 +65,16 @@ CASES: dict[str, dict[str, Any]] = {
         "offload": (1.0,),
         "offload_params": (1.0,),
         "model_data": "auto",
+    },  # fmt: skip
+    # all of it on the host and half of the optimizer's state on NVMe, in chunks: the disk's
+    # share is the plan's ([Note: nvme placement] in tidal/sharding/swap.py)
+    "dp4 in chunks, half the state on NVMe": {
+        "pp": 1,
+        "tp": 1,
+        "offload": (1.0,),
+        "offload_params": (1.0,),
+        "offload_nvme": (0.5,),
+        "model_data": "chunks",
     },  # fmt: skip
     "pp2 x dp2, half the optimizer on the host": {
         "pp": 2,
@@ -206,7 +218,8 @@ def bench_plan_check_ranks(args: argparse.Namespace) -> list[dict[str, Any]]:
                              "model_data_measured_over_predicted": held / predicted,
                              "predicted_host_optimizer_bytes": _host_state(offload, memory),
                              "measured_host_optimizer_bytes": host_optimizer,
-                             "measured_nvme_bytes": (measured["host_optimizer"] or {}).get("nvme", 0),
+                             "measured_nvme_bytes": (measured["host_optimizer"] or {}).get(
+                                 "nvme", measured["chunk_nvme_bytes"] or 0),
                              "predicted_nvme_bytes": memory.nvme,
                              "predicted_device_bytes": memory.total,
                              "chunks": plan.rank_chunks(pp_rank) is not None,
@@ -306,6 +319,7 @@ def _chunk_figures(stages: Any) -> dict[str, int | None]:
         "activations_over_bytes": max(
             (c["non_model_over_budget_bytes"] for c in stages), default=None
         ),  # fmt: skip
+        "chunk_nvme_bytes": sum(c.get("peak_nvme_bytes", 0) for c in stages) if stages else None,
     }
 
 
@@ -363,6 +377,9 @@ def _host_cells(row: dict[str, Any], format_bytes: Any) -> list[str]:
     """The host's share of AdamW's state, predicted and metered (of it, on NVMe)."""
     predicted, metered = row.get("predicted_host_optimizer_bytes"), row.get(
         "measured_host_optimizer_bytes")  # fmt: skip
+    if row.get("chunks") and row.get("predicted_nvme_bytes"):  # the chunks' disk share alone
+        return [f"NVMe {format_bytes(int(row['predicted_nvme_bytes']))}",
+                f"({format_bytes(int(row['measured_nvme_bytes']))})"]  # fmt: skip
     if predicted is None or metered is None:
         return ["-", "-"]
     return [
