@@ -28,10 +28,10 @@ the nearest chunk, [Note: nvme placement] in tidal/sharding/swap.py), not as wha
 budget leaves, since the plan's host figure prices parameters and the chunks add their padding.
 The disk's traffic streams through a few chunks of host memory the plan does not price; the
 run reports it (``host_staging_bytes``). A moment of a chunk store holds whole chunks, so a
-plan's chunk stage bounds the chunk-size search (``chunk.max_size``) to a third of the room
-its budget leaves the chunks: a ZeRO-3 unit's transient is priced as three of its copies, and
-the store's worst moment, a recomputed block's, holds the chunks of the module whose backward
-began, those of the module running again and a prefetch. The same bytes are priced either way: the store keeps on the device what
+plan's chunk stage bounds the chunk-size search (``chunk.max_size``) to half the room its
+budget leaves the chunks (``MOMENT_CHUNKS`` in tidal/train/plan_stage.py): at its worst, a
+recomputed block's, a moment holds the chunks of the module whose backward began beside those
+of the module running again. The same bytes are priced either way: the store keeps on the device what
 the budget lets it, which is what the fractions leave there, at a chunk's granularity instead
 of a group's. So the choice does not move the search's figures, and :func:`with_model_data`
 makes it after the search, per kind of stage:
