@@ -242,8 +242,8 @@ def test_a_one_device_plan_in_chunks_with_state_on_nvme(
     assert "\n" not in str(refused.value)
     job = _job(tmp_path / "nvme")
     job["memory"] = {"nvme_dir": str(tmp_path / "disk")}
-    # chunks that pack each MLP matrix with its bias: at the plan's ceiling (half the chunks'
-    # room) a recomputed block's moment holds three chunks, 768 bytes over the budget
+    # chunks that pack each MLP matrix with its bias: at the searched size (33,280) a moment
+    # holds two chunks, 66 KB more than the budget leaves them, and at 16,704 three, 768 bytes
     job["chunk"] = {"size": 16_640}
     trainer = Trainer(job, plan=plan)
     trainer.fit()

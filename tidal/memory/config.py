@@ -17,8 +17,9 @@ class ChunkConfig:
     Attributes:
         size: elements per chunk; ``None`` searches the size that wastes the least padding.
         max_size: the largest size that search may choose (``None``: the layout's default
-            ceiling); a parameter larger than it gets a chunk of its own. A plan's chunk stage
-            sets it from its device budget ([Note: chunk stages in plans]).
+            ceiling); a parameter larger than it gets a chunk of its own. A moment holds whole
+            chunks: smaller ones let a tight device budget run, at more padding and more
+            copies.
         align: slot offsets are multiples of this many elements.
         policy: which chunk leaves the device when room is needed: ``belady`` (the one whose
             next use in the last iteration's trace is furthest away) or ``lru``.

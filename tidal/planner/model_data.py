@@ -27,11 +27,14 @@ which the chunks' disk tier takes by that share (``nvme_fraction``: the last chu
 the nearest chunk, [Note: nvme placement] in tidal/sharding/swap.py), not as what a host
 budget leaves, since the plan's host figure prices parameters and the chunks add their padding.
 The disk's traffic streams through a few chunks of host memory the plan does not price; the
-run reports it (``host_staging_bytes``). A moment of a chunk store holds whole chunks, so a
-plan's chunk stage bounds the chunk-size search (``chunk.max_size``) to half the room its
-budget leaves the chunks (``MOMENT_CHUNKS`` in tidal/train/plan_stage.py): at its worst, a
-recomputed block's, a moment holds the chunks of the module whose backward began beside those
-of the module running again. The same bytes are priced either way: the store keeps on the device what
+run reports it (``host_staging_bytes``). A moment of a chunk store holds whole chunks (at its
+worst, a recomputed block's, those of the module whose backward began beside those of the
+module running again), which the plan's transient, three copies of a unit, does not bound:
+where a model's modules are small against the chunks the job's ``chunk.size`` or
+``chunk.max_size`` must come down, as the store's error at the first iteration says. Bounding
+the size from the budget was tried and left: at half the chunks' room the tiny GPT's store
+peaked at 84% of its predicted peak, and at a third 26% of the demo GPT's chunks were padding.
+The same bytes are priced either way: the store keeps on the device what
 the budget lets it, which is what the fractions leave there, at a chunk's granularity instead
 of a group's. So the choice does not move the search's figures, and :func:`with_model_data`
 makes it after the search, per kind of stage:

@@ -67,14 +67,6 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-# [Note: chunk stages in plans]: a chunk store's moment holds whole chunks, at least two at its
-# worst (a recomputed block's: the chunks of the module whose backward began, held while the
-# block runs again, beside those of the module running), so a plan's chunk stage bounds the
-# chunk size to half the room its budget leaves the chunks. A third would fit more often (a
-# ZeRO-3 unit's transient is priced as three of its copies) but leaves the size search no
-# room: on the demo GPT 26% of the chunks would be padding, against 4% at a half
-MOMENT_CHUNKS = 2
-
 
 @dataclass(frozen=True, kw_only=True)
 class PlannedStage:
@@ -137,14 +129,7 @@ def plan_chunks(plan: Plan, job: JobConfig, *, pp_rank: int,
                 "nvme_state_fraction": budgets.nvme_fraction}  # fmt: skip
     memory = MemoryConfig(device_budget=budgets.device_bytes,
                           non_model_budget=budgets.activation_bytes or None, **disk)  # fmt: skip
-    chunk = job.chunk
-    if chunk.size is None and chunk.max_size is None:  # chunks the budget's moments can hold
-        itemsize = 4 if job.training.precision == "fp32" else 2
-        room_bytes = budgets.device_bytes - budgets.activation_bytes
-        chunk = dataclasses.replace(
-            chunk, max_size=max(1, room_bytes // (MOMENT_CHUNKS * itemsize))
-        )
-    return ChunkStageConfig(optimizer=job.optimizer, memory=memory, chunk=chunk,
+    return ChunkStageConfig(optimizer=job.optimizer, memory=memory, chunk=job.chunk,
                             precision=job.training.precision, device=str(device),
                             sharding=job.sharding)  # fmt: skip
 

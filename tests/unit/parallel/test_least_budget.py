@@ -130,8 +130,8 @@ def test_a_budget_error_says_to_what_to_lower_chunk_size() -> None:
 
 
 def test_a_ceiling_on_the_size_search_lowers_what_a_moment_holds() -> None:
-    """``chunk.max_size`` bounds the searched size (a plan's chunk stage sets it from its
-    budget): smaller chunks, fewer bytes a moment holds; with ``chunk.size`` it is refused."""
+    """``chunk.max_size`` bounds the searched size: smaller chunks, fewer bytes a moment holds;
+    with ``chunk.size`` it is refused."""
     searched = _engine(None, None)
     ceiling = searched.layout.chunk_size // 2
     bounded = ChunkEngine(build_gpt(TINY, seed=0),
