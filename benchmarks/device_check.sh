@@ -19,6 +19,7 @@ step() {  # step NAME SECONDS CMD...: run CMD with a limit, log to $OUT/NAME.log
 nvidia-smi -L | tee "$OUT/steps.txt"
 $py -c "import torch; print('torch', torch.__version__, torch.version.cuda, torch.cuda.get_device_name())" | tee -a "$OUT/steps.txt"
 step gpu_tests 90 $py -m pytest -q -rf -p no:cacheprovider tests/gpu
+step bench_gpu 480 $py -m tidal bench gpu --results-dir "$OUT"
 step bench_savers 300 $py -m tidal bench savers --results-dir "$OUT"
 step unit_tests 150 env OMP_NUM_THREADS=2 $py -m pytest -q -rf -p no:cacheprovider -n 12 --timeout 100 -m "not slow" \
   tests/unit

@@ -78,6 +78,8 @@ BENCHES: dict[str, tuple[str, str]] = {
                  "validation loss, delays.", "benchmarks.pipemare:tables"),
     "mpress": ("MPress savers (recompute, host swap, peer swap): the largest model each trains, "
                "predicted and trained on gloo ranks.", "benchmarks.mpress:tables"),
+    "gpu": ("Offload at GPU speed: tidal, FSDP2 CPU offload and DeepSpeed ZeRO-3 offload on a "
+            "model that needs offload under an emulated smaller GPU.", "benchmarks.gpu:tables"),
     "savers": ("MPress savers measured on the device against the memory model.",
                "benchmarks.savers:tables"),
 }  # fmt: skip

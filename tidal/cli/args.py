@@ -226,6 +226,7 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     _add_bench_compat(benches)
     _add_bench_make(benches)
     _add_bench_compose(benches)
+    _add_bench_gpu(benches)
     from benchmarks.plan_check import add_parser as add_plan_check
     from benchmarks.report import add_parser as add_report
 
@@ -381,6 +382,24 @@ def _add_bench_mpress(benches: argparse._SubParsersAction) -> None:
         "benchmarks/results/mpress-*.json.",
     )
     add_arguments(mpress)
+
+
+def _add_bench_gpu(benches: argparse._SubParsersAction) -> None:
+    from benchmarks.gpu import add_arguments
+
+    gpu = benches.add_parser(
+        "gpu",
+        help="offload at GPU speed: tidal, FSDP2 CPU offload and DeepSpeed ZeRO-3 offload on a "
+        "model that needs offload under an emulated smaller GPU",
+        description="A 3B-shaped GPT (on CUDA; --size tiny on a CPU) trained a few steps in "
+        "bf16 with every block recomputed under --device-budget (24GiB on CUDA, each system's "
+        "process held to it) by tidal's chunk engine, FSDP2 with CPUOffloadPolicy and DeepSpeed "
+        "ZeRO-3 offload (where it imports): tokens/s, TFLOPS, MFU, peak device and host bytes, "
+        "host-device bytes a step (tidal's counted beside its prediction), and with --largest "
+        "the deepest model each trains. About 8 minutes on one H100. Writes "
+        "benchmarks/results/gpu-*.json.",
+    )
+    add_arguments(gpu)
 
 
 def _add_bench_savers(benches: argparse._SubParsersAction) -> None:

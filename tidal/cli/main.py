@@ -391,6 +391,10 @@ def _bench(args: argparse.Namespace, console: Console) -> int:
         from benchmarks.compose import run as run_compose
 
         return run_compose(args, console)
+    if args.bench == "gpu":
+        from benchmarks.gpu import run as run_gpu
+
+        return run_gpu(args, console)
     if args.bench == "make":
         from benchmarks.make import run as run_make
 
