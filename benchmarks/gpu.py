@@ -2,9 +2,9 @@
 
 A model whose model data needs offload under a device budget that emulates a smaller GPU (the
 default on CUDA: a 3B-shaped GPT, 26 blocks of 3200 with a 8640-wide MLP and a 32000-token
-vocabulary, about 3.6e9 parameters, 57 GB of bf16 weights, fp32 masters and AdamW state, under
-``--device-budget 24GiB`` of an 80 GB part), trained a few steps in bf16 with every block
-recomputed by:
+vocabulary, about 2.7e9 parameters, 43 GB of bf16 weights, fp32 masters and AdamW state, twice
+the default ``--device-budget 20GiB`` of an 80 GB part; ``--size 7b``: 5.3e9, 85 GB), trained a
+few steps in bf16 with every block recomputed by:
 
 - ``tidal``: the chunk engine under ``memory.device_budget`` (a tenth of the budget kept back
   for the allocator's temporaries, which the store does not meter), its host optimizer and
@@ -88,8 +88,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the model's shape (3b on CUDA, tiny elsewhere)")  # fmt: skip
     parser.add_argument("--layers", type=int, default=None, help="blocks (the size's own)")
     parser.add_argument("--device-budget", default=None,
-                        help="the smaller GPU emulated (24GiB on CUDA; a third of the model data "
-                        "elsewhere)")  # fmt: skip
+                        help="the smaller GPU emulated (20GiB on CUDA, half the 3b model data; "
+                        "elsewhere a third of the model data)")  # fmt: skip
     parser.add_argument("--micro-batch", type=int, default=None,
                         help="sequences a step (4 on CUDA, 2 elsewhere)")  # fmt: skip
     parser.add_argument("--steps", type=int, default=5)
@@ -123,7 +123,7 @@ def _settings(args: argparse.Namespace) -> Settings:
     if args.device_budget is not None:
         budget = parse_bytes(args.device_budget, key="--device-budget")
     elif cuda:
-        budget = 24 * 2**30
+        budget = 20 * 2**30
     else:
         budget = _num_params(config) * MODEL_DATA_BYTES_PER_PARAM // 3
     assert budget is not None

@@ -392,7 +392,7 @@ def _add_bench_gpu(benches: argparse._SubParsersAction) -> None:
         help="offload at GPU speed: tidal, FSDP2 CPU offload and DeepSpeed ZeRO-3 offload on a "
         "model that needs offload under an emulated smaller GPU",
         description="A 3B-shaped GPT (on CUDA; --size tiny on a CPU) trained a few steps in "
-        "bf16 with every block recomputed under --device-budget (24GiB on CUDA, each system's "
+        "bf16 with every block recomputed under --device-budget (20GiB on CUDA, each system's "
         "process held to it) by tidal's chunk engine, FSDP2 with CPUOffloadPolicy and DeepSpeed "
         "ZeRO-3 offload (where it imports): tokens/s, TFLOPS, MFU, peak device and host bytes, "
         "host-device bytes a step (tidal's counted beside its prediction), and with --largest "
