@@ -154,6 +154,8 @@ def _cluster(figures: dict[str, float], world_size: int) -> Any:
 
 
 def _plan(model: Any, cluster: Any, settings: dict[str, Any], micro_batch: int) -> Any:
+    import torch
+
     from tidal.models.gpt import measure_gpt
     from tidal.planner import PlannerConfig, Recompute, make_plan
 
@@ -162,7 +164,9 @@ def _plan(model: Any, cluster: Any, settings: dict[str, Any], micro_batch: int) 
         settings["recompute"] = tuple(Recompute(m) for m in settings["recompute"])
     config = PlannerConfig(pareto=(), baselines=(), pipelines=settings.get("pp", 1) > 1,
                            **FP32, **settings)  # fmt: skip
-    return make_plan(measure_gpt(model, micro_batch=micro_batch), cluster, config).plan
+    # traced in fp32, as the ranks train: the activations' bytes are the run's
+    graph = measure_gpt(model, micro_batch=micro_batch, dtype=torch.float32)
+    return make_plan(graph, cluster, config).plan
 
 
 def bench_plan_check_ranks(args: argparse.Namespace) -> list[dict[str, Any]]:

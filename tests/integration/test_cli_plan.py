@@ -9,10 +9,13 @@ import shlex
 import warnings
 
 import pytest
+import torch
 
 from tidal.cli.args import build_parser
 from tidal.cli.main import main
 from tidal.cli.plan_command import how_to_train, train_argv
+from tidal.models import preset
+from tidal.models.gpt import measure_gpt
 from tidal.planner import Plan, Recompute
 from tidal.planner.plan import Layout, MemoryBreakdown, Offload, StrategyName, UnitChoice
 from tidal.train.job import load_job
@@ -385,3 +388,31 @@ def test_the_plan_near_megatrons_fastest_step_time(tmp_path) -> None:
         1 - near["peak_memory_bytes"] / mine["peak_memory_bytes"]
     )
     assert against["saving"] <= near["saving"] + 1e-12
+
+
+def test_plan_in_fp32_prices_fp32_and_its_command_trains_in_fp32(tmp_path, capsys) -> None:
+    """--precision fp32 traces the model in fp32 (activations twice bf16's), prices fp32 AdamW
+    (4 + 4 + 8 bytes a parameter), records it, and the command it prints trains in fp32."""
+    base = ["plan", "--model", "tiny", "--devices", "1", "--pareto", "", "--baselines", ""]
+    plans = {}
+    for precision in ("bf16", "fp32"):
+        path = tmp_path / f"{precision}.json"
+        assert main([*base, "--precision", precision, "--json", str(path)]) == 0
+        out = capsys.readouterr().out
+        (line,) = [x for x in out.splitlines() if x.startswith("train it:")]
+        assert ("training.precision=fp32" in line) == (precision == "fp32"), line
+        plans[precision] = Plan.load(path)
+    bf16, fp32 = plans["bf16"], plans["fp32"]
+    assert (bf16.activation_element_bytes, fp32.activation_element_bytes) == (2, 4)
+    # traced in fp32, the model's units save twice the bytes (the loss's fp32 logits aside)
+    graphs = {p: measure_gpt(preset("tiny"), dtype=d)
+              for p, d in (("bf16", torch.bfloat16), ("fp32", torch.float32))}  # fmt: skip
+    saved = {p: sum(u.saved_bytes * u.count for u in g.units) for p, g in graphs.items()}
+    assert 1.7 * saved["bf16"] < saved["fp32"] < 2 * saved["bf16"], saved
+    assert (graphs["bf16"].element_bytes, graphs["fp32"].element_bytes) == (2, 4)
+    # model data: fp32 AdamW's 16 bytes a parameter (4 + 4 + 8), bf16's (2 + 2 + 12) alike
+    data = {k: p.memory.params + p.memory.grads + p.memory.optimizer for k, p in plans.items()}
+    assert data["fp32"] == pytest.approx(data["bf16"], rel=0.01), data
+    with pytest.raises(SystemExit) as refused:  # argparse's choices: one line, exit 2
+        main([*base, "--precision", "fp16"])
+    assert refused.value.code == 2 and "--precision" in capsys.readouterr().err

@@ -125,6 +125,11 @@ def add_search_arguments(parser: argparse.ArgumentParser) -> None:
         "only, priced)",
     )  # fmt: skip
     parser.add_argument(
+        "--precision", default="bf16", choices=("bf16", "fp32"),
+        help="the run's: bf16 (default: bf16 weights and activations, fp32 masters and AdamW "
+        "state) or fp32 (every byte fp32, as a CPU run trains); the model is traced in it",
+    )  # fmt: skip
+    parser.add_argument(
         "--model-data", default="fsdp2", choices=("fsdp2", "auto", "chunks"),
         help="what holds each stage's model data: FSDP2's units (default), or tidal's chunks "
         "under the plan's byte budgets: auto, where a stage keeps model data off the device and "
@@ -181,7 +186,7 @@ def _graph(args: argparse.Namespace):
     spec = GPTSpec(config=dataclasses.replace(config, **overrides))
 
     def trace(micro_batch: int):  # noqa: ANN202
-        graph = spec.graph(micro_batch=micro_batch)
+        graph = spec.graph(micro_batch=micro_batch, dtype=_dtype(args))
         graph.name = args.model
         return graph
 
@@ -199,9 +204,21 @@ def _hf_graph(args: argparse.Namespace):
     spec = HFSpec(config=config)
 
     def trace(micro_batch: int):  # noqa: ANN202
-        return spec.graph(micro_batch=micro_batch)
+        return spec.graph(micro_batch=micro_batch, dtype=_dtype(args))
 
     return trace(args.micro_batch), False, spec.transformer_shape(), trace
+
+
+def _dtype(args: argparse.Namespace) -> Any:
+    """The dtype the model is traced in: ``--precision``'s (a ``torch.dtype``)."""
+    import torch
+
+    return torch.float32 if args.precision == "fp32" else torch.bfloat16
+
+
+# bytes a parameter's weight, gradient and optimizer state take in each --precision (AdamW)
+PRECISION_BYTES = {"bf16": {"param_bytes": 2, "grad_bytes": 2, "optimizer_bytes": 12},
+                   "fp32": {"param_bytes": 4, "grad_bytes": 4, "optimizer_bytes": 8}}  # fmt: skip
 
 
 def run_plan(args: argparse.Namespace, console: Console) -> int:
@@ -241,6 +258,9 @@ def run_plan(args: argparse.Namespace, console: Console) -> int:
         stage_splits=_names(args.stage_splits),
         micro_batches=_sizes(args.micro_batches, "--micro-batches"),
         model_data=args.model_data,  # [Note: chunk stages in plans] in planner/model_data.py
+        param_bytes=PRECISION_BYTES[args.precision]["param_bytes"],
+        grad_bytes=PRECISION_BYTES[args.precision]["grad_bytes"],
+        optimizer_bytes=PRECISION_BYTES[args.precision]["optimizer_bytes"],
     )
     result = make_plan(graph, cluster, config, progress=say, shape=shape, retrace=retrace)
     report = plan_report(result, cluster)

@@ -63,8 +63,10 @@ def train_argv(plan: Plan, *, plan_path: str, recipe: str, settings: list[str],
         settings = [*settings, f"training.batch_size={rows * m}", "training.grad_accum_steps=1"]
     else:
         settings = [*settings, f"training.batch_size={rows}", f"training.grad_accum_steps={m}"]
-    if plan.pipeline is not None and plan.pipeline.schedule == "pipemare":
-        settings = [*settings, "training.precision=fp32"]  # asynchronous schedules' only
+    # fp32: asynchronous schedules' only precision, or the one the plan was priced in
+    pipemare = plan.pipeline is not None and plan.pipeline.schedule == "pipemare"
+    if pipemare or plan.activation_element_bytes == 4:
+        settings = [*settings, "training.precision=fp32"]
     # the optimizer's state there ([Note: the optimizer on the host])
     if any(o.nvme for o in plan.offloads()):
         settings = [*settings, "memory.nvme_dir=NVME_DIR"]

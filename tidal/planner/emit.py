@@ -55,6 +55,7 @@ def to_plan(graph: ModelGraph, assignment: Assignment, costed: Costed, spec: Tra
         step_time_s=costed.step_time_s,
         edges=[(e.src, e.dst, e.count) for e in graph.edges],
         offload=assignment.offload,
+        activation_element_bytes=graph.element_bytes,
     )
 
 

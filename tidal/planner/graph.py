@@ -99,6 +99,9 @@ class ModelGraph:
     # by the stage before (stage_graph in pipelines.py); the units the block's input enters
     # then read what the caller hands, as an embedding reads the token ids
     handed: bool = False
+    # the bytes of an element of its floating activations (2: traced in bf16): what its saved
+    # and sent bytes assume, which a run in another precision scales
+    element_bytes: int = 2
 
     def unit(self, name: str) -> Unit:
         for unit in self.units:
@@ -221,6 +224,7 @@ def cluster_blocks(graph: ModelGraph) -> ModelGraph:
         blocks=blocks,
         shape_reads={m: tuple(sorted(v)) for m, v in reads.items()},
         tokens=graph.tokens,
+        element_bytes=graph.element_bytes,
     )
 
 

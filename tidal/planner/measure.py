@@ -401,8 +401,10 @@ def measure(
     kept = {u.name for u in units}
     reads = {m: tuple(sorted(v & kept)) for m, v in tracer.shape_reads.items() if v & kept}
     tokens = not tensors or (tensors[0].dim() == 2 and not tensors[0].is_floating_point())
+    floating = [p.dtype.itemsize for p in model.parameters() if p.is_floating_point()]
     graph = ModelGraph(name=name, units=units, edges=edges, micro_batch=batch, seq_len=seq,
-                       shape_reads=reads, tokens=tokens)  # fmt: skip
+                       shape_reads=reads, tokens=tokens,
+                       element_bytes=floating[0] if floating else 2)  # fmt: skip
     return cluster_blocks(graph)
 
 

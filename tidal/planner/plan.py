@@ -394,6 +394,9 @@ class Plan:
     # the model data in tidal's chunks under these budgets, not FSDP2's units ([Note: chunk
     # stages in plans] in model_data.py); a pipeline's stages each their own (rank_chunks)
     chunks: ChunkBudgets | None = None
+    # the bytes of an activation's element its model was traced with (2: bf16), which its
+    # activation figures assume: a run in fp32 holds twice them (plan_stage warns)
+    activation_element_bytes: int = 2
 
     @property
     def pp(self) -> int:
@@ -462,7 +465,8 @@ class Plan:
                     num_microbatches=self.num_microbatches, units=units,
                     recompute=dict(choices.recompute), memory=choices.memory,
                     step_time_s=choices.step_time_s,
-                    offload=choices.offload, chunks=choices.chunks)  # fmt: skip
+                    offload=choices.offload, chunks=choices.chunks,
+                    activation_element_bytes=self.activation_element_bytes)  # fmt: skip
 
     def unit(self, name: str) -> UnitChoice:
         for unit in self.units:
@@ -488,6 +492,7 @@ class Plan:
             "offload": self.offload.to_dict(),
             "chunks": None if self.chunks is None else self.chunks.to_dict(),
             "pipeline": None if self.pipeline is None else self.pipeline.to_dict(),
+            "activation_element_bytes": self.activation_element_bytes,
         }
 
     @classmethod
@@ -513,6 +518,7 @@ class Plan:
             edges=[(str(a), str(b), int(n)) for a, b, n in data.get("edges", [])],
             offload=Offload.from_json(data.get("offload")),
             chunks=ChunkBudgets.from_json(data.get("chunks")),
+            activation_element_bytes=int(data.get("activation_element_bytes", 2)),
             pipeline=None
             if data.get("pipeline") is None
             else PipelineLayout.from_dict(data["pipeline"]),

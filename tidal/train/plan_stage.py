@@ -236,6 +236,18 @@ def planned_stage(job: JobConfig, plan: Plan, *, device: torch.device, mesh: Dev
 
 
 def _warn_on_micro_batch(job: JobConfig, plan: Plan) -> None:
+    """The plan's memory figures are for its micro-batch and its activations' precision: a run
+    of others holds other bytes (a chunk stage's activations then go over their share)."""
+    element_bytes = 4 if job.training.precision == "fp32" else 2
+    if rank() == 0 and element_bytes != plan.activation_element_bytes:
+        logger.warning(
+            "the plan was priced for %d-byte activations; this run trains in %s, so its "
+            "activations hold about %.3gx the plan's bytes: make the plan with `tidal plan "
+            "--precision %s`",
+            plan.activation_element_bytes, job.training.precision,
+            element_bytes / plan.activation_element_bytes,
+            "fp32" if element_bytes == 4 else "bf16",
+        )  # fmt: skip
     rows = job.training.batch_size // plan.dp // job.num_microbatches
     if rank() == 0 and rows != plan.micro_batch:
         logger.warning(
