@@ -34,7 +34,12 @@ where a model's modules are small against the chunks the job's ``chunk.size`` or
 ``chunk.max_size`` must come down, as the store's error at the first iteration says. Bounding
 the size from the budget was tried and left: at half the chunks' room the tiny GPT's store
 peaked at 84% of its predicted peak, and at a third 26% of the demo GPT's chunks were padding.
-The same bytes are priced either way: the store keeps on the device what
+A rank of an interleaved plan holds ``v`` model chunks, each a chunk store of its own, and each
+store takes the rank's whole budget, so the rank's peak is bounded by its stores' sum, not by
+the budget (measured on the demo GPT, v = 2: 35.6 and 35.0 MiB against the rank's 67.1). An even
+split was not taken: it leaves each store half of one unit's transient, less than a moment's
+chunks; one device tier shared by the rank's stores is the fix. The same bytes are priced
+either way: the store keeps on the device what
 the budget lets it, which is what the fractions leave there, at a chunk's granularity instead
 of a group's. So the choice does not move the search's figures, and :func:`with_model_data`
 makes it after the search, per kind of stage:

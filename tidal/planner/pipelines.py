@@ -12,7 +12,10 @@ the ILP of its own graph ([Note: the ILP] in ilp.py) with two figures of the sch
 - ``in_flight``, the micro-batches whose activations a rank holds at once: under 1F1B ``min(p,
   m)`` on the first stage and 1 on the last; interleaved, rank 0 warms up with ``2 (p - 1) + (v
   - 1) p + 1`` chunk micro-batches of ``k / v`` blocks, that is ``p + (p - 1) / v`` of its ``k``
-  blocks (Megatron's ``1 + (p - 1) / (p v)`` penalty), and the last rank ``p - (p - 1) / v``;
+  blocks (Megatron's ``1 + (p - 1) / (p v)`` penalty), and the last rank ``p - (p - 1) / v``,
+  each at most ``m``: the warm-up stops at the step's ``m v`` chunk micro-batches (with ``m =
+  p = v = 2`` rank 0 holds 2, not 2.5: measured on the chunk stores' meters, which priced
+  2.5 over-predicted its activations by 25%);
 - ``time_slots``, how often a micro-batch's work lies on the step's critical path: ``m + (p - 1)
   / v`` (the bubble), where ``m`` micro-batches would be ``m``.
 
@@ -375,7 +378,7 @@ def _in_flight(p: int, v: int, m: int) -> tuple[float, float, float]:
     """(first, last, second) stage's micro-batches in flight; see [Note: pipeline stages]."""
     if v == 1:
         return float(min(p, m)), 1.0, float(min(p - 1, m))
-    return p + (p - 1) / v, p - (p - 1) / v, p + (p - 3) / v
+    return min(p + (p - 1) / v, m), min(p - (p - 1) / v, m), min(p + (p - 3) / v, m)
 
 
 def _send_s(graph: ModelGraph, mesh: Mesh, pp: int, vp: int, slots: float,

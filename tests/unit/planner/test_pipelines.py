@@ -212,3 +212,39 @@ def test_pipemare_never_drains_and_holds_a_weight_copy_more(
     assert "PipeMare" in pipemare.plan(pipemare.fastest).describe()
     with pytest.raises(ConfigError, match="schedules: unknown"):
         PlannerConfig(schedules=("gpipe",))
+
+
+def test_micro_batches_in_flight_are_what_the_schedule_holds() -> None:
+    """Each option's first and last stage hold, in the planner, the most micro-batches' worth of
+    blocks the generated schedule has on rank 0 and rank p - 1 at once (forwards less backwards
+    at its worst, a model chunk counting 1 / v): interleaved with m = p caps at m (priced at
+    p + (p - 1) / v before, 25% over on the demo GPT's chunk stages)."""
+    from tidal.pipeline.ir import Kind
+    from tidal.pipeline.schedules import interleaved_1f1b, one_f_one_b
+
+    graph = measure_gpt(dataclasses.replace(PRESETS["tiny"], num_layers=12), micro_batch=1)
+    cluster = ClusterSpec(devices=4)
+    checked = 0
+    options = [o for batch in (4, 8, 48)  # m = p, 2p and more
+               for o in pipeline_options(graph, cluster, global_batch=batch, base=TrainingSpec(),
+                                         meshes=lambda stage: [Mesh(dp=stage.devices, tp=1)])]  # fmt: skip
+    assert any(o.schedule == "interleaved" and o.num_microbatches == o.pp for o in options)
+    for option in options:
+        p, v, m = option.pp, option.vp, option.num_microbatches
+        if option.schedule == "interleaved":
+            programs = interleaved_1f1b(stages=p, microbatches=m, virtual=v).programs
+        elif option.schedule == "1f1b":
+            programs = one_f_one_b(stages=p, microbatches=m).programs
+        else:
+            continue
+        held = []
+        for program in (programs[0], programs[p - 1]):
+            live = most = 0
+            for action in program:
+                live += (action.kind is Kind.FORWARD) - (action.kind is Kind.BACKWARD)
+                most = max(most, live)
+            held.append(most / v)
+        first, last = option.specs[0].in_flight, option.specs[1].in_flight
+        assert (first, last) == pytest.approx(tuple(held)), (option.schedule, p, v, m, held)
+        checked += 1
+    assert checked >= 6
