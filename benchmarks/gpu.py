@@ -38,19 +38,17 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import multiprocessing
 import os
 import statistics
 import time
 from collections.abc import Callable
-from concurrent.futures import ProcessPoolExecutor
-from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 from typing import Any
 
 import torch
 from rich.console import Console
 
+from benchmarks.offload import in_own_process
 from benchmarks.tables import ResultTable
 from tidal.config import ConfigError, format_bytes, parse_bytes
 from tidal.models.gpt import GPTConfig
@@ -186,7 +184,7 @@ def bench_gpu(settings: Settings, *, systems: tuple[str, ...], largest: bool = F
             "micro_batch": settings.micro_batch,
             "device_budget_bytes": settings.device_budget_bytes,
             "model_data_bytes": _num_params(settings.config) * MODEL_DATA_BYTES_PER_PARAM}  # fmt: skip
-    rows = [{"section": "train", "system": s, **base, **_isolated(_train, s, settings)}
+    rows = [{"section": "train", "system": s, **base, **in_own_process(_train, s, settings)}
             for s in systems]  # fmt: skip
     if not largest:
         return rows
@@ -238,7 +236,7 @@ def _largest(system: str, settings: Settings, time_s: float) -> dict[str, Any]:
             return False
         config = dataclasses.replace(settings.config, num_layers=layers)
         one = dataclasses.replace(settings, config=config, steps=1, warmup_steps=0)
-        out = _isolated(_train, system, one)
+        out = in_own_process(_train, system, one)
         if "error" in out:
             errors[layers] = out["error"]
         return "error" not in out
@@ -248,15 +246,6 @@ def _largest(system: str, settings: Settings, time_s: float) -> dict[str, Any]:
     return {"largest_layers": layers, "largest_params": _num_params(config) if layers else 0,
             "depths_tried": tried, "host_limit_layers": limit,
             "first_failure": min(errors.items(), default=None)}  # fmt: skip
-
-
-def _isolated(fn: Callable[..., dict[str, Any]], *args: Any) -> dict[str, Any]:
-    context = multiprocessing.get_context("spawn")
-    try:
-        with ProcessPoolExecutor(max_workers=1, mp_context=context) as pool:
-            return pool.submit(fn, *args).result()
-    except BrokenProcessPool as err:
-        return {"error": f"the system's process died (out of host memory?): {err}"}
 
 
 # -- one system, in its own process ---------------------------------------------------------
