@@ -336,6 +336,7 @@ def _fsdp2(settings: Settings, device: torch.device, job: Any) -> tuple[Any, Any
 
     from benchmarks.dp_systems import init_fsdp2_shards
     from tidal.models.gpt import build_gpt
+    from tidal.parallel.reference import build_optimizer
 
     model = build_gpt(settings.config, device="meta")
     _recompute_blocks(model)
@@ -350,9 +351,9 @@ def _fsdp2(settings: Settings, device: torch.device, job: Any) -> tuple[Any, Any
     fully_shard(model, **kwargs)
     model.to_empty(device="cpu")
     init_fsdp2_shards(model, SEED)
-    opt = job.optimizer
-    optimizer = torch.optim.AdamW(model.parameters(), lr=opt.lr, betas=(opt.beta1, opt.beta2),
-                                  eps=opt.eps, weight_decay=opt.weight_decay)  # fmt: skip
+    # the optimizer tidal's reference engine and bench dp's FSDP2 build: torch's fused AdamW
+    # where the parameters' device has it (the host's shards here), decay on matrices only
+    optimizer = build_optimizer(model, job.optimizer, job.optimizer.lr)
     return _Fsdp2Step(model, optimizer), model
 
 
